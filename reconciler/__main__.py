@@ -1,0 +1,5 @@
+import sys
+
+from reconciler.cli import main
+
+sys.exit(main())

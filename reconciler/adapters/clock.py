@@ -1,0 +1,6 @@
+import time
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()

@@ -1,0 +1,34 @@
+"""Options and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from reconciler.desired import DesiredStateError, load_desired
+from reconciler.model import DesiredState
+
+DEFAULT_DESIRED = "/var/lib/fabric/desired"
+
+
+def add_desired(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--desired",
+        metavar="DIR",
+        type=Path,
+        default=Path(os.environ.get("FABRIC_DESIRED", DEFAULT_DESIRED)),
+        help="desired-state directory holding fabric.toml and the host files "
+        f"(default: $FABRIC_DESIRED or {DEFAULT_DESIRED})",
+    )
+
+
+def load_or_report(directory: Path) -> DesiredState | None:
+    """The desired state, or None after printing every problem to stderr."""
+    try:
+        return load_desired(directory)
+    except DesiredStateError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return None

@@ -1,0 +1,41 @@
+# Shared by scripts/demo and scripts/test: a project virtual environment with
+# the package installed, and (as root) the Debian packages the real-component
+# tests and the demo use. Sourced, not run.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FABRIC_VENV:-$ROOT/.venv}"
+
+# Debian packages: nft, socat, caddy, etcd, systemd-nspawn/dbus for systemd as
+# PID 1 in a container, iproute2 for namespaces, nix for evaluating the module.
+DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin)
+
+install_debian_packages() {
+  local missing=()
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "not root: cannot install ${missing[*]}; tests needing them will fail under CI=true" >&2
+    return 0
+  fi
+  echo "==> apt-get install ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+}
+
+ensure_venv() {
+  local extras="$1"
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV" >&2
+    python3 -m venv "$VENV"
+  fi
+  # Reinstall only when pyproject.toml changed since the last install.
+  local stamp="$VENV/.fabric-installed-$extras"
+  if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+    echo "==> pip install -e .[$extras]" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" >&2
+    touch "$stamp"
+  fi
+}
