@@ -48,3 +48,70 @@ class CommandRunner(Protocol):
     def run(self, argv: Sequence[str], *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
         """Run argv (never through a shell); never raises for a failing command."""
         ...
+
+
+# --------------------------------------------------------------------------
+# Activation (render, plan and apply). Each method raises ActivationError on
+# failure, with the program's own words; `apply` turns that into a rollback.
+
+
+class ActivationError(Exception):
+    """An activation or validation step failed; the message says which and why."""
+
+
+class Systemd(Protocol):
+    """systemd's Manager over D-Bus. Unit names are full (`fabric-agent-x.service`)."""
+
+    def daemon_reload(self) -> None: ...
+
+    def start(self, unit: str) -> None:
+        """Start and wait for the job to finish and the unit to settle."""
+        ...
+
+    def stop(self, unit: str) -> None: ...
+
+    def restart(self, unit: str) -> None: ...
+
+    def reload(self, unit: str) -> None: ...
+
+    def active_state(self, unit: str) -> str:
+        """'active', 'inactive', 'failed', ... ('inactive' for an unknown unit)."""
+        ...
+
+
+class Nftables(Protocol):
+    """The table `inet fabric` only; never the whole ruleset."""
+
+    def check(self, ruleset: str) -> None:
+        """`nft -c -f`: raise ActivationError if the ruleset would not load."""
+        ...
+
+    def apply(self, ruleset: str) -> None:
+        """Load the ruleset as one atomic transaction (`nft -f`)."""
+        ...
+
+
+class Caddy(Protocol):
+    def validate(self, caddyfile: str) -> None:
+        """`caddy validate` of the complete config that will be loaded."""
+        ...
+
+    def load(self, caddyfile: str) -> None:
+        """Hand the config to the running Caddy (admin API); keep the old one on rejection."""
+        ...
+
+
+class UnitVerifier(Protocol):
+    def verify(self, unit_paths: Sequence[str]) -> None:
+        """`systemd-analyze verify` the rendered units; raise ActivationError on a problem."""
+        ...
+
+
+class Audit(Protocol):
+    def record(self, action: str, outcome: str, **fields: str) -> None:
+        """One audit entry: the journal (SYSLOG_IDENTIFIER=fabric-reconcile) or JSON on stderr."""
+        ...
+
+
+# --------------------------------------------------------------------------
+# Registry (live state): see reconciler.registry for the Protocol and backends.
