@@ -56,15 +56,29 @@ class DesiredStateError(Exception):
 
 
 def _format_loc(loc: Iterable[Any]) -> str:
+    """('services', 0, 'route', 'host') -> 'services[0].route.host'.
+
+    Keys that are not bare TOML keys (label keys with dots and slashes) are
+    quoted as TOML would: labels."topology.researchstack.io/role".
+    """
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif out:
-            out += f".{part}"
-        else:
-            out = str(part)
+            continue
+        key = str(part)
+        if not key.replace("_", "").replace("-", "").isalnum():
+            key = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        out = f"{out}.{key}" if out else key
     return out or "(top level)"
+
+
+_BOUNDS = {
+    "greater_than_equal": ("ge", "at least"),
+    "less_than_equal": ("le", "at most"),
+    "greater_than": ("gt", "greater than"),
+    "less_than": ("lt", "less than"),
+}
 
 
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -118,6 +132,9 @@ def _problems_from_validation(file: str, model: type[BaseModel], exc: Validation
             reason = err["msg"]
             if reason.startswith("Value error, "):
                 reason = reason[len("Value error, ") :]
+            elif kind in _BOUNDS:
+                key, words = _BOUNDS[kind]
+                reason = f"{err['input']!r} is out of range: must be {words} {err['ctx'][key]}"
             elif kind == "literal_error":
                 reason = f"{err.get('input')!r} is not one of {err['ctx']['expected']}"
             elif "input" in err and kind.endswith("_type"):
@@ -183,20 +200,25 @@ def load_desired(
 
     hosts: dict[str, HostConfig] = {}
     host_sources: dict[str, str] = {}
+    # Hosts whose file is broken still count as declared, so one bad host file
+    # does not also produce "not a declared host" for every reference to it.
+    broken_hosts: set[str] = set()
     for path in host_files(directory):
         name = str(path)
         try:
             text = read_text(path)
         except OSError as exc:
             problems.append(Problem(name, "(file)", f"cannot read: {exc.strerror or exc}"))
+            broken_hosts.add(path.stem)
             continue
         data, errs = _parse_toml(name, text)
         problems += errs
-        if data is None:
-            continue
-        host, errs = _validate(name, HostConfig, data)
-        problems += errs
+        host = None
+        if data is not None:
+            host, errs = _validate(name, HostConfig, data)
+            problems += errs
         if host is None:
+            broken_hosts.add(path.stem)
             continue
         if host.host.name != path.stem:
             problems.append(Problem(name, "host.name", f"{host.host.name!r} does not match the file name {path.stem!r}"))
@@ -208,7 +230,7 @@ def load_desired(
         host_sources[host.host.name] = name
 
     if fleet is not None:
-        problems += fleet_rules(fleet_name, fleet, hosts, host_sources)
+        problems += fleet_rules(fleet_name, fleet, hosts, host_sources, broken_hosts)
     if problems:
         raise DesiredStateError(problems)
     assert fleet is not None
@@ -238,11 +260,16 @@ def fleet_rules(
     fleet: FleetConfig,
     hosts: dict[str, HostConfig],
     host_sources: dict[str, str],
+    broken_hosts: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> list[Problem]:
     problems: list[Problem] = []
     known_hosts = sorted(hosts)
+    # Rules about roles need every host file; with a broken one they would guess.
+    all_hosts_loaded = not broken_hosts
 
     def unknown_host(path: str, name: str) -> None:
+        if name in broken_hosts:
+            return
         close = difflib.get_close_matches(name, known_hosts, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f" (hosts: {', '.join(known_hosts) or 'none'})"
         problems.append(Problem(file, path, f"{name!r} is not a declared host{hint}"))
@@ -273,7 +300,7 @@ def fleet_rules(
                     )
                 )
     if any(b.kind == "local" for b in backends) or not backends:
-        if not any("control" in h.host.roles for h in hosts.values()) and hosts:
+        if all_hosts_loaded and hosts and not any("control" in h.host.roles for h in hosts.values()):
             problems.append(Problem(file, "backends", "the local lane runs on the control host, and no host has the 'control' role"))
 
     # Services.
@@ -289,7 +316,7 @@ def fleet_rules(
     for i, s in enumerate(services):
         if s.route is not None and s.route.host == status_host:
             problems.append(Problem(file, f"services[{i}].route.host", f"{status_host!r} is reserved for the fabric's status page"))
-    if any(s.route for s in services) and hosts and not any("edge" in h.host.roles for h in hosts.values()):
+    if all_hosts_loaded and hosts and any(s.route for s in services) and not any("edge" in h.host.roles for h in hosts.values()):
         problems.append(Problem(file, "services", "services have routes but no host has the 'edge' role"))
 
     # Port maps.
