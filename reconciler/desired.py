@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,7 +260,7 @@ def fleet_rules(
     fleet: FleetConfig,
     hosts: dict[str, HostConfig],
     host_sources: dict[str, str],
-    broken_hosts: set[str] = frozenset(),  # type: ignore[assignment]
+    broken_hosts: Collection[str] = (),
 ) -> list[Problem]:
     problems: list[Problem] = []
     known_hosts = sorted(hosts)
