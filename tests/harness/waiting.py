@@ -1,0 +1,25 @@
+"""Waiting for an outside program to reach a state (never a fixed sleep)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Call `probe` until it returns something truthy and return that; fail after `timeout`.
+
+    The timeout only bounds a broken run: tests assert on what `probe` saw,
+    never on how long it took.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last value {value!r})")
+        time.sleep(interval)

@@ -1,0 +1,187 @@
+"""SystemdDbus against a real systemd running as PID 1 in a container.
+
+One container serves the whole module; each test uses its own unit names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from reconciler.adapters.systemd_dbus import SystemdDbus
+from reconciler.ports import ActivationError
+from tests.conftest import require, require_root
+from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.harness.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+UNIT_DIR = "/etc/systemd/system"
+
+# A long-running service that survives SIGHUP and counts the HUPs it got, so a
+# test can tell a reload (same process, one more HUP) from a restart (new PID).
+# It writes "PID COUNT" once its handler is in place: only then is a HUP safe.
+HUP_COUNTER = """\
+import os, pathlib, signal, sys, time
+count_file = pathlib.Path(sys.argv[1])
+hups = 0
+def on_hup(signum, frame):
+    global hups
+    hups += 1
+    count_file.write_text(f"{os.getpid()} {hups}")
+signal.signal(signal.SIGHUP, on_hup)
+count_file.write_text(f"{os.getpid()} 0")
+while True:
+    time.sleep(3600)
+"""
+
+
+@pytest.fixture(scope="module")
+def container() -> Iterator[SystemdContainer]:
+    require_root()
+    require("unshare", "nsenter", "chroot", "python3")
+    with systemd_container() as booted:
+        booted.write_file("/opt/fabric-test/hup_counter.py", HUP_COUNTER)
+        yield booted
+
+
+@pytest.fixture
+def systemd(container: SystemdContainer) -> Iterator[SystemdDbus]:
+    with SystemdDbus(container.bus_address) as adapter:
+        yield adapter
+
+
+def install_unit(container: SystemdContainer, systemd: SystemdDbus, name: str, text: str) -> None:
+    container.write_file(f"{UNIT_DIR}/{name}", text)
+    systemd.daemon_reload()
+
+
+def counter(container: SystemdContainer, count_file: str) -> str:
+    path = container.host_path(count_file)
+    return path.read_text() if path.exists() else ""
+
+
+def hup_counter_unit(count_file: str) -> str:
+    return f"""\
+[Service]
+ExecStart=/usr/bin/python3 /opt/fabric-test/hup_counter.py {count_file}
+ExecReload=/bin/kill -HUP $MAINPID
+"""
+
+
+def test_start_restart_reload_stop_through_dbus(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-lifecycle.service"
+    count_file = "/run/lifecycle-hups"
+    install_unit(container, systemd, unit, hup_counter_unit(count_file))
+
+    systemd.start(unit)
+    started = systemd.unit_properties(unit)
+    assert started["ActiveState"] == "active"
+    assert started["MainPID"] > 0
+    wait_until(lambda: counter(container, count_file) == f"{started['MainPID']} 0", what="the service to be ready")
+
+    systemd.restart(unit)
+    restarted = systemd.unit_properties(unit)
+    assert restarted["ActiveState"] == "active"
+    assert restarted["MainPID"] not in (0, started["MainPID"])
+    wait_until(lambda: counter(container, count_file) == f"{restarted['MainPID']} 0", what="the restarted service to be ready")
+
+    systemd.reload(unit)
+    reloaded = systemd.unit_properties(unit)
+    assert reloaded["ActiveState"] == "active"
+    assert reloaded["MainPID"] == restarted["MainPID"]
+    wait_until(lambda: counter(container, count_file) == f"{restarted['MainPID']} 1", what="the service to count the reload's SIGHUP")
+
+    systemd.stop(unit)
+    assert systemd.active_state(unit) == "inactive"
+    # systemd's own view agrees with what the adapter reported.
+    assert container.systemctl("is-active", unit).stdout.strip() == "inactive"
+
+
+def test_daemon_reload_makes_a_changed_unit_file_take_effect(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-edited.service"
+    install_unit(container, systemd, unit, "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sh -c 'echo first > /run/edited'\n")
+    systemd.start(unit)
+    assert container.read_file("/run/edited") == "first\n"
+
+    install_unit(container, systemd, unit, "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sh -c 'echo second > /run/edited'\n")
+    systemd.restart(unit)
+    assert container.read_file("/run/edited") == "second\n"
+    systemd.stop(unit)
+
+
+def test_oneshot_that_exits_is_a_success(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-oneshot.service"
+    install_unit(container, systemd, unit, "[Service]\nType=oneshot\nExecStart=/bin/true\n")
+    systemd.start(unit)
+    assert systemd.active_state(unit) == "inactive"
+    assert systemd.unit_properties(unit)["Result"] in ("success", "")
+
+
+def test_unit_that_fails_to_start_raises_with_unit_and_result(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-fails.service"
+    install_unit(container, systemd, unit, "[Service]\nType=oneshot\nExecStart=/bin/sh -c 'exit 3'\n")
+    with pytest.raises(ActivationError) as failure:
+        systemd.start(unit)
+    message = str(failure.value)
+    assert unit in message
+    assert "job failed" in message
+    assert "exit-code" in message
+    assert "exit status 3" in message
+    assert systemd.active_state(unit) == "failed"
+
+
+def test_missing_program_fails_the_start(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-noexec.service"
+    install_unit(container, systemd, unit, "[Service]\nType=exec\nExecStart=/nonexistent/fabric-agent\n")
+    with pytest.raises(ActivationError, match=r"fabric-test-noexec\.service.*result exit-code"):
+        systemd.start(unit)
+
+
+def test_simple_service_that_dies_at_once_fails_within_the_startup_grace(container: SystemdContainer) -> None:
+    unit = "fabric-test-crashes.service"
+    # Restart= keeps it cycling, as an agent unit would: the grace period sees the
+    # restart even when it never catches the unit in "failed".
+    container.write_file(f"{UNIT_DIR}/{unit}", "[Service]\nExecStart=/bin/sh -c 'exit 7'\nRestart=on-failure\nRestartSec=100ms\n")
+    with SystemdDbus(container.bus_address, startup_grace=2.0) as watchful:
+        watchful.daemon_reload()
+        with pytest.raises(ActivationError, match=r"fabric-test-crashes\.service: unit did not stay up"):
+            watchful.start(unit)
+        watchful.stop(unit)
+
+
+def test_service_that_stays_up_passes_the_startup_grace(container: SystemdContainer) -> None:
+    unit = "fabric-test-steady.service"
+    container.write_file(f"{UNIT_DIR}/{unit}", "[Service]\nExecStart=/bin/sleep infinity\nRestart=on-failure\n")
+    with SystemdDbus(container.bus_address, startup_grace=0.5) as watchful:
+        watchful.daemon_reload()
+        watchful.start(unit)
+        assert watchful.active_state(unit) == "active"
+        watchful.stop(unit)
+
+
+def test_unknown_unit(systemd: SystemdDbus) -> None:
+    with pytest.raises(ActivationError, match=r"start fabric-test-absent\.service: Unit fabric-test-absent\.service not found"):
+        systemd.start("fabric-test-absent.service")
+    systemd.stop("fabric-test-absent.service")  # nothing to stop is not an error
+    assert systemd.active_state("fabric-test-absent.service") == "inactive"
+
+
+def test_reload_of_a_unit_without_exec_reload_is_refused(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    unit = "fabric-test-noreload.service"
+    install_unit(container, systemd, unit, "[Service]\nExecStart=/bin/sleep infinity\n")
+    systemd.start(unit)
+    with pytest.raises(ActivationError, match=r"reload fabric-test-noreload\.service"):
+        systemd.reload(unit)
+    assert systemd.active_state(unit) == "active"  # a refused reload leaves it running
+    systemd.stop(unit)
+
+
+def test_unreachable_bus_raises_activation_error(tmp_path) -> None:
+    adapter = SystemdDbus(f"unix:path={tmp_path}/no-such-socket")
+    try:
+        with pytest.raises(ActivationError, match="cannot connect to systemd"):
+            adapter.daemon_reload()
+    finally:
+        adapter.close()
