@@ -107,6 +107,10 @@ class FleetPlan(_Live):
     placements: list[Placement] = []
     deferred: list[Deferred] = []
     lanes: list[LaneView] = []
+    # Nodes of the snapshot that are not declared hosts of the desired state:
+    # never given work (a registry writer cannot add a target), listed so an
+    # operator sees them.
+    ignored_nodes: list[str] = []
 
     def services_on(self, node: str) -> list[Placement]:
         return [p for p in self.placements if p.node == node]
