@@ -1,0 +1,185 @@
+"""NftCommand with the real nft inside a network namespace, checked with real traffic.
+
+Two namespaces joined by a veth: `client` 10.250.1.1 and `server` 10.250.1.2.
+The server runs TCP listeners on 8080 and 8081; the table `inet fabric` is
+loaded in the server's namespace and connections from the client show what it
+lets through, drops or forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from reconciler.adapters.commands import SubprocessRunner
+from reconciler.adapters.nftables import NftCommand
+from reconciler.ports import ActivationError
+from tests.conftest import require, require_root
+from tests.harness.netns import Namespace, network_lab, tcp_probe
+
+pytestmark = pytest.mark.integration
+
+SERVER_ADDRESS = "10.250.1.2"
+
+# Shaped like the rendered fabric table: accept the fabric's ports from the
+# fabric's own network (here the test subnet stands in for the tailnet), and a
+# declared port forward 9090 -> 8080.
+FABRIC_ALLOWS_8080 = """\
+table inet fabric {
+	chain input {
+		type filter hook input priority filter; policy drop;
+		ct state established,related accept
+		iifname "lo" accept
+		ip saddr 10.250.1.0/24 tcp dport 8080 accept
+	}
+
+	chain prerouting {
+		type nat hook prerouting priority dstnat; policy accept;
+		tcp dport 9090 redirect to :8080
+	}
+}
+"""
+
+FABRIC_ALLOWS_8081 = FABRIC_ALLOWS_8080.replace("tcp dport 8080 accept", "tcp dport 8081 accept")
+
+# A typo ("acept"): nft refuses to parse it.
+FABRIC_BROKEN = FABRIC_ALLOWS_8080.replace("tcp dport 8080 accept", "tcp dport 8080 acept")
+
+# Somebody else's table that must survive every fabric load.
+OTHER_TABLE = """\
+table ip other {
+	set keep {
+		type ipv4_addr
+		elements = { 10.250.9.9 }
+	}
+}
+"""
+
+
+@dataclass
+class Topology:
+    client: Namespace
+    server: Namespace
+    nft: NftCommand
+
+    def fabric_table(self) -> str:
+        return self.server.check("nft", "list", "table", "inet", "fabric")
+
+    def other_table(self) -> str:
+        return self.server.check("nft", "list", "table", "ip", "other")
+
+    def probe(self, port: int) -> str:
+        return tcp_probe(self.client, SERVER_ADDRESS, port)
+
+
+@pytest.fixture
+def topology() -> Iterator[Topology]:
+    require_root()
+    require("ip", "nft", "socat", "python3", "ss")
+    with network_lab() as lab:
+        client, server = lab.namespace("client"), lab.namespace("server")
+        lab.link(client, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
+        for port in (8080, 8081):
+            server.spawn("socat", f"TCP-LISTEN:{port},fork,reuseaddr", "EXEC:/bin/cat")
+        for port in (8080, 8081):
+            server.wait_listening(port)
+        server.check("nft", "-f", "-", input=OTHER_TABLE)
+        yield Topology(client, server, NftCommand(SubprocessRunner(), prefix=server.exec_prefix))
+
+
+def test_ruleset_lets_through_drops_and_forwards_as_declared(topology: Topology) -> None:
+    # Without the table both listeners answer: any later timeout is the ruleset's doing.
+    assert topology.probe(8080) == "connected"
+    assert topology.probe(8081) == "connected"
+
+    topology.nft.check(FABRIC_ALLOWS_8080)
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+
+    assert topology.probe(8080) == "connected"
+    assert topology.probe(8081) == "timeout"  # dropped by policy
+    assert topology.probe(9090) == "connected"  # the port forward to 8080
+
+
+def test_loading_replaces_the_table_rather_than_adding_to_it(topology: Topology) -> None:
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    topology.nft.apply(FABRIC_ALLOWS_8081)
+
+    assert topology.probe(8081) == "connected"
+    assert topology.probe(8080) == "timeout"  # the old accept rule is gone
+    assert "dport 8080 accept" not in topology.fabric_table()
+
+
+def test_reapplying_the_same_ruleset_changes_nothing(topology: Topology) -> None:
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    first = topology.fabric_table()
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+
+    assert topology.fabric_table() == first
+    assert first.count("tcp dport 8080 accept") == 1
+    assert topology.probe(8080) == "connected"
+
+
+def test_broken_ruleset_is_rejected_and_the_previous_table_stays_in_force(topology: Topology) -> None:
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    before = topology.fabric_table()
+
+    with pytest.raises(ActivationError) as rejected_check:
+        topology.nft.check(FABRIC_BROKEN)
+    assert "acept" in str(rejected_check.value)  # nft's own words, pointing at the typo
+    with pytest.raises(ActivationError):
+        topology.nft.apply(FABRIC_BROKEN)
+
+    assert topology.fabric_table() == before
+    assert topology.probe(8080) == "connected"
+    assert topology.probe(8081) == "timeout"
+
+
+def test_other_tables_in_the_namespace_are_untouched(topology: Topology) -> None:
+    other_before = topology.other_table()
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    topology.nft.apply(FABRIC_ALLOWS_8081)
+    with pytest.raises(ActivationError):
+        topology.nft.apply(FABRIC_BROKEN)
+
+    assert topology.other_table() == other_before
+    tables = topology.server.check("nft", "list", "tables").split("\n")
+    assert sorted(t for t in tables if t) == ["table inet fabric", "table ip other"]
+
+
+@pytest.mark.parametrize(
+    "ruleset",
+    [
+        "flush ruleset\n" + FABRIC_ALLOWS_8080,
+        FABRIC_ALLOWS_8080 + "delete table ip other\n",
+        FABRIC_ALLOWS_8080 + "add rule ip other input drop\n",
+    ],
+    ids=["flush-ruleset", "delete-other-table", "rule-in-other-table"],
+)
+def test_ruleset_reaching_beyond_the_fabric_table_is_refused_before_nft_runs(topology: Topology, ruleset: str) -> None:
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    fabric_before, other_before = topology.fabric_table(), topology.other_table()
+
+    with pytest.raises(ActivationError, match="beyond table inet fabric"):
+        topology.nft.check(ruleset)
+    with pytest.raises(ActivationError, match="beyond table inet fabric"):
+        topology.nft.apply(ruleset)
+
+    assert topology.fabric_table() == fabric_before
+    assert topology.other_table() == other_before
+
+
+def test_ruleset_that_replaces_the_table_itself_is_loaded_as_written(topology: Topology) -> None:
+    self_replacing = "table inet fabric\ndelete table inet fabric\n" + FABRIC_ALLOWS_8081
+    assert NftCommand.transaction(self_replacing) == self_replacing
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    topology.nft.apply(self_replacing)
+    assert topology.probe(8081) == "connected"
+    assert topology.probe(8080) == "timeout"
+
+
+def test_missing_nft_program_is_an_activation_error() -> None:
+    nft = NftCommand(SubprocessRunner(), nft="/nonexistent/nft")
+    with pytest.raises(ActivationError, match="not installed"):
+        nft.check(FABRIC_ALLOWS_8080)
