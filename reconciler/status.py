@@ -80,6 +80,9 @@ class NodeRow:
     held_off_for_s: float | None
     draining: bool
     services: tuple[str, ...]
+    # False for a node the registry reports but git does not declare: the
+    # scheduler gives it no work (a registry writer cannot add a target).
+    declared: bool = True
 
     @property
     def utilization(self) -> float:
@@ -108,6 +111,8 @@ class NodeRow:
             notes.append(f"held off {format_duration(self.held_off_for_s)}")
         if self.draining:
             notes.append("draining")
+        if not self.declared:
+            notes.append("not declared: ignored")
         return ", ".join(notes)
 
 
@@ -191,7 +196,10 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
     services: dict[str, list[str]] = {}
     for p in sorted(placements, key=lambda p: (p.service, p.replica)):
         services.setdefault(p.node, []).append(f"{p.service}#{p.replica}")
-    rows = [_node_row(node, tuple(services.get(node.node_id, ())), now) for node in snapshot.nodes]
+    rows = [
+        _node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts)
+        for node in snapshot.nodes
+    ]
     reported = {node.node_id for node in snapshot.nodes}
     for host in sorted(set(desired.hosts) - reported):
         rows.append(
@@ -212,7 +220,7 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
     return tuple(sorted(rows, key=lambda r: r.node_id))
 
 
-def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime) -> NodeRow:
+def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime, *, declared: bool) -> NodeRow:
     last_seen = _aware(node.last_seen) if node.last_seen is not None else None
     held_off_until = _aware(node.held_off_until) if node.held_off_until is not None else None
     held_off_for = (held_off_until - now).total_seconds() if held_off_until is not None else None
@@ -229,6 +237,7 @@ def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime) -> N
         held_off_for_s=held_off_for if held_off_for is not None and held_off_for > 0 else None,
         draining=node.drained or node.status == "draining",
         services=services,
+        declared=declared,
     )
 
 
@@ -358,6 +367,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
                 "last_seen": when(n.last_seen),
                 "held_off_until": when(n.held_off_until) if n.held_off_for_s is not None else None,
                 "draining": n.draining,
+                "declared": n.declared,
                 "services": list(n.services),
             }
             for n in status.nodes

@@ -1,0 +1,219 @@
+"""fabric status: lane cards, nodes, leader and epoch, deferred work.
+
+    fabric status [--desired DIR] [--snapshot FILE [--plan FILE]] [--json] [--watch [SECONDS]]
+
+With `--snapshot FILE` it shows a saved snapshot (`fabric registry export`) as
+of the instant it was taken, and the plan the scheduler makes for it (a
+what-if), or the saved plan given with `--plan FILE`. Without `--snapshot` it
+reads the live registry (`read_live`).
+
+`--watch` redraws in place every SECONDS (default 2), re-reading every input
+each time; Ctrl-C ends it with status 0. With `--json` each refresh is one JSON
+document on its own line, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from reconciler.cli import EXIT_INVALID, EXIT_OK
+from reconciler.cli.common import add_desired
+from reconciler.desired import DesiredStateError, load_desired
+from reconciler.live import FleetPlan, Snapshot
+from reconciler.model import DesiredState
+from reconciler.scheduler import schedule
+from reconciler.status import fleet_status, render_text, status_document
+
+DEFAULT_WATCH_S = 2.0
+# Home the cursor and clear the screen: one redraw per refresh, no scrollback spam.
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="lane cards, nodes, leader and deferred work")
+    add_desired(p)
+    p.add_argument("--snapshot", metavar="FILE", type=Path, help="show this saved snapshot instead of the live registry")
+    p.add_argument(
+        "--plan",
+        metavar="FILE",
+        type=Path,
+        help="with --snapshot: show this saved plan instead of scheduling the snapshot",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON document (one per refresh with --watch)")
+    p.add_argument(
+        "--watch",
+        metavar="SECONDS",
+        nargs="?",
+        type=_positive_seconds,
+        const=DEFAULT_WATCH_S,
+        help=f"refresh in place every SECONDS (default {DEFAULT_WATCH_S:g}); Ctrl-C to stop",
+    )
+    p.set_defaults(func=run)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: give between 0.1 and 3600 seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class Inputs:
+    desired: DesiredState
+    snapshot: Snapshot
+    plan: FleetPlan | None
+    now: datetime
+
+
+class InputError(Exception):
+    """Bad input: `problems` are `file: key.path: reason` lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plan is not None and args.snapshot is None:
+        print("fabric status: --plan needs --snapshot (the live registry has its own plan)", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        first = gather(args)
+    except InputError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_INVALID
+    color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    if args.watch is None:
+        sys.stdout.write(frame(first, as_json=args.json, color=color))
+        return EXIT_OK
+    return watch(
+        lambda: draw(args, color),
+        interval=args.watch,
+        out=sys.stdout,
+        sleep=time.sleep,
+        # Clearing makes sense only on a terminal; JSON lines are never cleared.
+        clear=sys.stdout.isatty() and not args.json,
+        first=frame(first, as_json=args.json, color=color),
+        between="" if args.json else "\n",
+    )
+
+
+def gather(args: argparse.Namespace) -> Inputs:
+    """Everything one frame shows, read afresh."""
+    try:
+        desired = load_desired(args.desired)
+    except DesiredStateError as exc:
+        raise InputError([str(p) for p in exc.problems]) from None
+    if args.snapshot is None:
+        return read_live(desired)
+    snapshot = load_json_model(args.snapshot, Snapshot)
+    if args.plan is not None:
+        plan = load_json_model(args.plan, FleetPlan)
+    else:
+        plan = plan_for_snapshot(desired, snapshot)
+    # A saved snapshot is shown as of the instant it was taken.
+    return Inputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
+
+
+def plan_for_snapshot(desired: DesiredState, snapshot: Snapshot) -> FleetPlan:
+    """The seam to the scheduler: what the leader would publish for `snapshot`."""
+    return schedule(snapshot, desired)
+
+
+def read_live(desired: DesiredState) -> Inputs:
+    """The seam to the live registry: its snapshot, the published plan, the clock.
+
+    The registry reader (reconciler.registry) is not wired into the CLI yet;
+    until it is, a saved snapshot is the only input.
+    """
+    raise InputError(
+        [
+            "fabric status: reading the live registry is not available yet; "
+            "pass --snapshot FILE (a saved snapshot, e.g. from another host's registry)"
+        ]
+    )
+
+
+def load_json_model(path: Path, model: type[Model]) -> Model:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError([f"{path}: (file): {exc.strerror or exc}"]) from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = ".".join(str(part) for part in error["loc"]) or "(document)"
+            problems.append(f"{path}: {loc}: {error['msg']}")
+        raise InputError(problems) from None
+
+
+def frame(inputs: Inputs, *, as_json: bool, color: bool) -> str:
+    status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now)
+    if as_json:
+        return json.dumps(status_document(status), ensure_ascii=False) + "\n"
+    return render_text(status, color=color)
+
+
+def draw(args: argparse.Namespace, color: bool) -> str:
+    """One refresh; bad input mid-watch is shown in the frame, not fatal."""
+    try:
+        return frame(gather(args), as_json=args.json, color=color)
+    except InputError as exc:
+        if args.json:
+            return json.dumps({"error": exc.problems}) + "\n"
+        return "\n".join(["fabric status: cannot read the inputs:", *exc.problems]) + "\n"
+
+
+def watch(
+    draw: Callable[[], str],
+    *,
+    interval: float,
+    out: IO[str],
+    sleep: Callable[[float], None],
+    clear: bool,
+    first: str | None = None,
+    between: str = "",
+) -> int:
+    """Redraw every `interval` seconds until Ctrl-C, which is a normal end (0).
+
+    `clear` redraws in place (a terminal); otherwise frames follow one another,
+    `between` apart.
+    """
+    try:
+        text = first if first is not None else draw()
+        drawn = False
+        while True:
+            if clear:
+                out.write(CLEAR_SCREEN)
+            elif drawn:
+                out.write(between)
+            out.write(text)
+            drawn = True
+            out.flush()
+            sleep(interval)
+            text = draw()
+    except KeyboardInterrupt:
+        if clear:
+            out.write("\n")
+            out.flush()
+        return EXIT_OK
