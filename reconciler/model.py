@@ -561,6 +561,22 @@ class Limitations(BaseModel):
     notes: list[str] = []
 
 
+class OperatingSystem(BaseModel):
+    """From /etc/os-release: decides host-specific fixes (the seed's nftables
+    fix on CachyOS/Arch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    id_like: list[str] = []
+    name: str | None = None
+    version_id: str | None = None
+
+    @property
+    def arch_based(self) -> bool:
+        return self.id == "arch" or "arch" in self.id_like
+
+
 class NodeFacts(BaseModel):
     """One probe of one machine."""
 
@@ -576,3 +592,4 @@ class NodeFacts(BaseModel):
     limitations: Limitations = Limitations()
     # fact name -> why it is absent (command missing, failed, timed out, odd value).
     missing: dict[str, str] = {}
+    os: OperatingSystem | None = None

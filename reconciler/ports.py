@@ -115,3 +115,35 @@ class Audit(Protocol):
 
 # --------------------------------------------------------------------------
 # Registry (live state): see reconciler.registry for the Protocol and backends.
+
+
+# --------------------------------------------------------------------------
+# Probe: reading the machine's own files (/proc, /sys, /dev/dri) and keeping
+# raw captures. The live adapters are in reconciler.adapters.probe_io.
+
+
+class FileReader(Protocol):
+    """Read-only access to the machine's files. Each method raises OSError
+    (with its strerror) when the path cannot be read."""
+
+    def read_text(self, path: str) -> str: ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names in a directory, sorted."""
+        ...
+
+    def read_link(self, path: str) -> str:
+        """The target of a symbolic link, as stored (often relative)."""
+        ...
+
+
+class CaptureStore(Protocol):
+    """Raw probe outputs kept under fixed file names in one directory."""
+
+    def save(self, directory: str, outputs: dict[str, str], errors: dict[str, str]) -> None:
+        """Write every output as DIRECTORY/<name> at once (all or nothing)."""
+        ...
+
+    def load(self, directory: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(outputs, errors) as saved; a file that is not there is not in outputs."""
+        ...

@@ -21,6 +21,7 @@ EXIT_INVALID = 2
 # Subcommand modules, in the order `fabric --help` lists them.
 COMMAND_MODULES = [
     "validate",
+    "probe",
 ]
 
 
