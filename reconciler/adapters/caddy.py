@@ -1,0 +1,121 @@
+"""The `Caddy` port: `caddy validate` and the running Caddy's admin API.
+
+validate: `caddy validate --adapter caddyfile --config /dev/stdin`, the
+Caddyfile on stdin, through the CommandRunner port: Caddy adapts the text and
+provisions every module without starting a listener.
+
+load, in two admin API calls:
+1. POST /adapt (Content-Type text/caddyfile): the running Caddy turns the text
+   into its JSON config, or says why it cannot (nothing changes yet).
+2. POST /load with that JSON. Caddy starts the new config and only then stops
+   the old one; if the new one fails (a port already taken, say) Caddy keeps
+   the old one serving and answers with an error.
+Either error becomes an ActivationError with Caddy's own message.
+
+Between the two steps the adapter checks that the new config keeps the admin
+endpoint where it is now: a Caddyfile without the same `admin` global option
+would move it (to localhost:2019 by default) and the next pass could no
+longer reach Caddy. Such a config is refused before it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from reconciler.ports import ActivationError, CommandRunner
+
+# Where Caddy listens for admin requests when the config does not say.
+CADDY_DEFAULT_ADMIN = "localhost:2019"
+
+
+class CaddyAdmin:
+    """`reconciler.ports.Caddy` for the Caddy whose admin API is at `admin_address` (host:port)."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        *,
+        admin_address: str = CADDY_DEFAULT_ADMIN,
+        caddy: str = "caddy",
+        timeout: float = 30.0,
+    ) -> None:
+        self._runner = runner
+        self._admin_address = admin_address
+        self._caddy = caddy
+        self._timeout = timeout
+
+    def validate(self, caddyfile: str) -> None:
+        result = self._runner.run(
+            [self._caddy, "validate", "--adapter", "caddyfile", "--config", "/dev/stdin"],
+            timeout=self._timeout,
+            stdin=caddyfile,
+        )
+        if result.ok:
+            return
+        if result.missing or result.timed_out:
+            raise ActivationError(f"caddy validate: {result.failure()}")
+        raise ActivationError(f"caddy validate rejected the config: {_caddy_error(result.stderr or result.stdout)}")
+
+    def load(self, caddyfile: str) -> None:
+        adapted = self._post("/adapt", caddyfile.encode(), "text/caddyfile", "adapt")
+        config = adapted.get("result") if isinstance(adapted, dict) else None
+        if not isinstance(config, dict):
+            raise ActivationError(f"caddy adapt: unexpected answer {str(adapted)[:200]}")
+        new_admin = (config.get("admin") or {}).get("listen", CADDY_DEFAULT_ADMIN)
+        if not _same_address(new_admin, self._admin_address):
+            raise ActivationError(
+                f"caddy load: the new config moves the admin endpoint from {self._admin_address} to {new_admin}; "
+                f"put `admin {self._admin_address}` in its global options"
+            )
+        self._post("/load", json.dumps(config).encode(), "application/json", "load")
+
+    def current_config(self) -> Any:
+        """The JSON config Caddy is running now (GET /config/)."""
+        return self._request("GET", "/config/", None, None, "read config")
+
+    def _post(self, path: str, body: bytes, content_type: str, what: str) -> Any:
+        return self._request("POST", path, body, content_type, what)
+
+    def _request(self, method: str, path: str, body: bytes | None, content_type: str | None, what: str) -> Any:
+        request = urllib.request.Request(f"http://{self._admin_address}{path}", data=body, method=method)
+        if content_type is not None:
+            request.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            raise ActivationError(f"caddy {what} rejected the config: {_caddy_error(exc.read().decode(errors='replace'))}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ActivationError(f"caddy {what}: cannot reach the admin API at {self._admin_address}: {reason}") from exc
+        if not payload.strip():
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError as exc:
+            raise ActivationError(f"caddy {what}: answer is not JSON: {payload[:200]!r}") from exc
+
+
+def _caddy_error(text: str) -> str:
+    """Caddy's message from its JSON error body or its last log line."""
+    text = text.strip()
+    for line in reversed(text.splitlines()):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("error"):
+            return str(entry["error"])
+    lines = text.splitlines()
+    return lines[-1] if lines else "no detail given"
+
+
+def _same_address(a: str, b: str) -> bool:
+    def normal(address: str) -> str:
+        address = address.removeprefix("tcp/")
+        return address.replace("localhost:", "127.0.0.1:") if address.startswith("localhost:") else address
+
+    return normal(a) == normal(b)
