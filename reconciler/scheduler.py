@@ -240,6 +240,11 @@ class Placer:
     # ------------------------------------------------------------------
     # Index
 
+    def prepare(self, requests: Iterable[Request]) -> None:
+        """Build the index for these request shapes now (else on first use)."""
+        for request in requests:
+            self._pool(request)
+
     def _pool(self, request: Request) -> dict[str, list[tuple[float, str, int]]]:
         key = request.constraint
         pool = self._pools.get(key)

@@ -1,0 +1,71 @@
+"""The naive reference placer: every decision scans every node.
+
+This is the seed's pseudo-code (`select_worker`: query the registry for the
+candidates at or above min_tier, score them, pick one; `_fallback`: one tier
+lower, query again) written as plainly as possible, with the same rules as
+`reconciler.scheduler.Placer`. It is not part of the product: the benchmark
+times it against the indexed placer, and the property tests check that both
+make the same decision every time.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from fractions import Fraction
+
+TIERS = (
+    "gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "ethernet",
+    "framebuffer", "wasm", "dsp", "esp32", "relay",
+)  # best first
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+class ScanningPlacer:
+    def __init__(self, nodes, now: datetime, strategy: str = "highest_tier") -> None:
+        self.now = _aware(now)
+        self.strategy = strategy
+        self.nodes = []
+        seen = set()
+        for node in nodes:
+            if node.node_id not in seen:
+                seen.add(node.node_id)
+                self.nodes.append(node)
+        self.load = {n.node_id: n.in_flight for n in self.nodes}
+
+    def _eligible(self, node, request) -> bool:
+        if node.status != "active" or node.drained:
+            return False
+        if node.held_off_until is not None and _aware(node.held_off_until) > self.now:
+            return False
+        if self.load[node.node_id] >= node.max_concurrent_tasks:
+            return False
+        if request.arch and node.arch not in request.arch:
+            return False
+        return all(node.labels.get(k) == v for k, v in request.labels)
+
+    def place(self, request, avoid=()):
+        """(node id, tier, fallback) or None when the request is deferred."""
+        top = TIERS.index(request.min_tier)
+        bottom = TIERS.index(request.floor)
+        steps = [(set(TIERS[: top + 1]), False)] + [({t}, True) for t in TIERS[top + 1 : bottom + 1]]
+        avoid = set(avoid)
+
+        def preference(node):
+            rank = TIERS.index(node.tier)
+            tier_key = rank if self.strategy == "highest_tier" else -rank
+            return (tier_key, Fraction(self.load[node.node_id], node.max_concurrent_tasks), node.node_id)
+
+        for tiers, fallback in steps:
+            for avoiding in ([avoid, set()] if avoid else [set()]):
+                candidates = [
+                    n for n in self.nodes
+                    if n.tier in tiers and n.node_id not in avoiding and self._eligible(n, request)
+                ]
+                if candidates:
+                    best = min(candidates, key=preference)
+                    self.load[best.node_id] += 1
+                    return (best.node_id, best.tier, fallback)
+        return None

@@ -1,0 +1,176 @@
+"""Property tests of node placement (hypothesis), over random fleets.
+
+- The indexed placer makes exactly the decision of the naive reference that
+  scans every node (bench/scheduler/reference.py), so its heaps implement the
+  rules and not something close to them.
+- No node is ever given work past its max_concurrent_tasks.
+- A placement is never below its floor, and `fallback` says exactly whether
+  it is below min_tier.
+- A whole plan accounts for every replica once, and kept placements plus new
+  ones respect every node's limit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reconciler.live import Placement, Snapshot, SnapshotNode
+from reconciler.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig
+from reconciler.scheduler import Choice, NoChoice, Placer, Request, accepts_new_work, schedule
+
+_REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "scheduler" / "reference.py"
+_spec = importlib.util.spec_from_file_location("scheduler_reference", _REFERENCE)
+reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reference)
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NAMES = [f"n{i}" for i in range(12)]
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Few tiers per fleet make ties and fallbacks between them common.
+tiers = st.sampled_from(["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "relay"])
+
+
+@st.composite
+def nodes_strategy(draw, min_size=0):
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=min_size, max_size=10, unique=True))
+    out = []
+    for name in names:
+        out.append(
+            SnapshotNode(
+                node_id=name,
+                tier=draw(tiers),
+                # Mostly usable nodes, so decisions have several candidates.
+                status=draw(st.sampled_from(["active"] * 6 + ["offline", "draining", "dead"])),
+                drained=draw(st.integers(0, 4)) == 0,
+                held_off_until=draw(st.sampled_from([None] * 4 + [NOW - timedelta(seconds=5), NOW + timedelta(seconds=5)])),
+                in_flight=draw(st.integers(0, 3)),
+                max_concurrent_tasks=draw(st.integers(0, 6)),
+                arch=draw(st.sampled_from(["x86_64", "x86_64", "aarch64", None])),
+                labels=draw(st.sampled_from([{}, {"zone": "a"}, {"zone": "b"}, {"zone": "a", "gpu": "yes"}])),
+            )
+        )
+    return out
+
+
+@st.composite
+def requests_strategy(draw):
+    top = draw(st.integers(0, 4))
+    bottom = draw(st.integers(top, len(TIER_ORDER) - 1))
+    return Request(
+        min_tier=TIER_ORDER[top],
+        floor=TIER_ORDER[bottom],
+        arch=frozenset(draw(st.sets(st.sampled_from(["x86_64", "aarch64"]), max_size=1))),
+        labels=draw(st.sampled_from([(), (), (("zone", "a"),), (("gpu", "yes"),)])),
+    )
+
+
+strategies = st.sampled_from(["highest_tier", "best_fit"])
+
+
+@FAST
+@given(
+    nodes=nodes_strategy(),
+    work=st.lists(st.tuples(requests_strategy(), st.sets(st.sampled_from(NAMES), max_size=3)), min_size=1, max_size=25),
+    strategy=strategies,
+)
+def test_indexed_placer_decides_exactly_like_the_full_scan(nodes, work, strategy):
+    fast = Placer(nodes, NOW, strategy)
+    naive = reference.ScanningPlacer(nodes, NOW, strategy)
+    for request, avoid in work:
+        outcome = fast.place(request, avoid)
+        expected = naive.place(request, avoid)
+        got = (outcome.node, outcome.tier, outcome.fallback) if isinstance(outcome, Choice) else None
+        assert got == expected
+
+
+@FAST
+@given(nodes=nodes_strategy(), work=st.lists(requests_strategy(), min_size=1, max_size=40), strategy=strategies)
+def test_no_node_over_its_limit_and_never_below_the_floor(nodes, work, strategy):
+    placer = Placer(nodes, NOW, strategy)
+    by_id = {n.node_id: n for n in nodes}
+    given_work = Counter()
+    for request in work:
+        outcome = placer.place(request)
+        if isinstance(outcome, NoChoice):
+            assert outcome.reason
+            continue
+        chosen = by_id[outcome.node]
+        given_work[chosen.node_id] += 1
+        assert accepts_new_work(chosen, NOW)
+        assert request.matches(chosen)
+        assert chosen.tier == outcome.tier
+        assert TIER_SCORE[outcome.tier] >= TIER_SCORE[request.floor]
+        assert outcome.fallback == (TIER_SCORE[outcome.tier] < TIER_SCORE[request.min_tier])
+    for node_id, count in given_work.items():
+        assert by_id[node_id].in_flight + count <= by_id[node_id].max_concurrent_tasks
+
+
+def _desired(services, hosts) -> DesiredState:
+    fleet = FleetConfig.model_validate(
+        {"fleet": {"domain": "example.test", "leader_candidates": [hosts[0]]}, "services": services}
+    )
+    return DesiredState(
+        fleet=fleet,
+        hosts={
+            h: HostConfig.model_validate({"host": {"name": h, "roles": ["control"], "address": f"10.250.1.{i + 1}"}})
+            for i, h in enumerate(hosts)
+        },
+    )
+
+
+@st.composite
+def services_strategy(draw):
+    count = draw(st.integers(1, 4))
+    out = []
+    for i in range(count):
+        top = draw(st.integers(0, len(TIER_ORDER) - 1))
+        bottom = draw(st.integers(top, len(TIER_ORDER) - 1))
+        out.append(
+            {
+                "id": f"svc{i}",
+                "min_tier": TIER_ORDER[top],
+                "floor": TIER_ORDER[bottom],
+                "replicas": draw(st.integers(1, 4)),
+                "command": {"any": ["/bin/true"]},
+            }
+        )
+    return out
+
+
+@FAST
+@given(
+    nodes=nodes_strategy(min_size=1),
+    services=services_strategy(),
+    existing=st.lists(
+        st.tuples(st.sampled_from([f"svc{i}" for i in range(5)]), st.integers(0, 4), st.sampled_from(NAMES)), max_size=8
+    ),
+)
+def test_plans_respect_limits_and_floors_and_account_for_every_replica(nodes, services, existing):
+    state = _desired(services, NAMES)
+    old = [Placement(service=s, replica=r, node=n, tier="relay") for s, r, n in existing]
+    plan = schedule(Snapshot(now=NOW, nodes=nodes, placements=old), state)
+    by_id = {n.node_id: n for n in nodes}
+    floors = {s["id"]: s["floor"] for s in services}
+
+    slots = [(p.service, p.replica) for p in plan.placements] + [(d.service, d.replica) for d in plan.deferred]
+    assert sorted(slots) == sorted((s["id"], r) for s in services for r in range(s["replicas"]))
+
+    old_keys = {(p.service, p.replica, p.node) for p in old}
+    kept_on = Counter()
+    new_on = Counter()
+    for p in plan.placements:
+        assert TIER_SCORE[p.tier] >= TIER_SCORE[floors[p.service]]
+        assert p.tier == by_id[p.node].tier
+        (kept_on if (p.service, p.replica, p.node) in old_keys else new_on)[p.node] += 1
+    for node_id in set(kept_on) | set(new_on):
+        limit = by_id[node_id].max_concurrent_tasks
+        assert kept_on[node_id] <= limit
+        if new_on[node_id]:
+            assert max(by_id[node_id].in_flight, kept_on[node_id]) + new_on[node_id] <= limit
