@@ -1,0 +1,553 @@
+"""The fleet registry on an etcd cluster (v3 API through aetcd).
+
+Keys under the configured prefix P (default "/fabric"):
+
+    P/nodes/<host>          NodeRecord JSON under a lease whose TTL is the node
+                            timeout: a silent node's key expires by itself
+    P/facts/<host>          the same record without a lease (last known facts,
+                            so an offline node still shows with its tier)
+    P/state/<host>          NodeState JSON (the lifecycle; written by the leader)
+    P/drain/<host>          DrainRequest JSON (present = drained)
+    P/leader                LeaderInfo JSON under the leader's lease
+    P/epoch                 the epoch counter (decimal)
+    P/plan                  the newest FleetPlan JSON
+    P/lanes/<lane>/slot/<i> a SlotClaim JSON for each claimed slot i < cap
+    P/lanes/<lane>/available  "true" / "false"
+
+Election: a campaign grants a lease and, in one transaction, creates P/leader
+(only if absent) and raises P/epoch (only if unchanged since read). Every write
+that needs leadership (publish, lifecycle) is a transaction comparing P/leader
+with the leader's own value, which names its lease: when the lease lapses the
+key is gone and the write is refused (`NotLeader`).
+
+Lane slots: slot i of a lane is the key .../slot/<i>, created only if absent,
+for i < cap; so however many dispatchers race, at most cap keys exist.
+
+The API is synchronous. aetcd is asyncio-only, so the registry runs one event
+loop on a private daemon thread and every method submits a coroutine to it and
+waits. Endpoints are tried in order: when one does not answer (refused, timed
+out) the next is used, and `RegistryUnavailable` is raised only when none does.
+`wait_for_change` is served by a watch on P/ running on that loop.
+
+TLS: an https:// endpoint is reached over TLS with the CA and client
+certificate from [registry] ca_file / cert_file / key_file (read at open; the
+key stays in memory only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+import grpc
+from aetcd import rpc, watcher
+
+from reconciler.lifecycle import NodeState, heartbeat_timeout
+from reconciler.live import FleetPlan
+from reconciler.model import FlapSettings, TimingSettings
+from reconciler.ports import Clock
+from reconciler.registry import NotLeader, RegistryError, RegistryUnavailable
+from reconciler.registry.base import LifecycleMixin, LiveRead
+from reconciler.registry.records import (
+    DrainRequest,
+    LeaderInfo,
+    Leadership,
+    NodeRecord,
+    SlotClaim,
+    check_node_id,
+    from_epoch_seconds,
+)
+
+T = TypeVar("T")
+
+# Errors meaning "this endpoint did not answer": try the next one.
+_UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, asyncio.TimeoutError, OSError)
+
+
+class _Client(aetcd.Client):
+    """aetcd's client with TLS: aetcd 1.0 only opens plaintext channels."""
+
+    def __init__(self, host: str, port: int, *, credentials: grpc.ChannelCredentials | None, timeout: float) -> None:
+        super().__init__(host=host, port=port, timeout=timeout)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        options = list(self._options.items())
+        if self._credentials is None:
+            self.channel = rpc.insecure_channel(target, options=options)
+        else:
+            self.channel = rpc.secure_channel(target, self._credentials, options=options)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+        self._connected.set()
+
+
+class EtcdRegistry(LifecycleMixin):
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        prefix: str = "/fabric",
+        timing: TimingSettings,
+        flap: FlapSettings,
+        clock: Clock,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        op_timeout_s: float = 3.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("the etcd registry needs at least one endpoint")
+        self.timing = timing
+        self.flap = flap
+        self._clock = clock
+        self._prefix = prefix.rstrip("/")
+        self._op_timeout = op_timeout_s
+        self._endpoints = [urlsplit(e) for e in endpoints]
+        self._credentials = self._load_credentials(ca_file, cert_file, key_file)
+        self._current = 0
+        self._client: _Client | None = None
+        self._changed = threading.Event()
+        self._watch_task: asyncio.Task | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-etcd", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _load_credentials(ca_file: str | None, cert_file: str | None, key_file: str | None) -> grpc.ChannelCredentials | None:
+        if not (ca_file or cert_file or key_file):
+            return None
+        try:
+            ca = Path(ca_file).read_bytes() if ca_file else None
+            cert = Path(cert_file).read_bytes() if cert_file else None
+            key = Path(key_file).read_bytes() if key_file else None
+        except OSError as exc:
+            raise RegistryError(f"etcd TLS file: {exc}") from exc
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    # -- the loop thread and endpoint failover ------------------------------------
+
+    def _key(self, *parts: str) -> bytes:
+        return "/".join((self._prefix, *parts)).encode()
+
+    def _make_client(self) -> _Client:
+        url = self._endpoints[self._current]
+        tls = url.scheme == "https"
+        if tls and self._credentials is None:
+            credentials = grpc.ssl_channel_credentials()
+        else:
+            credentials = self._credentials if tls else None
+        return _Client(url.hostname or "127.0.0.1", url.port or 2379, credentials=credentials, timeout=self._op_timeout)
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.close(), self._op_timeout)
+            except Exception:  # a dead channel may fail to close; it is dropped anyway
+                pass
+
+    async def _with_failover(self, op: Callable[[_Client], Awaitable[T]]) -> T:
+        last: Exception | None = None
+        for _ in range(len(self._endpoints)):
+            if self._client is None:
+                self._client = self._make_client()
+            try:
+                return await asyncio.wait_for(op(self._client), self._op_timeout * 2)
+            except _UNREACHABLE as exc:
+                last = exc
+                await self._drop_client()
+                self._current = (self._current + 1) % len(self._endpoints)
+        names = ", ".join(e.geturl() for e in self._endpoints)
+        raise RegistryUnavailable(f"no etcd endpoint answers ({names}): {last}")
+
+    def _call(self, op: Callable[[_Client], Awaitable[T]]) -> T:
+        if self._closed:
+            raise RegistryError("registry is closed")
+        future = asyncio.run_coroutine_threadsafe(self._with_failover(op), self._loop)
+        try:
+            return future.result(timeout=self._op_timeout * 2 * len(self._endpoints) + 5)
+        except TimeoutError as exc:
+            future.cancel()
+            raise RegistryUnavailable(f"etcd did not answer in time: {exc}") from exc
+        except aetcd.ClientError as exc:
+            raise RegistryError(f"etcd: {exc}") from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+
+        async def shutdown() -> None:
+            if self._watch_task is not None:
+                self._watch_task.cancel()
+                try:
+                    await self._watch_task
+                except BaseException:
+                    pass
+            await self._drop_client()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=self._op_timeout + 5)
+        except Exception:
+            pass
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def _now(self) -> float:
+        return self._clock.now()
+
+    # -- nodes ------------------------------------------------------------------------
+
+    def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
+        ttl = float(ttl_s if ttl_s is not None else heartbeat_timeout(self.timing, record.relayed))
+        stored = record.model_copy(update={"beat_at": from_epoch_seconds(self._now()), "timeout_s": ttl})
+        value = stored.model_dump_json().encode()
+        node_key, facts_key = self._key("nodes", record.node_id), self._key("facts", record.node_id)
+
+        async def op(c: _Client) -> None:
+            # Keep the node's lease when it is still alive and of the same TTL
+            # (one lease per node, not one per beat); otherwise grant a new one.
+            lease_id = 0
+            kv = await c.get(node_key)
+            if kv is not None and kv.lease:
+                previous = NodeRecord.model_validate_json(kv.value)
+                if previous.timeout_s == ttl:
+                    reply = await c.refresh_lease(kv.lease)
+                    if reply is not None and reply.TTL > 0:
+                        lease_id = kv.lease
+            if not lease_id:
+                lease_id = (await c.lease(math.ceil(ttl))).id
+            tx = c.transactions
+            await c.transaction(compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[])
+
+        self._call(op)
+        return stored
+
+    def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
+        request = DrainRequest(
+            node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason
+        )
+        key, value = self._key("drain", node_id), request.model_dump_json().encode()
+
+        async def op(c: _Client) -> None:
+            await c.put(key, value)
+
+        self._call(op)
+        return request
+
+    def clear_drain(self, node_id: str) -> bool:
+        key = self._key("drain", node_id)
+
+        async def op(c: _Client) -> bool:
+            return bool((await c.delete(key)))
+
+        return self._call(op)
+
+    # -- leadership and the plan ----------------------------------------------------------
+
+    @staticmethod
+    def _leader_value(info: LeaderInfo) -> bytes:
+        return info.model_dump_json().encode()
+
+    def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
+        leader_key, epoch_key = self._key("leader"), self._key("epoch")
+        since = from_epoch_seconds(self._now())
+
+        async def op(c: _Client) -> Leadership | None:
+            tx = c.transactions
+            if await c.get(leader_key) is not None:
+                return None
+            lease = await c.lease(math.ceil(ttl_s))
+            for _ in range(10):
+                current = await c.get(epoch_key)
+                if current is None:
+                    epoch, same_epoch = 1, tx.version(epoch_key) == 0
+                else:
+                    epoch, same_epoch = int(current.value) + 1, tx.mod(epoch_key) == current.mod_revision
+                info = LeaderInfo(candidate=candidate, epoch=epoch, since=since, token=str(lease.id))
+                won, replies = await c.transaction(
+                    compare=[tx.version(leader_key) == 0, same_epoch],
+                    success=[tx.put(leader_key, self._leader_value(info), lease=lease.id), tx.put(epoch_key, str(epoch).encode())],
+                    failure=[tx.get(leader_key)],
+                )
+                if won:
+                    return Leadership(info=info, ttl_s=ttl_s)
+                if replies and replies[0]:  # someone else leads
+                    break
+            await c.revoke_lease(lease.id)
+            return None
+
+        return self._call(op)
+
+    def renew(self, leadership: Leadership) -> bool:
+        leader_key = self._key("leader")
+
+        async def op(c: _Client) -> bool:
+            reply = await c.refresh_lease(int(leadership.info.token))
+            if reply is None or reply.TTL <= 0:
+                return False
+            kv = await c.get(leader_key)
+            return kv is not None and kv.value == self._leader_value(leadership.info)
+
+        return self._call(op)
+
+    def resign(self, leadership: Leadership) -> None:
+        leader_key = self._key("leader")
+
+        async def op(c: _Client) -> None:
+            tx = c.transactions
+            await c.transaction(
+                compare=[tx.value(leader_key) == self._leader_value(leadership.info)],
+                success=[tx.delete(leader_key)],
+                failure=[],
+            )
+            await c.revoke_lease(int(leadership.info.token))
+
+        self._call(op)
+
+    def leader(self) -> LeaderInfo | None:
+        key = self._key("leader")
+
+        async def op(c: _Client) -> LeaderInfo | None:
+            kv = await c.get(key)
+            return LeaderInfo.model_validate_json(kv.value) if kv is not None else None
+
+        return self._call(op)
+
+    def epoch(self) -> int:
+        key = self._key("epoch")
+
+        async def op(c: _Client) -> int:
+            kv = await c.get(key)
+            return int(kv.value) if kv is not None else 0
+
+        return self._call(op)
+
+    def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
+        leader_key, epoch_key, plan_key = self._key("leader"), self._key("epoch"), self._key("plan")
+        ours = self._leader_value(leadership.info)
+
+        async def op(c: _Client) -> FleetPlan:
+            tx = c.transactions
+            for _ in range(10):
+                current = await c.get(epoch_key)
+                epoch = int(current.value) + 1 if current is not None else 1
+                same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
+                stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
+                ok, replies = await c.transaction(
+                    compare=[tx.value(leader_key) == ours, same_epoch],
+                    success=[tx.put(epoch_key, str(epoch).encode()), tx.put(plan_key, stored.model_dump_json().encode())],
+                    failure=[tx.get(leader_key)],
+                )
+                if ok:
+                    return stored
+                held = replies[0] if replies else []
+                if not held or held[0][0] != ours:
+                    who = LeaderInfo.model_validate_json(held[0][0]).candidate + " leads" if held else "nobody leads"
+                    raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
+            raise RegistryError("publish kept racing with epoch changes")
+
+        return self._call(op)
+
+    def newest_plan(self) -> FleetPlan | None:
+        key = self._key("plan")
+
+        async def op(c: _Client) -> FleetPlan | None:
+            kv = await c.get(key)
+            return FleetPlan.model_validate_json(kv.value) if kv is not None else None
+
+        return self._call(op)
+
+    # -- lanes --------------------------------------------------------------------------
+
+    def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
+        check_node_id(lane)
+        claim_token = uuid.uuid4().hex
+        claimed_at = from_epoch_seconds(self._now())
+
+        async def op(c: _Client) -> SlotClaim | None:
+            tx = c.transactions
+            # A retry after a lost reply must not claim a second slot.
+            for kv in await c.get_prefix(self._key("lanes", lane, "slot") + b"/"):
+                if SlotClaim.model_validate_json(kv.value).token == claim_token:
+                    return SlotClaim.model_validate_json(kv.value)
+            lease_id = (await c.lease(math.ceil(ttl_s))).id if ttl_s is not None else 0
+            for slot in range(cap):
+                claim = SlotClaim(lane=lane, slot=slot, holder=holder, token=claim_token, claimed_at=claimed_at)
+                key = self._key("lanes", lane, "slot", str(slot))
+                ok, _ = await c.transaction(
+                    compare=[tx.version(key) == 0],
+                    success=[tx.put(key, claim.model_dump_json().encode(), lease=lease_id)],
+                    failure=[],
+                )
+                if ok:
+                    return claim
+            if lease_id:
+                await c.revoke_lease(lease_id)
+            return None
+
+        return self._call(op)
+
+    def release_slot(self, claim: SlotClaim) -> bool:
+        key = self._key("lanes", claim.lane, "slot", str(claim.slot))
+
+        async def op(c: _Client) -> bool:
+            tx = c.transactions
+            kv = await c.get(key)
+            if kv is None or SlotClaim.model_validate_json(kv.value).token != claim.token:
+                return False
+            ok, _ = await c.transaction(compare=[tx.mod(key) == kv.mod_revision], success=[tx.delete(key)], failure=[])
+            if ok and kv.lease:
+                await c.revoke_lease(kv.lease)
+            return ok
+
+        return self._call(op)
+
+    def lane_in_flight(self) -> dict[str, int]:
+        return dict(self._read().lane_in_flight)
+
+    def report_lane(self, lane: str, available: bool) -> None:
+        key = self._key("lanes", check_node_id(lane), "available")
+
+        async def op(c: _Client) -> None:
+            await c.put(key, b"true" if available else b"false")
+
+        self._call(op)
+
+    # -- reading it all, and the leader's lifecycle -----------------------------------------
+
+    def _read(self) -> LiveRead:
+        base = self._prefix.encode() + b"/"
+
+        async def op(c: _Client):
+            return [(kv.key[len(base):].decode(), kv.value) for kv in await c.get_prefix(base)]
+
+        now = from_epoch_seconds(self._now())
+        records: dict[str, NodeRecord] = {}
+        live: dict[str, NodeRecord] = {}
+        states: dict[str, NodeState] = {}
+        drains: dict[str, DrainRequest] = {}
+        available: dict[str, bool] = {}
+        in_flight: dict[str, int] = {}
+        plan = leader = None
+        epoch = 0
+        for key, value in self._call(op):
+            parts = key.split("/")
+            kind = parts[0]
+            if kind == "nodes" and len(parts) == 2:
+                live[parts[1]] = NodeRecord.model_validate_json(value)
+            elif kind == "facts" and len(parts) == 2:
+                records[parts[1]] = NodeRecord.model_validate_json(value)
+            elif kind == "state" and len(parts) == 2:
+                states[parts[1]] = NodeState.model_validate_json(value)
+            elif kind == "drain" and len(parts) == 2:
+                drains[parts[1]] = DrainRequest.model_validate_json(value)
+            elif kind == "lanes" and len(parts) == 4 and parts[2] == "slot":
+                in_flight[parts[1]] = in_flight.get(parts[1], 0) + 1
+            elif kind == "lanes" and len(parts) == 3 and parts[2] == "available":
+                available[parts[1]] = value == b"true"
+            elif key == "plan":
+                plan = FleetPlan.model_validate_json(value)
+            elif key == "leader":
+                leader = LeaderInfo.model_validate_json(value)
+            elif key == "epoch":
+                epoch = int(value)
+        records.update(live)  # a live beat is the newest record
+        return LiveRead(
+            now=now,
+            records=records,
+            alive=frozenset(live),
+            states=states,
+            drains=drains,
+            lane_available=available,
+            lane_in_flight=in_flight,
+            plan=plan,
+            leader=leader,
+            epoch=epoch,
+        )
+
+    def _store_lifecycle(
+        self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]
+    ) -> None:
+        leader_key = self._key("leader")
+        ours = self._leader_value(leadership.info)
+
+        async def op(c: _Client) -> None:
+            tx = c.transactions
+            writes = [tx.put(self._key("state", n), s.model_dump_json().encode()) for n, s in changed.items()]
+            writes += [tx.delete(self._key("facts", n)) for n in dead | forgotten]
+            for n in forgotten:
+                writes += [tx.delete(self._key("state", n)), tx.delete(self._key("drain", n))]
+            ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=writes, failure=[])
+            if not ok:
+                raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+
+        self._call(op)
+
+    # -- watching -------------------------------------------------------------------------
+
+    def _is_membership_change(self, event) -> bool:
+        key = event.kv.key[len(self._prefix) + 1 :].decode(errors="replace")
+        kind = key.split("/", 1)[0]
+        if kind == "nodes":
+            # A join (first version of the key) or an expiry/removal; a
+            # routine beat of a known node is not a change.
+            return event.kind == "DELETE" or event.kv.version == 1
+        return kind in ("drain", "leader")
+
+    async def _watch_forever(self) -> None:
+        base = self._prefix.encode() + b"/"
+        while not self._closed:
+            client = None
+            try:
+                if self._client is None:
+                    self._client = self._make_client()
+                client = self._client
+                watch = await client.watch_prefix(base)
+                try:
+                    async for event in watch:
+                        if self._is_membership_change(event):
+                            self._changed.set()
+                finally:
+                    try:
+                        await asyncio.wait_for(watch.cancel(), 1)
+                    except BaseException:
+                        pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # The endpoint went away: wake the caller (it re-reads) and
+                # watch through the next endpoint.
+                self._changed.set()
+                if client is not None and self._client is client:  # not already switched by an operation
+                    await self._drop_client()
+                    self._current = (self._current + 1) % len(self._endpoints)
+                await asyncio.sleep(0.2)
+
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """The watch starts on the first call and runs until `close`; changes
+        made between two calls are reported by the second."""
+        if self._watch_task is None:
+
+            async def start() -> asyncio.Task:
+                return asyncio.get_running_loop().create_task(self._watch_forever())
+
+            self._watch_task = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=5)
+        changed = self._changed.wait(timeout_s)
+        self._changed.clear()
+        return changed

@@ -1,0 +1,365 @@
+"""The embedded registry: one sqlite file, safe for several processes at once.
+
+WAL journal, and every write is a `BEGIN IMMEDIATE` transaction with a busy
+timeout, so concurrent reconcile passes, the leader loop and CLI commands
+serialize their writes instead of failing. sqlite has no TTLs: a heartbeat,
+the leader's term and a timed slot claim store their deadline (injected clock,
+seconds since the epoch), and readers compare it with the clock. Expired rows
+are ignored by readers and deleted by the next writer that meets them.
+
+Every sqlite failure (file cannot be opened, stays locked past the busy
+timeout, disk errors) surfaces as `RegistryUnavailable`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from reconciler.lifecycle import NodeState, alive_at, heartbeat_timeout
+from reconciler.live import FleetPlan
+from reconciler.model import FlapSettings, TimingSettings
+from reconciler.ports import Clock
+from reconciler.registry import NotLeader, RegistryUnavailable
+from reconciler.registry.base import LifecycleMixin, LiveRead
+from reconciler.registry.records import (
+    DrainRequest,
+    LeaderInfo,
+    Leadership,
+    NodeRecord,
+    SlotClaim,
+    check_node_id,
+    from_epoch_seconds,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY,
+    record TEXT NOT NULL,          -- NodeRecord JSON (facts + beat_at + timeout_s)
+    expires_at REAL NOT NULL       -- beat + timeout: silent past this = offline
+);
+CREATE TABLE IF NOT EXISTS node_states (node_id TEXT PRIMARY KEY, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS drains (node_id TEXT PRIMARY KEY, request TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leader (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    info TEXT NOT NULL,            -- LeaderInfo JSON
+    token TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS slots (
+    lane TEXT NOT NULL,
+    slot INTEGER NOT NULL,
+    claim TEXT NOT NULL,           -- SlotClaim JSON
+    token TEXT NOT NULL,
+    expires_at REAL,               -- NULL: held until released
+    PRIMARY KEY (lane, slot)
+);
+CREATE TABLE IF NOT EXISTS lanes (lane TEXT PRIMARY KEY, available INTEGER NOT NULL);
+"""
+
+# meta keys: the epoch counter, and a counter of membership changes (a node
+# joined or came back, a drain or the leader changed) that wait_for_change polls.
+EPOCH = "epoch"
+CHANGES = "changes"
+
+POLL_S = 0.1
+
+
+class SqliteRegistry(LifecycleMixin):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        timing: TimingSettings,
+        flap: FlapSettings,
+        clock: Clock,
+        busy_timeout_s: float = 10.0,
+    ) -> None:
+        self.path = Path(path)
+        self.timing = timing
+        self.flap = flap
+        self._clock = clock
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+        except (OSError, sqlite3.Error) as exc:
+            raise RegistryUnavailable(f"sqlite registry {self.path}: {exc}") from exc
+        with self._tx() as db:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    # -- plumbing -------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction. A write takes the write lock up front (BEGIN
+        IMMEDIATE), so read-then-write sequences cannot interleave with another
+        process; a read sees one consistent WAL snapshot."""
+        with self._lock:
+            db = self._db
+            try:
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                yield db
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise RegistryUnavailable(f"sqlite registry {self.path}: {exc}") from exc
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+
+    def _now(self) -> float:
+        return self._clock.now()
+
+    @staticmethod
+    def _meta(db: sqlite3.Connection, key: str) -> int:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def _bump(db: sqlite3.Connection, key: str) -> int:
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, 1) ON CONFLICT(key) DO UPDATE SET value = value + 1",
+            (key,),
+        )
+        return SqliteRegistry._meta(db, key)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- nodes ------------------------------------------------------------------
+
+    def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
+        now = self._now()
+        ttl = float(ttl_s if ttl_s is not None else heartbeat_timeout(self.timing, record.relayed))
+        stored = record.model_copy(update={"beat_at": from_epoch_seconds(now), "timeout_s": ttl})
+        with self._tx() as db:
+            row = db.execute("SELECT expires_at FROM nodes WHERE node_id = ?", (record.node_id,)).fetchone()
+            db.execute(
+                "INSERT INTO nodes (node_id, record, expires_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
+                (record.node_id, stored.model_dump_json(), now + ttl),
+            )
+            if row is None or row[0] <= now:
+                self._bump(db, CHANGES)  # joined, or back after going silent
+        return stored
+
+    def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
+        request = DrainRequest(
+            node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason
+        )
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO drains (node_id, request) VALUES (?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET request = excluded.request",
+                (node_id, request.model_dump_json()),
+            )
+            self._bump(db, CHANGES)
+        return request
+
+    def clear_drain(self, node_id: str) -> bool:
+        with self._tx() as db:
+            gone = db.execute("DELETE FROM drains WHERE node_id = ?", (node_id,)).rowcount
+            if gone:
+                self._bump(db, CHANGES)
+        return bool(gone)
+
+    # -- leadership -----------------------------------------------------------------
+
+    def _current_leader(self, db: sqlite3.Connection, now: float) -> tuple[LeaderInfo, str] | None:
+        row = db.execute("SELECT info, token, expires_at FROM leader WHERE id = 1").fetchone()
+        if row is None or row[2] <= now:
+            return None
+        return LeaderInfo.model_validate_json(row[0]), row[1]
+
+    def _require_leader(self, db: sqlite3.Connection, leadership: Leadership, now: float) -> None:
+        current = self._current_leader(db, now)
+        if current is None or current[1] != leadership.info.token:
+            who = f"{current[0].candidate} leads" if current else "nobody leads"
+            raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
+
+    def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
+        now = self._now()
+        with self._tx() as db:
+            if self._current_leader(db, now) is not None:
+                return None
+            epoch = self._bump(db, EPOCH)
+            info = LeaderInfo(candidate=candidate, epoch=epoch, since=from_epoch_seconds(now), token=secrets.token_hex(16))
+            db.execute(
+                "INSERT INTO leader (id, info, token, expires_at) VALUES (1, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET info = excluded.info, token = excluded.token, expires_at = excluded.expires_at",
+                (info.model_dump_json(), info.token, now + ttl_s),
+            )
+            self._bump(db, CHANGES)
+        return Leadership(info=info, ttl_s=ttl_s)
+
+    def renew(self, leadership: Leadership) -> bool:
+        now = self._now()
+        with self._tx() as db:
+            updated = db.execute(
+                "UPDATE leader SET expires_at = ? WHERE id = 1 AND token = ? AND expires_at > ?",
+                (now + leadership.ttl_s, leadership.info.token, now),
+            ).rowcount
+        return bool(updated)
+
+    def resign(self, leadership: Leadership) -> None:
+        with self._tx() as db:
+            if db.execute("DELETE FROM leader WHERE id = 1 AND token = ?", (leadership.info.token,)).rowcount:
+                self._bump(db, CHANGES)
+
+    def leader(self) -> LeaderInfo | None:
+        with self._tx(write=False) as db:
+            current = self._current_leader(db, self._now())
+        return current[0] if current else None
+
+    def epoch(self) -> int:
+        with self._tx(write=False) as db:
+            return self._meta(db, EPOCH)
+
+    def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
+        with self._tx() as db:
+            self._require_leader(db, leadership, self._now())
+            epoch = self._bump(db, EPOCH)
+            stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
+            db.execute(
+                "INSERT INTO plan (id, epoch, plan) VALUES (1, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan = excluded.plan",
+                (epoch, stored.model_dump_json()),
+            )
+        return stored
+
+    def newest_plan(self) -> FleetPlan | None:
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
+        return FleetPlan.model_validate_json(row[0]) if row else None
+
+    # -- lanes --------------------------------------------------------------------
+
+    def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
+        now = self._now()
+        with self._tx() as db:
+            db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+            taken = {row[0] for row in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
+            free = next((i for i in range(cap) if i not in taken), None)
+            if free is None:
+                return None
+            claim = SlotClaim(lane=lane, slot=free, holder=holder, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
+            db.execute(
+                "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, ?)",
+                (lane, free, claim.model_dump_json(), claim.token, now + ttl_s if ttl_s is not None else None),
+            )
+        return claim
+
+    def release_slot(self, claim: SlotClaim) -> bool:
+        with self._tx() as db:
+            gone = db.execute(
+                "DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (claim.lane, claim.slot, claim.token)
+            ).rowcount
+        return bool(gone)
+
+    def _lane_in_flight(self, db: sqlite3.Connection, now: float) -> dict[str, int]:
+        rows = db.execute(
+            "SELECT lane, COUNT(*) FROM slots WHERE expires_at IS NULL OR expires_at > ? GROUP BY lane", (now,)
+        )
+        return {lane: int(n) for lane, n in rows}
+
+    def lane_in_flight(self) -> dict[str, int]:
+        with self._tx(write=False) as db:
+            return self._lane_in_flight(db, self._now())
+
+    def report_lane(self, lane: str, available: bool) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO lanes (lane, available) VALUES (?, ?) ON CONFLICT(lane) DO UPDATE SET available = excluded.available",
+                (lane, int(available)),
+            )
+
+    # -- reading it all, and the leader's lifecycle ----------------------------------
+
+    def _read(self) -> LiveRead:
+        now = self._now()
+        moment = from_epoch_seconds(now)
+        with self._tx(write=False) as db:
+            records = {
+                node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")
+            }
+            states = {
+                node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")
+            }
+            drains = {
+                node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")
+            }
+            lanes = {lane: bool(a) for lane, a in db.execute("SELECT lane, available FROM lanes")}
+            in_flight = self._lane_in_flight(db, now)
+            row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
+            leader = self._current_leader(db, now)
+            epoch = self._meta(db, EPOCH)
+        return LiveRead(
+            now=moment,
+            records=records,
+            alive=frozenset(alive_at(records, moment)),
+            states=states,
+            drains=drains,
+            lane_available=lanes,
+            lane_in_flight=in_flight,
+            plan=FleetPlan.model_validate_json(row[0]) if row else None,
+            leader=leader[0] if leader else None,
+            epoch=epoch,
+        )
+
+    def _store_lifecycle(
+        self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]
+    ) -> None:
+        now = self._now()
+        with self._tx() as db:
+            self._require_leader(db, leadership, now)
+            for node_id, state in changed.items():
+                db.execute(
+                    "INSERT INTO node_states (node_id, state) VALUES (?, ?) "
+                    "ON CONFLICT(node_id) DO UPDATE SET state = excluded.state",
+                    (node_id, state.model_dump_json()),
+                )
+            # Only a beat that is still expired is dropped: a node that beat
+            # again since the read keeps its fresh record.
+            for node_id in dead | forgotten:
+                db.execute("DELETE FROM nodes WHERE node_id = ? AND expires_at <= ?", (node_id, now))
+            for node_id in forgotten:
+                db.execute("DELETE FROM node_states WHERE node_id = ?", (node_id,))
+                db.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
+
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Polls the change counter, and wakes when the next live heartbeat's
+        deadline passes (a node going silent writes nothing)."""
+        deadline = time.monotonic() + timeout_s
+        with self._tx(write=False) as db:
+            start = self._meta(db, CHANGES)
+            now = self._now()
+            row = db.execute("SELECT MIN(expires_at) FROM nodes WHERE expires_at > ?", (now,)).fetchone()
+            next_expiry = row[0] if row and row[0] is not None else None
+        while True:
+            with self._tx(write=False) as db:
+                if self._meta(db, CHANGES) != start:
+                    return True
+            if next_expiry is not None and self._now() >= next_expiry:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(POLL_S, remaining))

@@ -1,0 +1,96 @@
+"""What both registry backends share: the lifecycle and the snapshot over one consistent read (pure).
+
+A backend reads everything it holds in one transaction (`LiveRead`) and stores
+the leader's lifecycle with one fenced transaction (`_store_lifecycle`); this
+mixin turns those into `node_states`, `advance_lifecycle` and `snapshot` with
+the pure `reconciler.lifecycle.observe`, so both backends follow exactly the
+same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from reconciler.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node
+from reconciler.live import FleetPlan, Snapshot, SnapshotLane
+from reconciler.model import FlapSettings, TimingSettings
+from reconciler.registry.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
+
+
+@dataclass(frozen=True)
+class LiveRead:
+    """Everything a backend holds, read at one instant."""
+
+    now: datetime
+    # The newest record of every node the registry has facts for.
+    records: dict[str, NodeRecord] = field(default_factory=dict)
+    # Nodes whose heartbeat has not expired.
+    alive: frozenset[str] = frozenset()
+    states: dict[str, NodeState] = field(default_factory=dict)
+    drains: dict[str, DrainRequest] = field(default_factory=dict)
+    lane_available: dict[str, bool] = field(default_factory=dict)
+    lane_in_flight: dict[str, int] = field(default_factory=dict)
+    plan: FleetPlan | None = None
+    leader: LeaderInfo | None = None
+    epoch: int = 0
+
+
+class LifecycleMixin:
+    """Needs `timing`, `flap`, `_read()` and `_store_lifecycle()` from the backend."""
+
+    timing: TimingSettings
+    flap: FlapSettings
+
+    def _read(self) -> LiveRead:  # pragma: no cover - provided by the backend
+        raise NotImplementedError
+
+    def _store_lifecycle(
+        self,
+        leadership: Leadership,
+        changed: dict[str, NodeState],
+        dead: set[str],
+        forgotten: set[str],
+    ) -> None:  # pragma: no cover - provided by the backend
+        """In one transaction fenced by `leadership`: store the changed states,
+        drop the facts of dead nodes, delete every record of forgotten ones."""
+        raise NotImplementedError
+
+    def _observe(self, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:
+        return observe(read.states, read.records, read.alive, read.drains, read.now, self.timing, self.flap)
+
+    def node_states(self) -> list[NodeState]:
+        states, _ = self._observe(self._read())
+        return [states[k] for k in sorted(states)]
+
+    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
+        read = self._read()
+        states, events = self._observe(read)
+        changed = {k: v for k, v in states.items() if read.states.get(k) != v}
+        dead = {k for k, v in states.items() if v.status == "dead" and k in read.records}
+        forgotten = set(read.states) - set(states)
+        if changed or dead or forgotten:
+            self._store_lifecycle(leadership, changed, dead, forgotten)
+        return events
+
+    def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
+        read = self._read()
+        states, _ = self._observe(read)
+        nodes = [n for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
+        lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
+        return Snapshot(
+            now=read.now,
+            nodes=nodes,
+            lanes=[
+                SnapshotLane(
+                    id=lane,
+                    available=read.lane_available.get(lane, True),
+                    in_flight=read.lane_in_flight.get(lane, 0),
+                )
+                for lane in lane_ids
+            ],
+            placements=list(read.plan.placements) if read.plan else [],
+            leader=read.leader.candidate if read.leader else None,
+            epoch=read.epoch,
+        )
