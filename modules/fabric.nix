@@ -1,0 +1,415 @@
+# services.fabric: the fabric reconciler on a NixOS host.
+#
+# Every host runs fabric-reconcile.timer: one pass every `interval` (load the
+# desired state, probe, heartbeat, render, activate, audit to the journal).
+# Leader candidates also run fabric-leader.service.
+#
+# The unit values here mirror reconciler/units.py, which scripts/join.sh
+# installs on hosts without NixOS; tests/unit/test_nix_module.py evaluates this
+# file and fails if command, timer or hardening differ.
+#
+# Living beside NixOS's own services:
+# - Units the fabric renders go to /run/systemd/system (`unitDir`): NixOS keeps
+#   /etc/systemd/system read-only in the Nix store, /run/systemd/system is in
+#   systemd's search path below /etc (a unit NixOS declares always wins over
+#   one of the same name), and switch-to-configuration never stops units it did
+#   not declare. /run is empty after boot; the first pass (OnBootSec) renders
+#   them again.
+# - Caddy: services.caddy imports the fabric's site snippet
+#   (`import /etc/caddy/fabric*.caddy`, a glob so Caddy starts before the
+#   first pass wrote it); the NixOS-built Caddyfile stays the one config and a
+#   reload of caddy.service picks the snippet up.
+# - nftables: the fabric owns only `table inet fabric`. NixOS's nftables
+#   service flushes the whole ruleset on reload when given a raw ruleset
+#   (`flushRuleset`); this module defaults that to false so a
+#   `nixos-rebuild switch` keeps the fabric's table. A `flush ruleset` line in
+#   your own networking.nftables.ruleset would still remove it until the next
+#   pass (at most `interval` later).
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+
+let
+  cfg = config.services.fabric;
+  settingsFormat = pkgs.formats.toml { };
+
+  dropNulls = lib.filterAttrs (_: value: value != null);
+
+  # node.toml: the options below, then `settings` on top (settings wins).
+  nodeSettings = lib.recursiveUpdate (
+    {
+      node = dropNulls {
+        host = cfg.hostName;
+        desired = cfg.desired.path;
+        unit_dir = cfg.unitDir;
+        state_dir = "/var/lib/fabric";
+      };
+      timer = {
+        interval = cfg.interval;
+        randomized_delay = cfg.randomizedDelaySec;
+      };
+    }
+    // lib.optionalAttrs (cfg.desired.git.remote != null) {
+      source = dropNulls {
+        inherit (cfg.desired.git) remote branch;
+        ssh_key_file = cfg.desired.git.sshKeyFile;
+        require_signed_commits = cfg.desired.git.requireSignedCommits;
+        allowed_signers_file = cfg.desired.git.allowedSignersFile;
+      };
+    }
+    // lib.optionalAttrs (cfg.registry.backend != null) {
+      registry = dropNulls {
+        inherit (cfg.registry) backend endpoints;
+        path = cfg.registry.sqlitePath;
+        ca_file = cfg.registry.caFile;
+        cert_file = cfg.registry.certFile;
+        key_file = cfg.registry.keyFile;
+      };
+    }
+  ) cfg.settings;
+
+  nodeConfigPath = "/etc/fabric/node.toml";
+  fabric = "${cfg.package}/bin/fabric";
+
+  reconcileArgv =
+    [
+      fabric
+      "reconcile"
+      "--desired"
+      nodeSettings.node.desired
+      "--unit-dir"
+      nodeSettings.node.unit_dir
+    ]
+    ++ lib.optionals (nodeSettings.node ? host) [
+      "--host"
+      nodeSettings.node.host
+    ];
+  pullArgv = [
+    fabric
+    "pull"
+    "--config"
+    nodeConfigPath
+  ];
+  leaderArgv =
+    [
+      fabric
+      "leader"
+      "run"
+      "--desired"
+      nodeSettings.node.desired
+    ]
+    ++ lib.optionals (nodeSettings.node ? host) [
+      "--host"
+      nodeSettings.node.host
+    ];
+
+  # Shared by the pass and the leader; reasons in reconciler/units.py (HARDENING).
+  # No PrivateDevices: the probe must see /dev/dri and /dev/nvidia*.
+  hardening = {
+    ProtectSystem = "strict";
+    ReadWritePaths = [
+      "-/etc/systemd/system"
+      "-/run/systemd/system"
+      "-/etc/fabric"
+      "-/etc/caddy"
+      "-/etc/rancher/k3s"
+    ];
+    StateDirectory = "fabric";
+    StateDirectoryMode = "0755";
+    RuntimeDirectory = "fabric";
+    ProtectHome = true;
+    PrivateTmp = true;
+    NoNewPrivileges = true;
+    ProtectKernelModules = true;
+    ProtectKernelLogs = true;
+    ProtectKernelTunables = true;
+    ProtectControlGroups = true;
+    ProtectClock = true;
+    ProtectHostname = true;
+    RestrictNamespaces = true;
+    RestrictRealtime = true;
+    RestrictSUIDSGID = true;
+    LockPersonality = true;
+    SystemCallArchitectures = "native";
+    RestrictAddressFamilies = "AF_UNIX AF_INET AF_INET6 AF_NETLINK";
+    UMask = "0022";
+  };
+
+  # The programs a pass calls.
+  runtimePath =
+    [
+      pkgs.nftables
+      pkgs.caddy
+      pkgs.git
+      pkgs.openssh
+      pkgs.socat
+      pkgs.iproute2
+      pkgs.pciutils
+      pkgs.util-linux
+      config.systemd.package
+    ]
+    ++ lib.optional config.services.tailscale.enable config.services.tailscale.package
+    ++ cfg.extraPackages;
+in
+{
+  options.services.fabric = {
+    enable = lib.mkEnableOption "the fabric reconciler (fabric-reconcile.timer on this host)";
+
+    package = lib.mkOption {
+      type = lib.types.package;
+      defaultText = lib.literalExpression "fabric.packages.\${pkgs.stdenv.hostPlatform.system}.default";
+      description = "The fabric package (the flake's nixosModules.default sets it).";
+    };
+
+    hostName = lib.mkOption {
+      type = lib.types.nullOr lib.types.str;
+      default = config.networking.hostName;
+      defaultText = lib.literalExpression "config.networking.hostName";
+      example = "racknerd";
+      description = "Which host of the desired state this machine is (`fabric reconcile --host`).";
+    };
+
+    desired = {
+      path = lib.mkOption {
+        type = lib.types.str;
+        default = "/var/lib/fabric/desired";
+        description = ''
+          The desired-state directory (fabric.toml and the host files). With
+          `desired.git.remote` set, the checkout the pass pulls into.
+        '';
+      };
+      git = {
+        remote = lib.mkOption {
+          type = lib.types.nullOr lib.types.str;
+          default = null;
+          example = "git@github.com:researchstack/fleet.git";
+          description = "Git remote of the desired state, fetched before each pass (`fabric pull`). Null: `desired.path` is used as it is.";
+        };
+        branch = lib.mkOption {
+          type = lib.types.str;
+          default = "main";
+          description = "Branch of the desired state to follow.";
+        };
+        sshKeyFile = lib.mkOption {
+          type = lib.types.nullOr lib.types.str;
+          default = null;
+          example = "/run/secrets/fleet-deploy-key";
+          description = "SSH deploy key for the remote, as a path (never copied into the store).";
+        };
+        requireSignedCommits = lib.mkOption {
+          type = lib.types.bool;
+          default = false;
+          description = "Accept a fetched commit only if its SSH signature verifies against `allowedSignersFile`; otherwise keep the last good checkout.";
+        };
+        allowedSignersFile = lib.mkOption {
+          type = lib.types.nullOr lib.types.str;
+          default = null;
+          example = "/etc/fabric/allowed_signers";
+          description = "ssh-keygen allowed signers file (gpg.ssh.allowedSignersFile) for `requireSignedCommits`.";
+        };
+      };
+    };
+
+    interval = lib.mkOption {
+      type = lib.types.str;
+      default = "30s";
+      description = "Time between two passes (systemd time span, OnUnitActiveSec).";
+    };
+
+    randomizedDelaySec = lib.mkOption {
+      type = lib.types.str;
+      default = "5s";
+      description = "Random delay added to each pass, so a fleet does not pass in lockstep.";
+    };
+
+    unitDir = lib.mkOption {
+      type = lib.types.str;
+      default = "/run/systemd/system";
+      description = "Where the pass writes the units it renders (`fabric reconcile --unit-dir`); must be in systemd's unit search path and writable.";
+    };
+
+    leaderCandidate = lib.mkOption {
+      type = lib.types.bool;
+      default = false;
+      description = "Run fabric-leader.service (the host must be in the fleet's leader_candidates).";
+    };
+
+    registry = {
+      backend = lib.mkOption {
+        type = lib.types.nullOr (
+          lib.types.enum [
+            "sqlite"
+            "etcd"
+          ]
+        );
+        default = null;
+        description = "This node's registry backend; null follows the fleet's [registry].";
+      };
+      sqlitePath = lib.mkOption {
+        type = lib.types.nullOr lib.types.str;
+        default = null;
+        example = "/var/lib/fabric/registry.sqlite";
+        description = "The sqlite registry file.";
+      };
+      endpoints = lib.mkOption {
+        type = lib.types.listOf lib.types.str;
+        default = [ ];
+        example = [ "https://100.101.7.10:2379" ];
+        description = "etcd client URLs.";
+      };
+      caFile = lib.mkOption {
+        type = lib.types.nullOr lib.types.str;
+        default = null;
+        description = "etcd CA certificate (path).";
+      };
+      certFile = lib.mkOption {
+        type = lib.types.nullOr lib.types.str;
+        default = null;
+        description = "etcd client certificate (path).";
+      };
+      keyFile = lib.mkOption {
+        type = lib.types.nullOr lib.types.str;
+        default = null;
+        description = "etcd client key (path; read by the fabric, never copied).";
+      };
+    };
+
+    caddy.importSnippets = lib.mkOption {
+      type = lib.types.bool;
+      default = config.services.caddy.enable;
+      defaultText = lib.literalExpression "config.services.caddy.enable";
+      description = "Make services.caddy import the fabric's site snippet (/etc/caddy/fabric.caddy).";
+    };
+
+    nftables.keepFabricTable = lib.mkOption {
+      type = lib.types.bool;
+      default = true;
+      description = "Default networking.nftables.flushRuleset to false, so reloading NixOS's ruleset keeps `table inet fabric`.";
+    };
+
+    trustTailnet = lib.mkOption {
+      type = lib.types.bool;
+      default = false;
+      description = ''
+        Trust the Tailscale interface in NixOS's firewall. An accept in the
+        fabric's own table cannot override a drop in NixOS's input chain, so
+        fabric ports on the tailnet need this (or networking.firewall ports).
+      '';
+    };
+
+    extraPackages = lib.mkOption {
+      type = lib.types.listOf lib.types.package;
+      default = [ ];
+      description = "More programs on the pass's PATH.";
+    };
+
+    settings = lib.mkOption {
+      type = lib.types.submodule { freeformType = settingsFormat.type; };
+      default = { };
+      example = {
+        bootstrap.k3s_server = "https://100.101.7.10:6443";
+        bootstrap.k3s_token_file = "/run/secrets/k3s-token";
+      };
+      description = ''
+        Extra node.toml settings (see reconciler/nodeconfig.py), merged over
+        the ones the options above produce. Rendered to /etc/fabric/node.toml.
+      '';
+    };
+  };
+
+  config = lib.mkIf cfg.enable (
+    lib.mkMerge [
+      {
+        assertions = [
+          {
+            assertion = !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
+            message = "services.fabric.desired.git.requireSignedCommits needs services.fabric.desired.git.allowedSignersFile.";
+          }
+        ];
+
+        environment.etc."fabric/node.toml".source = settingsFormat.generate "fabric-node.toml" nodeSettings;
+        # `fabric status`, `fabric plan` and friends for the operator; socat and
+        # nft at a stable path for the units the fabric renders.
+        environment.systemPackages = [
+          cfg.package
+          pkgs.socat
+          pkgs.nftables
+        ];
+
+        systemd.services.fabric-reconcile = {
+          description = "fabric: one reconcile pass of this host";
+          wants = [ "network-online.target" ];
+          after = [
+            "network-online.target"
+            "nftables.service"
+            "caddy.service"
+          ];
+          # A switch must not run or cut a pass: the timer does.
+          restartIfChanged = false;
+          stopIfChanged = false;
+          unitConfig.X-StopOnRemoval = false;
+          path = runtimePath;
+          serviceConfig =
+            hardening
+            // {
+              Type = "oneshot";
+              SyslogIdentifier = "fabric-reconcile";
+              TimeoutStartSec = "10min";
+              ExecStart = lib.concatStringsSep " " reconcileArgv;
+            }
+            // lib.optionalAttrs (nodeSettings ? source) {
+              ExecStartPre = lib.concatStringsSep " " pullArgv;
+            };
+        };
+
+        systemd.timers.fabric-reconcile = {
+          description = "fabric: reconcile this host every interval";
+          wantedBy = [ "timers.target" ];
+          timerConfig = {
+            OnBootSec = "15s";
+            OnUnitActiveSec = nodeSettings.timer.interval;
+            RandomizedDelaySec = nodeSettings.timer.randomized_delay;
+            # The default (1 min) would stretch a 30 s interval to a minute.
+            AccuracySec = "1s";
+            Persistent = true;
+          };
+        };
+
+        networking.nftables.flushRuleset = lib.mkIf cfg.nftables.keepFabricTable (lib.mkDefault false);
+
+        services.caddy.extraConfig = lib.mkIf cfg.caddy.importSnippets ''
+          import /etc/caddy/fabric*.caddy
+        '';
+        # The pass writes there (ProtectSystem=strict leaves only existing
+        # directories writable).
+        systemd.tmpfiles.rules = [
+          "d /etc/fabric 0755 root root -"
+        ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
+
+        networking.firewall.trustedInterfaces = lib.mkIf cfg.trustTailnet [
+          config.services.tailscale.interfaceName
+        ];
+      }
+
+      (lib.mkIf cfg.leaderCandidate {
+        systemd.services.fabric-leader = {
+          description = "fabric: campaign for leadership and publish the plan";
+          wantedBy = [ "multi-user.target" ];
+          wants = [ "network-online.target" ];
+          after = [ "network-online.target" ];
+          path = runtimePath;
+          serviceConfig = hardening // {
+            Type = "simple";
+            SyslogIdentifier = "fabric-leader";
+            Restart = "always";
+            RestartSec = "5s";
+            ExecStart = lib.concatStringsSep " " leaderArgv;
+          };
+        };
+      })
+    ]
+  );
+}

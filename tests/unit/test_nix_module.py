@@ -1,0 +1,271 @@
+"""The NixOS module, the flake and the Python unit definitions agree.
+
+Every .nix file must parse. modules/fabric.nix is evaluated offline (nix-instantiate
+with tests/unit/nix/eval-module.nix standing in for nixpkgs' lib and pkgs) and
+its fabric-reconcile service and timer and fabric-leader service are compared
+with reconciler/units.py, the definitions `scripts/join.sh` installs: command,
+timer and every hardening setting. A change on one side only fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from reconciler.nodeconfig import NodeConfig
+from reconciler.units import (
+    HARDENING,
+    Install,
+    leader_service,
+    reconcile_service,
+    reconcile_timer,
+)
+from tests.conftest import REPO, require
+
+EVAL_MODULE = REPO / "tests" / "unit" / "nix" / "eval-module.nix"
+MODULE = REPO / "modules" / "fabric.nix"
+PACKAGE = "/nix/store/11111111111111111111111111111111-fabric-reconciler-0.1.0"
+NODE_TOML = "/etc/fabric/node.toml"
+
+# Settings a unit may give several times: a single Nix string is one of them.
+LIST_KEYS = {"ReadWritePaths", "ExecStartPre"}
+
+
+def nix_files() -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.nix"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    return sorted(REPO / p for p in out)
+
+
+def nix_eval(expr_file: Path, *, args: dict[str, str] | None = None, attr_expr: str | None = None) -> object:
+    require("nix-instantiate")
+    argv = ["nix-instantiate", "--eval", "--strict", "--json", "--store", "dummy://"]
+    for name, value in (args or {}).items():
+        argv += ["--arg", name, value]
+    if attr_expr is not None:
+        argv += ["-E", attr_expr]
+    else:
+        argv.append(str(expr_file))
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def nix_value(value: object) -> str:
+    """A Nix value as systemd writes it into a unit (NixOS: true -> "true")."""
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    return str(value)
+
+
+def normalized(config: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, list):
+            out[key] = tuple(nix_value(v) for v in value)
+        elif key in LIST_KEYS:
+            out[key] = (nix_value(value),)
+        else:
+            out[key] = nix_value(value)
+    return out
+
+
+def evaluate(user: str, **flags: str) -> dict:
+    """The module evaluated with `services.fabric = { enable = true; package = ...; } // user`."""
+    config = f'{{ enable = true; package = {{ outPath = "{PACKAGE}"; }}; }} // ({user})'
+    args = {"module": str(MODULE), "userConfig": config, **flags}
+    result = nix_eval(EVAL_MODULE, args=args)
+    assert isinstance(result, dict)
+    return result
+
+
+def python_install(module_result: dict) -> Install:
+    """What join.sh would install for the node.toml the module renders."""
+    node = NodeConfig.model_validate(module_result["node"])
+    return Install(fabric_bin=f"{PACKAGE}/bin/fabric", node=node, config_path=NODE_TOML)
+
+
+CONFIGS = {
+    "defaults": ("{ }", {}),
+    "edge-with-git": (
+        '{ hostName = "racknerd"; interval = "45s"; randomizedDelaySec = "10s";'
+        ' desired.git = { remote = "git@github.com:researchstack/fleet.git"; branch = "prod";'
+        ' sshKeyFile = "/run/secrets/deploy"; requireSignedCommits = true;'
+        ' allowedSignersFile = "/etc/fabric/allowed_signers"; }; }',
+        {"caddyEnable": "true"},
+    ),
+    "leader-local-path": (
+        '{ hostName = "lux"; leaderCandidate = true; desired.path = "/srv/fleet"; unitDir = "/etc/systemd/system.control"; }',
+        {"tailscaleEnable": "true"},
+    ),
+}
+
+
+# --------------------------------------------------------------------------
+
+
+def test_every_nix_file_parses() -> None:
+    require("nix-instantiate")
+    files = nix_files()
+    names = {str(f.relative_to(REPO)) for f in files}
+    assert {"flake.nix", "modules/fabric.nix", "nix/package.nix", "nix/vm-test.nix"} <= names
+    for path in files:
+        proc = subprocess.run(["nix-instantiate", "--parse", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{path}: {proc.stderr}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_reconcile_service_matches_python_definition(name: str) -> None:
+    user, flags = CONFIGS[name]
+    result = evaluate(user, **flags)
+    nix_service = result["services"]["fabric-reconcile"]
+    python_unit = reconcile_service(python_install(result)).values("Service")
+    assert normalized(nix_service["serviceConfig"]) == python_unit
+    # A switch never restarts or stops a pass.
+    assert nix_service["restartIfChanged"] is False
+    assert nix_service["stopIfChanged"] is False
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_reconcile_timer_matches_python_definition(name: str) -> None:
+    user, flags = CONFIGS[name]
+    result = evaluate(user, **flags)
+    nix_timer = result["timers"]["fabric-reconcile"]
+    python_timer = reconcile_timer(python_install(result))
+    assert normalized(nix_timer["timerConfig"]) == python_timer.values("Timer")
+    assert nix_timer["wantedBy"] == [python_timer.values("Install")["WantedBy"]]
+
+
+def test_leader_service_only_on_candidates_and_matches_python() -> None:
+    assert "fabric-leader" not in evaluate("{ }")["services"]
+    user, flags = CONFIGS["leader-local-path"]
+    result = evaluate(user, **flags)
+    nix_leader = result["services"]["fabric-leader"]
+    assert normalized(nix_leader["serviceConfig"]) == leader_service(python_install(result)).values("Service")
+
+
+def test_hardening_is_shared_and_complete() -> None:
+    result = evaluate("{ }")
+    service_config = normalized(result["services"]["fabric-reconcile"]["serviceConfig"])
+    for key, value in HARDENING.items():
+        assert service_config[key] == value, key
+    # The probe must see GPUs: no PrivateDevices on either side.
+    assert "PrivateDevices" not in service_config
+
+
+def test_settings_reach_node_toml_and_the_command() -> None:
+    result = evaluate(CONFIGS["edge-with-git"][0])
+    node = NodeConfig.model_validate(result["node"])
+    assert node.node.host == "racknerd"
+    assert node.node.unit_dir == "/run/systemd/system"
+    assert node.source is not None and node.source.branch == "prod" and node.source.require_signed_commits
+    assert node.timer.interval == "45s"
+    service = result["services"]["fabric-reconcile"]["serviceConfig"]
+    assert service["ExecStart"].split() == [
+        f"{PACKAGE}/bin/fabric", "reconcile", "--desired", "/var/lib/fabric/desired",
+        "--unit-dir", "/run/systemd/system", "--host", "racknerd",
+    ]
+    assert service["ExecStartPre"].split() == [f"{PACKAGE}/bin/fabric", "pull", "--config", NODE_TOML]
+    assert result["timers"]["fabric-reconcile"]["timerConfig"]["OnUnitActiveSec"] == "45s"
+
+
+def test_free_form_settings_override_the_options() -> None:
+    result = evaluate('{ settings.timer.interval = "2min"; settings.bootstrap.k3s_server = "https://100.101.7.10:6443";'
+                      ' settings.bootstrap.k3s_token_file = "/run/secrets/k3s-token"; }')
+    node = NodeConfig.model_validate(result["node"])
+    assert node.timer.interval == "2min"
+    assert node.bootstrap.k3s_token_file == "/run/secrets/k3s-token"
+    assert result["timers"]["fabric-reconcile"]["timerConfig"]["OnUnitActiveSec"] == "2min"
+
+
+def test_no_pull_without_a_git_remote() -> None:
+    result = evaluate("{ }")
+    assert "ExecStartPre" not in result["services"]["fabric-reconcile"]["serviceConfig"]
+    assert "source" not in result["node"]
+
+
+def test_signed_commits_need_allowed_signers() -> None:
+    result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = true; }; }')
+    assert [a["assertion"] for a in result["assertions"]] == [False]
+    result = evaluate(CONFIGS["edge-with-git"][0])
+    assert all(a["assertion"] for a in result["assertions"])
+
+
+def test_caddy_and_nftables_integration() -> None:
+    plain = evaluate("{ }")
+    assert plain["flushRuleset"] is False
+    assert plain["caddyExtraConfig"] is None
+    with_caddy = evaluate("{ }", caddyEnable="true")
+    assert with_caddy["caddyExtraConfig"].strip() == "import /etc/caddy/fabric*.caddy"
+    kept = evaluate("{ nftables.keepFabricTable = false; }")
+    assert kept["flushRuleset"] is None
+    trusted = evaluate("{ trustTailnet = true; }", tailscaleEnable="true")
+    assert trusted["trustedInterfaces"] == ["tailscale0"]
+
+
+def test_pass_path_has_the_programs_it_calls() -> None:
+    path = evaluate("{ }", tailscaleEnable="true")["services"]["fabric-reconcile"]["path"]
+    names = {p.split("-", 1)[1] for p in path}
+    assert {"nftables", "caddy", "git", "openssh", "socat", "iproute2", "systemd", "tailscale"} <= names
+    without_tailscale = evaluate("{ }")["services"]["fabric-reconcile"]["path"]
+    assert not any(p.endswith("-tailscale") for p in without_tailscale)
+
+
+def test_flake_outputs_for_both_systems() -> None:
+    expr = f"""
+    let
+      flake = import {REPO}/flake.nix;
+      stubLib = {{ genAttrs = names: f: builtins.listToAttrs (map (n: {{ name = n; value = f n; }}) names); mkDefault = x: x; }};
+      stubPkgs = system: {{
+        inherit system;
+        stdenv.hostPlatform.system = system;
+        callPackage = path: args: {{ package = path; }};
+        testers.runNixOSTest = test: {{ vmTest = test; }};
+        mkShell = args: args;
+        python3.withPackages = f: "python";
+      }};
+      nixpkgs = {{ lib = stubLib; legacyPackages = stubLib.genAttrs [ "x86_64-linux" "aarch64-linux" ] stubPkgs; }};
+      outputs = flake.outputs {{ self = outputs; inherit nixpkgs; }};
+      module = outputs.nixosModules.default {{ lib = stubLib; pkgs = stubPkgs "aarch64-linux"; }};
+    in {{
+      inputs = builtins.attrNames flake.inputs;
+      packages = builtins.mapAttrs (_: builtins.attrNames) outputs.packages;
+      packageFile = map toString [ outputs.packages.x86_64-linux.default.package ];
+      checks = builtins.mapAttrs (_: builtins.attrNames) outputs.checks;
+      devShells = builtins.mapAttrs (_: builtins.attrNames) outputs.devShells;
+      formatter = builtins.attrNames outputs.formatter;
+      moduleImports = map toString module.imports;
+      modulePackage = toString module.services.fabric.package.package;
+    }}
+    """
+    result = nix_eval(Path("-"), attr_expr=expr)
+    systems = ["aarch64-linux", "x86_64-linux"]
+    assert result["inputs"] == ["nixpkgs"]
+    assert result["packages"] == {s: ["default", "fabric"] for s in systems}
+    assert result["packageFile"] == [str(REPO / "nix" / "package.nix")]
+    assert result["checks"] == {s: ["package", "vm"] for s in systems}
+    assert result["devShells"] == {s: ["default"] for s in systems}
+    assert result["formatter"] == systems
+    assert result["moduleImports"] == [str(MODULE)]
+    assert result["modulePackage"] == str(REPO / "nix" / "package.nix")
+
+
+def test_vm_test_has_a_leader_and_an_edge_checking_the_pass_and_the_journal() -> None:
+    expr = f"""
+    let
+      test = import {REPO}/nix/vm-test.nix {{ self = {{ nixosModules.default = {{ }}; }}; }} {{
+        pkgs = {{ runCommand = name: env: script: "/nix/store/fleet"; }};
+      }};
+    in {{ nodes = builtins.attrNames test.nodes; script = test.testScript; name = test.name; }}
+    """
+    result = nix_eval(Path("-"), attr_expr=expr)
+    assert result["nodes"] == ["lux", "racknerd"]
+    for needle in ("systemctl status fabric-reconcile.timer", "journalctl -t fabric-reconcile", "ExecMainStatus", "nft list table inet fabric"):
+        assert needle in result["script"], needle
