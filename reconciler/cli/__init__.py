@@ -22,6 +22,8 @@ EXIT_INVALID = 2
 COMMAND_MODULES = [
     "validate",
     "probe",
+    "units",
+    "status",
 ]
 
 
