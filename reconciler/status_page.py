@@ -72,20 +72,25 @@ def status_site_address(desired: DesiredState) -> str:
     return f"{desired.fleet.fleet.status_subdomain}.{desired.fleet.fleet.domain}"
 
 
-def caddy_site(desired: DesiredState, root: str = STATUS_ROOT) -> str:
-    """A Caddyfile site block serving the page (for the edge host's Caddy snippet).
+def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str | None = None, bind: str | None = None) -> str:
+    """A Caddyfile site block serving the page (for the edge host's Caddy config).
 
+    `address` defaults to `status.<domain>` (Caddy then gets it a certificate);
+    `bind` limits the listener to one address (the edge's public one, say).
     Read-only static files; `no-store` so a phone never shows a stale pass,
     and a strict CSP that the page (no script, inline CSS only) satisfies.
     """
-    return (
-        f"{status_site_address(desired)} {{\n"
-        f"\troot * {root}\n"
-        "\tfile_server\n"
-        "\theader {\n"
-        '\t\tCache-Control "no-store"\n'
-        "\t\tContent-Security-Policy \"default-src 'none'; style-src 'unsafe-inline'\"\n"
-        '\t\tX-Content-Type-Options "nosniff"\n'
-        "\t}\n"
-        "}\n"
-    )
+    lines = [f"{address or status_site_address(desired)} {{"]
+    if bind:
+        lines.append(f"\tbind {bind}")
+    lines += [
+        f"\troot * {root}",
+        "\tfile_server",
+        "\theader {",
+        '\t\tCache-Control "no-store"',
+        "\t\tContent-Security-Policy \"default-src 'none'; style-src 'unsafe-inline'\"",
+        '\t\tX-Content-Type-Options "nosniff"',
+        "\t}",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
