@@ -179,22 +179,11 @@ def host_arch(host: HostConfig, facts: NodeFacts) -> str | None:
     return _ARCH_ALIASES.get((facts.hardware.arch or "").lower())
 
 
-def parse_os_release(text: str) -> dict[str, str]:
-    values = {}
-    for line in text.splitlines():
-        key, sep, value = line.strip().partition("=")
-        if sep and key and not key.startswith("#"):
-            values[key] = value.strip().strip("\"'")
-    return values
-
-
-def needs_nftables_fix(host: HostConfig, os_release: str) -> bool:
-    """The CachyOS/Arch nftables fix: the host file decides, else os-release."""
+def needs_nftables_fix(host: HostConfig, facts: NodeFacts) -> bool:
+    """The CachyOS/Arch nftables fix: the host file decides, else the probe's os-release."""
     if host.host.nftables_fix is not None:
         return host.host.nftables_fix
-    release = parse_os_release(os_release)
-    ids = {release.get("ID", "").lower(), *release.get("ID_LIKE", "").lower().split()}
-    return bool(ids & {"arch", "cachyos"})
+    return facts.os is not None and (facts.os.arch_based or facts.os.id == "cachyos")
 
 
 # --------------------------------------------------------------------------
@@ -368,7 +357,6 @@ def render(
     plan: FleetPlan,
     *,
     layout: Layout = Layout(),
-    os_release: str = "",
     templates: Path = TEMPLATES_DIR,
 ) -> Rendered:
     """Every artifact of `host_name`; raise RenderError if it cannot be done."""
@@ -451,7 +439,7 @@ def render(
         tailnet=TAILNET,
         tcp_ports=[str(p) for p in sorted(tcp_ports)],
         udp_ports=[str(p) for p in sorted(udp_ports)],
-        nftables_fix=needs_nftables_fix(host, os_release),
+        nftables_fix=needs_nftables_fix(host, facts),
     )
     artifacts.append(Artifact(layout.nft_file, nft_text, 0o644, "nft"))
     nft_load = " ".join(systemd_quote(a) for a in (layout.nft, "-f", "/" + layout.nft_file))

@@ -1,0 +1,49 @@
+"""fabric plan: what `fabric reconcile` would do with the same options; writes nothing.
+
+    fabric plan --host racknerd --root sandbox     the plan as text a person reads
+    fabric plan ... --json                         the same as JSON
+
+It reads the disk and the generations under the root (and, unless
+--no-activate, asks systemd which units are running) but takes no lock and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from reconciler.cli import EXIT_FAILED, EXIT_OK
+from reconciler.cli.reconcile import add_pass_options, applier_for, prepare, real_wiring
+from reconciler.ports import ActivationError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="show what a reconcile pass would write, restart, start and stop")
+    add_pass_options(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    inputs = prepare(args)
+    if isinstance(inputs, int):
+        return inputs
+    applier = applier_for(args, real_wiring(args))
+    try:
+        plan, unfinished = applier.compute_plan(inputs.rendered.artifacts)
+    except ActivationError as exc:
+        print(f"fabric plan: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        body = plan.to_json()
+        body["host"] = inputs.host
+        body["unfinished_activation"] = unfinished
+        body["notes"] = list(inputs.rendered.notes)
+        print(json.dumps(body, indent=2))
+    else:
+        if unfinished:
+            print("the last pass did not finish activating; this pass completes it")
+        sys.stdout.write(plan.text())
+    return EXIT_OK

@@ -1,0 +1,294 @@
+"""fabric reconcile: one pass of this host (what fabric-reconcile.service runs).
+
+    load + validate the desired state  (exit 2 on bad input, nothing written)
+    probe this machine (or --replay a capture)
+    read the fleet plan                (fleet_plan_for: the one seam to the registry)
+    render -> plan -> new generation -> validate -> install -> activate
+    audit every action (journal, or JSON lines on stderr)
+
+`--root DIR` runs the whole pass against a sandbox root: every file, the state
+directory and the lock live under DIR. `--no-activate` stops after installing
+the files (and skips the real validation unless --validate), so a pass runs on
+a machine without systemd, nft or Caddy.
+
+`fabric plan` (reconciler.cli.plan) shares the options and the preparation
+below and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from reconciler.apply import STATE_DIR, Activators, Applier, PassResult, Validators
+from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from reconciler.cli.common import add_desired, load_or_report
+from reconciler.live import FleetPlan, LaneView, Snapshot, SnapshotNode
+from reconciler.model import TIER_SCORE, DesiredState, NodeFacts
+from reconciler.ports import ActivationError, Audit, Clock, LockBusy
+from reconciler.render import Layout, Rendered, RenderError, render
+from reconciler.scheduler import schedule
+
+KILL_AT_STEP_ENV = "FABRIC_KILL_AT_STEP"
+
+
+def add_pass_options(p: argparse.ArgumentParser) -> None:
+    add_desired(p)
+    p.add_argument("--host", metavar="NAME", help="which host of the desired state this machine is (default: its host name)")
+    p.add_argument("--root", metavar="DIR", type=Path, default=Path("/"), help="root the files go under (a sandbox; default /)")
+    p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture (fabric probe --capture) instead of probing")
+    p.add_argument("--plan-file", metavar="FILE", type=Path, help="the fleet plan as JSON (default: computed locally)")
+    p.add_argument(
+        "--unit-dir",
+        metavar="DIR",
+        default=Layout().unit_dir,
+        help=f"where units go, relative to the root (default: {Layout().unit_dir}; a NixOS host: run/systemd/system)",
+    )
+    p.add_argument("--state-dir", metavar="DIR", default=STATE_DIR, help=f"generations and lock, relative to the root (default: {STATE_DIR})")
+    p.add_argument("--no-activate", action="store_true", help="write the files but activate nothing (and skip the real checks)")
+    p.add_argument("--validate", action="store_true", help="with --no-activate: still run systemd-analyze, nft -c and caddy validate")
+    p.add_argument(
+        "--systemd-bus",
+        metavar="ADDRESS",
+        default=os.environ.get("FABRIC_SYSTEMD_BUS"),
+        help="D-Bus address of the systemd to activate through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
+    )
+    p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API (edge hosts)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("reconcile", help="one pass: render, plan, write a generation, validate, activate")
+    add_pass_options(p)
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------
+# Seams: the probe and the fleet plan
+
+
+def probe_host(host: str, replay: str | None) -> NodeFacts:
+    """This machine's facts, probed live or re-parsed from a capture.
+    Raises CaptureError for an unreadable capture directory."""
+    from reconciler.adapters.commands import SubprocessRunner
+    from reconciler.adapters.probe_io import CaptureDirectory, LocalFiles
+    from reconciler.probe import RawCapture, facts_from_capture
+    from reconciler.probe.collect import collect_live
+
+    if replay:
+        outputs, errors = CaptureDirectory().load(replay)
+        capture = RawCapture(outputs, errors)
+    else:
+        capture = collect_live(SubprocessRunner(), LocalFiles())
+    return facts_from_capture(capture, host=host)
+
+
+def fleet_plan_for(state: DesiredState, host: str, facts: NodeFacts, plan_file: Path | None, now: datetime) -> FleetPlan:
+    """The fleet plan this pass renders from.
+
+    THE seam to the registry: today a --plan-file, else a plan the scheduler
+    computes locally over this host alone (a one-host fleet: every service
+    this host can run is placed here). The lead replaces the fallback with the
+    registry's newest plan (and its epoch fence) without touching the rest.
+    Raises ValueError for an unreadable or invalid plan file.
+    """
+    if plan_file is not None:
+        try:
+            return FleetPlan.model_validate_json(plan_file.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{plan_file}: cannot read: {exc.strerror or exc}") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+            raise ValueError(f"{plan_file}: {where}: {first['msg']}") from None
+    host_config = state.hosts[host]
+    tier = facts.tier
+    if host_config.overrides.tier is not None and TIER_SCORE[host_config.overrides.tier] < TIER_SCORE[tier]:
+        tier = host_config.overrides.tier  # an override can only lower the probe's tier
+    node = SnapshotNode(
+        node_id=host,
+        tier=tier,
+        max_concurrent_tasks=host_config.limits.max_concurrent_tasks or facts.limitations.max_concurrent_tasks,
+        arch=facts.hardware.arch,
+        labels=dict(facts.labels),
+    )
+    lanes = [LaneView(id=b.id, kind=b.kind, rank=b.rank, cap=b.cap, in_flight=0, available=True) for b in state.lanes]
+    plan = schedule(Snapshot(now=now, nodes=[node]), state, leader=host, epoch=0)
+    return plan.model_copy(update={"lanes": plan.lanes or lanes})
+
+
+# --------------------------------------------------------------------------
+# Preparing a pass (shared with `fabric plan`)
+
+
+@dataclass
+class PassInputs:
+    state: DesiredState
+    host: str
+    facts: NodeFacts
+    fleet_plan: FleetPlan
+    rendered: Rendered
+    layout: Layout
+
+
+def _this_host_name() -> str:
+    return socket.gethostname().split(".")[0].lower()
+
+
+def prepare(args: argparse.Namespace, *, probe: Callable[[str, str | None], NodeFacts] = probe_host) -> PassInputs | int:
+    """Load, probe, read the plan and render; an exit status on bad input."""
+    state = load_or_report(args.desired)
+    if state is None:
+        return EXIT_INVALID
+    host = args.host or _this_host_name()
+    if host not in state.hosts:
+        print(
+            f"{state.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(state.hosts))}); use --host NAME",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    try:
+        facts = probe(host, args.replay)
+    except Exception as exc:  # CaptureError and friends: a bad --replay directory
+        print(f"fabric: probe: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        fleet_plan = fleet_plan_for(state, host, facts, args.plan_file, datetime.now(timezone.utc))
+    except ValueError as exc:
+        print(f"fabric: plan: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    layout = Layout(unit_dir=args.unit_dir.strip("/"))
+    try:
+        rendered = render(state, host, facts, fleet_plan, layout=layout)
+    except RenderError as exc:
+        print(f"fabric: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    for note in rendered.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return PassInputs(state, host, facts, fleet_plan, rendered, layout)
+
+
+# --------------------------------------------------------------------------
+# Wiring
+
+
+@dataclass
+class Wiring:
+    """The ports a pass uses. `real_wiring` builds the real ones; tests build fakes."""
+
+    audit: Audit
+    clock: Clock
+    validators: Validators | None
+    activators: Activators | None
+
+
+def kill_checkpoint_from_env() -> Callable[[str], None]:
+    """FABRIC_KILL_AT_STEP=K: SIGKILL this process at the K-th step of the pass.
+
+    For the crash-consistency tests, which kill a real pass at every step in
+    turn and check that the next pass converges."""
+    raw = os.environ.get(KILL_AT_STEP_ENV, "")
+    if not raw.isdigit():
+        return lambda step: None
+    target = int(raw)
+    count = 0
+
+    def checkpoint(step: str) -> None:
+        nonlocal count
+        count += 1
+        if count == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return checkpoint
+
+
+def real_wiring(args: argparse.Namespace) -> Wiring:
+    from reconciler.adapters.clock import SystemClock
+    from reconciler.adapters.commands import SubprocessRunner
+    from reconciler.adapters.journal import JournalAudit
+
+    runner = SubprocessRunner()
+    validators = None
+    activators = None
+    if not args.no_activate or args.validate:
+        from reconciler.adapters.caddy import CaddyAdmin
+        from reconciler.adapters.nftables import NftCommand
+        from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
+
+        caddy = CaddyAdmin(runner, admin_address=args.caddy_admin)
+        nft = NftCommand(runner)
+        validators = Validators(SystemdAnalyzeVerifier(runner), nft, caddy)
+        if not args.no_activate:
+            from reconciler.adapters.systemd_dbus import SystemdDbus
+
+            activators = Activators(SystemdDbus(args.systemd_bus), nft, caddy)
+    return Wiring(JournalAudit(), SystemClock(), validators, activators)
+
+
+def applier_for(args: argparse.Namespace, wiring: Wiring, checkpoint: Callable[[str], None] | None = None) -> Applier:
+    from reconciler.adapters.files import FlockLock, LocalTree
+
+    state_dir = args.state_dir.strip("/")
+    return Applier(
+        LocalTree(args.root),
+        FlockLock(Path(args.root) / state_dir / "lock"),
+        wiring.audit,
+        wiring.clock,
+        validators=wiring.validators,
+        activators=wiring.activators,
+        state_dir=state_dir,
+        checkpoint=checkpoint or kill_checkpoint_from_env(),
+    )
+
+
+# --------------------------------------------------------------------------
+# The pass
+
+
+def report(result: PassResult) -> int:
+    if result.outcome in ("applied", "written"):
+        sys.stdout.write(result.plan.text(files_done=True, activation_done=result.outcome == "applied"))
+    elif result.outcome in ("rolled-back", "failed"):
+        sys.stdout.write(result.plan.text(files_done=True))
+    for message in result.messages:
+        print(message, file=sys.stderr)
+    if result.outcome == "noop":
+        print(f"nothing to do (generation {result.generation})" if result.generation else "nothing to do")
+    elif result.outcome == "applied":
+        print(f"generation {result.generation} is active")
+    elif result.outcome == "written":
+        print(f"generation {result.generation} written, not activated (--no-activate)")
+    elif result.outcome == "invalid":
+        print("pass stopped before installing anything", file=sys.stderr)
+    elif result.outcome == "rolled-back":
+        print(f"pass failed; generation {result.generation} is active again", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Callable[[str, str | None], NodeFacts] = probe_host) -> int:
+    inputs = prepare(args, probe=probe)
+    if isinstance(inputs, int):
+        return inputs
+    wiring = wiring or real_wiring(args)
+    applier = applier_for(args, wiring)
+    try:
+        result = applier.run(inputs.rendered.artifacts, host=inputs.host, epoch=inputs.fleet_plan.epoch)
+    except LockBusy as exc:
+        print(f"fabric reconcile: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ActivationError as exc:
+        print(f"fabric reconcile: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return report(result)
+
+
+def run(args: argparse.Namespace) -> int:
+    return execute(args)
