@@ -147,3 +147,56 @@ class CaptureStore(Protocol):
     def load(self, directory: str) -> tuple[dict[str, str], dict[str, str]]:
         """(outputs, errors) as saved; a file that is not there is not in outputs."""
         ...
+
+
+# --------------------------------------------------------------------------
+# Files of a pass (render, plan and apply): the root the artifacts go to (the
+# host's / or a sandbox) and the generations under its state directory. The
+# adapter is reconciler.adapters.files.LocalTree.
+
+
+class FileTree(Protocol):
+    """Files under one root. Paths are relative to the root, '/'-separated,
+    never absolute and never containing '..'."""
+
+    def read(self, path: str) -> bytes | None:
+        """The file's bytes, or None if there is no such file."""
+        ...
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+        ...
+
+    def remove(self, path: str) -> None:
+        """Remove a file (absent is fine) and fsync its directory."""
+        ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names in a directory, sorted; [] if there is no such directory."""
+        ...
+
+    def rename(self, source: str, target: str) -> None:
+        """Atomic rename (a file or a whole directory), then fsync the directory."""
+        ...
+
+    def remove_tree(self, path: str) -> None:
+        """Remove a directory and everything in it (absent is fine)."""
+        ...
+
+    def real_path(self, path: str) -> str:
+        """The absolute path of `path` on this machine (for programs like systemd-analyze)."""
+        ...
+
+
+class PassLock(Protocol):
+    """One pass at a time per host (flock on a lock file in the state directory)."""
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockBusy at once."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class LockBusy(Exception):
+    """Another pass holds the lock; the message names it."""

@@ -24,6 +24,10 @@ COMMAND_MODULES = [
     "probe",
     "units",
     "status",
+    "reconcile",
+    "plan",
+    "generations",
+    "rollback",
 ]
 
 
