@@ -6,8 +6,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FABRIC_VENV:-$ROOT/.venv}"
 
 # Debian packages: nft, socat, caddy, etcd, systemd-nspawn/dbus for systemd as
-# PID 1 in a container, iproute2 for namespaces, nix for evaluating the module.
-DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin)
+# PID 1 in a container, iproute2 for namespaces, nix for evaluating the module,
+# chromium (status page), prometheus (promtool) and prometheus-node-exporter
+# (the metrics textfile).
+DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin chromium prometheus prometheus-node-exporter)
 
 install_debian_packages() {
   local missing=()
