@@ -28,6 +28,10 @@ COMMAND_MODULES = [
     "plan",
     "generations",
     "rollback",
+    "nodes",
+    "leader",
+    "drain",
+    "registry",
 ]
 
 

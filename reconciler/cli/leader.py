@@ -1,0 +1,145 @@
+"""fabric leader: who leads and the epoch; `fabric leader run --host NAME` is fabric-leader.service.
+
+`fabric leader [--json]` prints the current leader, the epoch and the newest
+plan's epoch (exit 0 also when nobody leads).
+
+`fabric leader run --host NAME [--lease-ttl S] [--once]` is the long-running
+loop of a leader candidate (`reconciler.registry.leader_loop`): campaign, keep
+the lease alive, watch the registry, advance the node lifecycle and publish
+the scheduler's plan when it changes. NAME must be in fleet.leader_candidates
+(exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
+leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
+`--once` does one step, resigns and exits (a reconcile pass on a single host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from reconciler.cli.registry_options import (
+    add_registry_options,
+    failure_status,
+    open_from_args,
+    registry_failed,
+    stamp,
+)
+from reconciler.desired import load_desired
+from reconciler.registry import RegistryError, RegistryUnavailable
+from reconciler.registry.leader_loop import LeaderLoop
+
+
+def _ttl(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is outside 1..3600 seconds")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("leader", help="show the leader and epoch; 'leader run --host NAME' campaigns and leads")
+    add_registry_options(p)
+    p.add_argument("action", nargs="?", choices=["show", "run"], default="show", help="show (default) or run the leader loop")
+    p.add_argument("--json", action="store_true", help="show: machine-readable output")
+    p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate)")
+    p.add_argument("--lease-ttl", type=_ttl, metavar="S", help="run: leader lease TTL in seconds (default timing.heartbeat_s)")
+    p.add_argument("--once", action="store_true", help="run: one step, then exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "run":
+        return _run_loop(args)
+    opened = open_from_args(args)
+    if opened is None:
+        return failure_status(args)
+    _, registry = opened
+    try:
+        info = registry.leader()
+        epoch = registry.epoch()
+        plan = registry.newest_plan()
+    except RegistryError as exc:
+        return registry_failed(args, exc)
+    finally:
+        registry.close()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "leader": info.candidate if info else None,
+                    "since": info.since.isoformat() if info else None,
+                    "term_epoch": info.epoch if info else None,
+                    "epoch": epoch,
+                    "plan_epoch": plan.epoch if plan else None,
+                },
+                indent=2,
+            )
+        )
+        return EXIT_OK
+    if info is None:
+        print(f"no leader; epoch {epoch}")
+    else:
+        print(f"{info.candidate} leads since {stamp(info.since)} (term began at epoch {info.epoch}); epoch {epoch}")
+    print(f"newest plan: epoch {plan.epoch} by {plan.leader}" if plan else "newest plan: none published")
+    return EXIT_OK
+
+
+def _log(message: str) -> None:
+    print(f"fabric-leader: {message}", file=sys.stderr, flush=True)
+
+
+def _run_loop(args: argparse.Namespace) -> int:
+    if not args.host:
+        print("fabric leader run: --host NAME is required", file=sys.stderr)
+        return EXIT_INVALID
+    opened = open_from_args(args)
+    if opened is None:
+        return failure_status(args)
+    desired, registry = opened
+    if args.host not in desired.fleet.fleet.leader_candidates:
+        registry.close()
+        print(
+            f"fabric leader run: {args.host!r} is not in fleet.leader_candidates "
+            f"({', '.join(desired.fleet.fleet.leader_candidates)})",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    try:
+        from reconciler.scheduler import schedule
+    except ImportError:  # the scheduler ships separately; without it the leader keeps the lifecycle only
+        schedule = None
+        _log("reconciler.scheduler not available: no plans will be published")
+
+    loop = LeaderLoop(
+        registry=registry,
+        host=args.host,
+        load_desired=lambda: load_desired(args.desired),
+        schedule=schedule,
+        lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
+        log=_log,
+    )
+    try:
+        if args.once:
+            # One step, then resign: the next one-shot process campaigns anew
+            # instead of waiting for this lease to lapse.
+            try:
+                loop.step()
+                if loop.leadership is not None:
+                    registry.resign(loop.leadership)
+            except RegistryUnavailable as exc:
+                _log(f"registry unreachable: {exc}")
+                return EXIT_FAILED
+            return EXIT_OK
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: loop.stop())
+        _log(f"{args.host} campaigning (lease TTL {loop.lease_ttl_s:g} s)")
+        loop.run()
+        return EXIT_OK
+    finally:
+        registry.close()

@@ -1,0 +1,90 @@
+"""fabric nodes: every node with its tier, status, utilization, last beat and hold-off.
+
+Lists what the registry knows (its lifecycle as of now), plus each host the
+desired state declares that has never sent a heartbeat. `--json` gives the
+full lifecycle states, transitions included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from reconciler.cli import EXIT_OK
+from reconciler.cli.registry_options import (
+    add_registry_options,
+    failure_status,
+    open_from_args,
+    registry_failed,
+    stamp,
+)
+from reconciler.lifecycle import NodeState
+from reconciler.registry import RegistryError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("nodes", help="list the fleet's nodes: tier, status, utilization, last seen, hold-off")
+    add_registry_options(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output (lifecycle states with transitions)")
+    p.set_defaults(func=run)
+
+
+def _utilization(state: NodeState) -> str:
+    record = state.record
+    if record is None:
+        return "-"
+    if record.max_concurrent_tasks <= 0:
+        return f"{record.in_flight}/0"
+    return f"{record.in_flight}/{record.max_concurrent_tasks} ({100 * record.in_flight / record.max_concurrent_tasks:.0f}%)"
+
+
+def run(args: argparse.Namespace) -> int:
+    opened = open_from_args(args)
+    if opened is None:
+        return failure_status(args)
+    desired, registry = opened
+    try:
+        snapshot = registry.snapshot()
+        states = registry.node_states()
+    except RegistryError as exc:
+        return registry_failed(args, exc)
+    finally:
+        registry.close()
+    now = snapshot.now
+    known = {s.node_id for s in states}
+    never_seen = sorted(set(desired.hosts) - known)
+
+    if args.json:
+        out = {
+            "now": now.isoformat(),
+            "leader": snapshot.leader,
+            "epoch": snapshot.epoch,
+            "nodes": [
+                {
+                    **json.loads(s.model_dump_json()),
+                    "tier": s.record.tier if s.record else None,
+                    "utilization": (s.record.in_flight / s.record.max_concurrent_tasks)
+                    if s.record and s.record.max_concurrent_tasks > 0
+                    else None,
+                    "declared": s.node_id in desired.hosts,
+                }
+                for s in states
+            ],
+            "never_seen": never_seen,
+        }
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+
+    rows = [("NODE", "TIER", "STATUS", "UTILIZATION", "LAST SEEN", "HELD OFF UNTIL")]
+    for s in states:
+        status = s.status + (" (drained)" if s.drained else "")
+        if s.node_id not in desired.hosts:
+            status += " [undeclared]"
+        held = stamp(s.held_off_until, now) if s.held_off(now) else "-"
+        rows.append((s.node_id, s.record.tier if s.record else "-", status, _utilization(s), stamp(s.last_seen, now), held))
+    for host in never_seen:
+        rows.append((host, "-", "never seen", "-", "-", "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return EXIT_OK
