@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import jinja2
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
 from reconciler.ports import ActivationError
+from reconciler.render import TEMPLATES_DIR
 from tests.conftest import require, require_root
 from tests.harness.netns import Namespace, network_lab, tcp_probe
 
@@ -183,3 +185,50 @@ def test_missing_nft_program_is_an_activation_error() -> None:
     nft = NftCommand(SubprocessRunner(), nft="/nonexistent/nft")
     with pytest.raises(ActivationError, match="not installed"):
         nft.check(FABRIC_ALLOWS_8080)
+
+
+def test_the_empty_ruleset_removes_only_the_fabric_table(topology: Topology) -> None:
+    # What apply loads when a host no longer has a ruleset at all.
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    other_before = topology.other_table()
+
+    topology.nft.apply("table inet fabric\ndelete table inet fabric\n")
+
+    tables = [t for t in topology.server.check("nft", "list", "tables").split("\n") if t]
+    assert tables == ["table ip other"]
+    assert topology.other_table() == other_before
+    assert topology.probe(8081) == "connected"
+
+
+def render_fabric_template(**values: object) -> str:
+    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return environment.get_template("fabric.nft.j2").render(**values)
+
+
+def test_rendered_fabric_template_admits_fabric_ports_from_the_fabric_network_only() -> None:
+    """templates/fabric.nft.j2 with the tailnet played by 10.250.1.0/24: a fabric
+    port answers a peer inside it, is dropped for one outside it, and a port the
+    fabric does not own is left to the host's own policy."""
+    require_root()
+    require("ip", "nft", "socat", "python3", "ss")
+    ruleset = render_fabric_template(host="server", tailnet="10.250.1.0/24", tcp_ports=["8080"], udp_ports=[], nftables_fix=True)
+    with network_lab() as lab:
+        peer, outsider, server = lab.namespace("peer"), lab.namespace("outsider"), lab.namespace("server")
+        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
+        lab.link(outsider, "10.250.2.1/24", server, "10.250.2.2/24")
+        for port in (8080, 8081):
+            server.spawn("socat", f"TCP-LISTEN:{port},fork,reuseaddr", "EXEC:/bin/cat")
+        for port in (8080, 8081):
+            server.wait_listening(port)
+        nft = NftCommand(SubprocessRunner(), prefix=server.exec_prefix)
+
+        nft.check(ruleset)
+        nft.apply(ruleset)
+        nft.apply(ruleset)  # the template's own prologue keeps a second load idempotent
+
+        assert tcp_probe(peer, SERVER_ADDRESS, 8080) == "connected"
+        assert tcp_probe(outsider, "10.250.2.2", 8080) == "timeout"
+        assert tcp_probe(outsider, "10.250.2.2", 8081) == "connected"
+        listed = server.check("nft", "list", "table", "inet", "fabric")
+        assert listed.count("tcp dport 8080 accept") == 1
+        assert 'iifname "tailscale0" accept' in listed  # the CachyOS/Arch forward fix loaded
