@@ -157,10 +157,14 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
 
     Lanes come from the desired state (the only source of what lanes exist:
     a lane the registry reports but git does not declare is not shown). Their
-    in-flight count and availability come from the plan's lane view when there
-    is one (the scheduler's own numbers, dispatches of this pass included),
-    else from the snapshot; a lane neither mentions has the snapshot's
-    defaults (online, nothing in flight).
+    in-flight count and availability come from the snapshot, which is never
+    older than the plan (a published plan's lane view is a copy of the
+    snapshot it was made from, possibly minutes ago); the plan's view fills in
+    a lane the snapshot does not mention, and a lane neither mentions has the
+    snapshot's defaults (online, nothing in flight), as the scheduler assumes.
+
+    The leader is the registry's current one (the plan's when the snapshot
+    names none); the epoch is the plan's, else the snapshot's.
     """
     now = _aware(now)
     return FleetStatus(
@@ -169,7 +173,7 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
         now=now,
         lanes=_lane_cards(desired, snapshot, plan),
         nodes=_node_rows(desired, snapshot, plan, now),
-        leader=plan.leader if plan is not None else snapshot.leader,
+        leader=snapshot.leader or (plan.leader if plan is not None else None),
         epoch=plan.epoch if plan is not None else snapshot.epoch,
         plan_known=plan is not None,
         waiting=_deferred(plan, inadmissible=False),
@@ -178,9 +182,8 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
 
 
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
-    observed = {lane.id: (lane.available, lane.in_flight) for lane in snapshot.lanes}
-    if plan is not None:
-        observed.update({lane.id: (lane.available, lane.in_flight) for lane in plan.lanes})
+    observed = {lane.id: (lane.available, lane.in_flight) for lane in plan.lanes} if plan is not None else {}
+    observed.update({lane.id: (lane.available, lane.in_flight) for lane in snapshot.lanes})
     cards = []
     for lane in desired.lanes:
         available, in_flight = observed.get(lane.id, (True, 0))

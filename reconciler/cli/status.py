@@ -1,11 +1,15 @@
 """fabric status: lane cards, nodes, leader and epoch, deferred work.
 
-    fabric status [--desired DIR] [--snapshot FILE [--plan FILE]] [--json] [--watch [SECONDS]]
+    fabric status [--desired DIR] [--registry-path FILE | --snapshot FILE [--plan FILE]]
+                  [--json] [--watch [SECONDS]]
 
-With `--snapshot FILE` it shows a saved snapshot (`fabric registry export`) as
-of the instant it was taken, and the plan the scheduler makes for it (a
-what-if), or the saved plan given with `--plan FILE`. Without `--snapshot` it
-reads the live registry (`read_live`).
+Without `--snapshot` it reads the live registry fabric.toml's [registry] names
+(or the sqlite file `--registry-path` / $FABRIC_REGISTRY): its snapshot now and
+the newest published plan. With `--snapshot FILE` it shows a saved snapshot
+(`fabric registry export`) as of the instant it was taken, and the plan the
+scheduler makes for it (a what-if), or the saved plan given with `--plan FILE`.
+
+Exit status: 0 shown; 1 the registry cannot be reached; 2 bad input.
 
 `--watch` redraws in place every SECONDS (default 2), re-reading every input
 each time; Ctrl-C ends it with status 0. With `--json` each refresh is one JSON
@@ -27,11 +31,13 @@ from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from reconciler.cli import EXIT_INVALID, EXIT_OK
+from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired
 from reconciler.desired import DesiredStateError, load_desired
 from reconciler.live import FleetPlan, Snapshot
 from reconciler.model import DesiredState
+from reconciler.registry import RegistryError
+from reconciler.registry.factory import open_registry
 from reconciler.scheduler import schedule
 from reconciler.status import fleet_status, render_text, status_document
 
@@ -45,7 +51,16 @@ Model = TypeVar("Model", bound=BaseModel)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="lane cards, nodes, leader and deferred work")
     add_desired(p)
-    p.add_argument("--snapshot", metavar="FILE", type=Path, help="show this saved snapshot instead of the live registry")
+    source = p.add_mutually_exclusive_group()
+    registry_env = os.environ.get("FABRIC_REGISTRY")
+    source.add_argument(
+        "--registry-path",
+        metavar="FILE",
+        type=Path,
+        default=Path(registry_env) if registry_env else None,
+        help="read this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY, else [registry])",
+    )
+    source.add_argument("--snapshot", metavar="FILE", type=Path, help="show this saved snapshot instead of the live registry")
     p.add_argument(
         "--plan",
         metavar="FILE",
@@ -85,9 +100,17 @@ class Inputs:
 class InputError(Exception):
     """Bad input: `problems` are `file: key.path: reason` lines."""
 
+    exit_status = EXIT_INVALID
+
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+class Unreachable(InputError):
+    """The live registry did not answer (not the operator's input: exit 1)."""
+
+    exit_status = EXIT_FAILED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except InputError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)
-        return EXIT_INVALID
+        return exc.exit_status
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if args.watch is None:
         sys.stdout.write(frame(first, as_json=args.json, color=color))
@@ -123,7 +146,7 @@ def gather(args: argparse.Namespace) -> Inputs:
     except DesiredStateError as exc:
         raise InputError([str(p) for p in exc.problems]) from None
     if args.snapshot is None:
-        return read_live(desired)
+        return read_live(desired, args.registry_path)
     snapshot = load_json_model(args.snapshot, Snapshot)
     if args.plan is not None:
         plan = load_json_model(args.plan, FleetPlan)
@@ -138,18 +161,25 @@ def plan_for_snapshot(desired: DesiredState, snapshot: Snapshot) -> FleetPlan:
     return schedule(snapshot, desired)
 
 
-def read_live(desired: DesiredState) -> Inputs:
-    """The seam to the live registry: its snapshot, the published plan, the clock.
-
-    The registry reader (reconciler.registry) is not wired into the CLI yet;
-    until it is, a saved snapshot is the only input.
-    """
-    raise InputError(
-        [
-            "fabric status: reading the live registry is not available yet; "
-            "pass --snapshot FILE (a saved snapshot, e.g. from another host's registry)"
-        ]
-    )
+def read_live(desired: DesiredState, sqlite_path: Path | None) -> Inputs:
+    """The live registry: its snapshot now and the newest published plan."""
+    settings = desired.fleet.registry
+    if sqlite_path is not None or settings.backend == "sqlite":
+        # Opening a sqlite registry creates it: looking must not do that.
+        path = Path(sqlite_path or settings.path)
+        if not path.is_file():
+            raise Unreachable([f"fabric status: registry: {path}: no such registry (has any host joined?)"])
+    try:
+        registry = open_registry(desired.fleet, sqlite_path=sqlite_path)
+        try:
+            # Every declared lane, so a lane nobody reported yet still gets a card.
+            snapshot = registry.snapshot([lane.id for lane in desired.lanes])
+            plan = registry.newest_plan()
+        finally:
+            registry.close()
+    except RegistryError as exc:
+        raise Unreachable([f"fabric status: registry: {exc}"]) from None
+    return Inputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
 
 
 def load_json_model(path: Path, model: type[Model]) -> Model:

@@ -245,8 +245,8 @@ def test_caddy_serves_the_newest_pass_with_no_store(status_site, fixture_inputs)
     headers, first = status_site.get()
 
     # Next pass: x86-spill's probe answers again.
-    back = [lane.model_copy(update={"available": True}) for lane in plan.lanes]
-    status_site.publish(render_status_page(status_site.desired, snapshot, plan.model_copy(update={"lanes": back}), snapshot.now))
+    back = snapshot.model_copy(update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]})
+    status_site.publish(render_status_page(status_site.desired, back, plan, back.now))
     _, second = status_site.get()
 
     assert headers["Cache-Control"] == "no-store"

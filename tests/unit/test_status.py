@@ -127,15 +127,25 @@ def test_no_backends_declared_means_the_implicit_local_lane(desired):
     assert [c.text for c in cards] == ["LOCAL · local  RANK 99  0/1"]
 
 
-def test_the_plans_lane_view_wins_over_the_snapshot(desired, snapshot, plan):
-    # The leader dispatched a second job to a1-arm64 in this pass.
-    lanes = [lane.model_copy(update={"in_flight": 2}) if lane.id == "a1-arm64" else lane for lane in plan.lanes]
-    newer = plan.model_copy(update={"lanes": lanes})
+def test_the_snapshot_is_fresher_than_the_plans_lane_view(desired, snapshot, plan):
+    # The plan was made when x86-spill's probe failed; it answers again now.
+    now_online = snapshot.model_copy(
+        update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]}
+    )
 
-    cards = fleet_status(desired, snapshot, newer, NOW).lanes
+    cards = fleet_status(desired, now_online, plan, NOW).lanes
 
-    # The snapshot says 1/2; the plan, made after it, says 2/2.
-    assert cards[0].text == "COMPUTE · a1-arm64  RANK 10  2/2"
+    assert [c.available for c in cards] == [True, True, True]
+
+
+def test_the_plans_lane_view_fills_in_lanes_the_snapshot_does_not_mention(desired, plan):
+    cards = fleet_status(desired, Snapshot(now=NOW), plan, NOW).lanes
+
+    assert [c.text for c in cards] == [
+        "COMPUTE · a1-arm64  RANK 10  1/2",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline",
+        "LOCAL · local  RANK 99  0/1",
+    ]
 
 
 def test_only_declared_lanes_are_shown(desired):

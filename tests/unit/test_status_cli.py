@@ -64,13 +64,6 @@ def test_json_is_one_document_for_scripts(capsys):
     assert (doc["leader"], doc["epoch"]) == ("lux", 7)
 
 
-def test_without_a_snapshot_it_asks_for_one_until_the_registry_is_wired(capsys):
-    code, out, err = fabric_status(capsys)
-
-    assert (code, out) == (EXIT_INVALID, "")
-    assert "pass --snapshot FILE" in err
-
-
 def test_a_bad_snapshot_names_file_key_path_and_reason(capsys, tmp_path):
     bad = tmp_path / "snap.json"
     bad.write_text(json.dumps({"nodes": [{"node_id": "lux", "tier": "quantum"}]}))
@@ -212,3 +205,65 @@ def test_bad_input_mid_watch_is_shown_and_watching_goes_on(capsys, tmp_path, mon
         "fabric status: cannot read the inputs:",
         f"{snapshot}: (document): Invalid JSON: key must be a string at line 1 column 2",
     ]
+
+
+# --------------------------------------------------------------------------
+# The live registry (the embedded sqlite backend, a file in tmp)
+
+
+def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
+    from reconciler.desired import load_desired
+    from reconciler.live import FleetPlan
+    from reconciler.registry.factory import open_registry
+    from reconciler.registry.records import NodeRecord
+    from reconciler.scheduler import schedule
+
+    desired = load_desired(EXAMPLE_FLEET)
+    path = tmp_path / "registry.sqlite"
+    registry = open_registry(desired.fleet, sqlite_path=path)
+    try:
+        registry.heartbeat(NodeRecord(node_id="a1-arm64", tier="cpu_ffmpeg", arch="aarch64", max_concurrent_tasks=2))
+        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2))
+        registry.report_lane("x86-spill", False)
+        leadership = registry.campaign("lux", ttl_s=60)
+        assert leadership is not None
+        plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired)
+        published: FleetPlan = registry.publish_plan(leadership, plan)
+    finally:
+        registry.close()
+
+    code, out, err = fabric_status(capsys, "--registry-path", str(path), "--json")
+
+    doc = json.loads(out)
+    assert (code, err) == (EXIT_OK, "")
+    assert [lane["card"] for lane in doc["lanes"]] == [
+        "COMPUTE · a1-arm64  RANK 10  0/2",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline",
+        "LOCAL · local  RANK 99  0/1",
+    ]
+    assert {n["node"]: n["status"] for n in doc["nodes"]} == {
+        "a1-arm64": "active",
+        "lux": "active",
+        "qfox-1": "not reporting",
+        "racknerd": "not reporting",
+        "x86-spill": "not reporting",
+    }
+    assert (doc["leader"], doc["epoch"]) == ("lux", published.epoch)
+    assert [d["service"] for d in doc["deferred"]["inadmissible"]] == ["lupine"]
+
+
+def test_a_missing_sqlite_registry_is_not_created_by_looking(capsys, tmp_path):
+    path = tmp_path / "registry.sqlite"
+
+    code, out, err = fabric_status(capsys, "--registry-path", str(path))
+
+    assert (code, out) == (1, "")
+    assert err == f"fabric status: registry: {path}: no such registry (has any host joined?)\n"
+    assert not path.exists()
+
+
+def test_registry_path_and_snapshot_exclude_each_other(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        main(["status", "--registry-path", str(tmp_path / "r.sqlite"), "--snapshot", str(SNAPSHOT)])
+    assert exit.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
