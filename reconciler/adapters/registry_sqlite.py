@@ -345,13 +345,16 @@ class SqliteRegistry(LifecycleMixin):
                 db.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
 
     def wait_for_change(self, timeout_s: float) -> bool:
-        """Polls the change counter, and wakes when the next live heartbeat's
-        deadline passes (a node going silent writes nothing)."""
+        """Polls the change counter, and wakes when the next deadline of a live
+        heartbeat or of the leader's term passes (an expiry writes nothing)."""
         deadline = time.monotonic() + timeout_s
         with self._tx(write=False) as db:
             start = self._meta(db, CHANGES)
             now = self._now()
-            row = db.execute("SELECT MIN(expires_at) FROM nodes WHERE expires_at > ?", (now,)).fetchone()
+            row = db.execute(
+                "SELECT MIN(e) FROM (SELECT expires_at AS e FROM nodes UNION ALL SELECT expires_at FROM leader) WHERE e > ?",
+                (now,),
+            ).fetchone()
             next_expiry = row[0] if row and row[0] is not None else None
         while True:
             with self._tx(write=False) as db:

@@ -1,0 +1,347 @@
+"""The node lifecycle (pure), driven with an injected clock: no sleeping.
+
+A `Fleet` plays the registry: it keeps the stored states, each node's newest
+record, the drains, and judges liveness like the sqlite backend
+(`alive_at`: beat time + timeout against `now`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reconciler.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node
+from reconciler.live import FleetPlan
+from reconciler.model import FlapSettings, TimingSettings
+from reconciler.registry.fencing import accept_plan
+from reconciler.registry.records import DrainRequest, NodeRecord
+
+T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+TIMING = TimingSettings()  # 30 s beats, 90 s timeout, 45 s relayed beats, 300 s drain grace
+FLAP = FlapSettings()  # 3 toggles in 300 s -> held off 600 s
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+class Fleet:
+    def __init__(self, timing: TimingSettings = TIMING, flap: FlapSettings = FLAP) -> None:
+        self.timing, self.flap = timing, flap
+        self.states: dict = {}
+        self.records: dict[str, NodeRecord] = {}
+        self.drains: dict[str, DrainRequest] = {}
+        self.events: list = []
+
+    def beat(self, node: str, t: float, *, relayed: bool = False, tier: str = "cpu_ffmpeg") -> None:
+        self.records[node] = NodeRecord(
+            node_id=node,
+            tier=tier,
+            max_concurrent_tasks=4,
+            in_flight=1,
+            relayed=relayed,
+            beat_at=at(t),
+            timeout_s=heartbeat_timeout(self.timing, relayed),
+        )
+
+    def drain(self, node: str, t: float, grace: float) -> None:
+        self.drains[node] = DrainRequest(node_id=node, requested_at=at(t), grace_s=grace)
+
+    def undrain(self, node: str) -> None:
+        del self.drains[node]
+
+    def tick(self, t: float) -> list:
+        now = at(t)
+        self.states, events = observe(
+            self.states, self.records, alive_at(self.records, now), self.drains, now, self.timing, self.flap
+        )
+        # The backend drops a dead node's facts and a forgotten node's everything.
+        for node_id in list(self.records):
+            state = self.states.get(node_id)
+            if state is None or state.status == "dead":
+                del self.records[node_id]
+        self.events += events
+        return events
+
+    def status(self, node: str) -> str:
+        return self.states[node].status
+
+
+def test_first_heartbeat_makes_a_node_active_with_the_reason_recorded():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    events = fleet.tick(0)
+    assert fleet.status("qfox-1") == "active"
+    assert [(e.node_id, e.transition.status, e.transition.reason) for e in events] == [("qfox-1", "active", "first heartbeat")]
+    assert fleet.states["qfox-1"].transitions[0].at == at(0)
+    assert fleet.states["qfox-1"].last_seen == at(0)
+
+
+def test_a_node_stays_active_while_beats_arrive_and_is_offline_after_three_missed_beats():
+    fleet = Fleet()
+    for t in range(0, 301, 30):
+        fleet.beat("qfox-1", t)
+        fleet.tick(t)
+        assert fleet.status("qfox-1") == "active"
+    fleet.tick(300 + 89)
+    assert fleet.status("qfox-1") == "active", "89 s of silence is fewer than 3 missed beats"
+    events = fleet.tick(300 + 90)
+    assert fleet.status("qfox-1") == "offline"
+    (event,) = events
+    assert event.transition.status == "offline"
+    assert "evacuate" in event.transition.reason and "90 s" in event.transition.reason
+    assert fleet.states["qfox-1"].last_seen == at(300)
+
+
+def test_a_relayed_node_gets_45_s_beats_before_it_is_offline():
+    assert heartbeat_timeout(TIMING, relayed=False) == 90
+    assert heartbeat_timeout(TIMING, relayed=True) == 135
+    fleet = Fleet()
+    fleet.beat("racknerd", 0, relayed=True)
+    fleet.beat("lux", 0, relayed=False)
+    fleet.tick(0)
+    fleet.tick(100)
+    assert fleet.status("lux") == "offline"
+    assert fleet.status("racknerd") == "active", "a DERP-relayed path is slow, not silent"
+    fleet.tick(134)
+    assert fleet.status("racknerd") == "active"
+    events = fleet.tick(135)
+    assert fleet.status("racknerd") == "offline"
+    assert "relayed path" in events[0].transition.reason
+
+
+def test_offline_node_is_dead_after_the_drain_grace_then_forgotten():
+    fleet = Fleet()
+    fleet.beat("a1-arm64", 0)
+    fleet.tick(0)
+    fleet.tick(90)
+    assert fleet.status("a1-arm64") == "offline"
+    assert snapshot_node(fleet.states["a1-arm64"]).status == "offline", "an offline node still shows, with its tier"
+    fleet.tick(90 + 299)
+    assert fleet.status("a1-arm64") == "offline"
+    events = fleet.tick(90 + 300)
+    assert fleet.status("a1-arm64") == "dead"
+    assert "garbage-collected" in events[0].transition.reason
+    assert fleet.states["a1-arm64"].record is None and "a1-arm64" not in fleet.records
+    assert snapshot_node(fleet.states["a1-arm64"]) is None
+    events = fleet.tick(90 + 600)
+    assert "a1-arm64" not in fleet.states
+    assert [e.forget for e in events] == [True]
+
+
+def test_a_dead_node_that_beats_again_is_active():
+    fleet = Fleet()
+    fleet.beat("x86-spill", 0)
+    fleet.tick(0)
+    fleet.tick(90)
+    fleet.tick(400)
+    assert fleet.status("x86-spill") == "dead"
+    fleet.beat("x86-spill", 450)
+    fleet.tick(450)
+    assert fleet.status("x86-spill") == "active"
+    assert fleet.states["x86-spill"].record is not None
+
+
+def _flap_once(fleet: Fleet, node: str, t: float) -> float:
+    """Offline at t + 90 (one toggle), back at t + 100 (another). Returns the time it came back."""
+    fleet.tick(t + 90)
+    assert fleet.status(node) == "offline"
+    fleet.beat(node, t + 100)
+    fleet.tick(t + 100)
+    assert fleet.status(node) == "active"
+    return t + 100
+
+
+def test_three_toggles_within_the_window_hold_a_node_off_for_600_s():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    fleet.tick(0)
+    back = _flap_once(fleet, "qfox-1", 0)  # toggles at 90 and 100
+    assert fleet.states["qfox-1"].held_off_until is None, "two toggles are not a flap"
+    events = fleet.tick(back + 90)  # third toggle at 190, within 300 s of the first
+    assert fleet.status("qfox-1") == "offline"
+    held = fleet.states["qfox-1"].held_off_until
+    assert held == at(190 + 600)
+    assert any(e.transition.status == "held_off" and "3 toggles within 300 s" in e.transition.reason for e in events)
+    # Back again: active, but no new placements until the hold-off ends.
+    fleet.beat("qfox-1", 200)
+    fleet.tick(200)
+    node = snapshot_node(fleet.states["qfox-1"])
+    assert node.status == "active" and node.held_off_until == at(790)
+    for t in range(230, 790, 30):
+        fleet.beat("qfox-1", t)
+        fleet.tick(t)
+        assert fleet.states["qfox-1"].held_off(at(t))
+    fleet.beat("qfox-1", 790)
+    events = fleet.tick(790)
+    assert fleet.states["qfox-1"].held_off_until is None
+    assert [e.transition.status for e in events] == ["released"]
+
+
+def test_toggles_spread_wider_than_the_window_are_not_a_flap():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    fleet.tick(0)
+    fleet.tick(90)  # toggle 1
+    fleet.beat("qfox-1", 250)
+    fleet.tick(250)  # toggle 2
+    fleet.tick(400)  # toggle 3 at 400: toggle 1 (at 90) left the 300 s window
+    assert fleet.status("qfox-1") == "offline"
+    assert fleet.states["qfox-1"].held_off_until is None
+
+
+def test_flap_settings_are_honoured():
+    fleet = Fleet(flap=FlapSettings(window_s=60, toggles=2, hold_off_s=30))
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    fleet.tick(90)
+    fleet.beat("lux", 100)
+    fleet.tick(100)  # 2 toggles within 60 s
+    assert fleet.states["lux"].held_off_until == at(130)
+
+
+def test_drain_with_grace_stops_new_work_at_once_and_moves_work_off_after_the_grace():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    fleet.tick(0)
+    fleet.drain("qfox-1", 10, grace=60)
+    events = fleet.tick(10)
+    state = fleet.states["qfox-1"]
+    assert state.status == "draining" and not state.drained
+    assert [e.transition.status for e in events] == ["drain", "draining"]
+    fleet.beat("qfox-1", 40)
+    fleet.tick(69)
+    assert not fleet.states["qfox-1"].drained, "its work stays during the grace"
+    events = fleet.tick(70)
+    assert fleet.states["qfox-1"].drained and fleet.status("qfox-1") == "draining"
+    assert "grace of 60 s over" in events[0].transition.reason
+    assert snapshot_node(fleet.states["qfox-1"]).drained
+    fleet.undrain("qfox-1")
+    events = fleet.tick(71)
+    state = fleet.states["qfox-1"]
+    assert state.status == "active" and not state.drained and state.drain is None
+    assert [e.transition.status for e in events] == ["undrain", "active"]
+
+
+def test_drain_without_grace_is_drained_at_once():
+    fleet = Fleet()
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    fleet.drain("lux", 5, grace=0)
+    fleet.tick(5)
+    assert fleet.states["lux"].drained
+
+
+def test_a_drained_node_that_goes_offline_and_returns_is_still_draining():
+    fleet = Fleet()
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    fleet.drain("lux", 1, grace=0)
+    fleet.tick(1)
+    fleet.tick(90)
+    assert fleet.status("lux") == "offline"
+    fleet.beat("lux", 100)
+    fleet.tick(100)
+    assert fleet.status("lux") == "draining" and fleet.states["lux"].drained
+
+
+def test_transitions_keep_time_and_reason_and_are_bounded():
+    fleet = Fleet(flap=FlapSettings(window_s=1, toggles=100, hold_off_s=1))
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    t = 0
+    for _ in range(HISTORY):
+        t = _flap_once(fleet, "lux", t)
+    transitions = fleet.states["lux"].transitions
+    assert len(transitions) == HISTORY
+    assert transitions[-1].at == at(t) and transitions[-1].reason.startswith("heartbeat again")
+    assert all(a.at <= b.at for a, b in zip(transitions, transitions[1:]))
+
+
+def test_a_node_the_registry_saw_but_the_lifecycle_never_did_shows_offline():
+    fleet = Fleet()
+    fleet.beat("x86-spill", 0)
+    fleet.tick(200)
+    assert fleet.status("x86-spill") == "offline"
+    assert fleet.states["x86-spill"].since == at(90), "it went offline when its last beat expired"
+    fleet.tick(390)
+    assert fleet.status("x86-spill") == "dead", "and is dead 300 s after that"
+
+
+def test_snapshot_node_carries_the_facts_and_the_lifecycle():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0, tier="gpu_cuda")
+    fleet.tick(0)
+    node = snapshot_node(fleet.states["qfox-1"])
+    assert (node.node_id, node.tier, node.status, node.in_flight, node.max_concurrent_tasks) == ("qfox-1", "gpu_cuda", "active", 1, 4)
+    assert node.last_seen == at(0) and node.held_off_until is None and not node.drained
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 200), st.booleans()), min_size=1, max_size=40))
+def test_a_node_that_never_misses_its_timeout_is_never_offline_or_held_off(steps):
+    """Beats at arbitrary gaps shorter than the timeout: always active, never damped."""
+    fleet = Fleet()
+    t = 0
+    fleet.beat("lux", t)
+    fleet.tick(t)
+    for gap, beat in steps:
+        gap = min(gap, 89)
+        t += gap
+        fleet.tick(t)
+        fleet.beat("lux", t)
+        fleet.tick(t)
+        assert fleet.status("lux") == "active"
+        assert fleet.states["lux"].held_off_until is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.booleans()), min_size=1, max_size=40))
+def test_hold_off_only_follows_enough_toggles_within_the_window(steps):
+    fleet = Fleet()
+    t = 0
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    toggles: list[float] = []
+    for gap, beat in steps:
+        t += gap
+        before = fleet.status("lux")
+        if beat:
+            fleet.beat("lux", t)
+        events = fleet.tick(t)
+        if "lux" not in fleet.states:  # dead long enough to be forgotten
+            break
+        after = fleet.status("lux")
+        if (before in ("active", "draining")) != (after in ("active", "draining")):
+            toggles.append(t)
+        if any(e.transition.status == "held_off" for e in events):
+            recent = [x for x in toggles if t - x < FLAP.window_s]
+            assert len(recent) >= FLAP.toggles
+            toggles.clear()
+
+
+# -- fencing ------------------------------------------------------------------
+
+
+def plan(epoch: int, leader: str = "lux") -> FleetPlan:
+    return FleetPlan(epoch=epoch, leader=leader, created=T0)
+
+
+def test_a_host_applies_a_plan_only_if_it_is_not_older_than_the_newest_applied():
+    assert accept_plan(None, plan(1)).accepted
+    assert accept_plan(4, plan(5)).accepted
+    assert accept_plan(5, plan(5)).accepted, "the plan already applied may be applied again"
+    verdict = accept_plan(6, plan(5))
+    assert not verdict and "older than the newest applied (6)" in verdict.reason
+
+
+def test_fencing_refuses_a_plan_from_a_host_that_is_not_a_leader_candidate():
+    verdict = accept_plan(1, plan(9, leader="racknerd"), leader_candidates=["lux", "qfox-1"])
+    assert not verdict.accepted and "not a leader candidate" in verdict.reason
+    assert accept_plan(1, plan(9, leader="qfox-1"), leader_candidates=["lux", "qfox-1"]).accepted
+
+
+def test_no_plan_is_not_accepted():
+    assert not accept_plan(3, None).accepted
