@@ -267,3 +267,42 @@ def test_registry_path_and_snapshot_exclude_each_other(capsys, tmp_path):
         main(["status", "--registry-path", str(tmp_path / "r.sqlite"), "--snapshot", str(SNAPSHOT)])
     assert exit.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_offline_card_is_greyed(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+
+    code = main(["status", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(SNAPSHOT)])
+
+    assert code == EXIT_OK
+    assert "\x1b[90m○ COMPUTE · x86-spill  RANK 20  0/4  offline\x1b[0m\n" in terminal.getvalue()
+    assert terminal.getvalue().count("\x1b[90m") == 1
+
+
+def test_no_color_keeps_a_terminal_plain(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setenv("NO_COLOR", "1")
+
+    main(["status", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(SNAPSHOT)])
+
+    assert "\x1b" not in terminal.getvalue()
+
+
+def test_watch_on_a_terminal_clears_and_redraws(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setattr(time, "sleep", Interrupt(frames=2))
+
+    code = main(["status", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(SNAPSHOT), "--watch"])
+
+    assert code == EXIT_OK
+    assert terminal.getvalue().count(status_cli.CLEAR_SCREEN) == 2
+    assert terminal.getvalue().startswith(status_cli.CLEAR_SCREEN + "researchstack · leader lux")
