@@ -244,7 +244,10 @@ class SystemdDbus:
     async def _unit_properties(self, unit: str) -> dict[str, Any]:
         bus = await self._connected()
         try:
-            reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "GetUnit", "s", [unit], what="GetUnit")
+            # LoadUnit rather than GetUnit: a unit that went inactive may already be
+            # unloaded (garbage-collected); loading it again reports its real
+            # LoadState instead of pretending it does not exist.
+            reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "LoadUnit", "s", [unit], what="LoadUnit")
         except _DbusCallError as exc:
             if exc.name == NO_SUCH_UNIT:
                 return {"ActiveState": "inactive", "SubState": "dead", "LoadState": "not-found", "Result": "", "MainPID": 0, "ExecMainStatus": 0, "NRestarts": 0}

@@ -185,3 +185,19 @@ def test_unreachable_bus_raises_activation_error(tmp_path) -> None:
             adapter.daemon_reload()
     finally:
         adapter.close()
+
+
+def test_reload_that_kills_the_service_raises(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    # sleep dies of SIGHUP; ExecReload waits for that, so the outcome is settled
+    # by the time the reload job ends.
+    unit = "fabric-test-dies-on-reload.service"
+    install_unit(
+        container,
+        systemd,
+        unit,
+        "[Service]\nExecStart=/bin/sleep infinity\n"
+        "ExecReload=/bin/sh -c 'kill -HUP $MAINPID; while kill -0 $MAINPID 2>/dev/null; do sleep 0.02; done'\n",
+    )
+    systemd.start(unit)
+    with pytest.raises(ActivationError, match=r"reload fabric-test-dies-on-reload\.service: unit is no longer running after the reload; unit is inactive"):
+        systemd.reload(unit)
