@@ -13,6 +13,7 @@ reconciler rewrites it.
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from pathlib import Path
 
@@ -29,7 +30,9 @@ STATUS_ROOT = "/var/lib/fabric/status"
 STATUS_FILE = "index.html"
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
+    # One per process: compiling the template costs more than rendering it.
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         # Every value on the page (reasons, ids) came from the registry or the
