@@ -32,6 +32,8 @@ COMMAND_MODULES = [
     "leader",
     "drain",
     "registry",
+    "schedule",
+    "dispatch",
 ]
 
 
