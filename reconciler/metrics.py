@@ -28,7 +28,7 @@ from typing import Literal
 
 from reconciler.live import FleetPlan, Snapshot
 from reconciler.model import DesiredState, tier_score
-from reconciler.status import NOT_REPORTING, FleetStatus, fleet_status
+from reconciler.status import FleetStatus, fleet_status
 
 TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
 
@@ -175,7 +175,7 @@ def fleet_families(status: FleetStatus) -> list[Family]:
     draining = Family("fabric_node_draining", "gauge", "1 while a node is drained or draining.")
     last_seen = Family("fabric_node_last_seen_timestamp_seconds", "gauge", "Unix time of a node's last heartbeat.")
     for node in status.nodes:
-        current = "not_reporting" if node.status == NOT_REPORTING else node.status
+        current = node.status_id
         for state in NODE_STATES:
             node_status.add(1 if state == current else 0, node=node.node_id, status=state)
         draining.add(1 if node.draining else 0, node=node.node_id)

@@ -91,6 +91,11 @@ class NodeRow:
         return self.in_flight / self.max_concurrent_tasks
 
     @property
+    def status_id(self) -> str:
+        """The status as an identifier (JSON, metrics): `not_reporting` has no space."""
+        return self.status.replace(" ", "_")
+
+    @property
     def load(self) -> str:
         """`1/4 25%`, or `-` for a host that has never reported."""
         if self.tier is None:
@@ -363,7 +368,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
             {
                 "node": n.node_id,
                 "tier": n.tier,
-                "status": n.status,
+                "status": n.status_id,
                 "in_flight": n.in_flight,
                 "max_concurrent_tasks": n.max_concurrent_tasks,
                 "utilization": round(n.utilization, 4),

@@ -244,9 +244,9 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
     assert {n["node"]: n["status"] for n in doc["nodes"]} == {
         "a1-arm64": "active",
         "lux": "active",
-        "qfox-1": "not reporting",
-        "racknerd": "not reporting",
-        "x86-spill": "not reporting",
+        "qfox-1": "not_reporting",
+        "racknerd": "not_reporting",
+        "x86-spill": "not_reporting",
     }
     assert (doc["leader"], doc["epoch"]) == ("lux", published.epoch)
     assert [d["service"] for d in doc["deferred"]["inadmissible"]] == ["lupine"]
