@@ -447,7 +447,7 @@ class Applier:
             try:
                 call()
             except ActivationError as exc:
-                self.audit.record(action, "failed", generation=gen, reason=str(exc), **fields)
+                self.audit.record(action, "failed", **{**fields, "generation": gen, "reason": str(exc)})
                 raise ActivationError(f"{action} {fields.get('unit') or fields.get('file') or ''}: {exc}".strip()) from exc
             self.audit.record(action, "ok", generation=gen, **fields)
 

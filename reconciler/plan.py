@@ -284,7 +284,15 @@ def make_plan(
             start.append(unit)
             reasons[unit] = f"not running ({unit_states.get(unit, 'inactive')})"
 
-    units_touched = any(desired_by_path[p].kind == "unit" for p in write) or any(tracked[p] == "unit" for p in remove)
+    # systemd must re-read unit files whenever one it loaded differs from the
+    # desired one: written now, removed now, or written by a killed pass that
+    # did not get to its daemon-reload (then `running` differs, not the disk).
+    units_touched = (
+        any(desired_by_path[p].kind == "unit" for p in write)
+        or any(tracked[p] == "unit" for p in remove)
+        or any(a.kind == "unit" and running.get(p) != a.data for p, a in desired_by_path.items())
+        or bool(stop)
+    )
     nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
     if nft is not None:
         nft_load = running.get(nft.path) != nft.data

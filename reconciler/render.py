@@ -39,7 +39,6 @@ import jinja2
 from reconciler.live import FleetPlan
 from reconciler.model import (
     _LABEL_KEY_RE,
-    _LABEL_VALUE_RE,
     Backend,
     DesiredState,
     HostConfig,
@@ -339,12 +338,22 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path) -> str:
     )
 
 
+_K8S_LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def k8s_label_value(value: str) -> str:
+    """Kubernetes label values allow no ':' (the seed's "auto:foxtop",
+    "nvidia:rtx4070"); k3s refuses to start with one, so it becomes '-'."""
+    return value.replace(":", "-")
+
+
 def _labels(host: HostConfig, facts: NodeFacts, notes: list[str]) -> list[tuple[str, str]]:
-    """The probe's labels, then the host file's (the operator wins)."""
+    """The probe's labels, then the host file's (the operator wins), as k3s takes them."""
     labels: dict[str, str] = {}
     for key, value in {**facts.labels, **host.labels}.items():
-        if not _LABEL_KEY_RE.match(key) or not _LABEL_VALUE_RE.match(value):
-            notes.append(f"label {key!r}={value!r} from the probe is not a valid k3s label; left out")
+        value = k8s_label_value(value)
+        if not _LABEL_KEY_RE.match(key) or not _K8S_LABEL_VALUE_RE.match(value):
+            notes.append(f"label {key!r}={value!r} is not a valid k3s label; left out")
             continue
         labels[key] = value
     return sorted(labels.items())

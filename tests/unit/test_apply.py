@@ -1,0 +1,518 @@
+"""apply: generations, validation before anything is touched, phased activation
+and rollback, against a model of systemd, nft and Caddy (`FakeMachine`).
+
+The files are real (LocalTree under tmp_path); only the activation ports are
+fakes. FakeMachine behaves like the real programs in the ways that matter
+here: systemd reads unit files from disk only at daemon-reload, and a
+started or restarted unit runs what was loaded at that moment. So "converged"
+means: every desired unit is active and runs the desired content, nothing
+else the fabric wrote is active, nft and Caddy hold the desired texts.
+
+FakeMachine keeps its state in a JSON file, so the crash tests
+(test_apply_crash.py) can use it from a subprocess that is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.files import FlockLock, LocalTree
+from reconciler.apply import Activators, Applier, GenerationStore, Validators, list_generations
+from reconciler.cli import build_parser
+from reconciler.cli.reconcile import Wiring, execute
+from reconciler.ports import ActivationError, LockBusy
+from reconciler.render import Artifact
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+UNIT_DIR = "etc/systemd/system"
+
+
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+class FakeMachine:
+    """systemd (Systemd port), nftables (Nftables) and Caddy (Caddy) as one
+    persisted model. `fail` maps "action" or "action unit" to a message:
+    the next such call raises ActivationError (once)."""
+
+    def __init__(self, root: Path, state_file: Path, fail: dict[str, str] | None = None) -> None:
+        self.root = Path(root)
+        self.state_file = Path(state_file)
+        self.fail = dict(fail or {})
+        if self.state_file.exists():
+            self.state = json.loads(self.state_file.read_text())
+        else:
+            self.state = {"loaded": {}, "running": {}, "active": [], "nft": None, "caddy": None, "calls": []}
+
+    def _save(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
+        os.replace(tmp, self.state_file)
+
+    def _call(self, action: str, arg: str = "") -> None:
+        self.state["calls"].append([action, arg])
+        self._save()
+        # One-shot: a failing step fails once (the rollback's retry succeeds).
+        message = self.fail.pop(f"{action} {arg}".strip(), None) or self.fail.pop(action, None)
+        if message:
+            raise ActivationError(message)
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        return [tuple(c) for c in self.state["calls"]]  # type: ignore[misc]
+
+    def forget_calls(self) -> None:
+        self.state["calls"] = []
+        self._save()
+
+    # Systemd
+    def daemon_reload(self) -> None:
+        self._call("daemon-reload")
+        unit_dir = self.root / UNIT_DIR
+        self.state["loaded"] = {
+            p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")
+        } if unit_dir.is_dir() else {}
+        self._save()
+
+    def _run_unit(self, action: str, unit: str) -> None:
+        self._call(action, unit)
+        if unit not in self.state["loaded"]:
+            raise ActivationError(f"Unit {unit} not found.")
+        self.state["running"][unit] = self.state["loaded"][unit]
+        if unit not in self.state["active"]:
+            self.state["active"].append(unit)
+        self._save()
+
+    def start(self, unit: str) -> None:
+        self._run_unit("start", unit)
+
+    def restart(self, unit: str) -> None:
+        self._run_unit("restart", unit)
+
+    def reload(self, unit: str) -> None:
+        self._call("reload", unit)
+        if unit not in self.state["active"]:
+            raise ActivationError(f"{unit} is not active, cannot reload")
+
+    def stop(self, unit: str) -> None:
+        self._call("stop", unit)
+        if unit in self.state["active"]:
+            self.state["active"].remove(unit)
+        self.state["running"].pop(unit, None)
+        self._save()
+
+    def active_state(self, unit: str) -> str:
+        return "active" if unit in self.state["active"] else "inactive"
+
+    # Nftables
+    def check(self, ruleset: str) -> None:
+        message = self.fail.get("nft-check")
+        if message:
+            raise ActivationError(message)
+
+    def apply(self, ruleset: str) -> None:
+        self._call("nft-load")
+        self.state["nft"] = sha(ruleset)
+        self._save()
+
+    # Caddy
+    def validate(self, caddyfile: str) -> None:
+        message = self.fail.get("caddy-validate")
+        if message:
+            raise ActivationError(message)
+
+    def load(self, caddyfile: str) -> None:
+        self._call("caddy-load")
+        self.state["caddy"] = sha(caddyfile)
+        self._save()
+
+    def reboot(self) -> None:
+        """Nothing runs and the kernel forgot the ruleset; systemd loads the unit files anew."""
+        self.state.update(running={}, active=[], nft=None, caddy=None)
+        self.daemon_reload()
+
+
+class FakeVerifier:
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail = fail
+        self.verified: list[list[str]] = []
+
+    def verify(self, unit_paths):  # noqa: ANN001
+        self.verified.append(list(unit_paths))
+        for p in unit_paths:
+            assert Path(p).is_file(), f"verifier given a path that does not exist: {p}"
+        if self.fail:
+            raise ActivationError(self.fail)
+
+
+class RecordingAudit:
+    def __init__(self) -> None:
+        self.records: list[dict[str, str]] = []
+
+    def record(self, action: str, outcome: str, **fields: str) -> None:
+        self.records.append({"action": action, "outcome": outcome, **{k: v for k, v in fields.items() if v}})
+
+
+class FixedClock:
+    def now(self) -> float:
+        return 1_795_000_000.0
+
+
+def assert_converged(machine: FakeMachine, root: Path) -> None:
+    """What runs is what the current generation says should run."""
+    store = GenerationStore(LocalTree(root))
+    current = store.current()
+    assert current is not None
+    assert store.good() == current, "activation finished, so current is also good"
+    artifacts = store.artifacts(current)
+    for a in artifacts:
+        assert (root / a.path).read_bytes() == a.data, f"{a.path} on disk differs from generation {current}"
+    units = {a.unit: a for a in artifacts if a.unit}
+    assert sorted(machine.state["active"]) == sorted(units), "exactly the desired units are active"
+    for unit, a in units.items():
+        assert machine.state["running"][unit] == a.sha256, f"{unit} runs stale settings"
+    nft = next(a for a in artifacts if a.kind == "nft")
+    assert machine.state["nft"] == nft.sha256
+    caddy = next((a for a in artifacts if a.kind == "caddy"), None)
+    assert machine.state["caddy"] == (caddy.sha256 if caddy else None)
+
+
+# --------------------------------------------------------------------------
+# Driving whole passes through the CLI, with the fakes wired in
+
+
+def copy_fleet(tmp_path: Path) -> Path:
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    for f in (REPO / "hosts").glob("*.toml"):
+        (desired / f.name).write_text(f.read_text())
+    return desired
+
+
+def pass_args(desired: Path, root: Path, host: str, *extra: str, command: str = "reconcile") -> argparse.Namespace:
+    arch = "aarch64" if host == "a1-arm64" else "x86_64"
+    return build_parser().parse_args(
+        [
+            command,
+            "--desired", str(desired),
+            "--host", host,
+            "--root", str(root),
+            "--replay", str(GOLDEN / "probe" / arch),
+            "--plan-file", str(GOLDEN / "fleet-plan.json"),
+            *extra,
+        ]
+    )
+
+
+class Fleet:
+    """One host's sandbox: desired state copy, root, FakeMachine."""
+
+    def __init__(self, tmp_path: Path, host: str = "racknerd") -> None:
+        self.desired = copy_fleet(tmp_path)
+        self.root = tmp_path / "root"
+        self.root.mkdir()
+        self.host = host
+        self.machine = FakeMachine(self.root, tmp_path / "machine.json")
+        self.verifier = FakeVerifier()
+        self.audit = RecordingAudit()
+
+    def wiring(self, *, activate: bool = True) -> Wiring:
+        validators = Validators(self.verifier, self.machine, self.machine)
+        activators = Activators(self.machine, self.machine, self.machine) if activate else None
+        return Wiring(self.audit, FixedClock(), validators, activators)
+
+    def reconcile(self, *extra: str, activate: bool = True) -> int:
+        args = pass_args(self.desired, self.root, self.host, *extra)
+        return execute(args, self.wiring(activate=activate and not args.no_activate))
+
+    def edit_fleet(self, old: str, new: str) -> None:
+        path = self.desired / "fabric.toml"
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new))
+
+    @property
+    def store(self) -> GenerationStore:
+        return GenerationStore(LocalTree(self.root))
+
+
+# --------------------------------------------------------------------------
+# Tests
+
+
+def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    out = capsys.readouterr().out
+    assert "generation 1 is active" in out
+    assert_converged(fleet.machine, fleet.root)
+    # The real checks saw the staged units before anything was activated.
+    assert len(fleet.verifier.verified) == 1
+    assert all("/var/lib/fabric/generations/.new-1/files/" in p for p in fleet.verifier.verified[0])
+    calls = fleet.machine.calls
+    # Phases in order: daemon-reload, nft, starts, caddy.
+    assert calls[0] == ("daemon-reload", "")
+    assert calls[1] == ("nft-load", "")
+    assert [c[0] for c in calls[2:-1]] == ["start"] * (len(calls) - 3)
+    assert calls[-1] == ("caddy-load", "")
+    assert {c[1] for c in calls if c[0] == "start"} == {
+        "fabric-nftables.service",
+        "fabric-socat-lux-smb.service",
+        "fabric-socat-qfox-ssh.service",
+    }
+    # Every action is audited with its generation and content hash.
+    writes = [r for r in fleet.audit.records if r["action"] == "write"]
+    assert len(writes) == 6 and all(r["generation"] == "1" and len(r["hash"]) == 64 for r in writes)
+    assert [r["unit"] for r in fleet.audit.records if r["action"] == "start"] == [c[1] for c in calls if c[0] == "start"]
+
+
+def test_second_pass_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    before = {p: p.stat().st_mtime_ns for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    fleet.machine.forget_calls()
+    capsys.readouterr()
+    assert fleet.reconcile() == 0
+    assert capsys.readouterr().out == "nothing to do (generation 1)\n"
+    assert fleet.machine.calls == [], "a no-op pass restarts, reloads and loads nothing"
+    after = {p: p.stat().st_mtime_ns for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before, "a no-op pass writes nothing"
+    assert [g.number for g in list_generations(fleet.store)] == [1]
+
+
+def test_changing_a_port_map_restarts_exactly_that_unit(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.machine.forget_calls()
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    assert fleet.reconcile() == 0
+    assert fleet.machine.calls == [("daemon-reload", ""), ("restart", "fabric-socat-qfox-ssh.service")]
+    assert fleet.store.current() == fleet.store.good() == 2
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_removed_port_map_is_stopped_and_removed(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.machine.forget_calls()
+    text = (fleet.desired / "fabric.toml").read_text()
+    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
+    fleet.edit_fleet(block, "")
+    assert fleet.reconcile() == 0
+    # The ruleset loses port 4445 too; the only unit touched is the socat one.
+    assert fleet.machine.calls == [("daemon-reload", ""), ("nft-load", ""), ("stop", "fabric-socat-lux-smb.service")]
+    assert not (fleet.root / UNIT_DIR / "fabric-socat-lux-smb.service").exists()
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_units_the_fabric_did_not_write_are_left_alone(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    foreign = fleet.root / UNIT_DIR / "fabric-handmade.service"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text("[Service]\nExecStart=/bin/true\n")
+    other = fleet.root / UNIT_DIR / "sshd.service"
+    other.write_text("[Service]\nExecStart=/usr/sbin/sshd\n")
+    assert fleet.reconcile() == 0
+    fleet.edit_fleet('name = "qfox-ssh"', 'name = "qfox-ssh2"')
+    assert fleet.reconcile() == 0
+    assert foreign.read_text() == "[Service]\nExecStart=/bin/true\n"
+    assert other.exists()
+    touched = {c[1] for c in fleet.machine.calls if c[1]}
+    assert "fabric-handmade.service" not in touched and "sshd.service" not in touched
+    assert ("stop", "fabric-socat-qfox-ssh.service") in fleet.machine.calls
+
+
+def test_failed_validation_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    before = {p: p.read_bytes() for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    fleet.machine.forget_calls()
+    fleet.verifier.fail = "fabric-socat-qfox-ssh.service: Unknown key name 'ExecStrat'"
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    assert fleet.reconcile() == 1
+    assert "ExecStrat" in capsys.readouterr().err
+    after = {p: p.read_bytes() for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before, "nothing installed, no generation published, no staging left"
+    assert fleet.machine.calls == []
+    assert any(r["action"] == "validate" and r["outcome"] == "failed" for r in fleet.audit.records)
+
+
+@pytest.mark.parametrize("check", ["nft-check", "caddy-validate"])
+def test_a_ruleset_or_caddy_config_that_does_not_check_stops_the_pass(tmp_path: Path, check: str) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.machine.fail[check] = f"{check}: syntax error"
+    assert fleet.reconcile() == 1
+    assert fleet.store.current() is None
+    assert not (fleet.root / "etc").exists()
+
+
+def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    gen1 = {a.path: a.data for a in fleet.store.artifacts(1)}
+    fleet.machine.forget_calls()
+    # Generation 2 changes one port map, removes another and adds a third;
+    # starting the new one fails.
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    text = (fleet.desired / "fabric.toml").read_text()
+    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
+    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
+    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    capsys.readouterr()
+    assert fleet.reconcile() == 1
+    err = capsys.readouterr().err
+    assert "fabric-socat-lux-nfs.service" in err and "generation 1 is active again" in err
+    # Back on generation 1: its files, its units running its settings.
+    assert fleet.store.current() == fleet.store.good() == 1
+    for path, data in gen1.items():
+        assert (fleet.root / path).read_bytes() == data
+    assert not (fleet.root / UNIT_DIR / "fabric-socat-lux-nfs.service").exists()
+    assert_converged(fleet.machine, fleet.root)
+    rollback = [c for c in fleet.machine.calls[fleet.machine.calls.index(("start", "fabric-socat-lux-nfs.service")) + 1 :]]
+    assert ("restart", "fabric-socat-qfox-ssh.service") in rollback
+    assert ("start", "fabric-socat-lux-smb.service") in rollback
+    assert any(r["action"] == "rollback" and r["outcome"] == "ok" for r in fleet.audit.records)
+    # Generation 2 stays on disk for inspection, not current.
+    assert [g.number for g in list_generations(fleet.store)] == [1, 2]
+
+
+def test_failed_first_activation_rolls_back_to_nothing(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.machine.fail["caddy-load"] = "caddy: loading config: bad upstream"
+    assert fleet.reconcile() == 1
+    assert fleet.store.current() is None and fleet.store.good() is None
+    assert fleet.machine.state["active"] == []
+    assert not list((fleet.root / UNIT_DIR).glob("fabric-*"))
+    # The table inet fabric was loaded, then replaced by the empty one.
+    assert fleet.machine.state["nft"] == sha("table inet fabric\ndelete table inet fabric\n")
+
+
+def test_rollback_by_hand_and_forward_again(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    assert fleet.reconcile() == 0
+    assert fleet.store.good() == 2
+    applier = Applier(
+        LocalTree(fleet.root),
+        FlockLock(fleet.root / "var/lib/fabric/lock"),
+        fleet.audit,
+        FixedClock(),
+        validators=None,
+        activators=Activators(fleet.machine, fleet.machine, fleet.machine),
+    )
+    fleet.machine.forget_calls()
+    number, plan = applier.rollback()
+    assert number == 1
+    assert plan.restart == ("fabric-socat-qfox-ssh.service",)
+    assert fleet.store.current() == fleet.store.good() == 1
+    assert_converged(fleet.machine, fleet.root)
+    with pytest.raises(ActivationError, match="no generation 9"):
+        applier.rollback(9)
+    # The next pass renders the desired state again: generation 2's content.
+    assert fleet.reconcile() == 0
+    assert fleet.store.current() == 3
+    assert fleet.store.manifest(3).digest == fleet.store.manifest(2).digest  # type: ignore[union-attr]
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_no_activate_then_activate_starts_what_was_written(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile("--no-activate") == 0
+    assert fleet.machine.calls == []
+    assert fleet.store.current() == 1 and fleet.store.good() is None
+    # A second --no-activate pass has nothing to write.
+    assert fleet.reconcile("--no-activate") == 0
+    assert fleet.store.numbers() == [1]
+    # The first activating pass activates generation 1 (no new generation).
+    assert fleet.reconcile() == 0
+    assert fleet.store.numbers() == [1] and fleet.store.good() == 1
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_units_not_running_after_a_reboot_are_started(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.machine.reboot()
+    fleet.machine.forget_calls()
+    assert fleet.reconcile() == 0
+    started = sorted(c[1] for c in fleet.machine.calls if c[0] == "start")
+    assert started == ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
+    assert fleet.store.numbers() == [1], "starting units writes no generation"
+
+
+def test_one_pass_at_a_time(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    held = FlockLock(fleet.root / "var/lib/fabric/lock")
+    held.acquire()
+    try:
+        assert fleet.reconcile() == 1
+        assert fleet.store.current() is None
+        with pytest.raises(LockBusy, match=f"pid {os.getpid()}"):
+            FlockLock(fleet.root / "var/lib/fabric/lock").acquire()
+    finally:
+        held.release()
+    assert fleet.reconcile() == 0
+
+
+def test_old_generations_are_pruned_but_current_and_good_kept(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    for port in range(2100, 2113):
+        fleet.edit_fleet(f"listen_port = {2222 if port == 2100 else port - 1}\n", f"listen_port = {port}\n")
+        assert fleet.reconcile() == 0
+    numbers = fleet.store.numbers()
+    assert len(numbers) == 10 and numbers[-1] == 13 and fleet.store.good() == 13
+
+
+def test_bad_desired_state_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.edit_fleet("listen_port = 2222", "listen_port = 99999")
+    assert fleet.reconcile() == 2
+    assert "port_maps[0].listen_port" in capsys.readouterr().err
+    assert list(fleet.root.iterdir()) == []
+    fleet.edit_fleet("listen_port = 99999", "listen_port = 2222")
+    assert execute(pass_args(fleet.desired, fleet.root, "nosuchhost"), fleet.wiring()) == 2
+    assert list(fleet.root.iterdir()) == []
+
+
+def test_staging_and_temp_files_of_a_killed_pass_are_swept(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    staging = fleet.root / "var/lib/fabric/generations/.new-2/files"
+    staging.mkdir(parents=True)
+    temp = fleet.root / UNIT_DIR / ".fabric-socat-qfox-ssh.service.fabric-tmp-12345"
+    temp.write_text("half")
+    assert fleet.reconcile() == 0
+    assert not staging.parent.exists() and not temp.exists()
+    assert {r["reason"] for r in fleet.audit.records if r["action"] == "sweep"} == {
+        "left by a killed pass",
+        "temp file left by a killed pass",
+    }
+
+
+def test_local_tree_refuses_paths_outside_the_root(tmp_path: Path) -> None:
+    tree = LocalTree(tmp_path)
+    for bad in ("/etc/passwd", "../x", "a/../../x", ""):
+        with pytest.raises(ValueError):
+            tree.write(bad, b"x")
+    tree.write("a/b/c", b"data", 0o600)
+    assert (tmp_path / "a/b/c").read_bytes() == b"data"
+    assert (tmp_path / "a/b/c").stat().st_mode & 0o777 == 0o600
+
+
+def test_manifest_round_trips(tmp_path: Path) -> None:
+    a = Artifact("etc/x.service", "[Service]\n", 0o644, "unit")
+    from reconciler.apply import Manifest, manifest_for
+
+    m = manifest_for(4, "2026-11-29T00:00:00+00:00", "racknerd", 7, [a])
+    again = Manifest.from_json(m.to_json())
+    assert again == m and again.digest == m.digest
+    assert json.loads(m.to_json())["artifacts"][0] == {"path": "etc/x.service", "kind": "unit", "mode": "0644", "sha256": a.sha256}
