@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# Join a systemd host that does not run NixOS to the fabric.
+#
+# Detects what the machine is (architecture, GPUs, storage, memory, Tailscale)
+# and prints it, installs the reconciler into a virtual environment (default
+# /opt/fabric) from a source checkout, writes /etc/fabric/node.toml, installs
+# fabric-reconcile.service/.timer (and fabric-leader.service on a leader
+# candidate) exactly as `fabric units` renders them -- the same definitions the
+# NixOS module declares -- enables the timer and runs a first pass.
+#
+#   scripts/join.sh --source /path/to/fabric --host racknerd \
+#       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /root/.ssh/fleet
+#
+# Offline: --wheelhouse DIR installs the dependencies from wheels in DIR only
+# (make one elsewhere with `pip download -d DIR pydantic jinja2 dbus-fast aetcd
+# setuptools wheel`). Run it again at any time: it changes only what differs.
+set -euo pipefail
+
+PREFIX=/opt/fabric
+CONFIG=/etc/fabric/node.toml
+SYSTEMD_DIR=/etc/systemd/system
+SOURCE=""
+WHEELHOUSE=""
+HOST=""
+DESIRED=/var/lib/fabric/desired
+UNIT_DIR=/etc/systemd/system
+GIT_REMOTE=""
+GIT_BRANCH=main
+SSH_KEY_FILE=""
+ALLOWED_SIGNERS=""
+INTERVAL=30s
+RANDOMIZED_DELAY=5s
+LEADER=0
+FIRST_PASS=1
+DETECT_ONLY=0
+BOOTSTRAP=0
+TAILSCALE_AUTH_KEY_FILE=""
+K3S_SERVER=""
+K3S_TOKEN_FILE=""
+
+usage() {
+  cat <<'EOF'
+usage: join.sh --source DIR [options]
+  --source DIR               fabric source checkout to install (pyproject.toml, reconciler/, templates/)
+  --wheelhouse DIR           install dependencies only from the wheels in DIR (offline)
+  --prefix DIR               virtual environment to install into (default /opt/fabric)
+  --host NAME                which host of the desired state this is (default: its hostname)
+  --desired DIR              desired-state directory (default /var/lib/fabric/desired)
+  --git-remote URL           fetch the desired state from git before each pass
+  --git-branch NAME          branch to follow (default main)
+  --ssh-key-file PATH        deploy key for the git remote
+  --allowed-signers PATH     accept only commits signed by these keys (ssh allowed signers file)
+  --interval SPAN            time between passes (default 30s)
+  --randomized-delay SPAN    random delay per pass (default 5s)
+  --unit-dir DIR             where passes write rendered units (default /etc/systemd/system)
+  --leader                   this host is a leader candidate: also fabric-leader.service
+  --bootstrap                run `fabric bootstrap` once after installing
+  --tailscale-auth-key-file PATH, --k3s-server URL, --k3s-token-file PATH
+                             what the bootstrap needs (written to node.toml)
+  --no-first-pass            enable the timer but do not run a pass now
+  --detect-only              print what this machine is and exit
+EOF
+}
+
+die() { echo "join.sh: $*" >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --source) SOURCE=${2:?}; shift 2 ;;
+    --wheelhouse) WHEELHOUSE=${2:?}; shift 2 ;;
+    --prefix) PREFIX=${2:?}; shift 2 ;;
+    --host) HOST=${2:?}; shift 2 ;;
+    --desired) DESIRED=${2:?}; shift 2 ;;
+    --git-remote) GIT_REMOTE=${2:?}; shift 2 ;;
+    --git-branch) GIT_BRANCH=${2:?}; shift 2 ;;
+    --ssh-key-file) SSH_KEY_FILE=${2:?}; shift 2 ;;
+    --allowed-signers) ALLOWED_SIGNERS=${2:?}; shift 2 ;;
+    --interval) INTERVAL=${2:?}; shift 2 ;;
+    --randomized-delay) RANDOMIZED_DELAY=${2:?}; shift 2 ;;
+    --unit-dir) UNIT_DIR=${2:?}; shift 2 ;;
+    --leader) LEADER=1; shift ;;
+    --bootstrap) BOOTSTRAP=1; shift ;;
+    --tailscale-auth-key-file) TAILSCALE_AUTH_KEY_FILE=${2:?}; shift 2 ;;
+    --k3s-server) K3S_SERVER=${2:?}; shift 2 ;;
+    --k3s-token-file) K3S_TOKEN_FILE=${2:?}; shift 2 ;;
+    --no-first-pass) FIRST_PASS=0; shift ;;
+    --detect-only) DETECT_ONLY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown option: $1" ;;
+  esac
+done
+
+# --------------------------------------------------------------------------
+# What this machine is (the seed's join script, self-detecting). Printed for
+# the operator; the reconciler's own probe is what the fleet uses.
+
+detect() {
+  local arch gpus="" storage mem_mib ts
+  arch=$(uname -m)
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    gpus+="$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/nvidia: /;s/$/; /' | tr -d '\n')"
+  fi
+  if [ -d /dev/dri ]; then
+    local nodes
+    nodes=$(find /dev/dri -maxdepth 1 -name 'renderD*' -printf '%f ' 2>/dev/null || true)
+    [ -n "$nodes" ] && gpus+="render nodes: ${nodes% }; "
+  fi
+  if command -v lspci >/dev/null 2>&1; then
+    gpus+="$(lspci 2>/dev/null | grep -Ei 'vga|3d controller|display controller' | sed 's/^[^ ]* [^:]*: //;s/$/; /' | tr -d '\n' || true)"
+  fi
+  storage=$(lsblk -d -n -o NAME,SIZE,ROTA,TRAN 2>/dev/null | awk '{t=($3=="0")?(($4=="nvme")?"nvme":"ssd"):"hdd"; printf "%s %s %s; ", $1, $2, t}' || true)
+  mem_mib=$(awk '/^MemTotal:/ {printf "%d", $2/1024}' /proc/meminfo)
+  if command -v tailscale >/dev/null 2>&1 && tailscale status >/dev/null 2>&1; then
+    ts="up, $(tailscale ip -4 2>/dev/null | head -n1)"
+  elif command -v tailscale >/dev/null 2>&1; then
+    ts="installed, not up"
+  else
+    ts="not installed"
+  fi
+  echo "architecture: $arch"
+  echo "gpus:         ${gpus:-none}"
+  echo "storage:      ${storage:-unknown}"
+  echo "memory:       ${mem_mib} MiB"
+  echo "tailscale:    $ts"
+}
+
+echo "==> this machine"
+detect
+[ "$DETECT_ONLY" = 1 ] && exit 0
+
+# --------------------------------------------------------------------------
+# Checks before anything is touched.
+
+[ "$(id -u)" = 0 ] || die "run as root (installs units into $SYSTEMD_DIR)"
+[ -d /run/systemd/system ] || die "systemd is not running as init here"
+[ -n "$SOURCE" ] || { usage >&2; die "--source DIR is required"; }
+[ -f "$SOURCE/pyproject.toml" ] && [ -d "$SOURCE/reconciler" ] && [ -d "$SOURCE/templates" ] \
+  || die "--source $SOURCE: not a fabric checkout (pyproject.toml, reconciler/, templates/)"
+[ -z "$WHEELHOUSE" ] || [ -d "$WHEELHOUSE" ] || die "--wheelhouse $WHEELHOUSE: not a directory"
+case "$PREFIX" in /*) ;; *) die "--prefix must be absolute" ;; esac
+command -v python3 >/dev/null || die "python3 is needed (3.11 or newer)"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "python3 is older than 3.11"
+
+# --------------------------------------------------------------------------
+# The package, in its own virtual environment.
+
+echo "==> installing into $PREFIX"
+[ -x "$PREFIX/bin/python" ] || python3 -m venv "$PREFIX"
+pip_args=(--quiet --disable-pip-version-check --no-input)
+if [ -n "$WHEELHOUSE" ]; then
+  pip_args+=(--no-index --find-links "$WHEELHOUSE")
+fi
+# The dependencies from pyproject.toml through pip; the package itself is pure
+# Python and is copied, so no build backend is needed (offline or not).
+mapfile -t deps < <("$PREFIX/bin/python" -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$SOURCE/pyproject.toml")
+"$PREFIX/bin/python" -m pip install "${pip_args[@]}" "${deps[@]}"
+site=$("$PREFIX/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# reconciler/render.py finds its templates beside the package (nix/package.nix
+# installs them the same way).
+for part in reconciler templates; do
+  rm -rf "$site/$part.new"
+  cp -r "$SOURCE/$part" "$site/$part.new"
+  find "$site/$part.new" -name __pycache__ -prune -exec rm -rf {} +
+  rm -rf "$site/$part"
+  mv "$site/$part.new" "$site/$part"
+done
+printf '#!%s\nimport sys\nfrom reconciler.cli import main\nsys.exit(main())\n' "$PREFIX/bin/python" > "$PREFIX/bin/fabric.new"
+chmod 755 "$PREFIX/bin/fabric.new"
+mv -f "$PREFIX/bin/fabric.new" "$PREFIX/bin/fabric"
+FABRIC="$PREFIX/bin/fabric"
+"$FABRIC" --help >/dev/null
+
+# --------------------------------------------------------------------------
+# node.toml: this machine's part in the fleet (reconciler/nodeconfig.py).
+# Written by Python so every value is quoted as TOML.
+
+echo "==> $CONFIG"
+mkdir -p "$(dirname "$CONFIG")"
+JOIN_HOST=$HOST JOIN_DESIRED=$DESIRED JOIN_UNIT_DIR=$UNIT_DIR JOIN_INTERVAL=$INTERVAL \
+JOIN_RANDOMIZED_DELAY=$RANDOMIZED_DELAY JOIN_GIT_REMOTE=$GIT_REMOTE JOIN_GIT_BRANCH=$GIT_BRANCH \
+JOIN_SSH_KEY_FILE=$SSH_KEY_FILE JOIN_ALLOWED_SIGNERS=$ALLOWED_SIGNERS \
+JOIN_TAILSCALE_AUTH_KEY_FILE=$TAILSCALE_AUTH_KEY_FILE JOIN_K3S_SERVER=$K3S_SERVER JOIN_K3S_TOKEN_FILE=$K3S_TOKEN_FILE \
+"$PREFIX/bin/python" - "$CONFIG.new" <<'PY'
+import json, os, sys, tempfile
+e = {k.removeprefix("JOIN_").lower(): v for k, v in os.environ.items() if k.startswith("JOIN_")}
+q = json.dumps  # a JSON string is a valid TOML basic string
+lines = ["# Written by scripts/join.sh; see reconciler/nodeconfig.py.", "[node]"]
+if e["host"]:
+    lines.append(f"host = {q(e['host'])}")
+lines += [f"desired = {q(e['desired'])}", f"unit_dir = {q(e['unit_dir'])}", "",
+          "[timer]", f"interval = {q(e['interval'])}", f"randomized_delay = {q(e['randomized_delay'])}"]
+if e["git_remote"]:
+    lines += ["", "[source]", f"remote = {q(e['git_remote'])}", f"branch = {q(e['git_branch'])}"]
+    if e["ssh_key_file"]:
+        lines.append(f"ssh_key_file = {q(e['ssh_key_file'])}")
+    if e["allowed_signers"]:
+        lines += ["require_signed_commits = true", f"allowed_signers_file = {q(e['allowed_signers'])}"]
+boot = [k for k in ("tailscale_auth_key_file", "k3s_server", "k3s_token_file") if e[k]]
+if boot:
+    lines += ["", "[bootstrap]"] + [f"{k} = {q(e[k])}" for k in boot]
+path = sys.argv[1]
+fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+with os.fdopen(fd, "w") as f:
+    f.write("\n".join(lines) + "\n")
+os.chmod(tmp, 0o644)
+os.replace(tmp, path)
+PY
+
+# Check it before it replaces the old one: a bad value changes nothing.
+if ! "$PREFIX/bin/fabric" units --config "$CONFIG.new" --fabric-bin "$PREFIX/bin/fabric" --json >/dev/null; then
+  rm -f "$CONFIG.new"
+  die "invalid settings (above); nothing installed into $SYSTEMD_DIR"
+fi
+mv -f "$CONFIG.new" "$CONFIG"
+
+# Directories a pass writes: ProtectSystem=strict leaves only existing ones
+# writable.
+mkdir -p /etc/fabric /etc/rancher/k3s/config.yaml.d "$DESIRED"
+if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
+
+# --------------------------------------------------------------------------
+# The units, rendered by the reconciler itself (reconciler/units.py).
+
+echo "==> units"
+units_args=(--config "$CONFIG" --fabric-bin "$FABRIC"
+  --search-path "$PREFIX/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+[ "$LEADER" = 1 ] && units_args+=(--leader-candidate)
+"$FABRIC" units "${units_args[@]}" --write "$SYSTEMD_DIR"
+systemctl daemon-reload
+systemctl enable --now fabric-reconcile.timer
+if [ "$LEADER" = 1 ]; then
+  systemctl enable --now fabric-leader.service
+fi
+
+if [ "$BOOTSTRAP" = 1 ]; then
+  echo "==> bootstrap"
+  "$FABRIC" bootstrap --config "$CONFIG"
+fi
+
+if [ "$FIRST_PASS" = 1 ]; then
+  echo "==> first pass"
+  # A oneshot: returns when the pass has ended.
+  if systemctl start fabric-reconcile.service; then
+    echo "pass succeeded; every ${INTERVAL} from now on (journalctl -t fabric-reconcile)"
+  else
+    echo "the first pass failed: journalctl -t fabric-reconcile -n 50" >&2
+    exit 1
+  fi
+fi
+systemctl --no-pager status fabric-reconcile.timer | head -n 3

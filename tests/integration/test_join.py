@@ -1,0 +1,192 @@
+"""scripts/join.sh on a plain systemd host: systemd as PID 1 in a container.
+
+join.sh installs the reconciler into /opt/fabric from this checkout, offline
+(--wheelhouse: the test venv's own installed distributions, repacked as
+wheels), writes node.toml and the units `fabric units` renders, enables the
+timer and runs a first pass of the example fleet as host "racknerd". The test
+then checks what an operator would: the timer is active, a pass has run and
+succeeded, its audit entries are in the journal, and the installed units are
+byte for byte what reconciler/units.py renders (the definitions the NixOS
+module is compared against in tests/unit/test_nix_module.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reconciler.nodeconfig import parse_node_config
+from reconciler.units import Install, host_units
+from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
+from tests.harness.systemd import SystemdContainer, systemd_container
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "/opt/fabric"
+WHEELHOUSE = "/var/cache/fabric-wheelhouse"
+SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _requirement_names(dist: md.Distribution) -> list[str]:
+    names = []
+    for req in dist.requires or []:
+        if ";" in req and "extra ==" in req.split(";", 1)[1]:
+            continue
+        names.append(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
+    return names
+
+
+def _closure(roots: list[str]) -> dict[str, md.Distribution]:
+    seen: dict[str, md.Distribution] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        dist = md.distribution(name)
+        seen[key] = dist
+        todo += _requirement_names(dist)
+    return seen
+
+
+def _repack(dist: md.Distribution, out_dir: Path) -> Path:
+    """A wheel of an installed distribution: its files from RECORD and a fresh RECORD."""
+    wheel_meta = dist.read_text("WHEEL") or ""
+    tag = next(line.split(":", 1)[1].strip() for line in wheel_meta.splitlines() if line.startswith("Tag:"))
+    name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
+    dist_info = f"{name}-{dist.version}.dist-info"
+    target = out_dir / f"{name}-{dist.version}-{tag}.whl"
+    records = []
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as whl:
+        for file in dist.files or []:
+            rel = str(file)
+            if rel.startswith("..") or "__pycache__" in rel or rel.endswith((".pyc", "/RECORD", "/INSTALLER", "/REQUESTED", "/direct_url.json")):
+                continue
+            data = Path(file.locate()).read_bytes()
+            arcname = rel if not rel.split("/", 1)[0].endswith(".dist-info") else f"{dist_info}/{rel.split('/', 1)[1]}"
+            whl.writestr(arcname, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            records.append(f"{arcname},sha256={digest},{len(data)}")
+        records.append(f"{dist_info}/RECORD,,")
+        whl.writestr(f"{dist_info}/RECORD", "\n".join(records) + "\n")
+    return target
+
+
+@pytest.fixture(scope="module")
+def wheelhouse() -> Iterator[Path]:
+    """The runtime dependencies as wheels, made offline."""
+    directory = Path(tempfile.mkdtemp(prefix="fabric-wheelhouse-"))
+    try:
+        fabric = md.distribution("fabric-reconciler")
+        for dist in _closure(_requirement_names(fabric)).values():
+            _repack(dist, directory)
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def joined(wheelhouse: Path) -> Iterator[tuple[SystemdContainer, subprocess.CompletedProcess[str]]]:
+    require_root()
+    require("unshare", "nsenter", "chroot", "python3", "nft", "socat", "caddy")
+    # Its own network namespace: the pass loads `table inet fabric` for real.
+    with systemd_container(hostname="racknerd", private_network=True) as container:
+        for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
+            container.write_file(f"/var/lib/fabric/desired/{toml.name}", toml.read_text())
+        # The example fleet's service programs do not exist here: a stand-in
+        # that stays up, so the pass can start the services placed on this host.
+        for program in ("lupine-server", "encode-server", "fft-server"):
+            container.write_file(f"/opt/researchstack/bin/{program}", "#!/bin/sh\nexec sleep infinity\n", mode=0o755)
+        # The edge's Caddy, whose admin API the pass loads the site snippet into.
+        container.write_file("/etc/caddy/Caddyfile", "{\n\tadmin localhost:2019\n\tauto_https off\n}\n")
+        # The container's /tmp is its own: copy the wheels in.
+        shutil.copytree(wheelhouse, container.host_path(WHEELHOUSE))
+        started = container.systemctl("start", "caddy.service")
+        assert started.returncode == 0, started.stderr
+        result = container.run(
+            "bash", str(REPO / "scripts" / "join.sh"),
+            "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
+            "--host", "racknerd", "--interval", "30s",
+            timeout=600,
+        )
+        yield container, result
+
+
+def test_join_installs_enables_the_timer_and_a_pass_runs(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    container, result = joined
+    journal = container.journal("-t", "fabric-reconcile", "-o", "cat")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{journal}"
+    # What it detected, printed for the operator.
+    for line in ("architecture:", "gpus:", "storage:", "memory:", "tailscale:"):
+        assert line in result.stdout
+
+    status = container.systemctl("status", "fabric-reconcile.timer")
+    assert status.returncode == 0, status.stdout
+    assert "active (waiting)" in status.stdout
+    assert container.systemctl("is-enabled", "fabric-reconcile.timer").stdout.strip() == "enabled"
+
+    shown = container.systemctl("show", "fabric-reconcile.service", "-p", "Result", "-p", "ExecMainStatus", "-p", "ExecMainStartTimestampMonotonic")
+    props = dict(line.split("=", 1) for line in shown.stdout.splitlines())
+    assert props["Result"] == "success"
+    assert props["ExecMainStatus"] == "0"
+    assert int(props["ExecMainStartTimestampMonotonic"]) > 0
+    assert journal.strip(), "no audit entries under -t fabric-reconcile"
+
+
+def test_the_pass_activated_the_edge(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    container, _ = joined
+    assert container.run("nft", "list", "table", "inet", "fabric").returncode == 0
+    for unit in ("fabric-socat-qfox-ssh.service", "fabric-socat-lux-smb.service"):
+        assert container.systemctl("is-active", unit).stdout.strip() == "active", unit
+
+
+def test_installed_units_are_what_reconciler_units_renders(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    container, _ = joined
+    node = parse_node_config(container.read_file("/etc/fabric/node.toml"))
+    assert node.node.host == "racknerd"
+    install = Install(fabric_bin=f"{PREFIX}/bin/fabric", node=node, search_path=SEARCH_PATH)
+    for unit in host_units(install, leader_candidate=False):
+        assert container.read_file(f"/etc/systemd/system/{unit.name}") == unit.text(), unit.name
+    # The unit systemd loaded runs the installed program.
+    exec_start = container.systemctl("show", "fabric-reconcile.service", "-p", "ExecStart").stdout
+    assert f"{PREFIX}/bin/fabric reconcile" in exec_start.replace("path=", "").replace(" ; argv[]=", " ") or f"{PREFIX}/bin/fabric" in exec_start
+
+
+def test_join_twice_changes_nothing(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]], wheelhouse: Path) -> None:
+    container, _ = joined
+    before = container.read_file("/etc/systemd/system/fabric-reconcile.service")
+    again = container.run(
+        "bash", str(REPO / "scripts" / "join.sh"),
+        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
+        "--host", "racknerd", "--no-first-pass",
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "unchanged /etc/systemd/system/fabric-reconcile.service" in again.stdout
+    assert container.read_file("/etc/systemd/system/fabric-reconcile.service") == before
+
+
+def test_bad_setting_stops_before_touching_the_units(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]], wheelhouse: Path) -> None:
+    container, _ = joined
+    before = container.read_file("/etc/fabric/node.toml")
+    bad = container.run(
+        "bash", str(REPO / "scripts" / "join.sh"),
+        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
+        "--host", "racknerd", "--desired", "relative/path", "--no-first-pass",
+        timeout=600,
+    )
+    assert bad.returncode == 2
+    assert "node.toml.new: node.desired:" in bad.stderr and "absolute path" in bad.stderr
+    assert container.read_file("/etc/fabric/node.toml") == before
