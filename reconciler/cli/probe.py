@@ -106,7 +106,8 @@ def summary(facts: NodeFacts) -> str:
     for i, (key, value) in enumerate(sorted(facts.labels.items())):
         rows.append(("labels" if i == 0 else "", f"{key}={value}"))
     limits = facts.limitations
-    rows.append(("limits", f"{limits.max_concurrent_tasks} tasks at once (ceiling {limits.max_concurrent_ceiling})"))
+    tasks = f"{limits.max_concurrent_tasks} task{'s' if limits.max_concurrent_tasks != 1 else ''}"
+    rows.append(("limits", f"{tasks} at once (ceiling {limits.max_concurrent_ceiling})"))
     rows.extend(("", f"  {note}") for note in limits.notes)
     if facts.missing:
         for i, (fact, reason) in enumerate(facts.missing.items()):

@@ -293,7 +293,8 @@ def parse_nvidia_smi(text: str) -> NvidiaReport:
             problems.append((f"gpu {index} pci.bus_id", f"odd value {bus_id[:40]!r}"))
         gpus.append(NvidiaGpu(index, name, vram, driver_value, slot))
     if not gpus:
-        raise ParseError(f"no GPU lines: {_first_line(text)!r}")
+        detail = "; ".join(f"{subject} {reason}" for subject, reason in problems) or "(empty)"
+        raise ParseError(f"no GPU line understood: {detail[:200]}")
     return NvidiaReport(tuple(gpus), tuple(problems))
 
 
@@ -567,8 +568,9 @@ def parse_fb0(text: str) -> str:
 class TailscaleStatus:
     dns_name: str | None  # "qfox-1.tail-abc123.ts.net" (no trailing dot)
     ipv4: str | None
-    # True when an active peer connection goes through DERP, False when every
-    # active one is direct, None when no peer connection is active to judge by.
+    # True when every active peer connection goes through a DERP relay (the
+    # node sits behind a NAT that defeats hole punching), False when at least
+    # one is direct, None when no peer connection is active to judge by.
     relayed: bool | None
     relayed_peers: tuple[str, ...] = ()
 
@@ -601,5 +603,7 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
         active += 1
         if peer.get("Relay") and not peer.get("CurAddr"):
             relayed_peers.append(str(peer.get("HostName") or peer.get("DNSName") or "?")[:63])
-    relayed = None if active == 0 else bool(relayed_peers)
+    # A direct path to any peer shows this node's own NAT lets paths through;
+    # a peer that is relayed is that peer's problem (its probe says so).
+    relayed = None if active == 0 else len(relayed_peers) == active
     return TailscaleStatus(dns_name, ipv4, relayed, tuple(sorted(relayed_peers)))

@@ -1,0 +1,121 @@
+"""Probe fixtures: raw outputs of real machines, turned into tests automatically.
+
+Every directory under tests/fixtures/probe/ is one machine: its raw files
+under the fixed capture names (DESIGN.md "Probe"), optionally errors.json (why
+an absent file is absent), and expected.json (the whole NodeFacts the probe
+must derive). Adding a directory adds its tests; no code changes.
+
+To add a machine: `fabric probe --capture DIR` on it (or write the files by
+hand), then `fabric probe --replay DIR --json > DIR/expected.json` and read
+expected.json line by line before committing it.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from reconciler.model import NodeFacts
+from reconciler.probe import RawCapture, facts_from_capture
+from reconciler.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, fact_for_raw
+from reconciler.probe.raw import parse_capture
+from tests.conftest import EXAMPLE_FLEET
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
+MACHINES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+EXPECTED = "expected.json"
+# The hosts of the example fleet: the fleet end-to-end tests replay these.
+FLEET_HOSTS = ("qfox-1", "a1-arm64", "x86-spill", "lux", "racknerd")
+
+
+def load_capture(machine: str) -> RawCapture:
+    directory = FIXTURES / machine
+    outputs = {name: (directory / name).read_text() for name in RAW_NAMES if (directory / name).is_file()}
+    errors_path = directory / ERRORS_FILE
+    errors = json.loads(errors_path.read_text()) if errors_path.is_file() else {}
+    return RawCapture(outputs, errors)
+
+
+def expected_facts(machine: str) -> dict:
+    path = FIXTURES / machine / EXPECTED
+    if not path.is_file():
+        pytest.fail(
+            f"{path} is missing: run `fabric probe --replay {path.parent} --json > {path}` and review it line by line"
+        )
+    return json.loads(path.read_text())
+
+
+RAW_CASES = [
+    pytest.param(machine, raw, id=f"{machine}/{raw}")
+    for machine in MACHINES
+    for raw in RAW_NAMES
+    if (FIXTURES / machine / raw).is_file() or raw in load_capture(machine).errors
+]
+
+
+def test_there_are_fixtures_for_every_kind_of_machine():
+    assert set(FLEET_HOSTS) <= set(MACHINES)
+    assert len(MACHINES) >= 10
+    assert len(RAW_CASES) >= 100
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_fixture_holds_only_known_files(machine):
+    names = {p.name for p in (FIXTURES / machine).iterdir()}
+    unknown = names - set(RAW_NAMES) - {ERRORS_FILE, EXPECTED}
+    assert not unknown, f"not raw probe names (typo?): {sorted(unknown)}"
+    errors = load_capture(machine).errors
+    assert set(errors) <= set(RAW_NAMES), "errors.json names a file that is not a raw probe name"
+
+
+@pytest.mark.parametrize(("machine", "raw"), RAW_CASES)
+def test_raw_output_parses_as_the_machine_expects(machine, raw):
+    """One raw output through its own parser: usable exactly when expected.json
+    has the fact, absent with exactly the recorded reason when it does not."""
+    capture = load_capture(machine)
+    fact = fact_for_raw(raw)
+    alone = RawCapture(
+        {raw: capture.outputs[raw]} if raw in capture.outputs else {},
+        {raw: capture.errors[raw]} if raw in capture.errors else {},
+    )
+    parsed = parse_capture(alone, (fact,))
+    expected_missing = expected_facts(machine)["missing"]
+    if fact.name in expected_missing:
+        assert parsed.missing == {fact.name: expected_missing[fact.name]}
+        assert fact.name not in parsed.values
+    else:
+        assert parsed.missing == {}
+        assert parsed.values[fact.name] is not None
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_machine_probes_to_its_expected_facts(machine):
+    facts = facts_from_capture(load_capture(machine))
+    assert facts.model_dump(mode="json") == expected_facts(machine)
+    # expected.json is itself a valid NodeFacts document (what the registry stores).
+    assert NodeFacts.model_validate(expected_facts(machine)) == facts
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_every_absent_fact_says_why(machine):
+    facts = NodeFacts.model_validate(expected_facts(machine))
+    parsed = parse_capture(load_capture(machine))
+    assert set(parsed.missing) <= set(facts.missing)
+    for fact in FACTS:
+        assert (fact.name in parsed.values) != (fact.name in facts.missing)
+    assert all(reason.strip() for reason in facts.missing.values())
+
+
+@pytest.mark.parametrize("host", FLEET_HOSTS)
+def test_fleet_host_capture_matches_its_host_file(host):
+    """The e2e fleet replays these captures for the example hosts: each must
+    name itself as the host file does and sit at its declared tailnet address."""
+    declared = tomllib.loads((EXAMPLE_FLEET / f"{host}.toml").read_text())["host"]
+    facts = NodeFacts.model_validate(expected_facts(host))
+    assert facts.k3s_hostname == host
+    assert facts.tailscale_ip == declared["address"]
+    assert facts.node_id == declared["node_id"]
+    assert facts.labels["topology.researchstack.io/role"] == f"auto:{host}"
