@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "validate",
     "probe",
     "units",
+    "pull",
     "status",
     "reconcile",
     "plan",
