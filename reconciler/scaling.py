@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict
 
 from reconciler.live import Snapshot, SnapshotNode
 from reconciler.model import TIER_ORDER, ScalingSettings, Tier
-from reconciler.scheduler import accepts_new_work, as_aware
+from reconciler.scheduler import accepts_new_work, as_aware, utc_stamp
 
 ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold"]
 
@@ -104,10 +104,6 @@ def _since(previous: datetime | None, now: datetime) -> datetime:
 
 def _held_for(since: datetime | None, now: datetime) -> float:
     return (now - since).total_seconds() if since is not None else -1.0
-
-
-def _stamp(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def decide_scaling(
@@ -196,7 +192,7 @@ def decide_scaling(
                         ScalingAction(
                             kind="hold",
                             tier=tier,
-                            reason=f"{why}; one {tier} group per {settings.group_interval_s}s: last at {_stamp(last)}, next from {_stamp(last + interval)}",
+                            reason=f"{why}; one {tier} group per {settings.group_interval_s}s: last at {utc_stamp(last)}, next from {utc_stamp(last + interval)}",
                         )
                     )
                     continue

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
@@ -145,6 +145,11 @@ def tier_sequence(min_tier: str, floor: str, strategy: Strategy) -> tuple[list[s
 def as_aware(moment: datetime) -> datetime:
     """Hand-written snapshots may omit the zone: read that as UTC."""
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def utc_stamp(moment: datetime) -> str:
+    """`2026-11-29T12:00:00Z`, whatever zone the datetime carries."""
+    return as_aware(moment).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
@@ -319,7 +324,7 @@ def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime
     if node.drained:
         return "drained"
     if node.held_off_until is not None and as_aware(node.held_off_until) > now:
-        return f"held off until {as_aware(node.held_off_until).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+        return f"held off until {utc_stamp(node.held_off_until)}"
     if request.arch and node.arch not in request.arch:
         return f"arch {node.arch or 'unknown'} not in [{', '.join(sorted(request.arch))}]"
     missing = [f"{k}={v}" for k, v in request.labels if node.labels.get(k) != v]
@@ -331,7 +336,7 @@ def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime
 def explain_deferral(
     request: Request,
     nodes: Sequence[SnapshotNode],
-    load_of,
+    load_of: Callable[[str], int],
     now: datetime,
 ) -> NoChoice:
     """The reason no node could take `request` (a scan: only on deferral)."""
@@ -396,7 +401,7 @@ def schedule(
     epoch: int | None = None,
 ) -> FleetPlan:
     """Place every service replica of `desired` over `snapshot`; lanes as seen."""
-    placer, plan = schedule_with_placer(snapshot, desired, leader=leader, epoch=epoch)
+    _, plan = schedule_with_placer(snapshot, desired, leader=leader, epoch=epoch)
     return plan
 
 

@@ -223,6 +223,14 @@ def test_deferral_names_each_tier_tried_and_why():
     assert "lux" not in outcome.reason  # batch is below the floor: not tried
 
 
+def test_deferral_gives_the_end_of_a_hold_off_in_utc():
+    plus_two = timezone(timedelta(hours=2))
+    nodes = [node("flappy", "cpu_ffmpeg", held_off_until=datetime(2026, 11, 29, 14, 10, tzinfo=plus_two))]
+    outcome = place_one(nodes, Request("cpu_ffmpeg", "cpu_ffmpeg"))
+    assert isinstance(outcome, NoChoice)
+    assert outcome.reason.endswith("cpu_ffmpeg: flappy held off until 2026-11-29T12:10:00Z; no node at gpu_cuda, gpu_vaapi, gpu_apu")
+
+
 def test_deferral_reason_counts_instead_of_listing_a_large_fleet():
     nodes = [node(f"n{i:03d}", "cpu_ffmpeg", status="offline") for i in range(50)]
     outcome = place_one(nodes, Request("cpu_ffmpeg", "cpu_ffmpeg"))
