@@ -58,7 +58,6 @@ def _per_render_node(
     if not nodes:
         return None, "no render node in /dev/dri"
     sections: list[str] = []
-    errors: list[str] = []
     for node in nodes:
         device = f"/dev/dri/{node}"
         argv = tuple(a.replace("{device}", device) for a in source.argv)
@@ -67,12 +66,10 @@ def _per_render_node(
             # Not installed or hung: the same for every node, stop here.
             return None, error
         sections.append(f"{VAINFO_HEADER}{device}\n{text}")
-        if error:
-            errors.append(f"{node}: {error}")
-    body = "".join(s if s.endswith("\n") else s + "\n" for s in sections)
-    # One node failing is the parser's business (it keeps the others); only
-    # when every node failed is the whole fact unusable.
-    return body, ("; ".join(errors) if len(errors) == len(nodes) else None)
+    # A node whose driver failed (vainfo exits non-zero) is the parser's
+    # business: it keeps the nodes that answered and names the ones that did
+    # not, with libva's own message, which says more than the exit status.
+    return "".join(s if s.endswith("\n") else s + "\n" for s in sections), None
 
 
 def _read(
