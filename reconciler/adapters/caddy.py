@@ -12,15 +12,23 @@ load, in two admin API calls:
    the old one serving and answers with an error.
 Either error becomes an ActivationError with Caddy's own message.
 
-Between the two steps the adapter checks that the new config keeps the admin
-endpoint where it is now: a Caddyfile without the same `admin` global option
-would move it (to localhost:2019 by default) and the next pass could no
-longer reach Caddy. Such a config is refused before it is loaded.
+Between the two steps the adapter checks, and refuses the config if not:
+- that it keeps the admin endpoint where it is now: a Caddyfile without the same
+  `admin` global option would move it (to localhost:2019 by default) and the
+  next pass could no longer reach Caddy;
+- that every TCP address it listens on and the running config does not is free.
+  Caddy 2.6 does not fully undo a config that fails while starting: servers it
+  had already started keep serving on shared listeners beside the old config
+  (caddyserver/caddy#7067, #7175), until Caddy is restarted. A port taken by
+  another program is the usual cause, so it is caught before /load. This
+  assumes Caddy runs in this host's network namespace, as its admin API does.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import urllib.error
 import urllib.request
 from typing import Any
@@ -70,7 +78,19 @@ class CaddyAdmin:
                 f"caddy load: the new config moves the admin endpoint from {self._admin_address} to {new_admin}; "
                 f"put `admin {self._admin_address}` in its global options"
             )
-        self._post("/load", json.dumps(config).encode(), "application/json", "load")
+        running = self.current_config()
+        for address in sorted(_listen_addresses(config) - _listen_addresses(running)):
+            problem = _bind_problem(address)
+            if problem is not None:
+                raise ActivationError(f"caddy load: the new config listens on {address}, which {problem}; not loading it")
+        try:
+            self._post("/load", json.dumps(config).encode(), "application/json", "load")
+        except ActivationError as exc:
+            if " start: " in str(exc):
+                raise ActivationError(
+                    f"{exc} (Caddy 2.6 may keep serving the part of this config it had started until it is restarted)"
+                ) from exc
+            raise
 
     def current_config(self) -> Any:
         """The JSON config Caddy is running now (GET /config/)."""
@@ -111,6 +131,49 @@ def _caddy_error(text: str) -> str:
             return str(entry["error"])
     lines = text.splitlines()
     return lines[-1] if lines else "no detail given"
+
+
+def _listen_addresses(config: Any) -> set[str]:
+    """Every listen address of the config's HTTP servers."""
+    if not isinstance(config, dict):
+        return set()
+    servers = ((config.get("apps") or {}).get("http") or {}).get("servers") or {}
+    return {address for server in servers.values() for address in (server.get("listen") or [])}
+
+
+def _bind_problem(address: str) -> str | None:
+    """Why a TCP listener on a Caddy listen address could not be opened, or None.
+
+    Only plain `[tcp/]host:port` addresses are tried; unix sockets, UDP and port
+    ranges are left to Caddy.
+    """
+    network, _, rest = address.rpartition("/")
+    if network not in ("", "tcp", "tcp4", "tcp6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        return None
+    host = host.strip("[]")
+    family = {"tcp4": socket.AF_INET, "tcp6": socket.AF_INET6}.get(network, socket.AF_UNSPEC)
+    try:
+        candidates = socket.getaddrinfo(host or None, int(port), family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot be resolved ({exc})"
+    # AI_PASSIVE with no host lists the IPv4 and IPv6 wildcard; Caddy (Go) binds
+    # the IPv6 one dual-stack, so trying IPv6 first matches what it would do.
+    candidates.sort(key=lambda c: c[0] != socket.AF_INET6)
+    af, kind, proto, _, sockaddr = candidates[0]
+    with socket.socket(af, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Go's listeners do
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "is already in use by another program"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return "is not an address of this host"
+            return f"cannot be bound ({exc.strerror})"
+    return None
 
 
 def _same_address(a: str, b: str) -> bool:
