@@ -83,7 +83,7 @@ def parse_unit(text: str) -> UnitSections:
         if not line or line[0] in "#;":
             continue
         if line.endswith("\\"):
-            pending = line[:-1] + " "
+            pending = line[:-1].rstrip() + " "
             continue
         if line.startswith("[") and line.endswith("]"):
             current = raw.setdefault(line[1:-1], {})

@@ -1,0 +1,133 @@
+"""plan: compare_units (NixOS switch-to-configuration style) and make_plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from reconciler.plan import Plan, UnitChange, compare_units, make_plan, parse_unit
+from reconciler.render import Artifact
+
+BASE = """\
+# a comment
+[Unit]
+Description=fabric port map x
+After=network-online.target
+
+[Service]
+ExecStart="/usr/bin/socat" "TCP-LISTEN:2222,fork" "TCP4:100.1.2.3:22"
+Restart=always
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def changed(old: str, new: str) -> str:
+    assert old in BASE
+    return BASE.replace(old, new)
+
+
+def test_parse_unit_joins_continuations_and_drops_comments() -> None:
+    parsed = parse_unit("[Service]\n# c\n; c\nExecStart=/bin/a \\\n  b\nEnvironment=A=1\nEnvironment=B=2\n")
+    assert parsed == {"Service": {"ExecStart": ("/bin/a b",), "Environment": ("A=1", "B=2")}}
+
+
+@pytest.mark.parametrize(
+    ("new", "expected"),
+    [
+        (BASE, UnitChange.NONE),
+        (BASE.replace("# a comment\n", "# another comment\n\n"), UnitChange.NONE),
+        (changed("Description=fabric port map x", "Description=renamed"), UnitChange.METADATA),
+        (changed("WantedBy=multi-user.target", "WantedBy=default.target"), UnitChange.METADATA),
+        (changed("After=network-online.target", "After=network.target"), UnitChange.RESTART),
+        (changed('"TCP4:100.1.2.3:22"', '"TCP4:100.1.2.3:2022"'), UnitChange.RESTART),
+        (changed("Restart=always", "Restart=on-failure"), UnitChange.RESTART),
+        (changed("Restart=always\n", "Restart=always\nEnvironment=A=1\n"), UnitChange.RESTART),
+        (changed("[Unit]\n", "[Unit]\nX-Fabric-Note=hello\n"), UnitChange.METADATA),
+        (changed("[Unit]\n", "[Unit]\nX-Restart-Triggers=abc\n"), UnitChange.RESTART),
+    ],
+)
+def test_compare_units(new: str, expected: UnitChange) -> None:
+    assert compare_units(BASE, new) == expected
+
+
+def test_reload_triggers_reload_a_unit_that_can_reload() -> None:
+    old = "[Unit]\nX-Reload-Triggers=a\n[Service]\nExecStart=/bin/x\nExecReload=/bin/kill -HUP $MAINPID\n"
+    assert compare_units(old, old.replace("Triggers=a", "Triggers=b")) == UnitChange.RELOAD
+    # Without ExecReload= a reload cannot apply anything: restart.
+    no_reload = "[Unit]\nX-Reload-Triggers=a\n[Service]\nExecStart=/bin/x\n"
+    assert compare_units(no_reload, no_reload.replace("Triggers=a", "Triggers=b")) == UnitChange.RESTART
+
+
+def test_reload_if_changed_reloads_instead_of_restarting() -> None:
+    old = "[Service]\nExecStart=/bin/x --a\nExecReload=/bin/x --reload\nX-ReloadIfChanged=true\n"
+    assert compare_units(old, old.replace("--a", "--b")) == UnitChange.RELOAD
+    assert compare_units(old, old.replace("X-ReloadIfChanged=true", "X-ReloadIfChanged=false").replace("--a", "--b")) == UnitChange.RESTART
+
+
+def art(path: str, content: str, kind: str = "unit") -> Artifact:
+    return Artifact(path, content, 0o644, kind)  # type: ignore[arg-type]
+
+
+U = "etc/systemd/system/"
+
+
+def test_make_plan_start_restart_stop_and_untracked_files() -> None:
+    desired = [
+        art(U + "fabric-a.service", BASE),
+        art(U + "fabric-b.service", changed("Restart=always", "Restart=no")),
+        art(U + "fabric-new.service", BASE),
+        art("etc/fabric/fabric.nft", "table inet fabric {}\n", "nft"),
+    ]
+    installed = {
+        U + "fabric-a.service": BASE.encode(),
+        U + "fabric-b.service": BASE.encode(),
+        U + "fabric-gone.service": BASE.encode(),
+        U + "fabric-foreign.service": BASE.encode(),  # on disk, not in any manifest
+        "etc/fabric/fabric.nft": b"table inet fabric {}\n",
+    }
+    tracked = {U + "fabric-a.service": "unit", U + "fabric-b.service": "unit", U + "fabric-gone.service": "unit", "etc/fabric/fabric.nft": "nft"}
+    plan = make_plan(desired, installed, tracked)
+    assert plan.write == (U + "fabric-b.service", U + "fabric-new.service")
+    assert plan.remove == (U + "fabric-gone.service",)
+    assert plan.stop == ("fabric-gone.service",)
+    assert plan.restart == ("fabric-b.service",)
+    assert plan.start == ("fabric-new.service",)
+    assert plan.daemon_reload and not plan.nft_load and not plan.caddy_reload
+    assert plan.reasons["fabric-gone.service"] == "left the plan"
+
+
+def test_running_view_decides_activation_and_states_start_stopped_units() -> None:
+    desired = [art(U + "fabric-a.service", BASE), art(U + "fabric-b.service", BASE)]
+    installed = {a.path: a.data for a in desired}
+    tracked = {a.path: "unit" for a in desired}
+    # Files installed by a killed pass, last activated with older content.
+    running = {U + "fabric-a.service": changed("Restart=always", "Restart=no").encode()}
+    plan = make_plan(desired, installed, tracked, running=running, unit_states={"fabric-a.service": "active"})
+    assert plan.write == () and plan.daemon_reload
+    assert plan.restart == ("fabric-a.service",) and plan.start == ("fabric-b.service",)
+    # Same files, both running: nothing. One failed: started again.
+    assert make_plan(desired, installed, tracked, unit_states={"fabric-a.service": "active", "fabric-b.service": "active"}).empty
+    again = make_plan(desired, installed, tracked, unit_states={"fabric-a.service": "failed", "fabric-b.service": "active"})
+    assert again.start == ("fabric-a.service",) and again.reasons["fabric-a.service"] == "not running (failed)"
+    assert not again.daemon_reload
+
+
+def test_caddy_snippet_leaving_the_plan_reloads_caddy() -> None:
+    tracked = {"etc/caddy/fabric.caddy": "caddy"}
+    installed = {"etc/caddy/fabric.caddy": b"a.example {\n}\n"}
+    plan = make_plan([], installed, tracked)
+    assert plan.remove == ("etc/caddy/fabric.caddy",) and plan.caddy_reload
+
+
+def test_plan_text_tenses() -> None:
+    plan = Plan(write=("etc/x",), daemon_reload=True, restart=("fabric-x.service",), caddy_reload=True)
+    assert plan.text() == (
+        "would write the following files:\n  etc/x\n"
+        "would reload the systemd manager configuration (daemon-reload)\n"
+        "would restart the following units:\n  fabric-x.service\n"
+        "would reload caddy\n"
+    )
+    assert plan.text(files_done=True, activation_done=True).startswith("wrote the following files:")
+    assert "restarted the following units" in plan.text(files_done=True, activation_done=True)
+    assert Plan().text() == "nothing to do\n"
