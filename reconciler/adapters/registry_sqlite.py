@@ -87,6 +87,9 @@ class SqliteRegistry(LifecycleMixin):
         self.flap = flap
         self._clock = clock
         self._lock = threading.Lock()
+        # wait_for_change: the change counter and the next expiry it last saw.
+        self._seen_changes: int | None = None
+        self._next_expiry: float | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(
@@ -344,23 +347,30 @@ class SqliteRegistry(LifecycleMixin):
                 db.execute("DELETE FROM node_states WHERE node_id = ?", (node_id,))
                 db.execute("DELETE FROM drains WHERE node_id = ?", (node_id,))
 
+    def _next_deadline(self, db: sqlite3.Connection, now: float) -> float | None:
+        row = db.execute(
+            "SELECT MIN(e) FROM (SELECT expires_at AS e FROM nodes UNION ALL SELECT expires_at FROM leader) WHERE e > ?",
+            (now,),
+        ).fetchone()
+        return row[0] if row and row[0] is not None else None
+
     def wait_for_change(self, timeout_s: float) -> bool:
         """Polls the change counter, and wakes when the next deadline of a live
-        heartbeat or of the leader's term passes (an expiry writes nothing)."""
+        heartbeat or of the leader's term passes (an expiry writes nothing).
+        The first call arms it; a change made between two calls is reported
+        by the second at once."""
         deadline = time.monotonic() + timeout_s
-        with self._tx(write=False) as db:
-            start = self._meta(db, CHANGES)
-            now = self._now()
-            row = db.execute(
-                "SELECT MIN(e) FROM (SELECT expires_at AS e FROM nodes UNION ALL SELECT expires_at FROM leader) WHERE e > ?",
-                (now,),
-            ).fetchone()
-            next_expiry = row[0] if row and row[0] is not None else None
         while True:
+            now = self._now()
             with self._tx(write=False) as db:
-                if self._meta(db, CHANGES) != start:
-                    return True
-            if next_expiry is not None and self._now() >= next_expiry:
+                changes = self._meta(db, CHANGES)
+                changed = (self._seen_changes is not None and changes != self._seen_changes) or (
+                    self._next_expiry is not None and now >= self._next_expiry
+                )
+                if changed or self._seen_changes is None:
+                    self._seen_changes = changes
+                    self._next_expiry = self._next_deadline(db, now)
+            if changed:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -70,8 +70,9 @@ class LifecycleMixin:
         changed = {k: v for k, v in states.items() if read.states.get(k) != v}
         dead = {k for k, v in states.items() if v.status == "dead" and k in read.records}
         forgotten = set(read.states) - set(states)
-        if changed or dead or forgotten:
-            self._store_lifecycle(leadership, changed, dead, forgotten)
+        # Stored even when nothing changed: the fenced write is also the check
+        # that `leadership` still holds.
+        self._store_lifecycle(leadership, changed, dead, forgotten)
         return events
 
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:

@@ -1,0 +1,416 @@
+"""The same registry behaviour on both backends: a sqlite file and a real etcd.
+
+Every test runs twice (`backend` = sqlite, etcd). etcd is one real member
+started by this module (tests/harness/etcd.py) on loopback; each test uses its
+own key prefix, or its own sqlite file. Real time and short TTLs (1-2 s) here:
+what is tested is what real processes and real leases do. The timing rules
+themselves are tested with an injected clock in tests/unit/test_lifecycle.py
+and tests/integration/test_registry_sqlite.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from reconciler.live import FleetPlan
+from reconciler.model import FleetConfig
+from reconciler.registry import NodeRecord, NotLeader, Registry
+from reconciler.registry.factory import open_registry
+from tests.conftest import EXAMPLE_FLEET, REPO, require
+from tests.harness.etcd import EtcdCluster, etcd_cluster
+
+pytestmark = pytest.mark.integration
+
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdCluster]:
+    require("etcd")
+    with etcd_cluster(members=1) as cluster:
+        yield cluster
+
+
+@dataclass
+class Store:
+    """One registry store (a sqlite file, or a prefix of the etcd cluster)."""
+
+    backend: str
+    registry_settings: dict
+    sqlite_path: str | None
+    opened: list
+
+    def fleet(self) -> FleetConfig:
+        return FleetConfig.model_validate(
+            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.registry_settings}
+        )
+
+    def open(self) -> Registry:
+        registry = open_registry(self.fleet(), sqlite_path=self.sqlite_path)
+        self.opened.append(registry)
+        return registry
+
+    def as_json(self) -> str:
+        return json.dumps({"registry": self.registry_settings, "sqlite_path": self.sqlite_path})
+
+    def desired_dir(self, tmp: Path) -> Path:
+        """The example fleet with [registry] pointing at this store."""
+        target = tmp / "desired"
+        target.mkdir()
+        for f in EXAMPLE_FLEET.glob("*.toml"):
+            (target / f.name).write_text(f.read_text())
+        text = (target / "fabric.toml").read_text()
+        old = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
+        assert old in text
+        if self.backend == "etcd":
+            endpoints = ", ".join(f'"{e}"' for e in self.registry_settings["endpoints"])
+            new = f'backend = "etcd"\nendpoints = [{endpoints}]\nprefix = "{self.registry_settings["prefix"]}"'
+        else:
+            new = f'backend = "sqlite"\npath = "{self.sqlite_path}"'
+        (target / "fabric.toml").write_text(text.replace(old, new))
+        return target
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def store(request, tmp_path) -> Iterator[Store]:
+    if request.param == "etcd":
+        cluster = request.getfixturevalue("etcd")
+        prefix = f"/t{uuid.uuid4().hex[:12]}"
+        s = Store("etcd", {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": prefix}, None, [])
+    else:
+        path = str(tmp_path / "registry.sqlite")
+        s = Store("sqlite", {"backend": "sqlite", "path": path}, path, [])
+    try:
+        yield s
+    finally:
+        for registry in s.opened:
+            registry.close()
+
+
+def record(node: str, tier: str = "cpu_ffmpeg", **kw) -> NodeRecord:
+    return NodeRecord(node_id=node, tier=tier, max_concurrent_tasks=kw.pop("max_concurrent_tasks", 2), **kw)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def status_of(registry: Registry, node: str) -> str | None:
+    return next((s.status for s in registry.node_states() if s.node_id == node), None)
+
+
+def leader_name(registry: Registry) -> str | None:
+    info = registry.leader()
+    return info.candidate if info else None
+
+
+def a_plan() -> FleetPlan:
+    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(timezone.utc))
+
+
+# -- heartbeats and the lifecycle ------------------------------------------------
+
+
+def test_a_nodes_record_expires_after_its_ttl_and_the_node_turns_offline(store):
+    registry = store.open()
+    stored = registry.heartbeat(record("qfox-1", "gpu_cuda"), ttl_s=1)
+    assert stored.timeout_s == 1 and stored.beat_at is not None
+    registry.wait_for_change(0)  # arm the watch
+    assert status_of(registry, "qfox-1") == "active"
+    assert registry.wait_for_change(10), "the expiry must wake a waiting leader"
+    wait_until(lambda: status_of(registry, "qfox-1") == "offline", 5, "qfox-1 offline")
+    node = next(n for n in registry.snapshot().nodes if n.node_id == "qfox-1")
+    assert node.status == "offline" and node.tier == "gpu_cuda", "an offline node keeps its facts"
+
+
+def test_the_leader_stores_the_lifecycle_with_reasons(store):
+    registry = store.open()
+    leadership = registry.campaign("lux", 30)
+    registry.heartbeat(record("a1-arm64"), ttl_s=1)
+    events = registry.advance_lifecycle(leadership)
+    assert [(e.node_id, e.transition.status) for e in events] == [("a1-arm64", "active")]
+    assert registry.advance_lifecycle(leadership) == [], "nothing changed, nothing to store"
+    wait_until(lambda: status_of(registry, "a1-arm64") == "offline", 10, "a1-arm64 offline")
+    events = registry.advance_lifecycle(leadership)
+    assert [e.transition.status for e in events] == ["offline"]
+    # Another client reads the stored history.
+    other = store.open()
+    state = next(s for s in other.node_states() if s.node_id == "a1-arm64")
+    assert [t.status for t in state.transitions] == ["active", "offline"]
+    assert "evacuate" in state.transitions[-1].reason
+    registry.heartbeat(record("a1-arm64"), ttl_s=30)
+    assert [e.transition.status for e in registry.advance_lifecycle(leadership)] == ["active"]
+
+
+def test_several_processes_heart_beating_at_once(store):
+    """Four real processes beat every 50 ms into the same store; one is killed
+    and turns offline while the others stay active."""
+    script = (
+        "import json, sys, time\n"
+        "from reconciler.model import FleetConfig\n"
+        "from reconciler.registry.factory import open_registry\n"
+        "from reconciler.registry import NodeRecord\n"
+        "cfg = json.loads(sys.argv[1])\n"
+        "fleet = FleetConfig.model_validate({'fleet': {'domain': 't.example', 'leader_candidates': ['lux']}, 'registry': cfg['registry']})\n"
+        "reg = open_registry(fleet, sqlite_path=cfg['sqlite_path'])\n"
+        "n = 0\n"
+        "while True:\n"
+        "    reg.heartbeat(NodeRecord(node_id=sys.argv[2], tier='cpu_ffmpeg', in_flight=n % 3, max_concurrent_tasks=3), ttl_s=1)\n"
+        "    n += 1\n"
+        "    time.sleep(0.05)\n"
+    )
+    nodes = ["node-a", "node-b", "node-c", "node-d"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = {
+        n: subprocess.Popen([PYTHON, "-c", script, store.as_json(), n], env=env, stderr=subprocess.PIPE, text=True)
+        for n in nodes
+    }
+    try:
+        registry = store.open()
+        wait_until(
+            lambda: {s.node_id for s in registry.node_states() if s.status == "active"} == set(nodes),
+            20,
+            "every beating process is active",
+        )
+        victim = procs.pop("node-c")
+        victim.kill()
+        victim.wait(timeout=10)
+        wait_until(lambda: status_of(registry, "node-c") == "offline", 10, "the killed process's node offline")
+        for n, proc in procs.items():
+            assert proc.poll() is None, f"{n}'s beater died: {proc.stderr.read() if proc.stderr else ''}"
+            assert status_of(registry, n) == "active"
+    finally:
+        for proc in [*procs.values()]:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_drain_and_undrain_through_the_registry(store):
+    registry = store.open()
+    registry.heartbeat(record("lux"), ttl_s=30)
+    registry.set_drain("lux", grace_s=30)
+    node = registry.snapshot().nodes[0]
+    assert node.status == "draining" and not node.drained, "within the grace its work stays"
+    registry.set_drain("lux", grace_s=0)
+    node = registry.snapshot().nodes[0]
+    assert node.status == "draining" and node.drained
+    assert registry.clear_drain("lux")
+    assert not registry.clear_drain("lux")
+    node = registry.snapshot().nodes[0]
+    assert node.status == "active" and not node.drained
+
+
+def test_a_join_from_another_process_wakes_the_waiting_leader(store):
+    leader_side = store.open()
+    leader_side.wait_for_change(0)
+    assert not leader_side.wait_for_change(0.3), "nothing happened yet"
+    node_side = store.open()
+    node_side.heartbeat(record("x86-spill"), ttl_s=30)
+    assert leader_side.wait_for_change(5)
+    node_side.heartbeat(record("x86-spill"), ttl_s=30)
+    assert not leader_side.wait_for_change(0.5), "a routine beat of a known node is not a change"
+
+
+# -- leadership, epochs and the plan ------------------------------------------------
+
+
+def test_one_leader_at_a_time_and_a_stale_leaders_publish_is_refused(store):
+    first, second = store.open(), store.open()
+    old = first.campaign("lux", 1)
+    assert old is not None and old.epoch >= 1
+    assert second.campaign("qfox-1", 1) is None, "lux leads"
+    assert second.leader().candidate == "lux"
+    published = first.publish_plan(old, a_plan())
+    assert published.epoch > old.epoch and published.leader == "lux"
+    # lux stops renewing: its term lapses and qfox-1 takes over.
+    new = None
+
+    def takeover() -> bool:
+        nonlocal new
+        new = second.campaign("qfox-1", 10)
+        return new is not None
+
+    wait_until(takeover, 10, "qfox-1 leads after lux's lease lapsed")
+    assert new.epoch > published.epoch, "a new term is newer than anything the old one published"
+    with pytest.raises(NotLeader):
+        first.publish_plan(old, a_plan())
+    with pytest.raises(NotLeader):
+        first.advance_lifecycle(old)
+    assert not first.renew(old)
+    assert first.newest_plan().epoch == published.epoch, "the refused plan was not stored"
+    epochs = [second.publish_plan(new, a_plan()).epoch for _ in range(3)]
+    assert epochs == sorted(set(epochs)) and epochs[0] > new.epoch, "epochs strictly increase"
+    assert second.epoch() == epochs[-1]
+    assert second.newest_plan().leader == "qfox-1"
+
+
+def test_renewal_keeps_the_term_and_resigning_frees_it(store):
+    a, b = store.open(), store.open()
+    term = a.campaign("lux", 1)
+    for _ in range(4):  # 2 s: twice the TTL, kept alive by renewals
+        time.sleep(0.5)
+        assert a.renew(term)
+    assert b.campaign("qfox-1", 1) is None
+    a.resign(term)
+    assert a.leader() is None
+    assert b.campaign("qfox-1", 1) is not None
+
+
+def test_killing_the_leader_process_elects_another_candidate_within_one_ttl(store, tmp_path):
+    """Two real `fabric leader run` processes; the leader is killed (no resign)."""
+    ttl = 2.0
+    desired = store.desired_dir(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FABRIC_REGISTRY", None)
+
+    def start(host: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [PYTHON, "-m", "reconciler", "leader", "run", "--host", host, "--lease-ttl", str(ttl), "--desired", str(desired)],
+            env=env,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+
+    registry = store.open()
+    lux = start("lux")
+    qfox = None
+    try:
+        wait_until(lambda: leader_name(registry) == "lux", 20, "lux leads")
+        wait_until(lambda: registry.newest_plan() is not None, 20, "lux published a plan")
+        qfox = start("qfox-1")
+        time.sleep(1.0)  # qfox-1 is up, campaigning and watching
+        assert registry.leader().candidate == "lux", "a follower does not unseat a live leader"
+        epoch_before = registry.epoch()
+        lux.send_signal(signal.SIGKILL)
+        lux.wait(timeout=10)
+        killed = time.monotonic()
+        wait_until(lambda: leader_name(registry) == "qfox-1", 10, "qfox-1 leads")
+        took = time.monotonic() - killed
+        # The lapsed lease ends lux's term at most one TTL after its last
+        # renewal; the watch (etcd) or the deadline (sqlite) wakes qfox-1 then.
+        assert took <= ttl + 1.0, f"takeover after {took:.2f} s, lease TTL {ttl} s"
+        assert registry.epoch() > epoch_before
+        assert registry.leader().epoch > epoch_before
+        # A node joins: the new leader is woken, reschedules and publishes.
+        registry.heartbeat(record("qfox-1", "gpu_cuda", max_concurrent_tasks=4), ttl_s=30)
+        wait_until(lambda: registry.newest_plan().leader == "qfox-1", 10, "qfox-1 published its plan")
+        plan = registry.newest_plan()
+        assert plan.epoch > registry.leader().epoch and any(p.node == "qfox-1" for p in plan.placements)
+    finally:
+        for proc in (lux, qfox):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+    assert qfox.returncode == 0, qfox.stderr.read()
+    assert registry.leader() is None, "SIGTERM resigns"
+
+
+# -- lane slots --------------------------------------------------------------------------
+
+
+def test_two_hundred_concurrent_claims_on_a_lane_of_cap_2_get_two_slots(store):
+    clients = [store.open() for _ in range(4)]
+    start = threading.Barrier(200)
+
+    def claim(i: int):
+        start.wait()
+        return clients[i % len(clients)].claim_slot("a1-arm64", 2, holder=f"dispatcher-{i}")
+
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        claims = [c for c in pool.map(claim, range(200)) if c is not None]
+    assert len(claims) == 2
+    assert sorted(c.slot for c in claims) == [0, 1]
+    assert clients[0].lane_in_flight() == {"a1-arm64": 2}
+    assert clients[0].claim_slot("a1-arm64", 2, holder="late") is None
+    assert clients[1].release_slot(claims[0])
+    assert not clients[1].release_slot(claims[0]), "released once"
+    assert clients[2].claim_slot("a1-arm64", 2, holder="late") is not None
+
+
+def test_racing_dispatchers_never_hold_more_than_the_cap(store):
+    """200 jobs, each retried until it gets a slot of a cap-2 lane, held briefly, released."""
+    clients = [store.open() for _ in range(4)]
+    lock = threading.Lock()
+    held = 0
+    most = 0
+    start = threading.Barrier(50)
+
+    def job(i: int) -> None:
+        nonlocal held, most
+        if i < 50:
+            start.wait()
+        registry = clients[i % len(clients)]
+        while True:
+            claim = registry.claim_slot("x86-spill", 2, holder=f"job-{i}")
+            if claim is not None:
+                break
+            time.sleep(0.001)
+        with lock:
+            held += 1
+            most = max(most, held)
+        time.sleep(0.002)
+        with lock:
+            held -= 1
+        assert registry.release_slot(claim)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        list(pool.map(job, range(200)))
+    assert most <= 2
+    assert most == 2, "the lane was used to its cap"
+    assert clients[0].lane_in_flight().get("x86-spill", 0) == 0
+
+
+def test_a_timed_claim_lapses_when_its_dispatcher_never_releases(store):
+    registry = store.open()
+    assert registry.claim_slot("local", 1, holder="dies", ttl_s=1) is not None
+    assert registry.claim_slot("local", 1, holder="waits") is None
+    wait_until(lambda: registry.claim_slot("local", 1, holder="waits") is not None, 10, "the lapsed slot is free")
+
+
+def test_snapshot_has_every_declared_lane_and_the_plan(store):
+    registry = store.open()
+    registry.heartbeat(record("qfox-1", "gpu_cuda", in_flight=1), ttl_s=30)
+    registry.report_lane("x86-spill", False)
+    registry.claim_slot("a1-arm64", 2, holder="d")
+    term = registry.campaign("lux", 30)
+    from reconciler.live import Placement
+
+    plan = a_plan().model_copy(update={"placements": [Placement(service="lupine", replica=0, node="qfox-1", tier="gpu_cuda")]})
+    registry.publish_plan(term, plan)
+    snap = registry.snapshot(lanes=["a1-arm64", "x86-spill", "local"])
+    assert [(l.id, l.available, l.in_flight) for l in snap.lanes] == [
+        ("a1-arm64", True, 1),
+        ("local", True, 0),
+        ("x86-spill", False, 0),
+    ]
+    assert snap.leader == "lux" and snap.epoch == registry.epoch()
+    assert [(p.service, p.node) for p in snap.placements] == [("lupine", "qfox-1")]
+    (node,) = snap.nodes
+    assert (node.node_id, node.in_flight, node.max_concurrent_tasks, node.utilization) == ("qfox-1", 1, 2, 0.5)
+    # The export format is what `fabric schedule --snapshot` reads back.
+    from reconciler.live import Snapshot
+
+    assert Snapshot.model_validate_json(snap.model_dump_json()) == snap
