@@ -488,6 +488,13 @@ def parse_lsblk(text: str) -> tuple[BlockDisk, ...]:
     devices = document.get("blockdevices") if isinstance(document, dict) else None
     if not isinstance(devices, list):
         raise ParseError("no 'blockdevices' list")
+    try:
+        return tuple(_disks(devices))
+    except RecursionError:
+        raise ParseError("nested too deeply") from None
+
+
+def _disks(devices: list[Any]) -> list[BlockDisk]:
     disks = []
     for device in devices:
         if not isinstance(device, dict) or device.get("type") != "disk":
@@ -498,7 +505,7 @@ def parse_lsblk(text: str) -> tuple[BlockDisk, ...]:
             continue
         transport = device.get("tran") if isinstance(device.get("tran"), str) else None
         disks.append(BlockDisk(name, size, _as_bool(device.get("rota")), transport, tuple(_mounts(device))))
-    return tuple(disks)
+    return disks
 
 
 # --------------------------------------------------------------------------
@@ -589,6 +596,8 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
     dns = me.get("DNSName")
     dns_name = dns.rstrip(".").lower() if isinstance(dns, str) and dns.strip(".") else None
     addresses = me.get("TailscaleIPs") or document.get("TailscaleIPs") or []
+    if not isinstance(addresses, list):
+        addresses = []
     ipv4 = next((a for a in addresses if isinstance(a, str) and re.match(r"^\d+\.\d+\.\d+\.\d+$", a)), None)
     if ipv4 is None and dns_name is None:
         raise ParseError("no address and no DNS name for this node")
