@@ -13,8 +13,9 @@ Node limits are large enough that no node ever fills, so every decision is
 a placement. The naive scan gets fewer decisions at large sizes (its cost per
 decision is what is measured, and it is linear).
 
-Prints placements per second, the cost per decision (indexed: best of three
-runs), the index build time (once per pass, linear), and the per-decision cost ratio between sizes next
+Prints placements per second, the cost per decision (indexed: the best of
+--repeats runs, interleaved across sizes), the index build time (once per
+pass, linear), and the per-decision cost ratio between sizes next
 to the log N ratio it must stay within.
 """
 
@@ -69,13 +70,7 @@ def fleet(size: int, limit: int, seed: int = 7) -> list[SnapshotNode]:
     return nodes
 
 
-def run_indexed(nodes, requests, repeats=3):
-    """The best of `repeats` runs (the first also warms the interpreter up)."""
-    runs = [_run_indexed_once(nodes, requests) for _ in range(repeats)]
-    return runs[0][0], min(r[1] for r in runs), min(r[2] for r in runs)
-
-
-def _run_indexed_once(nodes, requests):
+def run_indexed(nodes, requests):
     start = time.perf_counter()
     placer = Placer(nodes, NOW)
     placer.prepare(SHAPES)
@@ -95,22 +90,34 @@ def run_naive(nodes, requests):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=20_000, help="decisions per size for the indexed placer")
+    parser.add_argument("--repeats", type=int, default=5, help="indexed runs per size (the best is kept)")
     parser.add_argument("--naive-budget", type=int, default=3_000_000, help="node visits allowed to the naive scan per size")
     args = parser.parse_args()
 
     rng = random.Random(11)
     requests = [rng.choice(SHAPES) for _ in range(args.decisions)]
+    # Limits large enough that no node ever fills (a shape may have few nodes
+    # at 100): every decision places.
+    fleets = {size: fleet(size, limit=args.decisions) for size in SIZES}
+    # The indexed runs are interleaved across sizes and the best of each size
+    # kept, so a burst of load on a shared machine does not favour one size.
+    best: dict[int, tuple[float, float]] = {}
+    decisions_of = {}
+    for _ in range(args.repeats):
+        for size in SIZES:
+            decisions, build_s, place_s = run_indexed(fleets[size], requests)
+            decisions_of[size] = decisions
+            old = best.get(size, (build_s, place_s))
+            best[size] = (min(old[0], build_s), min(old[1], place_s))
+
     rows = []
     print(f"{'nodes':>7} | {'indexed /s':>11} {'us/decision':>11} {'build ms':>9} | {'naive /s':>9} {'us/decision':>11} {'decisions':>9} | {'speed-up':>8}")
     for size in SIZES:
-        # Limits large enough that no node ever fills (a shape may have few
-        # nodes at 100): every decision places.
-        limit = args.decisions
-        nodes = fleet(size, limit)
-        decisions, build_s, place_s = run_indexed(nodes, requests)
+        decisions = decisions_of[size]
+        build_s, place_s = best[size]
         assert all(isinstance(d, Choice) for d in decisions), "the bench fleet filled up; raise the limits"
         naive_count = max(50, min(args.decisions, args.naive_budget // size))
-        naive, naive_s = run_naive(nodes, requests[:naive_count])
+        naive, naive_s = run_naive(fleets[size], requests[:naive_count])
         same = [(d.node, d.tier, d.fallback) for d in decisions[:naive_count]] == naive
         if not same:
             print(f"MISMATCH at {size} nodes: the indexed placer and the scan disagree", file=sys.stderr)
