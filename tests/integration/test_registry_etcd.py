@@ -1,0 +1,203 @@
+"""The etcd backend against a real three-member cluster on loopback, an
+unreachable cluster, and a TLS member with client certificates."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.registry_etcd import EtcdRegistry
+from reconciler.live import FleetPlan
+from reconciler.model import FlapSettings, TimingSettings
+from reconciler.registry import NodeRecord, RegistryUnavailable
+from tests.conftest import require
+from tests.harness.etcd import EtcdCluster, etcd_cluster, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    require("etcd")
+    with etcd_cluster(members=3) as c:
+        yield c
+
+
+def open_etcd(endpoints: list[str], **kw) -> EtcdRegistry:
+    return EtcdRegistry(
+        endpoints,
+        prefix=kw.pop("prefix", f"/t{uuid.uuid4().hex[:12]}"),
+        timing=TimingSettings(),
+        flap=FlapSettings(),
+        clock=SystemClock(),
+        **kw,
+    )
+
+
+def a_plan() -> FleetPlan:
+    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(timezone.utc))
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def status_of(registry: EtcdRegistry, node: str) -> str | None:
+    return next((s.status for s in registry.node_states() if s.node_id == node), None)
+
+
+def test_stopping_one_of_three_members_keeps_the_registry_working(cluster):
+    # The first endpoint is the member that will be stopped: the client must move on.
+    registry = open_etcd(cluster.endpoints, op_timeout_s=2.0)
+    try:
+        term = registry.campaign("lux", 10)
+        registry.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
+        before = registry.publish_plan(term, a_plan())
+        registry.wait_for_change(0)
+
+        cluster.stop("m0")
+        assert not cluster.member("m0").running
+
+        # Reads, beats, fenced writes, claims and the watch all still work.
+        registry.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
+        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"), ttl_s=1)
+        assert registry.renew(term)
+        after = registry.publish_plan(term, a_plan())
+        assert after.epoch > before.epoch
+        assert registry.claim_slot("a1-arm64", 2, holder="d") is not None
+        assert {s.node_id: s.status for s in registry.node_states()} == {"qfox-1": "active", "lux": "active"}
+        # A record still expires by its lease on the two-member quorum, and the watch sees it.
+        wait_until(lambda: status_of(registry, "lux") == "offline", 10, "lux offline on the remaining members")
+        assert registry.leader().candidate == "lux"
+        # A second client given only the stopped member and one live one also works.
+        other = open_etcd([cluster.member("m0").client_url, cluster.member("m2").client_url], prefix=registry._prefix)
+        try:
+            assert other.leader().candidate == "lux"
+            assert other.newest_plan().epoch == after.epoch
+        finally:
+            other.close()
+    finally:
+        registry.close()
+        cluster.start("m0")
+        cluster.wait_healthy(["m0"])
+
+
+def test_a_leader_elected_on_three_members_fails_over_after_its_lease(cluster):
+    a = open_etcd(cluster.endpoints)
+    b = open_etcd(list(reversed(cluster.endpoints)), prefix=a._prefix)
+    try:
+        old = a.campaign("lux", 1)
+        assert b.campaign("qfox-1", 1) is None
+        b.wait_for_change(0)
+        assert b.wait_for_change(10), "the leader key's expiry wakes the follower"
+        new = b.campaign("qfox-1", 5)
+        assert new is not None and new.epoch > old.epoch
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unreachable_registry_raises_registry_unavailable():
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    registry = open_etcd(dead, op_timeout_s=1.0)
+    try:
+        for call in (
+            lambda: registry.heartbeat(NodeRecord(node_id="lux", tier="relay")),
+            registry.snapshot,
+            registry.leader,
+            lambda: registry.campaign("lux", 5),
+            lambda: registry.claim_slot("local", 1, holder="d"),
+        ):
+            with pytest.raises(RegistryUnavailable, match="no etcd endpoint answers"):
+                call()
+    finally:
+        registry.close()
+
+
+# -- TLS -----------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_pki(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "1", "-subj", "/CN=fabric-test-ca", cwd=d)  # fmt: skip
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"), ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN=fabric-{name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    (d / "client.key").chmod(0o600)
+
+
+def test_tls_with_client_certificates(tmp_path):
+    require("etcd", "openssl")
+    _make_pki(tmp_path)
+    client_port, peer_port = free_port(), free_port()
+    url = f"https://127.0.0.1:{client_port}"
+    log = open(tmp_path / "etcd.log", "wb")
+    proc = subprocess.Popen(
+        [
+            "etcd", "--name", "tls", "--data-dir", str(tmp_path / "data"),
+            "--listen-client-urls", url, "--advertise-client-urls", url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"tls=http://127.0.0.1:{peer_port}",
+            "--cert-file", str(tmp_path / "server.crt"), "--key-file", str(tmp_path / "server.key"),
+            "--trusted-ca-file", str(tmp_path / "ca.crt"), "--client-cert-auth",
+        ],  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        registry = open_etcd(
+            [url],
+            ca_file=str(tmp_path / "ca.crt"),
+            cert_file=str(tmp_path / "client.crt"),
+            key_file=str(tmp_path / "client.key"),
+        )
+        try:
+            wait_until(lambda: _answers(registry), 20, "the TLS member answers")
+            registry.heartbeat(NodeRecord(node_id="lux", tier="relay"), ttl_s=30)
+            assert [s.node_id for s in registry.node_states()] == ["lux"]
+        finally:
+            registry.close()
+        # Without the client certificate the member refuses the connection.
+        anonymous = open_etcd([url], ca_file=str(tmp_path / "ca.crt"), op_timeout_s=1.0)
+        try:
+            with pytest.raises(RegistryUnavailable):
+                anonymous.leader()
+        finally:
+            anonymous.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _answers(registry: EtcdRegistry) -> bool:
+    try:
+        registry.leader()
+        return True
+    except RegistryUnavailable:
+        return False
