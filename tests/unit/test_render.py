@@ -1,0 +1,284 @@
+"""render: what each host of the example fleet gets, quoting, trust of the plan.
+
+The complete texts for every example host are golden files under
+tests/golden/render/<host>/ (regenerate with UPDATE_GOLDEN=1 and review the
+diff); the tests below pin the properties that matter one by one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from jinja2 import UndefinedError
+
+from reconciler.desired import load_desired
+from reconciler.live import FleetPlan
+from reconciler.model import DesiredState, Hardware, NodeFacts, OperatingSystem
+from reconciler.render import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+HOSTS = ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"]
+
+
+def golden_plan(**changes: object) -> FleetPlan:
+    plan = FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_text())
+    return plan.model_copy(update=changes)
+
+
+def facts(host: str, arch: str | None = None, **extra: object) -> NodeFacts:
+    arch = arch or ("aarch64" if host == "a1-arm64" else "x86_64")
+    return NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg", **extra)  # type: ignore[arg-type]
+
+
+def example() -> DesiredState:
+    return load_desired(REPO / "hosts")
+
+
+def edited(tmp_path: Path, old: str, new: str) -> DesiredState:
+    desired = tmp_path / "desired"
+    shutil.copytree(REPO / "hosts", desired)
+    text = (desired / "fabric.toml").read_text()
+    assert old in text
+    (desired / "fabric.toml").write_text(text.replace(old, new))
+    return load_desired(desired)
+
+
+def files(state: DesiredState, host: str, plan: FleetPlan | None = None, **kw: object) -> dict[str, str]:
+    rendered = render(state, host, kw.pop("node_facts", None) or facts(host), plan or golden_plan(), **kw)  # type: ignore[arg-type]
+    return {a.path: a.content for a in rendered.artifacts}
+
+
+def unit(texts: dict[str, str], name: str) -> str:
+    return texts[f"etc/systemd/system/{name}"]
+
+
+def systemd_unquote(word: str, *, command_line: bool = True) -> str:
+    """Reference decoding of one double-quoted ExecStart= (or Environment=)
+    word, by systemd's rules: C escapes inside quotes, %% -> %, and on
+    command lines only (where $VAR is expanded) $$ -> $."""
+    assert word.startswith('"') and word.endswith('"'), word
+    out, i, body = [], 0, word[1:-1]
+    while i < len(body):
+        c = body[i]
+        special = '%$' if command_line else "%"
+        if c in special and body[i + 1 : i + 2] == c:
+            out.append(c)
+            i += 2
+        elif c == "\\":
+            out.append(body[i + 1])
+            i += 2
+        else:
+            assert c not in '"' + special, f"unescaped {c!r} in {word}"
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def words(line: str) -> list[str]:
+    return re.findall(r'"(?:\\.|[^"\\])*"|\S+', line)
+
+
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_rendered_texts_match_golden_files(host: str) -> None:
+    rendered = files(example(), host)
+    directory = GOLDEN / "render" / host
+    if UPDATE:
+        shutil.rmtree(directory, ignore_errors=True)
+        for path, text in rendered.items():
+            (directory / path).parent.mkdir(parents=True, exist_ok=True)
+            (directory / path).write_text(text)
+    on_disk = {str(p.relative_to(directory)): p.read_text() for p in directory.rglob("*") if p.is_file()}
+    assert on_disk == rendered
+
+
+def test_edge_routes_every_service_to_where_it_is_placed_with_health_checks() -> None:
+    caddy = files(example(), "racknerd")["etc/caddy/fabric.caddy"]
+    fft = caddy[caddy.index("fft.researchstack.info {") :]
+    # Two replicas: qfox-1 and x86-spill, addresses from their host files.
+    assert "reverse_proxy 100.88.57.96:8703 100.101.7.22:8703 {" in fft
+    assert "health_uri /healthz" in fft and "health_interval" in fft
+    assert "encode.researchstack.info {\n\treverse_proxy 100.88.57.96:8702 {" in caddy
+
+
+def test_a_routed_service_without_placement_answers_503() -> None:
+    plan = golden_plan(placements=[p for p in golden_plan().placements if p.service != "braid"])
+    caddy = files(example(), "racknerd", plan)["etc/caddy/fabric.caddy"]
+    site = caddy[caddy.index("braid.researchstack.info {") :].split("\n}\n")[0]
+    assert "reverse_proxy" not in site
+    assert re.search(r'respond "braid\.researchstack\.info: service braid is not running on any host right now[^"]*" 503', site)
+
+
+def test_only_edge_hosts_get_a_caddy_snippet() -> None:
+    for host in HOSTS:
+        has = "etc/caddy/fabric.caddy" in files(example(), host)
+        assert has == (host == "racknerd")
+
+
+def test_nft_replaces_only_table_inet_fabric_and_opens_ports_to_the_tailnet_only() -> None:
+    nft = files(example(), "racknerd")["etc/fabric/fabric.nft"]
+    code = [line.strip() for line in nft.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert code[:3] == ["table inet fabric", "delete table inet fabric", "table inet fabric {"]
+    assert not re.search(r"\btable\s+(?!inet fabric\b)", "\n".join(code)), "no other table is named"
+    assert "ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept" in code
+    assert "tcp dport { 2222, 4445 } drop" in code
+    qfox = files(example(), "qfox-1")["etc/fabric/fabric.nft"]
+    assert "tcp dport { 8701, 8702, 8703 } accept" in qfox
+
+
+def test_nftables_fix_from_host_file_or_os_release() -> None:
+    state = example()
+    assert "chain forward" in files(state, "qfox-1")["etc/fabric/fabric.nft"]  # nftables_fix = true
+    assert "chain forward" not in files(state, "lux")["etc/fabric/fabric.nft"]
+    cachy = facts("lux", os=OperatingSystem(id="cachyos", id_like=["arch"]))
+    assert "iifname \"tailscale0\" accept" in files(state, "lux", node_facts=cachy)["etc/fabric/fabric.nft"]
+    arch = facts("lux", os=OperatingSystem(id="arch"))
+    assert "chain forward" in files(state, "lux", node_facts=arch)["etc/fabric/fabric.nft"]
+
+
+def test_host_file_can_turn_the_fix_off(tmp_path: Path) -> None:
+    desired = tmp_path / "d"
+    shutil.copytree(REPO / "hosts", desired)
+    (desired / "lux.toml").write_text((desired / "lux.toml").read_text().replace('node_id = "lux.tail-abc123.ts.net"', 'node_id = "lux.tail-abc123.ts.net"\nnftables_fix = false'))
+    arch = facts("lux", os=OperatingSystem(id="arch"))
+    assert "chain forward" not in files(load_desired(desired), "lux", node_facts=arch)["etc/fabric/fabric.nft"]
+
+
+def test_one_socat_unit_per_port_map_of_this_host() -> None:
+    texts = files(example(), "racknerd")
+    socat = sorted(p for p in texts if "fabric-socat-" in p)
+    assert socat == ["etc/systemd/system/fabric-socat-lux-smb.service", "etc/systemd/system/fabric-socat-qfox-ssh.service"]
+    qfox = unit(texts, "fabric-socat-qfox-ssh.service")
+    assert 'ExecStart="/usr/bin/socat" "TCP-LISTEN:2222,fork,reuseaddr" "TCP4:100.88.57.96:22"' in qfox
+    for setting in ("DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "CapabilityBoundingSet=\n"):
+        assert setting in qfox
+    assert not any("fabric-socat-" in p for p in files(example(), "lux"))
+
+
+def test_agent_image_and_command_swap_per_architecture() -> None:
+    state = example()
+    arm = unit(files(state, "a1-arm64"), "fabric-agent-a1-arm64.service")
+    x86 = unit(files(state, "x86-spill"), "fabric-agent-x86-spill.service")
+    arm_exec = [systemd_unquote(w) if w.startswith('"') else w for w in words(arm.split("ExecStart=")[1].splitlines()[0])]
+    x86_exec = [systemd_unquote(w) if w.startswith('"') else w for w in words(x86.split("ExecStart=")[1].splitlines()[0])]
+    assert arm_exec[-5:] == ["ghcr.io/researchstack/phaze:2026.11-arm64", "python3", "-m", "saq", "phaze.tasks.agent_worker.settings"]
+    assert x86_exec[-5:] == ["ghcr.io/researchstack/phaze:2026.11", "uv", "run", "saq", "phaze.tasks.agent_worker.settings"]
+    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-a1-arm64"' in arm
+    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-x86-spill"' in x86
+    assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/var/lib/phaze/scratch"' in arm
+    # The override in the host file wins over the probe.
+    swapped = unit(files(state, "a1-arm64", node_facts=facts("a1-arm64", arch="x86_64")), "fabric-agent-a1-arm64.service")
+    assert "phaze:2026.11-arm64" not in swapped
+
+
+def test_local_lane_runs_on_the_control_host_only() -> None:
+    for host in HOSTS:
+        has = "etc/systemd/system/fabric-agent-local.service" in files(example(), host)
+        assert has == (host == "lux")
+    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-local"' in unit(files(example(), "lux"), "fabric-agent-local.service")
+
+
+def test_secrets_reach_units_only_as_paths() -> None:
+    state = example()
+    a1 = files(state, "a1-arm64")
+    agent = unit(a1, "fabric-agent-a1-arm64.service")
+    assert 'Environment="PHAZE_AGENT_TOKEN_FILE=/run/secrets/phaze/agent_token"' in agent
+    assert '"--volume=/run/secrets/phaze/agent_token:/run/secrets/phaze/agent_token:ro"' in agent
+    braid = unit(a1, "fabric-agent-braid.service")
+    assert "LoadCredential=api_token:/run/secrets/braid/api_token" in braid
+    assert 'Environment="API_TOKEN_FILE=/run/credentials/fabric/api_token"' in braid
+    assert "--volume=%d:/run/credentials/fabric:ro" in braid
+    # Values are handed to the container by name, never in its argv.
+    assert '"--env=PHAZE_AGENT_TOKEN_FILE"' in agent and "--env=PHAZE_AGENT_TOKEN_FILE=" not in agent
+
+
+def test_command_services_are_sandboxed_gpu_services_keep_devices() -> None:
+    qfox = files(example(), "qfox-1")
+    lupine = unit(qfox, "fabric-agent-lupine.service")
+    fft = unit(qfox, "fabric-agent-flac-fft.service")
+    assert 'ExecStart="/opt/researchstack/bin/lupine-server" "--port" "8701"' in lupine
+    for text in (lupine, fft):
+        for setting in ("DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "Restart=on-failure"):
+            assert setting in text
+    assert "PrivateDevices=yes" not in lupine  # gpu_cuda needs /dev/nvidia*
+    assert "PrivateDevices=yes" in fft
+
+
+def test_argv_and_environment_are_quoted_for_systemd(tmp_path: Path) -> None:
+    nasty = ['/opt/x/bin/s p"a%c$e', "--msg", 'say "hi" 100% $HOME \\n ${X}', "%n"]
+    toml_argv = ", ".join('"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"' for a in nasty)
+    state = edited(
+        tmp_path,
+        'command = { x86_64 = ["/opt/researchstack/bin/lupine-server", "--port", "8701"] }\nenvironment = { LUPINE_MODEL_DIR = "/var/lib/lupine/models" }',
+        f'command = {{ x86_64 = [{toml_argv}] }}\nenvironment = {{ LUPINE_NOTE = "50% \\"quoted\\" \\\\ $x" }}',
+    )
+    text = unit(files(state, "qfox-1"), "fabric-agent-lupine.service")
+    exec_line = text.split("ExecStart=")[1].splitlines()[0]
+    assert [systemd_unquote(w) for w in words(exec_line)] == nasty
+    env_line = next(line for line in text.splitlines() if line.startswith("Environment=") and "LUPINE_NOTE" in line)
+    assert systemd_unquote(env_line.removeprefix("Environment="), command_line=False) == 'LUPINE_NOTE=50% "quoted" \\ $x'
+    assert systemd_quote("a") == '"a"' and systemd_env("A", "%") == '"A=%%"'
+
+
+def test_plan_entries_the_desired_state_does_not_know_are_ignored() -> None:
+    plan = golden_plan()
+    raw = plan.model_dump()
+    raw["placements"] += [
+        {"service": "evil", "replica": 0, "node": "racknerd", "tier": "relay"},
+        {"service": "fft", "replica": 0, "node": "intruder", "tier": "relay"},
+        {"service": "flac-fft", "replica": 3, "node": "intruder", "tier": "relay"},
+    ]
+    rendered = render(example(), "racknerd", facts("racknerd"), FleetPlan.model_validate(raw))
+    texts = {a.path: a.content for a in rendered.artifacts}
+    assert not any("evil" in p for p in texts)
+    assert "intruder" not in texts["etc/caddy/fabric.caddy"]
+    assert any("unknown service 'evil'" in n for n in rendered.notes)
+    assert any("unknown host 'intruder'" in n for n in rendered.notes)
+
+
+def test_unknown_host_and_unit_name_collisions_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(RenderError, match="'nosuch' is not declared"):
+        render(example(), "nosuch", facts("nosuch"), golden_plan())
+    state = edited(tmp_path, 'id = "braid"', 'id = "a1-arm64"')
+    plan = golden_plan(placements=[p.model_copy(update={"service": "a1-arm64"}) if p.service == "braid" else p for p in golden_plan().placements])
+    with pytest.raises(RenderError, match="fabric-agent-a1-arm64.service would run both"):
+        render(state, "a1-arm64", facts("a1-arm64"), plan)
+
+
+def test_k3s_labels_from_probe_and_host_file() -> None:
+    probe = facts("qfox-1", labels={"topology.researchstack.io/gpu": "nvidia:rtx4070", "topology.researchstack.io/role": "auto:foxtop", "bad key!": "x"})
+    rendered = render(example(), "qfox-1", probe, golden_plan())
+    dropin = {a.path: a for a in rendered.artifacts}["etc/rancher/k3s/config.yaml.d/50-fabric-labels.yaml"]
+    assert dropin.kind == "dropin"
+    assert '  - "topology.researchstack.io/gpu=nvidia-rtx4070"\n' in dropin.content
+    assert '  - "topology.researchstack.io/role=foxtop"\n' in dropin.content  # the host file wins
+    assert any("bad key!" in n for n in rendered.notes)
+
+
+def test_unit_directory_is_a_parameter() -> None:
+    rendered = render(example(), "racknerd", facts("racknerd"), golden_plan(), layout=Layout(unit_dir="run/systemd/system"))
+    units = [a.path for a in rendered.artifacts if a.kind == "unit"]
+    assert units and all(p.startswith("run/systemd/system/fabric-") for p in units)
+
+
+def test_templates_are_strict_about_missing_values(tmp_path: Path) -> None:
+    templates = tmp_path / "templates"
+    shutil.copytree(TEMPLATES_DIR, templates)
+    path = templates / "socat.service.j2"
+    path.write_text(path.read_text().replace("{{ listen_port }}", "{{ listen_prot }}", 1))
+    with pytest.raises(UndefinedError, match="listen_prot"):
+        render(example(), "racknerd", facts("racknerd"), golden_plan(), templates=templates)
+
+
+def test_rendering_is_deterministic_and_independent_of_the_desired_path(tmp_path: Path) -> None:
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(REPO / "hosts", copy)
+    assert files(example(), "qfox-1") == files(load_desired(copy), "qfox-1")
