@@ -1,0 +1,298 @@
+"""Tiering, labels, limitations and probe damping (pure)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import TypeAdapter
+
+from reconciler.model import TIER_SCORE, Gpu, LabelKey, LabelValue, NodeFacts
+from reconciler.probe import RawCapture, facts_from_capture
+from reconciler.probe.damping import DEMOTE_AFTER_PASSES, ProbeHistory, damp
+from reconciler.probe.parsers import BlockDisk, DriNodes, Encoder, NvidiaGpu, NvidiaReport, PciDisplay, VaDevice, VaInfo
+from reconciler.probe.raw import ParsedFacts
+from reconciler.probe.tiering import (
+    LABEL_PREFIX,
+    build_node_facts,
+    gpu_slug,
+    limitations_for,
+    storage_type,
+    usable_hardware_encoders,
+)
+from tests.unit.test_probe_fixtures import MACHINES, load_capture
+
+LABELS = TypeAdapter(dict[LabelKey, LabelValue])
+T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_labels_satisfy_the_label_rules_and_follow_the_seed(machine):
+    facts = facts_from_capture(load_capture(machine))
+    LABELS.validate_python(facts.labels)
+    assert all(key.startswith(LABEL_PREFIX) for key in facts.labels)
+    assert facts.labels[f"{LABEL_PREFIX}tier"] == facts.tier
+    assert facts.labels[f"{LABEL_PREFIX}network"] == ("tailscale" if facts.tailscale_ip else "none")
+    assert 1 <= facts.limitations.max_concurrent_tasks <= facts.limitations.max_concurrent_ceiling
+
+
+def test_qfox_1_gets_the_seed_labels_exactly():
+    facts = facts_from_capture(load_capture("qfox-1"))
+    assert facts.labels == {
+        "topology.researchstack.io/role": "auto:qfox-1",
+        "topology.researchstack.io/tier": "gpu_cuda",
+        "topology.researchstack.io/gpu": "nvidia:rtx4070",
+        "topology.researchstack.io/arm64": "false",
+        "topology.researchstack.io/storage-tier": "nvme-ssd",
+        "topology.researchstack.io/network": "tailscale",
+    }
+    assert facts.os is not None and facts.os.arch_based
+
+
+@pytest.mark.parametrize(
+    ("model", "slug"),
+    [
+        ("NVIDIA GeForce RTX 4070", "rtx4070"),
+        ("NVIDIA RTX A6000", "rtxa6000"),
+        ("NVIDIA A100-SXM4-40GB", "a100-sxm4-40gb"),
+        ("Tesla T4", "teslat4"),
+        ("AMD Radeon RX 6600/6600 XT/6600M", "rx6600"),
+        ("AMD Radeon 680M", "680m"),
+        ("AMD Raphael", "raphael"),
+        ("Intel Iris Xe Graphics", "irisxe"),
+        ("Intel Arc A770 Graphics", "arca770"),
+        ("AMD Radeon Graphics", "amdradeongraphics"),
+    ],
+)
+def test_gpu_slug(model, slug):
+    assert gpu_slug(model) == slug
+    LABELS.validate_python({"k": f"nvidia:{slug}"})
+
+
+def test_host_name_given_by_the_fleet_replaces_the_machine_name():
+    facts = facts_from_capture(load_capture("amd-apu-laptop"), host="qfox-1")
+    assert facts.k3s_hostname == "qfox-1" and facts.node_id == "qfox-1"
+    assert facts.labels[f"{LABEL_PREFIX}role"] == "auto:qfox-1"
+
+
+# ---------------------------------------------------------------- tier rule
+
+NVIDIA = PciDisplay("0000:01:00.0", "0300", "10de", "NVIDIA Corporation", "2786", "AD104 [GeForce RTX 4070]")
+RX6600 = PciDisplay("0000:03:00.0", "0300", "1002", "Advanced Micro Devices, Inc. [AMD/ATI]", "73ff", "Navi 23 [Radeon RX 6600/6600 XT/6600M]")
+RAPHAEL = PciDisplay("0000:0e:00.0", "0300", "1002", "Advanced Micro Devices, Inc. [AMD/ATI]", "164e", "Raphael")
+UHD = PciDisplay("0000:00:02.0", "0300", "8086", "Intel Corporation", "4692", "AlderLake-S GT1")
+ARC = PciDisplay("0000:03:00.0", "0300", "8086", "Intel Corporation", "56a0", "DG2 [Arc A770]")
+ENCODE = VaDevice("renderD128", "Mesa", ("VAProfileH264Main", "VAProfileHEVCMain"))
+FFMPEG = (Encoder("libx264", "V"), Encoder("h264_nvenc", "V"), Encoder("h264_vaapi", "V"), Encoder("av1_vaapi", "V"),
+          Encoder("h264_qsv", "V"), Encoder("h264_amf", "V"), Encoder("h264_v4l2m2m", "V"), Encoder("aac", "A"))
+
+
+def _parsed(pci=(), nvidia=None, render=None, va=None, ffmpeg=FFMPEG, missing=None):
+    values = {"pci": tuple(pci), "ffmpeg": ffmpeg, "cpu": 8, "memory": 16000, "arch": "x86_64", "hostname": "box"}
+    if nvidia is not None:
+        values["nvidia"] = nvidia
+    if render is not None:
+        values["dri"] = DriNodes(tuple(sorted(set(render.values()))), (), render)
+    if va is not None:
+        values["vainfo"] = va
+    if ffmpeg is None:
+        del values["ffmpeg"]
+    return ParsedFacts({k: v for k, v in values.items() if v is not None}, dict(missing or {}))
+
+
+def _gpu_tiers(facts: NodeFacts) -> list[tuple[str, str]]:
+    return [(g.pci_slot, g.tier) for g in facts.hardware.gpus]
+
+
+def test_nvidia_listed_by_nvidia_smi_is_gpu_cuda():
+    smi = NvidiaReport((NvidiaGpu(0, "NVIDIA GeForce RTX 4070", 12282, "550.78", "0000:01:00.0"),))
+    facts = build_node_facts(_parsed([NVIDIA], smi))
+    assert facts.tier == "gpu_cuda" and _gpu_tiers(facts) == [("0000:01:00.0", "gpu_cuda")]
+    assert facts.hardware.ffmpeg == ["h264_nvenc"]
+
+
+def test_nvidia_that_nvidia_smi_does_not_answer_for_is_not_usable():
+    facts = build_node_facts(_parsed([NVIDIA], missing={"nvidia": "nvidia-smi: timed out"}))
+    assert facts.tier == "cpu_ffmpeg" and facts.hardware.gpus == []
+    assert facts.missing["gpu 0000:01:00.0"] == "NVIDIA GeForce RTX 4070: no working NVIDIA driver (nvidia-smi: timed out)"
+
+
+def test_discrete_amd_with_va_api_encode_is_gpu_vaapi():
+    facts = build_node_facts(_parsed([RX6600], render={RX6600.slot: "renderD128"}, va=VaInfo((ENCODE,))))
+    assert facts.tier == "gpu_vaapi"
+    assert facts.hardware.ffmpeg == ["h264_vaapi"]  # no AV1 encode entrypoint, no Intel for qsv, amf unverifiable
+
+
+def test_discrete_intel_arc_with_va_api_encode_is_gpu_vaapi_and_may_use_qsv():
+    facts = build_node_facts(_parsed([ARC], render={ARC.slot: "renderD128"}, va=VaInfo((ENCODE,))))
+    assert facts.tier == "gpu_vaapi" and not facts.hardware.gpus[0].integrated
+    assert facts.hardware.ffmpeg == ["h264_qsv", "h264_vaapi"]
+
+
+def test_discrete_gpu_without_va_api_encode_counts_as_gpu_apu_and_says_why():
+    facts = build_node_facts(_parsed([RX6600], render={RX6600.slot: "renderD128"}, missing={"vainfo": "vainfo: not installed"}))
+    assert facts.tier == "gpu_apu"
+    assert any("no VA-API encode (vainfo: not installed)" in note for note in facts.limitations.notes)
+
+
+@pytest.mark.parametrize("igpu", [RAPHAEL, UHD])
+def test_integrated_gpu_with_render_node_is_gpu_apu_even_with_encode(igpu):
+    facts = build_node_facts(_parsed([igpu], render={igpu.slot: "renderD128"}, va=VaInfo((ENCODE,))))
+    assert facts.tier == "gpu_apu" and facts.hardware.gpus[0].integrated
+
+
+def test_gpu_without_render_node_is_not_usable():
+    facts = build_node_facts(_parsed([RAPHAEL], render={}))
+    assert facts.tier == "cpu_ffmpeg"
+    assert facts.missing["gpu 0000:0e:00.0"].endswith("no render node in /dev/dri (no kernel driver bound)")
+
+
+def test_best_gpu_decides_the_tier_and_the_gpu_label():
+    smi = NvidiaReport((NvidiaGpu(0, "NVIDIA GeForce RTX 4070", 12282, "550.78", "0000:01:00.0"),))
+    facts = build_node_facts(
+        _parsed([RAPHAEL, NVIDIA], smi, render={RAPHAEL.slot: "renderD129", NVIDIA.slot: "renderD128"})
+    )
+    assert _gpu_tiers(facts) == [("0000:01:00.0", "gpu_cuda"), ("0000:0e:00.0", "gpu_apu")]
+    assert facts.labels[f"{LABEL_PREFIX}gpu"] == "nvidia:rtx4070"
+
+
+def test_no_gpu_and_no_ffmpeg_is_relay():
+    assert build_node_facts(_parsed(ffmpeg=None, missing={"ffmpeg": "ffmpeg: not installed"})).tier == "relay"
+    assert build_node_facts(_parsed()).tier == "cpu_ffmpeg"
+
+
+def test_a_vps_ffmpeg_lists_hardware_encoders_it_cannot_drive():
+    assert usable_hardware_encoders(FFMPEG, [], None) == []
+
+
+@pytest.mark.parametrize(
+    ("disk", "kind"),
+    [
+        (BlockDisk("nvme0n1", 1, False, "nvme", ("/",)), "nvme"),
+        (BlockDisk("sda", 1, False, "sata", ()), "ssd"),
+        (BlockDisk("sdb", 1, True, "sata", ()), "hdd"),
+        (BlockDisk("vda", 1, True, None, ("/",)), "other"),
+        (BlockDisk("sda", 1, True, "iscsi", ("/",)), "other"),
+        (BlockDisk("sdc", 1, None, "usb", ()), "other"),
+    ],
+)
+def test_storage_type(disk, kind):
+    assert storage_type(disk) == kind
+
+
+# ---------------------------------------------------------------- limitations
+
+
+def _cuda(vram):
+    return [Gpu(vendor="nvidia", model="x", vram_mib=v, integrated=False, tier="gpu_cuda") for v in vram]
+
+
+def test_limitations_of_the_seed_desktop():
+    limits = limitations_for(12, 31132, "gpu_cuda", _cuda([12282]))
+    assert (limits.max_concurrent_tasks, limits.max_concurrent_ceiling, limits.vram_mib) == (5, 5, 12282)
+
+
+def test_limitations_without_known_cores_or_memory_are_one_task():
+    limits = limitations_for(None, None, "relay", [])
+    assert (limits.max_concurrent_tasks, limits.max_concurrent_ceiling) == (1, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cores=st.integers(1, 256),
+    memory=st.integers(256, 2_000_000),
+    vram=st.lists(st.integers(256, 200_000), max_size=8),
+    more_cores=st.integers(0, 64),
+    more_memory=st.integers(0, 100_000),
+)
+def test_limitations_are_bounded_and_monotonic(cores, memory, vram, more_cores, more_memory):
+    tier = "gpu_cuda" if vram else "cpu_ffmpeg"
+    limits = limitations_for(cores, memory, tier, _cuda(vram))
+    bigger = limitations_for(cores + more_cores, memory + more_memory, tier, _cuda(vram))
+    assert 1 <= limits.max_concurrent_tasks <= limits.max_concurrent_ceiling
+    assert limits.max_concurrent_ceiling <= max(1, cores)
+    assert bigger.max_concurrent_tasks >= limits.max_concurrent_tasks
+    assert bigger.max_concurrent_ceiling >= limits.max_concurrent_ceiling
+
+
+# ---------------------------------------------------------------- damping
+
+
+def _qfox(nvidia_answers: bool = True, memory_kb: int | None = None) -> NodeFacts:
+    capture = load_capture("qfox-1")
+    outputs, errors = dict(capture.outputs), dict(capture.errors)
+    if not nvidia_answers:
+        del outputs["nvidia-smi"]
+        errors["nvidia-smi"] = "nvidia-smi: timed out"
+    if memory_kb is not None:
+        outputs["meminfo"] = f"MemTotal: {memory_kb} kB\n"
+    return facts_from_capture(RawCapture(outputs, errors))
+
+
+def test_one_missed_probe_does_not_demote():
+    good, blip = _qfox(), _qfox(nvidia_answers=False, memory_kb=30_000_000)
+    assert blip.tier == "gpu_apu"
+    _, history = damp(ProbeHistory(), good, T0)
+    effective, history = damp(history, blip, T0 + timedelta(seconds=30))
+    assert effective.tier == "gpu_cuda"
+    assert effective.hardware.gpus == good.hardware.gpus and effective.hardware.ffmpeg == good.hardware.ffmpeg
+    assert effective.labels[f"{LABEL_PREFIX}gpu"] == "nvidia:rtx4070"
+    assert effective.labels[f"{LABEL_PREFIX}tier"] == "gpu_cuda"
+    # What is not a capability is the fresh observation, reasons included.
+    assert effective.hardware.memory_mib == 29296
+    assert effective.missing["nvidia"] == "nvidia-smi: timed out"
+    assert effective.limitations.notes[-1].startswith("damped: probe found gpu_apu on 1 of 3")
+    assert (history.lower_tier, history.lower_passes, history.lower_since) == ("gpu_apu", 1, T0 + timedelta(seconds=30))
+
+
+def test_a_lower_tier_seen_on_consecutive_passes_demotes():
+    good, blip = _qfox(), _qfox(nvidia_answers=False)
+    _, history = damp(ProbeHistory(), good, T0)
+    tiers = []
+    for n in range(1, DEMOTE_AFTER_PASSES + 1):
+        effective, history = damp(history, blip, T0 + timedelta(seconds=30 * n))
+        tiers.append(effective.tier)
+    assert tiers == ["gpu_cuda"] * (DEMOTE_AFTER_PASSES - 1) + ["gpu_apu"]
+    assert effective == blip and history.effective == blip and history.lower_passes == 0
+
+
+def test_a_recovery_resets_the_count_and_promotion_is_immediate():
+    good, blip = _qfox(), _qfox(nvidia_answers=False)
+    _, history = damp(ProbeHistory(), blip, T0)
+    effective, history = damp(history, good, T0 + timedelta(seconds=30))
+    assert effective == good  # new capacity is taken at once
+    _, history = damp(history, blip, T0 + timedelta(seconds=60))
+    _, history = damp(history, good, T0 + timedelta(seconds=90))
+    effective, history = damp(history, blip, T0 + timedelta(seconds=120))
+    assert effective.tier == "gpu_cuda" and history.lower_passes == 1
+
+
+def test_history_survives_json_between_passes():
+    good, blip = _qfox(), _qfox(nvidia_answers=False)
+    _, history = damp(ProbeHistory(), good, T0)
+    for n in range(1, DEMOTE_AFTER_PASSES):
+        _, history = damp(history, blip, T0 + timedelta(seconds=30 * n))
+        history = ProbeHistory.model_validate_json(history.model_dump_json())
+    effective, _ = damp(history, blip, T0 + timedelta(seconds=300))
+    assert effective.tier == "gpu_apu"
+
+
+@settings(max_examples=200, deadline=None)
+@given(observed=st.lists(st.sampled_from(["gpu_cuda", "gpu_apu", "cpu_ffmpeg", "relay"]), min_size=1, max_size=20),
+       passes=st.integers(1, 5))
+def test_the_effective_tier_drops_only_after_enough_consecutive_lower_passes(observed, passes):
+    base = _qfox()
+    history, effective_tiers = ProbeHistory(), []
+    for n, tier in enumerate(observed):
+        facts = base.model_copy(update={"tier": tier})
+        effective, history = damp(history, facts, T0 + timedelta(seconds=30 * n), passes=passes)
+        effective_tiers.append(effective.tier)
+    for n in range(1, len(observed)):
+        if TIER_SCORE[effective_tiers[n]] < TIER_SCORE[effective_tiers[n - 1]]:
+            window = observed[max(0, n - passes + 1): n + 1]
+            assert len(window) == passes
+            assert all(TIER_SCORE[t] < TIER_SCORE[effective_tiers[n - passes]] for t in window)
+        # Damping only ever holds a tier up: never below what this pass saw.
+        assert TIER_SCORE[effective_tiers[n]] >= TIER_SCORE[observed[n]]
