@@ -2,17 +2,19 @@
 
 A deposed leader may still publish for a moment, or a lagging registry member
 may still serve an old plan. Each host remembers the newest epoch it applied
-(`reconciler.adapters.applied_epoch.AppliedEpochFile`) and refuses anything
-older, so a stale plan can never undo its successor's.
+and refuses anything older, so a stale plan can never undo its successor's.
+The host-side record is the epoch kept in each generation's manifest
+(`reconciler.apply`, generations/<n>/manifest.json): it is written in the same
+atomic step as the generation, so a crash cannot separate the two.
 
 Usage in the reconcile pass::
 
-    verdict = accept_plan(applied.read(), plan, leader_candidates=fleet.leader_candidates)
+    verdict = accept_plan(current_generation.epoch, plan,
+                          leader_candidates=desired.fleet.fleet.leader_candidates)
     if not verdict.accepted:
-        report(verdict.reason)          # keep the current generation
+        report(verdict.reason)          # keep the current generation (fail static)
     else:
-        ... apply ...
-        applied.write(plan.epoch)       # only once the generation is in place
+        ... render and apply; the new manifest records plan.epoch ...
 """
 
 from __future__ import annotations
