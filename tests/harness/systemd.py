@@ -39,14 +39,24 @@ only `fabric-harness.target`, which wants D-Bus and nothing else, so the bus is
 up in well under a second. The container shares the host's network namespace
 unless `private_network=True`, so services it runs are reachable on loopback.
 
+Each container gets its own cgroup (a child of the caller's in the cgroup2
+hierarchy) before its cgroup namespace is made: its systemd then manages
+`system.slice` and friends under that cgroup, so two containers running at the
+same time (tests of different engineers, say) never share one
+`system.slice/dbus.service` and stopping a unit in one cannot kill the other's.
+
 Shutdown is by PID: SIGRTMIN+4 (poweroff) to its systemd, then SIGKILL to it if
 it does not finish in time (killing PID 1 of a PID namespace kills all of it).
 Every mount lives in the container's private mount namespace, so the kernel
-drops them all when its last process exits; the host directory is then removed.
+drops them all when its last process exits; the host directory and the cgroup
+are then removed. All of that is done by a small guardian shell that owns the
+container and acts when its stdin closes, so it also happens when the test
+process itself is killed (the kernel closes the pipe).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -91,6 +101,37 @@ TARGET
 echo "$hostname" > "$m/etc/hostname"
 exec chroot "$m" env -i container=fabric-harness /lib/systemd/systemd --system --unit=fabric-harness.target
 """
+
+# The guardian: a host-side shell that owns the container. It puts itself (and
+# so everything it starts) in the container's cgroup, starts `unshare`, then
+# blocks reading its stdin. The harness closes that pipe to shut the container
+# down; if the test process dies, the kernel closes it. Either way the guardian
+# powers systemd off (SIGRTMIN+4), kills it by PID after the grace period,
+# waits for unshare and removes the cgroup tree and the work directory. Arguments: cgroup dir, work
+# dir, grace seconds, the poweroff signal number, then the unshare argv.
+_GUARDIAN = r"""
+cgroup=$1; work=$2; grace=$3; poweroff=$4; shift 4
+echo $$ > "$cgroup/cgroup.procs"
+"$@" &
+unshare_pid=$!
+echo "$unshare_pid" > "$work/unshare.pid"
+cat > /dev/null
+init_pid=$(cat "/proc/$unshare_pid/task/$unshare_pid/children" 2>/dev/null)
+if [ -n "$init_pid" ]; then
+    kill -"$poweroff" "$init_pid" 2>/dev/null
+    ticks=$((grace * 20))
+    while [ -e "/proc/$init_pid" ] && [ "$ticks" -gt 0 ]; do sleep 0.05; ticks=$((ticks - 1)); done
+    # SIGKILL to PID 1 of a PID namespace takes every process in it along.
+    kill -KILL "$init_pid" 2>/dev/null
+fi
+wait "$unshare_pid"
+echo $$ > "$cgroup/../cgroup.procs"
+find "$cgroup" -depth -type d -exec rmdir {} + 2>/dev/null
+rm -rf "$work"
+exit 0
+"""
+
+_container_count = itertools.count()
 
 
 class ContainerBootError(RuntimeError):
@@ -158,39 +199,80 @@ def systemd_container(
     (work / "root").mkdir()
     (work / "bus").mkdir()
     log_path = work / "boot.log"
+    cgroup = _new_cgroup()
     namespaces = ["--pid", "--fork", "--mount", "--uts", "--ipc", "--cgroup"]
     if private_network:
         namespaces.append("--net")
-    with open(log_path, "wb") as log:
-        unshare = subprocess.Popen(
-            ["unshare", *namespaces, "--propagation", "private", "--", "sh", "-c", _BOOT_SCRIPT, "sh", str(work), hostname],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a Ctrl-C in the terminal must not reach the container's PID 1
-        )
+    guardian: subprocess.Popen[bytes] | None = None
     init_pid: int | None = None
     try:
-        init_pid = _wait_for_init(unshare, boot_timeout)
+        with open(log_path, "wb") as log:
+            guardian = subprocess.Popen(
+                [
+                    "sh", "-c", _GUARDIAN, "guardian", str(cgroup), str(work), str(int(shutdown_timeout)), str(int(signal.SIGRTMIN + 4)),
+                    "unshare", *namespaces, "--propagation", "private",
+                    "--", "sh", "-c", _BOOT_SCRIPT, "boot", str(work), hostname,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C in the terminal must not reach the container's PID 1
+            )
+        init_pid = _wait_for_init(guardian, work, boot_timeout)
         container = SystemdContainer(init_pid, work)
-        _wait_for_bus(unshare, container, boot_timeout, log_path)
+        _wait_for_bus(guardian, container, boot_timeout, log_path)
         yield container
     finally:
-        _shutdown(unshare, init_pid, shutdown_timeout)
+        if guardian is not None:
+            _shutdown(guardian, init_pid, shutdown_timeout)
+        _remove_cgroup(cgroup)
         _unmount_leftovers(work)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _wait_for_init(unshare: subprocess.Popen[bytes], timeout: float) -> int:
-    """The host PID of unshare's forked child: PID 1 of the new namespace."""
-    children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+def _new_cgroup() -> Path:
+    """A fresh child of this process's cgroup in the cgroup2 hierarchy."""
+    with open("/proc/self/mounts") as mounts:
+        cgroup2 = [line.split()[1] for line in mounts if line.split()[2] == "cgroup2"]
+    if not cgroup2:
+        raise ContainerBootError("no cgroup2 hierarchy is mounted; systemd in the container needs one")
+    with open("/proc/self/cgroup") as membership:
+        own = next((line.strip()[3:] for line in membership if line.startswith("0::")), "/")
+    path = Path(cgroup2[0] + own.rstrip("/")) / f"fabric-harness-{os.getpid()}-{next(_container_count)}"
+    path.mkdir()
+    return path
+
+
+def _remove_cgroup(cgroup: Path, timeout: float = 10.0) -> None:
+    """Kill (by PID) anything left in the container's cgroup tree, then remove it bottom-up."""
+    deadline = time.monotonic() + timeout
+    while cgroup.exists():
+        for directory in sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [cgroup]:
+            try:
+                for pid in (directory / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                directory.rmdir()
+            except OSError:
+                pass  # still busy (a process on its way out) or already gone
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"could not remove the container's cgroup {cgroup}")
+        if cgroup.exists():
+            time.sleep(0.05)
+
+
+def _wait_for_init(guardian: subprocess.Popen[bytes], work: Path, timeout: float) -> int:
+    """The host PID of unshare's forked child: PID 1 of the new namespaces."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if unshare.poll() is not None:
-            raise ContainerBootError(f"unshare exited with {unshare.returncode} before the container started")
+        if guardian.poll() is not None:
+            raise ContainerBootError(f"the container's guardian exited with {guardian.returncode} before the container started")
         try:
-            pids = children.read_text().split()
-        except FileNotFoundError:
+            unshare_pid = int((work / "unshare.pid").read_text())
+            pids = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+        except (FileNotFoundError, ValueError):
             pids = []
         if pids:
             return int(pids[0])
@@ -198,12 +280,12 @@ def _wait_for_init(unshare: subprocess.Popen[bytes], timeout: float) -> int:
     raise ContainerBootError("unshare did not fork the container's init")
 
 
-def _wait_for_bus(unshare: subprocess.Popen[bytes], container: SystemdContainer, timeout: float, log_path: Path) -> None:
+def _wait_for_bus(guardian: subprocess.Popen[bytes], container: SystemdContainer, timeout: float, log_path: Path) -> None:
     """Wait until systemd runs and its D-Bus answers (dbus.service active)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if unshare.poll() is not None:
-            raise ContainerBootError(f"container exited with {unshare.returncode}: {log_path.read_text(errors='replace')[-2000:]}")
+        if guardian.poll() is not None or not Path(f"/proc/{container.pid}").exists():
+            raise ContainerBootError(f"the container stopped while booting: {log_path.read_text(errors='replace')[-2000:]}")
         if container.bus_socket.exists():
             # The socket exists as soon as dbus.socket listens; wait for systemd to
             # have reached the target so the first D-Bus call does not race the boot.
@@ -214,27 +296,23 @@ def _wait_for_bus(unshare: subprocess.Popen[bytes], container: SystemdContainer,
     raise ContainerBootError(f"systemd's bus did not come up in {timeout:.0f} s: {log_path.read_text(errors='replace')[-2000:]}")
 
 
-def _shutdown(unshare: subprocess.Popen[bytes], init_pid: int | None, timeout: float) -> None:
-    if init_pid is not None and unshare.poll() is None:
-        try:
-            os.kill(init_pid, signal.SIGRTMIN + 4)  # systemd: poweroff
-        except ProcessLookupError:
-            pass
-        try:
-            unshare.wait(timeout=timeout)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.kill(init_pid, signal.SIGKILL)  # takes the whole PID namespace with it
-        except ProcessLookupError:
-            pass
-    if unshare.poll() is None:
-        try:
-            unshare.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            unshare.kill()
-            unshare.wait()
+def _shutdown(guardian: subprocess.Popen[bytes], init_pid: int | None, timeout: float) -> None:
+    """Close the guardian's stdin (it powers off, then kills by PID) and wait for it."""
+    assert guardian.stdin is not None
+    guardian.stdin.close()
+    try:
+        guardian.wait(timeout=timeout + 10)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    # The guardian itself is stuck: do its job by PID from here.
+    for pid in (init_pid, guardian.pid):
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    guardian.wait()
 
 
 def _unmount_leftovers(work: Path) -> None:
