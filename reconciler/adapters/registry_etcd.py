@@ -230,10 +230,21 @@ class EtcdRegistry(LifecycleMixin):
                     reply = await c.refresh_lease(kv.lease)
                     if reply is not None and reply.TTL > 0:
                         lease_id = kv.lease
-            if not lease_id:
-                lease_id = (await c.lease(math.ceil(ttl))).id
             tx = c.transactions
-            await c.transaction(compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[])
+            for _ in range(2):
+                if not lease_id:
+                    lease_id = (await c.lease(math.ceil(ttl))).id
+                try:
+                    await c.transaction(
+                        compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[]
+                    )
+                    return
+                except aetcd.ClientError as exc:
+                    # The kept lease lapsed between its refresh and the write.
+                    if "lease not found" not in str(exc):
+                        raise
+                    lease_id = 0
+            raise RegistryError(f"heartbeat of {record.node_id}: its lease kept lapsing")
 
         self._call(op)
         return stored

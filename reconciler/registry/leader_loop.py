@@ -21,6 +21,7 @@ for the lease to lapse.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,14 @@ class LeaderLoop:
         # when the leader key goes; the timeout is the fallback (sqlite).
         return max(0.1, self.lease_ttl_s / 3)
 
+    def _wait(self) -> None:
+        """Until a change or `wait_s`, in slices of at most half a second so a
+        stop request (SIGTERM) is honoured quickly."""
+        slices = max(1, math.ceil(self.wait_s() / 0.5))
+        for _ in range(slices):
+            if self._stop.is_set() or self.registry.wait_for_change(self.wait_s() / slices):
+                return
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -120,8 +129,7 @@ class LeaderLoop:
             try:
                 self.step()
                 backoff = 0.5
-                if not self._stop.is_set():
-                    self.registry.wait_for_change(self.wait_s())
+                self._wait()
             except RegistryUnavailable as exc:
                 self.log(f"registry unreachable, retrying in {backoff:g} s: {exc}")
                 self._stop.wait(backoff)

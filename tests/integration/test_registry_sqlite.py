@@ -156,25 +156,26 @@ def test_slot_claims_racing_from_several_processes_never_exceed_the_cap(tmp_path
     path = tmp_path / "registry.sqlite"
     SqliteRegistry(path, timing=TimingSettings(), flap=FlapSettings(), clock=FakeClock()).close()
     script = (
-        "import sys, time\n"
+        "import os, sys, time\n"
         "from reconciler.adapters.clock import SystemClock\n"
         "from reconciler.adapters.registry_sqlite import SqliteRegistry\n"
         "from reconciler.model import FlapSettings, TimingSettings\n"
         "r = SqliteRegistry(sys.argv[1], timing=TimingSettings(), flap=FlapSettings(), clock=SystemClock())\n"
-        "start = float(sys.argv[2])\n"
-        "while time.time() < start: time.sleep(0.001)\n"
+        "print('ready', flush=True)\n"
+        "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
         "got = [r.claim_slot('a1-arm64', 2, holder=sys.argv[3]) for _ in range(25)]\n"
         "print(sum(c is not None for c in got))\n"
     )
-    import time
-
-    start = time.time() + 1.0
+    go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(path), str(start), f"p{i}"], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", script, str(path), str(go), f"p{i}"], env=env, stdout=subprocess.PIPE, text=True)
         for i in range(8)
     ]
     try:
+        for p in procs:  # every process is up and has opened the registry ...
+            assert p.stdout.readline().strip() == "ready"
+        go.touch()  # ... then all of them claim at once
         got = sum(int(p.communicate(timeout=60)[0]) for p in procs)
     finally:
         for p in procs:
