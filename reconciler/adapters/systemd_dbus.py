@@ -76,6 +76,7 @@ class SystemdDbus:
         # StartUnit reply reaches us, so every result is kept until it is claimed.
         self._finished_jobs: dict[str, str] = {}
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
+        self._disconnected: asyncio.Future[None] | None = None  # done once the bus connection is gone
 
     # -- the Systemd port -------------------------------------------------
 
@@ -110,8 +111,14 @@ class SystemdDbus:
         if self._loop is None:
             return
         if self._bus is not None:
-            self._bus.disconnect()
-            self._loop.run_until_complete(self._bus.wait_for_disconnect())
+            if self._bus.connected:
+                self._bus.disconnect()
+            if self._disconnected is not None:
+                try:
+                    self._loop.run_until_complete(self._disconnected)
+                except Exception:  # noqa: BLE001 - closing: how the connection ended no longer matters
+                    pass
+                self._disconnected = None
             self._bus = None
         self._loop.close()
         self._loop = None
@@ -143,6 +150,7 @@ class SystemdDbus:
             raise ActivationError(f"cannot connect to systemd on {where}: {exc}") from exc
         bus.add_message_handler(self._on_message)
         self._bus = bus
+        self._disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
         self._finished_jobs.clear()
         self._job_waiters.clear()
         # systemd only emits JobRemoved once some client has subscribed, and the bus
@@ -220,12 +228,19 @@ class SystemdDbus:
             assert self._loop is not None
             waiter: asyncio.Future[str] = self._loop.create_future()
             self._job_waiters[job_path] = waiter
+            assert self._disconnected is not None
+            # A lost connection (systemd re-executing, dbus restarting) ends the wait
+            # at once instead of after job_timeout.
             try:
-                result = await asyncio.wait_for(waiter, self._job_timeout)
-            except TimeoutError as exc:
-                raise ActivationError(f"{verb} {unit}: job did not finish within {self._job_timeout:.0f} s") from exc
+                await asyncio.wait({waiter, self._disconnected}, timeout=self._job_timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 self._job_waiters.pop(job_path, None)
+            if not waiter.done():
+                waiter.cancel()
+                if self._disconnected.done():
+                    raise ActivationError(f"{verb} {unit}: lost the connection to systemd while waiting for the job")
+                raise ActivationError(f"{verb} {unit}: job did not finish within {self._job_timeout:.0f} s")
+            result = waiter.result()
         # Jobs of other units (dependencies, other clients) also end up here;
         # operations are sequential, so nothing older is still wanted.
         self._finished_jobs.clear()
