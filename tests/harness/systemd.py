@@ -107,8 +107,9 @@ exec chroot "$m" env -i container=fabric-harness /lib/systemd/systemd --system -
 # blocks reading its stdin. The harness closes that pipe to shut the container
 # down; if the test process dies, the kernel closes it. Either way the guardian
 # powers systemd off (SIGRTMIN+4), kills it by PID after the grace period,
-# waits for unshare and removes the cgroup tree and the work directory. Arguments: cgroup dir, work
-# dir, grace seconds, the poweroff signal number, then the unshare argv.
+# waits for unshare and removes the cgroup tree and the work directory.
+# Arguments: cgroup dir, work dir, grace seconds, the poweroff signal number,
+# then the unshare argv.
 _GUARDIAN = r"""
 cgroup=$1; work=$2; grace=$3; poweroff=$4; shift 4
 echo $$ > "$cgroup/cgroup.procs"
@@ -127,7 +128,9 @@ fi
 wait "$unshare_pid"
 echo $$ > "$cgroup/../cgroup.procs"
 find "$cgroup" -depth -type d -exec rmdir {} + 2>/dev/null
-rm -rf "$work"
+# The mounts were private to the container, so the host sees plain empty
+# directories here; --one-file-system keeps rm out of anything that is not.
+rm -rf --one-file-system "$work"
 exit 0
 """
 
