@@ -201,3 +201,24 @@ def _answers(registry: EtcdRegistry) -> bool:
         return True
     except RegistryUnavailable:
         return False
+
+
+def test_heartbeat_lease_ttl_is_the_node_timeout_and_longer_for_relayed_nodes(cluster):
+    registry = open_etcd(cluster.endpoints)
+    try:
+        direct = registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"))
+        relayed = registry.heartbeat(NodeRecord(node_id="racknerd", tier="relay", relayed=True))
+        assert (direct.timeout_s, relayed.timeout_s) == (90, 135)
+
+        async def granted(c, node: str) -> tuple[int, int]:
+            kv = await c.get(registry._key("nodes", node))
+            info = await c.get_lease_info(kv.lease, keys=False)
+            return kv.lease, info.grantedTTL
+
+        lux_lease, lux_ttl = registry._call(lambda c: granted(c, "lux"))
+        _, racknerd_ttl = registry._call(lambda c: granted(c, "racknerd"))
+        assert (lux_ttl, racknerd_ttl) == (90, 135)
+        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"))
+        assert registry._call(lambda c: granted(c, "lux"))[0] == lux_lease, "a live node keeps its lease"
+    finally:
+        registry.close()
