@@ -513,6 +513,19 @@ class Applier:
             self.lock.release()
 
 
+def stale_plan(store: GenerationStore, epoch: int) -> str | None:
+    """Why a fleet plan of `epoch` must be ignored, or None to use it.
+
+    A host never applies a plan older than the one its current generation was
+    rendered from: a deposed leader's late plan cannot undo its successor's.
+    """
+    current = store.current()
+    manifest = store.manifest(current)
+    if manifest is not None and manifest.epoch is not None and epoch < manifest.epoch:
+        return f"the fleet plan's epoch {epoch} is older than epoch {manifest.epoch} of generation {current}: ignored, generation {current} stays"
+    return None
+
+
 # --------------------------------------------------------------------------
 # `fabric generations`
 

@@ -104,9 +104,6 @@ class Rendered:
     # Things the operator should know: ignored plan entries, missing images.
     notes: tuple[str, ...] = field(default=())
 
-    def by_path(self) -> dict[str, Artifact]:
-        return {a.path: a for a in self.artifacts}
-
 
 # --------------------------------------------------------------------------
 # Quoting. Each function makes one value safe for one context.
@@ -491,6 +488,3 @@ def render(
     artifacts.sort(key=lambda a: a.path)
     return Rendered(tuple(artifacts), tuple(notes))
 
-
-def unit_names(artifacts: Iterable[Artifact]) -> list[str]:
-    return sorted(a.unit for a in artifacts if a.unit)

@@ -15,6 +15,7 @@ import json
 import sys
 
 from reconciler.cli import EXIT_FAILED, EXIT_OK
+from reconciler.apply import stale_plan
 from reconciler.cli.reconcile import add_pass_options, applier_for, prepare, real_wiring
 from reconciler.ports import ActivationError
 
@@ -31,11 +32,20 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(inputs, int):
         return inputs
     applier = applier_for(args, real_wiring(args))
+    stale = stale_plan(applier.store, inputs.fleet_plan.epoch)
+    if stale is not None:
+        print(stale)
+        return EXIT_OK
     try:
         plan, unfinished = applier.compute_plan(inputs.rendered.artifacts)
     except ActivationError as exc:
-        print(f"fabric plan: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        if applier.activators is None:
+            print(f"fabric plan: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        # systemd cannot be asked (no D-Bus here): plan from the files alone.
+        print(f"note: cannot ask systemd which units run ({exc}); planning from the files alone", file=sys.stderr)
+        applier.activators = None
+        plan, unfinished = applier.compute_plan(inputs.rendered.artifacts)
     if args.json:
         body = plan.to_json()
         body["host"] = inputs.host

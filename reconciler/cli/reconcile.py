@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from reconciler.apply import STATE_DIR, Activators, Applier, PassResult, Validators
+from reconciler.apply import STATE_DIR, Activators, Applier, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
 from reconciler.live import FleetPlan, LaneView, Snapshot, SnapshotNode
@@ -279,6 +279,12 @@ def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Calla
         return inputs
     wiring = wiring or real_wiring(args)
     applier = applier_for(args, wiring)
+    stale = stale_plan(applier.store, inputs.fleet_plan.epoch)
+    if stale is not None:
+        # Fail static: keep what runs, say why.
+        wiring.audit.record("noop", "ok", generation=str(applier.store.current() or ""), reason=stale)
+        print(stale)
+        return EXIT_OK
     try:
         result = applier.run(inputs.rendered.artifacts, host=inputs.host, epoch=inputs.fleet_plan.epoch)
     except LockBusy as exc:

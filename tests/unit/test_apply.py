@@ -516,3 +516,15 @@ def test_manifest_round_trips(tmp_path: Path) -> None:
     again = Manifest.from_json(m.to_json())
     assert again == m and again.digest == m.digest
     assert json.loads(m.to_json())["artifacts"][0] == {"path": "etc/x.service", "kind": "unit", "mode": "0644", "sha256": a.sha256}
+
+
+def test_a_plan_older_than_the_applied_one_is_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0  # the golden plan: epoch 7
+    old_plan = tmp_path / "old-plan.json"
+    old_plan.write_text((GOLDEN / "fleet-plan.json").read_text().replace('"epoch": 7', '"epoch": 6').replace('"node": "x86-spill"', '"node": "lux"'))
+    fleet.machine.forget_calls()
+    capsys.readouterr()
+    assert fleet.reconcile("--plan-file", str(old_plan)) == 0
+    assert "epoch 6 is older than epoch 7 of generation 1" in capsys.readouterr().out
+    assert fleet.machine.calls == [] and fleet.store.numbers() == [1]
