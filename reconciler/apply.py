@@ -60,9 +60,11 @@ from reconciler.ports import (
     Systemd,
     UnitVerifier,
 )
-from reconciler.render import Artifact
+from reconciler.render import Artifact, complete_caddy_config
 
 STATE_DIR = "var/lib/fabric"
+# The operator's main Caddyfile on an edge host (see complete_caddy_config).
+CADDY_MAIN = "etc/caddy/Caddyfile"
 KEEP_GENERATIONS = 10
 # Loading this removes the table inet fabric (and nothing else) in one transaction.
 EMPTY_RULESET = "table inet fabric\ndelete table inet fabric\n"
@@ -281,6 +283,7 @@ class Applier:
         activators: Activators | None,
         state_dir: str = STATE_DIR,
         checkpoint: Callable[[str], None] = _no_checkpoint,
+        caddy_main: str = CADDY_MAIN,
     ) -> None:
         self.tree = tree
         self.lock = lock
@@ -290,8 +293,16 @@ class Applier:
         self.activators = activators
         self.store = GenerationStore(tree, state_dir)
         self.checkpoint = checkpoint
+        self.caddy_main = caddy_main
 
     # ---- reading the old state
+
+    def _caddy_config(self, snippet: Artifact | None) -> str:
+        """The complete config for Caddy: the main Caddyfile with the snippet inlined."""
+        if snippet is None:
+            return ""
+        main = self.tree.read(self.caddy_main)
+        return complete_caddy_config(main.decode("utf-8", "replace") if main is not None else None, snippet.path, snippet.content)
 
     def _sweep_temp_files(self, paths: Iterable[str]) -> list[str]:
         """Remove the temp files of atomic writes a killed pass left beside
@@ -423,7 +434,7 @@ class Applier:
                 if a.kind == "nft":
                     self.validators.nftables.check(a.content)
                 elif a.kind == "caddy":
-                    self.validators.caddy.validate(a.content)
+                    self.validators.caddy.validate(self._caddy_config(a))
         except ActivationError as exc:
             return f"validation failed, nothing installed: {exc}"
         return None
@@ -467,7 +478,7 @@ class Applier:
                 step(action, lambda u=unit, c=call: c(u), unit=unit, reason=plan.reasons.get(unit, ""))  # type: ignore[misc]
         if plan.caddy_reload:
             caddy = next((a for a in by_path.values() if a.kind == "caddy"), None)
-            config = caddy.content if caddy is not None else ""
+            config = self._caddy_config(caddy)
             step("caddy-load", lambda: ports.caddy.load(config), file=caddy.path if caddy else "", hash=_sha(config.encode()))
 
     # ---- rollback

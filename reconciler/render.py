@@ -488,3 +488,29 @@ def render(
     artifacts.sort(key=lambda a: a.path)
     return Rendered(tuple(artifacts), tuple(notes))
 
+
+
+def complete_caddy_config(main: str | None, snippet_path: str, snippet: str) -> str:
+    """The whole config Caddy validates and loads on an edge host.
+
+    The fabric owns only its snippet. When the operator's main Caddyfile
+    imports it (a line `import /etc/caddy/fabric.caddy`), the complete config
+    is that Caddyfile with the import line replaced by the snippet's text, so
+    what is validated before installing is exactly what is loaded, and the
+    operator's own sites and global options stay. Without such a main file the
+    snippet alone is the config (it is a valid Caddyfile by itself).
+    """
+    if main is None:
+        return snippet
+    target = "/" + snippet_path.lstrip("/")
+    lines = main.splitlines(keepends=True)
+    out = []
+    found = False
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if words == ["import", target]:
+            out.append(snippet if snippet.endswith("\n") else snippet + "\n")
+            found = True
+        else:
+            out.append(line)
+    return "".join(out) if found else snippet

@@ -31,7 +31,7 @@ from reconciler.desired import load_desired
 from reconciler.live import FleetPlan
 from reconciler.model import Hardware, NodeFacts
 from reconciler.ports import ActivationError, CommandResult
-from reconciler.render import Artifact, render
+from reconciler.render import Artifact, complete_caddy_config, render
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.netns import network_lab
 
@@ -173,5 +173,10 @@ def test_edge_caddy_config_validates_with_and_without_placements() -> None:
             config = next(a for a in rendered("racknerd", p) if a.kind == "caddy").content
             assert ("reverse_proxy" in config) == (p is plan)
             caddy.validate(config)
+        # The complete config of an edge whose main Caddyfile imports the snippet.
+        main = "{\n\tadmin localhost:2019\n\tauto_https off\n}\nown.example:8080 {\n\trespond ok\n}\nimport /etc/caddy/fabric.caddy\n"
+        complete = complete_caddy_config(main, "etc/caddy/fabric.caddy", config)
+        assert "own.example:8080" in complete and "braid.researchstack.info" in complete
+        caddy.validate(complete)
         with pytest.raises(ActivationError):
             caddy.validate(config.replace("respond", "respnod", 1))

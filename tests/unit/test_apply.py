@@ -528,3 +528,23 @@ def test_a_plan_older_than_the_applied_one_is_ignored(tmp_path: Path, capsys: py
     assert fleet.reconcile("--plan-file", str(old_plan)) == 0
     assert "epoch 6 is older than epoch 7 of generation 1" in capsys.readouterr().out
     assert fleet.machine.calls == [] and fleet.store.numbers() == [1]
+
+
+def test_caddy_gets_the_main_caddyfile_with_the_snippet_inlined(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    loaded: list[str] = []
+    validated: list[str] = []
+    fleet.machine.load = lambda text: (loaded.append(text), FakeMachine.load(fleet.machine, text))  # type: ignore[method-assign]
+    fleet.machine.validate = validated.append  # type: ignore[method-assign]
+    main = fleet.root / "etc/caddy/Caddyfile"
+    main.parent.mkdir(parents=True)
+    main.write_text("{\n\tadmin localhost:2019\n}\nown.example {\n\trespond ok\n}\nimport /etc/caddy/fabric.caddy  # the fabric's sites\n")
+    assert fleet.reconcile() == 0
+    snippet = (fleet.root / "etc/caddy/fabric.caddy").read_text()
+    assert validated == loaded == ["{\n\tadmin localhost:2019\n}\nown.example {\n\trespond ok\n}\n" + snippet]
+    assert main.read_text().endswith("import /etc/caddy/fabric.caddy  # the fabric's sites\n"), "the main file is not the fabric's"
+    # Without an import of the snippet, the snippet alone is the config.
+    main.write_text("own.example {\n\trespond ok\n}\n")
+    fleet.edit_fleet('host = "fft.researchstack.info"', 'host = "fft2.researchstack.info"')
+    assert fleet.reconcile() == 0
+    assert loaded[-1] == (fleet.root / "etc/caddy/fabric.caddy").read_text()
