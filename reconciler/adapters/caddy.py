@@ -38,6 +38,9 @@ from reconciler.ports import ActivationError, CommandRunner
 # Where Caddy listens for admin requests when the config does not say.
 CADDY_DEFAULT_ADMIN = "localhost:2019"
 
+# The admin API is local: an http_proxy in the environment must never see it.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 class CaddyAdmin:
     """`reconciler.ports.Caddy` for the Caddy whose admin API is at `admin_address` (host:port)."""
@@ -104,7 +107,7 @@ class CaddyAdmin:
         if content_type is not None:
             request.add_header("Content-Type", content_type)
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+            with _DIRECT.open(request, timeout=self._timeout) as response:
                 payload = response.read()
         except urllib.error.HTTPError as exc:
             raise ActivationError(f"caddy {what} rejected the config: {_caddy_error(exc.read().decode(errors='replace'))}") from exc
