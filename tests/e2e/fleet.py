@@ -1,0 +1,786 @@
+"""The example fleet on one machine: every host a systemd container on a shared bridge.
+
+Used by the scenario tests (tests/e2e/test_fleet.py, one fleet per module) and
+by hand through `scripts/fleet up|down|status` (which runs `python -m
+tests.e2e.fleet`).
+
+    with running_fleet(work_dir, progress=print) as fleet:
+        fleet.wait_converged()
+        fleet.request("encode.researchstack.local")   # (200, "vaapi-encode on qfox-1\n")
+        fleet.stop_host("qfox-1"); fleet.start_host("qfox-1")
+        fleet.stop_etcd(); fleet.start_etcd()
+        with fleet.registry() as registry: registry.snapshot()
+
+The topology
+------------
+A Linux bridge on the host (`fab<id>`) carries a /24 inside Tailscale's
+100.64.0.0/10 (default 100.64.250.0/24). It stands in for the tailnet: the
+nftables rules the fabric renders admit service ports from 100.64.0.0/10 only,
+so the hosts must sit on tailnet addresses for the edge to reach them (10.250
+addresses would be dropped by the very rules under test). On it:
+
+    .2 racknerd (edge)   .10 lux   .11 qfox-1   .21 a1-arm64   .22 x86-spill
+    .5 etcd (its own namespace)   .100 client (its own namespace)   .254 this host
+
+Each fabric host is systemd as PID 1 in its own namespaces
+(`tests.harness.systemd.systemd_container(private_network=True)`); a veth pair
+is moved into its network namespace by PID, so stopping the container takes its
+link down with it, as a dead machine's would.
+
+In each container
+-----------------
+- the project: the test venv's site-packages bind-mounted read-only at
+  /opt/fabric/site-packages (the editable install points at this checkout) and
+  /opt/fabric/bin/fabric, a launcher for the system python3. The units the
+  fabric installs run with ProtectHome= and PrivateTmp=, which hide /tmp/venv
+  and the interpreter under /root, hence the bind;
+- the desired state at /var/lib/fabric/desired: a copy of hosts/ changed for
+  this machine by `e2e_desired_state` (registry = the etcd on the bridge,
+  addresses = bridge addresses, short timings, service commands = service_stub.py);
+- /etc/fabric/node.toml and the units `fabric units` renders from it (the single
+  source of the reconcile service, timer and leader service), plus one drop-in
+  that appends `--replay tests/fixtures/probe/<host>` to the pass: the
+  container's hardware identity is the captured machine's;
+- on the edge, the packaged caddy.service with the admin API on localhost:2019,
+  the address `fabric reconcile` loads the rendered site snippet into.
+
+Teardown is by PID and handle, in reverse order of creation, even when bring-up
+fails half-way: every resource registers its undo on an ExitStack the moment
+it exists, and is recorded in `state.json` so `scripts/fleet down` can remove a
+fleet whose supervisor died (`force_down`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import tomllib
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.harness.systemd import SystemdContainer, systemd_container
+
+REPO = Path(__file__).resolve().parent.parent.parent
+EXAMPLE_FLEET = REPO / "hosts"
+PROBE_FIXTURES = REPO / "tests" / "fixtures" / "probe"
+SERVICE_STUB = REPO / "tests" / "e2e" / "service_stub.py"
+PODMAN_STANDIN = REPO / "tests" / "e2e" / "podman_standin.py"
+
+# Host -> last octet of its bridge address. Leader candidates first, so they
+# are up (and one of them leads) by the time the others send their first beat.
+HOST_OCTETS: dict[str, int] = {"lux": 10, "qfox-1": 11, "racknerd": 2, "a1-arm64": 21, "x86-spill": 22}
+ETCD_OCTET = 5
+CLIENT_OCTET = 100
+THIS_HOST_OCTET = 254
+ETCD_CLIENT_PORT = 2379
+
+DESIRED_DIR = "/var/lib/fabric/desired"
+NODE_CONFIG = "/etc/fabric/node.toml"
+PREFIX = "/opt/fabric"
+FABRIC_BIN = f"{PREFIX}/bin/fabric"
+SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.conf"
+# The example fleet's braid service reads this credential (LoadCredential=):
+# a unit whose credential file is missing does not start.
+SECRET_FILES = {"/run/secrets/braid/api_token": "e2e-not-a-real-token\n"}
+
+DEFAULT_STATE_DIR = Path("/run/fabric-fleet")
+Progress = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------
+# Settings and the e2e desired state
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    # First three octets of the bridge's /24 (inside 100.64.0.0/10, see above).
+    subnet: str = "100.64.250"
+    # fabric-reconcile.timer's interval on every host (node.toml [timer]).
+    pass_interval: str = "1s"
+    heartbeat_s: int = 1
+    node_timeout_s: int = 3
+    drain_grace_s: int = 120
+    flap_window_s: int = 120
+    flap_toggles: int = 3
+    hold_off_s: int = 30
+    # Routed services answer under this domain. A name Caddy does not consider
+    # public (.local, for Caddy 2.6) gets a certificate from Caddy's own CA at once; the
+    # example's public domain would wait for an ACME issuer this machine
+    # cannot reach, and plain HTTP only redirects to HTTPS.
+    domain: str = "researchstack.local"
+
+    def address(self, octet: int) -> str:
+        return f"{self.subnet}.{octet}"
+
+    def host_address(self, host: str) -> str:
+        return self.address(HOST_OCTETS[host])
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"http://{self.address(ETCD_OCTET)}:{ETCD_CLIENT_PORT}"
+
+
+def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> dict[str, str]:
+    """The example fleet's files (name -> TOML text) changed for this machine.
+
+    Changed: the registry (etcd on the bridge), the timings, the domain, every
+    host's address (its bridge address), every service's program (service_stub.py
+    on the service's own port; braid's images become that command too), and
+    the scaling cloud hooks (gh and wrangler, which this machine cannot run)
+    are removed. The lane agents stay podman images: each container gets
+    podman_standin.py as its /usr/bin/podman. Everything else, placement rules
+    included, is the example's own.
+    """
+    files: dict[str, str] = {}
+    for path in sorted(source.glob("*.toml")):
+        data = tomllib.loads(path.read_text())
+        if path.name == "fabric.toml":
+            data = _e2e_fleet(data, settings)
+        else:
+            host = data["host"]["name"]
+            data["host"]["address"] = settings.host_address(host)
+        files[path.name] = toml_text(data)
+    return files
+
+
+def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
+    old_domain = data["fleet"]["domain"]
+    data["fleet"]["domain"] = settings.domain
+    data["timing"] = {
+        "heartbeat_s": settings.heartbeat_s,
+        "node_timeout_s": settings.node_timeout_s,
+        "relayed_heartbeat_s": settings.heartbeat_s,
+        "missed_beats": 3,
+        "drain_grace_s": settings.drain_grace_s,
+    }
+    data["flap"] = {"window_s": settings.flap_window_s, "toggles": settings.flap_toggles, "hold_off_s": settings.hold_off_s}
+    data["registry"] = {"backend": "etcd", "endpoints": [settings.etcd_endpoint], "prefix": "/fabric"}
+    data.get("scaling", {}).pop("cloud_hooks", None)
+    for service in data.get("services", []):
+        argv = ["/usr/bin/python3", str(SERVICE_STUB), service["id"], str(service["port"])]
+        runs = service.pop("command", None) or service.pop("image")
+        service["command"] = {arch: list(argv) for arch in runs}
+        route = service.get("route")
+        if route is not None and route["host"].endswith("." + old_domain):
+            route["host"] = route["host"][: -len(old_domain)] + settings.domain
+    return data
+
+
+def toml_text(data: dict[str, Any]) -> str:
+    """TOML for the shapes the desired state uses: tables, arrays of tables,
+    strings, numbers, booleans and arrays of those (tomllib only reads)."""
+    out: list[str] = []
+    _toml_table(out, [], data)
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def _is_table_array(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _toml_table(out: list[str], path: list[str], table: dict[str, Any]) -> None:
+    for key, value in table.items():
+        if not isinstance(value, dict) and not _is_table_array(value):
+            out.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.append("")
+            out.append("[" + ".".join(_toml_key(k) for k in [*path, key]) + "]")
+            _toml_table(out, [*path, key], value)
+    for key, value in table.items():
+        if _is_table_array(value):
+            for item in value:
+                out.append("")
+                out.append("[[" + ".".join(_toml_key(k) for k in [*path, key]) + "]]")
+                _toml_table(out, [*path, key], item)
+
+
+# --------------------------------------------------------------------------
+# Small process helpers
+
+
+def _run(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _process_is(pid: int, needle: str) -> bool:
+    """Whether PID still runs a program whose command line contains `needle`
+    (a recorded PID is only signalled while it is still ours)."""
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _stop_pid(pid: int, needle: str, timeout: float = 10.0, first: int = signal.SIGTERM) -> None:
+    if not _process_is(pid, needle):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, first)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _process_is(pid, needle):
+        time.sleep(0.05)
+    if _process_is(pid, needle):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(probe: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll until `probe` returns something truthy; AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except Exception as exc:  # a probe of a half-up fleet may raise; keep polling
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+# --------------------------------------------------------------------------
+# The fleet
+
+
+@dataclass
+class FleetHost:
+    name: str
+    address: str
+    container: SystemdContainer | None = None
+    stack: ExitStack | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.container is not None
+
+
+@dataclass
+class Fleet:
+    work: Path
+    settings: FleetSettings = FleetSettings()
+    progress: Progress = lambda message: None
+    tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    hosts: dict[str, FleetHost] = field(default_factory=dict)
+    _stack: ExitStack = field(default_factory=ExitStack)
+    _state: dict[str, Any] = field(default_factory=dict)
+    _etcd: subprocess.Popen[bytes] | None = None
+
+    # --- names -------------------------------------------------------------
+
+    @property
+    def bridge(self) -> str:
+        return f"fab{self.tag}"[:15]
+
+    def namespace_name(self, label: str) -> str:
+        return f"fabric-fleet-{self.tag}-{label}"
+
+    @property
+    def client_namespace(self) -> str:
+        return self.namespace_name("client")
+
+    @property
+    def etcd_namespace(self) -> str:
+        return self.namespace_name("etcd")
+
+    @property
+    def desired_dir(self) -> Path:
+        return self.work / "desired"
+
+    @property
+    def edge(self) -> str:
+        return "racknerd"
+
+    # --- state file --------------------------------------------------------
+
+    def _save_state(self, **changes: Any) -> None:
+        self._state.update(changes)
+        self._state["containers"] = {
+            name: {"pid": h.container.pid} for name, h in self.hosts.items() if h.container is not None
+        }
+        self._state["etcd_pid"] = self._etcd.pid if self._etcd is not None and self._etcd.poll() is None else None
+        tmp = self.work / "state.json.tmp"
+        tmp.write_text(json.dumps(self._state, indent=2))
+        tmp.replace(self.work / "state.json")
+
+    # --- bring-up ----------------------------------------------------------
+
+    def up(self) -> None:
+        """Build everything; on any failure tear down what exists and re-raise."""
+        started = time.monotonic()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._save_state(supervisor=os.getpid(), bridge=self.bridge, namespaces=[], work=str(self.work), subnet=self.settings.subnet, ready=False)
+        try:
+            self._write_desired()
+            self._make_bridge()
+            self._make_namespace("etcd", ETCD_OCTET)
+            self._make_namespace("client", CLIENT_OCTET)
+            self.start_etcd()
+            for name in HOST_OCTETS:
+                self.hosts[name] = FleetHost(name, self.settings.host_address(name))
+            for name in HOST_OCTETS:
+                self.start_host(name, start_timer=False)
+            for name in HOST_OCTETS:
+                self._start_fabric(name)
+            self._save_state(ready=True)
+            self.progress(f"fleet up in {time.monotonic() - started:.1f} s: {', '.join(HOST_OCTETS)}; etcd at {self.settings.etcd_endpoint}")
+        except BaseException:
+            self.down()
+            raise
+
+    def _write_desired(self) -> None:
+        self.desired_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in e2e_desired_state(self.settings).items():
+            (self.desired_dir / name).write_text(text)
+        self.progress(f"desired state: {self.desired_dir}")
+
+    def _make_bridge(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._stack.callback(_run, "ip", "link", "del", self.bridge, check=False)
+        _run("ip", "addr", "add", f"{self.settings.address(THIS_HOST_OCTET)}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        self.progress(f"bridge {self.bridge}: {self.settings.subnet}.0/24")
+
+    def _veth_to_bridge(self, label: str, peer_netns: str) -> str:
+        """A veth pair: one end on the bridge, the other in `peer_netns` (a name
+        or a PID) named eth0. Returns the bridge end's name."""
+        bridge_end = f"fv{self.tag}{label}"[:15]
+        _run("ip", "link", "del", bridge_end, check=False)  # a leftover of a killed container
+        _run("ip", "link", "add", bridge_end, "type", "veth", "peer", "name", "eth0", "netns", peer_netns)
+        _run("ip", "link", "set", bridge_end, "master", self.bridge, "up")
+        return bridge_end
+
+    def _make_namespace(self, label: str, octet: int) -> None:
+        name = self.namespace_name(label)
+        _run("ip", "netns", "add", name)
+        self._stack.callback(_run, "ip", "netns", "del", name, check=False)
+        self._save_state(namespaces=[*self._state.get("namespaces", []), name])
+        self._veth_to_bridge(label[:3], name)
+        for argv in (("ip", "link", "set", "lo", "up"), ("ip", "addr", "add", f"{self.settings.address(octet)}/24", "dev", "eth0"), ("ip", "link", "set", "eth0", "up")):
+            _run("ip", "netns", "exec", name, *argv)
+        self.progress(f"namespace {name}: {self.settings.address(octet)}")
+
+    # --- etcd ----------------------------------------------------------------
+
+    def start_etcd(self) -> None:
+        if self._etcd is not None and self._etcd.poll() is None:
+            return
+        address = self.settings.address(ETCD_OCTET)
+        data_dir = self.work / "etcd"
+        log = open(self.work / "etcd.log", "ab")
+        self._etcd = subprocess.Popen(
+            [
+                "ip", "netns", "exec", self.etcd_namespace,
+                "etcd", "--name", "fleet", "--data-dir", str(data_dir),
+                "--listen-client-urls", self.settings.etcd_endpoint,
+                "--advertise-client-urls", self.settings.etcd_endpoint,
+                "--listen-peer-urls", "http://127.0.0.1:2380",
+                "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+                "--initial-cluster", "fleet=http://127.0.0.1:2380",
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+            ],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        log.close()
+        self._stack.callback(self.stop_etcd)
+        self._save_state()
+
+        def healthy() -> bool:
+            if self._etcd is None or self._etcd.poll() is not None:
+                raise RuntimeError(f"etcd exited: {(self.work / 'etcd.log').read_text(errors='replace')[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.settings.etcd_endpoint}/health", timeout=1) as response:
+                    return b'"health":"true"' in response.read()
+            except OSError:
+                return False
+
+        wait_for(healthy, timeout=20, what="etcd /health")
+        self.progress(f"etcd healthy at {address}:{ETCD_CLIENT_PORT} (pid {self._etcd.pid})")
+
+    def stop_etcd(self) -> None:
+        """Stop etcd by PID (the registry outage); its data directory stays."""
+        if self._etcd is None:
+            return
+        if self._etcd.poll() is None:
+            self._etcd.send_signal(signal.SIGTERM)
+            try:
+                self._etcd.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._etcd.kill()
+                self._etcd.wait()
+        self._etcd = None
+        self._save_state()
+
+    # --- hosts ---------------------------------------------------------------
+
+    def start_host(self, name: str, *, start_timer: bool = True) -> SystemdContainer:
+        """Boot host `name`'s container, wire it to the bridge and install the
+        fabric (a fresh machine every time: its overlay starts empty)."""
+        host = self.hosts[name]
+        if host.container is not None:
+            return host.container
+        began = time.monotonic()
+        stack = ExitStack()
+        try:
+            container = stack.enter_context(systemd_container(hostname=name, private_network=True, boot_timeout=60))
+            host.container, host.stack = container, stack
+            self._save_state()
+            self._veth_to_bridge(name[:3] + str(HOST_OCTETS[name]), str(container.pid))
+            for argv in (("ip", "link", "set", "lo", "up"), ("ip", "addr", "add", f"{host.address}/24", "dev", "eth0"), ("ip", "link", "set", "eth0", "up")):
+                self._check(container, *argv)
+            self._install(name, container)
+        except BaseException:
+            host.container, host.stack = None, None
+            stack.close()
+            self._save_state()
+            raise
+        self.progress(f"{name}: container up (pid {container.pid}) at {host.address} in {time.monotonic() - began:.1f} s")
+        if start_timer:
+            self._start_fabric(name)
+        return container
+
+    def stop_host(self, name: str) -> None:
+        """Power the host's container off (its link goes with it)."""
+        host = self.hosts[name]
+        if host.stack is not None:
+            host.stack.close()
+        host.container, host.stack = None, None
+        self._save_state()
+        self.progress(f"{name}: stopped")
+
+    def kill_host(self, name: str) -> None:
+        """SIGKILL the host's PID 1: the whole machine dies at once, no resignation."""
+        host = self.hosts[name]
+        if host.container is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(host.container.pid, signal.SIGKILL)
+        self.stop_host(name)
+
+    def container(self, name: str) -> SystemdContainer:
+        container = self.hosts[name].container
+        if container is None:
+            raise AssertionError(f"host {name} is not running")
+        return container
+
+    @staticmethod
+    def _check(container: SystemdContainer, *argv: str) -> str:
+        done = container.run(*argv)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} in the container failed ({done.returncode}): {done.stderr.strip()}")
+        return done.stdout
+
+    def _install(self, name: str, container: SystemdContainer) -> None:
+        from reconciler.nodeconfig import parse_node_config
+        from reconciler.units import Install, reconcile_argv
+
+        site_packages = sysconfig.get_paths()["purelib"]
+        self._check(container, "mkdir", "-p", f"{PREFIX}/site-packages", f"{PREFIX}/bin")
+        # The container's boot empties its /tmp (systemd-tmpfiles, in its
+        # overlay only), so the bind is made from the host's side: in the
+        # container's mount namespace but with this process's root, where the
+        # venv is still visible; the target is reached through /proc/PID/root.
+        target = str(container.host_path(f"{PREFIX}/site-packages"))
+        for argv in (("mount", "--bind", site_packages, target), ("mount", "-o", "remount,bind,ro", target)):
+            _run("nsenter", "-t", str(container.pid), "-m", "--", *argv)
+        container.write_file(
+            FABRIC_BIN,
+            "#!/usr/bin/python3\n"
+            "# e2e fleet: the test venv's packages (bind-mounted) under the system python3.\n"
+            "import site, sys\n"
+            "before = list(sys.path)\n"
+            f"site.addsitedir({PREFIX + '/site-packages'!r})\n"
+            "sys.path[:] = [p for p in sys.path if p not in before] + before\n"
+            "from reconciler.cli import main\n"
+            "sys.exit(main())\n",
+            mode=0o755,
+        )
+        for file_name, text in sorted((p.name, p.read_text()) for p in self.desired_dir.glob("*.toml")):
+            container.write_file(f"{DESIRED_DIR}/{file_name}", text)
+        # Inside the container only (its overlay), never on the host.
+        container.write_file("/usr/bin/podman", PODMAN_STANDIN.read_text(), mode=0o755)
+        # The example fleet labels its k3s nodes: a host of it has k3s's
+        # configuration directory. (Without it the pass cannot create the
+        # drop-in: the unit's ProtectSystem=strict leaves /etc read-only and
+        # its ReadWritePaths=-/etc/rancher/k3s is skipped for a missing path.)
+        self._check(container, "mkdir", "-p", "/etc/rancher/k3s")
+        for path, text in SECRET_FILES.items():
+            container.write_file(path, text, mode=0o600)
+        node_toml = (
+            f'[node]\nhost = "{name}"\ndesired = "{DESIRED_DIR}"\n\n'
+            f'[timer]\ninterval = "{self.settings.pass_interval}"\nrandomized_delay = "0"\n'
+        )
+        container.write_file(NODE_CONFIG, node_toml)
+        candidates = tomllib.loads((self.desired_dir / "fabric.toml").read_text())["fleet"]["leader_candidates"]
+        argv = [FABRIC_BIN, "units", "--config", NODE_CONFIG, "--fabric-bin", FABRIC_BIN, "--search-path", SEARCH_PATH, "--write", "/etc/systemd/system"]
+        if name in candidates:
+            argv.append("--leader-candidate")
+        self._check(container, *argv)
+        # The pass as `fabric units` defines it, plus the replayed probe capture.
+        install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
+        replay = [*reconcile_argv(install), "--replay", str(PROBE_FIXTURES / name)]
+        # HOME: `caddy validate`, run by the pass, needs a storage directory
+        # to provision Caddy's internal CA for the .local site names, and a
+        # system service has no HOME (fabric-reconcile.service does not set
+        # one: a gap in reconciler/units.py, reported). The state directory is
+        # the one place the unit may write.
+        container.write_file(
+            REPLAY_DROPIN,
+            "[Service]\nEnvironment=HOME=/var/lib/fabric\nExecStart=\nExecStart=" + " ".join(replay) + "\n",
+        )
+        if name == self.edge:
+            container.write_file("/etc/caddy/Caddyfile", "{\n\tadmin localhost:2019\n}\n")
+            self._check(container, "systemctl", "start", "caddy.service")
+        self._check(container, "systemctl", "daemon-reload")
+
+    def _start_fabric(self, name: str) -> None:
+        container = self.container(name)
+        self._check(container, "systemctl", "enable", "--now", "fabric-reconcile.timer")
+        self._check(container, "systemctl", "start", "--no-block", "fabric-reconcile.service")
+        if container.host_path("/etc/systemd/system/fabric-leader.service").exists():
+            self._check(container, "systemctl", "enable", "--now", "fabric-leader.service")
+        self.progress(f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}" + (" + fabric-leader.service" if name in ("lux", "qfox-1") else ""))
+
+    # --- looking at the fleet ------------------------------------------------
+
+    @contextmanager
+    def registry(self) -> Iterator[Any]:
+        """The fleet's registry, opened from this host (it is on the bridge)."""
+        from reconciler.desired import load_desired
+        from reconciler.registry.factory import open_registry
+
+        registry = open_registry(load_desired(self.desired_dir).fleet)
+        try:
+            yield registry
+        finally:
+            registry.close()
+
+    def fabric(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """Run `fabric ARGS --desired <the e2e desired state>` on this host."""
+        return subprocess.run(
+            [sys.executable, "-m", "reconciler", *args, "--desired", str(self.desired_dir)],
+            capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO,
+        )
+
+    def request(self, host_name: str, path: str = "/", timeout: float = 3.0) -> tuple[int, str]:
+        """GET https://HOST_NAME/PATH from the client namespace through the edge
+        (status, body); status 0 when no HTTP answer came back."""
+        edge = self.settings.host_address(self.edge)
+        done = subprocess.run(
+            [
+                "ip", "netns", "exec", self.client_namespace,
+                "curl", "-sk", "--max-time", str(timeout), "--resolve", f"{host_name}:443:{edge}",
+                "-w", "\n%{http_code}", f"https://{host_name}{path}",
+            ],
+            capture_output=True, text=True, timeout=timeout + 10, check=False,
+        )
+        body, _, code = done.stdout.rpartition("\n")
+        return (int(code) if code.isdigit() else 0), body
+
+    def journal(self, name: str, *args: str) -> str:
+        return self.container(name).journal(*args)
+
+    # --- teardown -------------------------------------------------------------
+
+    def down(self) -> None:
+        """Everything, in reverse order; never raises for one part that fails."""
+        for name in reversed(list(self.hosts)):
+            try:
+                self.stop_host(name)
+            except Exception as exc:  # keep going: the rest must still go
+                self.progress(f"{name}: stop failed: {exc}")
+        self._stack.close()
+        state_file = self.work / "state.json"
+        state_file.unlink(missing_ok=True)
+        self.progress("fleet down")
+
+
+@contextmanager
+def running_fleet(work: Path, settings: FleetSettings = FleetSettings(), progress: Progress = lambda m: None) -> Iterator[Fleet]:
+    fleet = Fleet(work=work, settings=settings, progress=progress)
+    fleet.up()
+    try:
+        yield fleet
+    finally:
+        fleet.down()
+
+
+def force_down(state_dir: Path, progress: Progress = print) -> None:
+    """Remove what a dead supervisor left (state.json): containers, etcd, namespaces, bridge."""
+    state_file = state_dir / "state.json"
+    if not state_file.exists():
+        return
+    state = json.loads(state_file.read_text())
+    for name, entry in state.get("containers", {}).items():
+        # SIGKILL of PID 1 takes its whole PID namespace (and netns) with it.
+        _stop_pid(int(entry["pid"]), "systemd", timeout=5, first=signal.SIGKILL)
+        progress(f"{name}: killed")
+    if state.get("etcd_pid"):
+        _stop_pid(int(state["etcd_pid"]), "etcd")
+        progress("etcd: stopped")
+    for namespace in reversed(state.get("namespaces", [])):
+        _run("ip", "netns", "del", namespace, check=False)
+    if state.get("bridge"):
+        _run("ip", "link", "del", state["bridge"], check=False)
+    state_file.unlink(missing_ok=True)
+    progress("leftovers removed")
+
+
+# --------------------------------------------------------------------------
+# scripts/fleet: up (a supervisor process holds the fleet), down, status
+
+
+def _stamp(message: str) -> str:
+    return f"{time.strftime('%H:%M:%S')} {message}"
+
+
+def _serve(state_dir: Path, settings: FleetSettings) -> int:
+    """The supervisor: bring the fleet up, hold it until SIGTERM, bring it down."""
+    log = open(state_dir / "progress.log", "a", buffering=1)
+
+    def progress(message: str) -> None:
+        log.write(_stamp(message) + "\n")
+
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    fleet = Fleet(work=state_dir, settings=settings, progress=progress)
+    try:
+        fleet.up()
+    except BaseException as exc:
+        progress(f"FAILED: {exc}")
+        return 1
+    progress("READY")
+    try:
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        fleet.down()
+    return 0
+
+
+def _up(state_dir: Path, settings_args: list[str]) -> int:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if (state_dir / "state.json").exists():
+        print(f"a fleet is already up ({state_dir}/state.json); scripts/fleet down first", file=sys.stderr)
+        return 1
+    (state_dir / "progress.log").write_text("")
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.fleet", "serve", "--state-dir", str(state_dir), *settings_args],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=open(state_dir / "supervisor.log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    shown = 0
+    while True:
+        lines = (state_dir / "progress.log").read_text().splitlines()
+        for line in lines[shown:]:
+            print(line, flush=True)
+        shown = len(lines)
+        if any(line.endswith(" READY") for line in lines):
+            print(f"fleet is up (supervisor pid {supervisor.pid}); scripts/fleet status | down")
+            return 0
+        if supervisor.poll() is not None:
+            print(f"fleet failed to come up (see {state_dir}/supervisor.log)", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+
+
+def _down(state_dir: Path) -> int:
+    state_file = state_dir / "state.json"
+    if not state_file.exists():
+        print("no fleet is up")
+        return 0
+    state = json.loads(state_file.read_text())
+    supervisor = int(state.get("supervisor", 0))
+    if supervisor and _process_is(supervisor, "tests.e2e.fleet"):
+        print(f"stopping the supervisor (pid {supervisor})")
+        _stop_pid(supervisor, "tests.e2e.fleet", timeout=90)
+    force_down(state_dir)  # whatever the supervisor did not get to
+    print("fleet is down")
+    return 0
+
+
+def _status(state_dir: Path) -> int:
+    state_file = state_dir / "state.json"
+    if not state_file.exists():
+        print("no fleet is up")
+        return 1
+    state = json.loads(state_file.read_text())
+    print(f"supervisor pid {state.get('supervisor')}, bridge {state.get('bridge')} ({state.get('subnet')}.0/24), ready: {state.get('ready')}")
+    for name, entry in state.get("containers", {}).items():
+        alive = "running" if _process_is(int(entry["pid"]), "systemd") else "GONE"
+        print(f"  {name:10} pid {entry['pid']:>7}  {alive}")
+    print(f"  etcd       pid {state.get('etcd_pid')}")
+    for command in (["nodes"], ["leader"]):
+        done = subprocess.run([sys.executable, "-m", "reconciler", *command, "--desired", str(state_dir / "desired")], capture_output=True, text=True, cwd=REPO, timeout=30)
+        print(done.stdout.rstrip() or done.stderr.rstrip())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/fleet", description="The example fleet on this machine: systemd containers on a bridge.")
+    parser.add_argument("action", choices=["up", "down", "status", "serve"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help=f"state file and logs (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--interval", default=FleetSettings.pass_interval, help="fabric-reconcile.timer interval (default %(default)s)")
+    parser.add_argument("--node-timeout", type=int, default=FleetSettings.node_timeout_s, help="timing.node_timeout_s (default %(default)s)")
+    parser.add_argument("--heartbeat", type=int, default=FleetSettings.heartbeat_s, help="timing.heartbeat_s (default %(default)s)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("scripts/fleet needs root (namespaces, a bridge, containers)", file=sys.stderr)
+        return 2
+    settings = FleetSettings(pass_interval=args.interval, node_timeout_s=args.node_timeout, heartbeat_s=args.heartbeat)
+    settings_args = ["--interval", args.interval, "--node-timeout", str(args.node_timeout), "--heartbeat", str(args.heartbeat)]
+    if args.action == "serve":
+        return _serve(args.state_dir, settings)
+    if args.action == "up":
+        return _up(args.state_dir, settings_args)
+    if args.action == "down":
+        return _down(args.state_dir)
+    return _status(args.state_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
