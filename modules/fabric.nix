@@ -46,6 +46,7 @@ let
         desired = cfg.desired.path;
         unit_dir = cfg.unitDir;
         state_dir = "/var/lib/fabric";
+        registry_path = cfg.registry.sqlitePath;
       };
       timer = {
         interval = cfg.interval;
@@ -60,18 +61,12 @@ let
         allowed_signers_file = cfg.desired.git.allowedSignersFile;
       };
     }
-    // lib.optionalAttrs (cfg.registry.backend != null) {
-      registry = dropNulls {
-        inherit (cfg.registry) backend endpoints;
-        path = cfg.registry.sqlitePath;
-        ca_file = cfg.registry.caFile;
-        cert_file = cfg.registry.certFile;
-        key_file = cfg.registry.keyFile;
-      };
-    }
   ) cfg.settings;
 
   nodeConfigPath = "/etc/fabric/node.toml";
+  registryEnvironment = lib.optionalAttrs (nodeSettings.node ? registry_path) {
+    FABRIC_REGISTRY = nodeSettings.node.registry_path;
+  };
   fabric = "${cfg.package}/bin/fabric";
 
   reconcileArgv =
@@ -237,44 +232,17 @@ in
       description = "Run fabric-leader.service (the host must be in the fleet's leader_candidates).";
     };
 
-    registry = {
-      backend = lib.mkOption {
-        type = lib.types.nullOr (
-          lib.types.enum [
-            "sqlite"
-            "etcd"
-          ]
-        );
-        default = null;
-        description = "This node's registry backend; null follows the fleet's [registry].";
-      };
-      sqlitePath = lib.mkOption {
-        type = lib.types.nullOr lib.types.str;
-        default = null;
-        example = "/var/lib/fabric/registry.sqlite";
-        description = "The sqlite registry file.";
-      };
-      endpoints = lib.mkOption {
-        type = lib.types.listOf lib.types.str;
-        default = [ ];
-        example = [ "https://100.101.7.10:2379" ];
-        description = "etcd client URLs.";
-      };
-      caFile = lib.mkOption {
-        type = lib.types.nullOr lib.types.str;
-        default = null;
-        description = "etcd CA certificate (path).";
-      };
-      certFile = lib.mkOption {
-        type = lib.types.nullOr lib.types.str;
-        default = null;
-        description = "etcd client certificate (path).";
-      };
-      keyFile = lib.mkOption {
-        type = lib.types.nullOr lib.types.str;
-        default = null;
-        description = "etcd client key (path; read by the fabric, never copied).";
-      };
+    registry.sqlitePath = lib.mkOption {
+      type = lib.types.nullOr lib.types.str;
+      default = null;
+      example = "/var/lib/fabric/registry.sqlite";
+      description = ''
+        Use this sqlite registry file whatever the fleet's fabric.toml
+        [registry] says (FABRIC_REGISTRY for the fabric's services): a
+        single-host fleet or a demo. Null: the registry the desired state
+        names; a fleet's etcd endpoints and client certificate paths live
+        there, the same for every host.
+      '';
     };
 
     caddy.importSnippets = lib.mkOption {
@@ -325,6 +293,10 @@ in
       {
         assertions = [
           {
+            assertion = !cfg.leaderCandidate || nodeSettings.node ? host;
+            message = "services.fabric.leaderCandidate needs services.fabric.hostName (the candidate campaigns under it).";
+          }
+          {
             assertion = !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
             message = "services.fabric.desired.git.requireSignedCommits needs services.fabric.desired.git.allowedSignersFile.";
           }
@@ -352,6 +324,7 @@ in
           stopIfChanged = false;
           unitConfig.X-StopOnRemoval = false;
           path = runtimePath;
+          environment = registryEnvironment;
           serviceConfig =
             hardening
             // {
@@ -401,6 +374,7 @@ in
           wants = [ "network-online.target" ];
           after = [ "network-online.target" ];
           path = runtimePath;
+          environment = registryEnvironment;
           serviceConfig = hardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-leader";

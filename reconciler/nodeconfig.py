@@ -4,7 +4,8 @@ Pure: a pydantic model and a loader over text. The desired state (fabric.toml
 and the host files) is the same on every host and lives in git; this file says
 how *this* machine takes part: which host of the desired state it is, where the
 desired state comes from (a local directory, or a git remote pulled before each
-pass), where rendered units go, how often the timer fires, and what the
+pass), where rendered units go, how often the timer fires, a local registry
+file if the fleet's [registry] is not to be used, and what the
 one-shot bootstrap needs (a Tailscale auth-key file, the k3s server and token
 file). Both install paths write it: the NixOS module renders
 `services.fabric.settings` with `pkgs.formats.toml`, and `scripts/join.sh`
@@ -23,7 +24,7 @@ from typing import Annotated, Any
 from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from reconciler.desired import Problem
-from reconciler.model import AbsPath, FieldProblem, Name, RegistrySettings, Strict
+from reconciler.model import AbsPath, FieldProblem, Name, Strict
 
 NODE_CONFIG_PATH = "/etc/fabric/node.toml"
 
@@ -46,6 +47,10 @@ class NodeSection(Strict):
     # sets /run/systemd/system; a plain systemd host uses /etc/systemd/system.
     unit_dir: AbsPath = "/etc/systemd/system"
     state_dir: AbsPath = "/var/lib/fabric"
+    # A sqlite registry file used whatever the fleet's [registry] says
+    # ($FABRIC_REGISTRY for the fabric's services): a single-host fleet, a demo.
+    # None: the registry the desired state's fabric.toml names (etcd for a fleet).
+    registry_path: AbsPath | None = None
 
 
 class SourceSection(Strict):
@@ -95,9 +100,6 @@ class NodeConfig(Strict):
     node: NodeSection = NodeSection()
     source: SourceSection | None = None
     timer: TimerSection = TimerSection()
-    # This node's view of the registry, when it differs from the fleet's
-    # [registry] (for example its own etcd client certificate paths).
-    registry: RegistrySettings | None = None
     bootstrap: BootstrapSection = BootstrapSection()
 
 

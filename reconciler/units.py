@@ -146,16 +146,23 @@ def pull_argv(install: Install) -> list[str] | None:
     return [install.fabric_bin, "pull", "--config", install.config_path]
 
 
+class UnitsError(ValueError):
+    """The node configuration cannot give this unit (the message says why)."""
+
+
 def leader_argv(install: Install) -> list[str]:
+    """`fabric leader run --desired DIR --host NAME` (the leader must know its name)."""
     node = install.node.node
-    argv = [install.fabric_bin, *LEADER_SUBCOMMAND, "--desired", node.desired]
-    if node.host is not None:
-        argv += ["--host", node.host]
-    return argv
+    if node.host is None:
+        raise UnitsError("node.host: required for fabric-leader.service (the candidate campaigns under its host name)")
+    return [install.fabric_bin, *LEADER_SUBCOMMAND, "--desired", node.desired, "--host", node.host]
 
 
 def _environment(install: Install) -> list[tuple[str, str]]:
-    return [("Environment", f"PATH={install.search_path}")] if install.search_path else []
+    env = [("Environment", f"PATH={install.search_path}")] if install.search_path else []
+    if install.node.node.registry_path is not None:
+        env.append(("Environment", f"FABRIC_REGISTRY={install.node.node.registry_path}"))
+    return env
 
 
 def reconcile_service(install: Install) -> UnitFile:

@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "probe",
     "units",
     "pull",
+    "bootstrap",
     "status",
     "reconcile",
     "plan",

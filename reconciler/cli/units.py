@@ -15,7 +15,7 @@ from pathlib import Path
 from reconciler.adapters.install_files import read_text_or_none, write_atomic
 from reconciler.cli import EXIT_INVALID, EXIT_OK
 from reconciler.nodeconfig import NODE_CONFIG_PATH, NodeConfig, NodeConfigError, parse_node_config
-from reconciler.units import Install, host_units, units_json
+from reconciler.units import Install, UnitsError, host_units, units_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if node is None:
         return EXIT_INVALID
     install = Install(fabric_bin=args.fabric_bin, node=node, config_path=str(args.config), search_path=args.search_path)
-    units = host_units(install, leader_candidate=args.leader_candidate)
+    try:
+        units = host_units(install, leader_candidate=args.leader_candidate)
+    except UnitsError as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     if args.json:
         print(units_json(units))
     elif args.write is not None:

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,3 +191,52 @@ def test_bad_setting_stops_before_touching_the_units(joined: tuple[SystemdContai
     assert bad.returncode == 2
     assert "node.toml.new: node.desired:" in bad.stderr and "absolute path" in bad.stderr
     assert container.read_file("/etc/fabric/node.toml") == before
+
+
+def test_bootstrap_after_join_opens_the_distro_ruleset_and_is_idempotent(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    """The CachyOS/Arch fix for real: a distro ruleset whose forward chain drops,
+    the fix inserted into it, kept across the distro's reloads, and a second
+    bootstrap with nothing to do."""
+    container, _ = joined
+    fabric = f"{PREFIX}/bin/fabric"
+    # Debian's nftables.service (flush ruleset, then its own table inet filter)
+    # stands in for the distro's; a drop policy on forward like CachyOS's.
+    container.write_file("/etc/nftables.conf", (
+        "flush ruleset\n"
+        "table inet filter {\n"
+        "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n\t}\n"
+        "\tchain forward {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n"
+        "}\n"
+    ))
+    assert container.systemctl("start", "nftables.service").returncode == 0
+    host_file = "/var/lib/fabric/desired/racknerd.toml"
+    container.write_file(host_file, container.read_file(host_file).replace('node_id = "racknerd.tail-abc123.ts.net"', 'node_id = "racknerd.tail-abc123.ts.net"\nnftables_fix = true'))
+
+    first = container.run(fabric, "bootstrap", "--config", "/etc/fabric/node.toml", timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "register: the registry does not know this node" in first.stdout
+    assert "load_nft_fix" in first.stdout
+    assert re.search(r"ready: racknerd \(tier [a-z_0-9]+\)$", first.stdout.rstrip())
+    forward = container.run("nft", "list", "chain", "inet", "filter", "forward").stdout
+    assert 'iifname "tailscale0" accept comment "fabric-tailscale-fix"' in forward
+
+    second = container.run(fabric, "bootstrap", "--config", "/etc/fabric/node.toml", timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("note: tailscale is not installed") and "nothing to do: racknerd is ready" in second.stdout
+
+    # The distro reloads its ruleset (flush ruleset): the drop-in puts the fix
+    # and the fabric's own table back.
+    assert container.systemctl("reload", "nftables.service").returncode == 0
+    forward = container.run("nft", "list", "chain", "inet", "filter", "forward").stdout
+    assert forward.count("fabric-tailscale-fix") == 2  # iifname and oifname rules, once each
+    # The drop-in queues the table's reload (--no-block): wait for that job.
+    assert _eventually(lambda: container.run("nft", "list", "table", "inet", "fabric").returncode == 0)
+
+
+def _eventually(check, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()

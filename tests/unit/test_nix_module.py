@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from reconciler.cli import main
 from reconciler.nodeconfig import NodeConfig
 from reconciler.units import (
     HARDENING,
@@ -77,6 +78,12 @@ def normalized(config: dict[str, object]) -> dict[str, object]:
     return out
 
 
+def nix_environment(service: dict) -> dict[str, tuple[str, ...]]:
+    """NixOS writes `environment` as Environment= lines (PATH comes from `path`)."""
+    env = service.get("environment", {})
+    return {"Environment": tuple(f"{k}={v}" for k, v in sorted(env.items()))} if env else {}
+
+
 def evaluate(user: str, **flags: str) -> dict:
     """The module evaluated with `services.fabric = { enable = true; package = ...; } // user`."""
     config = f'{{ enable = true; package = {{ outPath = "{PACKAGE}"; }}; }} // ({user})'
@@ -102,7 +109,8 @@ CONFIGS = {
         {"caddyEnable": "true"},
     ),
     "leader-local-path": (
-        '{ hostName = "lux"; leaderCandidate = true; desired.path = "/srv/fleet"; unitDir = "/etc/systemd/system.control"; }',
+        '{ hostName = "lux"; leaderCandidate = true; desired.path = "/srv/fleet"; unitDir = "/etc/systemd/system.control";'
+        ' registry.sqlitePath = "/var/lib/fabric/registry.sqlite"; }',
         {"tailscaleEnable": "true"},
     ),
 }
@@ -127,7 +135,7 @@ def test_reconcile_service_matches_python_definition(name: str) -> None:
     result = evaluate(user, **flags)
     nix_service = result["services"]["fabric-reconcile"]
     python_unit = reconcile_service(python_install(result)).values("Service")
-    assert normalized(nix_service["serviceConfig"]) == python_unit
+    assert normalized(nix_service["serviceConfig"]) | nix_environment(nix_service) == python_unit
     # A switch never restarts or stops a pass.
     assert nix_service["restartIfChanged"] is False
     assert nix_service["stopIfChanged"] is False
@@ -148,7 +156,8 @@ def test_leader_service_only_on_candidates_and_matches_python() -> None:
     user, flags = CONFIGS["leader-local-path"]
     result = evaluate(user, **flags)
     nix_leader = result["services"]["fabric-leader"]
-    assert normalized(nix_leader["serviceConfig"]) == leader_service(python_install(result)).values("Service")
+    python_leader = leader_service(python_install(result)).values("Service")
+    assert normalized(nix_leader["serviceConfig"]) | nix_environment(nix_leader) == python_leader
 
 
 def test_hardening_is_shared_and_complete() -> None:
@@ -193,7 +202,7 @@ def test_no_pull_without_a_git_remote() -> None:
 
 def test_signed_commits_need_allowed_signers() -> None:
     result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = true; }; }')
-    assert [a["assertion"] for a in result["assertions"]] == [False]
+    assert [a["assertion"] for a in result["assertions"]] == [True, False]
     result = evaluate(CONFIGS["edge-with-git"][0])
     assert all(a["assertion"] for a in result["assertions"])
 
@@ -269,3 +278,18 @@ def test_vm_test_has_a_leader_and_an_edge_checking_the_pass_and_the_journal() ->
     assert result["nodes"] == ["lux", "racknerd"]
     for needle in ("systemctl status fabric-reconcile.timer", "journalctl -t fabric-reconcile", "ExecMainStatus", "nft list table inet fabric"):
         assert needle in result["script"], needle
+
+
+def test_leader_needs_a_host_name_on_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = evaluate("{ hostName = null; leaderCandidate = true; }")
+    assert [a["assertion"] for a in result["assertions"]] == [False, True]
+    assert main(["units", "--config", str(tmp_path / "absent.toml"), "--fabric-bin", "/opt/fabric/bin/fabric", "--leader-candidate"]) == 2
+    assert "node.host: required for fabric-leader.service" in capsys.readouterr().err
+
+
+def test_registry_file_reaches_both_services() -> None:
+    user, flags = CONFIGS["leader-local-path"]
+    result = evaluate(user, **flags)
+    for name in ("fabric-reconcile", "fabric-leader"):
+        assert result["services"][name]["environment"] == {"FABRIC_REGISTRY": "/var/lib/fabric/registry.sqlite"}
+    assert not evaluate("{ }")["services"]["fabric-reconcile"].get("environment")

@@ -1,0 +1,239 @@
+"""fabric bootstrap: the plan of a new node's missing steps (pure, with a fake node).
+
+The fake node applies each step to its own state the way the real adapters
+would change the machine, so "a second run changes nothing" is checked as the
+planner sees it: plan, apply, plan again -> nothing to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reconciler.bootstrap import (
+    K3S_JOIN_DROPIN,
+    NFT_FIX_DROPIN,
+    NFT_FIX_FILE,
+    Observed,
+    Programs,
+    Step,
+    bootstrap_files,
+    k3s_join_dropin,
+    plan_bootstrap,
+    socat_units,
+)
+from reconciler.cli import main
+from reconciler.desired import load_desired
+from reconciler.model import Hardware, NodeFacts, OperatingSystem
+from reconciler.nodeconfig import parse_node_config
+from tests.conftest import EXAMPLE_FLEET
+
+STATE = load_desired(EXAMPLE_FLEET)
+NODE = parse_node_config(
+    """
+[node]
+host = "racknerd"
+[bootstrap]
+tailscale_auth_key_file = "/run/secrets/tailscale-auth-key"
+k3s_server = "https://100.101.7.10:6443"
+k3s_token_file = "/run/secrets/k3s-token"
+"""
+)
+K3S_PATH = f"etc/rancher/k3s/config.yaml.d/{K3S_JOIN_DROPIN}"
+
+
+def facts(os_id: str = "debian", id_like: tuple[str, ...] = ()) -> NodeFacts:
+    return NodeFacts(
+        node_id="racknerd.tail-abc123.ts.net",
+        k3s_hostname="racknerd",
+        hardware=Hardware(arch="x86_64", cpu_cores=2, memory_mib=2048),
+        tier="relay",
+        os=OperatingSystem(id=os_id, id_like=list(id_like)),
+    )
+
+
+class FakeNode:
+    """A new node's state; `apply` changes it as the real step would."""
+
+    def __init__(self, *, tailscale: bool | None = False, distro_table: bool = False) -> None:
+        self.tailscale = tailscale
+        self.registered: list[str] = []
+        self.files: dict[str, str] = {}
+        self.distro_table = distro_table
+        self.fix_loaded = False
+        self.timer_active = False
+        self.socat_running: set[str] = set()
+        self.commands: list[tuple[str, ...]] = []
+
+    def observe(self, host: str, node=NODE) -> Observed:
+        return Observed(
+            tailscale_running=self.tailscale,
+            registered=host in self.registered,
+            files={p: self.files.get(p) for p in bootstrap_files(node)},
+            distro_table_present=self.distro_table,
+            nft_fix_loaded=self.fix_loaded,
+            timer_active=self.timer_active,
+            socat_active={u: u in self.socat_running for u in socat_units(STATE, host)},
+        )
+
+    def apply(self, step: Step, host: str) -> None:
+        if step.kind == "tailscale_up":
+            self.commands.append(step.argv)
+            self.tailscale = True
+        elif step.kind == "register":
+            assert step.record is not None
+            self.registered.append(step.record.node_id)
+        elif step.kind == "write_file":
+            assert step.path and step.content is not None
+            self.files[step.path] = step.content
+        elif step.kind == "load_nft_fix":
+            self.fix_loaded = True
+        elif step.kind == "enable_timer":
+            self.timer_active = True
+        elif step.kind == "run_pass":
+            self.socat_running |= set(socat_units(STATE, host))
+
+
+def run(node_state: FakeNode, host: str = "racknerd", node=NODE, probe: NodeFacts | None = None):
+    plan = plan_bootstrap(node=node, state=STATE, host=host, facts=probe or facts(), observed=node_state.observe(host, node))
+    for step in plan.steps:
+        node_state.apply(step, host)
+    return plan
+
+
+def test_new_edge_node_gets_every_step_in_the_seeds_order() -> None:
+    plan = run(FakeNode())
+    assert [s.kind for s in plan.steps] == ["tailscale_up", "register", "write_file", "enable_timer", "run_pass"]
+    assert plan.steps[2].path == K3S_PATH
+    assert "fabric-socat-lux-smb.service, fabric-socat-qfox-ssh.service" in plan.steps[4].reason
+    assert plan.problems == ()
+
+
+def test_second_run_has_nothing_to_do() -> None:
+    node = FakeNode(distro_table=True)
+    arch = facts("arch")
+    first = run(node, probe=arch)
+    assert not first.nothing_to_do
+    second = run(node, probe=arch)
+    assert second.nothing_to_do and second.steps == ()
+
+
+def test_auth_key_only_as_a_file_reference() -> None:
+    node = FakeNode()
+    run(node)
+    (argv,) = node.commands
+    assert argv == ("tailscale", "up", "--auth-key=file:/run/secrets/tailscale-auth-key", "--hostname=racknerd")
+
+
+def test_k3s_join_settings_hold_the_token_path_never_a_token() -> None:
+    node = FakeNode()
+    run(node)
+    text = node.files[K3S_PATH]
+    assert 'server: "https://100.101.7.10:6443"' in text
+    assert 'token-file: "/run/secrets/k3s-token"' in text
+    assert "token:" not in text and "node-label" not in text.split("\n", 3)[-1]
+
+
+def test_changed_join_settings_are_rewritten() -> None:
+    node = FakeNode()
+    run(node)
+    moved = NODE.model_copy(update={"bootstrap": NODE.bootstrap.model_copy(update={"k3s_server": "https://100.101.7.11:6443"})})
+    plan = run(node, node=moved)
+    assert [(s.kind, s.path) for s in plan.steps] == [("write_file", K3S_PATH)]
+    assert plan.steps[0].reason.endswith("(changed)")
+    assert node.files[K3S_PATH] == k3s_join_dropin("racknerd", "https://100.101.7.11:6443", "/run/secrets/k3s-token")
+
+
+@pytest.mark.parametrize(
+    ("os_id", "id_like", "wanted"),
+    [("arch", (), True), ("cachyos", ("arch",), True), ("endeavouros", ("arch",), True), ("debian", (), False), ("nixos", (), False)],
+)
+def test_nftables_fix_only_where_the_os_needs_it(os_id: str, id_like: tuple[str, ...], wanted: bool) -> None:
+    node = FakeNode(tailscale=True, distro_table=True)
+    plan = run(node, probe=facts(os_id, id_like))
+    fix = [s for s in plan.steps if s.path in (NFT_FIX_FILE, NFT_FIX_DROPIN) or s.kind in ("load_nft_fix", "daemon_reload")]
+    assert bool(fix) == wanted
+    if wanted:
+        assert [s.kind for s in fix] == ["write_file", "write_file", "daemon_reload", "load_nft_fix"]
+        ruleset = node.files[NFT_FIX_FILE]
+        assert 'insert rule inet filter forward iifname "tailscale0" accept comment "fabric-tailscale-fix"' in ruleset
+        dropin = node.files[NFT_FIX_DROPIN]
+        assert "ExecReload=-/usr/sbin/nft -f /etc/fabric/tailscale-fix.nft" in dropin
+        assert "try-reload-or-restart fabric-nftables.service" in dropin
+
+
+def test_host_file_overrides_the_os_detection() -> None:
+    # qfox-1 declares nftables_fix = true; a Debian probe does not change that.
+    node = FakeNode(tailscale=True, distro_table=True)
+    plan = plan_bootstrap(node=NODE, state=STATE, host="qfox-1", facts=facts("debian"), observed=node.observe("qfox-1"))
+    assert any(s.kind == "load_nft_fix" for s in plan.steps)
+
+
+def test_fix_waits_for_the_distro_table() -> None:
+    plan = run(FakeNode(tailscale=True, distro_table=False), probe=facts("arch"))
+    assert not any(s.kind == "load_nft_fix" for s in plan.steps)
+    assert any("no table inet filter" in n for n in plan.notes)
+
+
+def test_programs_paths_land_in_the_dropin() -> None:
+    node = FakeNode(tailscale=True, distro_table=True)
+    plan = plan_bootstrap(
+        node=NODE, state=STATE, host="racknerd", facts=facts("arch"), observed=node.observe("racknerd"),
+        programs=Programs(nft="/usr/bin/nft", systemctl="/usr/bin/systemctl"),
+    )
+    dropin = next(s.content for s in plan.steps if s.path == NFT_FIX_DROPIN)
+    assert "ExecStartPost=-/usr/bin/nft -f /etc/fabric/tailscale-fix.nft" in dropin
+
+
+def test_problems_stop_before_any_step() -> None:
+    no_key = NODE.model_copy(update={"bootstrap": NODE.bootstrap.model_copy(update={"tailscale_auth_key_file": None})})
+    plan = plan_bootstrap(node=no_key, state=STATE, host="racknerd", facts=facts(), observed=FakeNode().observe("racknerd"))
+    assert plan.problems == ("tailscale is not up and [bootstrap] tailscale_auth_key_file is not set",)
+    missing = plan_bootstrap(node=NODE, state=STATE, host="racknerd", facts=facts(), observed=FakeNode(tailscale=None).observe("racknerd"))
+    assert "tailscale is not installed" in missing.problems[0]
+    unknown = plan_bootstrap(node=NODE, state=STATE, host="nope", facts=facts(), observed=FakeNode().observe("racknerd"))
+    assert unknown.steps == () and "'nope' is not in the desired state" in unknown.problems[0]
+
+
+def test_registered_node_is_not_registered_again() -> None:
+    node = FakeNode(tailscale=True)
+    node.registered.append("racknerd")
+    assert not any(s.kind == "register" for s in run(node).steps)
+
+
+def test_host_without_port_maps_still_gets_a_first_pass() -> None:
+    node = FakeNode(tailscale=True)
+    plan = plan_bootstrap(node=NODE, state=STATE, host="a1-arm64", facts=facts(), observed=node.observe("a1-arm64"))
+    assert [s.kind for s in plan.steps][-2:] == ["enable_timer", "run_pass"]
+    assert plan.steps[-1].reason == "no pass has run on this node yet"
+
+
+# --------------------------------------------------------------------------
+# The command line: dry run in a sandbox root, bad input
+
+
+def test_cli_dry_run_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    registry = tmp_path / "registry.sqlite"
+    code = main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
+                 "--host", "racknerd", "--root", str(root), "--dry-run", "--registry-path", str(registry)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "would register: the registry does not know this node" in out
+    assert "would run_pass: port maps not running" in out
+    assert list(root.iterdir()) == []
+
+
+def test_cli_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text('[bootstrap]\nk3s_server = "https://100.101.7.10:6443"\n')
+    assert main(["bootstrap", "--config", str(config), "--desired", str(EXAMPLE_FLEET), "--dry-run"]) == 2
+    assert f"{config}: bootstrap.k3s_token_file: k3s_server and k3s_token_file go together" in capsys.readouterr().err
+
+
+def test_cli_unknown_host_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
+                 "--host", "mystery", "--dry-run", "--registry-path", str(tmp_path / "r.sqlite")]) == 2
+    assert "'mystery' is not in the desired state" in capsys.readouterr().err

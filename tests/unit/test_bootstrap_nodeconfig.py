@@ -1,0 +1,95 @@
+"""node.toml (reconciler.nodeconfig) and the units derived from it (reconciler.units)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reconciler.cli import main
+from reconciler.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
+from reconciler.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(NodeConfigError) as exc:
+        parse_node_config(text, "node.toml")
+    return [str(p) for p in exc.value.problems]
+
+
+def test_absent_sections_are_defaults() -> None:
+    node = parse_node_config("")
+    assert node == NodeConfig()
+    assert node.node.unit_dir == "/etc/systemd/system"
+    assert node.timer.interval == "30s"
+    assert node.source is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[node]\ndesired = "relative"\n', "node.toml: node.desired: 'relative' must be an absolute path"),
+        ('[node]\nhost = "Bad Host"\n', "node.toml: node.host: 'Bad Host' is not a safe name"),
+        ('[timer]\ninterval = "30s; rm -rf /"\n', "node.toml: timer.interval: String should match pattern"),
+        ('[source]\nbranch = "main"\n', "node.toml: source.remote: Field required"),
+        ('[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n',
+         "node.toml: source.allowed_signers_file: required when require_signed_commits is true"),
+        ('[bootstrap]\nk3s_token_file = "/run/secrets/k3s"\n', "node.toml: bootstrap.k3s_server: k3s_server and k3s_token_file go together"),
+        ('[bootstrap]\nk3s_server = "http://plain:6443"\nk3s_token_file = "/run/k"\n', "node.toml: bootstrap.k3s_server: String should match pattern"),
+        ('[bootstrap]\ntailscale_auth_key = "tskey-abc"\n', "node.toml: bootstrap.tailscale_auth_key: Extra inputs are not permitted"),
+        ("[node\n", "node.toml: (syntax):"),
+    ],
+)
+def test_bad_node_toml_names_file_key_and_reason(text: str, expected: str) -> None:
+    assert any(p.startswith(expected) for p in problems(text)), problems(text)
+
+
+def test_reconcile_command_and_units_from_node_toml() -> None:
+    node = parse_node_config('[node]\nhost = "racknerd"\nunit_dir = "/run/systemd/system"\n[timer]\ninterval = "45s"\n')
+    install = Install(fabric_bin="/opt/fabric/bin/fabric", node=node, search_path="/opt/fabric/bin:/usr/bin")
+    assert reconcile_argv(install) == [
+        "/opt/fabric/bin/fabric", "reconcile", "--desired", "/var/lib/fabric/desired",
+        "--unit-dir", "/run/systemd/system", "--host", "racknerd",
+    ]
+    service = reconcile_service(install).values("Service")
+    assert service["Type"] == "oneshot"
+    assert service["Environment"] == ("PATH=/opt/fabric/bin:/usr/bin",)
+    assert "ExecStartPre" not in service
+    for key, value in HARDENING.items():
+        assert service[key] == value
+    timer = reconcile_timer(install).values("Timer")
+    assert timer["OnUnitActiveSec"] == "45s" and timer["Persistent"] == "true" and timer["AccuracySec"] == "1s"
+    assert [u.name for u in host_units(install, leader_candidate=True)] == [
+        "fabric-reconcile.service", "fabric-reconcile.timer", "fabric-leader.service",
+    ]
+
+
+def test_units_text_lists_repeated_settings_once_each() -> None:
+    text = reconcile_service(Install(fabric_bin="/opt/fabric/bin/fabric", node=NodeConfig())).text()
+    assert text.count("ReadWritePaths=") == len(HARDENING["ReadWritePaths"])
+    assert "\n[Service]\nType=oneshot\n" in text
+
+
+def test_units_cli_json_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    args = ["units", "--config", str(config), "--fabric-bin", "/opt/fabric/bin/fabric"]
+    assert main([*args, "--json"]) == 0
+    units = json.loads(capsys.readouterr().out)
+    assert units["fabric-reconcile.service"]["Service"]["ExecStartPre"] == [f"/opt/fabric/bin/fabric pull --config {config}"]
+    out = tmp_path / "units"
+    assert main([*args, "--write", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["fabric-reconcile.service", "fabric-reconcile.timer"]
+    capsys.readouterr()
+    assert main([*args, "--write", str(out)]) == 0
+    assert capsys.readouterr().out.count("unchanged") == 2
+
+
+def test_units_cli_bad_config_is_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text('[timer]\ninterval = "soon"\n')
+    out = tmp_path / "units"
+    assert main(["units", "--config", str(config), "--fabric-bin", "/opt/fabric/bin/fabric", "--write", str(out)]) == 2
+    assert f"{config}: timer.interval:" in capsys.readouterr().err
+    assert not out.exists()
