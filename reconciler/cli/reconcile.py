@@ -63,6 +63,13 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         help="D-Bus address of the systemd to activate through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
     )
     p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API (edge hosts)")
+    p.add_argument(
+        "--startup-grace",
+        metavar="SECONDS",
+        type=float,
+        default=1.0,
+        help="watch each started or restarted unit this long; one that fails meanwhile fails the pass (default 1)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -229,7 +236,9 @@ def real_wiring(args: argparse.Namespace) -> Wiring:
         if not args.no_activate:
             from reconciler.adapters.systemd_dbus import SystemdDbus
 
-            activators = Activators(SystemdDbus(args.systemd_bus), nft, caddy)
+            # A Type=exec service counts as started once exec'd: the grace
+            # catches one that exits at once (a port already taken, say).
+            activators = Activators(SystemdDbus(args.systemd_bus, startup_grace=args.startup_grace), nft, caddy)
     return Wiring(JournalAudit(), SystemClock(), validators, activators)
 
 
