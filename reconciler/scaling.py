@@ -135,7 +135,11 @@ def decide_scaling(
     queue_high_since = _since(state.queue_high_since, now) if queue_depth > settings.queue_high else None
     scaled_down = {n for n in state.scaled_down if n in cold}
     last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items()}
-    last_activation_at = {n: as_aware(at) for n, at in state.last_activation_at.items() if n in running}
+    # Kept while they still pace something, whatever the node did meanwhile
+    # (a node that blinks offline and back is not activated again sooner).
+    last_activation_at = {
+        n: as_aware(at) for n, at in state.last_activation_at.items() if now - as_aware(at) < interval
+    }
 
     actions: list[ScalingAction] = []
     scale_out_reasons: list[str] = []

@@ -83,6 +83,15 @@ def test_an_idle_node_is_not_activated_again_within_the_group_interval():
     assert kinds(leader.at(90, fleet, queue_depth=20)) == [("activate_idle", "idle")]
 
 
+def test_a_node_that_blinks_offline_is_not_activated_again_sooner():
+    leader = Leader()
+    leader.at(0, [node("idle", in_flight=0)], queue_depth=20)
+    assert kinds(leader.at(30, [node("idle", in_flight=0)], queue_depth=20)) == [("activate_idle", "idle")]
+    leader.at(40, [node("idle", in_flight=0, status="offline")], queue_depth=20)
+    assert leader.at(50, [node("idle", in_flight=0)], queue_depth=20) == []
+    assert kinds(leader.at(90, [node("idle", in_flight=0)], queue_depth=20)) == [("activate_idle", "idle")]
+
+
 @pytest.mark.parametrize(
     "unusable",
     [

@@ -31,7 +31,7 @@ _spec.loader.exec_module(reference)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 NAMES = [f"n{i}" for i in range(12)]
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Few tiers per fleet make ties and fallbacks between them common.
 tiers = st.sampled_from(["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "relay"])
