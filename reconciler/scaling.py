@@ -77,9 +77,10 @@ class ScalingState(BaseModel):
     # node -> since when its utilization has been above / below the thresholds.
     hot_since: dict[str, datetime] = {}
     cold_since: dict[str, datetime] = {}
-    # tier -> when its cloud hook was last returned (one group per interval).
+    # tier -> when its cloud hook was last returned (one group per interval);
+    # entries older than the interval are dropped, they pace nothing.
     last_group_at: dict[str, datetime] = {}
-    # node -> when it was last activated as idle capacity.
+    # node -> when it was last activated as idle capacity (same pruning).
     last_activation_at: dict[str, datetime] = {}
     # Nodes whose worker group was scaled down and has not been busy since.
     scaled_down: list[str] = []
@@ -134,7 +135,7 @@ def decide_scaling(
             cold[node_id] = _since(state.cold_since.get(node_id), now)
     queue_high_since = _since(state.queue_high_since, now) if queue_depth > settings.queue_high else None
     scaled_down = {n for n in state.scaled_down if n in cold}
-    last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items()}
+    last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items() if now - as_aware(at) < interval}
     # Kept while they still pace something, whatever the node did meanwhile
     # (a node that blinks offline and back is not activated again sooner).
     last_activation_at = {
