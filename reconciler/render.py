@@ -48,7 +48,9 @@ from reconciler.model import (
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
+# Tailscale's address ranges: CGNAT IPv4 and its IPv6 ULA prefix.
 TAILNET = "100.64.0.0/10"
+TAILNET6 = "fd7a:115c:a1e0::/48"
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 
 
@@ -443,6 +445,7 @@ def render(
         templates,
         host=host_name,
         tailnet=TAILNET,
+        tailnet6=TAILNET6,
         tcp_ports=[str(p) for p in sorted(tcp_ports)],
         udp_ports=[str(p) for p in sorted(udp_ports)],
         nftables_fix=needs_nftables_fix(host, facts),
