@@ -171,11 +171,12 @@ def render_plan(plan: FleetPlan, desired: DesiredState) -> str:
     lines.append(f"placements ({len(plan.placements)}):")
     width = max([len(f"{p.service}[{p.replica}]") for p in plan.placements] + [0])
     node_width = max([len(p.node) for p in plan.placements] + [0])
+    tier_width = max([len(p.tier) for p in plan.placements] + [0])
     for p in plan.placements:
         note = ""
         if p.fallback and p.service in services:
             note = f"  fallback from {services[p.service].min_tier}"
-        lines.append(f"  {f'{p.service}[{p.replica}]':<{width}}  {p.node:<{node_width}}  {p.tier}{note}")
+        lines.append(f"  {f'{p.service}[{p.replica}]':<{width}}  {p.node:<{node_width}}  {p.tier:<{tier_width}}{note}".rstrip())
     if not plan.placements:
         lines.append("  none")
     lines.append(f"deferred ({len(plan.deferred)}):")
