@@ -161,8 +161,9 @@ def test_installed_units_are_what_reconciler_units_renders(joined: tuple[Systemd
     for unit in host_units(install, leader_candidate=False):
         assert container.read_file(f"/etc/systemd/system/{unit.name}") == unit.text(), unit.name
     # The unit systemd loaded runs the installed program.
-    exec_start = container.systemctl("show", "fabric-reconcile.service", "-p", "ExecStart").stdout
-    assert f"{PREFIX}/bin/fabric reconcile" in exec_start.replace("path=", "").replace(" ; argv[]=", " ") or f"{PREFIX}/bin/fabric" in exec_start
+    exec_start = container.systemctl("show", "fabric-reconcile.service", "-p", "ExecStart", "--value").stdout
+    expected = f"argv[]={PREFIX}/bin/fabric reconcile --desired /var/lib/fabric/desired --unit-dir /etc/systemd/system --host racknerd ;"
+    assert expected in exec_start, exec_start
 
 
 def test_join_twice_changes_nothing(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]], wheelhouse: Path) -> None:

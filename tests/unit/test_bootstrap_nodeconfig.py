@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
+from reconciler.adapters.commands import SubprocessRunner
+from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.cli import main
 from reconciler.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
 from reconciler.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer
+from tests.conftest import require
 
 
 def problems(text: str) -> list[str]:
@@ -93,3 +98,18 @@ def test_units_cli_bad_config_is_exit_2_and_writes_nothing(tmp_path: Path, capsy
     assert main(["units", "--config", str(config), "--fabric-bin", "/opt/fabric/bin/fabric", "--write", str(out)]) == 2
     assert f"{config}: timer.interval:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    """Every key of the fabric's own units is one systemd knows (a misspelled
+    hardening option would otherwise be dropped silently)."""
+    require("systemd-analyze")
+    fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
+    node = parse_node_config('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    install = Install(fabric_bin=fabric_bin, node=node, search_path="/usr/bin:/bin")
+    paths = []
+    for unit in host_units(install, leader_candidate=True):
+        path = tmp_path / unit.name
+        path.write_text(unit.text())
+        paths.append(str(path))
+    SystemdAnalyzeVerifier(SubprocessRunner()).verify(paths)
