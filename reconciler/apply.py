@@ -468,6 +468,7 @@ class Applier:
         if plan.nft_load:
             ruleset = nft.content if nft is not None else EMPTY_RULESET
             step("nft-load", lambda: ports.nftables.apply(ruleset), file=nft.path if nft else "", hash=_sha(ruleset.encode()))
+        unit_hashes = {a.unit: a.sha256 for a in by_path.values() if a.unit}
         for action, units, call in (
             ("stop", plan.stop, ports.systemd.stop),
             ("reload", plan.reload, ports.systemd.reload),
@@ -475,7 +476,7 @@ class Applier:
             ("start", plan.start, ports.systemd.start),
         ):
             for unit in units:
-                step(action, lambda u=unit, c=call: c(u), unit=unit, reason=plan.reasons.get(unit, ""))  # type: ignore[misc]
+                step(action, lambda u=unit, c=call: c(u), unit=unit, hash=unit_hashes.get(unit, ""), reason=plan.reasons.get(unit, ""))  # type: ignore[misc]
         if plan.caddy_reload:
             caddy = next((a for a in by_path.values() if a.kind == "caddy"), None)
             config = self._caddy_config(caddy)

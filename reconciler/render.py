@@ -201,8 +201,8 @@ class _Workload:
     command: tuple[str, ...]
     environment: tuple[tuple[str, str], ...]
     credentials: tuple[tuple[str, str], ...]
-    bind_paths: tuple[str, ...]  # host paths the container needs (read-only unless scratch)
-    writable_paths: tuple[str, ...]
+    bind_paths: tuple[str, ...]  # host paths a container gets read-only (the *_FILE secrets)
+    writable_paths: tuple[str, ...]  # host paths a container gets read-write (a lane's scratch_dir)
 
 
 def _fleet_file_name(state: DesiredState) -> str:
@@ -318,9 +318,6 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path) -> str:
             # %d is the unit's credentials directory; `name` is a safe Name.
             environment.append(f'"{credential_env_name(name)}=%d/{name}"')
         args = [systemd_quote(a) for a in w.command]
-    for p in w.writable_paths:
-        if w.image is None:
-            exec_extra.append(f"ReadWritePaths={systemd_quote(p)}")
     return _template(
         "agent.service.j2",
         templates,

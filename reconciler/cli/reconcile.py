@@ -44,7 +44,14 @@ KILL_AT_STEP_ENV = "FABRIC_KILL_AT_STEP"
 def add_pass_options(p: argparse.ArgumentParser) -> None:
     add_desired(p)
     p.add_argument("--host", metavar="NAME", help="which host of the desired state this machine is (default: its host name)")
-    p.add_argument("--root", metavar="DIR", type=Path, default=Path("/"), help="root the files go under (a sandbox; default /)")
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        type=Path,
+        default=Path("/"),
+        help="root the files and the state directory go under (default /); for a sandbox, add --no-activate "
+        "unless the systemd you activate through reads its units from DIR",
+    )
     p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture (fabric probe --capture) instead of probing")
     p.add_argument("--plan-file", metavar="FILE", type=Path, help="the fleet plan as JSON (default: computed locally)")
     p.add_argument(

@@ -271,7 +271,10 @@ def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path, cap
     # Every action is audited with its generation and content hash.
     writes = [r for r in fleet.audit.records if r["action"] == "write"]
     assert len(writes) == 6 and all(r["generation"] == "1" and len(r["hash"]) == 64 for r in writes)
-    assert [r["unit"] for r in fleet.audit.records if r["action"] == "start"] == [c[1] for c in calls if c[0] == "start"]
+    starts = [r for r in fleet.audit.records if r["action"] == "start"]
+    assert [r["unit"] for r in starts] == [c[1] for c in calls if c[0] == "start"]
+    unit_files = {p.name: sha(p.read_bytes()) for p in (fleet.root / UNIT_DIR).iterdir()}
+    assert all(r["hash"] == unit_files[r["unit"]] and r["generation"] == "1" and r["reason"] == "new unit" for r in starts)
 
 
 def test_second_pass_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
