@@ -58,7 +58,8 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         "--unit-dir",
         metavar="DIR",
         default=Layout().unit_dir,
-        help=f"where units go, relative to the root (default: {Layout().unit_dir}; a NixOS host: run/systemd/system)",
+        help=f"where units go, always under the root, given with or without a leading '/' "
+        f"(default: {Layout().unit_dir}; a NixOS host: /run/systemd/system)",
     )
     p.add_argument("--state-dir", metavar="DIR", default=STATE_DIR, help=f"generations and lock, relative to the root (default: {STATE_DIR})")
     p.add_argument("--no-activate", action="store_true", help="write the files but activate nothing (and skip the real checks)")

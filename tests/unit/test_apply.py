@@ -551,3 +551,26 @@ def test_caddy_gets_the_main_caddyfile_with_the_snippet_inlined(tmp_path: Path) 
     fleet.edit_fleet('host = "fft.researchstack.info"', 'host = "fft2.researchstack.info"')
     assert fleet.reconcile() == 0
     assert loaded[-1] == (fleet.root / "etc/caddy/fabric.caddy").read_text()
+
+
+def test_generations_and_rollback_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from reconciler.cli import main
+
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    assert fleet.reconcile() == 0
+    capsys.readouterr()
+    assert main(["generations", "--root", str(fleet.root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NUMBER", "CREATED", "DIGEST", "FILES", "STATE"]
+    assert lines[1].split()[:2] == ["1", "2026-11-18T11:06:40+00:00"] and lines[1].split()[3:] == ["6"]
+    assert lines[2].endswith("current, good")
+    # By hand, files only: back to generation 1's port map.
+    assert main(["rollback", "--root", str(fleet.root), "--no-activate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("wrote the following files:\n  etc/systemd/system/fabric-socat-qfox-ssh.service\n")
+    assert out.endswith("generation 1 is installed again\n")
+    assert "TCP4:100.88.57.96:22\"" in (fleet.root / UNIT_DIR / "fabric-socat-qfox-ssh.service").read_text()
+    assert main(["rollback", "--root", str(fleet.root), "--no-activate", "--to", "7"]) == 1
+    assert "no generation 7" in capsys.readouterr().err
