@@ -112,8 +112,9 @@ class Rendered:
 
 
 def systemd_text(value: str) -> str:
-    """Free text in a unit (Description=): only specifiers need escaping."""
-    return value.replace("%", "%%")
+    """Free text in a unit (Description=): specifiers escaped, and no trailing
+    backslash, which would continue the line into the next setting."""
+    return value.rstrip("\\ \t").replace("%", "%%")
 
 
 def systemd_quote(arg: str) -> str:

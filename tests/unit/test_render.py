@@ -282,3 +282,9 @@ def test_rendering_is_deterministic_and_independent_of_the_desired_path(tmp_path
     copy = tmp_path / "elsewhere"
     shutil.copytree(REPO / "hosts", copy)
     assert files(example(), "qfox-1") == files(load_desired(copy), "qfox-1")
+
+
+def test_free_text_cannot_run_into_the_next_setting(tmp_path: Path) -> None:
+    state = edited(tmp_path, 'description = "FLAC audio FFT: any tier can do it"', 'description = "100% FFT \\\\"')
+    text = unit(files(state, "qfox-1"), "fabric-agent-flac-fft.service")
+    assert "Description=fabric service flac-fft: 100%% FFT\nWants=network-online.target\n" in text
