@@ -297,6 +297,10 @@ in
             message = "services.fabric.leaderCandidate needs services.fabric.hostName (the candidate campaigns under it).";
           }
           {
+            assertion = cfg.desired.git.remote == null || lib.hasPrefix "/var/lib/fabric/" nodeSettings.node.desired;
+            message = "services.fabric.desired.path must be under /var/lib/fabric with a git remote (the only directory a pass may write).";
+          }
+          {
             assertion = !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
             message = "services.fabric.desired.git.requireSignedCommits needs services.fabric.desired.git.allowedSignersFile.";
           }

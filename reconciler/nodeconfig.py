@@ -102,6 +102,18 @@ class NodeConfig(Strict):
     timer: TimerSection = TimerSection()
     bootstrap: BootstrapSection = BootstrapSection()
 
+    @model_validator(mode="after")
+    def _checkout_is_writable(self) -> "NodeConfig":
+        # The pass runs with ProtectSystem=strict: of the places a checkout
+        # could go, only the state directory is writable (and the first clone
+        # is renamed into place there).
+        if self.source is not None and not self.node.desired.startswith(self.node.state_dir.rstrip("/") + "/"):
+            raise FieldProblem(
+                "node.desired",
+                f"with [source] the checkout must be inside node.state_dir ({self.node.state_dir}), the only directory a pass may write",
+            )
+        return self
+
 
 class NodeConfigError(Exception):
     def __init__(self, problems: Iterable[Problem]) -> None:

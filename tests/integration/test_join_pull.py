@@ -49,7 +49,7 @@ def node_toml(fleet: dict[str, Path], *, signed: bool) -> Path:
     root = fleet["root"]
     text = f"""
 [node]
-desired = "{root}/desired"
+desired = "{root}/state/desired"
 state_dir = "{root}/state"
 [source]
 remote = "{fleet['remote']}"
@@ -64,7 +64,7 @@ branch = "main"
 
 def test_clone_then_fetch_follows_the_branch(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     config = node_toml(fleet, signed=False)
-    desired = fleet["root"] / "desired"
+    desired = fleet["root"] / "state" / "desired"
     assert main(["pull", "--config", str(config)]) == 0
     assert (desired / "fabric.toml").read_text() == (EXAMPLE_FLEET / "fabric.toml").read_text()
     assert main(["pull", "--config", str(config)]) == 0
@@ -82,7 +82,7 @@ def test_clone_then_fetch_follows_the_branch(fleet: dict[str, Path], capsys: pyt
 
 def test_unsigned_commit_is_refused_and_the_last_good_one_kept(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     config = node_toml(fleet, signed=True)
-    desired = fleet["root"] / "desired"
+    desired = fleet["root"] / "state" / "desired"
     assert main(["pull", "--config", str(config)]) == 0
     good = git("rev-parse", "HEAD", cwd=desired)
 
@@ -110,14 +110,14 @@ def test_unreachable_remote_keeps_the_checkout(fleet: dict[str, Path], capsys: p
     fleet["remote"].rename(fleet["root"] / "gone.git")
     assert main(["pull", "--config", str(config)]) == 0
     assert "cannot fetch" in capsys.readouterr().err
-    assert (fleet["root"] / "desired" / "fabric.toml").exists()
+    assert (fleet["root"] / "state" / "desired" / "fabric.toml").exists()
 
 
 def test_nothing_to_fall_back_to_fails(fleet: dict[str, Path]) -> None:
     config = node_toml(fleet, signed=False)
     fleet["remote"].rename(fleet["root"] / "gone.git")
     assert main(["pull", "--config", str(config)]) == 1
-    assert not (fleet["root"] / "desired").exists()
+    assert not (fleet["root"] / "state" / "desired").exists()
 
 
 def test_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

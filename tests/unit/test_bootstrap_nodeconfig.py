@@ -44,6 +44,8 @@ def test_absent_sections_are_defaults() -> None:
         ('[bootstrap]\nk3s_server = "http://plain:6443"\nk3s_token_file = "/run/k"\n', "node.toml: bootstrap.k3s_server: String should match pattern"),
         ('[bootstrap]\ntailscale_auth_key = "tskey-abc"\n', "node.toml: bootstrap.tailscale_auth_key: Extra inputs are not permitted"),
         ("[node\n", "node.toml: (syntax):"),
+        ('[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\n',
+         "node.toml: node.desired: with [source] the checkout must be inside node.state_dir (/var/lib/fabric)"),
     ],
 )
 def test_bad_node_toml_names_file_key_and_reason(text: str, expected: str) -> None:

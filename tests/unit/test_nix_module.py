@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from reconciler.cli import main
 from reconciler.nodeconfig import NodeConfig
@@ -202,9 +203,16 @@ def test_no_pull_without_a_git_remote() -> None:
 
 def test_signed_commits_need_allowed_signers() -> None:
     result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = true; }; }')
-    assert [a["assertion"] for a in result["assertions"]] == [True, False]
+    assert [a["assertion"] for a in result["assertions"]] == [True, True, False]
     result = evaluate(CONFIGS["edge-with-git"][0])
     assert all(a["assertion"] for a in result["assertions"])
+
+
+def test_git_checkout_must_be_in_the_state_directory() -> None:
+    result = evaluate('{ desired = { path = "/srv/fleet"; git.remote = "/srv/fleet.git"; }; }')
+    assert [a["assertion"] for a in result["assertions"]] == [True, False, True]
+    with pytest.raises(ValidationError, match="the checkout must be inside node.state_dir"):
+        NodeConfig.model_validate(result["node"])
 
 
 def test_caddy_and_nftables_integration() -> None:
@@ -282,7 +290,7 @@ def test_vm_test_has_a_leader_and_an_edge_checking_the_pass_and_the_journal() ->
 
 def test_leader_needs_a_host_name_on_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = evaluate("{ hostName = null; leaderCandidate = true; }")
-    assert [a["assertion"] for a in result["assertions"]] == [False, True]
+    assert [a["assertion"] for a in result["assertions"]] == [False, True, True]
     assert main(["units", "--config", str(tmp_path / "absent.toml"), "--fabric-bin", "/opt/fabric/bin/fabric", "--leader-candidate"]) == 2
     assert "node.host: required for fabric-leader.service" in capsys.readouterr().err
 

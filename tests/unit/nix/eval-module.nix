@@ -85,6 +85,7 @@ let
             [ ]
         ) (builtins.attrNames attrs)
       );
+    hasPrefix = prefix: str: builtins.substring 0 (builtins.stringLength prefix) str == prefix;
     inherit recursiveUpdate;
     concatStringsSep = builtins.concatStringsSep;
   };
