@@ -54,8 +54,10 @@ Trust
 
 Speed
     Per (arch, labels) constraint and per tier, a heap keyed by
-    (utilization, node id) holds the eligible nodes; a placement re-pushes
-    the node it changed (stale entries are skipped on pop). A decision costs
+    (utilization, node id) holds the eligible nodes (the id as its rank in
+    sorted order); a placement replaces the chosen node's entry in place and
+    re-pushes it into its other heaps (stale entries are skipped on pop). A
+    decision costs
     O(log N) heap work per tier tried (at most 11 tiers), against O(N) for a
     scan of every node; bench/scheduler measures both.
 """
@@ -171,12 +173,15 @@ class _Slot:
     node: SnapshotNode
     load: int
     limit: int
+    # Position of the node id in sorted order: the tie-break, as an int
+    # because comparing ints is cheaper than comparing ids.
+    rank: int = 0
     # Bumped at every load change: heap entries with an older stamp are stale.
     stamp: int = 0
-    heaps: list[list[tuple[float, str, int]]] = field(default_factory=list)
+    heaps: list[list[tuple[float, int, int]]] = field(default_factory=list)
 
-    def entry(self) -> tuple[float, str, int]:
-        return (self.load / self.limit, self.node.node_id, self.stamp)
+    def entry(self) -> tuple[float, int, int]:
+        return (self.load / self.limit, self.rank, self.stamp)
 
 
 class Placer:
@@ -193,14 +198,17 @@ class Placer:
         self.nodes: dict[str, SnapshotNode] = {}
         for node in nodes:
             self.nodes.setdefault(node.node_id, node)  # the first record of a node wins
-        self.slots: dict[str, _Slot] = {
-            n.node_id: _Slot(n, n.in_flight, n.max_concurrent_tasks)
-            for n in self.nodes.values()
-            if accepts_new_work(n, self.now)
-        }
+        accepting = sorted(n.node_id for n in self.nodes.values() if accepts_new_work(n, self.now))
+        self._ranked: list[_Slot] = [
+            _Slot(self.nodes[node_id], self.nodes[node_id].in_flight, self.nodes[node_id].max_concurrent_tasks, rank)
+            for rank, node_id in enumerate(accepting)
+        ]
+        self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
         self._kept: Counter[str] = Counter()
-        # constraint -> tier -> heap of (utilization, node id, stamp)
-        self._pools: dict[tuple, dict[str, list[tuple[float, str, int]]]] = {}
+        # constraint -> tier -> heap of (utilization, node rank, stamp)
+        self._pools: dict[tuple, dict[str, list[tuple[float, int, int]]]] = {}
+        # (min_tier, floor) -> the tier groups to try, in order
+        self._steps: dict[tuple[str, str], list[tuple[list[str], bool]]] = {}
         self._deferral_cache: dict[tuple, NoChoice] = {}
 
     # ------------------------------------------------------------------
@@ -250,7 +258,7 @@ class Placer:
         for request in requests:
             self._pool(request)
 
-    def _pool(self, request: Request) -> dict[str, list[tuple[float, str, int]]]:
+    def _pool(self, request: Request) -> dict[str, list[tuple[float, int, int]]]:
         key = request.constraint
         pool = self._pools.get(key)
         if pool is None:
@@ -266,17 +274,17 @@ class Placer:
             self._pools[key] = pool
         return pool
 
-    def _best(self, heap: list[tuple[float, str, int]], avoid: frozenset[str]) -> _Slot | None:
+    def _best(self, heap: list[tuple[float, int, int]], avoid: frozenset[str]) -> _Slot | None:
         """The least-utilized current node of a tier heap, skipping `avoid`."""
         skipped = []
         found = None
         while heap:
-            _, node_id, stamp = heap[0]
-            slot = self.slots[node_id]
+            _, rank, stamp = heap[0]
+            slot = self._ranked[rank]
             if stamp != slot.stamp or slot.load >= slot.limit:
                 heapq.heappop(heap)  # stale entry, or full
                 continue
-            if node_id in avoid:
+            if avoid and slot.node.node_id in avoid:
                 skipped.append(heapq.heappop(heap))
                 continue
             found = slot
@@ -285,6 +293,36 @@ class Placer:
             heapq.heappush(heap, entry)
         return found
 
+    def _take(self, slot: _Slot, heap: list[tuple[float, int, int]]) -> None:
+        """One more unit of work on `slot`, chosen from `heap`.
+
+        When the slot's entry is the top of `heap` (no avoided sibling was
+        pushed back above it) it is replaced in place: one sift instead of a
+        push now and a stale pop later. Its other heaps get a new entry.
+        """
+        top_is_slot = bool(heap) and heap[0][1] == slot.rank and heap[0][2] == slot.stamp
+        slot.load += 1
+        slot.stamp += 1
+        entry = slot.entry() if slot.load < slot.limit else None
+        for other in slot.heaps:
+            if other is heap and top_is_slot:
+                if entry is None:
+                    heapq.heappop(other)
+                else:
+                    heapq.heapreplace(other, entry)
+            elif entry is not None:
+                heapq.heappush(other, entry)
+        self._deferral_cache.clear()
+
+    def _tier_steps(self, request: Request) -> list[tuple[list[str], bool]]:
+        """Satisfying tiers as one group, then each fallback tier on its own."""
+        key = (request.min_tier, request.floor)
+        steps = self._steps.get(key)
+        if steps is None:
+            satisfying, fallback = tier_sequence(request.min_tier, request.floor, self.strategy)
+            steps = self._steps[key] = [(satisfying, False)] + [([tier], True) for tier in fallback]
+        return steps
+
     # ------------------------------------------------------------------
     # Decisions
 
@@ -292,18 +330,18 @@ class Placer:
         """Place one unit of work; `avoid` = nodes already running a sibling replica."""
         avoid = frozenset(avoid)
         pool = self._pool(request)
-        satisfying, fallback = tier_sequence(request.min_tier, request.floor, self.strategy)
-        # Satisfying tiers as one group (distinct nodes first), then each
-        # fallback tier on its own, best first.
-        for group, is_fallback in [(satisfying, False)] + [([t], True) for t in fallback]:
-            for avoiding in ([avoid, frozenset()] if avoid else [avoid]):
+        # Within the satisfying group, distinct nodes first; then the same
+        # for each fallback tier, best first.
+        passes = (avoid, frozenset()) if avoid else (avoid,)
+        for group, is_fallback in self._tier_steps(request):
+            for avoiding in passes:
                 for tier in group:
                     heap = pool.get(tier)
                     if not heap:
                         continue
                     slot = self._best(heap, avoiding)
                     if slot is not None:
-                        self._set_load(slot, slot.load + 1)
+                        self._take(slot, heap)
                         return Choice(slot.node.node_id, slot.node.tier, is_fallback)
         return self._explain(request)
 
