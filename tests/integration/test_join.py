@@ -241,3 +241,39 @@ def _eventually(check, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return check()
+
+
+def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    """join.sh with --git-remote: each pass first runs `fabric pull` (ExecStartPre)
+    under the same hardening, and the pass then runs on the checkout."""
+    container, _ = joined
+    remote = "/srv/fleet.git"
+    seed = "/srv/fleet-seed"
+    for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
+        container.write_file(f"{seed}/{toml.name}", container.read_file(f"/var/lib/fabric/desired/{toml.name}"))
+    ident = ["-c", "user.name=op", "-c", "user.email=op@fleet"]
+    for argv in (
+        ["git", "init", "--quiet", "--bare", "--initial-branch=main", remote],
+        ["git", "-C", seed, "init", "--quiet", "--initial-branch=main"],
+        ["git", "-C", seed, "add", "."],
+        ["git", "-C", seed, *ident, "commit", "--quiet", "-m", "fleet"],
+        ["git", "-C", seed, "push", "--quiet", remote, "main"],
+    ):
+        done = container.run(*argv)
+        assert done.returncode == 0, f"{argv}: {done.stderr}"
+
+    rejoin = container.run(
+        "bash", str(REPO / "scripts" / "join.sh"),
+        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
+        "--host", "racknerd", "--git-remote", remote,
+        timeout=600,
+    )
+    journal = container.journal("-u", "fabric-reconcile.service", "-n", "30", "-o", "cat")
+    assert rejoin.returncode == 0, f"{rejoin.stdout}\n{rejoin.stderr}\n{journal}"
+    service = container.read_file("/etc/systemd/system/fabric-reconcile.service")
+    assert f"ExecStartPre={PREFIX}/bin/fabric pull --config /etc/fabric/node.toml" in service
+    # The plain directory became a checkout of the remote (the old one kept aside).
+    head = container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip()
+    assert head == container.run("git", "-C", remote, "rev-parse", "main").stdout.strip()
+    assert container.host_path("/var/lib/fabric/desired.before-git/fabric.toml").exists()
+    assert "pull: now at" in journal
