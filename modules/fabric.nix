@@ -114,7 +114,6 @@ let
     ];
     StateDirectory = "fabric";
     StateDirectoryMode = "0755";
-    RuntimeDirectory = "fabric";
     ProtectHome = true;
     PrivateTmp = true;
     NoNewPrivileges = true;
@@ -364,6 +363,7 @@ in
         # directories writable).
         systemd.tmpfiles.rules = [
           "d /etc/fabric 0755 root root -"
+          "d /etc/rancher/k3s/config.yaml.d 0755 root root -"
         ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
 
         networking.firewall.trustedInterfaces = lib.mkIf cfg.trustTailnet [

@@ -63,7 +63,6 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
     ),
     "StateDirectory": "fabric",
     "StateDirectoryMode": "0755",
-    "RuntimeDirectory": "fabric",
     "ProtectHome": "true",
     "PrivateTmp": "true",
     "NoNewPrivileges": "true",
@@ -81,6 +80,13 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
     "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
     "UMask": "0022",
 }
+
+
+# Directories a pass writes into that must exist before it runs (under
+# ProtectSystem=strict a missing one cannot be created): the nft file, the k3s
+# label drop-in. Both installers create them (the module with tmpfiles rules,
+# join.sh with mkdir); /etc/caddy comes with Caddy.
+PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from reconciler.cli import main
 from reconciler.nodeconfig import NodeConfig
 from reconciler.units import (
     HARDENING,
+    PASS_DIRECTORIES,
     Install,
     leader_service,
     reconcile_service,
@@ -301,3 +302,13 @@ def test_registry_file_reaches_both_services() -> None:
     for name in ("fabric-reconcile", "fabric-leader"):
         assert result["services"][name]["environment"] == {"FABRIC_REGISTRY": "/var/lib/fabric/registry.sqlite"}
     assert not evaluate("{ }")["services"]["fabric-reconcile"].get("environment")
+
+
+def test_directories_a_pass_writes_exist_on_both_install_paths() -> None:
+    rules = evaluate("{ }")["tmpfiles"]
+    assert {r.split()[1] for r in rules} == set(PASS_DIRECTORIES)
+    assert all(r.startswith("d ") for r in rules)
+    assert "d /etc/caddy 0755 root root -" in evaluate("{ }", caddyEnable="true")["tmpfiles"]
+    join = (REPO / "scripts" / "join.sh").read_text()
+    mkdir = next(line for line in join.splitlines() if line.startswith("mkdir -p /etc/fabric"))
+    assert set(PASS_DIRECTORIES) <= set(mkdir.split())

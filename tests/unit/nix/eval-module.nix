@@ -161,4 +161,5 @@ in
   caddyExtraConfig = result.services.caddy.extraConfig or null;
   trustedInterfaces = result.networking.firewall.trustedInterfaces or [ ];
   assertions = result.assertions or [ ];
+  tmpfiles = result.systemd.tmpfiles.rules or [ ];
 }
