@@ -52,7 +52,9 @@ def run_pass(desired: Path, root: Path, machine_file: Path, plan_file: Path) -> 
 
 
 def killed_pass(desired: Path, root: Path, machine_file: Path, plan_file: Path, step: int) -> int:
-    env = {**os.environ, KILL_AT_STEP_ENV: str(step), "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    # Compile to bytecode once for all the killed passes, outside the tree.
+    env.update({KILL_AT_STEP_ENV: str(step), "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(desired.parent / "pycache")})
     proc = subprocess.run(
         [sys.executable, __file__, str(desired), str(root), str(machine_file), str(plan_file)],
         env=env,
