@@ -6,7 +6,7 @@ tests.e2e.fleet`).
 
     with running_fleet(work_dir, progress=print) as fleet:
         fleet.wait_converged()
-        fleet.request("encode.researchstack.local")   # (200, "vaapi-encode on qfox-1\n")
+        fleet.request("encode.researchstack.info")   # (200, "vaapi-encode on qfox-1\n")
         fleet.stop_host("qfox-1"); fleet.start_host("qfox-1")
         fleet.stop_etcd(); fleet.start_etcd()
         with fleet.registry() as registry: registry.snapshot()
@@ -98,6 +98,19 @@ REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.co
 # a unit whose credential file is missing does not start.
 SECRET_FILES = {"/run/secrets/braid/api_token": "e2e-not-a-real-token\n"}
 
+# The edge operator's main Caddyfile: the pass inlines its snippet at the
+# import line and keeps these global options. The example's domain is public,
+# and this machine cannot reach an ACME issuer: `local_certs` has Caddy issue
+# every site's certificate from its own CA (the client does not verify it).
+EDGE_CADDYFILE = """{
+	admin localhost:2019
+	local_certs
+	skip_install_trust
+}
+
+import /etc/caddy/fabric.caddy
+"""
+
 DEFAULT_STATE_DIR = Path("/run/fabric-fleet")
 Progress = Callable[[str], None]
 
@@ -118,11 +131,6 @@ class FleetSettings:
     flap_window_s: int = 120
     flap_toggles: int = 3
     hold_off_s: int = 30
-    # Routed services answer under this domain. A name Caddy does not consider
-    # public (.local, for Caddy 2.6) gets a certificate from Caddy's own CA at once; the
-    # example's public domain would wait for an ACME issuer this machine
-    # cannot reach, and plain HTTP only redirects to HTTPS.
-    domain: str = "researchstack.local"
 
     def address(self, octet: int) -> str:
         return f"{self.subnet}.{octet}"
@@ -138,7 +146,7 @@ class FleetSettings:
 def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> dict[str, str]:
     """The example fleet's files (name -> TOML text) changed for this machine.
 
-    Changed: the registry (etcd on the bridge), the timings, the domain, every
+    Changed: the registry (etcd on the bridge), the timings, every
     host's address (its bridge address), every service's program (service_stub.py
     on the service's own port; braid's images become that command too), and
     the scaling cloud hooks (gh and wrangler, which this machine cannot run)
@@ -159,8 +167,6 @@ def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> 
 
 
 def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
-    old_domain = data["fleet"]["domain"]
-    data["fleet"]["domain"] = settings.domain
     data["timing"] = {
         "heartbeat_s": settings.heartbeat_s,
         "node_timeout_s": settings.node_timeout_s,
@@ -175,9 +181,6 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
         argv = ["/usr/bin/python3", str(SERVICE_STUB), service["id"], str(service["port"])]
         runs = service.pop("command", None) or service.pop("image")
         service["command"] = {arch: list(argv) for arch in runs}
-        route = service.get("route")
-        if route is not None and route["host"].endswith("." + old_domain):
-            route["host"] = route["host"][: -len(old_domain)] + settings.domain
     return data
 
 
@@ -558,7 +561,7 @@ class Fleet:
         install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
         replay = [*reconcile_argv(install), "--replay", str(PROBE_FIXTURES / name)]
         # HOME: `caddy validate`, run by the pass, needs a storage directory
-        # to provision Caddy's internal CA for the .local site names, and a
+        # to provision Caddy's internal CA (local_certs), and a
         # system service has no HOME (fabric-reconcile.service does not set
         # one: a gap in reconciler/units.py, reported). The state directory is
         # the one place the unit may write.
@@ -567,7 +570,9 @@ class Fleet:
             "[Service]\nEnvironment=HOME=/var/lib/fabric\nExecStart=\nExecStart=" + " ".join(replay) + "\n",
         )
         if name == self.edge:
-            container.write_file("/etc/caddy/Caddyfile", "{\n\tadmin localhost:2019\n}\n")
+            container.write_file("/etc/caddy/Caddyfile", EDGE_CADDYFILE)
+            # Caddy starts before the first pass has written the snippet it imports.
+            container.write_file("/etc/caddy/fabric.caddy", "# fabric-reconcile writes this file\n")
             self._check(container, "systemctl", "start", "caddy.service")
         self._check(container, "systemctl", "daemon-reload")
 
