@@ -380,6 +380,12 @@ class Applier:
             # publishing it, or one run with --no-activate): activate it.
             number = current
             assert number is not None
+            if current != self.store.good() and self.validators is not None:
+                # A --no-activate pass may have written it without the real checks.
+                problem = self._validate(f"{self.store.dir}/{number}", artifacts)
+                if problem is not None:
+                    self.audit.record("validate", "failed", generation=str(number), reason=problem)
+                    return PassResult("invalid", plan, current, [problem])
         else:
             number = self.store.next_number()
             created = datetime.fromtimestamp(self.clock.now(), timezone.utc).isoformat(timespec="seconds")

@@ -574,3 +574,15 @@ def test_generations_and_rollback_commands(tmp_path: Path, capsys: pytest.Captur
     assert "TCP4:100.88.57.96:22\"" in (fleet.root / UNIT_DIR / "fabric-socat-qfox-ssh.service").read_text()
     assert main(["rollback", "--root", str(fleet.root), "--no-activate", "--to", "7"]) == 1
     assert "no generation 7" in capsys.readouterr().err
+
+
+def test_a_generation_written_without_checks_is_validated_before_activation(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile("--no-activate") == 0
+    fleet.verifier.fail = "fabric-socat-qfox-ssh.service: bad setting"
+    assert fleet.reconcile() == 1
+    assert fleet.machine.calls == [] and fleet.store.good() is None
+    assert all("/var/lib/fabric/generations/1/files/" in p for p in fleet.verifier.verified[-1])
+    fleet.verifier.fail = None
+    assert fleet.reconcile() == 0
+    assert_converged(fleet.machine, fleet.root)
