@@ -34,11 +34,12 @@ Load
 
 Existing placements (`snapshot.placements`)
     stay where they are while still feasible: the node is in the snapshot,
-    "active", not drained, of a tier at or above the service's floor, matching
-    arch and labels, and the kept placements on it fit its
-    max_concurrent_tasks. A node joining never moves work (the seed's "new node
-    appears before the old one drains": old work stays, new work may go to
-    the new node). Work on a lost, draining or drained node is placed again.
+    "active" (or "draining" within its grace), not drained, of a tier at or
+    above the service's floor, matching arch and labels, and the kept
+    placements on it fit its max_concurrent_tasks. A node joining never moves
+    work (the seed's "new node appears before the old one drains": old work
+    stays, new work may go to the new node). Work on a lost node, or on a
+    drained one whose grace is over, is placed again.
     A held-off (flapping) node keeps what it runs - hold-off stops new
     placements, it does not evict - which is exactly the churn damping is for.
 
@@ -162,8 +163,13 @@ def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
 
 
 def can_keep_work(node: SnapshotNode) -> bool:
-    """Whether a node may keep what it runs: held-off nodes keep their work."""
-    return node.status == "active" and not node.drained
+    """Whether a node may keep what it runs.
+
+    Held-off nodes keep their work, and so does a draining node until its
+    drain grace is over (the registry then sets `drained`): `fabric drain HOST
+    --grace S` gives running work S seconds before it moves.
+    """
+    return node.status in ("active", "draining") and not node.drained
 
 
 @dataclass
