@@ -315,8 +315,19 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path) -> str:
             f"ExecStopPost={systemd_quote(layout.podman)} rm --force --ignore --cidfile=%t/%n.ctr-id",
         ]
     else:
+        # The service runs as a dynamic user, who cannot read root's secret
+        # files: every *_FILE path is handed over as a credential instead
+        # (systemd copies it into %d, the unit's credentials directory,
+        # readable by that user only), and the variable points there.
+        environment = []
+        for key, value in w.environment:
+            if key.endswith("_FILE"):
+                credentials.append(f"{key.lower()}:{value}")
+                environment.append(f'"{key}=%d/{key.lower()}"')
+            else:
+                environment.append(systemd_env(key, value))
         for name, _ in w.credentials:
-            # %d is the unit's credentials directory; `name` is a safe Name.
+            # `name` is a safe Name (model.py), so it needs no quoting.
             environment.append(f'"{credential_env_name(name)}=%d/{name}"')
         args = [systemd_quote(a) for a in w.command]
     return _template(

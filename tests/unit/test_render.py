@@ -288,3 +288,15 @@ def test_free_text_cannot_run_into_the_next_setting(tmp_path: Path) -> None:
     state = edited(tmp_path, 'description = "FLAC audio FFT: any tier can do it"', 'description = "100% FFT \\\\"')
     text = unit(files(state, "qfox-1"), "fabric-agent-flac-fft.service")
     assert "Description=fabric service flac-fft: 100%% FFT\nWants=network-online.target\n" in text
+
+
+def test_secret_files_of_a_command_service_become_credentials(tmp_path: Path) -> None:
+    state = edited(
+        tmp_path,
+        'environment = { LUPINE_MODEL_DIR = "/var/lib/lupine/models" }',
+        'environment = { LUPINE_MODEL_DIR = "/var/lib/lupine/models", LUPINE_TOKEN_FILE = "/run/secrets/lupine/token" }',
+    )
+    text = unit(files(state, "qfox-1"), "fabric-agent-lupine.service")
+    assert "LoadCredential=lupine_token_file:/run/secrets/lupine/token" in text
+    assert 'Environment="LUPINE_TOKEN_FILE=%d/lupine_token_file"' in text
+    assert 'Environment="LUPINE_MODEL_DIR=/var/lib/lupine/models"' in text
