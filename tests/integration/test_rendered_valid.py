@@ -17,6 +17,7 @@ everything cannot hide here.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -180,3 +181,46 @@ def test_edge_caddy_config_validates_with_and_without_placements() -> None:
         caddy.validate(complete)
         with pytest.raises(ActivationError):
             caddy.validate(config.replace("respond", "respnod", 1))
+
+
+def test_systemd_runs_a_rendered_unit_with_exactly_the_declared_argv_and_environment(tmp_path: Path) -> None:
+    """Quoting checked by the real parser: systemd as PID 1 starts a rendered
+    service whose argv and environment hold quotes, %, $, backslashes and
+    spaces; the program writes down what it received (in its StateDirectory:
+    the sandbox lets it write nowhere else)."""
+    require_root()
+    require("unshare", "nsenter", "chroot", "python3")
+    from reconciler.desired import load_desired as load
+    from tests.harness.systemd import systemd_container
+    from tests.harness.waiting import wait_until
+
+    nasty = ['say "hi"', "100% $HOME ${X} %n", "back\\slash\\", "  spaced  ", "'single'"]
+    dump = "import json,os,sys; json.dump([sys.argv[1:], os.environ.get('NOTE')], open('seen.json','w'))"
+    argv = ["/usr/bin/python3", "-c", dump, *nasty]
+    toml_argv = ", ".join(json_string(a) for a in argv)
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    for f in EXAMPLE_FLEET.glob("*.toml"):
+        (desired / f.name).write_text(f.read_text())
+    fleet = desired / "fabric.toml"
+    text = fleet.read_text()
+    old = 'command = { x86_64 = ["/opt/researchstack/bin/lupine-server", "--port", "8701"] }\nenvironment = { LUPINE_MODEL_DIR = "/var/lib/lupine/models" }'
+    assert old in text
+    note = 'a "note" with 50% \\ and $PATH'
+    fleet.write_text(text.replace(old, f"command = {{ x86_64 = [{toml_argv}] }}\nenvironment = {{ NOTE = {json_string(note)} }}"))
+    state = load(desired)
+    facts = NodeFacts(node_id="qfox-1", k3s_hostname="qfox-1", hardware=Hardware(arch="x86_64"), tier="gpu_cuda")
+    plan = FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())
+    lupine = next(a for a in render(state, "qfox-1", facts, plan).artifacts if a.path.endswith("fabric-agent-lupine.service"))
+    with systemd_container() as container:
+        container.write_file("/etc/systemd/system/fabric-agent-lupine.service", lupine.content)
+        assert container.systemctl("daemon-reload").returncode == 0
+        started = container.systemctl("start", "fabric-agent-lupine.service")
+        assert started.returncode == 0, started.stderr
+        seen = wait_until(lambda: container.run("cat", "/var/lib/fabric-lupine/seen.json").stdout, what="the service's record of its argv")
+    assert json.loads(seen) == [nasty, note]
+
+
+def json_string(value: str) -> str:
+    """A TOML basic string (JSON's escaping is a subset TOML accepts)."""
+    return json.dumps(value)
