@@ -586,3 +586,14 @@ def test_a_generation_written_without_checks_is_validated_before_activation(tmp_
     fleet.verifier.fail = None
     assert fleet.reconcile() == 0
     assert_converged(fleet.machine, fleet.root)
+
+
+def test_bad_replay_or_plan_file_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile("--replay", str(tmp_path / "no-such-capture")) == 2
+    assert "no-such-capture" in capsys.readouterr().err
+    bad_plan = tmp_path / "plan.json"
+    bad_plan.write_text('{"epoch": -1, "leader": "lux", "created": "2026-11-01T00:00:00Z"}')
+    assert fleet.reconcile("--plan-file", str(bad_plan)) == 2
+    assert f"{bad_plan}: epoch:" in capsys.readouterr().err
+    assert list(fleet.root.iterdir()) == []
