@@ -24,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fabric-bin",
         metavar="PATH",
-        default=str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0].startswith("/") else "/opt/fabric/bin/fabric",
-        help="absolute path of the fabric program the units run (default: this one)",
+        default=_this_program(),
+        help="absolute path of the fabric program the units run (default: this one, when run as `fabric`)",
     )
     p.add_argument("--search-path", metavar="PATH", help="PATH the units run with (Environment=PATH=...)")
     p.add_argument("--leader-candidate", action="store_true", help="also fabric-leader.service")
@@ -33,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--json", action="store_true", help="the units as JSON (section -> key -> value)")
     out.add_argument("--write", metavar="DIR", type=Path, help="write the unit files into DIR (atomically)")
     p.set_defaults(func=run)
+
+
+def _this_program() -> str | None:
+    """The running `fabric` program's absolute path (None under `python -m reconciler`)."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if program is None or program.name != "fabric":
+        return None
+    return str(program.absolute())
 
 
 def add_node_config(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +70,9 @@ def load_node_config(path: Path, *, must_exist: bool = False) -> NodeConfig | No
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fabric_bin is None:
+        print("--fabric-bin PATH is required when not run as the `fabric` program", file=sys.stderr)
+        return EXIT_INVALID
     if not args.fabric_bin.startswith("/"):
         print(f"--fabric-bin: {args.fabric_bin!r} must be an absolute path", file=sys.stderr)
         return EXIT_INVALID
