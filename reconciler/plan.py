@@ -77,7 +77,7 @@ def parse_unit(text: str) -> UnitSections:
     current: dict[str, list[str]] | None = None
     raw: dict[str, dict[str, list[str]]] = {}
     pending = ""
-    for line in text.splitlines():
+    for line in text.split("\n"):  # systemd splits on \n only, unlike str.splitlines
         line = pending + line.strip() if pending else line.strip()
         pending = ""
         if not line or line[0] in "#;":

@@ -300,3 +300,22 @@ def test_secret_files_of_a_command_service_become_credentials(tmp_path: Path) ->
     assert "LoadCredential=lupine_token_file:/run/secrets/lupine/token" in text
     assert 'Environment="LUPINE_TOKEN_FILE=%d/lupine_token_file"' in text
     assert 'Environment="LUPINE_MODEL_DIR=/var/lib/lupine/models"' in text
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# What model.py lets into an argv element or environment value: no control characters.
+_ARG_TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=40)
+
+
+@given(_ARG_TEXT)
+def test_any_allowed_argument_survives_systemd_quoting(value: str) -> None:
+    quoted = systemd_quote(value)
+    assert words(quoted) == [quoted], "one word, whatever it holds"
+    assert systemd_unquote(quoted) == value
+
+
+@given(_ARG_TEXT)
+def test_any_allowed_environment_value_survives_quoting(value: str) -> None:
+    assert systemd_unquote(systemd_env("NAME", value), command_line=False) == f"NAME={value}"
