@@ -4,11 +4,11 @@
 # timer is active, the last pass succeeded and the journal holds the audit
 # entries (`journalctl -t fabric-reconcile`).
 { self }:
-{ pkgs, ... }:
+{ hostPkgs, ... }:
 
 let
   # The example fleet with the registry pointed at the leader's etcd.
-  fleet = pkgs.runCommand "fabric-test-fleet" { } ''
+  fleet = hostPkgs.runCommand "fabric-test-fleet" { } ''
     cp -r ${../hosts} $out
     chmod -R u+w $out
     substituteInPlace $out/fabric.toml \

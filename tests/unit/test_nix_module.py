@@ -279,7 +279,7 @@ def test_vm_test_has_a_leader_and_an_edge_checking_the_pass_and_the_journal() ->
     expr = f"""
     let
       test = import {REPO}/nix/vm-test.nix {{ self = {{ nixosModules.default = {{ }}; }}; }} {{
-        pkgs = {{ runCommand = name: env: script: "/nix/store/fleet"; }};
+        hostPkgs = {{ runCommand = name: env: script: "/nix/store/fleet"; }};
       }};
     in {{ nodes = builtins.attrNames test.nodes; script = test.testScript; name = test.name; }}
     """
