@@ -207,7 +207,9 @@ os.replace(tmp, path)
 PY
 
 # Check it before it replaces the old one: a bad value changes nothing.
-if ! "$PREFIX/bin/fabric" units --config "$CONFIG.new" --fabric-bin "$PREFIX/bin/fabric" --json >/dev/null; then
+leader_flag=()
+[ "$LEADER" = 1 ] && leader_flag=(--leader-candidate)
+if ! "$PREFIX/bin/fabric" units --config "$CONFIG.new" --fabric-bin "$PREFIX/bin/fabric" "${leader_flag[@]}" --json >/dev/null; then
   rm -f "$CONFIG.new"
   die "invalid settings (above); nothing installed into $SYSTEMD_DIR"
 fi
@@ -224,8 +226,7 @@ if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
 echo "==> units"
 units_args=(--config "$CONFIG" --fabric-bin "$FABRIC"
   --search-path "$PREFIX/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-[ "$LEADER" = 1 ] && units_args+=(--leader-candidate)
-"$FABRIC" units "${units_args[@]}" --write "$SYSTEMD_DIR"
+"$FABRIC" units "${units_args[@]}" "${leader_flag[@]}" --write "$SYSTEMD_DIR"
 systemctl daemon-reload
 systemctl enable --now fabric-reconcile.timer
 if [ "$LEADER" = 1 ]; then
@@ -247,4 +248,4 @@ if [ "$FIRST_PASS" = 1 ]; then
     exit 1
   fi
 fi
-systemctl --no-pager status fabric-reconcile.timer | head -n 3
+echo "fabric-reconcile.timer: $(systemctl is-active fabric-reconcile.timer)"

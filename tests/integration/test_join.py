@@ -277,3 +277,17 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
     assert head == container.run("git", "-C", remote, "rev-parse", "main").stdout.strip()
     assert container.host_path("/var/lib/fabric/desired.before-git/fabric.toml").exists()
     assert "pull: now at" in journal
+
+
+def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    container, _ = joined
+    before = container.read_file("/etc/fabric/node.toml")
+    refused = container.run(
+        "bash", str(REPO / "scripts" / "join.sh"),
+        "--source", str(REPO), "--wheelhouse", WHEELHOUSE, "--leader", "--no-first-pass",
+        timeout=600,
+    )
+    assert refused.returncode == 2
+    assert "node.host: required for fabric-leader.service" in refused.stderr
+    assert container.read_file("/etc/fabric/node.toml") == before
+    assert not container.host_path("/etc/systemd/system/fabric-leader.service").exists()
