@@ -27,7 +27,9 @@ from reconciler.cli import main
 from reconciler.desired import load_desired
 from reconciler.model import Hardware, NodeFacts, OperatingSystem
 from reconciler.nodeconfig import parse_node_config
-from tests.conftest import EXAMPLE_FLEET
+from tests.conftest import EXAMPLE_FLEET, REPO
+
+PROBE_CAPTURES = REPO / "tests" / "fixtures" / "probe"
 
 STATE = load_desired(EXAMPLE_FLEET)
 NODE = parse_node_config(
@@ -218,7 +220,8 @@ def test_cli_dry_run_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtu
     root.mkdir()
     registry = tmp_path / "registry.sqlite"
     code = main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
-                 "--host", "racknerd", "--root", str(root), "--dry-run", "--registry-path", str(registry)])
+                 "--host", "racknerd", "--root", str(root), "--dry-run", "--registry-path", str(registry),
+                 "--replay", str(PROBE_CAPTURES / "racknerd")])
     assert code == 0
     out = capsys.readouterr().out
     assert "would register: the registry does not know this node" in out
@@ -237,3 +240,17 @@ def test_cli_unknown_host_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
                  "--host", "mystery", "--dry-run", "--registry-path", str(tmp_path / "r.sqlite")]) == 2
     assert "'mystery' is not in the desired state" in capsys.readouterr().err
+
+
+def test_cli_dry_run_of_an_arch_gpu_desktop_plans_the_nftables_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """qfox-1's capture (CachyOS, RTX 4070): the fix files are planned under the sandbox root."""
+    root = tmp_path / "root"
+    root.mkdir()
+    code = main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
+                 "--host", "qfox-1", "--root", str(root), "--dry-run", "--registry-path", str(tmp_path / "r.sqlite"),
+                 "--replay", str(PROBE_CAPTURES / "qfox-1")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"would write_file {NFT_FIX_FILE}: tailnet accepts for the distro ruleset" in out
+    assert f"would write_file {NFT_FIX_DROPIN}: re-apply the fix after nftables.service reloads" in out
+    assert list(root.iterdir()) == []
