@@ -44,6 +44,11 @@ In each container
 - on the edge, the packaged caddy.service with the admin API on localhost:2019,
   the address `fabric reconcile` loads the rendered site snippet into.
 
+Trying a change of the reconciler in the fleet without touching the checkout:
+FABRIC_E2E_BIND=HOSTFILE:PATH[,...] bind-mounts each HOSTFILE over PATH in
+every container as it boots (for example a patched copy of
+reconciler/cli/reconcile.py over /work/main/reconciler/cli/reconcile.py).
+
 Teardown is by PID and handle, in reverse order of creation, even when bring-up
 fails half-way: every resource registers its undo on an ExitStack the moment
 it exists, and is recorded in `state.json` so `scripts/fleet down` can remove a
@@ -72,6 +77,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reconciler.live import FleetPlan
+from reconciler.model import DesiredState
+from reconciler.units import PASS_DIRECTORIES
 from tests.harness.systemd import SystemdContainer, systemd_container
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -125,8 +133,13 @@ class FleetSettings:
     subnet: str = "100.64.250"
     # fabric-reconcile.timer's interval on every host (node.toml [timer]).
     pass_interval: str = "1s"
-    heartbeat_s: int = 1
-    node_timeout_s: int = 3
+    # One beat per pass. Five hosts' passes and two leaders share this
+    # machine's two cores with whatever else runs, and a pass then takes
+    # 1.5-3 s: with a 3 s node timeout healthy nodes went offline (and were
+    # held off as flapping) within a minute. 8 s (a few passes) keeps them up;
+    # the leader's lease TTL is heartbeat_s.
+    heartbeat_s: int = 2
+    node_timeout_s: int = 8
     drain_grace_s: int = 120
     flap_window_s: int = 120
     flap_toggles: int = 3
@@ -352,6 +365,9 @@ class Fleet:
         started = time.monotonic()
         self.work.mkdir(parents=True, exist_ok=True)
         self._save_state(supervisor=os.getpid(), bridge=self.bridge, namespaces=[], work=str(self.work), subnet=self.settings.subnet, ready=False)
+        # A fresh registry every time (a previous fleet's etcd data would
+        # bring back its nodes, plans and epochs).
+        shutil.rmtree(self.work / "etcd", ignore_errors=True)
         try:
             self._write_desired()
             self._make_bridge()
@@ -524,6 +540,9 @@ class Fleet:
         target = str(container.host_path(f"{PREFIX}/site-packages"))
         for argv in (("mount", "--bind", site_packages, target), ("mount", "-o", "remount,bind,ro", target)):
             _run("nsenter", "-t", str(container.pid), "-m", "--", *argv)
+        for pair in filter(None, os.environ.get("FABRIC_E2E_BIND", "").split(",")):
+            source, target_path = pair.split(":", 1)
+            _run("nsenter", "-t", str(container.pid), "-m", "--", "mount", "--bind", source, str(container.host_path(target_path)))
         container.write_file(
             FABRIC_BIN,
             "#!/usr/bin/python3\n"
@@ -540,11 +559,13 @@ class Fleet:
             container.write_file(f"{DESIRED_DIR}/{file_name}", text)
         # Inside the container only (its overlay), never on the host.
         container.write_file("/usr/bin/podman", PODMAN_STANDIN.read_text(), mode=0o755)
-        # The example fleet labels its k3s nodes: a host of it has k3s's
-        # configuration directory. (Without it the pass cannot create the
-        # drop-in: the unit's ProtectSystem=strict leaves /etc read-only and
-        # its ReadWritePaths=-/etc/rancher/k3s is skipped for a missing path.)
-        self._check(container, "mkdir", "-p", "/etc/rancher/k3s")
+        # The directories the pass writes into must exist before it runs: its
+        # unit's ProtectSystem=strict leaves the rest of /etc read-only and a
+        # missing ReadWritePaths= entry is skipped. scripts/join.sh and the
+        # NixOS module create them (reconciler.units.PASS_DIRECTORIES); so does
+        # this, as the installer of these hosts.
+        for directory in PASS_DIRECTORIES:
+            self._check(container, "mkdir", "-p", directory)
         for path, text in SECRET_FILES.items():
             container.write_file(path, text, mode=0o600)
         node_toml = (
@@ -633,6 +654,7 @@ class Fleet:
             except Exception as exc:  # keep going: the rest must still go
                 self.progress(f"{name}: stop failed: {exc}")
         self._stack.close()
+        shutil.rmtree(self.work / "etcd", ignore_errors=True)
         state_file = self.work / "state.json"
         state_file.unlink(missing_ok=True)
         self.progress("fleet down")
@@ -667,6 +689,101 @@ def force_down(state_dir: Path, progress: Progress = print) -> None:
         _run("ip", "link", "del", state["bridge"], check=False)
     state_file.unlink(missing_ok=True)
     progress("leftovers removed")
+
+
+# --------------------------------------------------------------------------
+# Reading the fleet (shared by the scenario tests and bench/convergence)
+
+
+def node_status(fleet: Fleet) -> dict[str, str]:
+    with fleet.registry() as registry:
+        return {state.node_id: state.status for state in registry.node_states()}
+
+
+def newest_plan(fleet: Fleet) -> FleetPlan | None:
+    with fleet.registry() as registry:
+        return registry.newest_plan()
+
+
+def placed(plan: FleetPlan) -> dict[str, list[str]]:
+    """service -> the nodes it is placed on (sorted)."""
+    out: dict[str, list[str]] = {}
+    for p in plan.placements:
+        out.setdefault(p.service, []).append(p.node)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def lanes_on(desired: DesiredState, host: str) -> set[str]:
+    """The lane agents a host runs: compute lanes pushed to it, the local lane on the control host."""
+    control = desired.hosts_with_role("control")
+    return {
+        lane.id
+        for lane in desired.lanes
+        if (lane.kind == "compute" and lane.push_host == host) or (lane.kind == "local" and control and control[0] == host)
+    }
+
+
+def expected_units(desired: DesiredState, plan: FleetPlan, host: str) -> set[str]:
+    services = {p.service for p in plan.placements if p.node == host}
+    return {f"fabric-agent-{name}.service" for name in services | lanes_on(desired, host)}
+
+
+def running_agents(fleet: Fleet, host: str) -> dict[str, str]:
+    """Active fabric-agent-* units on `host` -> their InvocationID (changes on every (re)start)."""
+    container = fleet.container(host)
+    listed = container.systemctl("list-units", "--type=service", "--state=active", "--plain", "--no-legend", "fabric-agent-*").stdout
+    names = sorted(line.split()[0] for line in listed.splitlines() if line.strip())
+    if not names:
+        return {}
+    shown = container.systemctl("show", "-p", "Id", "-p", "InvocationID", *names).stdout
+    out: dict[str, str] = {}
+    for block in shown.strip().split("\n\n"):
+        fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        out[fields["Id"]] = fields.get("InvocationID", "")
+    return out
+
+
+def routed_services(desired: DesiredState) -> dict[str, str]:
+    """service id -> its route's host name."""
+    return {s.id: s.route.host for s in desired.fleet.services if s.route is not None}
+
+
+def edge_reaches(fleet: Fleet, desired: DesiredState, plan: FleetPlan) -> dict[str, str]:
+    """For every routed service that is placed: the body the edge answers with,
+    when it came from one of the nodes it is placed on; {} until all do."""
+    answers = {}
+    for service, host_name in routed_services(desired).items():
+        nodes = placed(plan).get(service)
+        if not nodes:
+            continue
+        status, body = fleet.request(host_name)
+        if status != 200 or not any(body.strip() == f"{service} on {node}" for node in nodes):
+            return {}
+        answers[service] = body.strip()
+    return answers
+
+
+def converged(fleet: Fleet, desired: DesiredState, hosts: tuple[str, ...]) -> FleetPlan | None:
+    """The newest plan once the fleet runs it: every host in `hosts` active, a
+    leader, the plan placing only on `hosts`, every host running exactly the
+    agents the plan gives it, and the edge reaching every routed service on a
+    node it is placed on. None until then."""
+    status = node_status(fleet)
+    if any(status.get(h) != "active" for h in hosts):
+        return None
+    with fleet.registry() as registry:
+        if registry.leader() is None:
+            return None
+        plan = registry.newest_plan()
+    if plan is None or any(p.node not in hosts for p in plan.placements):
+        return None
+    for host in hosts:
+        if set(running_agents(fleet, host)) != expected_units(desired, plan, host):
+            return None
+    if not edge_reaches(fleet, desired, plan):
+        return None
+    return plan
+
 
 
 # --------------------------------------------------------------------------
