@@ -28,13 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    inputs = prepare(args)
+    inputs = prepare(args, write=False)
     if isinstance(inputs, int):
         return inputs
     applier = applier_for(args, real_wiring(args))
-    stale = stale_plan(applier.store, inputs.fleet_plan.epoch)
-    if stale is not None:
-        print(stale)
+    static = inputs.source.static or stale_plan(applier.store, inputs.fleet_plan.epoch)
+    if static is not None:
+        print(static)
         return EXIT_OK
     try:
         plan, unfinished = applier.compute_plan(inputs.rendered.artifacts)

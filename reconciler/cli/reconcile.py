@@ -29,14 +29,22 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from reconciler.apply import STATE_DIR, Activators, Applier, PassResult, Validators, stale_plan
+from reconciler.apply import STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
-from reconciler.live import FleetPlan, LaneView, Snapshot, SnapshotNode
-from reconciler.model import TIER_SCORE, DesiredState, NodeFacts
+from reconciler.cli.plan_source import (
+    PlanSource,
+    add_plan_source_options,
+    from_registry,
+    plan_alone,
+    plan_from_file,
+    print_notes,
+    registry_path,
+)
+from reconciler.live import FleetPlan
+from reconciler.model import DesiredState, NodeFacts
 from reconciler.ports import ActivationError, Audit, Clock, LockBusy
 from reconciler.render import Layout, Rendered, RenderError, render
-from reconciler.scheduler import schedule
 
 KILL_AT_STEP_ENV = "FABRIC_KILL_AT_STEP"
 
@@ -53,7 +61,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         "unless the systemd you activate through reads its units from DIR",
     )
     p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture (fabric probe --capture) instead of probing")
-    p.add_argument("--plan-file", metavar="FILE", type=Path, help="the fleet plan as JSON (default: computed locally)")
+    add_plan_source_options(p)
     p.add_argument(
         "--unit-dir",
         metavar="DIR",
@@ -106,40 +114,6 @@ def probe_host(host: str, replay: str | None) -> NodeFacts:
     return facts_from_capture(capture, host=host)
 
 
-def fleet_plan_for(state: DesiredState, host: str, facts: NodeFacts, plan_file: Path | None, now: datetime) -> FleetPlan:
-    """The fleet plan this pass renders from.
-
-    THE seam to the registry: today a --plan-file, else a plan the scheduler
-    computes locally over this host alone (a one-host fleet: every service
-    this host can run is placed here). The lead replaces the fallback with the
-    registry's newest plan (and its epoch fence) without touching the rest.
-    Raises ValueError for an unreadable or invalid plan file.
-    """
-    if plan_file is not None:
-        try:
-            return FleetPlan.model_validate_json(plan_file.read_bytes())
-        except OSError as exc:
-            raise ValueError(f"{plan_file}: cannot read: {exc.strerror or exc}") from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-            raise ValueError(f"{plan_file}: {where}: {first['msg']}") from None
-    host_config = state.hosts[host]
-    tier = facts.tier
-    if host_config.overrides.tier is not None and TIER_SCORE[host_config.overrides.tier] < TIER_SCORE[tier]:
-        tier = host_config.overrides.tier  # an override can only lower the probe's tier
-    node = SnapshotNode(
-        node_id=host,
-        tier=tier,
-        max_concurrent_tasks=host_config.limits.max_concurrent_tasks or facts.limitations.max_concurrent_tasks,
-        arch=facts.hardware.arch,
-        labels=dict(facts.labels),
-    )
-    lanes = [LaneView(id=b.id, kind=b.kind, rank=b.rank, cap=b.cap, in_flight=0, available=True) for b in state.lanes]
-    plan = schedule(Snapshot(now=now, nodes=[node]), state, leader=host, epoch=0)
-    return plan.model_copy(update={"lanes": plan.lanes or lanes})
-
-
 # --------------------------------------------------------------------------
 # Preparing a pass (shared with `fabric plan`)
 
@@ -149,17 +123,56 @@ class PassInputs:
     state: DesiredState
     host: str
     facts: NodeFacts
-    fleet_plan: FleetPlan
+    source: PlanSource
     rendered: Rendered
     layout: Layout
+
+    @property
+    def fleet_plan(self) -> FleetPlan:
+        return self.source.plan
 
 
 def _this_host_name() -> str:
     return socket.gethostname().split(".")[0].lower()
 
 
-def prepare(args: argparse.Namespace, *, probe: Callable[[str, str | None], NodeFacts] = probe_host) -> PassInputs | int:
-    """Load, probe, read the plan and render; an exit status on bad input."""
+def plan_source_for(args: argparse.Namespace, state: DesiredState, host: str, facts: NodeFacts, *, write: bool) -> PlanSource:
+    """The fleet plan: --plan-file, --no-registry, or the registry (see plan_source).
+    Raises ValueError for an unreadable or invalid plan file."""
+    from reconciler.adapters.files import LocalTree
+
+    now = datetime.now(timezone.utc)
+    if args.plan_file is not None:
+        return PlanSource(plan_from_file(args.plan_file))
+    if args.no_registry:
+        return PlanSource(plan_alone(state, host, facts, now))
+    from reconciler.registry.factory import open_registry
+
+    store = GenerationStore(LocalTree(args.root), args.state_dir)
+    current = store.current()
+    manifest = store.manifest(current)
+    return from_registry(
+        lambda: open_registry(state.fleet, sqlite_path=registry_path(args, state)),
+        state,
+        host,
+        facts,
+        applied_epoch=manifest.epoch if manifest is not None else None,
+        has_generation=current is not None,
+        now=now,
+        write=write,
+    )
+
+
+def prepare(
+    args: argparse.Namespace,
+    *,
+    probe: Callable[[str, str | None], NodeFacts] = probe_host,
+    write: bool = True,
+) -> PassInputs | int:
+    """Load, probe, read the plan and render; an exit status on bad input.
+
+    `write=False` (fabric plan) reads the registry's plan but sends no
+    heartbeat and takes no leader step."""
     state = load_or_report(args.desired)
     if state is None:
         return EXIT_INVALID
@@ -176,19 +189,20 @@ def prepare(args: argparse.Namespace, *, probe: Callable[[str, str | None], Node
         print(f"fabric: probe: {exc}", file=sys.stderr)
         return EXIT_INVALID
     try:
-        fleet_plan = fleet_plan_for(state, host, facts, args.plan_file, datetime.now(timezone.utc))
+        source = plan_source_for(args, state, host, facts, write=write)
     except ValueError as exc:
         print(f"fabric: plan: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    print_notes(source)
     layout = Layout(unit_dir=args.unit_dir.strip("/"))
     try:
-        rendered = render(state, host, facts, fleet_plan, layout=layout)
+        rendered = render(state, host, facts, source.plan, layout=layout)
     except RenderError as exc:
         print(f"fabric: {exc}", file=sys.stderr)
         return EXIT_INVALID
     for note in rendered.notes:
         print(f"note: {note}", file=sys.stderr)
-    return PassInputs(state, host, facts, fleet_plan, rendered, layout)
+    return PassInputs(state, host, facts, source, rendered, layout)
 
 
 # --------------------------------------------------------------------------
@@ -296,11 +310,12 @@ def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Calla
         return inputs
     wiring = wiring or real_wiring(args)
     applier = applier_for(args, wiring)
-    stale = stale_plan(applier.store, inputs.fleet_plan.epoch)
-    if stale is not None:
+    static = inputs.source.static or stale_plan(applier.store, inputs.fleet_plan.epoch)
+    if static is not None:
         # Fail static: keep what runs, say why.
-        wiring.audit.record("noop", "ok", generation=str(applier.store.current() or ""), reason=stale)
-        print(stale)
+        current = applier.store.current()
+        wiring.audit.record("static", "ok", generation=str(current or ""), reason=static)
+        print(f"{static}; generation {current} stays" if current else static)
         return EXIT_OK
     try:
         result = applier.run(inputs.rendered.artifacts, host=inputs.host, epoch=inputs.fleet_plan.epoch)

@@ -1,0 +1,134 @@
+"""Where a pass gets its fleet plan: heartbeat, one leader step, the epoch fence, fail static.
+
+Runs against the embedded sqlite registry (a file in tmp_path, no server) and
+replayed probe captures of the example fleet.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.probe_io import CaptureDirectory
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.cli.plan_source import from_registry, node_record
+from reconciler.desired import load_desired
+from reconciler.live import FleetPlan
+from reconciler.model import DesiredState, NodeFacts
+from reconciler.probe import RawCapture, facts_from_capture
+from reconciler.registry import RegistryUnavailable
+from tests.conftest import EXAMPLE_FLEET, REPO
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def state() -> DesiredState:
+    return load_desired(EXAMPLE_FLEET)
+
+
+def facts(host: str) -> NodeFacts:
+    outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
+    return facts_from_capture(RawCapture(outputs, errors), host=host)
+
+
+@pytest.fixture
+def connect(tmp_path: Path, state: DesiredState):
+    """Opens the registry file afresh, as each real pass does (and closes)."""
+    return lambda: SqliteRegistry(
+        tmp_path / "registry.sqlite", timing=state.fleet.timing, flap=state.fleet.flap, clock=SystemClock()
+    )
+
+
+@pytest.fixture
+def registry(connect):
+    """The same registry file, for the test's own reads and writes."""
+    reg = connect()
+    yield reg
+    reg.close()
+
+
+def source(connect, state, host, *, applied=None, has_generation=False, write=True):
+    return from_registry(
+        connect, state, host, facts(host),
+        applied_epoch=applied, has_generation=has_generation, now=NOW, write=write,
+    )
+
+
+def test_a_lone_leader_candidate_heartbeats_leads_and_renders_its_own_plan(connect, registry, state) -> None:
+    result = source(connect, state, "qfox-1")
+    assert result.static is None
+    assert result.plan.leader == "qfox-1" and result.plan.epoch >= 1
+    assert {p.service for p in result.plan.services_on("qfox-1")} >= {"lupine", "vaapi-encode"}
+    assert [n.node_id for n in registry.snapshot().nodes] == ["qfox-1"]
+    # The pass resigned: a fabric-leader.service can take over at once.
+    assert registry.leader() is None
+
+
+def test_the_plan_covers_every_host_that_heartbeated(connect, registry, state) -> None:
+    for host in ("a1-arm64", "x86-spill", "racknerd"):  # not leader candidates: heartbeat only
+        assert source(connect, state, host).plan.epoch == 0
+    plan = source(connect, state, "lux").plan
+    placed = {p.node for p in plan.placements}
+    assert placed <= {"a1-arm64", "x86-spill", "racknerd", "lux"}
+    lupine = [d for d in plan.deferred if d.service == "lupine"]
+    assert lupine and "gpu_cuda" in lupine[0].reason  # CUDA-only, no CUDA node has reported
+
+
+def test_a_host_that_is_not_a_candidate_renders_an_empty_plan_until_one_is_published(connect, registry, state) -> None:
+    result = source(connect, state, "racknerd")
+    assert result.static is None
+    assert result.plan.placements == [] and result.plan.epoch == 0
+    assert any("no plan published yet" in n for n in result.notes)
+
+
+def test_a_running_leader_is_never_displaced_by_a_pass(connect, registry, state) -> None:
+    held = registry.campaign("lux", 60)
+    assert held is not None
+    result = source(connect, state, "qfox-1")
+    assert registry.leader().candidate == "lux"
+    assert not any(n.startswith("leader step") for n in result.notes)
+
+
+def test_registry_unreachable_with_a_generation_runs_static(state) -> None:
+    def unreachable():
+        raise RegistryUnavailable("etcd: no endpoint answers")
+
+    result = from_registry(unreachable, state, "racknerd", facts("racknerd"), applied_epoch=4, has_generation=True, now=NOW, write=True)
+    assert result.static == "registry unreachable (etcd: no endpoint answers): running static"
+
+
+def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> None:
+    def unreachable():
+        raise RegistryUnavailable("etcd: no endpoint answers")
+
+    result = from_registry(unreachable, state, "racknerd", facts("racknerd"), applied_epoch=None, has_generation=False, now=NOW, write=True)
+    assert result.static is None
+    assert result.plan.placements == []
+    assert [lane.id for lane in result.plan.lanes] == ["a1-arm64", "x86-spill", "local"]
+
+
+def test_a_plan_older_than_the_applied_one_keeps_the_generation(connect, registry, state) -> None:
+    published = source(connect, state, "lux").plan
+    result = source(connect, state, "racknerd", applied=published.epoch + 5, has_generation=True)
+    assert result.static is not None and "older than the newest applied" in result.static
+
+
+def test_a_plan_signed_by_a_host_that_is_not_a_candidate_is_refused(connect, registry, state) -> None:
+    rogue = registry.campaign("racknerd", 60)  # a registry writer making itself leader
+    registry.publish_plan(rogue, FleetPlan(epoch=0, leader="racknerd", created=NOW))
+    result = source(connect, state, "x86-spill", has_generation=True)
+    assert result.static is not None and "not a leader candidate" in result.static
+
+
+def test_fabric_plan_reads_without_writing(connect, registry, state) -> None:
+    source(connect, state, "racknerd", write=False)
+    assert registry.snapshot().nodes == []
+
+
+def test_the_record_carries_declared_limits_and_lowered_tier(state) -> None:
+    record = node_record(state, "qfox-1", facts("qfox-1"))
+    assert (record.tier, record.max_concurrent_tasks, record.max_concurrent_ceiling) == ("gpu_cuda", 4, 6)
