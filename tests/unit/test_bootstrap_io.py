@@ -1,0 +1,106 @@
+"""reconciler.adapters.bootstrap_io against a real sqlite registry and a scripted
+command runner: what the adapter observes and what each step does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.bootstrap_io import BootstrapError, NodeIO
+from reconciler.bootstrap import NFT_FIX_COMMENT, NFT_FIX_FILE, Step
+from reconciler.desired import load_desired
+from reconciler.model import Hardware, NodeFacts
+from reconciler.ports import CommandResult
+from reconciler.registry.factory import open_registry
+from reconciler.registry.records import NodeRecord
+from tests.conftest import EXAMPLE_FLEET
+
+STATE = load_desired(EXAMPLE_FLEET)
+
+
+class ScriptedRunner:
+    """Answers by argv prefix; records every command."""
+
+    def __init__(self, answers: dict[tuple[str, ...], CommandResult]) -> None:
+        self.answers = answers
+        self.ran: list[tuple[str, ...]] = []
+
+    def run(self, argv: Sequence[str], *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
+        argv = tuple(argv)
+        self.ran.append(argv)
+        for prefix, result in self.answers.items():
+            if argv[: len(prefix)] == prefix:
+                return CommandResult(argv, result.returncode, result.stdout, result.stderr, result.missing)
+        return CommandResult(argv, 1, "", "unknown")
+
+
+def ok(stdout: str = "") -> CommandResult:
+    return CommandResult((), 0, stdout)
+
+
+@pytest.fixture
+def registry(tmp_path: Path):
+    reg = open_registry(STATE.fleet, sqlite_path=tmp_path / "registry.sqlite")
+    yield reg
+    reg.close()
+
+
+def test_observe_reads_tailscale_registry_files_nft_and_units(tmp_path: Path, registry) -> None:
+    (tmp_path / "etc" / "fabric").mkdir(parents=True)
+    (tmp_path / NFT_FIX_FILE).write_text("old\n")
+    runner = ScriptedRunner({
+        ("tailscale", "status"): ok('{"BackendState": "Running"}'),
+        ("nft", "list", "table", "inet", "filter"): ok(f'table inet filter {{ chain forward {{ iifname "tailscale0" accept comment "{NFT_FIX_COMMENT}" }} }}'),
+        ("systemctl", "is-active", "--quiet", "fabric-reconcile.timer"): ok(),
+    })
+    observed = NodeIO(runner, registry, root=tmp_path).observe(
+        "racknerd", [NFT_FIX_FILE, "etc/absent"], ["fabric-socat-qfox-ssh.service"]
+    )
+    assert observed.tailscale_running is True
+    assert observed.registered is False
+    assert observed.files == {NFT_FIX_FILE: "old\n", "etc/absent": None}
+    assert observed.distro_table_present and observed.nft_fix_loaded
+    assert observed.timer_active is True
+    assert observed.socat_active == {"fabric-socat-qfox-ssh.service": False}
+
+
+def test_tailscale_missing_or_stopped(tmp_path: Path, registry) -> None:
+    missing = ScriptedRunner({("tailscale",): CommandResult((), None, missing=True)})
+    assert NodeIO(missing, registry, root=tmp_path).observe("racknerd", [], []).tailscale_running is None
+    stopped = ScriptedRunner({("tailscale",): ok('{"BackendState": "NeedsLogin"}')})
+    assert NodeIO(stopped, registry, root=tmp_path).observe("racknerd", [], []).tailscale_running is False
+
+
+def test_register_writes_a_heartbeat_the_next_observation_sees(tmp_path: Path, registry) -> None:
+    io = NodeIO(ScriptedRunner({}), registry, root=tmp_path)
+    facts = NodeFacts(node_id="racknerd.ts.net", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
+    io.execute(Step("register", "new", record=NodeRecord.from_facts("racknerd", facts)))
+    assert io.observe("racknerd", [], []).registered is True
+
+
+def test_write_file_is_atomic_under_the_root(tmp_path: Path, registry) -> None:
+    io = NodeIO(ScriptedRunner({}), registry, root=tmp_path)
+    io.execute(Step("write_file", "k3s", path="etc/rancher/k3s/config.yaml.d/10-fabric-join.yaml", content="server: x\n"))
+    target = tmp_path / "etc/rancher/k3s/config.yaml.d/10-fabric-join.yaml"
+    assert target.read_text() == "server: x\n"
+    assert oct(target.stat().st_mode & 0o777) == "0o644"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temp file left
+
+
+def test_commands_of_each_step_and_their_failure(tmp_path: Path, registry) -> None:
+    runner = ScriptedRunner({("systemctl",): ok(), ("nft",): ok(), ("tailscale", "up"): CommandResult((), 1, "", "invalid key")})
+    io = NodeIO(runner, registry, root=tmp_path)
+    io.execute(Step("load_nft_fix", "x"))
+    io.execute(Step("daemon_reload", "x"))
+    io.execute(Step("enable_timer", "x"))
+    io.execute(Step("run_pass", "x"))
+    assert runner.ran == [
+        ("nft", "-f", str(tmp_path / NFT_FIX_FILE)),
+        ("systemctl", "daemon-reload"),
+        ("systemctl", "enable", "--now", "fabric-reconcile.timer"),
+        ("systemctl", "start", "fabric-reconcile.service"),
+    ]
+    with pytest.raises(BootstrapError, match="tailscale up: tailscale: exit 1: invalid key"):
+        io.execute(Step("tailscale_up", "x", argv=("tailscale", "up", "--auth-key=file:/k")))
