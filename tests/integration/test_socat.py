@@ -180,11 +180,6 @@ def test_rendered_socat_unit_forwards_under_systemd(container: SystemdContainer,
             wait_until(lambda: not listening(listen_port), what="the port to close")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="socat exits 143 on SIGTERM, so every stop leaves the unit 'failed' (Result=exit-code) "
-    "until templates/socat.service.j2 says SuccessExitStatus=143",
-)
 def test_stopping_the_socat_unit_is_a_clean_stop(container: SystemdContainer) -> None:
     require("socat")
     unit = "fabric-socat-cleanstop.service"
