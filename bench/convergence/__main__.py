@@ -14,15 +14,18 @@ fabric-reconcile.timer), waits until it has converged, then, per run:
      marked it offline and when the plan that moved the work was published;
   4. starts the host again and waits for the fleet to converge.
 
-Prints per run, in seconds after the last heartbeat: offline, plan published,
-first good request through the edge, beside the configured node timeout and
-pass interval; then the median. Wall-clock times from one clock (the
+Prints per run, in seconds after the last heartbeat: offline (the leader's
+transition), plan (the moving plan published), started (the service active on
+the replacement host), edge (the edge's pass loaded Caddy), served (the first
+good request through the edge), beside the configured node timeout and pass
+interval; then the median. Wall-clock times from one clock (the
 registry's timestamps are this machine's UTC clock, as are the client's).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -62,15 +65,35 @@ def one_run(fleet, desired, hosts) -> dict[str, float]:
         state = {s.node_id: s for s in registry.node_states()}[victim]
         new_plan = registry.newest_plan()
     last_beat = utc(state.last_seen)
+    (replacement,) = placed(new_plan)[SERVICE]
+    started = _unit_active_since(fleet, replacement, f"fabric-agent-{SERVICE}.service")
+    edge_loaded = _last_caddy_load(fleet, "racknerd")
     offline = next((utc(t.at) for t in reversed(state.transitions) if t.status == "offline"), None)
     figures = {
         "offline": (offline - last_beat).total_seconds() if offline else float("nan"),
         "plan": (utc(new_plan.created) - last_beat).total_seconds() if new_plan is not None else float("nan"),
+        "started": (started - last_beat).total_seconds() if started else float("nan"),
+        "edge": (edge_loaded - last_beat).total_seconds() if edge_loaded else float("nan"),
         "served": (served - last_beat).total_seconds(),
         "victim": victim,
     }
     fleet.start_host(victim)
     return figures
+
+
+def _unit_active_since(fleet, host: str, unit: str) -> datetime | None:
+    """When the unit last became active on `host` (systemd's ActiveEnterTimestamp)."""
+    out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=unix", unit).stdout.strip()
+    value = out.split("=", 1)[-1].lstrip("@")
+    return datetime.fromtimestamp(float(value), timezone.utc) if value.replace(".", "").isdigit() else None
+
+
+def _last_caddy_load(fleet, edge: str) -> datetime | None:
+    """When the edge's pass last loaded Caddy (its caddy-load audit entry)."""
+    lines = fleet.journal(edge, "-t", "fabric-reconcile", "-o", "json", "--output-fields=MESSAGE").splitlines()
+    stamps = [json.loads(line) for line in lines]
+    loads = [int(e["__REALTIME_TIMESTAMP"]) for e in stamps if str(e.get("MESSAGE", "")).startswith("caddy-load")]
+    return datetime.fromtimestamp(loads[-1] / 1e6, timezone.utc) if loads else None
 
 
 def main() -> int:
@@ -93,11 +116,15 @@ def main() -> int:
                 print("cannot measure: no host sends heartbeats (fabric reconcile does not talk to the registry yet)")
                 return 1
         print(f"node loss: configured node timeout {settings.node_timeout_s} s, heartbeat {settings.heartbeat_s} s, pass interval {settings.pass_interval}")
-        print(f"{'run':>3}  {'host lost':10} {'offline':>8} {'plan':>8} {'served':>8}   (s after its last heartbeat)")
+        print(f"{'run':>3}  {'host lost':10} {'offline':>8} {'plan':>8} {'started':>8} {'edge':>8} {'served':>8}   (s after its last heartbeat)")
         for run in range(1, args.runs + 1):
             figures = one_run(fleet, desired, hosts)
             results.append(figures)
-            print(f"{run:>3}  {figures['victim']:10} {figures['offline']:8.2f} {figures['plan']:8.2f} {figures['served']:8.2f}", flush=True)
+            print(
+                f"{run:>3}  {figures['victim']:10} {figures['offline']:8.2f} {figures['plan']:8.2f} "
+                f"{figures['started']:8.2f} {figures['edge']:8.2f} {figures['served']:8.2f}",
+                flush=True,
+            )
     served = [r["served"] for r in results]
     print(
         f"median: first request served by the replacement {statistics.median(served):.2f} s after the last heartbeat "
