@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,12 +55,14 @@ def one_run(fleet, desired, hosts) -> dict[str, float]:
     plan = wait_for(lambda: converged(fleet, desired, hosts), timeout=180, what="convergence", interval=0.5)
     (victim,) = placed(plan)[SERVICE]
     fleet.stop_host(victim)
-    while True:
+
+    def replacement_answers() -> datetime | None:
         status, body = fleet.request(ROUTE, timeout=1.0)
         if status == 200 and body.strip().startswith(f"{SERVICE} on ") and not body.strip().endswith(f" on {victim}"):
-            served = datetime.now(timezone.utc)
-            break
-        time.sleep(0.02)
+            return datetime.now(timezone.utc)
+        return None
+
+    served = wait_for(replacement_answers, timeout=180, what=f"{ROUTE} served by another host than {victim}", interval=0.02)
     with fleet.registry() as registry:
         state = {s.node_id: s for s in registry.node_states()}[victim]
         new_plan = registry.newest_plan()
@@ -105,6 +107,13 @@ def main() -> int:
     args = parser.parse_args()
     settings = FleetSettings(pass_interval=args.interval, heartbeat_s=args.heartbeat, node_timeout_s=args.node_timeout)
     work = Path(tempfile.mkdtemp(prefix="fabric-bench-convergence-"))
+    try:
+        return _measure(work, settings, args.runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
     hosts = tuple(HOST_OCTETS)
     results = []
     with running_fleet(work, settings, progress=lambda m: print(f"  [fleet] {m}", file=sys.stderr, flush=True)) as fleet:
@@ -117,7 +126,7 @@ def main() -> int:
                 return 1
         print(f"node loss: configured node timeout {settings.node_timeout_s} s, heartbeat {settings.heartbeat_s} s, pass interval {settings.pass_interval}")
         print(f"{'run':>3}  {'host lost':10} {'offline':>8} {'plan':>8} {'started':>8} {'edge':>8} {'served':>8}   (s after its last heartbeat)")
-        for run in range(1, args.runs + 1):
+        for run in range(1, runs + 1):
             figures = one_run(fleet, desired, hosts)
             results.append(figures)
             print(
