@@ -18,40 +18,46 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
 
-# Subcommand modules, in the order `fabric --help` lists them.
-COMMAND_MODULES = [
-    "validate",
-    "probe",
-    "units",
-    "pull",
-    "bootstrap",
-    "status",
-    "reconcile",
-    "plan",
-    "generations",
-    "rollback",
-    "nodes",
-    "leader",
-    "drain",
-    "registry",
-    "schedule",
-    "dispatch",
-]
+# Subcommand -> the module that registers it, in the order `fabric --help`
+# lists them. Only the module of the command being run is imported: a pass
+# from the timer does not pay for importing every other command.
+COMMANDS = {
+    "validate": "validate",
+    "probe": "probe",
+    "units": "units",
+    "pull": "pull",
+    "bootstrap": "bootstrap",
+    "status": "status",
+    "reconcile": "reconcile",
+    "plan": "plan",
+    "generations": "generations",
+    "rollback": "rollback",
+    "nodes": "nodes",
+    "leader": "leader",
+    "drain": "drain",
+    "undrain": "drain",
+    "registry": "registry",
+    "schedule": "schedule",
+    "dispatch": "dispatch",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser for `command` alone, or (None, for help and usage errors) all of them."""
     parser = argparse.ArgumentParser(
         prog="fabric",
         description="Reconcile this host with the fleet's desired state.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
         importlib.import_module(f"reconciler.cli.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
