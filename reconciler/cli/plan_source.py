@@ -16,9 +16,11 @@
                            applied, signed by a declared leader candidate
 
 Fail static: when the registry cannot be reached, or has no plan this host
-may apply, a host that already runs a generation keeps it untouched and says
-why (`PlanSource.static`). A host with no generation yet renders from an empty
-plan, so its host-local units (lanes, port maps, nftables) still come up.
+may apply while it runs placements from an earlier one, a host that already
+runs a generation keeps it untouched and says why (`PlanSource.static`): it
+never tears down work because it cannot see the leader. A host with no
+generation yet, or one that has only ever run the empty plan, renders from an
+empty plan, so its host-local units (lanes, port maps, nftables) converge.
 """
 
 from __future__ import annotations
@@ -188,6 +190,11 @@ def from_registry(
     verdict = accept_plan(applied_epoch, newest, leader_candidates=state.fleet.fleet.leader_candidates)
     if verdict.accepted and newest is not None:
         return PlanSource(newest, notes=(*notes, verdict.reason))
+    if newest is None and not applied_epoch:
+        # Nothing published and nothing applied from a published plan: the
+        # empty plan is what runs, so host-local changes still converge.
+        notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
+        return PlanSource(empty_plan(state, now), notes=tuple(notes))
     if has_generation:
         return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes))
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")

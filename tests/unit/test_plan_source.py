@@ -111,6 +111,16 @@ def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> N
     assert [lane.id for lane in result.plan.lanes] == ["a1-arm64", "x86-spill", "local"]
 
 
+def test_no_published_plan_keeps_a_generation_that_runs_placements(connect, registry, state) -> None:
+    result = source(connect, state, "racknerd", applied=3, has_generation=True)
+    assert result.static == "no plan published yet: running static"
+
+
+def test_no_published_plan_converges_a_host_that_only_ever_ran_the_empty_plan(connect, registry, state) -> None:
+    result = source(connect, state, "racknerd", applied=0, has_generation=True)
+    assert result.static is None and result.plan.placements == []
+
+
 def test_a_plan_older_than_the_applied_one_keeps_the_generation(connect, registry, state) -> None:
     published = source(connect, state, "lux").plan
     result = source(connect, state, "racknerd", applied=published.epoch + 5, has_generation=True)
