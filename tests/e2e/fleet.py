@@ -905,4 +905,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `scripts/fleet status | head`
+        sys.stderr.close()
+        sys.exit(0)
