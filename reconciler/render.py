@@ -25,6 +25,7 @@ select text from the desired state.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import ipaddress
 import re
@@ -506,7 +507,8 @@ def complete_caddy_config(main: str | None, snippet_path: str, snippet: str) -> 
     """The whole config Caddy validates and loads on an edge host.
 
     The fabric owns only its snippet. When the operator's main Caddyfile
-    imports it (a line `import /etc/caddy/fabric.caddy`), the complete config
+    imports it (a line `import /etc/caddy/fabric.caddy`, or a glob matching
+    it such as NixOS's `import /etc/caddy/fabric*.caddy`), the complete config
     is that Caddyfile with the import line replaced by the snippet's text, so
     what is validated before installing is exactly what is loaded, and the
     operator's own sites and global options stay. Without such a main file the
@@ -520,7 +522,7 @@ def complete_caddy_config(main: str | None, snippet_path: str, snippet: str) -> 
     found = False
     for line in lines:
         words = line.split("#", 1)[0].split()
-        if words == ["import", target]:
+        if len(words) == 2 and words[0] == "import" and fnmatch.fnmatchcase(target, words[1]):
             out.append(snippet if snippet.endswith("\n") else snippet + "\n")
             found = True
         else:

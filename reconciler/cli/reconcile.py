@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from reconciler.apply import STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
+from reconciler.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
 from reconciler.cli.plan_source import (
@@ -79,6 +80,12 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         help="D-Bus address of the systemd to activate through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
     )
     p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API (edge hosts)")
+    p.add_argument(
+        "--caddy-main",
+        metavar="FILE",
+        help="the edge's main Caddyfile, which imports the fabric's snippet, relative to the root "
+        f"(default: the first that exists of {', '.join(CADDY_MAIN_CANDIDATES)})",
+    )
     p.add_argument(
         "--startup-grace",
         metavar="SECONDS",
@@ -130,6 +137,31 @@ class PassInputs:
     @property
     def fleet_plan(self) -> FleetPlan:
         return self.source.plan
+
+
+def layout_for(args: argparse.Namespace) -> Layout:
+    """Where files go, and the programs units run, found on PATH: on NixOS
+    they live in the store (the module puts them on the pass's PATH), on
+    Debian in /usr/bin. A missing one keeps the conventional path, so the
+    unit names what would have to be installed."""
+    default = Layout()
+    return Layout(
+        unit_dir=args.unit_dir.strip("/"),
+        socat=shutil.which("socat") or default.socat,
+        podman=shutil.which("podman") or default.podman,
+        nft=shutil.which("nft") or default.nft,
+    )
+
+
+# The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
+CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
+
+
+def caddy_main_for(args: argparse.Namespace) -> str:
+    if args.caddy_main:
+        return args.caddy_main.strip("/")
+    root = Path(args.root)
+    return next((c for c in CADDY_MAIN_CANDIDATES if (root / c).is_file()), CADDY_MAIN)
 
 
 def _this_host_name() -> str:
@@ -194,7 +226,7 @@ def prepare(
         print(f"fabric: plan: {exc}", file=sys.stderr)
         return EXIT_INVALID
     print_notes(source)
-    layout = Layout(unit_dir=args.unit_dir.strip("/"))
+    layout = layout_for(args)
     try:
         rendered = render(state, host, facts, source.plan, layout=layout)
     except RenderError as exc:
@@ -276,6 +308,7 @@ def applier_for(args: argparse.Namespace, wiring: Wiring, checkpoint: Callable[[
         validators=wiring.validators,
         activators=wiring.activators,
         state_dir=state_dir,
+        caddy_main=caddy_main_for(args),
         checkpoint=checkpoint or kill_checkpoint_from_env(),
     )
 

@@ -319,3 +319,19 @@ def test_any_allowed_argument_survives_systemd_quoting(value: str) -> None:
 @given(_ARG_TEXT)
 def test_any_allowed_environment_value_survives_quoting(value: str) -> None:
     assert systemd_unquote(systemd_env("NAME", value), command_line=False) == f"NAME={value}"
+
+
+def test_the_snippet_replaces_an_exact_or_glob_import_in_the_main_caddyfile() -> None:
+    from reconciler.render import complete_caddy_config
+
+    snippet = "encode.researchstack.info {\n\trespond 200\n}\n"
+    debian = "{\n\tadmin 127.0.0.1:2019\n}\nimport /etc/caddy/fabric.caddy\nown.example {\n\trespond 204\n}\n"
+    nixos = "{\n\tadmin 127.0.0.1:2019\n}\nimport /etc/caddy/fabric*.caddy # services.fabric\n"
+    for main in (debian, nixos):
+        config = complete_caddy_config(main, "etc/caddy/fabric.caddy", snippet)
+        assert snippet in config and "import" not in config.split("#")[0]
+        assert config.startswith("{\n\tadmin 127.0.0.1:2019\n}\n")
+    assert "own.example" in complete_caddy_config(debian, "etc/caddy/fabric.caddy", snippet)
+    # A main file that does not import the snippet: the snippet alone is the config.
+    assert complete_caddy_config("other.example {\n}\n", "etc/caddy/fabric.caddy", snippet) == snippet
+    assert complete_caddy_config("import /etc/caddy/other*.caddy\n", "etc/caddy/fabric.caddy", snippet) == snippet
