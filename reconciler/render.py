@@ -46,6 +46,7 @@ from reconciler.model import (
     NodeFacts,
     Service,
 )
+from reconciler.status_page import caddy_site as status_caddy_site
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
@@ -471,7 +472,8 @@ def render(
         )
     )
 
-    # The edge: one Caddy site per routed service.
+    # The edge: one Caddy site per routed service, and the fleet's status page
+    # (a static file each pass rewrites; see reconciler.status_page).
     if "edge" in host.host.roles:
         sites = []
         for service in sorted((s for s in state.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
@@ -488,7 +490,12 @@ def render(
                 }
             )
         artifacts.append(
-            Artifact(layout.caddy_file, _template("fabric.caddy.j2", templates, host=host_name, sites=sites), 0o644, "caddy")
+            Artifact(
+                layout.caddy_file,
+                _template("fabric.caddy.j2", templates, host=host_name, sites=sites, status_site=status_caddy_site(state)),
+                0o644,
+                "caddy",
+            )
         )
 
     # k3s node labels from the probe (and the host file).
