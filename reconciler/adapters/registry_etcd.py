@@ -13,6 +13,10 @@ Keys under the configured prefix P (default "/fabric"):
     P/plan                  the newest FleetPlan JSON
     P/lanes/<lane>/slot/<i> a SlotClaim JSON for each claimed slot i < cap
     P/lanes/<lane>/available  "true" / "false"
+    P/jobs/<job>            QueuedJob JSON (a lane job: id, enqueue time,
+                            attempts, and its SlotClaim while it runs)
+    P/scaling               ScalingRecord JSON (the leader's scaling memory and
+                            concurrency overrides; written under its fence)
 
 Election: a campaign grants a lease and, in one transaction, creates P/leader
 (only if absent) and raises P/epoch (only if unchanged since read). Every write
@@ -21,7 +25,9 @@ with the leader's own value, which names its lease: when the lease lapses the
 key is gone and the write is refused (`NotLeader`).
 
 Lane slots: slot i of a lane is the key .../slot/<i>, created only if absent,
-for i < cap; so however many dispatchers race, at most cap keys exist.
+for i < cap; so however many dispatchers race, at most cap keys exist. A lane
+job starts in one transaction that also compares the job's key with the
+version read (still waiting), so a job never takes two slots either.
 
 The API is synchronous. aetcd is asyncio-only, so the registry runs one event
 loop on a private daemon thread and every method submits a coroutine to it and
@@ -40,7 +46,7 @@ import asyncio
 import math
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -60,9 +66,12 @@ from reconciler.registry.records import (
     LeaderInfo,
     Leadership,
     NodeRecord,
+    QueuedJob,
+    ScalingRecord,
     SlotClaim,
     check_node_id,
     from_epoch_seconds,
+    utc,
 )
 
 T = TypeVar("T")
@@ -440,6 +449,126 @@ class EtcdRegistry(LifecycleMixin):
 
         self._call(op)
 
+    # -- the lane job queue -------------------------------------------------------------
+
+    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
+        enqueued_at = from_epoch_seconds(self._now())
+        fresh = [QueuedJob(job_id=j, enqueued_at=enqueued_at) for j in dict.fromkeys(job_ids)]
+
+        async def op(c: _Client) -> list[QueuedJob]:
+            tx = c.transactions
+            stored = []
+            for job in fresh:
+                key = self._key("jobs", job.job_id)
+                # Created only if absent: a job already known keeps its state.
+                created, replies = await c.transaction(
+                    compare=[tx.version(key) == 0], success=[tx.put(key, job.model_dump_json().encode())], failure=[tx.get(key)]
+                )
+                stored.append(job if created else QueuedJob.model_validate_json(replies[0][0][0]))
+            return stored
+
+        return self._call(op)
+
+    def lane_jobs(self) -> list[QueuedJob]:
+        async def op(c: _Client) -> list[tuple[QueuedJob, int]]:
+            return [(QueuedJob.model_validate_json(kv.value), kv.create_revision) for kv in await c.get_prefix(self._key("jobs") + b"/")]
+
+        # Ties of the enqueue time (one batch) keep the order they were enqueued in.
+        return [job for job, _ in sorted(self._call(op), key=lambda pair: (utc(pair[0].enqueued_at), pair[1]))]
+
+    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
+        check_node_id(lane)
+        job_key = self._key("jobs", check_node_id(job_id))
+        claimed_at = from_epoch_seconds(self._now())
+        token = uuid.uuid4().hex
+
+        async def op(c: _Client) -> SlotClaim | None:
+            tx = c.transactions
+            kv = await c.get(job_key)
+            if kv is None:
+                return None
+            job = QueuedJob.model_validate_json(kv.value)
+            if job.claim is not None:
+                # A retry after a lost reply finds its own claim.
+                return job.claim if job.claim.token == token else None
+            for slot in range(cap):
+                claim = SlotClaim(lane=lane, slot=slot, holder=job_id, token=token, claimed_at=claimed_at)
+                slot_key = self._key("lanes", lane, "slot", str(slot))
+                ok, replies = await c.transaction(
+                    compare=[tx.mod(job_key) == kv.mod_revision, tx.version(slot_key) == 0],
+                    success=[
+                        tx.put(slot_key, claim.model_dump_json().encode()),
+                        tx.put(job_key, job.model_copy(update={"claim": claim}).model_dump_json().encode()),
+                    ],
+                    failure=[tx.get(job_key)],
+                )
+                if ok:
+                    return claim
+                now_kv = replies[0][0][1] if replies and replies[0] else None
+                if now_kv is None or now_kv.mod_revision != kv.mod_revision:
+                    return None  # the job changed meanwhile (started by another dispatcher, or gone)
+            return None
+
+        return self._call(op)
+
+    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
+        job_key = self._key("jobs", check_node_id(job_id))
+
+        async def op(c: _Client) -> QueuedJob | None:
+            tx = c.transactions
+            for _ in range(10):
+                kv = await c.get(job_key)
+                if kv is None:
+                    return None
+                job = QueuedJob.model_validate_json(kv.value)
+                if job.claim is None:
+                    return None
+                slot_key = self._key("lanes", job.claim.lane, "slot", str(job.claim.slot))
+                slot = await c.get(slot_key)
+                ours = slot is not None and SlotClaim.model_validate_json(slot.value).token == job.claim.token
+                compare = [tx.mod(job_key) == kv.mod_revision]
+                writes = []
+                if ours:
+                    compare.append(tx.mod(slot_key) == slot.mod_revision)
+                    writes.append(tx.delete(slot_key))
+                if requeue:
+                    result = job.model_copy(update={"claim": None, "attempts": job.attempts + (1 if count_attempt else 0)})
+                    writes.append(tx.put(job_key, result.model_dump_json().encode()))
+                else:
+                    result = job
+                    writes.append(tx.delete(job_key))
+                ok, _ = await c.transaction(compare=compare, success=writes, failure=[])
+                if ok:
+                    return result
+            raise RegistryError(f"finishing job {job_id} kept racing with other writers")
+
+        return self._call(op)
+
+    # -- scaling --------------------------------------------------------------------------
+
+    def scaling_record(self) -> ScalingRecord:
+        key = self._key("scaling")
+
+        async def op(c: _Client) -> ScalingRecord:
+            kv = await c.get(key)
+            return ScalingRecord.model_validate_json(kv.value) if kv is not None else ScalingRecord()
+
+        return self._call(op)
+
+    def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
+        leader_key, key = self._key("leader"), self._key("scaling")
+        ours = self._leader_value(leadership.info)
+
+        async def op(c: _Client) -> None:
+            tx = c.transactions
+            ok, _ = await c.transaction(
+                compare=[tx.value(leader_key) == ours], success=[tx.put(key, record.model_dump_json().encode())], failure=[]
+            )
+            if not ok:
+                raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+
+        self._call(op)
+
     # -- reading it all, and the leader's lifecycle -----------------------------------------
 
     def _read(self) -> LiveRead:
@@ -457,6 +586,7 @@ class EtcdRegistry(LifecycleMixin):
         in_flight: dict[str, int] = {}
         plan = leader = None
         epoch = 0
+        concurrency: dict[str, int] = {}
         for key, value in self._call(op):
             parts = key.split("/")
             kind = parts[0]
@@ -478,6 +608,8 @@ class EtcdRegistry(LifecycleMixin):
                 leader = LeaderInfo.model_validate_json(value)
             elif key == "epoch":
                 epoch = int(value)
+            elif key == "scaling":
+                concurrency = dict(ScalingRecord.model_validate_json(value).concurrency)
         records.update(live)  # a live beat is the newest record
         return LiveRead(
             now=now,
@@ -490,6 +622,7 @@ class EtcdRegistry(LifecycleMixin):
             plan=plan,
             leader=leader,
             epoch=epoch,
+            concurrency=concurrency,
         )
 
     def _store_lifecycle(

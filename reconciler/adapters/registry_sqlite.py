@@ -17,7 +17,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +32,8 @@ from reconciler.registry.records import (
     LeaderInfo,
     Leadership,
     NodeRecord,
+    QueuedJob,
+    ScalingRecord,
     SlotClaim,
     check_node_id,
     from_epoch_seconds,
@@ -62,6 +64,13 @@ CREATE TABLE IF NOT EXISTS slots (
     PRIMARY KEY (lane, slot)
 );
 CREATE TABLE IF NOT EXISTS lanes (lane TEXT PRIMARY KEY, available INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- enqueue order (ties of enqueued_at)
+    job_id TEXT NOT NULL UNIQUE,
+    enqueued_at REAL NOT NULL,
+    job TEXT NOT NULL              -- QueuedJob JSON (id, enqueued_at, attempts, claim)
+);
+CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 """
 
 # meta keys: the epoch counter, and a counter of membership changes (a node
@@ -277,6 +286,93 @@ class SqliteRegistry(LifecycleMixin):
             ).rowcount
         return bool(gone)
 
+    # -- the lane job queue -----------------------------------------------------------
+
+    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
+        now = self._now()
+        fresh = [QueuedJob(job_id=j, enqueued_at=from_epoch_seconds(now)) for j in dict.fromkeys(job_ids)]
+        if not fresh:
+            return []
+        with self._tx() as db:
+            for job in fresh:
+                db.execute(
+                    "INSERT INTO jobs (job_id, enqueued_at, job) VALUES (?, ?, ?) ON CONFLICT(job_id) DO NOTHING",
+                    (job.job_id, now, job.model_dump_json()),
+                )
+            stored = {
+                job_id: QueuedJob.model_validate_json(raw)
+                for job_id, raw in db.execute(
+                    f"SELECT job_id, job FROM jobs WHERE job_id IN ({','.join('?' * len(fresh))})", [j.job_id for j in fresh]
+                )
+            }
+        return [stored[j.job_id] for j in fresh]
+
+    def lane_jobs(self) -> list[QueuedJob]:
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT job FROM jobs ORDER BY enqueued_at, seq").fetchall()
+        return [QueuedJob.model_validate_json(raw) for (raw,) in rows]
+
+    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
+        now = self._now()
+        with self._tx() as db:
+            row = db.execute("SELECT job FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            job = QueuedJob.model_validate_json(row[0])
+            if not job.waiting:
+                return None
+            db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+            taken = {r[0] for r in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
+            free = next((i for i in range(cap) if i not in taken), None)
+            if free is None:
+                return None
+            claim = SlotClaim(lane=lane, slot=free, holder=job_id, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
+            db.execute(
+                "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, NULL)",
+                (lane, free, claim.model_dump_json(), claim.token),
+            )
+            db.execute(
+                "UPDATE jobs SET job = ? WHERE job_id = ?", (job.model_copy(update={"claim": claim}).model_dump_json(), job_id)
+            )
+        return claim
+
+    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
+        with self._tx() as db:
+            row = db.execute("SELECT job FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            job = QueuedJob.model_validate_json(row[0])
+            if job.claim is None:
+                return None
+            db.execute(
+                "DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (job.claim.lane, job.claim.slot, job.claim.token)
+            )
+            if not requeue:
+                db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+                return job
+            again = job.model_copy(update={"claim": None, "attempts": job.attempts + (1 if count_attempt else 0)})
+            db.execute("UPDATE jobs SET job = ? WHERE job_id = ?", (again.model_dump_json(), job_id))
+        return again
+
+    # -- scaling --------------------------------------------------------------------------
+
+    @staticmethod
+    def _scaling(db: sqlite3.Connection) -> ScalingRecord:
+        row = db.execute("SELECT record FROM scaling WHERE id = 1").fetchone()
+        return ScalingRecord.model_validate_json(row[0]) if row else ScalingRecord()
+
+    def scaling_record(self) -> ScalingRecord:
+        with self._tx(write=False) as db:
+            return self._scaling(db)
+
+    def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
+        with self._tx() as db:
+            self._require_leader(db, leadership, self._now())
+            db.execute(
+                "INSERT INTO scaling (id, record) VALUES (1, ?) ON CONFLICT(id) DO UPDATE SET record = excluded.record",
+                (record.model_dump_json(),),
+            )
+
     def _lane_in_flight(self, db: sqlite3.Connection, now: float) -> dict[str, int]:
         rows = db.execute(
             "SELECT lane, COUNT(*) FROM slots WHERE expires_at IS NULL OR expires_at > ? GROUP BY lane", (now,)
@@ -314,6 +410,7 @@ class SqliteRegistry(LifecycleMixin):
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
             leader = self._current_leader(db, now)
             epoch = self._meta(db, EPOCH)
+            concurrency = dict(self._scaling(db).concurrency)
         return LiveRead(
             now=moment,
             records=records,
@@ -325,6 +422,7 @@ class SqliteRegistry(LifecycleMixin):
             plan=FleetPlan.model_validate_json(row[0]) if row else None,
             leader=leader[0] if leader else None,
             epoch=epoch,
+            concurrency=concurrency,
         )
 
     def _store_lifecycle(

@@ -39,6 +39,7 @@ COMMANDS = {
     "registry": "registry",
     "schedule": "schedule",
     "dispatch": "dispatch",
+    "lane": "lane",
 }
 
 

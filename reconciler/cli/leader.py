@@ -6,7 +6,9 @@ plan's epoch (exit 0 also when nobody leads).
 `fabric leader run --host NAME [--lease-ttl S] [--once]` is the long-running
 loop of a leader candidate (`reconciler.registry.leader_loop`): campaign, keep
 the lease alive, watch the registry, advance the node lifecycle and publish
-the scheduler's plan when it changes. NAME must be in fleet.leader_candidates
+the scheduler's plan when it changes, then carry out the burst and scaling
+decisions (cloud hooks run without a shell, concurrency overrides, scaled-down
+groups; reconciler.registry.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
 leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
@@ -116,6 +118,16 @@ def _run_loop(args: argparse.Namespace) -> int:
         schedule = None
         _log("reconciler.scheduler not available: no plans will be published")
 
+    from reconciler.adapters.commands import SubprocessRunner
+    from reconciler.adapters.journal import JournalAudit
+    from reconciler.registry.scaling_step import ScalingStep
+
+    # Scaling actions go to the leader's log (stderr, the unit's journal) and,
+    # when journald is there, as audit entries of their own.
+    journal = JournalAudit(identifier="fabric-leader")
+    scaling = ScalingStep(
+        registry=registry, runner=SubprocessRunner(), log=_log, audit=journal if journal.to_journal else None
+    )
     loop = LeaderLoop(
         registry=registry,
         host=args.host,
@@ -123,6 +135,7 @@ def _run_loop(args: argparse.Namespace) -> int:
         schedule=schedule,
         lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
         log=_log,
+        scaling=scaling,
     )
     try:
         if args.once:
@@ -142,4 +155,5 @@ def _run_loop(args: argparse.Namespace) -> int:
         loop.run()
         return EXIT_OK
     finally:
+        journal.close()
         registry.close()

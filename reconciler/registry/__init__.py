@@ -41,6 +41,8 @@ from reconciler.registry.records import (
     LeaderInfo,
     Leadership,
     NodeRecord,
+    QueuedJob,
+    ScalingRecord,
     SlotClaim,
 )
 
@@ -54,9 +56,11 @@ __all__ = [
     "Leadership",
     "NodeRecord",
     "NotLeader",
+    "QueuedJob",
     "Registry",
     "RegistryError",
     "RegistryUnavailable",
+    "ScalingRecord",
     "SlotClaim",
 ]
 
@@ -143,10 +147,42 @@ class Registry(Protocol):
         """Record a lane's probe result (offline lanes take no new work)."""
         ...
 
+    # -- the lane job queue (fed by the job system; see reconciler.cli.lane) ----
+    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
+        """Add each job as waiting (enqueued now, no attempts); a job already
+        known is left as it is. Returns the jobs as stored."""
+        ...
+
+    def lane_jobs(self) -> list[QueuedJob]:
+        """Every known job, waiting or running, oldest enqueued first."""
+        ...
+
+    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
+        """In one transaction: the job must still be waiting and the lane have
+        one of its `cap` slots free; claim that slot for the job. None when the
+        job is no longer waiting or the lane is full (another dispatcher won)."""
+        ...
+
+    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
+        """Free the running job's slot; with `requeue` it waits again (its
+        enqueue time kept, one more attempt with `count_attempt`), else it is
+        gone. None when the job was not running."""
+        ...
+
+    # -- scaling (written by the leader only) -----------------------------------
+    def scaling_record(self) -> ScalingRecord:
+        """The leader's scaling memory and overrides (empty for a new registry)."""
+        ...
+
+    def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
+        """Store `record` only while `leadership` holds; raises NotLeader otherwise."""
+        ...
+
     # -- reading it all -------------------------------------------------------
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         """The scheduler's input: nodes, lanes (every lane in `lanes` plus any
-        with claims or a report), the newest plan's placements, leader, epoch."""
+        with claims or a report), the newest plan's placements, leader, epoch.
+        A node's max_concurrent_tasks is the scaling override when there is one."""
         ...
 
     def wait_for_change(self, timeout_s: float) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from reconciler.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node
-from reconciler.live import FleetPlan, Snapshot, SnapshotLane
+from reconciler.live import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.model import FlapSettings, TimingSettings
 from reconciler.registry.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
 
@@ -35,6 +35,20 @@ class LiveRead:
     plan: FleetPlan | None = None
     leader: LeaderInfo | None = None
     epoch: int = 0
+    # The leader's scaling overrides of max_concurrent_tasks (ScalingRecord.concurrency).
+    concurrency: dict[str, int] = field(default_factory=dict)
+
+
+def with_override(node: SnapshotNode, override: int | None) -> SnapshotNode:
+    """`node` with the scaling override as its max_concurrent_tasks.
+
+    Never above the node's ceiling (or its own limit when it declares none),
+    so an override left from an older record cannot oversubscribe a node whose
+    limits have shrunk since."""
+    if override is None:
+        return node
+    highest = max(node.max_concurrent_tasks, node.max_concurrent_ceiling or 0)
+    return node.model_copy(update={"max_concurrent_tasks": max(0, min(override, highest))})
 
 
 class LifecycleMixin:
@@ -78,7 +92,11 @@ class LifecycleMixin:
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()
         states, _ = self._observe(read)
-        nodes = [n for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
+        nodes = [
+            with_override(n, read.concurrency.get(n.node_id))
+            for n in (snapshot_node(states[k]) for k in sorted(states))
+            if n is not None
+        ]
         lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
         return Snapshot(
             now=read.now,

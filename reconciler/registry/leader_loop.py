@@ -9,7 +9,11 @@ One `step()`:
      means the term is over (another candidate may lead already);
   3. leading: advance the node lifecycle (fenced by the term), take a
      snapshot, run the scheduler and publish the plan when it differs from
-     the newest one (so the epoch moves only when the plan does).
+     the newest one (so the epoch moves only when the plan does);
+  4. leading, with a `scaling` step: decide bursts and scaling over the
+     snapshot, the queue depth (waiting lane jobs + replicas deferred for
+     capacity) and the persisted state, and carry the actions out
+     (`reconciler.registry.scaling_step`: the only place they are executed).
 `run()` repeats it, waiting between steps on `Registry.wait_for_change`: a node
 lost or joined, a drain, or the leader key changing wakes it at once; else it
 wakes every third of the lease TTL, in time to renew.
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from reconciler.live import FleetPlan, Snapshot
 from reconciler.model import DesiredState
 from reconciler.registry import Leadership, NotLeader, Registry, RegistryUnavailable
+from reconciler.registry.scaling_step import ScalingStep
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.scheduler.schedule)
 Scheduler = Callable[..., FleetPlan]
@@ -53,6 +58,9 @@ class LeaderLoop:
     leadership: Leadership | None = None
     desired: DesiredState | None = None
     published: FleetPlan | None = None
+    # Bursts and scaling; None: the leader only schedules (a one-shot leader
+    # step of a reconcile pass, or tests of the plan alone).
+    scaling: ScalingStep | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def _reload(self) -> None:
@@ -92,19 +100,22 @@ class LeaderLoop:
     def _publish(self) -> None:
         assert self.desired is not None and self.leadership is not None
         snapshot: Snapshot = self.registry.snapshot(lanes=[lane.id for lane in self.desired.lanes])
-        if self.schedule is None:
+        newest = self.registry.newest_plan()
+        plan = newest
+        if self.schedule is not None:
             # Without a scheduler the leader still keeps the lifecycle; hosts
             # keep the newest plan they have.
-            return
-        plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
-        newest = self.registry.newest_plan()
-        if same_plan(plan, newest):
-            return
-        self.published = self.registry.publish_plan(self.leadership, plan)
-        self.log(
-            f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, "
-            f"{len(self.published.deferred)} deferred"
-        )
+            plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
+            if not same_plan(plan, newest):
+                self.published = self.registry.publish_plan(self.leadership, plan)
+                self.log(
+                    f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, "
+                    f"{len(self.published.deferred)} deferred"
+                )
+        if self.scaling is not None:
+            # After the plan: its deferred replicas are part of the queue depth,
+            # and what scaling changes shows in the next pass's snapshot.
+            self.scaling.run(self.leadership, self.desired, snapshot, plan)
 
     def wait_s(self) -> float:
         # Leading: renew three times per TTL. Following: the watch wakes us

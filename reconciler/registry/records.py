@@ -152,3 +152,63 @@ class SlotClaim(_Record):
     holder: str
     token: str
     claimed_at: datetime
+
+
+class QueuedJob(_Record):
+    """One lane job of the job system (phaze's control plane), as the registry keeps it.
+
+    Only an id, when it was enqueued and how many cloud attempts failed; what
+    the job does stays with the job system (the registry never holds commands,
+    paths or configuration). `claim` is set while the job runs in a lane slot.
+    """
+
+    job_id: NodeId
+    enqueued_at: datetime
+    attempts: int = Field(default=0, ge=0)
+    claim: SlotClaim | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.claim is None
+
+
+class HookOutcome(_Record):
+    """How the last run of a tier's cloud hook ended (no argv, no output: those go to the log)."""
+
+    at: datetime
+    ok: bool
+    returncode: int | None = None
+    timed_out: bool = False
+    missing: bool = False
+
+
+class ScalingAudit(_Record):
+    """One scaling action the leader carried out, with its reason."""
+
+    at: datetime
+    kind: str
+    reason: str
+    node: str | None = None
+    tier: str | None = None
+    outcome: str = "done"
+
+
+class ScalingRecord(_Record):
+    """The leader's scaling memory and decisions, written only under its fence.
+
+    `state` is `reconciler.scaling.ScalingState` as JSON (kept as a plain
+    object here so the records stay below the scheduler). `concurrency` is the
+    override of a node's max_concurrent_tasks that the snapshot reports
+    instead of the node's own limit (raised within its ceiling, or lowered
+    while its group is scaled down); `scaled_down` names the nodes whose
+    group is at its minimum until a burst activates it again.
+    """
+
+    state: dict = {}
+    concurrency: dict[NodeId, int] = {}
+    scaled_down: list[NodeId] = []
+    hooks: dict[str, HookOutcome] = {}
+    # The newest actions, newest last (bounded: see reconciler.registry.scaling_step).
+    recent: list[ScalingAudit] = []
+    leader: str | None = None
+    updated_at: datetime | None = None
