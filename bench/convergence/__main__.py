@@ -14,6 +14,9 @@ fabric-reconcile.timer), waits until it has converged, then, per run:
      marked it offline and when the plan that moved the work was published;
   4. starts the host again and waits for the fleet to converge.
 
+Then once: kills the leader's host (SIGKILL, no resignation) and prints how
+long after the kill another candidate's term began, beside the lease TTL.
+
 Prints per run, in seconds after the last heartbeat: offline (the leader's
 transition), plan (the moving plan published), started (the service active on
 the replacement host), edge (the edge's pass loaded Caddy), served (the first
@@ -134,12 +137,33 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
                 f"{figures['started']:8.2f} {figures['edge']:8.2f} {figures['served']:8.2f}",
                 flush=True,
             )
-    served = [r["served"] for r in results]
-    print(
-        f"median: first request served by the replacement {statistics.median(served):.2f} s after the last heartbeat "
-        f"(node timeout {settings.node_timeout_s} s)"
-    )
+        served = [r["served"] for r in results]
+        print(
+            f"median: first request served by the replacement {statistics.median(served):.2f} s after the last heartbeat "
+            f"(node timeout {settings.node_timeout_s} s)"
+        )
+        takeover, old, new, ttl = leader_failover(fleet, desired, hosts)
+        print(f"leader failure: {old}'s host killed, {new} leads {takeover:.2f} s later (lease TTL {ttl:g} s)")
     return 0
+
+
+def leader_failover(fleet, desired, hosts) -> tuple[float, str, str, float]:
+    """Kill the leader's host (SIGKILL: no resignation); seconds until another candidate's term begins."""
+    wait_for(lambda: converged(fleet, desired, hosts), timeout=180, what="convergence", interval=0.5)
+    with fleet.registry() as registry:
+        old = registry.leader()
+    killed = datetime.now(timezone.utc)
+    fleet.kill_host(old.candidate)
+
+    def successor():
+        with fleet.registry() as registry:
+            info = registry.leader()
+        return info if info is not None and info.candidate != old.candidate else None
+
+    new = wait_for(successor, timeout=120, what="a new leader", interval=0.05)
+    fleet.start_host(old.candidate)
+    # fabric-leader.service campaigns with the default lease TTL: timing.heartbeat_s.
+    return (utc(new.since) - killed).total_seconds(), old.candidate, new.candidate, float(desired.fleet.timing.heartbeat_s)
 
 
 if __name__ == "__main__":
