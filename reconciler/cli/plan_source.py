@@ -72,6 +72,8 @@ class PlanSource:
     static: str | None = None
     # What happened on the way (heartbeat, leadership), for the log.
     notes: tuple[str, ...] = ()
+    # The registry's view of the fleet, read on edge hosts for the status page.
+    snapshot: Snapshot | None = None
 
 
 def effective_tier(state: DesiredState, host: str, facts: NodeFacts) -> Tier:
@@ -178,6 +180,8 @@ def from_registry(
             if led:
                 notes.append(f"leader step: {led}")
         newest = registry.newest_plan()
+        # The edge serves the fleet's status page, so it reads the whole view.
+        snapshot = registry.snapshot(lanes=[lane.id for lane in state.lanes]) if "edge" in state.hosts[host].host.roles else None
     except RegistryError as exc:  # RegistryUnavailable above all
         reason = f"registry unreachable ({exc})"
         if has_generation:
@@ -189,16 +193,16 @@ def from_registry(
             registry.close()
     verdict = accept_plan(applied_epoch, newest, leader_candidates=state.fleet.fleet.leader_candidates)
     if verdict.accepted and newest is not None:
-        return PlanSource(newest, notes=(*notes, verdict.reason))
+        return PlanSource(newest, notes=(*notes, verdict.reason), snapshot=snapshot)
     if newest is None and not applied_epoch:
         # Nothing published and nothing applied from a published plan: the
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(state, now), notes=tuple(notes))
+        return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=snapshot)
     if has_generation:
-        return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes))
+        return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=snapshot)
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-    return PlanSource(empty_plan(state, now), notes=tuple(notes))
+    return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=snapshot)
 
 
 def print_notes(source: PlanSource) -> None:

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from reconciler.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
+from reconciler.cli.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
 from reconciler.cli.plan_source import (
     PlanSource,
     add_plan_source_options,
@@ -44,6 +46,7 @@ from reconciler.cli.plan_source import (
 )
 from reconciler.live import FleetPlan
 from reconciler.model import DesiredState, NodeFacts
+from reconciler.probe.damping import ProbeHistory
 from reconciler.ports import ActivationError, Audit, Clock, LockBusy
 from reconciler.render import Layout, Rendered, RenderError, render
 
@@ -133,6 +136,7 @@ class PassInputs:
     source: PlanSource
     rendered: Rendered
     layout: Layout
+    probe_history: ProbeHistory
 
     @property
     def fleet_plan(self) -> FleetPlan:
@@ -216,10 +220,13 @@ def prepare(
         )
         return EXIT_INVALID
     try:
-        facts = probe(host, args.replay)
+        observed = probe(host, args.replay)
     except Exception as exc:  # CaptureError and friends: a bad --replay directory
         print(f"fabric: probe: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    from reconciler.adapters.files import LocalTree
+
+    facts, probe_history = damped_facts(LocalTree(args.root), args.state_dir.strip("/"), state, observed, datetime.now(timezone.utc))
     try:
         source = plan_source_for(args, state, host, facts, write=write)
     except ValueError as exc:
@@ -234,7 +241,7 @@ def prepare(
         return EXIT_INVALID
     for note in rendered.notes:
         print(f"note: {note}", file=sys.stderr)
-    return PassInputs(state, host, facts, source, rendered, layout)
+    return PassInputs(state, host, facts, source, rendered, layout, probe_history)
 
 
 # --------------------------------------------------------------------------
@@ -338,17 +345,27 @@ def report(result: PassResult) -> int:
 
 
 def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Callable[[str, str | None], NodeFacts] = probe_host) -> int:
+    started = time.monotonic()
     inputs = prepare(args, probe=probe)
     if isinstance(inputs, int):
         return inputs
     wiring = wiring or real_wiring(args)
     applier = applier_for(args, wiring)
+    save_probe_history(applier.store.tree, applier.store.state_dir, inputs.probe_history)
+
+    def records(succeeded: bool, rolled_back: bool, generation: int | None) -> None:
+        outcome = PassOutcome(succeeded, rolled_back, generation, time.monotonic() - started)
+        write_pass_records(
+            applier.store.tree, applier.store.state_dir, inputs.state, inputs.host, inputs.source, outcome, datetime.now(timezone.utc)
+        )
+
     static = inputs.source.static or stale_plan(applier.store, inputs.fleet_plan.epoch)
     if static is not None:
         # Fail static: keep what runs, say why.
         current = applier.store.current()
         wiring.audit.record("static", "ok", generation=str(current or ""), reason=static)
         print(f"{static}; generation {current} stays" if current else static)
+        records(True, False, current)
         return EXIT_OK
     try:
         result = applier.run(inputs.rendered.artifacts, host=inputs.host, epoch=inputs.fleet_plan.epoch)
@@ -357,7 +374,9 @@ def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Calla
         return EXIT_FAILED
     except ActivationError as exc:
         print(f"fabric reconcile: {exc}", file=sys.stderr)
+        records(False, False, applier.store.current())
         return EXIT_FAILED
+    records(result.ok, result.outcome == "rolled-back", applier.store.current())
     return report(result)
 
 

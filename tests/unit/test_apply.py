@@ -277,17 +277,29 @@ def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path, cap
     assert all(r["hash"] == unit_files[r["unit"]] and r["generation"] == "1" and r["reason"] == "new unit" for r in starts)
 
 
+# Rewritten by every pass by design (reconciler.cli.pass_records): the pass's
+# metrics and counters, the probe's damping history. Everything else must stay.
+PASS_RECORDS = {"fabric.prom", "pass-counters.json", "probe-history.json", "index.html"}
+
+
+def installed_mtimes(root: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != "lock" and p.name not in PASS_RECORDS}
+
+
+def installed_contents(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock" and p.name not in PASS_RECORDS}
+
+
 def test_second_pass_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = Fleet(tmp_path)
     assert fleet.reconcile() == 0
-    before = {p: p.stat().st_mtime_ns for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    before = installed_mtimes(fleet.root)
     fleet.machine.forget_calls()
     capsys.readouterr()
     assert fleet.reconcile() == 0
     assert capsys.readouterr().out == "nothing to do (generation 1)\n"
     assert fleet.machine.calls == [], "a no-op pass restarts, reloads and loads nothing"
-    after = {p: p.stat().st_mtime_ns for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
-    assert after == before, "a no-op pass writes nothing"
+    assert installed_mtimes(fleet.root) == before, "a no-op pass writes nothing"
     assert [g.number for g in list_generations(fleet.store)] == [1]
 
 
@@ -336,14 +348,15 @@ def test_units_the_fabric_did_not_write_are_left_alone(tmp_path: Path) -> None:
 def test_failed_validation_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = Fleet(tmp_path)
     assert fleet.reconcile() == 0
-    before = {p: p.read_bytes() for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
+    before = installed_contents(fleet.root)
     fleet.machine.forget_calls()
     fleet.verifier.fail = "fabric-socat-qfox-ssh.service: Unknown key name 'ExecStrat'"
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
     assert fleet.reconcile() == 1
     assert "ExecStrat" in capsys.readouterr().err
-    after = {p: p.read_bytes() for p in fleet.root.rglob("*") if p.is_file() and p.name != "lock"}
-    assert after == before, "nothing installed, no generation published, no staging left"
+    assert installed_contents(fleet.root) == before, "nothing installed, no generation published, no staging left"
+    # ...and the failure is what monitoring sees.
+    assert "\nfabric_reconcile_success 0\n" in (fleet.root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
     assert fleet.machine.calls == []
     assert any(r["action"] == "validate" and r["outcome"] == "failed" for r in fleet.audit.records)
 

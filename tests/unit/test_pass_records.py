@@ -1,0 +1,75 @@
+"""Per-pass records: probe damping across passes, metrics counters, the edge's status page."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from reconciler.adapters.files import LocalTree
+from reconciler.adapters.probe_io import CaptureDirectory
+from reconciler.cli.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
+from reconciler.cli.plan_source import PlanSource, empty_plan
+from reconciler.desired import load_desired
+from reconciler.live import Snapshot, SnapshotNode
+from reconciler.metrics import format_value
+from reconciler.probe import RawCapture, facts_from_capture
+from tests.conftest import EXAMPLE_FLEET, REPO
+
+STATE_DIR = "var/lib/fabric"
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+STATE = load_desired(EXAMPLE_FLEET)
+
+
+def facts(host: str):
+    outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
+    return facts_from_capture(RawCapture(outputs, errors), host=host)
+
+
+def test_a_gpu_missed_on_one_probe_does_not_demote_the_node(tmp_path: Path) -> None:
+    tree = LocalTree(tmp_path)
+    cuda = facts("qfox-1")
+    blip = cuda.model_copy(update={"tier": "gpu_apu"})
+    tiers = []
+    for n, observed in enumerate([cuda, blip, cuda, blip, blip, blip]):
+        effective, history = damped_facts(tree, STATE_DIR, STATE, observed, T0 + timedelta(seconds=30 * n))
+        save_probe_history(tree, STATE_DIR, history)
+        tiers.append(effective.tier)
+    # missed_beats = 3: the lower tier is taken on its third pass in a row.
+    assert tiers == ["gpu_cuda", "gpu_cuda", "gpu_cuda", "gpu_cuda", "gpu_cuda", "gpu_apu"]
+
+
+def test_a_torn_history_file_starts_afresh(tmp_path: Path) -> None:
+    (tmp_path / STATE_DIR).mkdir(parents=True)
+    (tmp_path / STATE_DIR / "probe-history.json").write_text("{not json")
+    effective, _ = damped_facts(LocalTree(tmp_path), STATE_DIR, STATE, facts("lux"), T0)
+    assert effective.tier == facts("lux").tier
+
+
+def outcome(ok: bool = True, rolled_back: bool = False) -> PassOutcome:
+    return PassOutcome(succeeded=ok, rolled_back=rolled_back, generation=3, duration_s=0.25)
+
+
+def metrics(root: Path) -> str:
+    return (root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
+
+
+def test_rollbacks_are_counted_across_passes_and_last_success_is_kept(tmp_path: Path) -> None:
+    tree = LocalTree(tmp_path)
+    source = PlanSource(empty_plan(STATE, T0))
+    write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(), T0)
+    write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=30))
+    write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=60))
+    text = metrics(tmp_path)
+    assert "\nfabric_rollbacks_total 2\n" in text
+    assert "\nfabric_reconcile_success 0\n" in text
+    assert f"\nfabric_reconcile_last_success_timestamp_seconds {format_value(T0.timestamp())}\n" in text
+    assert not (tmp_path / "var/lib/fabric/status").exists(), "only the edge writes the status page"
+
+
+def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) -> None:
+    snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="qfox-1", tier="gpu_cuda", max_concurrent_tasks=4)], leader="lux", epoch=7)
+    source = PlanSource(empty_plan(STATE, T0), snapshot=snapshot)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0)
+    page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
+    assert "a1-arm64" in page and "RANK 10" in page and "qfox-1" in page
+    assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
