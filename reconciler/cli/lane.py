@@ -101,6 +101,8 @@ def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval
     if not once:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
+        lanes = ", ".join(f"{lane.id} (rank {lane.rank}, cap {lane.cap})" for lane in desired.lanes)
+        print(f"fabric lane dispatch: every {interval:g} s over {lanes}", file=sys.stderr, flush=True)
     while True:
         for event in dispatch_pass(registry, desired):
             print(json.dumps(event.as_json()) if as_json else event.text(), flush=True)
