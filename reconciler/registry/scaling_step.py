@@ -107,6 +107,10 @@ def carry_out(
 
     for action in actions:
         node = nodes.get(action.node) if action.node else None
+        if action.kind in ("raise_concurrency", "scale_down", "activate_idle") and node is None:
+            # decide_scaling names only nodes of this snapshot; say so rather than guess.
+            lines.append((action, f"skipped: {action.node!r} is not in the snapshot"))
+            continue
         if action.kind == "raise_concurrency":
             assert node is not None and action.max_concurrent_tasks is not None
             ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks

@@ -1,0 +1,90 @@
+"""The pure half of the leader's scaling step: queue depth and what each action does to the record."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from reconciler.live import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.ports import CommandResult
+from reconciler.registry.records import QueuedJob, ScalingRecord, SlotClaim
+from reconciler.registry.scaling_step import carry_out, queue_depth, summary
+from reconciler.scaling import ScalingAction, ScalingState
+
+NOW = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+
+
+def job(job_id: str, running: bool = False) -> QueuedJob:
+    claim = SlotClaim(lane="a1-arm64", slot=0, holder=job_id, token="t", claimed_at=NOW) if running else None
+    return QueuedJob(job_id=job_id, enqueued_at=NOW, claim=claim)
+
+
+def plan(placements=(), deferred=()) -> FleetPlan:
+    return FleetPlan(epoch=1, leader="lux", created=NOW, placements=list(placements), deferred=list(deferred))
+
+
+def snapshot(*nodes: SnapshotNode) -> Snapshot:
+    return Snapshot(now=NOW, nodes=list(nodes))
+
+
+def node(node_id: str, limit: int = 4, ceiling: int | None = 6, in_flight: int = 0) -> SnapshotNode:
+    return SnapshotNode(node_id=node_id, tier="cpu_ffmpeg", max_concurrent_tasks=limit, max_concurrent_ceiling=ceiling, in_flight=in_flight)
+
+
+def run(actions, snap, fleet_plan=None, record=ScalingRecord()):
+    return carry_out(record, actions, ScalingState(), snap, fleet_plan, leader="lux", now=NOW)
+
+
+def test_queue_depth_counts_waiting_jobs_and_replicas_deferred_for_capacity_only():
+    jobs = [job("a"), job("b"), job("c", running=True)]
+    deferred = [
+        Deferred(service="encode", replica=0, reason="every candidate full"),
+        Deferred(service="lupine", replica=0, reason="inadmissible: no gpu_cuda node", inadmissible=True),
+    ]
+    assert queue_depth(jobs, plan(deferred=deferred)) == 3
+    assert queue_depth(jobs, None) == 2
+    assert queue_depth([], plan()) == 0
+
+
+def test_raise_concurrency_sets_the_override_and_is_refused_above_the_ceiling():
+    up = ScalingAction(kind="raise_concurrency", node="qfox-1", max_concurrent_tasks=5, reason="hot")
+    done = run([up], snapshot(node("qfox-1")))
+    assert done.record.concurrency == {"qfox-1": 5} and done.hooks == []
+    too_far = ScalingAction(kind="raise_concurrency", node="qfox-1", max_concurrent_tasks=7, reason="hot")
+    refused = run([too_far], snapshot(node("qfox-1")))
+    assert refused.record.concurrency == {} and "refused" in refused.lines[0][1]
+
+
+def test_scale_down_keeps_what_the_node_runs_and_activation_restores_its_own_limit():
+    down = ScalingAction(kind="scale_down", node="x86-spill", reason="cold")
+    running_two = plan(placements=[Placement(service="fft", replica=i, node="x86-spill", tier="cpu_ffmpeg") for i in range(2)])
+    done = run([down], snapshot(node("x86-spill", in_flight=0)), running_two)
+    assert done.record.concurrency == {"x86-spill": 2}, "two replicas run there: none has to move"
+    assert done.record.scaled_down == ["x86-spill"]
+    assert run([down], snapshot(node("x86-spill")), plan()).record.concurrency == {"x86-spill": 1}
+    # Already at its minimum: nothing lowered, still remembered as scaled down.
+    small = run([down.model_copy(update={"node": "racknerd"})], snapshot(node("racknerd", limit=1, ceiling=None)))
+    assert small.record.concurrency == {} and small.record.scaled_down == ["racknerd"]
+
+    up = ScalingAction(kind="activate_idle", node="x86-spill", reason="burst")
+    back = run([up], snapshot(node("x86-spill", limit=1)), record=done.record)
+    assert back.record.concurrency == {} and back.record.scaled_down == []
+
+
+def test_hooks_are_returned_to_run_holds_are_only_logged_and_forgotten_nodes_lose_their_override():
+    hook = ScalingAction(kind="run_cloud_hook", tier="batch", argv=["/bin/gh", "workflow", "run"], reason="burst")
+    hold = ScalingAction(kind="hold", tier="wasm", reason="one wasm group per 60s")
+    record = ScalingRecord(concurrency={"gone": 3, "lux": 1}, scaled_down=["gone", "lux"])
+    done = run([hook, hold], snapshot(node("lux")), record=record)
+    assert done.hooks == [hook]
+    assert [(a.kind, text) for a, text in done.lines] == [("hold", "held")]
+    assert done.record.recent == [], "neither a hook before it ran nor a hold is kept as done"
+    assert done.record.concurrency == {"lux": 1} and done.record.scaled_down == ["lux"]
+    assert done.record.state == ScalingState().model_dump(mode="json") and done.record.leader == "lux"
+
+
+def test_a_hooks_stored_outcome_names_no_command_and_no_output():
+    argv = ("/run/current-system/sw/bin/gh", "workflow", "run")
+    assert summary(CommandResult(argv, 0)) == "ran, exit 0"
+    assert summary(CommandResult(argv, 1, stderr="token /root/.config/gh leaked")) == "failed: exit 1"
+    assert summary(CommandResult(argv, None, timed_out=True)) == "failed: timed out"
+    assert summary(CommandResult(argv, None, missing=True)) == "failed: not installed"
