@@ -30,7 +30,10 @@ the leader writes, under its fence):
     activate_idle      a scaled-down group is brought back: its override is
                        dropped (its own declared limit again). An idle node
                        that was not scaled down already takes work; that is
-                       logged as such.
+                       logged as such. Besides bursts, every scaled-down group
+                       is brought back as soon as the plan defers a replica
+                       for capacity (a lost node's work needs a home): scaling
+                       down never keeps work waiting.
     run_cloud_hook     the tier's configured argv is run through the
                        CommandRunner (never a shell), with a timeout; the
                        outcome (exit status, timed out, missing) is stored per
@@ -144,6 +147,19 @@ def carry_out(
             lines.append((action, "held"))
             continue  # holds repeat every pass: logged, not kept
         recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, node=action.node, tier=action.tier, outcome=lines[-1][1]))
+
+    # Safety valve: scaling down must never be why work waits. While the plan
+    # defers replicas for capacity (a node was lost, a service added), every
+    # scaled-down group gets its own limit back at once, burst or not.
+    waiting = [d for d in plan.deferred if not d.inadmissible] if plan is not None else []
+    if waiting and scaled_down:
+        why = f"{len(waiting)} replica(s) deferred for capacity ({', '.join(sorted({d.service for d in waiting}))})"
+        for node_id in sorted(scaled_down):
+            valve = ScalingAction(kind="activate_idle", node=node_id, tier=nodes[node_id].tier, reason=why)
+            concurrency.pop(node_id, None)
+            lines.append((valve, f"{node_id} scaled-down group back to its own limit"))
+            recent.append(ScalingAudit(at=now, kind=valve.kind, reason=why, node=node_id, tier=valve.tier, outcome=lines[-1][1]))
+        scaled_down.clear()
 
     updated = record.model_copy(
         update={

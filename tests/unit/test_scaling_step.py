@@ -88,3 +88,18 @@ def test_a_hooks_stored_outcome_names_no_command_and_no_output():
     assert summary(CommandResult(argv, 1, stderr="token /root/.config/gh leaked")) == "failed: exit 1"
     assert summary(CommandResult(argv, None, timed_out=True)) == "failed: timed out"
     assert summary(CommandResult(argv, None, missing=True)) == "failed: not installed"
+
+
+def test_work_deferred_for_capacity_brings_every_scaled_down_group_back_at_once():
+    record = ScalingRecord(concurrency={"lux": 1, "x86-spill": 1, "qfox-1": 5}, scaled_down=["lux", "x86-spill"])
+    lost_node = plan(deferred=[Deferred(service="encode", replica=0, reason="every candidate full")])
+    done = run([], snapshot(node("lux"), node("x86-spill"), node("qfox-1")), lost_node, record=record)
+    assert done.record.concurrency == {"qfox-1": 5}, "raised limits stay; scaled-down ones are lifted"
+    assert done.record.scaled_down == []
+    assert [(a.node, a.reason) for a, _ in done.lines] == [
+        ("lux", "1 replica(s) deferred for capacity (encode)"),
+        ("x86-spill", "1 replica(s) deferred for capacity (encode)"),
+    ]
+    only_inadmissible = plan(deferred=[Deferred(service="lupine", replica=0, reason="inadmissible: x", inadmissible=True)])
+    kept = run([], snapshot(node("lux"), node("x86-spill")), only_inadmissible, record=record)
+    assert kept.record.scaled_down == ["lux", "x86-spill"], "no capacity would place inadmissible work"
