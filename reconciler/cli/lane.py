@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed, stamp
 from reconciler.model import DesiredState
-from reconciler.registry import Registry, RegistryError
+from reconciler.registry import Registry, RegistryError, RegistryUnavailable
 from reconciler.registry.dispatcher import HOLD_MEANING, current_lanes, dispatch_pass, predicted_holds
 from reconciler.registry.records import check_node_id
 from reconciler.registry.scaling_step import queue_depth
@@ -104,8 +104,14 @@ def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval
         lanes = ", ".join(f"{lane.id} (rank {lane.rank}, cap {lane.cap})" for lane in desired.lanes)
         print(f"fabric lane dispatch: every {interval:g} s over {lanes}", file=sys.stderr, flush=True)
     while True:
-        for event in dispatch_pass(registry, desired):
-            print(json.dumps(event.as_json()) if as_json else event.text(), flush=True)
+        try:
+            for event in dispatch_pass(registry, desired):
+                print(json.dumps(event.as_json()) if as_json else event.text(), flush=True)
+        except RegistryUnavailable as exc:
+            if once:
+                raise
+            # A long-running dispatcher outlives a registry outage: jobs wait meanwhile.
+            print(f"fabric lane dispatch: registry unreachable, retrying: {exc}", file=sys.stderr, flush=True)
         if once or stop.wait(interval):
             return EXIT_OK
 

@@ -125,15 +125,21 @@ def _run_loop(args: argparse.Namespace) -> int:
     # Scaling actions go to the leader's log (stderr, the unit's journal) and,
     # when journald is there, as audit entries of their own.
     journal = JournalAudit(identifier="fabric-leader")
+    lease_ttl_s = args.lease_ttl or float(desired.fleet.timing.heartbeat_s)
     scaling = ScalingStep(
-        registry=registry, runner=SubprocessRunner(), log=_log, audit=journal if journal.to_journal else None
+        registry=registry,
+        runner=SubprocessRunner(),
+        log=_log,
+        audit=journal if journal.to_journal else None,
+        # Hooks run inside the step: they must leave time to renew the lease.
+        hook_budget_s=lease_ttl_s / 2,
     )
     loop = LeaderLoop(
         registry=registry,
         host=args.host,
         load_desired=lambda: load_desired(args.desired),
         schedule=schedule,
-        lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
+        lease_ttl_s=lease_ttl_s,
         log=_log,
         scaling=scaling,
     )

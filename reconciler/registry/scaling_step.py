@@ -35,7 +35,8 @@ the leader writes, under its fence):
                        for capacity (a lost node's work needs a home): scaling
                        down never keeps work waiting.
     run_cloud_hook     the tier's configured argv is run through the
-                       CommandRunner (never a shell), with a timeout; the
+                       CommandRunner (never a shell), with a timeout (the
+                       pass's hooks share `hook_budget_s`); the
                        outcome (exit status, timed out, missing) is stored per
                        tier, the output goes to the log only.
     hold               logged: why the burst added nothing this pass.
@@ -62,7 +63,10 @@ from reconciler.registry import Leadership, QueuedJob, Registry
 from reconciler.registry.records import HookOutcome, ScalingAudit, ScalingRecord
 from reconciler.scaling import ScalingAction, ScalingState, decide_scaling
 
-HOOK_TIMEOUT_S = 120.0
+# All cloud hooks of one pass share this many seconds (each gets its share as
+# its timeout). The leader's CLI sets it to half the lease TTL: a slow hook
+# must not keep the leader from renewing its lease.
+HOOK_BUDGET_S = 120.0
 # How many carried-out actions the record keeps for `fabric lane status`.
 RECENT_ACTIONS = 50
 
@@ -199,7 +203,7 @@ class ScalingStep:
     runner: CommandRunner
     log: Callable[[str], None]
     audit: Audit | None = None
-    hook_timeout_s: float = HOOK_TIMEOUT_S
+    hook_budget_s: float = HOOK_BUDGET_S
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
         where = action.node or action.tier or "fleet"
@@ -232,7 +236,7 @@ class ScalingStep:
         recent = list(carried.record.recent)
         for action in carried.hooks:
             assert action.tier is not None
-            result = self.runner.run(action.argv, timeout=self.hook_timeout_s)
+            result = self.runner.run(action.argv, timeout=self.hook_budget_s / len(carried.hooks))
             failure = result.failure()
             self._say(action, "ran, exit 0" if failure is None else f"failed: {failure}", ok=failure is None)
             hooks[action.tier] = hook_outcome(result, now)

@@ -280,3 +280,30 @@ def test_a_leader_that_lost_its_fence_writes_no_scaling_state_and_runs_no_hook(f
     old.step()
     assert old.leadership is None and fleet.hook_runs() == []
     assert fleet.registry.scaling_record() == before
+
+
+def test_a_failing_or_hanging_hook_is_recorded_without_its_command_and_paces_like_one_that_ran(fleet):
+    hooks = {
+        "batch": [sys.executable, "-c", "import sys; sys.exit(3)"],
+        "wasm": [sys.executable, "-c", "import time; time.sleep(60)"],
+    }
+    scaling = fleet.desired.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
+    fleet.desired = fleet.desired.model_copy(update={"fleet": fleet.desired.fleet.model_copy(update={"scaling": scaling})})
+    fleet.beat()
+    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    leader = fleet.loop()
+    leader.scaling.hook_budget_s = 2  # one second each: the sleeper is cut off
+    leader.step()
+    fleet.clock.advance(30)
+    leader.step()
+    record = fleet.registry.scaling_record()
+    assert {t: (o.ok, o.returncode, o.timed_out) for t, o in record.hooks.items()} == {
+        "batch": (False, 3, False),
+        "wasm": (False, None, True),
+    }
+    assert [a.outcome for a in record.recent if a.kind == "run_cloud_hook"] == ["failed: exit 3", "failed: timed out"]
+    assert sys.executable not in record.model_dump_json(), "the registry holds no command"
+    assert fleet.said("scaling run_cloud_hook batch: failed:") and fleet.said("scaling run_cloud_hook wasm: failed:")
+    fleet.clock.advance(30)
+    leader.step()
+    assert fleet.said("one batch group per 60s"), "a failed group still counts for the interval"
