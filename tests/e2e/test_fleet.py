@@ -344,15 +344,21 @@ def test_flapping_node_is_held_off(fleet: Fleet, desired: DesiredState) -> None:
         snapshot = registry.snapshot()
         state = {s.node_id: s for s in registry.node_states()}[flaky]
     assert state.held_off(snapshot.now), state
+    # Held off for the hold-off time, counted from the toggle that tipped it.
+    hold = [t for t in state.transitions if t.status == "held_off"][-1]
     assert state.held_off_until is not None
+    assert abs((state.held_off_until - hold.at).total_seconds() - desired.fleet.flap.hold_off_s) < 1, (hold, state.held_off_until)
     nodes = fleet.fabric("nodes")
-    assert nodes.returncode == 0 and flaky in nodes.stdout
+    assert nodes.returncode == 0, nodes.stderr
     (row,) = [line for line in nodes.stdout.splitlines() if line.startswith(flaky)]
     assert row.split()[-1] != "-", row  # the HELD OFF UNTIL column
-    # Held off new placements: a task that only x86-spill's tier could take
-    # elsewhere does not go there while the hold lasts.
-    decision = json.loads(fleet.fabric("dispatch", "--min-tier", "cpu_ffmpeg", "--arch", "x86_64", "--json").stdout)
-    assert decision.get("node") != flaky, decision
+    # No new work while the hold lasts: a task only this node's label matches
+    # is deferred, and the reason names the hold.
+    (node,) = [n for n in snapshot.nodes if n.node_id == flaky]
+    role = "topology.researchstack.io/role"
+    done = fleet.fabric("dispatch", "--min-tier", "cpu_ffmpeg", "--label", f"{role}={node.labels[role]}", "--json")
+    decision = json.loads(done.stdout)
+    assert decision["node"] is None and f"{flaky} held off" in decision["reason"], decision
 
 
 # --------------------------------------------------------------------------
