@@ -141,6 +141,8 @@ class FleetSettings:
     heartbeat_s: int = 2
     node_timeout_s: int = 8
     drain_grace_s: int = 120
+    # The staleness gate of the local lane (the example's is 15 min).
+    local_spill_after_s: int = 10
     flap_window_s: int = 120
     flap_toggles: int = 3
     hold_off_s: int = 30
@@ -159,7 +161,8 @@ class FleetSettings:
 def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> dict[str, str]:
     """The example fleet's files (name -> TOML text) changed for this machine.
 
-    Changed: the registry (etcd on the bridge), the timings, every
+    Changed: the registry (etcd on the bridge), the timings (the local
+    lane's staleness gate included), every
     host's address (its bridge address), every service's program (service_stub.py
     on the service's own port; braid's images become that command too), and
     the scaling cloud hooks (gh and wrangler, which this machine cannot run)
@@ -189,6 +192,7 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
     }
     data["flap"] = {"window_s": settings.flap_window_s, "toggles": settings.flap_toggles, "hold_off_s": settings.hold_off_s}
     data["registry"] = {"backend": "etcd", "endpoints": [settings.etcd_endpoint], "prefix": "/fabric"}
+    data.setdefault("scheduler", {})["local_spill_after_s"] = settings.local_spill_after_s
     data.get("scaling", {}).pop("cloud_hooks", None)
     for service in data.get("services", []):
         argv = ["/usr/bin/python3", str(SERVICE_STUB), service["id"], str(service["port"])]

@@ -274,52 +274,60 @@ def test_node_join_absorbs_capacity_and_moves_nothing(fleet: Fleet, desired: Des
 # 4. Burst: lane jobs faster than the lanes drain
 
 
-def dispatch_lane(fleet: Fleet, *extra: str) -> dict:
-    done = fleet.fabric("dispatch", "--lane", "--json", *extra)
+def lane(fleet: Fleet, *args: str) -> list[dict]:
+    """`fabric lane ARGS --json` against the fleet's registry: one object per
+    line (`status`: one indented document)."""
+    done = fleet.fabric("lane", *args, "--json")
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    if args[0] == "status":
+        return [json.loads(done.stdout)]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
 def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired: DesiredState) -> None:
-    caps = {lane.id: lane.cap for lane in desired.lanes}
-    spill_after = desired.fleet.scheduler.local_spill_after_s
-    claims = []
-    landed: list[str] = []
-    with fleet.registry() as registry:
-        try:
-            # Fresh jobs arrive and none finishes: each decision is the live
-            # registry's (fabric dispatch reads the slots), then the job takes its slot.
-            for job in range(caps["a1-arm64"] + caps["x86-spill"]):
-                decision = dispatch_lane(fleet)
-                assert decision["hold"] is None, decision
-                claim = registry.claim_slot(decision["backend"], caps[decision["backend"]], f"burst-{job}")
-                assert claim is not None, decision
-                claims.append(claim)
-                landed.append(decision["backend"])
-            assert landed == ["a1-arm64"] * caps["a1-arm64"] + ["x86-spill"] * caps["x86-spill"]
-            assert registry.lane_in_flight() == {"a1-arm64": caps["a1-arm64"], "x86-spill": caps["x86-spill"]}
+    caps = {backend.id: backend.cap for backend in desired.lanes}
+    gate = desired.fleet.scheduler.local_spill_after_s
+    jobs = [f"burst-{n}" for n in range(sum(caps.values()) + 2)]
+    # The job system enqueues a burst at once; nothing finishes meanwhile.
+    lane(fleet, "enqueue", *jobs)
+    events = {e["job"]: e for e in lane(fleet, "dispatch", "--once")}
+    started = [(job, events[job]["backend"]) for job in jobs if events[job]["backend"]]
+    # Rank first: a1-arm64 fills to its cap, then x86-spill spills over ...
+    assert started == [(j, "a1-arm64") for j in jobs[:2]] + [(j, "x86-spill") for j in jobs[2:6]], events
+    # ... and local is not reached yet: the rest wait, each with its reason.
+    assert {events[j]["hold"] for j in jobs[6:]} == {"local_spill_not_reached"}, events
 
-            # Every cloud lane full: a fresh job is held, with the reason.
-            fresh = dispatch_lane(fleet)
-            assert fresh == {**fresh, "backend": None, "hold": "local_spill_not_reached"}, fresh
-            # One that waited past the staleness gate spills to local ...
-            stale = dispatch_lane(fleet, "--waited-s", str(spill_after + 1))
-            assert stale == {**stale, "backend": "local", "hold": None}, stale
-            claim = registry.claim_slot("local", caps["local"], "burst-stale")
-            assert claim is not None
-            claims.append(claim)
-            # ... and with local full as well the next one holds for slots.
-            full = dispatch_lane(fleet, "--waited-s", str(spill_after + 1))
-            assert full == {**full, "backend": None, "hold": "no_free_slots"}, full
-            # Cloud attempts spent: only local may take it, and local is full.
-            spent = dispatch_lane(fleet, "--attempts", str(desired.fleet.scheduler.cloud_attempts))
-            assert spent == {**spent, "backend": None, "hold": "cloud_attempts_exhausted"}, spent
-        finally:
-            for claim in claims:
-                registry.release_slot(claim)
-        assert not any(registry.lane_in_flight().values())
-    # With the slots free the rank order starts again.
-    assert dispatch_lane(fleet)["backend"] == "a1-arm64"
+    # Local takes one job (its cap) once that job has waited past the gate.
+    def local_started() -> dict | None:
+        for event in lane(fleet, "dispatch", "--once"):
+            if event["backend"] == "local":
+                return event
+        return None
+
+    spilled = wait_for(local_started, timeout=gate + REACT_S, what="a job spilling to local", interval=0.5)
+    assert spilled["job"] == jobs[6] and spilled["waited_s"] >= gate, spilled
+    # Every lane full now: the last job holds for a free slot.
+    (last,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[7]]
+    assert last["backend"] is None and last["hold"] == "no_free_slots", last
+    status = lane(fleet, "status")[0]
+    assert {v["id"]: v["in_flight"] for v in status["lanes"]} == caps, status["lanes"]
+
+    # A job that finishes frees its slot; the held one takes it, in rank order again.
+    lane(fleet, "done", jobs[0])
+    (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[7]]
+    assert moved["backend"] == "a1-arm64", moved
+    # Drain the rest: finish what runs, dispatch what waits, until the queue is empty.
+    def drained() -> bool:
+        status = lane(fleet, "status")[0]
+        for running in status["running"]:
+            lane(fleet, "done", running["job"])
+        if status["waiting"]:
+            lane(fleet, "dispatch", "--once")
+        return not status["running"] and not status["waiting"]
+
+    wait_for(drained, timeout=REACT_S, what="the burst to drain", interval=0.2)
+    status = lane(fleet, "status")[0]
+    assert not any(v["in_flight"] for v in status["lanes"]), status["lanes"]
 
 
 # --------------------------------------------------------------------------
