@@ -1,0 +1,90 @@
+"""`fabric leader run` wires the real CommandRunner: a burst makes the running leader run the hook.
+
+A real leader process over a sqlite registry, with the example fleet whose
+burst window is 1 s and whose batch hook is a tiny Python program appending
+its argv to a file. Eleven jobs are enqueued with `fabric lane enqueue`; the
+test waits (bounded) for the hook's line, then stops the leader by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLE_FLEET, REPO
+
+pytestmark = pytest.mark.integration
+
+FABRIC = [sys.executable, "-m", "reconciler"]
+HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
+
+
+def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> Path:
+    target = tmp / "desired"
+    target.mkdir()
+    for f in EXAMPLE_FLEET.glob("*.toml"):
+        (target / f.name).write_text(f.read_text())
+    text = (target / "fabric.toml").read_text()
+    registry_old = 'path = "/var/lib/fabric/registry.sqlite"'
+    window_old = "burst_window_s = 30"
+    hooks_start = text.index("[scaling.cloud_hooks]")
+    hooks_end = text.index("\n\n", hooks_start)
+    assert registry_old in text and window_old in text
+    hook = json.dumps([sys.executable, "-c", HOOK, str(hook_out), "batch", "two words", "$HOME"])
+    text = text[:hooks_start] + f"[scaling.cloud_hooks]\nbatch = {hook}" + text[hooks_end:]
+    text = text.replace(registry_old, f'path = "{registry}"').replace(window_old, "burst_window_s = 1")
+    (target / "fabric.toml").write_text(text)
+    return target
+
+
+def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_path):
+    registry = tmp_path / "registry.sqlite"
+    hook_out = tmp_path / "hooks.jsonl"
+    desired = desired_dir(tmp_path, registry, hook_out)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FABRIC_REGISTRY", None)
+    common = ["--desired", str(desired)]
+    enqueued = subprocess.run(
+        [*FABRIC, "lane", "enqueue", *[f"burst-{i}" for i in range(11)], *common], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert enqueued.returncode == 0, enqueued.stderr
+    log = tmp_path / "leader.log"
+    with open(log, "w") as out:
+        leader = subprocess.Popen(
+            [*FABRIC, "leader", "run", "--host", "lux", "--lease-ttl", "2", *common],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not hook_out.exists():
+            assert leader.poll() is None, f"the leader died: {log.read_text()}"
+            assert time.monotonic() < deadline, f"no hook ran: {log.read_text()}"
+            time.sleep(0.1)
+    finally:
+        if leader.poll() is None:
+            leader.send_signal(signal.SIGTERM)
+        try:
+            leader.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            leader.kill()
+            leader.wait(timeout=20)
+    runs = [json.loads(line) for line in hook_out.read_text().splitlines()]
+    assert runs == [["batch", "two words", "$HOME"]], "ran once, argv untouched by any shell"
+    text = log.read_text()
+    assert "fabric-leader: scaling run_cloud_hook batch: ran, exit 0 (queue depth 11 > 10 for" in text, text
+    assert leader.returncode == 0
+
+    status = subprocess.run([*FABRIC, "lane", "status", "--json", *common], env=env, capture_output=True, text=True, timeout=60)
+    document = json.loads(status.stdout)
+    assert document["queue_depth"] == 11
+    assert document["scaling"]["hooks"]["batch"]["ok"] is True
