@@ -28,7 +28,10 @@ older than its newest (`reconciler.registry.fencing.accept_plan`) can never be
 rolled back by a deposed leader.
 
 Trust: the registry holds facts and placements (host names, service ids,
-counts), never commands, paths or configuration text.
+counts), never commands, paths or configuration text. Lane jobs are an id, an
+enqueue time and an attempts count (`QueuedJob`); the leader's scaling record
+keeps windows, concurrency overrides and how each cloud hook last ended (exit
+status only: the hook's argv stays in the desired state, its output in the log).
 """
 
 from __future__ import annotations
