@@ -5,8 +5,9 @@ by hand through `scripts/fleet up|down|status` (which runs `python -m
 tests.e2e.fleet`).
 
     with running_fleet(work_dir, progress=print) as fleet:
-        fleet.wait_converged()
-        fleet.request("encode.researchstack.info")   # (200, "vaapi-encode on qfox-1\n")
+        desired = load_desired(fleet.desired_dir)
+        plan = wait_for(lambda: converged(fleet, desired, tuple(HOST_OCTETS)), timeout=120, what="convergence")
+        fleet.request("encode.researchstack.info")   # (200, "vaapi-encode on lux\n")
         fleet.stop_host("qfox-1"); fleet.start_host("qfox-1")
         fleet.stop_etcd(); fleet.start_etcd()
         with fleet.registry() as registry: registry.snapshot()
@@ -41,8 +42,13 @@ In each container
   source of the reconcile service, timer and leader service), plus one drop-in
   that appends `--replay tests/fixtures/probe/<host>` to the pass: the
   container's hardware identity is the captured machine's;
+- the same drop-in sets HOME for the pass (see `_install`: `caddy validate`
+  needs a storage directory for Caddy's CA, and the unit gives it none);
 - on the edge, the packaged caddy.service with the admin API on localhost:2019,
-  the address `fabric reconcile` loads the rendered site snippet into.
+  the address `fabric reconcile` loads into, and a main Caddyfile importing the
+  fabric's snippet with `local_certs` (this machine cannot reach ACME);
+- /usr/bin/podman is podman_standin.py (the lane agents' images cannot be
+  pulled here) and the braid credential file exists.
 
 Trying a change of the reconciler in the fleet without touching the checkout:
 FABRIC_E2E_BIND=HOSTFILE:PATH[,...] bind-mounts each HOSTFILE over PATH in
@@ -67,7 +73,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import tomllib
 import urllib.request
