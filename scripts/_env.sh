@@ -9,7 +9,7 @@ VENV="${FABRIC_VENV:-$ROOT/.venv}"
 # PID 1 in a container, iproute2 for namespaces, nix for evaluating the module,
 # chromium (status page), prometheus (promtool) and prometheus-node-exporter
 # (the metrics textfile), pciutils (lspci for the hardware probe).
-DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin python3-venv git chromium prometheus prometheus-node-exporter pciutils)
+DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin python3-venv git chromium prometheus prometheus-node-exporter pciutils curl)
 
 install_debian_packages() {
   local missing=()
