@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import jinja2
 import pytest
 
+from reconciler.desired import load_desired
+from reconciler.status_page import caddy_site as status_caddy_site
 from reconciler.adapters.caddy import CaddyAdmin
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.ports import ActivationError
 from reconciler.render import TEMPLATES_DIR
-from tests.conftest import require, require_root
+from tests.conftest import EXAMPLE_FLEET, require, require_root
 from tests.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
 
 pytestmark = pytest.mark.integration
@@ -143,6 +145,7 @@ def test_rendered_edge_snippet_passes_validate(tmp_path) -> None:
             {"service": "braid", "host": "braid.researchstack.info", "path": "/", "health_path": "/healthz", "upstreams": ["100.88.57.96:8080", "100.101.7.21:8080"]},
             {"service": "api", "host": "api.researchstack.info", "path": "/v1/", "health_path": "/healthz", "upstreams": []},
         ],
+        status_site=status_caddy_site(load_desired(EXAMPLE_FLEET)),
     )
     runner = SubprocessRunner({"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")})
     admin = CaddyAdmin(runner)
