@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import jinja2
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.status_page import caddy_site as status_caddy_site
 from reconciler.adapters.caddy import CaddyAdmin
 from reconciler.adapters.commands import SubprocessRunner
+from reconciler.desired import load_desired
 from reconciler.ports import ActivationError
 from reconciler.render import TEMPLATES_DIR
+from reconciler.status_page import caddy_site as status_caddy_site
 from tests.conftest import EXAMPLE_FLEET, require, require_root
 from tests.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
 
