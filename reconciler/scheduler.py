@@ -16,9 +16,11 @@ Choosing
     "highest_tier" (the seed's) prefers the highest tier; "best_fit" the lowest
     tier that satisfies, so CUDA boxes stay free for CUDA-only work. Then the
     lowest utilization (load / max_concurrent_tasks), then the node id.
-    Replicas of one service prefer nodes not already running one of them; that
-    preference ranks above the tier preference, but never causes a fallback
-    (a busy-with-a-sibling node at a satisfying tier beats a lower tier).
+    Replicas of one service go to distinct nodes: a host runs one unit per
+    service, so two replicas on one host would be one replica. A node running
+    a sibling is not a candidate at all; a replica with no distinct node left
+    (down to the floor) is deferred, and its reason says so. (`Placer.place`'s
+    `avoid` is the soft form, a preference, for one-off tasks.)
     No candidate: fall back one tier at a time below `min_tier`, down to the
     floor. Still nothing: `Deferred`, with a reason naming each tier tried and
     why its nodes were not usable, and `inadmissible=True` when no node of the
@@ -67,7 +69,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
@@ -332,13 +334,16 @@ class Placer:
     # ------------------------------------------------------------------
     # Decisions
 
-    def place(self, request: Request, avoid: Iterable[str] = ()) -> Choice | NoChoice:
-        """Place one unit of work; `avoid` = nodes already running a sibling replica."""
-        avoid = frozenset(avoid)
+    def place(self, request: Request, avoid: Iterable[str] = (), exclude: Iterable[str] = ()) -> Choice | NoChoice:
+        """Place one unit of work. `avoid`: nodes to pass over while another
+        will do (a preference); `exclude`: nodes that must not take it (a
+        service's nodes already running one of its replicas)."""
+        exclude = frozenset(exclude)
+        avoid = frozenset(avoid) | exclude
         pool = self._pool(request)
-        # Within the satisfying group, distinct nodes first; then the same
+        # Within the satisfying group, nodes not avoided first; then the same
         # for each fallback tier, best first.
-        passes = (avoid, frozenset()) if avoid else (avoid,)
+        passes = (avoid, exclude) if avoid != exclude else (avoid,)
         for group, is_fallback in self._tier_steps(request):
             for avoiding in passes:
                 for tier in group:
@@ -349,20 +354,22 @@ class Placer:
                     if slot is not None:
                         self._take(slot, heap)
                         return Choice(slot.node.node_id, slot.node.tier, is_fallback)
-        return self._explain(request)
+        return self._explain(request, exclude)
 
-    def _explain(self, request: Request) -> NoChoice:
-        key = (request.constraint, request.min_tier, request.floor)
+    def _explain(self, request: Request, exclude: frozenset[str]) -> NoChoice:
+        key = (request.constraint, request.min_tier, request.floor, exclude)
         cached = self._deferral_cache.get(key)
         if cached is None:
             cached = self._deferral_cache[key] = explain_deferral(
-                request, list(self.nodes.values()), self.load, self.now
+                request, list(self.nodes.values()), self.load, self.now, exclude
             )
         return cached
 
 
-def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime) -> str:
+def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
     """Why this node, of a tier in range, cannot take the request right now."""
+    if node.node_id in exclude:
+        return "runs a replica already"
     if node.status != "active":
         return node.status
     if node.drained:
@@ -382,6 +389,7 @@ def explain_deferral(
     nodes: Sequence[SnapshotNode],
     load_of: Callable[[str], int],
     now: datetime,
+    exclude: Collection[str] = (),
 ) -> NoChoice:
     """The reason no node could take `request` (a scan: only on deferral)."""
     bottom = TIER_ORDER.index(request.floor)
@@ -406,7 +414,7 @@ def explain_deferral(
     by_tier: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for node in sorted(nodes, key=lambda n: n.node_id):
         if node.tier in in_range:
-            by_tier[node.tier][_node_problem(node, request, load_of(node.node_id), now)].append(node.node_id)
+            by_tier[node.tier][_node_problem(node, request, load_of(node.node_id), now, exclude)].append(node.node_id)
     parts = []
     empty = []
     for tier in TIER_ORDER[: bottom + 1]:
@@ -467,11 +475,15 @@ def schedule_with_placer(
     # 1. Keep what is in force and still feasible, before anything new claims
     #    the slots. The first record of a (service, replica) wins.
     kept: dict[tuple[str, int], Placement] = {}
+    kept_on: set[tuple[str, str]] = set()  # (service, node): one replica per node
     for old in sorted(snapshot.placements, key=lambda p: (p.service, p.replica)):
         service = services.get(old.service)
         if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
             continue
+        if (old.service, old.node) in kept_on:
+            continue  # a sibling already runs there: this replica moves
         if placer.keep(old.node, Request.for_service(service)):
+            kept_on.add((old.service, old.node))
             tier = placer.nodes[old.node].tier
             kept[(old.service, old.replica)] = Placement(
                 service=old.service,
@@ -490,7 +502,7 @@ def schedule_with_placer(
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
                 continue
-            outcome = placer.place(request, avoid=hosting)
+            outcome = placer.place(request, exclude=hosting)
             if isinstance(outcome, Choice):
                 hosting.add(outcome.node)
                 placements.append(

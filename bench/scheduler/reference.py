@@ -46,12 +46,13 @@ class ScanningPlacer:
             return False
         return all(node.labels.get(k) == v for k, v in request.labels)
 
-    def place(self, request, avoid=()):
+    def place(self, request, avoid=(), exclude=()):
         """(node id, tier, fallback) or None when the request is deferred."""
         top = TIERS.index(request.min_tier)
         bottom = TIERS.index(request.floor)
         steps = [(set(TIERS[: top + 1]), False)] + [({t}, True) for t in TIERS[top + 1 : bottom + 1]]
-        avoid = set(avoid)
+        exclude = set(exclude)
+        avoid = set(avoid) | exclude
 
         def preference(node):
             rank = TIERS.index(node.tier)
@@ -59,7 +60,7 @@ class ScanningPlacer:
             return (tier_key, Fraction(self.load[node.node_id], node.max_concurrent_tasks), node.node_id)
 
         for tiers, fallback in steps:
-            for avoiding in ([avoid, set()] if avoid else [set()]):
+            for avoiding in ([avoid, exclude] if avoid != exclude else [avoid]):
                 candidates = [
                     n for n in self.nodes
                     if n.tier in tiers and n.node_id not in avoiding and self._eligible(n, request)

@@ -271,17 +271,31 @@ def test_replicas_go_to_distinct_nodes_when_possible():
     assert where(plan, "fft") == ["cuda", "cpu-a", "cpu-b"]
 
 
-def test_replicas_share_a_node_when_it_is_the_only_one():
+def test_replicas_never_share_a_node():
+    # A host runs one unit per service: a second replica there would be none.
     plan = plan_for([service("fft", "cpu_ffmpeg", replicas=3)], [node("cuda", "gpu_cuda")])
-    assert where(plan, "fft") == ["cuda", "cuda", "cuda"]
-    assert not plan.deferred
+    assert where(plan, "fft") == ["cuda"]
+    assert [(d.replica, d.inadmissible) for d in plan.deferred] == [(1, False), (2, False)]
+    assert "cuda runs a replica already" in plan.deferred[0].reason
+
+
+def test_a_replica_falls_back_to_a_lower_tier_rather_than_share_a_node():
+    plan = plan_for(
+        [service("fft", "gpu_cuda", "cpu_ffmpeg", replicas=2)],
+        [node("cuda", "gpu_cuda"), node("cpu", "cpu_ffmpeg")],
+    )
+    assert where(plan, "fft") == ["cuda", "cpu"]
+    assert [p.fallback for p in sorted(plan.placements, key=lambda p: p.replica)] == [False, True]
 
 
 def test_replicas_beyond_capacity_are_deferred_not_oversubscribed():
-    plan = plan_for([service("fft", "cpu_ffmpeg", replicas=3)], [node("cuda", "gpu_cuda", max_concurrent_tasks=2)])
-    assert where(plan, "fft") == ["cuda", "cuda"]
+    plan = plan_for(
+        [service("fft", "cpu_ffmpeg", replicas=3)],
+        [node("busy", "cpu_ffmpeg", max_concurrent_tasks=1, in_flight=1), node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")],
+    )
+    assert where(plan, "fft") == ["a", "b"]
     assert [(d.replica, d.inadmissible) for d in plan.deferred] == [(2, False)]
-    assert "cuda full 2/2" in plan.deferred[0].reason
+    assert "busy full 1/1" in plan.deferred[0].reason and "a runs a replica already" in plan.deferred[0].reason
 
 
 def test_most_demanding_service_is_placed_first():
@@ -349,9 +363,6 @@ EXISTING_TABLE = [
     ("kept placements beyond a lowered limit move",
      [node("old", "cpu_ffmpeg", max_concurrent_tasks=1, in_flight=2), node("new", "cpu_ffmpeg")],
      [kept("svc", 0, "old"), kept("svc", 1, "old")], ["old", "new"]),
-    ("kept placements hold their slots before the node reports them",
-     [node("old", "gpu_cuda", max_concurrent_tasks=2, in_flight=0), node("cpu", "cpu_ffmpeg")],
-     [kept("svc", 0, "old"), kept("svc", 1, "old")], ["old", "old", "cpu"]),
     ("a duplicate placement record keeps the first",
      [node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")],
      [kept("svc", 0, "a"), kept("svc", 0, "b")], ["a"]),
@@ -437,14 +448,33 @@ def test_new_node_appearing_before_the_old_one_drains():
     nodes = [node("qfox-1-old", "gpu_cuda", in_flight=1), node("qfox-1-new", "gpu_cuda")]
     plan = plan_for([service("flac-fft", "cpu_ffmpeg", replicas=2)], nodes, existing)
     assert where(plan, "flac-fft") == ["qfox-1-old", "qfox-1-new"]
-    # ...and once the old node is lost, its work moves to the new one.
+    # ...and once the old node is lost, its replica waits for a distinct node:
+    # the new node already runs the other one.
     nodes = [node("qfox-1-old", "gpu_cuda", status="offline"), node("qfox-1-new", "gpu_cuda", in_flight=1)]
     plan = plan_for(
         [service("flac-fft", "cpu_ffmpeg", replicas=2)],
         nodes,
         existing + [kept("flac-fft", 1, "qfox-1-new", tier="gpu_cuda")],
     )
-    assert where(plan, "flac-fft") == ["qfox-1-new", "qfox-1-new"]
+    assert where(plan, "flac-fft") == ["qfox-1-new"]
+    assert [d.replica for d in plan.deferred] == [0]
+
+
+def test_kept_placements_hold_their_slots_before_the_node_reports_them():
+    # "old" reports nothing in flight yet, but its one slot is another
+    # service's kept placement: the CUDA-preferring service goes elsewhere.
+    plan = plan_for(
+        [service("svc", "gpu_cuda", "cpu_ffmpeg"), service("other", "cpu_ffmpeg")],
+        [node("old", "gpu_cuda", max_concurrent_tasks=1, in_flight=0), node("cpu", "cpu_ffmpeg")],
+        [kept("other", 0, "old")],
+    )
+    assert where(plan, "other") == ["old"] and where(plan, "svc") == ["cpu"]
+
+
+def test_a_kept_replica_sharing_a_node_with_a_sibling_moves_to_a_distinct_node():
+    existing = [kept("flac-fft", 0, "a"), kept("flac-fft", 1, "a")]
+    plan = plan_for([service("flac-fft", "cpu_ffmpeg", replicas=2)], [node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")], existing)
+    assert where(plan, "flac-fft") == ["a", "b"]
 
 
 def test_oversubscription_never_happens():
