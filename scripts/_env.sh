@@ -37,7 +37,10 @@ ensure_venv() {
   local stamp="$VENV/.fabric-installed-$extras"
   if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     echo "==> pip install -e .[$extras]" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" >&2
+    # (This machine's pip.conf names local indexes that may be absent; pip
+    # warns once per package about them, which says nothing about us.)
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" 2>&1 \
+      | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
     touch "$stamp"
   fi
 }
