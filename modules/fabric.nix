@@ -64,6 +64,8 @@ let
   ) cfg.settings;
 
   nodeConfigPath = "/etc/fabric/node.toml";
+  # HOME: `caddy validate` needs one for its own CA (reconciler/units.py PASS_HOME).
+  passEnvironment = { HOME = "/var/lib/fabric"; } // registryEnvironment;
   registryEnvironment = lib.optionalAttrs (nodeSettings.node ? registry_path) {
     FABRIC_REGISTRY = nodeSettings.node.registry_path;
   };
@@ -111,6 +113,7 @@ let
       "-/etc/fabric"
       "-/etc/caddy"
       "-/etc/rancher/k3s"
+      "-/var/lib/node_exporter/textfile"
     ];
     StateDirectory = "fabric";
     StateDirectoryMode = "0755";
@@ -327,7 +330,7 @@ in
           stopIfChanged = false;
           unitConfig.X-StopOnRemoval = false;
           path = runtimePath;
-          environment = registryEnvironment;
+          environment = passEnvironment;
           serviceConfig =
             hardening
             // {
@@ -364,6 +367,7 @@ in
         systemd.tmpfiles.rules = [
           "d /etc/fabric 0755 root root -"
           "d /etc/rancher/k3s/config.yaml.d 0755 root root -"
+          "d /var/lib/node_exporter/textfile 0755 root root -"
         ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
 
         networking.firewall.trustedInterfaces = lib.mkIf cfg.trustTailnet [
@@ -378,7 +382,7 @@ in
           wants = [ "network-online.target" ];
           after = [ "network-online.target" ];
           path = runtimePath;
-          environment = registryEnvironment;
+          environment = passEnvironment;
           serviceConfig = hardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-leader";

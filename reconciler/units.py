@@ -43,8 +43,9 @@ LEADER_RESTART_SEC = "5s"
 # (CAP_NET_ADMIN) and probes hardware, so the limits are on what it can reach:
 # - ProtectSystem=strict: the whole tree read-only except what a pass
 #   writes: the unit directories, /etc/fabric (the nft file), /etc/caddy (the
-#   site snippet), the k3s drop-in directory and its state directory. The '-'
-#   prefix makes a missing directory (no k3s here) not an error.
+#   site snippet), the k3s drop-in directory, node_exporter's textfile
+#   directory (the pass's metrics) and its state directory. The '-' prefix
+#   makes a missing directory (no k3s here) not an error.
 # - no PrivateDevices: the probe must see /dev/dri and /dev/nvidia* or a GPU
 #   host would report itself a CPU box.
 # - UMask=0022: the Caddy snippet and rendered units must stay readable by
@@ -60,6 +61,7 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
         "-/etc/fabric",
         "-/etc/caddy",
         "-/etc/rancher/k3s",
+        "-/var/lib/node_exporter/textfile",
     ),
     "StateDirectory": "fabric",
     "StateDirectoryMode": "0755",
@@ -84,9 +86,13 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
 
 # Directories a pass writes into that must exist before it runs (under
 # ProtectSystem=strict a missing one cannot be created): the nft file, the k3s
-# label drop-in. Both installers create them (the module with tmpfiles rules,
-# join.sh with mkdir); /etc/caddy comes with Caddy.
-PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d")
+# label drop-in, the metrics textfile. Both installers create them (the module
+# with tmpfiles rules, join.sh with mkdir); /etc/caddy comes with Caddy.
+PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d", "/var/lib/node_exporter/textfile")
+
+# The pass's HOME: `caddy validate` needs one to find its own CA (local_certs,
+# internal names), and a service gets none from systemd.
+PASS_HOME = "/var/lib/fabric"
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ def _environment(install: Install) -> list[tuple[str, str]]:
     env = [("Environment", f"PATH={install.search_path}")] if install.search_path else []
     if install.node.node.registry_path is not None:
         env.append(("Environment", f"FABRIC_REGISTRY={install.node.node.registry_path}"))
+    env.append(("Environment", f"HOME={PASS_HOME}"))
     return env
 
 

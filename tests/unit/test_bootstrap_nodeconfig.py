@@ -61,7 +61,7 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     ]
     service = reconcile_service(install).values("Service")
     assert service["Type"] == "oneshot"
-    assert service["Environment"] == ("PATH=/opt/fabric/bin:/usr/bin",)
+    assert service["Environment"] == ("PATH=/opt/fabric/bin:/usr/bin", "HOME=/var/lib/fabric")
     assert "ExecStartPre" not in service
     for key, value in HARDENING.items():
         assert service[key] == value

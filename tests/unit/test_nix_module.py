@@ -21,6 +21,7 @@ from reconciler.nodeconfig import NodeConfig
 from reconciler.units import (
     HARDENING,
     PASS_DIRECTORIES,
+    PASS_HOME,
     Install,
     leader_service,
     reconcile_service,
@@ -300,8 +301,8 @@ def test_registry_file_reaches_both_services() -> None:
     user, flags = CONFIGS["leader-local-path"]
     result = evaluate(user, **flags)
     for name in ("fabric-reconcile", "fabric-leader"):
-        assert result["services"][name]["environment"] == {"FABRIC_REGISTRY": "/var/lib/fabric/registry.sqlite"}
-    assert not evaluate("{ }")["services"]["fabric-reconcile"].get("environment")
+        assert result["services"][name]["environment"] == {"FABRIC_REGISTRY": "/var/lib/fabric/registry.sqlite", "HOME": PASS_HOME}
+    assert evaluate("{ }")["services"]["fabric-reconcile"]["environment"] == {"HOME": PASS_HOME}
 
 
 def test_directories_a_pass_writes_exist_on_both_install_paths() -> None:
