@@ -205,12 +205,6 @@ def test_converge(fleet: Fleet, desired: DesiredState) -> None:
     assert set(edge_reaches(fleet, desired, plan)) == set(routed_services(desired))
 
 
-@pytest.mark.xfail(
-    reason="reconciler/scheduler.py has no replica anti-affinity: when lux is full as qfox-1 joins, "
-    "both flac-fft replicas go to qfox-1 (one host runs one fabric-agent-flac-fft.service, so one "
-    "replica runs), and the placement is kept as feasible ever after",
-    strict=False,
-)
 def test_replicas_of_a_service_run_on_distinct_nodes(fleet: Fleet, desired: DesiredState) -> None:
     assert_replicas_on_distinct_nodes(wait_converged(fleet, desired))
 
