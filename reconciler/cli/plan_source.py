@@ -85,13 +85,17 @@ def effective_tier(state: DesiredState, host: str, facts: NodeFacts) -> Tier:
 
 
 def node_record(state: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
-    limits = state.hosts[host].limits
+    """What this host reports: the probe, with the host file's limits, a
+    lowered tier and its declared labels (the operator's win), so services can
+    be constrained to labels an operator declared."""
+    declared = state.hosts[host]
     return NodeRecord.from_facts(
         host,
         facts,
         tier=effective_tier(state, host, facts),
-        max_concurrent_tasks=limits.max_concurrent_tasks,
-        max_concurrent_ceiling=limits.max_concurrent_ceiling,
+        max_concurrent_tasks=declared.limits.max_concurrent_tasks,
+        max_concurrent_ceiling=declared.limits.max_concurrent_ceiling,
+        labels={**facts.labels, **declared.labels},
     )
 
 

@@ -78,18 +78,20 @@ class NodeRecord(_Record):
         in_flight: int = 0,
         max_concurrent_tasks: int | None = None,
         max_concurrent_ceiling: int | None = None,
+        labels: dict[str, str] | None = None,
     ) -> "NodeRecord":
         """The record of fabric host `host` from its probe.
 
-        `tier` and the limits are the caller's effective values when the host
-        file overrides them (a tier pin, declared limits); by default the probe's.
+        `tier`, the limits and the labels are the caller's effective values
+        when the host file adds to or overrides them (a tier pin, declared
+        limits, declared labels); by default the probe's.
         """
         limits = facts.limitations
         return cls(
             node_id=host,
             tier=tier or facts.tier,
             arch=facts.hardware.arch,
-            labels=dict(facts.labels),
+            labels=dict(facts.labels if labels is None else labels),
             max_concurrent_tasks=max_concurrent_tasks if max_concurrent_tasks is not None else limits.max_concurrent_tasks,
             max_concurrent_ceiling=(
                 max_concurrent_ceiling if max_concurrent_ceiling is not None else limits.max_concurrent_ceiling

@@ -139,6 +139,10 @@ def test_fabric_plan_reads_without_writing(connect, registry, state) -> None:
     assert registry.snapshot().nodes == []
 
 
-def test_the_record_carries_declared_limits_and_lowered_tier(state) -> None:
+def test_the_record_carries_declared_limits_lowered_tier_and_declared_labels(state) -> None:
     record = node_record(state, "qfox-1", facts("qfox-1"))
     assert (record.tier, record.max_concurrent_tasks, record.max_concurrent_ceiling) == ("gpu_cuda", 4, 6)
+    # The host file's role label wins over the probe's auto-detected one.
+    assert facts("qfox-1").labels["topology.researchstack.io/role"] == "auto:qfox-1"
+    assert record.labels["topology.researchstack.io/role"] == "foxtop"
+    assert record.labels["topology.researchstack.io/tier"] == "gpu_cuda"
