@@ -16,7 +16,7 @@ import sys
 
 from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.apply import stale_plan
-from reconciler.cli.reconcile import add_pass_options, applier_for, prepare, real_wiring
+from reconciler.cli.reconcile import PassInputs, Wiring, add_pass_options, applier_for, prepare, real_wiring
 from reconciler.ports import ActivationError
 
 
@@ -31,7 +31,15 @@ def run(args: argparse.Namespace) -> int:
     inputs = prepare(args, write=False)
     if isinstance(inputs, int):
         return inputs
-    applier = applier_for(args, real_wiring(args))
+    wiring = real_wiring(args)
+    try:
+        return show(args, inputs, wiring)
+    finally:
+        wiring.close()
+
+
+def show(args: argparse.Namespace, inputs: PassInputs, wiring: Wiring) -> int:
+    applier = applier_for(args, wiring)
     static = inputs.source.static or stale_plan(applier.store, inputs.fleet_plan.epoch)
     if static is not None:
         print(static)

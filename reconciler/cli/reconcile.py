@@ -256,6 +256,9 @@ class Wiring:
     clock: Clock
     validators: Validators | None
     activators: Activators | None
+    # Releases what the real ports hold (the D-Bus connection); call it once
+    # the pass is over, or its event loop dies with a task pending.
+    close: Callable[[], None] = lambda: None
 
 
 def kill_checkpoint_from_env() -> Callable[[str], None]:
@@ -299,7 +302,9 @@ def real_wiring(args: argparse.Namespace) -> Wiring:
 
             # A Type=exec service counts as started once exec'd: the grace
             # catches one that exits at once (a port already taken, say).
-            activators = Activators(SystemdDbus(args.systemd_bus, startup_grace=args.startup_grace), nft, caddy)
+            systemd = SystemdDbus(args.systemd_bus, startup_grace=args.startup_grace)
+            activators = Activators(systemd, nft, caddy)
+            return Wiring(JournalAudit(), SystemClock(), validators, activators, close=systemd.close)
     return Wiring(JournalAudit(), SystemClock(), validators, activators)
 
 
@@ -349,7 +354,16 @@ def execute(args: argparse.Namespace, wiring: Wiring | None = None, probe: Calla
     inputs = prepare(args, probe=probe)
     if isinstance(inputs, int):
         return inputs
-    wiring = wiring or real_wiring(args)
+    if wiring is None:
+        wiring = real_wiring(args)
+        try:
+            return _execute(args, inputs, wiring, started)
+        finally:
+            wiring.close()
+    return _execute(args, inputs, wiring, started)
+
+
+def _execute(args: argparse.Namespace, inputs: PassInputs, wiring: Wiring, started: float) -> int:
     applier = applier_for(args, wiring)
     save_probe_history(applier.store.tree, applier.store.state_dir, inputs.probe_history)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from reconciler.apply import STATE_DIR
 from reconciler.cli import EXIT_FAILED, EXIT_OK
-from reconciler.cli.reconcile import applier_for, real_wiring
+from reconciler.cli.reconcile import Wiring, applier_for, real_wiring
 from reconciler.ports import ActivationError, LockBusy
 
 
@@ -36,7 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    applier = applier_for(args, real_wiring(args))
+    wiring = real_wiring(args)
+    try:
+        return roll_back(args, wiring)
+    finally:
+        wiring.close()
+
+
+def roll_back(args: argparse.Namespace, wiring: Wiring) -> int:
+    applier = applier_for(args, wiring)
     try:
         number, plan = applier.rollback(args.to)
     except (ActivationError, LockBusy) as exc:
