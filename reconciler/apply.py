@@ -347,7 +347,14 @@ class Applier:
         running: Mapping[str, bytes] | None = None
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
-        plan = make_plan(artifacts, installed, tracked, running=running, unit_states=self._unit_states(artifacts))
+        plan = make_plan(
+            artifacts,
+            installed,
+            tracked,
+            running=running,
+            unit_states=self._unit_states(artifacts),
+            nft_table_loaded=self.activators.nftables.table_loaded() if self.activators is not None else None,
+        )
         return plan, unfinished
 
     # ---- the pass

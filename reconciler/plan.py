@@ -237,6 +237,7 @@ def make_plan(
     *,
     running: Mapping[str, bytes] | None = None,
     unit_states: Mapping[str, str] | None = None,
+    nft_table_loaded: bool | None = None,
 ) -> Plan:
     """Compare `desired` with the old state; see the module docstring.
 
@@ -295,7 +296,9 @@ def make_plan(
     )
     nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
     if nft is not None:
-        nft_load = running.get(nft.path) != nft.data
+        # Load when the text changed, or when the table is gone from the
+        # kernel though the text did not change (a distro flushed the ruleset).
+        nft_load = running.get(nft.path) != nft.data or nft_table_loaded is False
     else:  # the table left the plan (a rollback to nothing): load the empty table
         nft_load = any(tracked[p] == "nft" and p in running for p in gone)
     caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}

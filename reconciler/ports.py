@@ -90,6 +90,11 @@ class Nftables(Protocol):
         """Load the ruleset as one atomic transaction (`nft -f`)."""
         ...
 
+    def table_loaded(self) -> bool:
+        """Whether `table inet fabric` is in the kernel now: a distro's
+        ruleset reload (flush ruleset) can drop it behind the fabric's back."""
+        ...
+
 
 class Caddy(Protocol):
     def validate(self, caddyfile: str) -> None:

@@ -56,6 +56,13 @@ class NftCommand:
     def apply(self, ruleset: str) -> None:
         self._nft_file((), ruleset, "load")
 
+    def table_loaded(self) -> bool:
+        result = self._runner.run([*self._prefix, self._nft, "list", "table", FABRIC_FAMILY, FABRIC_TABLE], timeout=self._timeout)
+        if result.missing or result.timed_out:
+            raise ActivationError(f"nft list: {result.failure()}")
+        # nft exits 1 with "No such file or directory" for a table not there.
+        return result.ok
+
     def _nft_file(self, flags: tuple[str, ...], ruleset: str, verb: str) -> None:
         text = self.transaction(ruleset)
         result = self._runner.run([*self._prefix, self._nft, *flags, "-f", "-"], timeout=self._timeout, stdin=text)

@@ -113,6 +113,15 @@ def test_loading_replaces_the_table_rather_than_adding_to_it(topology: Topology)
     assert "dport 8080 accept" not in topology.fabric_table()
 
 
+def test_table_loaded_tells_when_a_flush_dropped_the_table(topology: Topology) -> None:
+    assert topology.nft.table_loaded() is False
+    topology.nft.apply(FABRIC_ALLOWS_8080)
+    assert topology.nft.table_loaded() is True
+    # What a distro's own ruleset reload does (nftables.service: flush ruleset).
+    topology.server.check("nft", "flush", "ruleset")
+    assert topology.nft.table_loaded() is False
+
+
 def test_reapplying_the_same_ruleset_changes_nothing(topology: Topology) -> None:
     topology.nft.apply(FABRIC_ALLOWS_8080)
     first = topology.fabric_table()

@@ -123,6 +123,9 @@ class FakeMachine:
         self.state["nft"] = sha(ruleset)
         self._save()
 
+    def table_loaded(self) -> bool:
+        return self.state["nft"] is not None
+
     # Caddy
     def validate(self, caddyfile: str) -> None:
         message = self.fail.get("caddy-validate")
@@ -463,6 +466,16 @@ def test_units_not_running_after_a_reboot_are_started(tmp_path: Path) -> None:
     started = sorted(c[1] for c in fleet.machine.calls if c[0] == "start")
     assert started == ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
     assert fleet.store.numbers() == [1], "starting units writes no generation"
+
+
+def test_a_table_flushed_behind_the_fabrics_back_is_loaded_again(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile() == 0
+    fleet.machine.state["nft"] = None  # a distro's `flush ruleset`; every unit still runs
+    fleet.machine.forget_calls()
+    assert fleet.reconcile() == 0
+    assert fleet.machine.calls == [("nft-load", "")]
+    assert fleet.store.numbers() == [1], "reloading the table writes no generation"
 
 
 def test_one_pass_at_a_time(tmp_path: Path) -> None:
