@@ -397,7 +397,14 @@ class Applier:
             number = self.store.next_number()
             created = datetime.fromtimestamp(self.clock.now(), timezone.utc).isoformat(timespec="seconds")
             manifest = manifest_for(number, created, host, epoch, artifacts)
-            staging = self.store.stage(manifest, artifacts, self.checkpoint)
+            try:
+                staging = self.store.stage(manifest, artifacts, self.checkpoint)
+            except OSError as exc:
+                # The state directory cannot be written: nothing was installed
+                # (the next pass sweeps the partial staging directory).
+                message = f"cannot write generation {number} under {self.store.dir}: {exc}"
+                self.audit.record("generation", "failed", generation=str(number), reason=message)
+                return PassResult("failed", plan, current, [message])
             problem = self._validate(staging, artifacts)
             if problem is not None:
                 self.tree.remove_tree(staging)
@@ -411,10 +418,16 @@ class Applier:
             self.audit.record("generation", "ok", generation=str(number), hash=manifest.digest)
 
         by_path = {a.path: a for a in artifacts}
-        self._install(plan, by_path, number)
-        if self.activators is None:
-            return PassResult("written", plan, number)
         try:
+            try:
+                self._install(plan, by_path, number)
+            except OSError as exc:
+                # A directory that cannot be written (read-only, a file in
+                # the way): undo the files this pass installed, like a failed
+                # activation.
+                raise ActivationError(f"installing the files failed: {exc}") from exc
+            if self.activators is None:
+                return PassResult("written", plan, number)
             self._activate(plan, by_path, number, self.activators)
         except ActivationError as exc:
             message = f"activation of generation {number} failed: {exc}"

@@ -478,6 +478,19 @@ def test_a_table_flushed_behind_the_fabrics_back_is_loaded_again(tmp_path: Path)
     assert fleet.store.numbers() == [1], "reloading the table writes no generation"
 
 
+def test_a_directory_that_cannot_be_written_fails_the_pass_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    (fleet.root / "etc").mkdir(parents=True)
+    (fleet.root / "etc" / "rancher").write_text("a file where the k3s directory goes\n")
+    assert fleet.reconcile() == 1
+    err = capsys.readouterr().err
+    assert "installing the files failed" in err and "Traceback" not in err
+    # Rolled back to nothing: no unit of this pass is left installed or started.
+    assert not (fleet.root / UNIT_DIR).exists() or not any((fleet.root / UNIT_DIR).iterdir())
+    assert not fleet.machine.state["active"]
+    assert any(r["action"] == "activate" and r["outcome"] == "failed" for r in fleet.audit.records)
+
+
 def test_one_pass_at_a_time(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     held = FlockLock(fleet.root / "var/lib/fabric/lock")
