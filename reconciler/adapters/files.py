@@ -17,7 +17,8 @@ from pathlib import Path, PurePosixPath
 from reconciler.ports import LockBusy
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -59,7 +60,7 @@ class LocalTree:
                 d.mkdir()
             except FileExistsError:
                 pass
-            _fsync_dir(d.parent)
+            fsync_dir(d.parent)
 
     def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         target = self.path(path)
@@ -79,7 +80,7 @@ class LocalTree:
             raise
         os.close(fd)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def remove(self, path: str) -> None:
         target = self.path(path)
@@ -87,7 +88,7 @@ class LocalTree:
             target.unlink()
         except (FileNotFoundError, NotADirectoryError):
             return
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def list_dir(self, path: str) -> list[str]:
         try:
@@ -99,9 +100,9 @@ class LocalTree:
         src, dst = self.path(source), self.path(target)
         self._make_dirs(dst.parent)
         os.replace(src, dst)
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         if src.parent != dst.parent:
-            _fsync_dir(src.parent)
+            fsync_dir(src.parent)
 
     def remove_tree(self, path: str) -> None:
         target = self.path(path)
@@ -111,7 +112,7 @@ class LocalTree:
         # under the original name.
         doomed = target.parent / f".{target.name}.fabric-removing-{os.getpid()}"
         os.replace(target, doomed)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         shutil.rmtree(doomed)
 
 

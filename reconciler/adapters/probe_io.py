@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from reconciler.adapters.files import fsync_dir
 from reconciler.probe.facts import ERRORS_FILE, RAW_NAMES
 
 
@@ -32,14 +33,6 @@ class LocalFiles:
 
 class CaptureError(Exception):
     """The capture directory cannot be used; the message names it and says why."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CaptureDirectory:
@@ -64,11 +57,11 @@ class CaptureDirectory:
                     handle.flush()
                     os.fsync(handle.fileno())
             staging.chmod(0o755)
-            _fsync_dir(staging)
+            fsync_dir(staging)
             # rename(2) replaces an empty directory atomically; a non-empty one
             # (someone wrote into it meanwhile) makes it fail, and we keep out.
             os.rename(staging, target)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise CaptureError(f"{directory}: {exc.strerror or exc}") from exc
