@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -28,31 +27,12 @@ from reconciler.model import DesiredState, FleetConfig
 from reconciler.registry import NotLeader, Registry, ScalingRecord
 from reconciler.registry.dispatcher import dispatch_pass
 from reconciler.registry.factory import open_registry
-from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.fakes import T0, FakeClock
 
 pytestmark = pytest.mark.integration
 
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc).timestamp()
 FABRIC = [sys.executable, "-m", "reconciler"]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdCluster]:
-    require("etcd")
-    with etcd_cluster(members=1) as cluster:
-        yield cluster
 
 
 @dataclass

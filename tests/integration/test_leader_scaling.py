@@ -15,7 +15,6 @@ import json
 import sys
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -28,34 +27,15 @@ from reconciler.registry.factory import open_registry
 from reconciler.registry.leader_loop import LeaderLoop
 from reconciler.registry.scaling_step import ScalingStep
 from reconciler.scheduler import schedule
-from tests.conftest import EXAMPLE_FLEET, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.conftest import EXAMPLE_FLEET
+from tests.fakes import FakeClock
 
 pytestmark = pytest.mark.integration
 
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc).timestamp()
 LONG = 10**6  # leases and heartbeats that outlive every window of a test
 HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
 # Arguments a shell would split, expand or act on.
 TRICKY = ["a b; touch /tmp/not-a-shell", "$HOME", "*"]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdCluster]:
-    require("etcd")
-    with etcd_cluster(members=1) as cluster:
-        yield cluster
 
 
 class Fleet:

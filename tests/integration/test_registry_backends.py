@@ -30,19 +30,11 @@ from reconciler.live import FleetPlan
 from reconciler.model import FleetConfig
 from reconciler.registry import NodeRecord, NotLeader, Registry
 from reconciler.registry.factory import open_registry
-from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.conftest import EXAMPLE_FLEET, REPO
 
 pytestmark = pytest.mark.integration
 
 PYTHON = sys.executable
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdCluster]:
-    require("etcd")
-    with etcd_cluster(members=1) as cluster:
-        yield cluster
 
 
 @dataclass

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
@@ -19,21 +18,10 @@ from reconciler.model import FlapSettings, TimingSettings
 from reconciler.registry import NodeRecord, NotLeader, RegistryUnavailable
 from reconciler.registry.leader_loop import LeaderLoop
 from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.fakes import FakeClock
 
 pytestmark = pytest.mark.integration
 
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc).timestamp()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 @pytest.fixture
