@@ -33,8 +33,8 @@ In each container
 - the project: the test venv's site-packages bind-mounted read-only at
   /opt/fabric/site-packages (the editable install points at this checkout) and
   /opt/fabric/bin/fabric, a launcher for the system python3. The units the
-  fabric installs run with ProtectHome= and PrivateTmp=, which hide /tmp/venv
-  and the interpreter under /root, hence the bind;
+  fabric installs run with ProtectHome= and PrivateTmp=, which would hide a
+  venv under /tmp and the interpreter under /root, hence the bind;
 - the desired state at /var/lib/fabric/desired: a copy of hosts/ changed for
   this machine by `e2e_desired_state` (registry = the etcd on the bridge,
   addresses = bridge addresses, short timings, service commands = service_stub.py);
@@ -42,8 +42,6 @@ In each container
   source of the reconcile service, timer and leader service), plus one drop-in
   that appends `--replay tests/fixtures/probe/<host>` to the pass: the
   container's hardware identity is the captured machine's;
-- the same drop-in sets HOME for the pass (see `_install`: `caddy validate`
-  needs a storage directory for Caddy's CA, and the unit gives it none);
 - on the edge, the packaged caddy.service with the admin API on localhost:2019,
   the address `fabric reconcile` loads into, and a main Caddyfile importing the
   fabric's snippet with `local_certs` (this machine cannot reach ACME);
@@ -590,15 +588,7 @@ class Fleet:
         # The pass as `fabric units` defines it, plus the replayed probe capture.
         install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
         replay = [*reconcile_argv(install), "--replay", str(PROBE_FIXTURES / name)]
-        # HOME: `caddy validate`, run by the pass, needs a storage directory
-        # to provision Caddy's internal CA (local_certs), and a
-        # system service has no HOME (fabric-reconcile.service does not set
-        # one: a gap in reconciler/units.py, reported). The state directory is
-        # the one place the unit may write.
-        container.write_file(
-            REPLAY_DROPIN,
-            "[Service]\nEnvironment=HOME=/var/lib/fabric\nExecStart=\nExecStart=" + " ".join(replay) + "\n",
-        )
+        container.write_file(REPLAY_DROPIN, "[Service]\nExecStart=\nExecStart=" + " ".join(replay) + "\n")
         if name == self.edge:
             container.write_file("/etc/caddy/Caddyfile", EDGE_CADDYFILE)
             # Caddy starts before the first pass has written the snippet it imports.
