@@ -36,12 +36,16 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from reconciler.live import FleetPlan, Snapshot, SnapshotNode
-from reconciler.model import TIER_SCORE, DesiredState, NodeFacts, Tier
+from reconciler.model import TIER_SCORE, DesiredState, NodeFacts
+from reconciler.probe.tiering import LABEL_PREFIX
 from reconciler.registry import Registry, RegistryError
 from reconciler.registry.fencing import accept_plan
 from reconciler.registry.records import NodeRecord
 from reconciler.lanes import lane_views
 from reconciler.scheduler import schedule
+
+
+TIER_LABEL = f"{LABEL_PREFIX}tier"
 
 
 def add_plan_source_options(p: argparse.ArgumentParser) -> None:
@@ -76,23 +80,29 @@ class PlanSource:
     snapshot: Snapshot | None = None
 
 
-def effective_tier(state: DesiredState, host: str, facts: NodeFacts) -> Tier:
-    """The probe's tier, lowered (never raised) by the host's override."""
+def effective_facts(state: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
+    """The probe as the fabric uses it: the host file's tier pin applied.
+
+    An override can only lower the probe's tier (a typo must not send CUDA
+    work to a CPU box); the tier label follows, so k3s and the registry see
+    the tier the scheduler uses.
+    """
     override = state.hosts[host].overrides.tier
-    if override is not None and TIER_SCORE[override] < TIER_SCORE[facts.tier]:
-        return override
-    return facts.tier
+    if override is None or TIER_SCORE[override] >= TIER_SCORE[facts.tier]:
+        return facts
+    labels = {**facts.labels, TIER_LABEL: override}
+    notes = [*facts.limitations.notes, f"tier pinned to {override} by the host file (the probe found {facts.tier})"]
+    return facts.model_copy(update={"tier": override, "labels": labels, "limitations": facts.limitations.model_copy(update={"notes": notes})})
 
 
 def node_record(state: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
-    """What this host reports: the probe, with the host file's limits, a
-    lowered tier and its declared labels (the operator's win), so services can
-    be constrained to labels an operator declared."""
+    """What this host reports: its (effective) facts with the host file's
+    limits and declared labels (the operator's win), so services can be
+    constrained to labels an operator declared."""
     declared = state.hosts[host]
     return NodeRecord.from_facts(
         host,
         facts,
-        tier=effective_tier(state, host, facts),
         max_concurrent_tasks=declared.limits.max_concurrent_tasks,
         max_concurrent_ceiling=declared.limits.max_concurrent_ceiling,
         labels={**facts.labels, **declared.labels},

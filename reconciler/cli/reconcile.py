@@ -38,6 +38,7 @@ from reconciler.cli.pass_records import PassOutcome, damped_facts, save_probe_hi
 from reconciler.cli.plan_source import (
     PlanSource,
     add_plan_source_options,
+    effective_facts,
     from_registry,
     plan_alone,
     plan_from_file,
@@ -226,7 +227,8 @@ def prepare(
         return EXIT_INVALID
     from reconciler.adapters.files import LocalTree
 
-    facts, probe_history = damped_facts(LocalTree(args.root), args.state_dir.strip("/"), state, observed, datetime.now(timezone.utc))
+    damped, probe_history = damped_facts(LocalTree(args.root), args.state_dir.strip("/"), state, observed, datetime.now(timezone.utc))
+    facts = effective_facts(state, host, damped)
     try:
         source = plan_source_for(args, state, host, facts, write=write)
     except ValueError as exc:

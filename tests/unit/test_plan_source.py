@@ -14,7 +14,7 @@ import pytest
 from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.cli.plan_source import from_registry, node_record
+from reconciler.cli.plan_source import effective_facts, from_registry, node_record
 from reconciler.desired import load_desired
 from reconciler.live import FleetPlan
 from reconciler.model import DesiredState, NodeFacts
@@ -137,6 +137,17 @@ def test_a_plan_signed_by_a_host_that_is_not_a_candidate_is_refused(connect, reg
 def test_fabric_plan_reads_without_writing(connect, registry, state) -> None:
     source(connect, state, "racknerd", write=False)
     assert registry.snapshot().nodes == []
+
+
+def test_a_tier_pin_in_the_host_file_lowers_the_tier_and_its_label(state) -> None:
+    probed = facts("lux")
+    assert probed.tier == "gpu_apu"  # an Intel iGPU, kept for the file server's own transcoding
+    pinned = effective_facts(state, "lux", probed)
+    assert pinned.tier == "cpu_ffmpeg"
+    assert pinned.labels["topology.researchstack.io/tier"] == "cpu_ffmpeg"
+    assert node_record(state, "lux", pinned).tier == "cpu_ffmpeg"
+    # A host without a pin keeps its probe as it is.
+    assert effective_facts(state, "qfox-1", facts("qfox-1")) == facts("qfox-1")
 
 
 def test_the_record_carries_declared_limits_lowered_tier_and_declared_labels(state) -> None:
