@@ -69,6 +69,10 @@ from pathlib import Path
 
 BOOT_TARGET = "fabric-harness.target"
 
+# This checkout. Tests run the project inside containers from its path.
+CHECKOUT = Path(__file__).resolve().parents[2]
+_NOT_COPIED = shutil.ignore_patterns(".venv", ".git", "sandbox", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis")
+
 # Runs as PID 1 of the new PID namespace, inside the new mount namespace, and
 # finally execs systemd in the chroot. $1 is the host work directory.
 _BOOT_SCRIPT = r"""
@@ -224,6 +228,7 @@ def systemd_container(
         init_pid = _wait_for_init(guardian, work, boot_timeout)
         container = SystemdContainer(init_pid, work)
         _wait_for_bus(guardian, container, boot_timeout, log_path)
+        _make_checkout_visible(container)
         yield container
     finally:
         if guardian is not None:
@@ -231,6 +236,16 @@ def systemd_container(
         _remove_cgroup(cgroup)
         _unmount_leftovers(work)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _make_checkout_visible(container: SystemdContainer) -> None:
+    """The container sees the host's files through its overlay, except /tmp,
+    which its boot empties (systemd-tmpfiles): a checkout under /tmp (CI may
+    clone anywhere) is copied in at the same path, so tests can name the
+    project's files by their host paths. Writes there stay in the container."""
+    if container.host_path(str(CHECKOUT / "pyproject.toml")).exists():
+        return
+    shutil.copytree(CHECKOUT, container.host_path(str(CHECKOUT)), ignore=_NOT_COPIED, symlinks=True, dirs_exist_ok=True)
 
 
 def _new_cgroup() -> Path:
