@@ -102,6 +102,10 @@ ETCD_CLIENT_PORT = 2379
 DESIRED_DIR = "/var/lib/fabric/desired"
 NODE_CONFIG = "/etc/fabric/node.toml"
 PREFIX = "/opt/fabric"
+# This checkout, bind-mounted read-only inside every container. Not under /tmp:
+# the pass and the agent units run with PrivateTmp=, which hides /tmp (where CI
+# may clone), so everything a unit runs is named by this path.
+SOURCE = f"{PREFIX}/src"
 FABRIC_BIN = f"{PREFIX}/bin/fabric"
 SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.conf"
@@ -161,6 +165,11 @@ class FleetSettings:
         return f"http://{self.address(ETCD_OCTET)}:{ETCD_CLIENT_PORT}"
 
 
+def in_container(path: Path) -> str:
+    """Where a file of this checkout is inside the containers (see SOURCE)."""
+    return f"{SOURCE}/{path.relative_to(REPO)}"
+
+
 def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> dict[str, str]:
     """The example fleet's files (name -> TOML text) changed for this machine.
 
@@ -198,7 +207,7 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
     data.setdefault("scheduler", {})["local_spill_after_s"] = settings.local_spill_after_s
     data.get("scaling", {}).pop("cloud_hooks", None)
     for service in data.get("services", []):
-        argv = ["/usr/bin/python3", str(SERVICE_STUB), service["id"], str(service["port"])]
+        argv = ["/usr/bin/python3", in_container(SERVICE_STUB), service["id"], str(service["port"])]
         runs = service.pop("command", None) or service.pop("image")
         service["command"] = {arch: list(argv) for arch in runs}
     return data
@@ -539,25 +548,27 @@ class Fleet:
         from reconciler.units import Install, reconcile_argv
 
         site_packages = sysconfig.get_paths()["purelib"]
-        self._check(container, "mkdir", "-p", f"{PREFIX}/site-packages", f"{PREFIX}/bin")
+        self._check(container, "mkdir", "-p", f"{PREFIX}/site-packages", f"{PREFIX}/bin", SOURCE)
         # The container's boot empties its /tmp (systemd-tmpfiles, in its
         # overlay only), so the bind is made from the host's side: in the
         # container's mount namespace but with this process's root, where the
         # venv is still visible; the target is reached through /proc/PID/root.
-        target = str(container.host_path(f"{PREFIX}/site-packages"))
-        for argv in (("mount", "--bind", site_packages, target), ("mount", "-o", "remount,bind,ro", target)):
-            _run("nsenter", "-t", str(container.pid), "-m", "--", *argv)
+        for source, inside in ((site_packages, f"{PREFIX}/site-packages"), (str(REPO), SOURCE)):
+            target = str(container.host_path(inside))
+            for argv in (("mount", "--bind", source, target), ("mount", "-o", "remount,bind,ro", target)):
+                _run("nsenter", "-t", str(container.pid), "-m", "--", *argv)
         for pair in filter(None, os.environ.get("FABRIC_E2E_BIND", "").split(",")):
             source, target_path = pair.split(":", 1)
             _run("nsenter", "-t", str(container.pid), "-m", "--", "mount", "--bind", source, str(container.host_path(target_path)))
         container.write_file(
             FABRIC_BIN,
             "#!/usr/bin/python3\n"
-            "# e2e fleet: the test venv's packages (bind-mounted) under the system python3.\n"
+            "# e2e fleet: this checkout and the test venv's packages (both bind-mounted)\n"
+            "# under the system python3; the checkout first, so `reconciler` is its copy.\n"
             "import site, sys\n"
             "before = list(sys.path)\n"
             f"site.addsitedir({PREFIX + '/site-packages'!r})\n"
-            "sys.path[:] = [p for p in sys.path if p not in before] + before\n"
+            f"sys.path[:] = [{SOURCE!r}] + [p for p in sys.path if p not in before] + before\n"
             "from reconciler.cli import main\n"
             "sys.exit(main())\n",
             mode=0o755,
@@ -587,7 +598,7 @@ class Fleet:
         self._check(container, *argv)
         # The pass as `fabric units` defines it, plus the replayed probe capture.
         install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
-        replay = [*reconcile_argv(install), "--replay", str(PROBE_FIXTURES / name)]
+        replay = [*reconcile_argv(install), "--replay", in_container(PROBE_FIXTURES / name)]
         container.write_file(REPLAY_DROPIN, "[Service]\nExecStart=\nExecStart=" + " ".join(replay) + "\n")
         if name == self.edge:
             container.write_file("/etc/caddy/Caddyfile", EDGE_CADDYFILE)
