@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from enum import Enum
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 

@@ -21,7 +21,7 @@ import tomllib
 from collections.abc import Iterable
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, ValidationError, model_validator
+from pydantic import StringConstraints, ValidationError, model_validator
 
 from reconciler.desired import Problem
 from reconciler.model import AbsPath, FieldProblem, Name, Strict

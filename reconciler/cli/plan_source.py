@@ -35,15 +35,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from reconciler.lanes import lane_views
 from reconciler.live import FleetPlan, Snapshot, SnapshotNode
 from reconciler.model import TIER_SCORE, DesiredState, NodeFacts
 from reconciler.probe.tiering import LABEL_PREFIX
 from reconciler.registry import Registry, RegistryError
 from reconciler.registry.fencing import accept_plan
 from reconciler.registry.records import NodeRecord
-from reconciler.lanes import lane_views
 from reconciler.scheduler import schedule
-
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 

@@ -18,7 +18,6 @@ import importlib.metadata as md
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import zipfile

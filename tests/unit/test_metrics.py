@@ -11,7 +11,6 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 

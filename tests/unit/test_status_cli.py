@@ -6,7 +6,6 @@ import io
 import json
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
