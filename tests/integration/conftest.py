@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from reconciler.ports import Clock
 from tests.conftest import require
 from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.integration.registry_store import Store
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +20,27 @@ def etcd() -> Iterator[EtcdCluster]:
     require("etcd")
     with etcd_cluster(members=1) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def store_clock() -> Clock | None:
+    """The clock `store` opens registries with; a module overrides this
+    fixture with a FakeClock to move time by hand."""
+    return None
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, store_clock: Clock | None) -> Iterator[Store]:
+    """Each test twice: on a sqlite file and on a private prefix of the module's etcd."""
+    if request.param == "etcd":
+        cluster = request.getfixturevalue("etcd")
+        settings = {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}
+        s = Store("etcd", settings, None, store_clock)
+    else:
+        path = str(tmp_path / "registry.sqlite")
+        s = Store("sqlite", {"backend": "sqlite", "path": path}, path, store_clock)
+    try:
+        yield s
+    finally:
+        for registry in s.opened:
+            registry.close()

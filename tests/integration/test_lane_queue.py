@@ -15,18 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from reconciler.desired import load_desired
-from reconciler.model import DesiredState, FleetConfig
-from reconciler.registry import NotLeader, Registry, ScalingRecord
+from reconciler.model import DesiredState
+from reconciler.registry import NotLeader, ScalingRecord
 from reconciler.registry.dispatcher import dispatch_pass
-from reconciler.registry.factory import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import T0, FakeClock
 
@@ -35,53 +31,10 @@ pytestmark = pytest.mark.integration
 FABRIC = [sys.executable, "-m", "reconciler"]
 
 
-@dataclass
-class Store:
-    backend: str
-    settings: dict
-    sqlite_path: str | None
-    clock: FakeClock = field(default_factory=FakeClock)
-    opened: list = field(default_factory=list)
-
-    def open(self, clock=None) -> Registry:
-        fleet = FleetConfig.model_validate(
-            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings}
-        )
-        registry = open_registry(fleet, clock=clock or self.clock, sqlite_path=self.sqlite_path)
-        self.opened.append(registry)
-        return registry
-
-    def desired_dir(self, tmp: Path) -> Path:
-        """The example fleet with [registry] pointing at this store (for CLI processes)."""
-        target = tmp / "desired"
-        target.mkdir()
-        for f in EXAMPLE_FLEET.glob("*.toml"):
-            (target / f.name).write_text(f.read_text())
-        text = (target / "fabric.toml").read_text()
-        old = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
-        assert old in text
-        if self.backend == "etcd":
-            endpoints = ", ".join(f'"{e}"' for e in self.settings["endpoints"])
-            new = f'backend = "etcd"\nendpoints = [{endpoints}]\nprefix = "{self.settings["prefix"]}"'
-        else:
-            new = f'backend = "sqlite"\npath = "{self.sqlite_path}"'
-        (target / "fabric.toml").write_text(text.replace(old, new))
-        return target
-
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def store(request, tmp_path) -> Iterator[Store]:
-    if request.param == "etcd":
-        cluster = request.getfixturevalue("etcd")
-        s = Store("etcd", {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None)
-    else:
-        path = str(tmp_path / "registry.sqlite")
-        s = Store("sqlite", {"backend": "sqlite", "path": path}, path)
-    try:
-        yield s
-    finally:
-        for registry in s.opened:
-            registry.close()
+@pytest.fixture
+def store_clock() -> FakeClock:
+    """Queue ages and scaling windows move by hand here."""
+    return FakeClock()
 
 
 @pytest.fixture(scope="module")

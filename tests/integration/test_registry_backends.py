@@ -10,87 +10,25 @@ and tests/integration/test_registry_sqlite.py.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
 from reconciler.live import FleetPlan
-from reconciler.model import FleetConfig
 from reconciler.registry import NodeRecord, NotLeader, Registry
-from reconciler.registry.factory import open_registry
-from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 
 PYTHON = sys.executable
-
-
-@dataclass
-class Store:
-    """One registry store (a sqlite file, or a prefix of the etcd cluster)."""
-
-    backend: str
-    registry_settings: dict
-    sqlite_path: str | None
-    opened: list
-
-    def fleet(self) -> FleetConfig:
-        return FleetConfig.model_validate(
-            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.registry_settings}
-        )
-
-    def open(self) -> Registry:
-        registry = open_registry(self.fleet(), sqlite_path=self.sqlite_path)
-        self.opened.append(registry)
-        return registry
-
-    def as_json(self) -> str:
-        return json.dumps({"registry": self.registry_settings, "sqlite_path": self.sqlite_path})
-
-    def desired_dir(self, tmp: Path) -> Path:
-        """The example fleet with [registry] pointing at this store."""
-        target = tmp / "desired"
-        target.mkdir()
-        for f in EXAMPLE_FLEET.glob("*.toml"):
-            (target / f.name).write_text(f.read_text())
-        text = (target / "fabric.toml").read_text()
-        old = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
-        assert old in text
-        if self.backend == "etcd":
-            endpoints = ", ".join(f'"{e}"' for e in self.registry_settings["endpoints"])
-            new = f'backend = "etcd"\nendpoints = [{endpoints}]\nprefix = "{self.registry_settings["prefix"]}"'
-        else:
-            new = f'backend = "sqlite"\npath = "{self.sqlite_path}"'
-        (target / "fabric.toml").write_text(text.replace(old, new))
-        return target
-
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def store(request, tmp_path) -> Iterator[Store]:
-    if request.param == "etcd":
-        cluster = request.getfixturevalue("etcd")
-        prefix = f"/t{uuid.uuid4().hex[:12]}"
-        s = Store("etcd", {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": prefix}, None, [])
-    else:
-        path = str(tmp_path / "registry.sqlite")
-        s = Store("sqlite", {"backend": "sqlite", "path": path}, path, [])
-    try:
-        yield s
-    finally:
-        for registry in s.opened:
-            registry.close()
 
 
 def record(node: str, tier: str = "cpu_ffmpeg", **kw) -> NodeRecord:

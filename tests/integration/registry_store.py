@@ -1,0 +1,60 @@
+"""A registry under test: a sqlite file or a private prefix of a real etcd.
+
+Shared by the registry, lane-queue and leader tests so every behaviour is
+checked on both backends the same way (the `store` fixture in conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reconciler.model import FleetConfig
+from reconciler.ports import Clock
+from reconciler.registry import Registry
+from reconciler.registry.factory import open_registry
+from tests.conftest import EXAMPLE_FLEET
+
+# The example fleet's [registry] lines, replaced to point at a store.
+_EXAMPLE_REGISTRY = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
+
+
+@dataclass
+class Store:
+    backend: str
+    settings: dict
+    sqlite_path: str | None
+    # None: the registry's own system clock; a FakeClock moves by hand.
+    clock: Clock | None = None
+    opened: list = field(default_factory=list)
+
+    def fleet(self) -> FleetConfig:
+        return FleetConfig.model_validate(
+            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings}
+        )
+
+    def open(self, clock: Clock | None = None) -> Registry:
+        registry = open_registry(self.fleet(), clock=clock or self.clock, sqlite_path=self.sqlite_path)
+        self.opened.append(registry)
+        return registry
+
+    def as_json(self) -> str:
+        """What a child process needs to open the same store."""
+        return json.dumps({"registry": self.settings, "sqlite_path": self.sqlite_path})
+
+    def desired_dir(self, tmp: Path) -> Path:
+        """The example fleet with [registry] pointing at this store (for CLI processes)."""
+        target = tmp / "desired"
+        target.mkdir()
+        for f in EXAMPLE_FLEET.glob("*.toml"):
+            (target / f.name).write_text(f.read_text())
+        text = (target / "fabric.toml").read_text()
+        assert _EXAMPLE_REGISTRY in text
+        if self.backend == "etcd":
+            endpoints = ", ".join(f'"{e}"' for e in self.settings["endpoints"])
+            new = f'backend = "etcd"\nendpoints = [{endpoints}]\nprefix = "{self.settings["prefix"]}"'
+        else:
+            new = f'backend = "sqlite"\npath = "{self.sqlite_path}"'
+        (target / "fabric.toml").write_text(text.replace(_EXAMPLE_REGISTRY, new))
+        return target
