@@ -23,18 +23,17 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.waiting import wait_until
+from tests.harness.waiting import stop_process, wait_until
 
 
 def free_port() -> int:
@@ -86,7 +85,9 @@ class RunningCaddy:
 
 
 @contextmanager
-def caddy_server(*, site_port: int, upstream: str, stop_timeout: float = 10.0) -> Iterator[RunningCaddy]:
+def running_caddy(config_for: Callable[[str], str], *, stop_timeout: float = 10.0, site_port: int = 0) -> Iterator[RunningCaddy]:
+    """A real Caddy with its admin API on a free loopback port; `config_for(admin_address)`
+    is its whole Caddyfile. Its HOME and XDG dirs are a temp dir; stopped by PID."""
     work = Path(tempfile.mkdtemp(prefix="fabric-caddy-"))
     env = {
         "HOME": str(work),
@@ -95,7 +96,7 @@ def caddy_server(*, site_port: int, upstream: str, stop_timeout: float = 10.0) -
     }
     admin_address = f"127.0.0.1:{free_port()}"
     config = work / "Caddyfile"
-    config.write_text(caddyfile_for(admin_address=admin_address, site_port=site_port, upstreams=[upstream]))
+    config.write_text(config_for(admin_address))
     log_path = work / "caddy.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -120,14 +121,19 @@ def caddy_server(*, site_port: int, upstream: str, stop_timeout: float = 10.0) -
         wait_until(admin_up, what="caddy's admin API")
         yield running
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=stop_timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, timeout=stop_timeout)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextmanager
+def caddy_server(*, site_port: int, upstream: str, stop_timeout: float = 10.0) -> Iterator[RunningCaddy]:
+    """`running_caddy` serving one reverse-proxy site on `site_port`."""
+    with running_caddy(
+        lambda admin: caddyfile_for(admin_address=admin, site_port=site_port, upstreams=[upstream]),
+        stop_timeout=stop_timeout,
+        site_port=site_port,
+    ) as running:
+        yield running
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,3 +25,15 @@ def wait_until(probe: Callable[[], T], *, timeout: float = 10.0, interval: float
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last value {value!r})")
         time.sleep(interval)
+
+
+def stop_process(process: subprocess.Popen, *, timeout: float = 10.0) -> None:
+    """SIGTERM a process this test started (by its PID), SIGKILL it if it lingers."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

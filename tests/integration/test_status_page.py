@@ -26,8 +26,7 @@ from reconciler.live import FleetPlan, Snapshot
 from reconciler.model import DesiredState
 from reconciler.status_page import STATUS_FILE, caddy_site, render_status_page, status_site_address
 from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.harness.caddy import free_port
-from tests.harness.waiting import wait_until
+from tests.harness.caddy import free_port, running_caddy
 
 pytestmark = pytest.mark.integration
 
@@ -62,46 +61,11 @@ def status_site(tmp_path: Path) -> Iterator[StatusSite]:
     desired = load_desired(EXAMPLE_FLEET)
     root = tmp_path / "var/lib/fabric/status"
     root.mkdir(parents=True)
-    port, admin = free_port(), f"127.0.0.1:{free_port()}"
+    port = free_port()
     host = status_site_address(desired)
-    caddyfile = tmp_path / "Caddyfile"
-    caddyfile.write_text(
-        f"{{\n\tadmin {admin}\n\tauto_https off\n}}\n\n"
-        + caddy_site(desired, str(root), address=f"http://{host}:{port}", bind="127.0.0.1")
-    )
-    home = tmp_path / "caddy-home"
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data")}
-    log = tmp_path / "caddy.log"
-    with open(log, "wb") as out:
-        caddy = subprocess.Popen(
-            ["caddy", "run", "--adapter", "caddyfile", "--config", str(caddyfile)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        site = StatusSite(desired, root, f"http://{host}:{port}/", host, port)
-
-        def admin_up() -> bool:
-            if caddy.poll() is not None:
-                raise AssertionError(f"caddy exited with {caddy.returncode}: {log.read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"http://{admin}/config/", timeout=1).close()
-                return True
-            except OSError:
-                return False
-
-        wait_until(admin_up, what="caddy's admin API")
-        yield site
-    finally:
-        if caddy.poll() is None:
-            caddy.send_signal(signal.SIGTERM)
-            try:
-                caddy.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                caddy.kill()
-                caddy.wait()
+    site = caddy_site(desired, str(root), address=f"http://{host}:{port}", bind="127.0.0.1")
+    with running_caddy(lambda admin: f"{{\n\tadmin {admin}\n\tauto_https off\n}}\n\n" + site, site_port=port):
+        yield StatusSite(desired, root, f"http://{host}:{port}/", host, port)
 
 
 def chromium(tmp_path: Path, site: StatusSite, *args: str) -> str:

@@ -6,7 +6,6 @@ serving it on loopback, as Prometheus would scrape it.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from reconciler.live import FleetPlan, Snapshot
 from reconciler.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.harness.caddy import free_port
-from tests.harness.waiting import wait_until
+from tests.harness.waiting import stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -108,13 +107,7 @@ def node_exporter(tmp_path: Path) -> Iterator[NodeExporter]:
         wait_until(serving, what="node_exporter's /metrics")
         yield exporter
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def test_node_exporter_serves_the_textfile(node_exporter, textfile):
