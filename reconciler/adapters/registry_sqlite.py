@@ -267,16 +267,22 @@ class SqliteRegistry(LifecycleMixin):
     def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
         now = self._now()
         with self._tx() as db:
-            db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
-            taken = {row[0] for row in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
-            free = next((i for i in range(cap) if i not in taken), None)
-            if free is None:
-                return None
-            claim = SlotClaim(lane=lane, slot=free, holder=holder, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
-            db.execute(
-                "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, ?)",
-                (lane, free, claim.model_dump_json(), claim.token, now + ttl_s if ttl_s is not None else None),
-            )
+            return self._take_slot(db, lane, cap, holder, now, ttl_s)
+
+    @staticmethod
+    def _take_slot(db: sqlite3.Connection, lane: str, cap: int, holder: str, now: float, ttl_s: float | None) -> SlotClaim | None:
+        """Inside the caller's write transaction: the lowest free slot of the
+        lane (lapsed timed claims freed first), or None when all `cap` are taken."""
+        db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+        taken = {row[0] for row in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
+        free = next((i for i in range(cap) if i not in taken), None)
+        if free is None:
+            return None
+        claim = SlotClaim(lane=lane, slot=free, holder=holder, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
+        db.execute(
+            "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, ?)",
+            (lane, free, claim.model_dump_json(), claim.token, now + ttl_s if ttl_s is not None else None),
+        )
         return claim
 
     def release_slot(self, claim: SlotClaim) -> bool:
@@ -321,16 +327,9 @@ class SqliteRegistry(LifecycleMixin):
             job = QueuedJob.model_validate_json(row[0])
             if not job.waiting:
                 return None
-            db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
-            taken = {r[0] for r in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
-            free = next((i for i in range(cap) if i not in taken), None)
-            if free is None:
+            claim = self._take_slot(db, lane, cap, job_id, now, ttl_s=None)
+            if claim is None:
                 return None
-            claim = SlotClaim(lane=lane, slot=free, holder=job_id, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
-            db.execute(
-                "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, NULL)",
-                (lane, free, claim.model_dump_json(), claim.token),
-            )
             db.execute(
                 "UPDATE jobs SET job = ? WHERE job_id = ?", (job.model_copy(update={"claim": claim}).model_dump_json(), job_id)
             )
