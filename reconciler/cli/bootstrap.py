@@ -15,7 +15,6 @@ input or a node that cannot be bootstrapped as configured (nothing changed).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import socket
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 from reconciler.bootstrap import Programs, bootstrap_files, plan_bootstrap, socat_units
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import load_or_report
+from reconciler.cli.registry_options import add_registry_path
 from reconciler.cli.units import add_node_config, load_node_config
 
 
@@ -35,14 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root", metavar="DIR", type=Path, default=Path("/"), help="read and write files under DIR (default /)")
     p.add_argument("--dry-run", action="store_true", help="print the steps, change nothing")
     p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture instead of probing")
-    env = os.environ.get("FABRIC_REGISTRY")
-    p.add_argument(
-        "--registry-path",
-        metavar="FILE",
-        type=Path,
-        default=Path(env) if env else None,
-        help="use this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY)",
-    )
+    add_registry_path(p)
     p.set_defaults(func=run)
 
 

@@ -26,7 +26,6 @@ empty plan, so its host-local units (lanes, port maps, nftables) converge.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from reconciler.cli.registry_options import add_registry_path
 from reconciler.lanes import lane_views
 from reconciler.live import FleetPlan, Snapshot, SnapshotNode
 from reconciler.model import TIER_SCORE, DesiredState, NodeFacts
@@ -48,7 +48,6 @@ TIER_LABEL = f"{LABEL_PREFIX}tier"
 
 
 def add_plan_source_options(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get("FABRIC_REGISTRY")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--plan-file", metavar="FILE", type=Path, help="render from this FleetPlan JSON; do not touch the registry")
     source.add_argument(
@@ -56,14 +55,7 @@ def add_plan_source_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not touch the registry: plan over this host alone (what it would run by itself)",
     )
-    p.add_argument(
-        "--registry-path",
-        metavar="FILE",
-        type=Path,
-        default=Path(env) if env else None,
-        help="use this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY; "
-        "with --root and the sqlite backend, [registry].path under the root)",
-    )
+    add_registry_path(p, otherwise="with --root and the sqlite backend, [registry].path under the root")
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,18 @@ from reconciler.registry.records import utc
 
 def add_registry_options(parser: argparse.ArgumentParser) -> None:
     add_desired(parser)
+    add_registry_path(parser)
+
+
+def add_registry_path(parser: argparse.ArgumentParser | argparse._ActionsContainer, *, otherwise: str = "[registry]") -> None:
+    """--registry-path FILE: a sqlite registry file whatever [registry] says."""
     env = os.environ.get("FABRIC_REGISTRY")
     parser.add_argument(
         "--registry-path",
         metavar="FILE",
         type=Path,
         default=Path(env) if env else None,
-        help="use this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY, else [registry])",
+        help=f"use this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY, else {otherwise})",
     )
 
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired
+from reconciler.cli.registry_options import add_registry_path
 from reconciler.desired import DesiredStateError, load_desired
 from reconciler.live import FleetPlan, Snapshot
 from reconciler.model import DesiredState
@@ -52,14 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="lane cards, nodes, leader and deferred work")
     add_desired(p)
     source = p.add_mutually_exclusive_group()
-    registry_env = os.environ.get("FABRIC_REGISTRY")
-    source.add_argument(
-        "--registry-path",
-        metavar="FILE",
-        type=Path,
-        default=Path(registry_env) if registry_env else None,
-        help="read this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY, else [registry])",
-    )
+    add_registry_path(source)
     source.add_argument("--snapshot", metavar="FILE", type=Path, help="show this saved snapshot instead of the live registry")
     p.add_argument(
         "--plan",
