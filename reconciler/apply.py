@@ -46,7 +46,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from reconciler.plan import Plan, make_plan
 from reconciler.ports import (
@@ -106,39 +106,38 @@ class Manifest:
         return {e.path: e.kind for e in self.entries}
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "number": self.number,
-                "created": self.created,
-                "host": self.host,
-                "epoch": self.epoch,
-                "digest": self.digest,
-                "artifacts": [
-                    {"path": e.path, "kind": e.kind, "mode": f"{e.mode:04o}", "sha256": e.sha256}
-                    for e in sorted(self.entries, key=lambda e: e.path)
-                ],
-            },
-            indent=2,
-        ) + "\n"
+        return (
+            json.dumps(
+                {
+                    "number": self.number,
+                    "created": self.created,
+                    "host": self.host,
+                    "epoch": self.epoch,
+                    "digest": self.digest,
+                    "artifacts": [
+                        {"path": e.path, "kind": e.kind, "mode": f"{e.mode:04o}", "sha256": e.sha256}
+                        for e in sorted(self.entries, key=lambda e: e.path)
+                    ],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
         return cls(
             number=int(data["number"]),
             created=str(data["created"]),
             host=str(data["host"]),
             epoch=data.get("epoch"),
-            entries=tuple(
-                ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"]) for a in data["artifacts"]
-            ),
+            entries=tuple(ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"]) for a in data["artifacts"]),
         )
 
 
 def manifest_for(number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact]) -> Manifest:
-    return Manifest(
-        number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256) for a in artifacts)
-    )
+    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256) for a in artifacts))
 
 
 class GenerationStore:
@@ -395,7 +394,7 @@ class Applier:
                     return PassResult("invalid", plan, current, [problem])
         else:
             number = self.store.next_number()
-            created = datetime.fromtimestamp(self.clock.now(), timezone.utc).isoformat(timespec="seconds")
+            created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
             manifest = manifest_for(number, created, host, epoch, artifacts)
             try:
                 staging = self.store.stage(manifest, artifacts, self.checkpoint)
@@ -436,7 +435,9 @@ class Applier:
             good = self.store.good()
             try:
                 self.rollback_to(good, reason=message)
-                messages.append(f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)")
+                messages.append(
+                    f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
+                )
                 return PassResult("rolled-back", plan, good, messages)
             except ActivationError as again:
                 messages.append(f"rollback to generation {good} failed too: {again}")

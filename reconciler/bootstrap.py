@@ -137,9 +137,7 @@ def nft_fix_ruleset(interface: str = "tailscale0") -> str:
     return (
         "# Written by fabric bootstrap: let the tailnet through the distro's ruleset\n"
         "# (CachyOS/Arch drop it in table inet filter; an accept in another table\n"
-        "# cannot override that). Loaded after every start or reload of nftables.service.\n"
-        + "\n".join(rules)
-        + "\n"
+        "# cannot override that). Loaded after every start or reload of nftables.service.\n" + "\n".join(rules) + "\n"
     )
 
 
@@ -149,12 +147,7 @@ def nft_fix_dropin(programs: Programs) -> str:
     # reload the unit that loads it.
     table = f"-{programs.systemctl} --no-block try-reload-or-restart {NFT_TABLE_UNIT}"
     return (
-        "# Written by fabric bootstrap: do not edit.\n"
-        "[Service]\n"
-        f"ExecStartPost={fix}\n"
-        f"ExecStartPost={table}\n"
-        f"ExecReload={fix}\n"
-        f"ExecReload={table}\n"
+        f"# Written by fabric bootstrap: do not edit.\n[Service]\nExecStartPost={fix}\nExecStartPost={table}\nExecReload={fix}\nExecReload={table}\n"
     )
 
 

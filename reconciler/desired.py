@@ -308,10 +308,7 @@ def fleet_rules(
     problems += _duplicates(file, "services", "id", [s.id for s in services])
     problems += _duplicates(file, "services", "port", [s.port for s in services])
     routes = [s.route.host if s.route else None for s in services]
-    problems += [
-        Problem(p.file, p.path.replace(".route", ".route.host"), p.reason)
-        for p in _duplicates(file, "services", "route", routes)
-    ]
+    problems += [Problem(p.file, p.path.replace(".route", ".route.host"), p.reason) for p in _duplicates(file, "services", "route", routes)]
     status_host = f"{fleet.fleet.status_subdomain}.{fleet.fleet.domain}"
     for i, s in enumerate(services):
         if s.route is not None and s.route.host == status_host:

@@ -121,9 +121,7 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
     return LaneDecision(backend=None, hold="no_free_slots")
 
 
-def dispatch_jobs(
-    lanes: Sequence[LaneView], jobs: Iterable[LaneJob], settings: SchedulerSettings
-) -> tuple[list[LaneDecision], list[LaneView]]:
+def dispatch_jobs(lanes: Sequence[LaneView], jobs: Iterable[LaneJob], settings: SchedulerSettings) -> tuple[list[LaneDecision], list[LaneView]]:
     """Dispatch jobs in order, each taking a slot of the lane it gets.
 
     Returns the decisions and the lanes as they would be afterwards.

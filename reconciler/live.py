@@ -17,7 +17,7 @@ against its own desired state; the probe's Tailscale FQDN is only a fact.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,7 +90,7 @@ class LaneView(_Live):
 
 
 class Snapshot(_Live):
-    now: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    now: datetime = Field(default_factory=lambda: datetime.now(UTC))
     nodes: list[SnapshotNode] = []
     lanes: list[SnapshotLane] = []
     # Placements currently in force (the last published plan), so the

@@ -209,11 +209,9 @@ class TimingSettings(Strict):
     drain_grace_s: Seconds = 300
 
     @model_validator(mode="after")
-    def _coherent(self) -> "TimingSettings":
+    def _coherent(self) -> TimingSettings:
         if self.node_timeout_s < self.heartbeat_s:
-            raise FieldProblem(
-                "node_timeout_s", f"{self.node_timeout_s} is shorter than heartbeat_s ({self.heartbeat_s})"
-            )
+            raise FieldProblem("node_timeout_s", f"{self.node_timeout_s} is shorter than heartbeat_s ({self.heartbeat_s})")
         if self.relayed_heartbeat_s < self.heartbeat_s:
             raise FieldProblem("relayed_heartbeat_s", f"{self.relayed_heartbeat_s} is shorter than heartbeat_s ({self.heartbeat_s})")
         return self
@@ -240,7 +238,7 @@ class RegistrySettings(Strict):
     key_file: AbsPath | None = None
 
     @model_validator(mode="after")
-    def _etcd_needs_endpoints(self) -> "RegistrySettings":
+    def _etcd_needs_endpoints(self) -> RegistrySettings:
         if self.backend == "etcd" and not self.endpoints:
             raise FieldProblem("endpoints", "backend 'etcd' needs at least one endpoint")
         tls = {"ca_file": self.ca_file, "cert_file": self.cert_file, "key_file": self.key_file}
@@ -274,7 +272,7 @@ class ScalingSettings(Strict):
     cloud_hooks: dict[Tier, NonEmptyArgv] = {}
 
     @model_validator(mode="after")
-    def _ordered(self) -> "ScalingSettings":
+    def _ordered(self) -> ScalingSettings:
         if self.scale_down_utilization >= self.scale_up_utilization:
             raise FieldProblem("scale_down_utilization", "must be below scale_up_utilization")
         return self
@@ -301,7 +299,7 @@ class AgentSettings(Strict):
     environment: Environment = {}
 
     @model_validator(mode="after")
-    def _image_command_swap(self) -> "AgentSettings":
+    def _image_command_swap(self) -> AgentSettings:
         arm = self.arch.get("aarch64")
         x86 = self.arch.get("x86_64")
         if arm is not None:
@@ -329,7 +327,7 @@ class Backend(Strict):
     queue: Name | None = None
 
     @model_validator(mode="after")
-    def _compute_fields(self) -> "Backend":
+    def _compute_fields(self) -> Backend:
         if self.kind == "compute":
             for key in ("agent_ref", "push_host", "scratch_dir"):
                 if getattr(self, key) is None:
@@ -370,7 +368,7 @@ class Service(Strict):
     credentials: dict[Name, AbsPath] = {}
 
     @model_validator(mode="after")
-    def _rules(self) -> "Service":
+    def _rules(self) -> Service:
         if tier_score(self.floor) > tier_score(self.min_tier):
             raise FieldProblem("floor", f"{self.floor!r} is above min_tier {self.min_tier!r}")
         if bool(self.command) == bool(self.image):
@@ -437,7 +435,7 @@ class HostLimits(Strict):
     max_concurrent_ceiling: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     @model_validator(mode="after")
-    def _ceiling(self) -> "HostLimits":
+    def _ceiling(self) -> HostLimits:
         if (
             self.max_concurrent_tasks is not None
             and self.max_concurrent_ceiling is not None

@@ -30,9 +30,15 @@ NODE_CONFIG_PATH = "/etc/fabric/node.toml"
 
 # A systemd time span as the timer takes it ("30s", "2min", "1h 30s"). Kept to a
 # safe character set: it lands in a unit file.
-TimeSpan = Annotated[str, StringConstraints(pattern=r"^[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?(?:\s+[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?)*$")]
+TimeSpan = Annotated[
+    str,
+    StringConstraints(pattern=r"^[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?(?:\s+[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?)*$"),
+]
 # A git remote: ssh (git@host:path, ssh://...), https or a local path.
-GitRemote = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[A-Za-z0-9._/~-]+|(?:ssh|https|file)://[A-Za-z0-9._@:/~%-]+|/[A-Za-z0-9._/-]+)$")]
+GitRemote = Annotated[
+    str,
+    StringConstraints(pattern=r"^(?:[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[A-Za-z0-9._/~-]+|(?:ssh|https|file)://[A-Za-z0-9._@:/~%-]+|/[A-Za-z0-9._/-]+)$"),
+]
 GitBranch = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}$")]
 HttpsUrl = Annotated[str, StringConstraints(pattern=r"^https://[A-Za-z0-9.\-\[\]:]+(?:/[A-Za-z0-9._/-]*)?$")]
 
@@ -66,7 +72,7 @@ class SourceSection(Strict):
     allowed_signers_file: AbsPath | None = None
 
     @model_validator(mode="after")
-    def _signers(self) -> "SourceSection":
+    def _signers(self) -> SourceSection:
         if self.require_signed_commits and self.allowed_signers_file is None:
             raise FieldProblem("allowed_signers_file", "required when require_signed_commits is true")
         return self
@@ -89,7 +95,7 @@ class BootstrapSection(Strict):
     k3s_config_dir: AbsPath = "/etc/rancher/k3s/config.yaml.d"
 
     @model_validator(mode="after")
-    def _k3s_pair(self) -> "BootstrapSection":
+    def _k3s_pair(self) -> BootstrapSection:
         if (self.k3s_server is None) != (self.k3s_token_file is None):
             missing = "k3s_token_file" if self.k3s_token_file is None else "k3s_server"
             raise FieldProblem(missing, "k3s_server and k3s_token_file go together")
@@ -103,7 +109,7 @@ class NodeConfig(Strict):
     bootstrap: BootstrapSection = BootstrapSection()
 
     @model_validator(mode="after")
-    def _checkout_is_writable(self) -> "NodeConfig":
+    def _checkout_is_writable(self) -> NodeConfig:
         # The pass runs with ProtectSystem=strict: of the places a checkout
         # could go, only the state directory is writable (and the first clone
         # is renamed into place there).

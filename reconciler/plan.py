@@ -128,9 +128,7 @@ def compare_units(old: str, new: str) -> UnitChange:
             continue
         changed = {k for k in set(old_keys) | set(new_keys) if old_keys.get(k) != new_keys.get(k)}
         for key in sorted(changed):
-            if section == "Unit" and (
-                key in UNIT_KEYS_WITHOUT_RESTART or (key.startswith("X-") and key not in (RELOAD_TRIGGERS, RESTART_TRIGGERS))
-            ):
+            if section == "Unit" and (key in UNIT_KEYS_WITHOUT_RESTART or (key.startswith("X-") and key not in (RELOAD_TRIGGERS, RESTART_TRIGGERS))):
                 continue
             if section == "Unit" and key == RELOAD_TRIGGERS and can_reload:
                 change = max(change, UnitChange.RELOAD)
@@ -302,9 +300,7 @@ def make_plan(
     else:  # the table left the plan (a rollback to nothing): load the empty table
         nft_load = any(tracked[p] == "nft" and p in running for p in gone)
     caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}
-    caddy_reload = any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(
-        tracked[p] == "caddy" and p in running for p in gone
-    )
+    caddy_reload = any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(tracked[p] == "caddy" and p in running for p in gone)
     return Plan(
         write=tuple(write),
         remove=tuple(remove),

@@ -122,12 +122,7 @@ def systemd_text(value: str) -> str:
 def systemd_quote(arg: str) -> str:
     """One argv element for ExecStart=: double-quoted, C escapes, no specifier
     or variable expansion (systemd.service(5) "Command lines")."""
-    escaped = (
-        arg.replace("\\", "\\\\")
-        .replace('"', '\\"')
-        .replace("%", "%%")
-        .replace("$", "$$")
-    )
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
     return f'"{escaped}"'
 
 
@@ -417,9 +412,7 @@ def render(
                 f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {state.fleet_file}"
             )
         seen[w.id] = w.what
-        artifacts.append(
-            Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates), 0o644, "unit")
-        )
+        artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates), 0o644, "unit"))
 
     # Port maps of this host: one socat unit each.
     tcp_ports: set[int] = set()
@@ -501,13 +494,10 @@ def render(
     # k3s node labels from the probe (and the host file).
     labels = _labels(host, facts, notes)
     if labels:
-        artifacts.append(
-            Artifact(layout.k3s_dropin, _template("k3s-labels.yaml.j2", templates, host=host_name, labels=labels), 0o644, "dropin")
-        )
+        artifacts.append(Artifact(layout.k3s_dropin, _template("k3s-labels.yaml.j2", templates, host=host_name, labels=labels), 0o644, "dropin"))
 
     artifacts.sort(key=lambda a: a.path)
     return Rendered(tuple(artifacts), tuple(notes))
-
 
 
 def complete_caddy_config(main: str | None, snippet_path: str, snippet: str) -> str:

@@ -138,9 +138,7 @@ def decide_scaling(
     last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items() if now - as_aware(at) < interval}
     # Kept while they still pace something, whatever the node did meanwhile
     # (a node that blinks offline and back is not activated again sooner).
-    last_activation_at = {
-        n: as_aware(at) for n, at in state.last_activation_at.items() if now - as_aware(at) < interval
-    }
+    last_activation_at = {n: as_aware(at) for n, at in state.last_activation_at.items() if now - as_aware(at) < interval}
 
     actions: list[ScalingAction] = []
     scale_out_reasons: list[str] = []
@@ -173,11 +171,7 @@ def decide_scaling(
         scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
     if scale_out_reasons:
         why = "; ".join(scale_out_reasons)
-        idle = sorted(
-            node_id
-            for node_id, node in running.items()
-            if node.in_flight == 0 and accepts_new_work(node, now)
-        )
+        idle = sorted(node_id for node_id, node in running.items() if node.in_flight == 0 and accepts_new_work(node, now))
         if idle:
             for node_id in idle:
                 last = last_activation_at.get(node_id)

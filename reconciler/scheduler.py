@@ -71,7 +71,7 @@ import heapq
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from reconciler.lanes import lane_views
@@ -104,7 +104,7 @@ class Request:
             raise ValueError(f"floor {self.floor!r} is above min_tier {self.min_tier!r}")
 
     @classmethod
-    def for_service(cls, service: Service) -> "Request":
+    def for_service(cls, service: Service) -> Request:
         return cls(
             min_tier=service.min_tier,
             floor=service.floor,
@@ -149,12 +149,12 @@ def tier_sequence(min_tier: str, floor: str, strategy: Strategy) -> tuple[list[s
 
 def as_aware(moment: datetime) -> datetime:
     """Hand-written snapshots may omit the zone: read that as UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def utc_stamp(moment: datetime) -> str:
     """`2026-11-29T12:00:00Z`, whatever zone the datetime carries."""
-    return as_aware(moment).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return as_aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
@@ -360,9 +360,7 @@ class Placer:
         key = (request.constraint, request.min_tier, request.floor, exclude)
         cached = self._deferral_cache.get(key)
         if cached is None:
-            cached = self._deferral_cache[key] = explain_deferral(
-                request, list(self.nodes.values()), self.load, self.now, exclude
-            )
+            cached = self._deferral_cache[key] = explain_deferral(request, list(self.nodes.values()), self.load, self.now, exclude)
         return cached
 
 
@@ -505,13 +503,9 @@ def schedule_with_placer(
             outcome = placer.place(request, exclude=hosting)
             if isinstance(outcome, Choice):
                 hosting.add(outcome.node)
-                placements.append(
-                    Placement(service=service.id, replica=replica, node=outcome.node, tier=outcome.tier, fallback=outcome.fallback)
-                )
+                placements.append(Placement(service=service.id, replica=replica, node=outcome.node, tier=outcome.tier, fallback=outcome.fallback))
             else:
-                deferred.append(
-                    Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible)
-                )
+                deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
 
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,

@@ -15,7 +15,7 @@ shows a greyed glyph and the word `offline` on that card alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from reconciler.live import FleetPlan, Snapshot, SnapshotNode
@@ -192,9 +192,7 @@ def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | Non
     cards = []
     for lane in desired.lanes:
         available, in_flight = observed.get(lane.id, (True, 0))
-        cards.append(
-            LaneCard(id=lane.id, kind=lane.kind, rank=lane.rank, cap=lane.cap, in_flight=in_flight, available=available)
-        )
+        cards.append(LaneCard(id=lane.id, kind=lane.kind, rank=lane.rank, cap=lane.cap, in_flight=in_flight, available=available))
     # multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
     return tuple(sorted(cards, key=lambda c: (c.rank, c.in_flight / c.cap, c.id)))
 
@@ -204,10 +202,7 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
     services: dict[str, list[str]] = {}
     for p in sorted(placements, key=lambda p: (p.service, p.replica)):
         services.setdefault(p.node, []).append(f"{p.service}#{p.replica}")
-    rows = [
-        _node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts)
-        for node in snapshot.nodes
-    ]
+    rows = [_node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts) for node in snapshot.nodes]
     reported = {node.node_id for node in snapshot.nodes}
     for host in sorted(set(desired.hosts) - reported):
         rows.append(
@@ -262,7 +257,7 @@ def _deferred(plan: FleetPlan | None, *, inadmissible: bool) -> tuple[DeferredRo
 
 def _aware(moment: datetime) -> datetime:
     """Naive datetimes in snapshots are UTC (the registry writes UTC)."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 # --------------------------------------------------------------------------
@@ -285,7 +280,7 @@ def format_duration(seconds: float) -> str:
 
 
 def format_time(moment: datetime) -> str:
-    return _aware(moment).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return _aware(moment).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 # --------------------------------------------------------------------------

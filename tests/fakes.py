@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 # A fixed instant the fake clock starts at (the seed's registry example time).
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc).timestamp()
+T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC).timestamp()
 
 
 class FakeClock:

@@ -33,7 +33,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -62,7 +62,7 @@ def one_run(fleet, desired, hosts) -> dict[str, float]:
     def replacement_answers() -> datetime | None:
         status, body = fleet.request(ROUTE, timeout=1.0)
         if status == 200 and body.strip().startswith(f"{SERVICE} on ") and not body.strip().endswith(f" on {victim}"):
-            return datetime.now(timezone.utc)
+            return datetime.now(UTC)
         return None
 
     served = wait_for(replacement_answers, timeout=180, what=f"{ROUTE} served by another host than {victim}", interval=0.02)
@@ -90,7 +90,7 @@ def _unit_active_since(fleet, host: str, unit: str) -> datetime | None:
     """When the unit last became active on `host` (systemd's ActiveEnterTimestamp)."""
     out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=unix", unit).stdout.strip()
     value = out.split("=", 1)[-1].lstrip("@")
-    return datetime.fromtimestamp(float(value), timezone.utc) if value.replace(".", "").isdigit() else None
+    return datetime.fromtimestamp(float(value), UTC) if value.replace(".", "").isdigit() else None
 
 
 def _last_caddy_load(fleet, edge: str) -> datetime | None:
@@ -98,7 +98,7 @@ def _last_caddy_load(fleet, edge: str) -> datetime | None:
     lines = fleet.journal(edge, "-t", "fabric-reconcile", "-o", "json", "--output-fields=MESSAGE").splitlines()
     stamps = [json.loads(line) for line in lines]
     loads = [int(e["__REALTIME_TIMESTAMP"]) for e in stamps if str(e.get("MESSAGE", "")).startswith("caddy-load")]
-    return datetime.fromtimestamp(loads[-1] / 1e6, timezone.utc) if loads else None
+    return datetime.fromtimestamp(loads[-1] / 1e6, UTC) if loads else None
 
 
 def main() -> int:
@@ -127,7 +127,9 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
             except AssertionError:
                 print("cannot measure: no host sends heartbeats (fabric reconcile does not talk to the registry yet)")
                 return 1
-        print(f"node loss: configured node timeout {settings.node_timeout_s} s, heartbeat {settings.heartbeat_s} s, pass interval {settings.pass_interval}")
+        print(
+            f"node loss: configured node timeout {settings.node_timeout_s} s, heartbeat {settings.heartbeat_s} s, pass interval {settings.pass_interval}"
+        )
         print(f"{'run':>3}  {'host lost':10} {'offline':>8} {'plan':>8} {'started':>8} {'edge':>8} {'served':>8}   (s after its last heartbeat)")
         for run in range(1, runs + 1):
             figures = one_run(fleet, desired, hosts)
@@ -152,7 +154,7 @@ def leader_failover(fleet, desired, hosts) -> tuple[float, str, str, float]:
     wait_for(lambda: converged(fleet, desired, hosts), timeout=180, what="convergence", interval=0.5)
     with fleet.registry() as registry:
         old = registry.leader()
-    killed = datetime.now(timezone.utc)
+    killed = datetime.now(UTC)
     fleet.kill_host(old.candidate)
 
     def successor():

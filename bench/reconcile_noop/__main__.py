@@ -54,10 +54,7 @@ def measure(argv: list[str], expect_stdout: str | None = None) -> tuple[float, f
 def row(label: str, samples: list[tuple[float, float]]) -> str:
     walls = [w for w, _ in samples]
     peak = max(m for _, m in samples)
-    return (
-        f"{label:<44} wall median {statistics.median(walls) * 1000:7.1f} ms"
-        f"  min {min(walls) * 1000:7.1f} ms  peak RSS {peak:6.1f} MiB"
-    )
+    return f"{label:<44} wall median {statistics.median(walls) * 1000:7.1f} ms  min {min(walls) * 1000:7.1f} ms  peak RSS {peak:6.1f} MiB"
 
 
 def main() -> None:
@@ -69,6 +66,7 @@ def main() -> None:
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         measure([sys.executable, "-c", "import reconciler.cli.reconcile"])  # warm the bytecode cache
         root = Path(tmp) / "root"
+
         def pass_argv(sandbox: Path, *extra: str) -> list[str]:
             return [*FABRIC, "reconcile", "--desired", str(ROOT / "hosts"), "--host", args.host, "--root", str(sandbox), "--no-activate", *extra]
 

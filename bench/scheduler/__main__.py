@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,7 +38,7 @@ from reconciler.live import SnapshotNode  # noqa: E402
 from reconciler.model import TIER_ORDER  # noqa: E402
 from reconciler.scheduler import Choice, Placer, Request  # noqa: E402
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 SIZES = (100, 1_000, 10_000)
 SHAPES = (
     Request(min_tier="gpu_apu", floor="relay"),
@@ -111,7 +111,9 @@ def main() -> int:
             best[size] = (min(old[0], build_s), min(old[1], place_s))
 
     rows = []
-    print(f"{'nodes':>7} | {'indexed /s':>11} {'us/decision':>11} {'build ms':>9} | {'naive /s':>9} {'us/decision':>11} {'decisions':>9} | {'speed-up':>8}")
+    print(
+        f"{'nodes':>7} | {'indexed /s':>11} {'us/decision':>11} {'build ms':>9} | {'naive /s':>9} {'us/decision':>11} {'decisions':>9} | {'speed-up':>8}"
+    )
     for size in SIZES:
         decisions = decisions_of[size]
         build_s, place_s = best[size]

@@ -10,17 +10,26 @@ make the same decision every time.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from fractions import Fraction
 
 TIERS = (
-    "gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "ethernet",
-    "framebuffer", "wasm", "dsp", "esp32", "relay",
+    "gpu_cuda",
+    "gpu_vaapi",
+    "gpu_apu",
+    "cpu_ffmpeg",
+    "batch",
+    "ethernet",
+    "framebuffer",
+    "wasm",
+    "dsp",
+    "esp32",
+    "relay",
 )  # best first
 
 
 def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 class ScanningPlacer:
@@ -60,11 +69,8 @@ class ScanningPlacer:
             return (tier_key, Fraction(self.load[node.node_id], node.max_concurrent_tasks), node.node_id)
 
         for tiers, fallback in steps:
-            for avoiding in ([avoid, exclude] if avoid != exclude else [avoid]):
-                candidates = [
-                    n for n in self.nodes
-                    if n.tier in tiers and n.node_id not in avoiding and self._eligible(n, request)
-                ]
+            for avoiding in [avoid, exclude] if avoid != exclude else [avoid]:
+                candidates = [n for n in self.nodes if n.tier in tiers and n.node_id not in avoiding and self._eligible(n, request)]
                 if candidates:
                     best = min(candidates, key=preference)
                     self.load[best.node_id] += 1

@@ -90,9 +90,7 @@ class CaddyAdmin:
             self._post("/load", json.dumps(config).encode(), "application/json", "load")
         except ActivationError as exc:
             if " start: " in str(exc):
-                raise ActivationError(
-                    f"{exc} (Caddy 2.6 may keep serving the part of this config it had started until it is restarted)"
-                ) from exc
+                raise ActivationError(f"{exc} (Caddy 2.6 may keep serving the part of this config it had started until it is restarted)") from exc
             raise
 
     def current_config(self) -> Any:

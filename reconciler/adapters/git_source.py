@@ -57,9 +57,12 @@ class GitSource:
         if not self._source.require_signed_commits:
             return None
         ok, out = self._git(
-            "-c", "gpg.format=ssh",
-            "-c", f"gpg.ssh.allowedSignersFile={self._source.allowed_signers_file}",
-            "verify-commit", commit,
+            "-c",
+            "gpg.format=ssh",
+            "-c",
+            f"gpg.ssh.allowedSignersFile={self._source.allowed_signers_file}",
+            "verify-commit",
+            commit,
             cwd=repo,
         )
         return None if ok else f"commit {commit[:12]} is not signed by an allowed signer ({out})"
@@ -68,7 +71,9 @@ class GitSource:
         head = self._head()
         if head is None:
             return self._clone()
-        ok, out = self._git("fetch", "--quiet", "origin", f"+refs/heads/{self._source.branch}:refs/remotes/origin/{self._source.branch}", cwd=self._checkout)
+        ok, out = self._git(
+            "fetch", "--quiet", "origin", f"+refs/heads/{self._source.branch}:refs/remotes/origin/{self._source.branch}", cwd=self._checkout
+        )
         if not ok:
             return PullOutcome(head, False, f"cannot fetch {self._source.remote}: {out}")
         ok, candidate = self._git("rev-parse", f"refs/remotes/origin/{self._source.branch}", cwd=self._checkout)
@@ -89,7 +94,9 @@ class GitSource:
         staging = self._checkout.with_name(f".{self._checkout.name}.clone")
         shutil.rmtree(staging, ignore_errors=True)
         self._checkout.parent.mkdir(parents=True, exist_ok=True)
-        ok, out = self._git("clone", "--quiet", "--branch", self._source.branch, "--single-branch", "--no-checkout", self._source.remote, str(staging))
+        ok, out = self._git(
+            "clone", "--quiet", "--branch", self._source.branch, "--single-branch", "--no-checkout", self._source.remote, str(staging)
+        )
         if not ok:
             shutil.rmtree(staging, ignore_errors=True)
             return PullOutcome(None, False, f"cannot clone {self._source.remote}: {out}")

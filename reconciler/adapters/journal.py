@@ -101,4 +101,3 @@ class JournalAudit:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-

@@ -104,6 +104,4 @@ def _refuse_foreign_tables(ruleset: str) -> None:
             if (family, table) != (FABRIC_FAMILY, FABRIC_TABLE):
                 problems.append(f"line {line_number} names table {family} {table}")
     if problems:
-        raise ActivationError(
-            f"refusing an nft ruleset that reaches beyond table {FABRIC_FAMILY} {FABRIC_TABLE}: " + "; ".join(problems)
-        )
+        raise ActivationError(f"refusing an nft ruleset that reaches beyond table {FABRIC_FAMILY} {FABRIC_TABLE}: " + "; ".join(problems))

@@ -85,9 +85,7 @@ class CaptureDirectory:
                 document = json.loads(errors_path.read_text(encoding="utf-8"))
             except ValueError as exc:
                 raise CaptureError(f"{errors_path}: not JSON: {exc}") from None
-            if not isinstance(document, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in document.items()
-            ):
+            if not isinstance(document, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in document.items()):
                 raise CaptureError(f"{errors_path}: must map raw file names to reasons")
             errors = {k: v for k, v in document.items() if k in RAW_NAMES}
         if not outputs and not errors:

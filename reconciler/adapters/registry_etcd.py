@@ -244,9 +244,7 @@ class EtcdRegistry(LifecycleMixin):
                 if not lease_id:
                     lease_id = (await c.lease(math.ceil(ttl))).id
                 try:
-                    await c.transaction(
-                        compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[]
-                    )
+                    await c.transaction(compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[])
                     return
                 except aetcd.ClientError as exc:
                     # The kept lease lapsed between its refresh and the write.
@@ -259,9 +257,7 @@ class EtcdRegistry(LifecycleMixin):
         return stored
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
-        request = DrainRequest(
-            node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason
-        )
+        request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
         key, value = self._key("drain", node_id), request.model_dump_json().encode()
 
         async def op(c: _Client) -> None:
@@ -274,7 +270,7 @@ class EtcdRegistry(LifecycleMixin):
         key = self._key("drain", node_id)
 
         async def op(c: _Client) -> bool:
-            return bool((await c.delete(key)))
+            return bool(await c.delete(key))
 
         return self._call(op)
 
@@ -561,9 +557,7 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> None:
             tx = c.transactions
-            ok, _ = await c.transaction(
-                compare=[tx.value(leader_key) == ours], success=[tx.put(key, record.model_dump_json().encode())], failure=[]
-            )
+            ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=[tx.put(key, record.model_dump_json().encode())], failure=[])
             if not ok:
                 raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
 
@@ -575,7 +569,7 @@ class EtcdRegistry(LifecycleMixin):
         base = self._prefix.encode() + b"/"
 
         async def op(c: _Client):
-            return [(kv.key[len(base):].decode(), kv.value) for kv in await c.get_prefix(base)]
+            return [(kv.key[len(base) :].decode(), kv.value) for kv in await c.get_prefix(base)]
 
         now = from_epoch_seconds(self._now())
         records: dict[str, NodeRecord] = {}
@@ -625,9 +619,7 @@ class EtcdRegistry(LifecycleMixin):
             concurrency=concurrency,
         )
 
-    def _store_lifecycle(
-        self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]
-    ) -> None:
+    def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
         leader_key = self._key("leader")
         ours = self._leader_value(leadership.info)
 

@@ -101,9 +101,7 @@ class SqliteRegistry(LifecycleMixin):
         self._next_expiry: float | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(
-                str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-            )
+            self._db = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
             self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
@@ -174,13 +172,10 @@ class SqliteRegistry(LifecycleMixin):
         return stored
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
-        request = DrainRequest(
-            node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason
-        )
+        request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
         with self._tx() as db:
             db.execute(
-                "INSERT INTO drains (node_id, request) VALUES (?, ?) "
-                "ON CONFLICT(node_id) DO UPDATE SET request = excluded.request",
+                "INSERT INTO drains (node_id, request) VALUES (?, ?) ON CONFLICT(node_id) DO UPDATE SET request = excluded.request",
                 (node_id, request.model_dump_json()),
             )
             self._bump(db, CHANGES)
@@ -251,8 +246,7 @@ class SqliteRegistry(LifecycleMixin):
             epoch = self._bump(db, EPOCH)
             stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
             db.execute(
-                "INSERT INTO plan (id, epoch, plan) VALUES (1, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan = excluded.plan",
+                "INSERT INTO plan (id, epoch, plan) VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan = excluded.plan",
                 (epoch, stored.model_dump_json()),
             )
         return stored
@@ -287,9 +281,7 @@ class SqliteRegistry(LifecycleMixin):
 
     def release_slot(self, claim: SlotClaim) -> bool:
         with self._tx() as db:
-            gone = db.execute(
-                "DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (claim.lane, claim.slot, claim.token)
-            ).rowcount
+            gone = db.execute("DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (claim.lane, claim.slot, claim.token)).rowcount
         return bool(gone)
 
     # -- the lane job queue -----------------------------------------------------------
@@ -330,9 +322,7 @@ class SqliteRegistry(LifecycleMixin):
             claim = self._take_slot(db, lane, cap, job_id, now, ttl_s=None)
             if claim is None:
                 return None
-            db.execute(
-                "UPDATE jobs SET job = ? WHERE job_id = ?", (job.model_copy(update={"claim": claim}).model_dump_json(), job_id)
-            )
+            db.execute("UPDATE jobs SET job = ? WHERE job_id = ?", (job.model_copy(update={"claim": claim}).model_dump_json(), job_id))
         return claim
 
     def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
@@ -343,9 +333,7 @@ class SqliteRegistry(LifecycleMixin):
             job = QueuedJob.model_validate_json(row[0])
             if job.claim is None:
                 return None
-            db.execute(
-                "DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (job.claim.lane, job.claim.slot, job.claim.token)
-            )
+            db.execute("DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (job.claim.lane, job.claim.slot, job.claim.token))
             if not requeue:
                 db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
                 return job
@@ -373,9 +361,7 @@ class SqliteRegistry(LifecycleMixin):
             )
 
     def _lane_in_flight(self, db: sqlite3.Connection, now: float) -> dict[str, int]:
-        rows = db.execute(
-            "SELECT lane, COUNT(*) FROM slots WHERE expires_at IS NULL OR expires_at > ? GROUP BY lane", (now,)
-        )
+        rows = db.execute("SELECT lane, COUNT(*) FROM slots WHERE expires_at IS NULL OR expires_at > ? GROUP BY lane", (now,))
         return {lane: int(n) for lane, n in rows}
 
     def lane_in_flight(self) -> dict[str, int]:
@@ -395,15 +381,9 @@ class SqliteRegistry(LifecycleMixin):
         now = self._now()
         moment = from_epoch_seconds(now)
         with self._tx(write=False) as db:
-            records = {
-                node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")
-            }
-            states = {
-                node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")
-            }
-            drains = {
-                node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")
-            }
+            records = {node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")}
+            states = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
+            drains = {node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")}
             lanes = {lane: bool(a) for lane, a in db.execute("SELECT lane, available FROM lanes")}
             in_flight = self._lane_in_flight(db, now)
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
@@ -424,16 +404,13 @@ class SqliteRegistry(LifecycleMixin):
             concurrency=concurrency,
         )
 
-    def _store_lifecycle(
-        self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]
-    ) -> None:
+    def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
         now = self._now()
         with self._tx() as db:
             self._require_leader(db, leadership, now)
             for node_id, state in changed.items():
                 db.execute(
-                    "INSERT INTO node_states (node_id, state) VALUES (?, ?) "
-                    "ON CONFLICT(node_id) DO UPDATE SET state = excluded.state",
+                    "INSERT INTO node_states (node_id, state) VALUES (?, ?) ON CONFLICT(node_id) DO UPDATE SET state = excluded.state",
                     (node_id, state.model_dump_json()),
                 )
             # Only a beat that is still expired is dropped: a node that beat

@@ -35,10 +35,7 @@ NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 # ActiveState values a unit only passes through; anything else is settled.
 TRANSITIONAL_STATES = frozenset({"activating", "deactivating", "reloading", "refreshing"})
 
-_JOB_REMOVED_MATCH = (
-    f"type='signal',sender='{SYSTEMD_BUS_NAME}',path='{MANAGER_PATH}',"
-    f"interface='{MANAGER_INTERFACE}',member='JobRemoved'"
-)
+_JOB_REMOVED_MATCH = f"type='signal',sender='{SYSTEMD_BUS_NAME}',path='{MANAGER_PATH}',interface='{MANAGER_INTERFACE}',member='JobRemoved'"
 
 
 class SystemdDbus:
@@ -155,16 +152,14 @@ class SystemdDbus:
         self._job_waiters.clear()
         # systemd only emits JobRemoved once some client has subscribed, and the bus
         # only delivers signals that match a rule of ours.
-        await self._call(bus, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "AddMatch", "s", [_JOB_REMOVED_MATCH], what="subscribe")
+        await self._call(
+            bus, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "AddMatch", "s", [_JOB_REMOVED_MATCH], what="subscribe"
+        )
         await self._call_manager("Subscribe", "", [], what="subscribe")
         return bus
 
     def _on_message(self, message: Message) -> None:
-        if (
-            message.message_type is MessageType.SIGNAL
-            and message.member == "JobRemoved"
-            and message.interface == MANAGER_INTERFACE
-        ):
+        if message.message_type is MessageType.SIGNAL and message.member == "JobRemoved" and message.interface == MANAGER_INTERFACE:
             _job_id, job_path, _unit, result = message.body
             waiter = self._job_waiters.pop(job_path, None)
             if waiter is not None and not waiter.done():
@@ -172,10 +167,10 @@ class SystemdDbus:
             else:
                 self._finished_jobs[job_path] = result
 
-    async def _call(self, bus: MessageBus, destination: str, path: str, interface: str, member: str, signature: str, body: list[Any], *, what: str) -> Message:
-        reply = await bus.call(
-            Message(destination=destination, path=path, interface=interface, member=member, signature=signature, body=body)
-        )
+    async def _call(
+        self, bus: MessageBus, destination: str, path: str, interface: str, member: str, signature: str, body: list[Any], *, what: str
+    ) -> Message:
+        reply = await bus.call(Message(destination=destination, path=path, interface=interface, member=member, signature=signature, body=body))
         if reply.message_type is MessageType.ERROR:
             raise _DbusCallError(reply.error_name or "unknown", str(reply.body[0]) if reply.body else "", what)
         return reply
@@ -214,9 +209,7 @@ class SystemdDbus:
             await asyncio.sleep(self._settle_poll_interval)
             properties = await self._unit_properties(unit)
             crashed = (
-                properties["ActiveState"] == "failed"
-                or properties["SubState"] == "auto-restart"
-                or properties["NRestarts"] > started["NRestarts"]
+                properties["ActiveState"] == "failed" or properties["SubState"] == "auto-restart" or properties["NRestarts"] > started["NRestarts"]
             )
             if crashed:
                 raise ActivationError(f"{verb} {unit}: unit did not stay up after starting; {_describe(properties)}")
@@ -265,7 +258,15 @@ class SystemdDbus:
             reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "LoadUnit", "s", [unit], what="LoadUnit")
         except _DbusCallError as exc:
             if exc.name == NO_SUCH_UNIT:
-                return {"ActiveState": "inactive", "SubState": "dead", "LoadState": "not-found", "Result": "", "MainPID": 0, "ExecMainStatus": 0, "NRestarts": 0}
+                return {
+                    "ActiveState": "inactive",
+                    "SubState": "dead",
+                    "LoadState": "not-found",
+                    "Result": "",
+                    "MainPID": 0,
+                    "ExecMainStatus": 0,
+                    "NRestarts": 0,
+                }
             raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
         unit_path: str = reply.body[0]
         unit_props = await self._get_all(bus, unit_path, UNIT_INTERFACE)

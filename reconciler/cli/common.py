@@ -19,8 +19,7 @@ def add_desired(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         type=Path,
         default=Path(os.environ.get("FABRIC_DESIRED", DEFAULT_DESIRED)),
-        help="desired-state directory holding fabric.toml and the host files "
-        f"(default: $FABRIC_DESIRED or {DEFAULT_DESIRED})",
+        help=f"desired-state directory holding fabric.toml and the host files (default: $FABRIC_DESIRED or {DEFAULT_DESIRED})",
     )
 
 

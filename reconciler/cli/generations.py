@@ -1,7 +1,7 @@
 """fabric generations: the generations under the state directory, newest last.
 
-    NUMBER  CREATED                    DIGEST        FILES  STATE
-    3       2026-11-29T18:00:00+00:00  5f0c1a2b9e3d  7      current, good
+NUMBER  CREATED                    DIGEST        FILES  STATE
+3       2026-11-29T18:00:00+00:00  5f0c1a2b9e3d  7      current, good
 """
 
 from __future__ import annotations

@@ -80,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "enqueue":
             for job in registry.enqueue_jobs(args.jobs):
-                print(json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts}) if args.json else f"{job.job_id} enqueued {stamp(job.enqueued_at)}")
+                print(
+                    json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts})
+                    if args.json
+                    else f"{job.job_id} enqueued {stamp(job.enqueued_at)}"
+                )
             return EXIT_OK
         if args.action in ("done", "fail"):
             return _finish(registry, desired, args.jobs[0], failed=args.action == "fail", as_json=args.json)
@@ -145,9 +149,7 @@ def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> int:
         "now": now.isoformat(),
         "queue_depth": queue_depth(jobs, plan),
         "lanes": [v.model_dump() for v in lanes],
-        "waiting": [
-            {**predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in jobs if j.waiting
-        ],
+        "waiting": [{**predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in jobs if j.waiting],
         "running": [
             {"job": j.job_id, "lane": j.claim.lane, "slot": j.claim.slot, "since": j.claim.claimed_at.isoformat(), "attempts": j.attempts}
             for j in jobs

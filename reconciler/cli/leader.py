@@ -107,8 +107,7 @@ def _run_loop(args: argparse.Namespace) -> int:
     if args.host not in desired.fleet.fleet.leader_candidates:
         registry.close()
         print(
-            f"fabric leader run: {args.host!r} is not in fleet.leader_candidates "
-            f"({', '.join(desired.fleet.fleet.leader_candidates)})",
+            f"fabric leader run: {args.host!r} is not in fleet.leader_candidates ({', '.join(desired.fleet.fleet.leader_candidates)})",
             file=sys.stderr,
         )
         return EXIT_INVALID

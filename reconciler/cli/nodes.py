@@ -63,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     **json.loads(s.model_dump_json()),
                     "tier": s.record.tier if s.record else None,
-                    "utilization": (s.record.in_flight / s.record.max_concurrent_tasks)
-                    if s.record and s.record.max_concurrent_tasks > 0
-                    else None,
+                    "utilization": (s.record.in_flight / s.record.max_concurrent_tasks) if s.record and s.record.max_concurrent_tasks > 0 else None,
                     "declared": s.node_id in desired.hosts,
                 }
                 for s in states

@@ -1,10 +1,10 @@
 """fabric probe: what this machine is and can do (tier, labels, limitations).
 
-    fabric probe                  probe this machine, print a summary
-    fabric probe --json           the NodeFacts JSON the registry stores
-    fabric probe --capture DIR    also keep the raw outputs in DIR (new or empty)
-    fabric probe --replay DIR     re-parse a capture instead of probing
-    fabric probe --host NAME      report as fabric host NAME (k3s host name, role label)
+fabric probe                  probe this machine, print a summary
+fabric probe --json           the NodeFacts JSON the registry stores
+fabric probe --capture DIR    also keep the raw outputs in DIR (new or empty)
+fabric probe --replay DIR     re-parse a capture instead of probing
+fabric probe --host NAME      report as fabric host NAME (k3s host name, role label)
 """
 
 from __future__ import annotations

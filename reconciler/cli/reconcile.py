@@ -26,9 +26,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-
 
 from reconciler.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
@@ -46,8 +45,8 @@ from reconciler.cli.plan_source import (
 )
 from reconciler.live import FleetPlan
 from reconciler.model import DesiredState, NodeFacts
-from reconciler.probe.damping import ProbeHistory
 from reconciler.ports import ActivationError, Audit, Clock, LockBusy
+from reconciler.probe.damping import ProbeHistory
 from reconciler.render import Layout, Rendered, RenderError, render
 
 KILL_AT_STEP_ENV = "FABRIC_KILL_AT_STEP"
@@ -177,7 +176,7 @@ def plan_source_for(args: argparse.Namespace, state: DesiredState, host: str, fa
     Raises ValueError for an unreadable or invalid plan file."""
     from reconciler.adapters.files import LocalTree
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if args.plan_file is not None:
         return PlanSource(plan_from_file(args.plan_file))
     if args.no_registry:
@@ -226,7 +225,7 @@ def prepare(
         return EXIT_INVALID
     from reconciler.adapters.files import LocalTree
 
-    damped, probe_history = damped_facts(LocalTree(args.root), args.state_dir.strip("/"), state, observed, datetime.now(timezone.utc))
+    damped, probe_history = damped_facts(LocalTree(args.root), args.state_dir.strip("/"), state, observed, datetime.now(UTC))
     facts = effective_facts(state, host, damped)
     try:
         source = plan_source_for(args, state, host, facts, write=write)
@@ -370,9 +369,7 @@ def _execute(args: argparse.Namespace, inputs: PassInputs, wiring: Wiring, start
 
     def records(succeeded: bool, rolled_back: bool, generation: int | None) -> None:
         outcome = PassOutcome(succeeded, rolled_back, generation, time.monotonic() - started)
-        write_pass_records(
-            applier.store.tree, applier.store.state_dir, inputs.state, inputs.host, inputs.source, outcome, datetime.now(timezone.utc)
-        )
+        write_pass_records(applier.store.tree, applier.store.state_dir, inputs.state, inputs.host, inputs.source, outcome, datetime.now(UTC))
 
     static = inputs.source.static or stale_plan(applier.store, inputs.fleet_plan.epoch)
     if static is not None:

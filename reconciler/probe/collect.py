@@ -48,9 +48,7 @@ def _list_dri(files: FileReader, path: str) -> tuple[str | None, str | None]:
     return "".join(f"{line}\n" for line in lines), None
 
 
-def _per_render_node(
-    runner: CommandRunner, source: PerRenderNode, dri_text: str | None
-) -> tuple[str | None, str | None]:
+def _per_render_node(runner: CommandRunner, source: PerRenderNode, dri_text: str | None) -> tuple[str | None, str | None]:
     try:
         nodes = parse_dri(dri_text).render_nodes if dri_text is not None else ()
     except ParseError:
@@ -72,9 +70,7 @@ def _per_render_node(
     return "".join(s if s.endswith("\n") else s + "\n" for s in sections), None
 
 
-def _read(
-    source: Source, runner: CommandRunner, files: FileReader, outputs: dict[str, str]
-) -> tuple[str | None, str | None]:
+def _read(source: Source, runner: CommandRunner, files: FileReader, outputs: dict[str, str]) -> tuple[str | None, str | None]:
     if isinstance(source, Command):
         return _run(runner, source.argv, source.timeout)
     if isinstance(source, File):

@@ -52,18 +52,14 @@ def _keep_capabilities(kept: NodeFacts, observed: NodeFacts, note: str) -> NodeF
     return observed.model_copy(
         update={
             "tier": kept.tier,
-            "hardware": observed.hardware.model_copy(
-                update={"gpus": kept.hardware.gpus, "ffmpeg": kept.hardware.ffmpeg}
-            ),
+            "hardware": observed.hardware.model_copy(update={"gpus": kept.hardware.gpus, "ffmpeg": kept.hardware.ffmpeg}),
             "labels": dict(sorted(labels.items())),
             "limitations": kept.limitations.model_copy(update={"notes": [*kept.limitations.notes, note]}),
         }
     )
 
 
-def damp(
-    history: ProbeHistory, observed: NodeFacts, now: datetime, passes: int = DEMOTE_AFTER_PASSES
-) -> tuple[NodeFacts, ProbeHistory]:
+def damp(history: ProbeHistory, observed: NodeFacts, now: datetime, passes: int = DEMOTE_AFTER_PASSES) -> tuple[NodeFacts, ProbeHistory]:
     """(effective facts for this pass, history to keep for the next)."""
     previous = history.effective
     if previous is None or TIER_SCORE[observed.tier] >= TIER_SCORE[previous.tier]:
@@ -74,10 +70,7 @@ def damp(
     if seen >= max(1, passes):
         return observed, ProbeHistory(effective=observed, updated=now)
 
-    note = (
-        f"damped: probe found {observed.tier} on {seen} of {passes} consecutive passes; "
-        f"keeping {previous.tier} until then"
-    )
+    note = f"damped: probe found {observed.tier} on {seen} of {passes} consecutive passes; keeping {previous.tier} until then"
     effective = _keep_capabilities(previous, observed, note)
     # The kept capabilities stay the reference, not the damped copy, so notes
     # do not pile up pass after pass.

@@ -339,8 +339,8 @@ def parse_dri(text: str) -> DriNodes:
     # A by-path link to a node the listing does not show is stale: drop it.
     by_slot = {slot: node for slot, node in by_slot.items() if node in renders}
     return DriNodes(
-        render_nodes=tuple(sorted(renders, key=lambda n: int(n[len("renderD"):]))),
-        cards=tuple(sorted(cards, key=lambda n: int(n[len("card"):]))),
+        render_nodes=tuple(sorted(renders, key=lambda n: int(n[len("renderD") :]))),
+        cards=tuple(sorted(cards, key=lambda n: int(n[len("card") :]))),
         render_by_slot=by_slot,
     )
 
@@ -404,7 +404,7 @@ def parse_vainfo(text: str) -> VaInfo:
     sections: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
         if line.startswith(VAINFO_HEADER):
-            node = line[len(VAINFO_HEADER):].strip().rsplit("/", 1)[-1]
+            node = line[len(VAINFO_HEADER) :].strip().rsplit("/", 1)[-1]
             sections.append((node, []))
         else:
             if not sections:
@@ -516,8 +516,18 @@ _ENCODER_RE = re.compile(r"^\s([VAS])[F.][S.][X.][B.][D.]\s+(\S+)\s")
 
 # Name parts that mark an encoder driven by hardware rather than the CPU.
 HARDWARE_ENCODER_FAMILIES = (
-    "nvenc", "vaapi", "qsv", "amf", "vulkan", "v4l2m2m", "omx", "rkmpp",
-    "mediacodec", "videotoolbox", "mf", "d3d12va",
+    "nvenc",
+    "vaapi",
+    "qsv",
+    "amf",
+    "vulkan",
+    "v4l2m2m",
+    "omx",
+    "rkmpp",
+    "mediacodec",
+    "videotoolbox",
+    "mf",
+    "d3d12va",
 )
 
 

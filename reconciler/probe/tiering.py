@@ -291,7 +291,12 @@ def gpu_slug(model: str) -> str:
 
 
 def build_labels(
-    host: str | None, tier: str, arch: str | None, gpus: list[Gpu], storage_label: str | None, tailscale: bool,
+    host: str | None,
+    tier: str,
+    arch: str | None,
+    gpus: list[Gpu],
+    storage_label: str | None,
+    tailscale: bool,
     pci_known: bool,
 ) -> dict[str, str]:
     labels: dict[str, str] = {}
@@ -411,15 +416,11 @@ def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
             framebuffer=framebuffer,
         ),
         tier=tier,
-        labels=build_labels(
-            hostname, tier, arch, gpus, storage_tier_label(storage), tailscale is not None, parsed.get("pci") is not None
-        ),
+        labels=build_labels(hostname, tier, arch, gpus, storage_tier_label(storage), tailscale is not None, parsed.get("pci") is not None),
         limitations=limitations,
         missing=dict(sorted(missing.items())),
         os=(
-            OperatingSystem(
-                id=os_release.id, id_like=list(os_release.id_like), name=os_release.name, version_id=os_release.version_id
-            )
+            OperatingSystem(id=os_release.id, id_like=list(os_release.id_like), name=os_release.name, version_id=os_release.version_id)
             if os_release
             else None
         ),

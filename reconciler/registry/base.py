@@ -92,11 +92,7 @@ class LifecycleMixin:
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()
         states, _ = self._observe(read)
-        nodes = [
-            with_override(n, read.concurrency.get(n.node_id))
-            for n in (snapshot_node(states[k]) for k in sorted(states))
-            if n is not None
-        ]
+        nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
         lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
         return Snapshot(
             now=read.now,

@@ -51,9 +51,7 @@ def accept_plan(
     if plan is None:
         return PlanVerdict(False, "no plan published yet")
     if leader_candidates is not None and plan.leader not in leader_candidates:
-        return PlanVerdict(
-            False, f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})"
-        )
+        return PlanVerdict(False, f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})")
     if last_applied_epoch is not None and plan.epoch < last_applied_epoch:
         return PlanVerdict(
             False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): stale leader or lagging registry"

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -34,12 +33,12 @@ NodeId = Annotated[str, AfterValidator(check_node_id)]
 def utc(moment: datetime) -> datetime:
     """`moment` as an aware UTC datetime (naive values are taken as UTC)."""
     if moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc)
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
 
 
 def from_epoch_seconds(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 class _Record(BaseModel):
@@ -79,7 +78,7 @@ class NodeRecord(_Record):
         max_concurrent_tasks: int | None = None,
         max_concurrent_ceiling: int | None = None,
         labels: dict[str, str] | None = None,
-    ) -> "NodeRecord":
+    ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
         `tier`, the limits and the labels are the caller's effective values
@@ -93,9 +92,7 @@ class NodeRecord(_Record):
             arch=facts.hardware.arch,
             labels=dict(facts.labels if labels is None else labels),
             max_concurrent_tasks=max_concurrent_tasks if max_concurrent_tasks is not None else limits.max_concurrent_tasks,
-            max_concurrent_ceiling=(
-                max_concurrent_ceiling if max_concurrent_ceiling is not None else limits.max_concurrent_ceiling
-            ),
+            max_concurrent_ceiling=(max_concurrent_ceiling if max_concurrent_ceiling is not None else limits.max_concurrent_ceiling),
             in_flight=in_flight,
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,

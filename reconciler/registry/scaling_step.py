@@ -209,9 +209,7 @@ class ScalingStep:
         where = action.node or action.tier or "fleet"
         self.log(f"scaling {action.kind} {where}: {outcome} ({action.reason})")
         if self.audit is not None:
-            self.audit.record(
-                f"scaling-{action.kind}", "ok" if ok else "failed", unit=where, reason=f"{outcome}: {action.reason}"
-            )
+            self.audit.record(f"scaling-{action.kind}", "ok" if ok else "failed", unit=where, reason=f"{outcome}: {action.reason}")
 
     def run(self, leadership: Leadership, desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> list[ScalingAction]:
         """Decide and carry out this pass's scaling; raises NotLeader (nothing run) when the term is over."""
@@ -242,7 +240,5 @@ class ScalingStep:
             hooks[action.tier] = hook_outcome(result, now)
             # The registry keeps no command, path or output: only how it ended.
             recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, outcome=summary(result)))
-        self.registry.store_scaling(
-            leadership, carried.record.model_copy(update={"hooks": hooks, "recent": recent[-RECENT_ACTIONS:]})
-        )
+        self.registry.store_scaling(leadership, carried.record.model_copy(update={"hooks": hooks, "recent": recent[-RECENT_ACTIONS:]}))
         return decision.actions

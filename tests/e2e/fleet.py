@@ -366,9 +366,7 @@ class Fleet:
 
     def _save_state(self, **changes: Any) -> None:
         self._state.update(changes)
-        self._state["containers"] = {
-            name: {"pid": h.container.pid} for name, h in self.hosts.items() if h.container is not None
-        }
+        self._state["containers"] = {name: {"pid": h.container.pid} for name, h in self.hosts.items() if h.container is not None}
         self._state["etcd_pid"] = self._etcd.pid if self._etcd is not None and self._etcd.poll() is None else None
         tmp = self.work / "state.json.tmp"
         tmp.write_text(json.dumps(self._state, indent=2))
@@ -430,7 +428,11 @@ class Fleet:
         self._stack.callback(_run, "ip", "netns", "del", name, check=False)
         self._save_state(namespaces=[*self._state.get("namespaces", []), name])
         self._veth_to_bridge(label[:3], name)
-        for argv in (("ip", "link", "set", "lo", "up"), ("ip", "addr", "add", f"{self.settings.address(octet)}/24", "dev", "eth0"), ("ip", "link", "set", "eth0", "up")):
+        for argv in (
+            ("ip", "link", "set", "lo", "up"),
+            ("ip", "addr", "add", f"{self.settings.address(octet)}/24", "dev", "eth0"),
+            ("ip", "link", "set", "eth0", "up"),
+        ):
             _run("ip", "netns", "exec", name, *argv)
         self.progress(f"namespace {name}: {self.settings.address(octet)}")
 
@@ -444,16 +446,34 @@ class Fleet:
         log = open(self.work / "etcd.log", "ab")
         self._etcd = subprocess.Popen(
             [
-                "ip", "netns", "exec", self.etcd_namespace,
-                "etcd", "--name", "fleet", "--data-dir", str(data_dir),
-                "--listen-client-urls", self.settings.etcd_endpoint,
-                "--advertise-client-urls", self.settings.etcd_endpoint,
-                "--listen-peer-urls", "http://127.0.0.1:2380",
-                "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-                "--initial-cluster", "fleet=http://127.0.0.1:2380",
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "ip",
+                "netns",
+                "exec",
+                self.etcd_namespace,
+                "etcd",
+                "--name",
+                "fleet",
+                "--data-dir",
+                str(data_dir),
+                "--listen-client-urls",
+                self.settings.etcd_endpoint,
+                "--advertise-client-urls",
+                self.settings.etcd_endpoint,
+                "--listen-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-advertise-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-cluster",
+                "fleet=http://127.0.0.1:2380",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
             ],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         self._stack.callback(self.stop_etcd)
@@ -500,7 +520,11 @@ class Fleet:
             host.container, host.stack = container, stack
             self._save_state()
             self._veth_to_bridge(name[:3] + str(HOST_OCTETS[name]), str(container.pid))
-            for argv in (("ip", "link", "set", "lo", "up"), ("ip", "addr", "add", f"{host.address}/24", "dev", "eth0"), ("ip", "link", "set", "eth0", "up")):
+            for argv in (
+                ("ip", "link", "set", "lo", "up"),
+                ("ip", "addr", "add", f"{host.address}/24", "dev", "eth0"),
+                ("ip", "link", "set", "eth0", "up"),
+            ):
                 self._check(container, *argv)
             self._install(name, container)
         except BaseException:
@@ -587,12 +611,22 @@ class Fleet:
         for path, text in SECRET_FILES.items():
             container.write_file(path, text, mode=0o600)
         node_toml = (
-            f'[node]\nhost = "{name}"\ndesired = "{DESIRED_DIR}"\n\n'
-            f'[timer]\ninterval = "{self.settings.pass_interval}"\nrandomized_delay = "0"\n'
+            f'[node]\nhost = "{name}"\ndesired = "{DESIRED_DIR}"\n\n[timer]\ninterval = "{self.settings.pass_interval}"\nrandomized_delay = "0"\n'
         )
         container.write_file(NODE_CONFIG, node_toml)
         candidates = tomllib.loads((self.desired_dir / "fabric.toml").read_text())["fleet"]["leader_candidates"]
-        argv = [FABRIC_BIN, "units", "--config", NODE_CONFIG, "--fabric-bin", FABRIC_BIN, "--search-path", SEARCH_PATH, "--write", "/etc/systemd/system"]
+        argv = [
+            FABRIC_BIN,
+            "units",
+            "--config",
+            NODE_CONFIG,
+            "--fabric-bin",
+            FABRIC_BIN,
+            "--search-path",
+            SEARCH_PATH,
+            "--write",
+            "/etc/systemd/system",
+        ]
         if name in candidates:
             argv.append("--leader-candidate")
         self._check(container, *argv)
@@ -613,7 +647,9 @@ class Fleet:
         self._check(container, "systemctl", "start", "--no-block", "fabric-reconcile.service")
         if container.host_path("/etc/systemd/system/fabric-leader.service").exists():
             self._check(container, "systemctl", "enable", "--now", "fabric-leader.service")
-        self.progress(f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}" + (" + fabric-leader.service" if name in ("lux", "qfox-1") else ""))
+        self.progress(
+            f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}" + (" + fabric-leader.service" if name in ("lux", "qfox-1") else "")
+        )
 
     # --- looking at the fleet ------------------------------------------------
 
@@ -633,7 +669,11 @@ class Fleet:
         """Run `fabric ARGS --desired <the e2e desired state>` on this host."""
         return subprocess.run(
             [sys.executable, "-m", "reconciler", *args, "--desired", str(self.desired_dir)],
-            capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=REPO,
         )
 
     def request(self, host_name: str, path: str = "/", timeout: float = 3.0) -> tuple[int, str]:
@@ -642,11 +682,24 @@ class Fleet:
         edge = self.settings.host_address(self.edge)
         done = subprocess.run(
             [
-                "ip", "netns", "exec", self.client_namespace,
-                "curl", "-sk", "--max-time", str(timeout), "--resolve", f"{host_name}:443:{edge}",
-                "-w", "\n%{http_code}", f"https://{host_name}{path}",
+                "ip",
+                "netns",
+                "exec",
+                self.client_namespace,
+                "curl",
+                "-sk",
+                "--max-time",
+                str(timeout),
+                "--resolve",
+                f"{host_name}:443:{edge}",
+                "-w",
+                "\n%{http_code}",
+                f"https://{host_name}{path}",
             ],
-            capture_output=True, text=True, timeout=timeout + 10, check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout + 10,
+            check=False,
         )
         body, _, code = done.stdout.rpartition("\n")
         return (int(code) if code.isdigit() else 0), body
@@ -795,7 +848,6 @@ def converged(fleet: Fleet, desired: DesiredState, hosts: tuple[str, ...]) -> Fl
     return plan
 
 
-
 # --------------------------------------------------------------------------
 # scripts/fleet: up (a supervisor process holds the fleet), down, status
 
@@ -842,7 +894,10 @@ def _up(state_dir: Path, settings_args: list[str]) -> int:
     (state_dir / "progress.log").write_text("")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "tests.e2e.fleet", "serve", "--state-dir", str(state_dir), *settings_args],
-        cwd=REPO, stdin=subprocess.DEVNULL, stdout=open(state_dir / "supervisor.log", "ab"), stderr=subprocess.STDOUT,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=open(state_dir / "supervisor.log", "ab"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     shown = 0
@@ -887,7 +942,13 @@ def _status(state_dir: Path) -> int:
         print(f"  {name:10} pid {entry['pid']:>7}  {alive}")
     print(f"  etcd       pid {state.get('etcd_pid')}")
     for command in (["nodes"], ["leader"]):
-        done = subprocess.run([sys.executable, "-m", "reconciler", *command, "--desired", str(state_dir / "desired")], capture_output=True, text=True, cwd=REPO, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "reconciler", *command, "--desired", str(state_dir / "desired")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=30,
+        )
         print(done.stdout.rstrip() or done.stderr.rstrip())
     return 0
 

@@ -312,6 +312,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     lane(fleet, "done", jobs[0])
     (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[7]]
     assert moved["backend"] == "a1-arm64", moved
+
     # Drain the rest: finish what runs, dispatch what waits, until the queue is empty.
     def drained() -> bool:
         status = lane(fleet, "status")[0]
@@ -382,7 +383,12 @@ def test_registry_outage_fails_static_and_recovers(fleet: Fleet, desired: Desire
     try:
         # Every host says it runs static (its last generation) ...
         for host in HOSTS:
-            wait_for(lambda h=host: "static" in pass_journal(fleet, h, since[h]).lower(), timeout=REACT_S, what=f"{host} to say it runs static", interval=0.5)
+            wait_for(
+                lambda h=host: "static" in pass_journal(fleet, h, since[h]).lower(),
+                timeout=REACT_S,
+                what=f"{host} to say it runs static",
+                interval=0.5,
+            )
         # ... and keeps serving it: nothing stopped or restarted, the edge answers.
         assert invocations(fleet, HOSTS) == before
         assert set(edge_reaches(fleet, desired, plan)) == set(routed_services(desired))

@@ -31,6 +31,7 @@ from tests.harness.waiting import wait_until
 
 _counter = itertools.count()
 
+
 class Namespace:
     def __init__(self, name: str, lab: NetworkLab) -> None:
         self.name = name

@@ -30,9 +30,7 @@ class Store:
     opened: list = field(default_factory=list)
 
     def fleet(self) -> FleetConfig:
-        return FleetConfig.model_validate(
-            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings}
-        )
+        return FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})
 
     def open(self, clock: Clock | None = None) -> Registry:
         registry = open_registry(self.fleet(), clock=clock or self.clock, sqlite_path=self.sqlite_path)

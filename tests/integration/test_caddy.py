@@ -92,7 +92,7 @@ def test_config_listening_on_a_port_another_program_holds_is_refused_before_load
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken_port = squatter.getsockname()[1]
-        occupied = edge.config_to(edge.two) + f"\nhttp://127.0.0.1:{taken_port} {{\n\tbind 127.0.0.1\n\trespond \"squat\"\n}}\n"
+        occupied = edge.config_to(edge.two) + f'\nhttp://127.0.0.1:{taken_port} {{\n\tbind 127.0.0.1\n\trespond "squat"\n}}\n'
 
         with pytest.raises(ActivationError, match=rf"listens on 127\.0\.0\.1:{taken_port}, which is already in use"):
             edge.admin.load(occupied)
@@ -102,7 +102,7 @@ def test_config_listening_on_a_port_another_program_holds_is_refused_before_load
 
 def test_config_adding_a_free_listener_loads(edge: Edge) -> None:
     extra_port = free_port()
-    with_extra_site = edge.config_to(edge.two) + f"\nhttp://127.0.0.1:{extra_port} {{\n\tbind 127.0.0.1\n\trespond \"extra\"\n}}\n"
+    with_extra_site = edge.config_to(edge.two) + f'\nhttp://127.0.0.1:{extra_port} {{\n\tbind 127.0.0.1\n\trespond "extra"\n}}\n'
     edge.admin.load(with_extra_site)
     assert edge.served_by() == "two"
     assert http_get(f"http://127.0.0.1:{extra_port}/") == "extra"
@@ -142,7 +142,13 @@ def test_rendered_edge_snippet_passes_validate(tmp_path) -> None:
     snippet = environment.get_template("fabric.caddy.j2").render(
         host="racknerd",
         sites=[
-            {"service": "braid", "host": "braid.researchstack.info", "path": "/", "health_path": "/healthz", "upstreams": ["100.88.57.96:8080", "100.101.7.21:8080"]},
+            {
+                "service": "braid",
+                "host": "braid.researchstack.info",
+                "path": "/",
+                "health_path": "/healthz",
+                "upstreams": ["100.88.57.96:8080", "100.101.7.21:8080"],
+            },
             {"service": "api", "host": "api.researchstack.info", "path": "/v1/", "health_path": "/healthz", "upstreams": []},
         ],
         status_site=status_caddy_site(load_desired(EXAMPLE_FLEET)),

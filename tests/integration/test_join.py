@@ -116,9 +116,16 @@ def joined(wheelhouse: Path) -> Iterator[tuple[SystemdContainer, subprocess.Comp
         started = container.systemctl("start", "caddy.service")
         assert started.returncode == 0, started.stderr
         result = container.run(
-            "bash", str(REPO / "scripts" / "join.sh"),
-            "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
-            "--host", "racknerd", "--interval", "30s",
+            "bash",
+            str(REPO / "scripts" / "join.sh"),
+            "--source",
+            str(REPO),
+            "--wheelhouse",
+            WHEELHOUSE,
+            "--host",
+            "racknerd",
+            "--interval",
+            "30s",
             timeout=600,
         )
         yield container, result
@@ -169,9 +176,15 @@ def test_join_twice_changes_nothing(joined: tuple[SystemdContainer, subprocess.C
     container, _ = joined
     before = container.read_file("/etc/systemd/system/fabric-reconcile.service")
     again = container.run(
-        "bash", str(REPO / "scripts" / "join.sh"),
-        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
-        "--host", "racknerd", "--no-first-pass",
+        "bash",
+        str(REPO / "scripts" / "join.sh"),
+        "--source",
+        str(REPO),
+        "--wheelhouse",
+        WHEELHOUSE,
+        "--host",
+        "racknerd",
+        "--no-first-pass",
         timeout=600,
     )
     assert again.returncode == 0, again.stderr
@@ -183,9 +196,17 @@ def test_bad_setting_stops_before_touching_the_units(joined: tuple[SystemdContai
     container, _ = joined
     before = container.read_file("/etc/fabric/node.toml")
     bad = container.run(
-        "bash", str(REPO / "scripts" / "join.sh"),
-        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
-        "--host", "racknerd", "--desired", "relative/path", "--no-first-pass",
+        "bash",
+        str(REPO / "scripts" / "join.sh"),
+        "--source",
+        str(REPO),
+        "--wheelhouse",
+        WHEELHOUSE,
+        "--host",
+        "racknerd",
+        "--desired",
+        "relative/path",
+        "--no-first-pass",
         timeout=600,
     )
     assert bad.returncode == 2
@@ -201,16 +222,24 @@ def test_bootstrap_after_join_opens_the_distro_ruleset_and_is_idempotent(joined:
     fabric = f"{PREFIX}/bin/fabric"
     # Debian's nftables.service (flush ruleset, then its own table inet filter)
     # stands in for the distro's; a drop policy on forward like CachyOS's.
-    container.write_file("/etc/nftables.conf", (
-        "flush ruleset\n"
-        "table inet filter {\n"
-        "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n\t}\n"
-        "\tchain forward {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n"
-        "}\n"
-    ))
+    container.write_file(
+        "/etc/nftables.conf",
+        (
+            "flush ruleset\n"
+            "table inet filter {\n"
+            "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n\t}\n"
+            "\tchain forward {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n"
+            "}\n"
+        ),
+    )
     assert container.systemctl("start", "nftables.service").returncode == 0
     host_file = "/var/lib/fabric/desired/racknerd.toml"
-    container.write_file(host_file, container.read_file(host_file).replace('node_id = "racknerd.tail-abc123.ts.net"', 'node_id = "racknerd.tail-abc123.ts.net"\nnftables_fix = true'))
+    container.write_file(
+        host_file,
+        container.read_file(host_file).replace(
+            'node_id = "racknerd.tail-abc123.ts.net"', 'node_id = "racknerd.tail-abc123.ts.net"\nnftables_fix = true'
+        ),
+    )
 
     first = container.run(fabric, "bootstrap", "--config", "/etc/fabric/node.toml", timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -264,9 +293,16 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
         assert done.returncode == 0, f"{argv}: {done.stderr}"
 
     rejoin = container.run(
-        "bash", str(REPO / "scripts" / "join.sh"),
-        "--source", str(REPO), "--wheelhouse", WHEELHOUSE,
-        "--host", "racknerd", "--git-remote", remote,
+        "bash",
+        str(REPO / "scripts" / "join.sh"),
+        "--source",
+        str(REPO),
+        "--wheelhouse",
+        WHEELHOUSE,
+        "--host",
+        "racknerd",
+        "--git-remote",
+        remote,
         timeout=600,
     )
     journal = container.journal("-u", "fabric-reconcile.service", "-n", "30", "-o", "cat")
@@ -284,8 +320,14 @@ def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, s
     container, _ = joined
     before = container.read_file("/etc/fabric/node.toml")
     refused = container.run(
-        "bash", str(REPO / "scripts" / "join.sh"),
-        "--source", str(REPO), "--wheelhouse", WHEELHOUSE, "--leader", "--no-first-pass",
+        "bash",
+        str(REPO / "scripts" / "join.sh"),
+        "--source",
+        str(REPO),
+        "--wheelhouse",
+        WHEELHOUSE,
+        "--leader",
+        "--no-first-pass",
         timeout=600,
     )
     assert refused.returncode == 2

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.integration
 
 
 def git(*args: str, cwd: Path) -> str:
-    env = {"GIT_AUTHOR_NAME": "op", "GIT_AUTHOR_EMAIL": "op@fleet", "GIT_COMMITTER_NAME": "op",
-           "GIT_COMMITTER_EMAIL": "op@fleet", "HOME": str(cwd), "PATH": "/usr/bin:/bin", "GIT_CONFIG_NOSYSTEM": "1"}
+    env = {
+        "GIT_AUTHOR_NAME": "op",
+        "GIT_AUTHOR_EMAIL": "op@fleet",
+        "GIT_COMMITTER_NAME": "op",
+        "GIT_COMMITTER_EMAIL": "op@fleet",
+        "HOME": str(cwd),
+        "PATH": "/usr/bin:/bin",
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -52,7 +59,7 @@ def node_toml(fleet: dict[str, Path], *, signed: bool) -> Path:
 desired = "{root}/state/desired"
 state_dir = "{root}/state"
 [source]
-remote = "{fleet['remote']}"
+remote = "{fleet["remote"]}"
 branch = "main"
 """
     if signed:

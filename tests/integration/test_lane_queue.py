@@ -124,9 +124,14 @@ def test_jobs_fill_the_cheapest_lane_then_spill_and_reach_local_only_through_the
     store.clock.advance(1)
     first = outcome(dispatch_pass(registry, desired))
     assert first == {
-        "job-0": "a1-arm64", "job-1": "a1-arm64",
-        "job-2": "x86-spill", "job-3": "x86-spill", "job-4": "x86-spill", "job-5": "x86-spill",
-        "job-6": "hold:local_spill_not_reached", "job-7": "hold:local_spill_not_reached",
+        "job-0": "a1-arm64",
+        "job-1": "a1-arm64",
+        "job-2": "x86-spill",
+        "job-3": "x86-spill",
+        "job-4": "x86-spill",
+        "job-5": "x86-spill",
+        "job-6": "hold:local_spill_not_reached",
+        "job-7": "hold:local_spill_not_reached",
     }
     assert registry.lane_in_flight() == {"a1-arm64": 2, "x86-spill": 4}
 

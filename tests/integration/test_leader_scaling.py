@@ -55,9 +55,7 @@ class Fleet:
         self.registry = self.open()
 
     def open(self) -> Registry:
-        fleet = FleetConfig.model_validate(
-            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings}
-        )
+        fleet = FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})
         registry = open_registry(fleet, clock=self.clock, sqlite_path=self.sqlite_path)
         self.opened.append(registry)
         return registry

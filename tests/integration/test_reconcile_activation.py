@@ -22,16 +22,16 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import annotated_types
 import dbus_fast
 import jinja2
 import markupsafe
 import pydantic
 import pydantic_core
+import pytest
 import typing_extensions
 import typing_inspection
+
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.systemd import SystemdContainer, systemd_container
 from tests.harness.waiting import wait_until
@@ -82,11 +82,21 @@ def edge() -> Iterator[SystemdContainer]:
 
 def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
     return container.run(
-        "env", f"PYTHONPATH={SITE}:{REPO}", "PYTHONDONTWRITEBYTECODE=1",
-        "python3", "-m", "reconciler", "reconcile",
-        "--desired", DESIRED, "--host", "racknerd",
-        "--replay", str(REPO / "tests" / "golden" / "probe" / "x86_64"),
-        "--plan-file", str(REPO / "tests" / "golden" / "fleet-plan.json"),
+        "env",
+        f"PYTHONPATH={SITE}:{REPO}",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "python3",
+        "-m",
+        "reconciler",
+        "reconcile",
+        "--desired",
+        DESIRED,
+        "--host",
+        "racknerd",
+        "--replay",
+        str(REPO / "tests" / "golden" / "probe" / "x86_64"),
+        "--plan-file",
+        str(REPO / "tests" / "golden" / "fleet-plan.json"),
         timeout=300,
     )
 
@@ -114,7 +124,9 @@ def test_passes_activate_restart_and_roll_back_for_real(edge: SystemdContainer) 
         assert edge.systemctl("is-active", unit).stdout.strip() == "active", unit
     assert echo_through(edge, 2222) == "ping"
     assert "tcp dport { 2222, 4445 } drop" in edge.run("nft", "list", "table", "inet", "fabric").stdout
-    sites = edge.run("socat", "-T", "2", "-", "TCP:127.0.0.1:2019", input="GET /config/apps/http/servers HTTP/1.0\r\nHost: localhost:2019\r\n\r\n").stdout
+    sites = edge.run(
+        "socat", "-T", "2", "-", "TCP:127.0.0.1:2019", input="GET /config/apps/http/servers HTTP/1.0\r\nHost: localhost:2019\r\n\r\n"
+    ).stdout
     assert "fft.researchstack.info" in sites
     # Every action is in the journal (the container's journald may be off:
     # then the records went to stderr as JSON lines).

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -53,7 +53,7 @@ def leader_name(registry: Registry) -> str | None:
 
 
 def a_plan() -> FleetPlan:
-    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(timezone.utc))
+    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))
 
 
 # -- heartbeats and the lifecycle ------------------------------------------------
@@ -109,10 +109,7 @@ def test_several_processes_heart_beating_at_once(store):
     )
     nodes = ["node-a", "node-b", "node-c", "node-d"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = {
-        n: subprocess.Popen([PYTHON, "-c", script, store.as_json(), n], env=env, stderr=subprocess.PIPE, text=True)
-        for n in nodes
-    }
+    procs = {n: subprocess.Popen([PYTHON, "-c", script, store.as_json(), n], env=env, stderr=subprocess.PIPE, text=True) for n in nodes}
     try:
         registry = store.open()
         wait_until(

@@ -7,7 +7,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -42,7 +42,7 @@ def open_etcd(endpoints: list[str], **kw) -> EtcdRegistry:
 
 
 def a_plan() -> FleetPlan:
-    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(timezone.utc))
+    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -153,13 +153,28 @@ def test_tls_with_client_certificates(tmp_path):
     log = open(tmp_path / "etcd.log", "wb")
     proc = subprocess.Popen(
         [
-            "etcd", "--name", "tls", "--data-dir", str(tmp_path / "data"),
-            "--listen-client-urls", url, "--advertise-client-urls", url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"tls=http://127.0.0.1:{peer_port}",
-            "--cert-file", str(tmp_path / "server.crt"), "--key-file", str(tmp_path / "server.key"),
-            "--trusted-ca-file", str(tmp_path / "ca.crt"), "--client-cert-auth",
+            "etcd",
+            "--name",
+            "tls",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster",
+            f"tls=http://127.0.0.1:{peer_port}",
+            "--cert-file",
+            str(tmp_path / "server.crt"),
+            "--key-file",
+            str(tmp_path / "server.key"),
+            "--trusted-ca-file",
+            str(tmp_path / "ca.crt"),
+            "--client-cert-auth",
         ],  # fmt: skip
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -21,7 +21,6 @@ from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import FakeClock
 
 pytestmark = pytest.mark.integration
-
 
 
 @pytest.fixture
@@ -115,8 +114,8 @@ def test_lease_expiry_by_the_clock_and_the_epoch_fence(registry, clock):
     new = registry.campaign("qfox-1", 30)
     assert new.epoch > old.epoch
     with pytest.raises(NotLeader, match="qfox-1 leads"):
-        registry.publish_plan(old, FleetPlan(epoch=99, leader="lux", created=datetime.now(timezone.utc)))
-    stored = registry.publish_plan(new, FleetPlan(epoch=0, leader="x", created=datetime.now(timezone.utc)))
+        registry.publish_plan(old, FleetPlan(epoch=99, leader="lux", created=datetime.now(UTC)))
+    stored = registry.publish_plan(new, FleetPlan(epoch=0, leader="x", created=datetime.now(UTC)))
     assert (stored.epoch, stored.leader) == (new.epoch + 1, "qfox-1"), "the registry numbers plans"
 
 
@@ -157,8 +156,7 @@ def test_slot_claims_racing_from_several_processes_never_exceed_the_cap(tmp_path
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(path), str(go), f"p{i}"], env=env, stdout=subprocess.PIPE, text=True)
-        for i in range(8)
+        subprocess.Popen([sys.executable, "-c", script, str(path), str(go), f"p{i}"], env=env, stdout=subprocess.PIPE, text=True) for i in range(8)
     ]
     try:
         for p in procs:  # every process is up and has opened the registry ...

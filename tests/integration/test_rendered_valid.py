@@ -143,7 +143,12 @@ def test_rendered_rulesets_check_and_load_idempotently_without_touching_other_ta
     with network_lab() as lab:
         for host in HOSTS:
             ns = lab.namespace(host[:8])
-            ns.check("nft", "-f", "-", input="table ip other {\n\tchain keep {\n\t\ttype filter hook input priority 0; policy accept;\n\t\ttcp dport 9999 counter\n\t}\n}\n")
+            ns.check(
+                "nft",
+                "-f",
+                "-",
+                input="table ip other {\n\tchain keep {\n\t\ttype filter hook input priority 0; policy accept;\n\t\ttcp dport 9999 counter\n\t}\n}\n",
+            )
             other_before = ns.check("nft", "list", "table", "ip", "other")
             ruleset = next(a for a in rendered(host) if a.kind == "nft").content
             nft = NftCommand(SubprocessRunner(), prefix=ns.exec_prefix)
@@ -169,7 +174,9 @@ def test_edge_caddy_config_validates_with_and_without_placements() -> None:
     unplaced = plan.model_copy(update={"placements": []})
     with network_lab() as lab:
         ns = lab.namespace("edge")
-        caddy = CaddyAdmin(PrefixRunner([*ns.exec_prefix, "env", f"XDG_CONFIG_HOME=/tmp/fabric-caddy-{ns.name}", f"XDG_DATA_HOME=/tmp/fabric-caddy-{ns.name}"]))
+        caddy = CaddyAdmin(
+            PrefixRunner([*ns.exec_prefix, "env", f"XDG_CONFIG_HOME=/tmp/fabric-caddy-{ns.name}", f"XDG_DATA_HOME=/tmp/fabric-caddy-{ns.name}"])
+        )
         for p in (plan, unplaced):
             config = next(a for a in rendered("racknerd", p) if a.kind == "caddy").content
             assert ("reverse_proxy" in config) == (p is plan)

@@ -10,7 +10,7 @@ import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from tests.harness.waiting import stop_process, wait_until
 pytestmark = pytest.mark.integration
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"
-NOW = datetime(2026, 11, 29, 18, 30, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 18, 30, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")

@@ -199,7 +199,9 @@ def test_reload_that_kills_the_service_raises(container: SystemdContainer, syste
         "ExecReload=/bin/sh -c 'kill -HUP $MAINPID; while kill -0 $MAINPID 2>/dev/null; do sleep 0.02; done'\n",
     )
     systemd.start(unit)
-    with pytest.raises(ActivationError, match=r"reload fabric-test-dies-on-reload\.service: unit is no longer running after the reload; unit is inactive"):
+    with pytest.raises(
+        ActivationError, match=r"reload fabric-test-dies-on-reload\.service: unit is no longer running after the reload; unit is inactive"
+    ):
         systemd.reload(unit)
 
 

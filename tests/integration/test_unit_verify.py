@@ -75,7 +75,11 @@ def test_setting_systemd_would_ignore_fails(verifier: SystemdAnalyzeVerifier, tm
 
 
 def test_dependencies_among_the_given_units_resolve(verifier: SystemdAnalyzeVerifier, tmp_path: Path) -> None:
-    socat = write(tmp_path, "fabric-socat-web.service", "[Unit]\nRequires=fabric-agent-web.service\nAfter=fabric-agent-web.service\n[Service]\nExecStart=/bin/true\n")
+    socat = write(
+        tmp_path,
+        "fabric-socat-web.service",
+        "[Unit]\nRequires=fabric-agent-web.service\nAfter=fabric-agent-web.service\n[Service]\nExecStart=/bin/true\n",
+    )
     agent = write(tmp_path, "fabric-agent-web.service", AGENT_UNIT)
     verifier.verify([socat, agent])
 

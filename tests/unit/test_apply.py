@@ -77,9 +77,11 @@ class FakeMachine:
     def daemon_reload(self) -> None:
         self._call("daemon-reload")
         unit_dir = self.root / UNIT_DIR
-        self.state["loaded"] = {
-            p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")
-        } if unit_dir.is_dir() else {}
+        self.state["loaded"] = (
+            {p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")}
+            if unit_dir.is_dir()
+            else {}
+        )
         self._save()
 
     def _run_unit(self, action: str, unit: str) -> None:
@@ -205,11 +207,16 @@ def pass_args(desired: Path, root: Path, host: str, *extra: str, command: str = 
     return build_parser().parse_args(
         [
             command,
-            "--desired", str(desired),
-            "--host", host,
-            "--root", str(root),
-            "--replay", str(GOLDEN / "probe" / arch),
-            "--plan-file", str(GOLDEN / "fleet-plan.json"),
+            "--desired",
+            str(desired),
+            "--host",
+            host,
+            "--root",
+            str(root),
+            "--replay",
+            str(GOLDEN / "probe" / arch),
+            "--plan-file",
+            str(GOLDEN / "fleet-plan.json"),
             *extra,
         ]
     )
@@ -610,7 +617,7 @@ def test_generations_and_rollback_commands(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert out.startswith("wrote the following files:\n  etc/systemd/system/fabric-socat-qfox-ssh.service\n")
     assert out.endswith("generation 1 is installed again\n")
-    assert "TCP4:100.88.57.96:22\"" in (fleet.root / UNIT_DIR / "fabric-socat-qfox-ssh.service").read_text()
+    assert 'TCP4:100.88.57.96:22"' in (fleet.root / UNIT_DIR / "fabric-socat-qfox-ssh.service").read_text()
     assert main(["rollback", "--root", str(fleet.root), "--no-activate", "--to", "7"]) == 1
     assert "no generation 7" in capsys.readouterr().err
 

@@ -181,7 +181,11 @@ def test_fix_waits_for_the_distro_table() -> None:
 def test_programs_paths_land_in_the_dropin() -> None:
     node = FakeNode(tailscale=True, distro_table=True)
     plan = plan_bootstrap(
-        node=NODE, state=STATE, host="racknerd", facts=facts("arch"), observed=node.observe("racknerd"),
+        node=NODE,
+        state=STATE,
+        host="racknerd",
+        facts=facts("arch"),
+        observed=node.observe("racknerd"),
         programs=Programs(nft="/usr/bin/nft", systemctl="/usr/bin/systemctl"),
     )
     dropin = next(s.content for s in plan.steps if s.path == NFT_FIX_DROPIN)
@@ -219,9 +223,24 @@ def test_cli_dry_run_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtu
     root = tmp_path / "root"
     root.mkdir()
     registry = tmp_path / "registry.sqlite"
-    code = main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
-                 "--host", "racknerd", "--root", str(root), "--dry-run", "--registry-path", str(registry),
-                 "--replay", str(PROBE_CAPTURES / "racknerd")])
+    code = main(
+        [
+            "bootstrap",
+            "--config",
+            str(tmp_path / "absent.toml"),
+            "--desired",
+            str(EXAMPLE_FLEET),
+            "--host",
+            "racknerd",
+            "--root",
+            str(root),
+            "--dry-run",
+            "--registry-path",
+            str(registry),
+            "--replay",
+            str(PROBE_CAPTURES / "racknerd"),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "would register: the registry does not know this node" in out
@@ -237,8 +256,23 @@ def test_cli_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_cli_unknown_host_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
-                 "--host", "mystery", "--dry-run", "--registry-path", str(tmp_path / "r.sqlite")]) == 2
+    assert (
+        main(
+            [
+                "bootstrap",
+                "--config",
+                str(tmp_path / "absent.toml"),
+                "--desired",
+                str(EXAMPLE_FLEET),
+                "--host",
+                "mystery",
+                "--dry-run",
+                "--registry-path",
+                str(tmp_path / "r.sqlite"),
+            ]
+        )
+        == 2
+    )
     assert "'mystery' is not in the desired state" in capsys.readouterr().err
 
 
@@ -246,9 +280,24 @@ def test_cli_dry_run_of_an_arch_gpu_desktop_plans_the_nftables_fix(tmp_path: Pat
     """qfox-1's capture (CachyOS, RTX 4070): the fix files are planned under the sandbox root."""
     root = tmp_path / "root"
     root.mkdir()
-    code = main(["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET),
-                 "--host", "qfox-1", "--root", str(root), "--dry-run", "--registry-path", str(tmp_path / "r.sqlite"),
-                 "--replay", str(PROBE_CAPTURES / "qfox-1")])
+    code = main(
+        [
+            "bootstrap",
+            "--config",
+            str(tmp_path / "absent.toml"),
+            "--desired",
+            str(EXAMPLE_FLEET),
+            "--host",
+            "qfox-1",
+            "--root",
+            str(root),
+            "--dry-run",
+            "--registry-path",
+            str(tmp_path / "r.sqlite"),
+            "--replay",
+            str(PROBE_CAPTURES / "qfox-1"),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert f"would write_file {NFT_FIX_FILE}: tailnet accepts for the distro ruleset" in out

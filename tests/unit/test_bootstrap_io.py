@@ -50,14 +50,16 @@ def registry(tmp_path: Path):
 def test_observe_reads_tailscale_registry_files_nft_and_units(tmp_path: Path, registry) -> None:
     (tmp_path / "etc" / "fabric").mkdir(parents=True)
     (tmp_path / NFT_FIX_FILE).write_text("old\n")
-    runner = ScriptedRunner({
-        ("tailscale", "status"): ok('{"BackendState": "Running"}'),
-        ("nft", "list", "table", "inet", "filter"): ok(f'table inet filter {{ chain forward {{ iifname "tailscale0" accept comment "{NFT_FIX_COMMENT}" }} }}'),
-        ("systemctl", "is-active", "--quiet", "fabric-reconcile.timer"): ok(),
-    })
-    observed = NodeIO(runner, registry, root=tmp_path).observe(
-        "racknerd", [NFT_FIX_FILE, "etc/absent"], ["fabric-socat-qfox-ssh.service"]
+    runner = ScriptedRunner(
+        {
+            ("tailscale", "status"): ok('{"BackendState": "Running"}'),
+            ("nft", "list", "table", "inet", "filter"): ok(
+                f'table inet filter {{ chain forward {{ iifname "tailscale0" accept comment "{NFT_FIX_COMMENT}" }} }}'
+            ),
+            ("systemctl", "is-active", "--quiet", "fabric-reconcile.timer"): ok(),
+        }
     )
+    observed = NodeIO(runner, registry, root=tmp_path).observe("racknerd", [NFT_FIX_FILE, "etc/absent"], ["fabric-socat-qfox-ssh.service"])
     assert observed.tailscale_running is True
     assert observed.registered is False
     assert observed.files == {NFT_FIX_FILE: "old\n", "etc/absent": None}

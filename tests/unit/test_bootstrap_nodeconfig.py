@@ -38,14 +38,21 @@ def test_absent_sections_are_defaults() -> None:
         ('[node]\nhost = "Bad Host"\n', "node.toml: node.host: 'Bad Host' is not a safe name"),
         ('[timer]\ninterval = "30s; rm -rf /"\n', "node.toml: timer.interval: String should match pattern"),
         ('[source]\nbranch = "main"\n', "node.toml: source.remote: Field required"),
-        ('[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n',
-         "node.toml: source.allowed_signers_file: required when require_signed_commits is true"),
+        (
+            '[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n',
+            "node.toml: source.allowed_signers_file: required when require_signed_commits is true",
+        ),
         ('[bootstrap]\nk3s_token_file = "/run/secrets/k3s"\n', "node.toml: bootstrap.k3s_server: k3s_server and k3s_token_file go together"),
-        ('[bootstrap]\nk3s_server = "http://plain:6443"\nk3s_token_file = "/run/k"\n', "node.toml: bootstrap.k3s_server: String should match pattern"),
+        (
+            '[bootstrap]\nk3s_server = "http://plain:6443"\nk3s_token_file = "/run/k"\n',
+            "node.toml: bootstrap.k3s_server: String should match pattern",
+        ),
         ('[bootstrap]\ntailscale_auth_key = "tskey-abc"\n', "node.toml: bootstrap.tailscale_auth_key: Extra inputs are not permitted"),
         ("[node\n", "node.toml: (syntax):"),
-        ('[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\n',
-         "node.toml: node.desired: with [source] the checkout must be inside node.state_dir (/var/lib/fabric)"),
+        (
+            '[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\n',
+            "node.toml: node.desired: with [source] the checkout must be inside node.state_dir (/var/lib/fabric)",
+        ),
     ],
 )
 def test_bad_node_toml_names_file_key_and_reason(text: str, expected: str) -> None:
@@ -56,8 +63,14 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     node = parse_node_config('[node]\nhost = "racknerd"\nunit_dir = "/run/systemd/system"\n[timer]\ninterval = "45s"\n')
     install = Install(fabric_bin="/opt/fabric/bin/fabric", node=node, search_path="/opt/fabric/bin:/usr/bin")
     assert reconcile_argv(install) == [
-        "/opt/fabric/bin/fabric", "reconcile", "--desired", "/var/lib/fabric/desired",
-        "--unit-dir", "/run/systemd/system", "--host", "racknerd",
+        "/opt/fabric/bin/fabric",
+        "reconcile",
+        "--desired",
+        "/var/lib/fabric/desired",
+        "--unit-dir",
+        "/run/systemd/system",
+        "--host",
+        "racknerd",
     ]
     service = reconcile_service(install).values("Service")
     assert service["Type"] == "oneshot"
@@ -68,7 +81,9 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     timer = reconcile_timer(install).values("Timer")
     assert timer["OnUnitActiveSec"] == "45s" and timer["Persistent"] == "true" and timer["AccuracySec"] == "1s"
     assert [u.name for u in host_units(install, leader_candidate=True)] == [
-        "fabric-reconcile.service", "fabric-reconcile.timer", "fabric-leader.service",
+        "fabric-reconcile.service",
+        "fabric-reconcile.timer",
+        "fabric-leader.service",
     ]
 
 

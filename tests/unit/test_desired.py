@@ -55,7 +55,9 @@ def test_example_fleet_is_valid_and_matches_the_seeds() -> None:
 def test_validate_cli_on_example_fleet_prints_one_line_summary() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "reconciler", "validate", "--desired", str(EXAMPLE_FLEET)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") == 1
@@ -70,7 +72,9 @@ def test_no_backends_means_one_implicit_local_lane(tmp_path: Path) -> None:
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
-    fleet = MINIMAL_FLEET + """
+    fleet = (
+        MINIMAL_FLEET
+        + """
 [[backends]]
 kind = "local"
 id = "local"
@@ -81,7 +85,8 @@ id = "Bad Name"
 min_tier = "cpu_ffmpeg"
 command = { any = ["/bin/true"] }
 """
-    host = MINIMAL_HOST + 'bogus = 1\n'
+    )
+    host = MINIMAL_HOST + "bogus = 1\n"
     with pytest.raises(DesiredStateError) as info:
         load_desired(_fleet_dir(tmp_path, fleet, ctl=host))
     paths = [(Path(p.file).name, p.path) for p in info.value.problems]
@@ -118,7 +123,9 @@ def test_validate_exit_2_and_nothing_on_stdout_for_a_bad_state(tmp_path: Path) -
     (desired / "racknerd.toml").write_text("[host]\nname = 'racknerd'\n")
     proc = subprocess.run(
         [sys.executable, "-m", "reconciler", "validate", "--desired", str(desired)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""

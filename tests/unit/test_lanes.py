@@ -56,9 +56,7 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize(
-    "views, waited, attempts, backend, hold", [r[1:] for r in TABLE], ids=[r[0] for r in TABLE]
-)
+@pytest.mark.parametrize("views, waited, attempts, backend, hold", [r[1:] for r in TABLE], ids=[r[0] for r in TABLE])
 def test_choose_lane(views, waited, attempts, backend, hold):
     decision = choose_lane(views, LaneJob(waited_s=waited, attempts=attempts), SETTINGS)
     assert decision == LaneDecision(backend=backend, hold=hold)
@@ -99,9 +97,7 @@ def test_a_local_lane_ranked_below_the_cloud_wins_once_its_gate_opens():
 
 def test_dispatching_a_queue_fills_by_rank_then_holds():
     decisions, after = dispatch_jobs(lanes(), [LaneJob()] * 8, SETTINGS)
-    assert [d.backend or d.hold for d in decisions] == (
-        ["a1-arm64"] * 2 + ["x86-spill"] * 4 + ["local_spill_not_reached"] * 2
-    )
+    assert [d.backend or d.hold for d in decisions] == (["a1-arm64"] * 2 + ["x86-spill"] * 4 + ["local_spill_not_reached"] * 2)
     assert [(v.id, v.in_flight) for v in after] == [("a1-arm64", 2), ("x86-spill", 4), ("local", 0)]
     # A stale job then takes the local slot; the next one finds nothing.
     decisions, after = dispatch_jobs(after, [LaneJob(waited_s=901)] * 2, SETTINGS)

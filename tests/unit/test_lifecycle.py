@@ -7,7 +7,7 @@ record, the drains, and judges liveness like the sqlite backend
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +18,7 @@ from reconciler.model import FlapSettings, TimingSettings
 from reconciler.registry.fencing import accept_plan
 from reconciler.registry.records import DrainRequest, NodeRecord
 
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 TIMING = TimingSettings()  # 30 s beats, 90 s timeout, 45 s relayed beats, 300 s drain grace
 FLAP = FlapSettings()  # 3 toggles in 300 s -> held off 600 s
 
@@ -54,9 +54,7 @@ class Fleet:
 
     def tick(self, t: float) -> list:
         now = at(t)
-        self.states, events = observe(
-            self.states, self.records, alive_at(self.records, now), self.drains, now, self.timing, self.flap
-        )
+        self.states, events = observe(self.states, self.records, alive_at(self.records, now), self.drains, now, self.timing, self.flap)
         # The backend drops a dead node's facts and a forgotten node's everything.
         for node_id in list(self.records):
             state = self.states.get(node_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -27,7 +27,7 @@ from reconciler.metrics import (
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"
-NOW = datetime(2026, 11, 29, 18, 30, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 18, 30, tzinfo=UTC)
 PASS = PassMetrics(duration_s=1.25, succeeded=True, last_success=NOW, generation=12, plan_epoch=7, rollbacks_total=3)
 
 

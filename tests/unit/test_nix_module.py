@@ -41,7 +41,10 @@ LIST_KEYS = {"ReadWritePaths", "ExecStartPre"}
 def nix_files() -> list[Path]:
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.nix"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     return sorted(REPO / p for p in out)
 
@@ -181,16 +184,24 @@ def test_settings_reach_node_toml_and_the_command() -> None:
     assert node.timer.interval == "45s"
     service = result["services"]["fabric-reconcile"]["serviceConfig"]
     assert service["ExecStart"].split() == [
-        f"{PACKAGE}/bin/fabric", "reconcile", "--desired", "/var/lib/fabric/desired",
-        "--unit-dir", "/run/systemd/system", "--host", "racknerd",
+        f"{PACKAGE}/bin/fabric",
+        "reconcile",
+        "--desired",
+        "/var/lib/fabric/desired",
+        "--unit-dir",
+        "/run/systemd/system",
+        "--host",
+        "racknerd",
     ]
     assert service["ExecStartPre"].split() == [f"{PACKAGE}/bin/fabric", "pull", "--config", NODE_TOML]
     assert result["timers"]["fabric-reconcile"]["timerConfig"]["OnUnitActiveSec"] == "45s"
 
 
 def test_free_form_settings_override_the_options() -> None:
-    result = evaluate('{ settings.timer.interval = "2min"; settings.bootstrap.k3s_server = "https://100.101.7.10:6443";'
-                      ' settings.bootstrap.k3s_token_file = "/run/secrets/k3s-token"; }')
+    result = evaluate(
+        '{ settings.timer.interval = "2min"; settings.bootstrap.k3s_server = "https://100.101.7.10:6443";'
+        ' settings.bootstrap.k3s_token_file = "/run/secrets/k3s-token"; }'
+    )
     node = NodeConfig.model_validate(result["node"])
     assert node.timer.interval == "2min"
     assert node.bootstrap.k3s_token_file == "/run/secrets/k3s-token"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from reconciler.adapters.files import LocalTree
@@ -16,7 +16,7 @@ from reconciler.probe import RawCapture, facts_from_capture
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 STATE_DIR = "var/lib/fabric"
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 STATE = load_desired(EXAMPLE_FLEET)
 
 

@@ -29,11 +29,16 @@ def fabric_plan(fleet: Fleet, capsys: pytest.CaptureFixture[str], *extra: str) -
     code = main(
         [
             "plan",
-            "--desired", str(fleet.desired),
-            "--host", fleet.host,
-            "--root", str(fleet.root),
-            "--replay", str(GOLDEN / "probe" / arch),
-            "--plan-file", str(GOLDEN / "fleet-plan.json"),
+            "--desired",
+            str(fleet.desired),
+            "--host",
+            fleet.host,
+            "--root",
+            str(fleet.root),
+            "--replay",
+            str(GOLDEN / "probe" / arch),
+            "--plan-file",
+            str(GOLDEN / "fleet-plan.json"),
             "--no-activate",
             *extra,
         ]
@@ -51,9 +56,7 @@ def assert_golden(text: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"])
-def test_first_pass_writes_and_starts_everything_then_second_is_a_noop(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str
-) -> None:
+def test_first_pass_writes_and_starts_everything_then_second_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str) -> None:
     fleet = Fleet(tmp_path, host)
     assert_golden(fabric_plan(fleet, capsys), f"{host}-first-pass.txt")
     assert fleet.reconcile() == 0

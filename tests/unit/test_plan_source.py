@@ -6,7 +6,7 @@ replayed probe captures of the example fleet.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from reconciler.probe import RawCapture, facts_from_capture
 from reconciler.registry import RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def facts(host: str) -> NodeFacts:
 @pytest.fixture
 def connect(tmp_path: Path, state: DesiredState):
     """Opens the registry file afresh, as each real pass does (and closes)."""
-    return lambda: SqliteRegistry(
-        tmp_path / "registry.sqlite", timing=state.fleet.timing, flap=state.fleet.flap, clock=SystemClock()
-    )
+    return lambda: SqliteRegistry(tmp_path / "registry.sqlite", timing=state.fleet.timing, flap=state.fleet.flap, clock=SystemClock())
 
 
 @pytest.fixture
@@ -53,8 +51,14 @@ def registry(connect):
 
 def source(connect, state, host, *, applied=None, has_generation=False, write=True):
     return from_registry(
-        connect, state, host, facts(host),
-        applied_epoch=applied, has_generation=has_generation, now=NOW, write=write,
+        connect,
+        state,
+        host,
+        facts(host),
+        applied_epoch=applied,
+        has_generation=has_generation,
+        now=NOW,
+        write=write,
     )
 
 

@@ -84,7 +84,7 @@ class FakeMachine:
         names, links = [], {}
         for line in text.splitlines():
             if line.startswith("by-path/"):
-                link, _, target = line[len("by-path/"):].partition(" -> ")
+                link, _, target = line[len("by-path/") :].partition(" -> ")
                 links[link] = target
             elif line:
                 names.append(line)

@@ -42,9 +42,7 @@ def load_capture(machine: str) -> RawCapture:
 def expected_facts(machine: str) -> dict:
     path = FIXTURES / machine / EXPECTED
     if not path.is_file():
-        pytest.fail(
-            f"{path} is missing: run `fabric probe --replay {path.parent} --json > {path}` and review it line by line"
-        )
+        pytest.fail(f"{path} is missing: run `fabric probe --replay {path.parent} --json > {path}` and review it line by line")
     return json.loads(path.read_text())
 
 

@@ -16,10 +16,7 @@ from tests.unit.test_probe_fixtures import FIXTURES, MACHINES
 
 PARSERS = {fact.raw: fact.parser for fact in FACTS}
 REAL_OUTPUTS = sorted(
-    (raw, (FIXTURES / machine / raw).read_text())
-    for machine in MACHINES
-    for raw in PARSERS
-    if (FIXTURES / machine / raw).is_file()
+    (raw, (FIXTURES / machine / raw).read_text()) for machine in MACHINES for raw in PARSERS if (FIXTURES / machine / raw).is_file()
 )
 
 
@@ -174,10 +171,25 @@ def test_vainfo_without_header_is_the_default_render_node():
 def test_lsblk_old_string_values_and_nested_mounts():
     old = {
         "blockdevices": [
-            {"name": "sda", "type": "disk", "size": "500107862016", "rota": "1", "tran": "sata", "mountpoint": None,
-             "children": [{"name": "sda1", "type": "part", "size": "500106813440", "rota": "1", "tran": None,
-                           "mountpoint": None, "children": [{"name": "vg-root", "type": "lvm", "size": "1", "rota": "1",
-                                                              "tran": None, "mountpoint": "/"}]}]},
+            {
+                "name": "sda",
+                "type": "disk",
+                "size": "500107862016",
+                "rota": "1",
+                "tran": "sata",
+                "mountpoint": None,
+                "children": [
+                    {
+                        "name": "sda1",
+                        "type": "part",
+                        "size": "500106813440",
+                        "rota": "1",
+                        "tran": None,
+                        "mountpoint": None,
+                        "children": [{"name": "vg-root", "type": "lvm", "size": "1", "rota": "1", "tran": None, "mountpoint": "/"}],
+                    }
+                ],
+            },
             {"name": "zram0", "type": "disk", "size": "8589934592", "rota": "0", "tran": None, "mountpoint": "[SWAP]"},
             {"name": "sr0", "type": "rom", "size": "1073741312", "rota": "1", "tran": "sata", "mountpoint": None},
         ]
@@ -187,9 +199,19 @@ def test_lsblk_old_string_values_and_nested_mounts():
 
 
 def test_lsblk_mountpoints_list_of_newer_util_linux():
-    doc = {"blockdevices": [{"name": "nvme0n1", "type": "disk", "size": 10, "rota": False, "tran": "nvme",
-                             "mountpoints": [None], "children": [{"name": "p1", "type": "part", "size": 9, "rota": False,
-                                                                  "tran": None, "mountpoints": ["/home", "/"]}]}]}
+    doc = {
+        "blockdevices": [
+            {
+                "name": "nvme0n1",
+                "type": "disk",
+                "size": 10,
+                "rota": False,
+                "tran": "nvme",
+                "mountpoints": [None],
+                "children": [{"name": "p1", "type": "part", "size": 9, "rota": False, "tran": None, "mountpoints": ["/home", "/"]}],
+            }
+        ]
+    }
     (disk,) = parsers.parse_lsblk(json.dumps(doc))
     assert disk.mounts == ("/home", "/")
 
@@ -220,11 +242,13 @@ def test_fb0_rejects_odd_sizes(text):
 
 
 def _status(peers, state="Running"):
-    return json.dumps({
-        "BackendState": state,
-        "Self": {"DNSName": "node.tail-abc123.ts.net.", "TailscaleIPs": ["100.64.0.9", "fd7a:115c:a1e0::9"]},
-        "Peer": {f"nodekey:{i}": {"HostName": f"p{i}", **p} for i, p in enumerate(peers)},
-    })
+    return json.dumps(
+        {
+            "BackendState": state,
+            "Self": {"DNSName": "node.tail-abc123.ts.net.", "TailscaleIPs": ["100.64.0.9", "fd7a:115c:a1e0::9"]},
+            "Peer": {f"nodekey:{i}": {"HostName": f"p{i}", **p} for i, p in enumerate(peers)},
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,8 +257,13 @@ def _status(peers, state="Running"):
         ([{"Online": True, "Active": True, "Relay": "nyc", "CurAddr": "192.0.2.1:41641"}], False),
         ([{"Online": True, "Active": True, "Relay": "nyc", "CurAddr": ""}], True),
         # One direct path proves this node's NAT lets paths through.
-        ([{"Online": True, "Active": True, "Relay": "fra", "CurAddr": ""},
-          {"Online": True, "Active": True, "Relay": "nyc", "CurAddr": "192.0.2.1:41641"}], False),
+        (
+            [
+                {"Online": True, "Active": True, "Relay": "fra", "CurAddr": ""},
+                {"Online": True, "Active": True, "Relay": "nyc", "CurAddr": "192.0.2.1:41641"},
+            ],
+            False,
+        ),
         # Idle peers have no CurAddr whatever the path: they say nothing.
         ([{"Online": True, "Active": False, "Relay": "nyc", "CurAddr": ""}], None),
         ([{"Online": False, "Active": True, "Relay": "nyc", "CurAddr": ""}], None),
@@ -255,12 +284,34 @@ def test_tailscale_not_running_is_no_identity(state):
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.sampled_from(["disk", "/", "Running", "nvme"]),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(
-        st.sampled_from(["blockdevices", "children", "name", "type", "size", "rota", "tran", "mountpoint", "mountpoints",
-                         "BackendState", "Self", "Peer", "DNSName", "TailscaleIPs", "Online", "Active", "Relay", "CurAddr"]),
-        children,
-        max_size=6,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "blockdevices",
+                    "children",
+                    "name",
+                    "type",
+                    "size",
+                    "rota",
+                    "tran",
+                    "mountpoint",
+                    "mountpoints",
+                    "BackendState",
+                    "Self",
+                    "Peer",
+                    "DNSName",
+                    "TailscaleIPs",
+                    "Online",
+                    "Active",
+                    "Relay",
+                    "CurAddr",
+                ]
+            ),
+            children,
+            max_size=6,
+        )
     ),
     max_leaves=30,
 )

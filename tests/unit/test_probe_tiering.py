@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +25,7 @@ from reconciler.probe.tiering import (
 from tests.unit.test_probe_fixtures import MACHINES, load_capture
 
 LABELS = TypeAdapter(dict[LabelKey, LabelValue])
-T0 = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 
 
 @pytest.mark.parametrize("machine", MACHINES)
@@ -85,8 +85,16 @@ RAPHAEL = PciDisplay("0000:0e:00.0", "0300", "1002", "Advanced Micro Devices, In
 UHD = PciDisplay("0000:00:02.0", "0300", "8086", "Intel Corporation", "4692", "AlderLake-S GT1")
 ARC = PciDisplay("0000:03:00.0", "0300", "8086", "Intel Corporation", "56a0", "DG2 [Arc A770]")
 ENCODE = VaDevice("renderD128", "Mesa", ("VAProfileH264Main", "VAProfileHEVCMain"))
-FFMPEG = (Encoder("libx264", "V"), Encoder("h264_nvenc", "V"), Encoder("h264_vaapi", "V"), Encoder("av1_vaapi", "V"),
-          Encoder("h264_qsv", "V"), Encoder("h264_amf", "V"), Encoder("h264_v4l2m2m", "V"), Encoder("aac", "A"))
+FFMPEG = (
+    Encoder("libx264", "V"),
+    Encoder("h264_nvenc", "V"),
+    Encoder("h264_vaapi", "V"),
+    Encoder("av1_vaapi", "V"),
+    Encoder("h264_qsv", "V"),
+    Encoder("h264_amf", "V"),
+    Encoder("h264_v4l2m2m", "V"),
+    Encoder("aac", "A"),
+)
 
 
 def _parsed(pci=(), nvidia=None, render=None, va=None, ffmpeg=FFMPEG, missing=None):
@@ -151,9 +159,7 @@ def test_gpu_without_render_node_is_not_usable():
 
 def test_best_gpu_decides_the_tier_and_the_gpu_label():
     smi = NvidiaReport((NvidiaGpu(0, "NVIDIA GeForce RTX 4070", 12282, "550.78", "0000:01:00.0"),))
-    facts = build_node_facts(
-        _parsed([RAPHAEL, NVIDIA], smi, render={RAPHAEL.slot: "renderD129", NVIDIA.slot: "renderD128"})
-    )
+    facts = build_node_facts(_parsed([RAPHAEL, NVIDIA], smi, render={RAPHAEL.slot: "renderD129", NVIDIA.slot: "renderD128"}))
     assert _gpu_tiers(facts) == [("0000:01:00.0", "gpu_cuda"), ("0000:0e:00.0", "gpu_apu")]
     assert facts.labels[f"{LABEL_PREFIX}gpu"] == "nvidia:rtx4070"
 
@@ -280,8 +286,7 @@ def test_history_survives_json_between_passes():
 
 
 @settings(max_examples=200, deadline=None)
-@given(observed=st.lists(st.sampled_from(["gpu_cuda", "gpu_apu", "cpu_ffmpeg", "relay"]), min_size=1, max_size=20),
-       passes=st.integers(1, 5))
+@given(observed=st.lists(st.sampled_from(["gpu_cuda", "gpu_apu", "cpu_ffmpeg", "relay"]), min_size=1, max_size=20), passes=st.integers(1, 5))
 def test_the_effective_tier_drops_only_after_enough_consecutive_lower_passes(observed, passes):
     base = _qfox()
     history, effective_tiers = ProbeHistory(), []
@@ -291,7 +296,7 @@ def test_the_effective_tier_drops_only_after_enough_consecutive_lower_passes(obs
         effective_tiers.append(effective.tier)
     for n in range(1, len(observed)):
         if TIER_SCORE[effective_tiers[n]] < TIER_SCORE[effective_tiers[n - 1]]:
-            window = observed[max(0, n - passes + 1): n + 1]
+            window = observed[max(0, n - passes + 1) : n + 1]
             assert len(window) == passes
             assert all(TIER_SCORE[t] < TIER_SCORE[effective_tiers[n - passes]] for t in window)
         # Damping only ever holds a tier up: never below what this pass saw.

@@ -66,7 +66,7 @@ def systemd_unquote(word: str, *, command_line: bool = True) -> str:
     out, i, body = [], 0, word[1:-1]
     while i < len(body):
         c = body[i]
-        special = '%$' if command_line else "%"
+        special = "%$" if command_line else "%"
         if c in special and body[i + 1 : i + 2] == c:
             out.append(c)
             i += 2
@@ -139,7 +139,7 @@ def test_nftables_fix_from_host_file_or_os_release() -> None:
     assert "chain forward" in files(state, "qfox-1")["etc/fabric/fabric.nft"]  # nftables_fix = true
     assert "chain forward" not in files(state, "lux")["etc/fabric/fabric.nft"]
     cachy = facts("lux", os=OperatingSystem(id="cachyos", id_like=["arch"]))
-    assert "iifname \"tailscale0\" accept" in files(state, "lux", node_facts=cachy)["etc/fabric/fabric.nft"]
+    assert 'iifname "tailscale0" accept' in files(state, "lux", node_facts=cachy)["etc/fabric/fabric.nft"]
     arch = facts("lux", os=OperatingSystem(id="arch"))
     assert "chain forward" in files(state, "lux", node_facts=arch)["etc/fabric/fabric.nft"]
 
@@ -147,7 +147,9 @@ def test_nftables_fix_from_host_file_or_os_release() -> None:
 def test_host_file_can_turn_the_fix_off(tmp_path: Path) -> None:
     desired = tmp_path / "d"
     shutil.copytree(REPO / "hosts", desired)
-    (desired / "lux.toml").write_text((desired / "lux.toml").read_text().replace('node_id = "lux.tail-abc123.ts.net"', 'node_id = "lux.tail-abc123.ts.net"\nnftables_fix = false'))
+    (desired / "lux.toml").write_text(
+        (desired / "lux.toml").read_text().replace('node_id = "lux.tail-abc123.ts.net"', 'node_id = "lux.tail-abc123.ts.net"\nnftables_fix = false')
+    )
     arch = facts("lux", os=OperatingSystem(id="arch"))
     assert "chain forward" not in files(load_desired(desired), "lux", node_facts=arch)["etc/fabric/fabric.nft"]
 
@@ -254,7 +256,9 @@ def test_unknown_host_and_unit_name_collisions_are_errors(tmp_path: Path) -> Non
 
 
 def test_k3s_labels_from_probe_and_host_file() -> None:
-    probe = facts("qfox-1", labels={"topology.researchstack.io/gpu": "nvidia:rtx4070", "topology.researchstack.io/role": "auto:foxtop", "bad key!": "x"})
+    probe = facts(
+        "qfox-1", labels={"topology.researchstack.io/gpu": "nvidia:rtx4070", "topology.researchstack.io/role": "auto:foxtop", "bad key!": "x"}
+    )
     rendered = render(example(), "qfox-1", probe, golden_plan())
     dropin = {a.path: a for a in rendered.artifacts}["etc/rancher/k3s/config.yaml.d/50-fabric-labels.yaml"]
     assert dropin.kind == "dropin"

@@ -6,7 +6,7 @@ the next as the leader does, and checks the decided actions.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -14,7 +14,7 @@ from reconciler.live import Snapshot, SnapshotNode
 from reconciler.model import ScalingSettings
 from reconciler.scaling import ScalingState, decide_scaling
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 HOOKS = {
     "wasm": ["/bin/wrangler", "deploy", "--name", "fabric-wasm-worker"],
     "batch": ["/bin/gh", "workflow", "run", "adaptive-compute.yml"],
@@ -240,7 +240,5 @@ def test_state_forgets_nodes_that_left_and_survives_json():
 
 def test_the_time_defaults_to_the_snapshot_time():
     state = ScalingState(queue_high_since=T0)
-    decision = decide_scaling(
-        Snapshot(now=T0 + timedelta(seconds=30), nodes=[node("idle", in_flight=0)]), 20, SETTINGS, state
-    )
+    decision = decide_scaling(Snapshot(now=T0 + timedelta(seconds=30), nodes=[node("idle", in_flight=0)]), 20, SETTINGS, state)
     assert kinds(decision.actions) == [("activate_idle", "idle")]

@@ -13,7 +13,7 @@ depth and node loads, carrying the state as the leader does. Whatever happens:
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +23,7 @@ from reconciler.model import ScalingSettings
 from reconciler.scaling import ScalingState, decide_scaling
 from reconciler.scheduler import accepts_new_work
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 SETTINGS = ScalingSettings(
     queue_high=5,
     burst_window_s=30,
@@ -98,13 +98,17 @@ def test_scaling_invariants(run):
                 assert action.max_concurrent_tasks == node.max_concurrent_tasks + 1
                 assert action.max_concurrent_tasks <= (node.max_concurrent_ceiling or 0)
                 assert held_since(
-                    history, now, SETTINGS.scale_up_window_s,
+                    history,
+                    now,
+                    SETTINGS.scale_up_window_s,
                     lambda h, n=action.node: h[2][n][2] and h[2][n][0] / h[2][n][1] > SETTINGS.scale_up_utilization,
                 )
             elif action.kind == "scale_down":
                 assert queue <= SETTINGS.queue_high
                 assert held_since(
-                    history, now, SETTINGS.scale_down_window_s,
+                    history,
+                    now,
+                    SETTINGS.scale_down_window_s,
                     lambda h, n=action.node: h[2][n][2] and h[2][n][0] / h[2][n][1] < SETTINGS.scale_down_utilization,
                 )
         if any(a.kind in ("run_cloud_hook", "activate_idle") for a in decision.actions):
@@ -112,7 +116,9 @@ def test_scaling_invariants(run):
             burst = held_since(history, now, SETTINGS.burst_window_s, lambda h: h[1] > SETTINGS.queue_high)
             hot = any(
                 held_since(
-                    history, now, SETTINGS.scale_up_window_s,
+                    history,
+                    now,
+                    SETTINGS.scale_up_window_s,
                     lambda h, n=n: h[2][n][2] and h[2][n][0] / h[2][n][1] > SETTINGS.scale_up_utilization,
                 )
                 for n in NODE_IDS

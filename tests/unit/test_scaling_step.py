@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from reconciler.live import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.ports import CommandResult
@@ -10,7 +10,7 @@ from reconciler.registry.records import QueuedJob, ScalingRecord, SlotClaim
 from reconciler.registry.scaling_step import carry_out, queue_depth, summary
 from reconciler.scaling import ScalingAction, ScalingState
 
-NOW = datetime(2026, 6, 1, 4, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 
 
 def job(job_id: str, running: bool = False) -> QueuedJob:

@@ -8,7 +8,7 @@ check are at the end.
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -16,7 +16,7 @@ from reconciler.live import Placement, Snapshot, SnapshotNode
 from reconciler.model import DesiredState, FleetConfig, HostConfig
 from reconciler.scheduler import Choice, NoChoice, Placer, Request, schedule, tier_sequence
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 def node(node_id: str, tier: str, **kw) -> SnapshotNode:
@@ -42,9 +42,7 @@ def desired(services: list[dict], hosts: list[str], strategy: str = "highest_tie
         }
     )
     host_configs = {
-        name: HostConfig.model_validate(
-            {"host": {"name": name, "roles": ["compute", "control"], "address": f"10.250.0.{i + 1}"}}
-        )
+        name: HostConfig.model_validate({"host": {"name": name, "roles": ["compute", "control"], "address": f"10.250.0.{i + 1}"}})
         for i, name in enumerate(hosts)
     }
     return DesiredState(fleet=fleet, hosts=host_configs)
@@ -74,9 +72,13 @@ def place_one(nodes, request: Request, strategy="highest_tier"):
         ("gpu_apu", "batch", "highest_tier", ["gpu_cuda", "gpu_vaapi", "gpu_apu"], ["cpu_ffmpeg", "batch"]),
         ("gpu_apu", "batch", "best_fit", ["gpu_apu", "gpu_vaapi", "gpu_cuda"], ["cpu_ffmpeg", "batch"]),
         ("gpu_cuda", "gpu_cuda", "highest_tier", ["gpu_cuda"], []),
-        ("relay", "relay", "best_fit", list(reversed(
-            ["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "ethernet", "framebuffer", "wasm", "dsp", "esp32", "relay"]
-        )), []),
+        (
+            "relay",
+            "relay",
+            "best_fit",
+            list(reversed(["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "ethernet", "framebuffer", "wasm", "dsp", "esp32", "relay"])),
+            [],
+        ),
     ],
 )
 def test_tier_sequence(min_tier, floor, strategy, satisfying, fallback):
@@ -99,78 +101,184 @@ HELD_PAST = NOW - timedelta(seconds=1)
 
 CHOICE_TABLE = [
     # (id, nodes, request, strategy, expected node or None, expected fallback)
-    ("highest tier wins over lower load",
-     [node("cpu", "cpu_ffmpeg"), node("cuda", "gpu_cuda", in_flight=3)],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cuda", False),
-    ("best_fit takes the lowest satisfying tier",
-     [node("cpu", "cpu_ffmpeg", in_flight=3), node("cuda", "gpu_cuda"), node("vaapi", "gpu_vaapi")],
-     Request("cpu_ffmpeg", "relay"), "best_fit", "cpu", False),
-    ("best_fit climbs when the lowest satisfying tier is full",
-     [node("cpu", "cpu_ffmpeg", in_flight=4), node("cuda", "gpu_cuda"), node("vaapi", "gpu_vaapi")],
-     Request("cpu_ffmpeg", "relay"), "best_fit", "vaapi", False),
-    ("same tier: lowest utilization",
-     [node("a", "cpu_ffmpeg", in_flight=2), node("b", "cpu_ffmpeg", in_flight=1)],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "b", False),
-    ("utilization is relative to the limit",
-     [node("a", "cpu_ffmpeg", in_flight=1, max_concurrent_tasks=2), node("b", "cpu_ffmpeg", in_flight=2, max_concurrent_tasks=8)],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "b", False),
-    ("same tier and utilization: node id",
-     [node("b", "cpu_ffmpeg", in_flight=1), node("a", "cpu_ffmpeg", in_flight=1)],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "a", False),
-    ("no candidate at min_tier: one tier down",
-     [node("batch", "batch"), node("cpu", "cpu_ffmpeg")],
-     Request("gpu_apu", "relay"), "highest_tier", "cpu", True),
-    ("fallback skips empty tiers down to the floor",
-     [node("wasm", "wasm")],
-     Request("gpu_apu", "wasm"), "highest_tier", "wasm", True),
-    ("fallback takes the highest fallback tier even under best_fit",
-     [node("batch", "batch"), node("cpu", "cpu_ffmpeg")],
-     Request("gpu_apu", "relay"), "best_fit", "cpu", True),
-    ("never below the floor",
-     [node("batch", "batch")],
-     Request("gpu_apu", "cpu_ffmpeg"), "highest_tier", None, None),
-    ("full node is skipped",
-     [node("cuda", "gpu_cuda", in_flight=4), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("node with limit 0 takes nothing",
-     [node("cuda", "gpu_cuda", max_concurrent_tasks=0), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("offline node is skipped",
-     [node("cuda", "gpu_cuda", status="offline"), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("draining node is skipped",
-     [node("cuda", "gpu_cuda", status="draining"), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("dead node is skipped",
-     [node("cuda", "gpu_cuda", status="dead"), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("drained node is skipped",
-     [node("cuda", "gpu_cuda", drained=True), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("held-off node is skipped until the hold ends",
-     [node("cuda", "gpu_cuda", held_off_until=HELD_FUTURE), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("a hold that has ended does not matter",
-     [node("cuda", "gpu_cuda", held_off_until=HELD_PAST), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cuda", False),
-    ("a hold without a zone is read as UTC",
-     [node("cuda", "gpu_cuda", held_off_until=HELD_FUTURE.replace(tzinfo=None)), node("cpu", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "cpu", False),
-    ("arch restriction",
-     [node("arm", "gpu_cuda", arch="aarch64"), node("x86", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay", arch=frozenset({"x86_64"})), "highest_tier", "x86", False),
-    ("unknown arch matches only unrestricted work",
-     [node("unknown", "gpu_cuda", arch=None), node("x86", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay", arch=frozenset({"x86_64"})), "highest_tier", "x86", False),
-    ("unknown arch takes unrestricted work",
-     [node("unknown", "gpu_cuda", arch=None), node("x86", "cpu_ffmpeg")],
-     Request("cpu_ffmpeg", "relay"), "highest_tier", "unknown", False),
-    ("labels: node must carry every requested label",
-     [node("a", "gpu_cuda", labels={"zone": "b"}), node("b", "cpu_ffmpeg", labels={"zone": "a", "disk": "nvme"})],
-     Request("cpu_ffmpeg", "relay", labels=(("zone", "a"),)), "highest_tier", "b", False),
-    ("labels: a missing key does not match",
-     [node("a", "gpu_cuda", labels={}), node("b", "cpu_ffmpeg", labels={"zone": "a"})],
-     Request("cpu_ffmpeg", "relay", labels=(("zone", "a"),)), "highest_tier", "b", False),
+    (
+        "highest tier wins over lower load",
+        [node("cpu", "cpu_ffmpeg"), node("cuda", "gpu_cuda", in_flight=3)],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cuda",
+        False,
+    ),
+    (
+        "best_fit takes the lowest satisfying tier",
+        [node("cpu", "cpu_ffmpeg", in_flight=3), node("cuda", "gpu_cuda"), node("vaapi", "gpu_vaapi")],
+        Request("cpu_ffmpeg", "relay"),
+        "best_fit",
+        "cpu",
+        False,
+    ),
+    (
+        "best_fit climbs when the lowest satisfying tier is full",
+        [node("cpu", "cpu_ffmpeg", in_flight=4), node("cuda", "gpu_cuda"), node("vaapi", "gpu_vaapi")],
+        Request("cpu_ffmpeg", "relay"),
+        "best_fit",
+        "vaapi",
+        False,
+    ),
+    (
+        "same tier: lowest utilization",
+        [node("a", "cpu_ffmpeg", in_flight=2), node("b", "cpu_ffmpeg", in_flight=1)],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "b",
+        False,
+    ),
+    (
+        "utilization is relative to the limit",
+        [node("a", "cpu_ffmpeg", in_flight=1, max_concurrent_tasks=2), node("b", "cpu_ffmpeg", in_flight=2, max_concurrent_tasks=8)],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "b",
+        False,
+    ),
+    (
+        "same tier and utilization: node id",
+        [node("b", "cpu_ffmpeg", in_flight=1), node("a", "cpu_ffmpeg", in_flight=1)],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "a",
+        False,
+    ),
+    (
+        "no candidate at min_tier: one tier down",
+        [node("batch", "batch"), node("cpu", "cpu_ffmpeg")],
+        Request("gpu_apu", "relay"),
+        "highest_tier",
+        "cpu",
+        True,
+    ),
+    ("fallback skips empty tiers down to the floor", [node("wasm", "wasm")], Request("gpu_apu", "wasm"), "highest_tier", "wasm", True),
+    (
+        "fallback takes the highest fallback tier even under best_fit",
+        [node("batch", "batch"), node("cpu", "cpu_ffmpeg")],
+        Request("gpu_apu", "relay"),
+        "best_fit",
+        "cpu",
+        True,
+    ),
+    ("never below the floor", [node("batch", "batch")], Request("gpu_apu", "cpu_ffmpeg"), "highest_tier", None, None),
+    (
+        "full node is skipped",
+        [node("cuda", "gpu_cuda", in_flight=4), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "node with limit 0 takes nothing",
+        [node("cuda", "gpu_cuda", max_concurrent_tasks=0), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "offline node is skipped",
+        [node("cuda", "gpu_cuda", status="offline"), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "draining node is skipped",
+        [node("cuda", "gpu_cuda", status="draining"), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "dead node is skipped",
+        [node("cuda", "gpu_cuda", status="dead"), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "drained node is skipped",
+        [node("cuda", "gpu_cuda", drained=True), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "held-off node is skipped until the hold ends",
+        [node("cuda", "gpu_cuda", held_off_until=HELD_FUTURE), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "a hold that has ended does not matter",
+        [node("cuda", "gpu_cuda", held_off_until=HELD_PAST), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cuda",
+        False,
+    ),
+    (
+        "a hold without a zone is read as UTC",
+        [node("cuda", "gpu_cuda", held_off_until=HELD_FUTURE.replace(tzinfo=None)), node("cpu", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "cpu",
+        False,
+    ),
+    (
+        "arch restriction",
+        [node("arm", "gpu_cuda", arch="aarch64"), node("x86", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay", arch=frozenset({"x86_64"})),
+        "highest_tier",
+        "x86",
+        False,
+    ),
+    (
+        "unknown arch matches only unrestricted work",
+        [node("unknown", "gpu_cuda", arch=None), node("x86", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay", arch=frozenset({"x86_64"})),
+        "highest_tier",
+        "x86",
+        False,
+    ),
+    (
+        "unknown arch takes unrestricted work",
+        [node("unknown", "gpu_cuda", arch=None), node("x86", "cpu_ffmpeg")],
+        Request("cpu_ffmpeg", "relay"),
+        "highest_tier",
+        "unknown",
+        False,
+    ),
+    (
+        "labels: node must carry every requested label",
+        [node("a", "gpu_cuda", labels={"zone": "b"}), node("b", "cpu_ffmpeg", labels={"zone": "a", "disk": "nvme"})],
+        Request("cpu_ffmpeg", "relay", labels=(("zone", "a"),)),
+        "highest_tier",
+        "b",
+        False,
+    ),
+    (
+        "labels: a missing key does not match",
+        [node("a", "gpu_cuda", labels={}), node("b", "cpu_ffmpeg", labels={"zone": "a"})],
+        Request("cpu_ffmpeg", "relay", labels=(("zone", "a"),)),
+        "highest_tier",
+        "b",
+        False,
+    ),
 ]
 
 
@@ -333,45 +441,66 @@ def kept(sid, replica, node_id, tier="cpu_ffmpeg"):
 
 EXISTING_TABLE = [
     # (id, nodes, existing placements, expected nodes of service "svc" by replica)
-    ("feasible placement stays although a better node exists",
-     [node("cpu", "cpu_ffmpeg", in_flight=1), node("cuda", "gpu_cuda")],
-     [kept("svc", 0, "cpu")], ["cpu"]),
-    ("work on a lost node is placed again",
-     [node("cuda", "gpu_cuda")],
-     [kept("svc", 0, "gone")], ["cuda"]),
-    ("work on an offline node is placed again",
-     [node("old", "cpu_ffmpeg", status="offline"), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old")], ["new"]),
-    ("a draining node keeps its work through the drain grace",
-     [node("old", "cpu_ffmpeg", status="draining"), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old")], ["old"]),
-    ("work on a drained node (grace over) is placed again",
-     [node("old", "cpu_ffmpeg", status="draining", drained=True), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old")], ["new"]),
-    ("work on a drained node is placed again",
-     [node("old", "cpu_ffmpeg", drained=True), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old")], ["new"]),
-    ("a held-off node keeps its work",
-     [node("old", "cpu_ffmpeg", held_off_until=HELD_FUTURE), node("new", "gpu_cuda")],
-     [kept("svc", 0, "old")], ["old"]),
-    ("a node demoted below the floor loses the work",
-     [node("old", "batch"), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old")], ["new"]),
-    ("a node demoted to a fallback tier still above the floor keeps it",
-     [node("old", "gpu_apu"), node("new", "gpu_cuda")],
-     [kept("svc", 0, "old")], ["old"]),
-    ("kept placements beyond a lowered limit move",
-     [node("old", "cpu_ffmpeg", max_concurrent_tasks=1, in_flight=2), node("new", "cpu_ffmpeg")],
-     [kept("svc", 0, "old"), kept("svc", 1, "old")], ["old", "new"]),
-    ("a duplicate placement record keeps the first",
-     [node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")],
-     [kept("svc", 0, "a"), kept("svc", 0, "b")], ["a"]),
+    (
+        "feasible placement stays although a better node exists",
+        [node("cpu", "cpu_ffmpeg", in_flight=1), node("cuda", "gpu_cuda")],
+        [kept("svc", 0, "cpu")],
+        ["cpu"],
+    ),
+    ("work on a lost node is placed again", [node("cuda", "gpu_cuda")], [kept("svc", 0, "gone")], ["cuda"]),
+    (
+        "work on an offline node is placed again",
+        [node("old", "cpu_ffmpeg", status="offline"), node("new", "cpu_ffmpeg")],
+        [kept("svc", 0, "old")],
+        ["new"],
+    ),
+    (
+        "a draining node keeps its work through the drain grace",
+        [node("old", "cpu_ffmpeg", status="draining"), node("new", "cpu_ffmpeg")],
+        [kept("svc", 0, "old")],
+        ["old"],
+    ),
+    (
+        "work on a drained node (grace over) is placed again",
+        [node("old", "cpu_ffmpeg", status="draining", drained=True), node("new", "cpu_ffmpeg")],
+        [kept("svc", 0, "old")],
+        ["new"],
+    ),
+    (
+        "work on a drained node is placed again",
+        [node("old", "cpu_ffmpeg", drained=True), node("new", "cpu_ffmpeg")],
+        [kept("svc", 0, "old")],
+        ["new"],
+    ),
+    (
+        "a held-off node keeps its work",
+        [node("old", "cpu_ffmpeg", held_off_until=HELD_FUTURE), node("new", "gpu_cuda")],
+        [kept("svc", 0, "old")],
+        ["old"],
+    ),
+    ("a node demoted below the floor loses the work", [node("old", "batch"), node("new", "cpu_ffmpeg")], [kept("svc", 0, "old")], ["new"]),
+    (
+        "a node demoted to a fallback tier still above the floor keeps it",
+        [node("old", "gpu_apu"), node("new", "gpu_cuda")],
+        [kept("svc", 0, "old")],
+        ["old"],
+    ),
+    (
+        "kept placements beyond a lowered limit move",
+        [node("old", "cpu_ffmpeg", max_concurrent_tasks=1, in_flight=2), node("new", "cpu_ffmpeg")],
+        [kept("svc", 0, "old"), kept("svc", 1, "old")],
+        ["old", "new"],
+    ),
+    (
+        "a duplicate placement record keeps the first",
+        [node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")],
+        [kept("svc", 0, "a"), kept("svc", 0, "b")],
+        ["a"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(
-    "nodes, existing, expected", [row[1:] for row in EXISTING_TABLE], ids=[row[0] for row in EXISTING_TABLE]
-)
+@pytest.mark.parametrize("nodes, existing, expected", [row[1:] for row in EXISTING_TABLE], ids=[row[0] for row in EXISTING_TABLE])
 def test_existing_placements(nodes, existing, expected):
     replicas = len(expected)
     plan = plan_for([service("svc", "gpu_cuda", "cpu_ffmpeg", replicas=replicas)], nodes, existing)
@@ -402,9 +531,9 @@ def test_kept_placement_reports_the_nodes_current_tier_and_fallback():
 
 
 SEED_SERVICES = [
-    service("lupine", "gpu_cuda", "gpu_cuda"),            # CUDA-only: hard fail
+    service("lupine", "gpu_cuda", "gpu_cuda"),  # CUDA-only: hard fail
     service("vaapi-encode", "gpu_vaapi", "cpu_ffmpeg"),  # falls back to CPU ffmpeg
-    service("flac-fft", "cpu_ffmpeg", "relay"),          # anything can do FFT
+    service("flac-fft", "cpu_ffmpeg", "relay"),  # anything can do FFT
 ]
 
 
@@ -418,7 +547,9 @@ def test_all_gpu_nodes_offline_vaapi_falls_to_cpu_ffmpeg_and_cuda_only_hard_fail
     plan = plan_for(SEED_SERVICES, nodes)
     by_service = {p.service: p for p in plan.placements}
     assert (by_service["vaapi-encode"].node, by_service["vaapi-encode"].tier, by_service["vaapi-encode"].fallback) == (
-        "steamdeck", "cpu_ffmpeg", True,
+        "steamdeck",
+        "cpu_ffmpeg",
+        True,
     )
     assert by_service["flac-fft"].node == "steamdeck"
     assert [d.service for d in plan.deferred] == ["lupine"]
@@ -514,5 +645,9 @@ def test_burst_of_100_tasks_over_a_small_fleet():
     assert fallback_count == 60
     assert by_tier == {"cpu_ffmpeg": 48, "batch": 12}
     assert {n.node_id: placer.load(n.node_id) for n in fleet} == {
-        "qfox-1": 24, "steamdeck": 16, "x86-spill": 32, "a1-arm64": 16, "lux": 12,
+        "qfox-1": 24,
+        "steamdeck": 16,
+        "x86-spill": 32,
+        "a1-arm64": 16,
+        "lux": 12,
     }

@@ -73,9 +73,7 @@ def test_schedule_text_lists_placements_deferred_work_and_lanes(tmp_path, capsys
 
 def test_schedule_reads_the_live_registry_without_a_snapshot(tmp_path, capsys):
     # An empty registry: no node has registered, so everything is inadmissible.
-    code, out, err = fabric(
-        capsys, "schedule", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "registry.sqlite"), "--json"
-    )
+    code, out, err = fabric(capsys, "schedule", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "registry.sqlite"), "--json")
     assert (code, err) == (0, "")
     plan = FleetPlan.model_validate_json(out)
     assert plan.placements == []
@@ -88,9 +86,17 @@ BAD_SNAPSHOTS = [
     ("not an object", "[]", ["snapshot.json: (top level): a snapshot is a JSON object, not list"]),
     ("unknown tier", json.dumps({"nodes": [{"node_id": "lux", "tier": "gpu_quantum"}]}), ["snapshot.json: nodes[0].tier: Input should be"]),
     ("missing node id", json.dumps({"nodes": [NODES[0], {"tier": "relay"}]}), ["snapshot.json: nodes[1].node_id: Field required"]),
-    ("negative in flight", json.dumps({"lanes": [{"id": "local", "in_flight": -1}]}), ["snapshot.json: lanes[0].in_flight: Input should be greater than or equal to 0"]),
+    (
+        "negative in flight",
+        json.dumps({"lanes": [{"id": "local", "in_flight": -1}]}),
+        ["snapshot.json: lanes[0].in_flight: Input should be greater than or equal to 0"],
+    ),
     ("bad time", json.dumps({"now": "yesterday"}), ["snapshot.json: now: Input should be a valid datetime"]),
-    ("two problems", json.dumps({"now": "yesterday", "nodes": [{"node_id": "lux"}]}), ["snapshot.json: now:", "snapshot.json: nodes[0].tier: Field required"]),
+    (
+        "two problems",
+        json.dumps({"now": "yesterday", "nodes": [{"node_id": "lux"}]}),
+        ["snapshot.json: now:", "snapshot.json: nodes[0].tier: Field required"],
+    ),
 ]
 
 
@@ -145,19 +151,51 @@ def limit(nodes, node_id, max_concurrent_tasks):
 # flac-fft[1] -> x86-spill: a1-arm64 2/2, x86-spill 3/4.
 DISPATCH_TABLE = [
     # (id, nodes, args, expected JSON)
-    ("highest tier with a free slot", limit(NODES, "qfox-1", 6), ["--min-tier", "gpu_apu"],
-     {"node": "qfox-1", "tier": "gpu_cuda", "fallback": False}),
+    (
+        "highest tier with a free slot",
+        limit(NODES, "qfox-1", 6),
+        ["--min-tier", "gpu_apu"],
+        {"node": "qfox-1", "tier": "gpu_cuda", "fallback": False},
+    ),
     ("CUDA box full: falls back", NODES, ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
     ("CUDA box offline: falls back", offline("qfox-1"), ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
-    ("arch restriction", limit(offline("qfox-1"), "a1-arm64", 3), ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64"],
-     {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": False}),
-    ("arch restriction, that node full: below the fallback tiers", offline("qfox-1"), ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64", "--floor", "cpu_ffmpeg"],
-     {"node": None, "status": "deferred", "reason": "no eligible node from gpu_cuda..cpu_ffmpeg (min_tier cpu_ffmpeg, floor cpu_ffmpeg; arch [aarch64]): "
-      "gpu_cuda: qfox-1 offline; cpu_ffmpeg: a1-arm64 full 2/2, x86-spill arch x86_64 not in [aarch64]; no node at gpu_vaapi, gpu_apu"}),
-    ("hard fail without CUDA", offline("qfox-1"), ["--min-tier", "gpu_cuda", "--floor", "gpu_cuda"],
-     {"node": None, "status": "deferred", "reason": "no eligible node from gpu_cuda (min_tier gpu_cuda, floor gpu_cuda): gpu_cuda: qfox-1 offline"}),
-    ("inadmissible label", NODES, ["--min-tier", "relay", "--label", "zone=mars"],
-     {"node": None, "status": "deferred", "reason": "inadmissible: no node in the fleet has tier relay or better with labels {zone=mars} (min_tier relay, floor relay); tiers present: gpu_cuda, cpu_ffmpeg, batch"}),
+    (
+        "arch restriction",
+        limit(offline("qfox-1"), "a1-arm64", 3),
+        ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64"],
+        {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": False},
+    ),
+    (
+        "arch restriction, that node full: below the fallback tiers",
+        offline("qfox-1"),
+        ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64", "--floor", "cpu_ffmpeg"],
+        {
+            "node": None,
+            "status": "deferred",
+            "reason": "no eligible node from gpu_cuda..cpu_ffmpeg (min_tier cpu_ffmpeg, floor cpu_ffmpeg; arch [aarch64]): "
+            "gpu_cuda: qfox-1 offline; cpu_ffmpeg: a1-arm64 full 2/2, x86-spill arch x86_64 not in [aarch64]; no node at gpu_vaapi, gpu_apu",
+        },
+    ),
+    (
+        "hard fail without CUDA",
+        offline("qfox-1"),
+        ["--min-tier", "gpu_cuda", "--floor", "gpu_cuda"],
+        {
+            "node": None,
+            "status": "deferred",
+            "reason": "no eligible node from gpu_cuda (min_tier gpu_cuda, floor gpu_cuda): gpu_cuda: qfox-1 offline",
+        },
+    ),
+    (
+        "inadmissible label",
+        NODES,
+        ["--min-tier", "relay", "--label", "zone=mars"],
+        {
+            "node": None,
+            "status": "deferred",
+            "reason": "inadmissible: no node in the fleet has tier relay or better with labels {zone=mars} (min_tier relay, floor relay); tiers present: gpu_cuda, cpu_ffmpeg, batch",
+        },
+    ),
 ]
 
 
@@ -182,12 +220,32 @@ def test_dispatch_text(tmp_path, capsys):
 LANE_TABLE = [
     ("cheapest lane", [], [], {"backend": "a1-arm64", "hold": None}),
     ("a1 offline: x86", [{"id": "a1-arm64", "available": False}], [], {"backend": "x86-spill", "hold": None}),
-    ("cloud full: hold", [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}], [], {"backend": None, "hold": "local_spill_not_reached"}),
-    ("cloud full, waited: local", [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}], ["--waited-s", "900"], {"backend": "local", "hold": None}),
-    ("cloud offline: local at once", [{"id": "a1-arm64", "available": False}, {"id": "x86-spill", "available": False}], [], {"backend": "local", "hold": None}),
+    (
+        "cloud full: hold",
+        [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}],
+        [],
+        {"backend": None, "hold": "local_spill_not_reached"},
+    ),
+    (
+        "cloud full, waited: local",
+        [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}],
+        ["--waited-s", "900"],
+        {"backend": "local", "hold": None},
+    ),
+    (
+        "cloud offline: local at once",
+        [{"id": "a1-arm64", "available": False}, {"id": "x86-spill", "available": False}],
+        [],
+        {"backend": "local", "hold": None},
+    ),
     ("attempts spent: local", [], ["--attempts", "3"], {"backend": "local", "hold": None}),
     ("attempts spent, local full", [{"id": "local", "in_flight": 1}], ["--attempts", "3"], {"backend": None, "hold": "cloud_attempts_exhausted"}),
-    ("all full", [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}, {"id": "local", "in_flight": 1}], ["--waited-s", "5000"], {"backend": None, "hold": "no_free_slots"}),
+    (
+        "all full",
+        [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}, {"id": "local", "in_flight": 1}],
+        ["--waited-s", "5000"],
+        {"backend": None, "hold": "no_free_slots"},
+    ),
 ]
 
 

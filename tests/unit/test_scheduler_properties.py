@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -29,7 +29,7 @@ _spec = importlib.util.spec_from_file_location("scheduler_reference", _REFERENCE
 reference = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(reference)
 
-NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NAMES = [f"n{i}" for i in range(12)]
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -113,14 +113,11 @@ def test_no_node_over_its_limit_and_never_below_the_floor(nodes, work, strategy)
 
 
 def _desired(services, hosts) -> DesiredState:
-    fleet = FleetConfig.model_validate(
-        {"fleet": {"domain": "example.test", "leader_candidates": [hosts[0]]}, "services": services}
-    )
+    fleet = FleetConfig.model_validate({"fleet": {"domain": "example.test", "leader_candidates": [hosts[0]]}, "services": services})
     return DesiredState(
         fleet=fleet,
         hosts={
-            h: HostConfig.model_validate({"host": {"name": h, "roles": ["control"], "address": f"10.250.1.{i + 1}"}})
-            for i, h in enumerate(hosts)
+            h: HostConfig.model_validate({"host": {"name": h, "roles": ["control"], "address": f"10.250.1.{i + 1}"}}) for i, h in enumerate(hosts)
         },
     )
 
@@ -148,9 +145,7 @@ def services_strategy(draw):
 @given(
     nodes=nodes_strategy(min_size=1),
     services=services_strategy(),
-    existing=st.lists(
-        st.tuples(st.sampled_from([f"svc{i}" for i in range(5)]), st.integers(0, 4), st.sampled_from(NAMES)), max_size=8
-    ),
+    existing=st.lists(st.tuples(st.sampled_from([f"svc{i}" for i in range(5)]), st.integers(0, 4), st.sampled_from(NAMES)), max_size=8),
 )
 def test_plans_respect_limits_and_floors_and_account_for_every_replica(nodes, services, existing):
     state = _desired(services, NAMES)

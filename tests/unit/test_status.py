@@ -8,7 +8,7 @@ failing (offline) and one job on a1-arm64.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -25,7 +25,7 @@ from reconciler.status import (
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"
-NOW = datetime(2026, 11, 29, 18, 30, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 18, 30, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +129,7 @@ def test_no_backends_declared_means_the_implicit_local_lane(desired):
 
 def test_the_snapshot_is_fresher_than_the_plans_lane_view(desired, snapshot, plan):
     # The plan was made when x86-spill's probe failed; it answers again now.
-    now_online = snapshot.model_copy(
-        update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]}
-    )
+    now_online = snapshot.model_copy(update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]})
 
     cards = fleet_status(desired, now_online, plan, NOW).lanes
 
@@ -203,9 +201,7 @@ def test_a_node_git_does_not_declare_is_marked_ignored(desired):
 
 
 def test_headline_names_leader_and_plan_epoch(desired, snapshot, plan):
-    assert fleet_status(desired, snapshot, plan, NOW).headline == (
-        "researchstack · leader lux · plan epoch 7 · 2026-11-29 18:30:00 UTC"
-    )
+    assert fleet_status(desired, snapshot, plan, NOW).headline == ("researchstack · leader lux · plan epoch 7 · 2026-11-29 18:30:00 UTC")
     leaderless = Snapshot(now=NOW, epoch=0)
     assert fleet_status(desired, leaderless, None, NOW).headline.startswith("researchstack · no leader · plan epoch 0")
 

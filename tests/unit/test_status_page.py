@@ -6,7 +6,7 @@ tests/integration/test_status_page.py serves it through Caddy into Chromium.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -17,7 +17,7 @@ from reconciler.status_page import caddy_site, render_status_page, status_site_a
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"
-NOW = datetime(2026, 11, 29, 18, 30, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 29, 18, 30, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
