@@ -4,7 +4,7 @@
 # desired state, probe, heartbeat, render, activate, audit to the journal).
 # Leader candidates also run fabric-leader.service.
 #
-# The unit values here mirror reconciler/units.py, which scripts/join.sh
+# The unit values here mirror reconciler/core/install/units.py, which scripts/join.sh
 # installs on hosts without NixOS; tests/unit/test_nix_module.py evaluates this
 # file and fails if command, timer or hardening differ.
 #
@@ -64,7 +64,7 @@ let
   ) cfg.settings;
 
   nodeConfigPath = "/etc/fabric/node.toml";
-  # HOME: `caddy validate` needs one for its own CA (reconciler/units.py PASS_HOME).
+  # HOME: `caddy validate` needs one for its own CA (reconciler/core/install/units.py PASS_HOME).
   passEnvironment = { HOME = "/var/lib/fabric"; } // registryEnvironment;
   registryEnvironment = lib.optionalAttrs (nodeSettings.node ? registry_path) {
     FABRIC_REGISTRY = nodeSettings.node.registry_path;
@@ -103,7 +103,7 @@ let
       nodeSettings.node.host
     ];
 
-  # Shared by the pass and the leader; reasons in reconciler/units.py (HARDENING).
+  # Shared by the pass and the leader; reasons in reconciler/core/install/units.py (HARDENING).
   # No PrivateDevices: the probe must see /dev/dri and /dev/nvidia*.
   hardening = {
     ProtectSystem = "strict";
@@ -284,7 +284,7 @@ in
         bootstrap.k3s_token_file = "/run/secrets/k3s-token";
       };
       description = ''
-        Extra node.toml settings (see reconciler/nodeconfig.py), merged over
+        Extra node.toml settings (see reconciler/core/install/nodeconfig.py), merged over
         the ones the options above produce. Rendered to /etc/fabric/node.toml.
       '';
     };

@@ -28,7 +28,7 @@ python3Packages.buildPythonApplication {
     aetcd
   ];
 
-  # reconciler/render.py finds its templates beside the package
+  # reconciler/core/render/artifacts.py finds its templates beside the package
   # (<site-packages>/templates); setuptools installs only the package itself.
   postInstall = ''
     cp -r templates "$out/${python3Packages.python.sitePackages}/templates"

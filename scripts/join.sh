@@ -155,7 +155,7 @@ fi
 mapfile -t deps < <("$PREFIX/bin/python" -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$SOURCE/pyproject.toml")
 "$PREFIX/bin/python" -m pip install "${pip_args[@]}" "${deps[@]}"
 site=$("$PREFIX/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# reconciler/render.py finds its templates beside the package (nix/package.nix
+# reconciler/core/render/artifacts.py finds its templates beside the package (nix/package.nix
 # installs them the same way).
 for part in reconciler templates; do
   rm -rf "$site/$part.new"
@@ -171,7 +171,7 @@ FABRIC="$PREFIX/bin/fabric"
 "$FABRIC" --help >/dev/null
 
 # --------------------------------------------------------------------------
-# node.toml: this machine's part in the fleet (reconciler/nodeconfig.py).
+# node.toml: this machine's part in the fleet (reconciler/core/install/nodeconfig.py).
 # Written by Python so every value is quoted as TOML.
 
 echo "==> $CONFIG"
@@ -184,7 +184,7 @@ JOIN_TAILSCALE_AUTH_KEY_FILE=$TAILSCALE_AUTH_KEY_FILE JOIN_K3S_SERVER=$K3S_SERVE
 import json, os, sys, tempfile
 e = {k.removeprefix("JOIN_").lower(): v for k, v in os.environ.items() if k.startswith("JOIN_")}
 q = json.dumps  # a JSON string is a valid TOML basic string
-lines = ["# Written by scripts/join.sh; see reconciler/nodeconfig.py.", "[node]"]
+lines = ["# Written by scripts/join.sh; see reconciler/core/install/nodeconfig.py.", "[node]"]
 if e["host"]:
     lines.append(f"host = {q(e['host'])}")
 lines += [f"desired = {q(e['desired'])}", f"unit_dir = {q(e['unit_dir'])}", "",
@@ -221,7 +221,7 @@ mkdir -p /etc/fabric /etc/rancher/k3s/config.yaml.d /var/lib/node_exporter/textf
 if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
 
 # --------------------------------------------------------------------------
-# The units, rendered by the reconciler itself (reconciler/units.py).
+# The units, rendered by the reconciler itself (reconciler/core/install/units.py).
 
 echo "==> units"
 units_args=(--config "$CONFIG" --fabric-bin "$FABRIC"

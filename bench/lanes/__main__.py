@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reconciler.adapters.clock import SystemClock  # noqa: E402
-from reconciler.desired import load_desired  # noqa: E402
-from reconciler.model import FleetConfig  # noqa: E402
-from reconciler.registry.dispatcher import dispatch_pass  # noqa: E402
-from reconciler.registry.factory import open_registry  # noqa: E402
+from reconciler.cli.wiring import open_registry  # noqa: E402
+from reconciler.core.desired.load import load_desired  # noqa: E402
+from reconciler.core.desired.model import FleetConfig  # noqa: E402
+from reconciler.engine.dispatch import dispatch_pass  # noqa: E402
 from tests.conftest import EXAMPLE_FLEET  # noqa: E402
 from tests.harness.etcd import etcd_cluster  # noqa: E402
 

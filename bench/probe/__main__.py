@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from reconciler.adapters.commands import SubprocessRunner  # noqa: E402
 from reconciler.adapters.probe_io import CaptureDirectory, LocalFiles  # noqa: E402
-from reconciler.probe import RawCapture, facts_from_capture  # noqa: E402
-from reconciler.probe.collect import collect_live  # noqa: E402
-from reconciler.probe.facts import FACTS  # noqa: E402
+from reconciler.core.probe import RawCapture, facts_from_capture  # noqa: E402
+from reconciler.core.probe.facts import FACTS  # noqa: E402
+from reconciler.engine.probe import collect_live  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "probe"
 

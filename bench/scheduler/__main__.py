@@ -6,7 +6,7 @@ For 100, 1,000 and 10,000 nodes it builds one synthetic fleet (all tiers,
 both architectures, a zone label, 5 % of nodes offline, 2 % drained), then
 places the same stream of requests (four shapes: gpu_apu..relay,
 cpu_ffmpeg..relay, CUDA-only, x86 gpu_vaapi..cpu_ffmpeg in one zone) with
-  - reconciler.scheduler.Placer (per-tier heaps keyed by utilization, node id)
+  - reconciler.core.scheduling.placement.Placer (per-tier heaps keyed by utilization, node id)
   - bench/scheduler/reference.py (the seed's pseudo-code: scan every node)
 Both start from the same fleet and must make the same decisions (checked).
 Node limits are large enough that no node ever fills, so every decision is
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reference import ScanningPlacer  # noqa: E402
 
-from reconciler.live import SnapshotNode  # noqa: E402
-from reconciler.model import TIER_ORDER  # noqa: E402
-from reconciler.scheduler import Choice, Placer, Request  # noqa: E402
+from reconciler.core.desired.model import TIER_ORDER  # noqa: E402
+from reconciler.core.live.models import SnapshotNode  # noqa: E402
+from reconciler.core.scheduling.placement import Choice, Placer, Request  # noqa: E402
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 SIZES = (100, 1_000, 10_000)

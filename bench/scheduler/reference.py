@@ -3,7 +3,7 @@
 This is the seed's pseudo-code (`select_worker`: query the registry for the
 candidates at or above min_tier, score them, pick one; `_fallback`: one tier
 lower, query again) written as plainly as possible, with the same rules as
-`reconciler.scheduler.Placer`. It is not part of the product: the benchmark
+`reconciler.core.scheduling.placement.Placer`. It is not part of the product: the benchmark
 times it against the indexed placer, and the property tests check that both
 make the same decision every time.
 """

@@ -1,5 +1,5 @@
 """What `fabric bootstrap` observes and does on the node (the thin side of
-reconciler.bootstrap): commands through a CommandRunner, files under a root,
+reconciler.core.install.bootstrap): commands through a CommandRunner, files under a root,
 the registry through its Protocol."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from reconciler.adapters.install_files import read_text_or_none, write_atomic
-from reconciler.bootstrap import (
+from reconciler.core.install.bootstrap import (
     DISTRO_TABLE,
     NFT_FIX_COMMENT,
     NFT_FIX_FILE,
@@ -18,8 +18,7 @@ from reconciler.bootstrap import (
     Observed,
     Step,
 )
-from reconciler.ports import CommandRunner
-from reconciler.registry import Registry, RegistryError
+from reconciler.ports import CommandRunner, Registry, RegistryError
 
 
 class BootstrapError(Exception):

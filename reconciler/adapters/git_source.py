@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.nodeconfig import SourceSection
+from reconciler.core.install.nodeconfig import SourceSection
 from reconciler.ports import CommandRunner
 
 GIT_TIMEOUT = 120.0

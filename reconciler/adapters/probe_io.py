@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from reconciler.adapters.files import fsync_dir
-from reconciler.probe.facts import ERRORS_FILE, RAW_NAMES
+from reconciler.core.probe.facts import ERRORS_FILE, RAW_NAMES
 
 
 class LocalFiles:

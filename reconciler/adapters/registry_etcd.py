@@ -55,13 +55,10 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
-from reconciler.lifecycle import NodeState, heartbeat_timeout
-from reconciler.live import FleetPlan
-from reconciler.model import FlapSettings, TimingSettings
-from reconciler.ports import Clock
-from reconciler.registry import NotLeader, RegistryError, RegistryUnavailable
-from reconciler.registry.base import LifecycleMixin, LiveRead
-from reconciler.registry.records import (
+from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
     Leadership,
@@ -73,6 +70,8 @@ from reconciler.registry.records import (
     from_epoch_seconds,
     utc,
 )
+from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout
+from reconciler.ports import Clock, NotLeader, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")
 

@@ -21,13 +21,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from reconciler.lifecycle import NodeState, alive_at, heartbeat_timeout
-from reconciler.live import FleetPlan
-from reconciler.model import FlapSettings, TimingSettings
-from reconciler.ports import Clock
-from reconciler.registry import NotLeader, RegistryUnavailable
-from reconciler.registry.base import LifecycleMixin, LiveRead
-from reconciler.registry.records import (
+from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
     Leadership,
@@ -38,6 +35,8 @@ from reconciler.registry.records import (
     check_node_id,
     from_epoch_seconds,
 )
+from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout
+from reconciler.ports import Clock, NotLeader, RegistryUnavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);

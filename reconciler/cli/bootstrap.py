@@ -4,7 +4,7 @@ Joins the tailnet (auth key from a file), probes, registers, writes the k3s
 join settings, installs the nftables fix where the OS needs it, enables the
 reconcile timer and runs a first pass (which starts the socat redirects), and
 reports ready. Every step is planned from what the node already has
-(reconciler.bootstrap), so a second run prints "nothing to do".
+(reconciler.core.install.bootstrap), so a second run prints "nothing to do".
 
 `--dry-run` prints the steps and changes nothing. `--root DIR` reads and
 writes the files under DIR (a sandbox); commands still run unless --dry-run.
@@ -20,11 +20,11 @@ import socket
 import sys
 from pathlib import Path
 
-from reconciler.bootstrap import Programs, bootstrap_files, plan_bootstrap, socat_units
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import load_or_report
 from reconciler.cli.registry_options import add_registry_path
 from reconciler.cli.units import add_node_config, load_node_config
+from reconciler.core.install.bootstrap import Programs, bootstrap_files, plan_bootstrap, socat_units
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from reconciler.adapters.bootstrap_io import BootstrapError, NodeIO
     from reconciler.adapters.commands import SubprocessRunner
     from reconciler.cli.reconcile import probe_host
-    from reconciler.registry import RegistryError
-    from reconciler.registry.factory import open_registry
+    from reconciler.cli.wiring import open_registry
+    from reconciler.ports import RegistryError
 
     node = load_node_config(args.config)
     if node is None:

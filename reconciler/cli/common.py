@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from reconciler.desired import DesiredStateError, load_desired
-from reconciler.model import DesiredState
+from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.desired.model import DesiredState
 
 DEFAULT_DESIRED = "/var/lib/fabric/desired"
 

@@ -5,13 +5,13 @@
 
 `--min-tier`: a task for a node. The desired state's services are scheduled
 over the snapshot first (they hold their slots), then the task is placed by
-the same rules (reconciler.scheduler). The floor defaults to relay: like the
+the same rules (reconciler.core.scheduling.placement). The floor defaults to relay: like the
 seed's `select_worker`, fall back as far as there is anything. Prints
 `{"node": ID, "tier": TIER, "fallback": BOOL}` or
 `{"node": null, "status": "deferred", "reason": TEXT}` (the reason starts with
 "inadmissible:" when no node of the fleet could ever take it).
 
-`--lane`: a job for a backend lane (reconciler.lanes), given how long it has
+`--lane`: a job for a backend lane (reconciler.core.scheduling.lanes), given how long it has
 waited and how many cloud attempts failed. Prints `{"backend": ID, "hold": null}`
 or `{"backend": null, "hold": REASON}`.
 
@@ -26,9 +26,9 @@ import json
 
 from reconciler.cli import EXIT_OK
 from reconciler.cli.schedule import add_snapshot_options, load_inputs
-from reconciler.lanes import LaneJob, choose_lane, lane_views
-from reconciler.model import ARCHES, TIER_ORDER, TIER_SCORE
-from reconciler.scheduler import Choice, Request, schedule_with_placer
+from reconciler.core.desired.model import ARCHES, TIER_ORDER, TIER_SCORE
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views
+from reconciler.core.scheduling.placement import Choice, Request, schedule_with_placer
 
 
 def register(sub: argparse._SubParsersAction) -> None:

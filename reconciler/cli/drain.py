@@ -13,7 +13,7 @@ import sys
 
 from reconciler.cli import EXIT_INVALID, EXIT_OK
 from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed
-from reconciler.registry import RegistryError
+from reconciler.ports import RegistryError
 
 
 def _grace(text: str) -> float:

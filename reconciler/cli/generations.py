@@ -10,8 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from reconciler.apply import STATE_DIR, GenerationStore, list_generations
 from reconciler.cli import EXIT_OK
+from reconciler.engine.apply import STATE_DIR, GenerationStore, list_generations
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,7 @@
     fabric lane enqueue JOB...               add jobs as waiting (ids only; a known job is left alone)
     fabric lane dispatch [--once] [--interval S] [--json]
                                              waiting jobs, oldest first, into lane slots
-                                             (reconciler.registry.dispatcher); prints every
+                                             (reconciler.engine.dispatch); prints every
                                              start and every hold with its reason
     fabric lane done JOB                     the job finished: its slot is free, the job gone
     fabric lane fail JOB                     the job failed: its slot is free and it waits again
@@ -32,11 +32,11 @@ from pydantic import ValidationError
 
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed, stamp
-from reconciler.model import DesiredState
-from reconciler.registry import Registry, RegistryError, RegistryUnavailable
-from reconciler.registry.dispatcher import HOLD_MEANING, current_lanes, dispatch_pass, predicted_holds
-from reconciler.registry.records import check_node_id
-from reconciler.registry.scaling_step import queue_depth
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.records import check_node_id
+from reconciler.engine.dispatch import HOLD_MEANING, current_lanes, dispatch_pass, predicted_holds
+from reconciler.engine.scaling_step import queue_depth
+from reconciler.ports import Registry, RegistryError, RegistryUnavailable
 
 
 def _interval(text: str) -> float:

@@ -4,11 +4,11 @@
 plan's epoch (exit 0 also when nobody leads).
 
 `fabric leader run --host NAME [--lease-ttl S] [--once]` is the long-running
-loop of a leader candidate (`reconciler.registry.leader_loop`): campaign, keep
+loop of a leader candidate (`reconciler.engine.leader`): campaign, keep
 the lease alive, watch the registry, advance the node lifecycle and publish
 the scheduler's plan when it changes, then carry out the burst and scaling
 decisions (cloud hooks run without a shell, concurrency overrides, scaled-down
-groups; reconciler.registry.scaling_step). NAME must be in fleet.leader_candidates
+groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
 leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
@@ -29,9 +29,9 @@ from reconciler.cli.registry_options import (
     registry_failed,
     stamp,
 )
-from reconciler.desired import load_desired
-from reconciler.registry import RegistryError, RegistryUnavailable
-from reconciler.registry.leader_loop import LeaderLoop
+from reconciler.core.desired.load import load_desired
+from reconciler.engine.leader import LeaderLoop
+from reconciler.ports import RegistryError, RegistryUnavailable
 
 
 def _ttl(text: str) -> float:
@@ -112,14 +112,14 @@ def _run_loop(args: argparse.Namespace) -> int:
         )
         return EXIT_INVALID
     try:
-        from reconciler.scheduler import schedule
+        from reconciler.core.scheduling.placement import schedule
     except ImportError:  # the scheduler ships separately; without it the leader keeps the lifecycle only
         schedule = None
-        _log("reconciler.scheduler not available: no plans will be published")
+        _log("reconciler.core.scheduling.placement not available: no plans will be published")
 
     from reconciler.adapters.commands import SubprocessRunner
     from reconciler.adapters.journal import JournalAudit
-    from reconciler.registry.scaling_step import ScalingStep
+    from reconciler.engine.scaling_step import ScalingStep
 
     # Scaling actions go to the leader's log (stderr, the unit's journal) and,
     # when journald is there, as audit entries of their own.

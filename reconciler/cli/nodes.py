@@ -18,8 +18,8 @@ from reconciler.cli.registry_options import (
     registry_failed,
     stamp,
 )
-from reconciler.lifecycle import NodeState
-from reconciler.registry import RegistryError
+from reconciler.core.scheduling.lifecycle import NodeState
+from reconciler.ports import RegistryError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,9 +14,9 @@ import argparse
 import json
 import sys
 
-from reconciler.apply import stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.cli.reconcile import PassInputs, Wiring, add_pass_options, applier_for, prepare, real_wiring
+from reconciler.engine.apply import stale_plan
 from reconciler.ports import ActivationError
 
 

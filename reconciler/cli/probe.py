@@ -16,9 +16,9 @@ import sys
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.probe_io import CaptureDirectory, CaptureError, LocalFiles
 from reconciler.cli import EXIT_INVALID, EXIT_OK
-from reconciler.model import NodeFacts
-from reconciler.probe import RawCapture, facts_from_capture
-from reconciler.probe.collect import collect_live
+from reconciler.core.desired.model import NodeFacts
+from reconciler.core.probe import RawCapture, facts_from_capture
+from reconciler.engine.probe import collect_live
 
 _HOST_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 

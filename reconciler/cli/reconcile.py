@@ -29,11 +29,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from reconciler.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
-from reconciler.cli.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.cli.plan_source import (
+from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.probe.damping import ProbeHistory
+from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
+from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, stale_plan
+from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
+from reconciler.engine.plan_source import (
     PlanSource,
     add_plan_source_options,
     effective_facts,
@@ -43,11 +47,7 @@ from reconciler.cli.plan_source import (
     print_notes,
     registry_path,
 )
-from reconciler.live import FleetPlan
-from reconciler.model import DesiredState, NodeFacts
 from reconciler.ports import ActivationError, Audit, Clock, LockBusy
-from reconciler.probe.damping import ProbeHistory
-from reconciler.render import Layout, Rendered, RenderError, render
 
 KILL_AT_STEP_ENV = "FABRIC_KILL_AT_STEP"
 
@@ -112,8 +112,8 @@ def probe_host(host: str, replay: str | None) -> NodeFacts:
     Raises CaptureError for an unreadable capture directory."""
     from reconciler.adapters.commands import SubprocessRunner
     from reconciler.adapters.probe_io import CaptureDirectory, LocalFiles
-    from reconciler.probe import RawCapture, facts_from_capture
-    from reconciler.probe.collect import collect_live
+    from reconciler.core.probe import RawCapture, facts_from_capture
+    from reconciler.engine.probe import collect_live
 
     if replay:
         outputs, errors = CaptureDirectory().load(replay)
@@ -181,7 +181,7 @@ def plan_source_for(args: argparse.Namespace, state: DesiredState, host: str, fa
         return PlanSource(plan_from_file(args.plan_file))
     if args.no_registry:
         return PlanSource(plan_alone(state, host, facts, now))
-    from reconciler.registry.factory import open_registry
+    from reconciler.cli.wiring import open_registry
 
     store = GenerationStore(LocalTree(args.root), args.state_dir)
     current = store.current()

@@ -1,6 +1,6 @@
 """fabric registry export: the live registry as a snapshot (JSON on stdout).
 
-The output is the `reconciler.live.Snapshot` format that `fabric schedule
+The output is the `reconciler.core.live.models.Snapshot` format that `fabric schedule
 --snapshot FILE` and `fabric status --snapshot FILE` read: now, nodes (with
 drained, held_off_until, last_seen), every declared lane with its claimed
 slots, the newest plan's placements, leader and epoch.
@@ -12,7 +12,7 @@ import argparse
 
 from reconciler.cli import EXIT_OK
 from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed
-from reconciler.registry import RegistryError
+from reconciler.ports import RegistryError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

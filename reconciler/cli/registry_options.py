@@ -14,10 +14,10 @@ from datetime import datetime
 from pathlib import Path
 
 from reconciler.cli.common import add_desired, load_or_report
-from reconciler.model import DesiredState
-from reconciler.registry import Registry, RegistryError
-from reconciler.registry.factory import open_registry
-from reconciler.registry.records import utc
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.records import utc
+from reconciler.ports import Registry, RegistryError
 
 
 def add_registry_options(parser: argparse.ArgumentParser) -> None:

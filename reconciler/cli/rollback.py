@@ -16,9 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from reconciler.apply import STATE_DIR
 from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.cli.reconcile import Wiring, applier_for, real_wiring
+from reconciler.engine.apply import STATE_DIR
 from reconciler.ports import ActivationError, LockBusy
 
 

@@ -28,9 +28,9 @@ from pydantic import BaseModel, ValidationError
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import load_or_report
 from reconciler.cli.registry_options import add_registry_options
-from reconciler.live import FleetPlan, Placement, Snapshot, SnapshotLane, SnapshotNode
-from reconciler.model import DesiredState
-from reconciler.scheduler import schedule
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotLane, SnapshotNode
+from reconciler.core.scheduling.placement import schedule
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -130,8 +130,8 @@ def obtain_snapshot(args: argparse.Namespace, desired: DesiredState) -> Snapshot
                 print(line, file=sys.stderr)
             return EXIT_INVALID
     # The live registry: the same snapshot `fabric registry export` prints.
-    from reconciler.registry import RegistryError
-    from reconciler.registry.factory import open_registry
+    from reconciler.cli.wiring import open_registry
+    from reconciler.ports import RegistryError
 
     try:
         registry = open_registry(desired.fleet, sqlite_path=args.registry_path)

@@ -34,13 +34,13 @@ from pydantic import BaseModel, ValidationError
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired
 from reconciler.cli.registry_options import add_registry_path
-from reconciler.desired import DesiredStateError, load_desired
-from reconciler.live import FleetPlan, Snapshot
-from reconciler.model import DesiredState
-from reconciler.registry import RegistryError
-from reconciler.registry.factory import open_registry
-from reconciler.scheduler import schedule
-from reconciler.status import fleet_status, render_text, status_document
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.scheduling.placement import schedule
+from reconciler.core.views.cards import fleet_status, render_text, status_document
+from reconciler.ports import RegistryError
 
 DEFAULT_WATCH_S = 2.0
 # Home the cursor and clear the screen: one redraw per refresh, no scrollback spam.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from reconciler.adapters.install_files import read_text_or_none, write_atomic
 from reconciler.cli import EXIT_INVALID, EXIT_OK
-from reconciler.nodeconfig import NODE_CONFIG_PATH, NodeConfig, NodeConfigError, parse_node_config
-from reconciler.units import Install, UnitsError, host_units, units_json
+from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH, NodeConfig, NodeConfigError, parse_node_config
+from reconciler.core.install.units import Install, UnitsError, host_units, units_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:

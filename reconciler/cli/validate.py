@@ -6,7 +6,7 @@ import argparse
 
 from reconciler.cli import EXIT_INVALID, EXIT_OK
 from reconciler.cli.common import add_desired, load_or_report
-from reconciler.desired import summary
+from reconciler.core.desired.load import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -80,9 +80,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reconciler.live import FleetPlan
-from reconciler.model import DesiredState
-from reconciler.units import PASS_DIRECTORIES
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.install.units import PASS_DIRECTORIES
+from reconciler.core.live.models import FleetPlan
 from tests.harness.systemd import SystemdContainer, systemd_container
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -568,8 +568,8 @@ class Fleet:
         return done.stdout
 
     def _install(self, name: str, container: SystemdContainer) -> None:
-        from reconciler.nodeconfig import parse_node_config
-        from reconciler.units import Install, reconcile_argv
+        from reconciler.core.install.nodeconfig import parse_node_config
+        from reconciler.core.install.units import Install, reconcile_argv
 
         site_packages = sysconfig.get_paths()["purelib"]
         self._check(container, "mkdir", "-p", f"{PREFIX}/site-packages", f"{PREFIX}/bin", SOURCE)
@@ -604,7 +604,7 @@ class Fleet:
         # The directories the pass writes into must exist before it runs: its
         # unit's ProtectSystem=strict leaves the rest of /etc read-only and a
         # missing ReadWritePaths= entry is skipped. scripts/join.sh and the
-        # NixOS module create them (reconciler.units.PASS_DIRECTORIES); so does
+        # NixOS module create them (reconciler.core.install.units.PASS_DIRECTORIES); so does
         # this, as the installer of these hosts.
         for directory in PASS_DIRECTORIES:
             self._check(container, "mkdir", "-p", directory)
@@ -656,8 +656,8 @@ class Fleet:
     @contextmanager
     def registry(self) -> Iterator[Any]:
         """The fleet's registry, opened from this host (it is on the bridge)."""
-        from reconciler.desired import load_desired
-        from reconciler.registry.factory import open_registry
+        from reconciler.cli.wiring import open_registry
+        from reconciler.core.desired.load import load_desired
 
         registry = open_registry(load_desired(self.desired_dir).fleet)
         try:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan
-from reconciler.model import TIER_SCORE, DesiredState
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import TIER_SCORE, DesiredState
+from reconciler.core.live.models import FleetPlan
 from tests.conftest import require, require_root
 from tests.e2e.fleet import (
     Fleet,
@@ -83,7 +83,7 @@ def heartbeats_arrive(fleet: Fleet) -> None:
 
     The fleet's passes run (test_topology checks that); a registry with no
     node after they ran means `fabric reconcile` does not reach the registry
-    (reconciler/cli/plan_source.py), so no scenario can converge. Said once,
+    (reconciler/engine/plan_source.py), so no scenario can converge. Said once,
     precisely, instead of every scenario timing out."""
 
     def someone_beat() -> bool:

@@ -10,10 +10,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.model import FleetConfig
-from reconciler.ports import Clock
-from reconciler.registry import Registry
-from reconciler.registry.factory import open_registry
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.model import FleetConfig
+from reconciler.ports import Clock, Registry
 from tests.conftest import EXAMPLE_FLEET
 
 # The example fleet's [registry] lines, replaced to point at a store.

@@ -15,10 +15,10 @@ import pytest
 
 from reconciler.adapters.caddy import CaddyAdmin
 from reconciler.adapters.commands import SubprocessRunner
-from reconciler.desired import load_desired
+from reconciler.core.desired.load import load_desired
+from reconciler.core.render.artifacts import TEMPLATES_DIR
+from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.ports import ActivationError
-from reconciler.render import TEMPLATES_DIR
-from reconciler.status_page import caddy_site as status_caddy_site
 from tests.conftest import EXAMPLE_FLEET, require, require_root
 from tests.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
 

@@ -6,7 +6,7 @@ wheels), writes node.toml and the units `fabric units` renders, enables the
 timer and runs a first pass of the example fleet as host "racknerd". The test
 then checks what an operator would: the timer is active, a pass has run and
 succeeded, its audit entries are in the journal, and the installed units are
-byte for byte what reconciler/units.py renders (the definitions the NixOS
+byte for byte what reconciler/core/install/units.py renders (the definitions the NixOS
 module is compared against in tests/unit/test_nix_module.py).
 """
 
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.nodeconfig import parse_node_config
-from reconciler.units import Install, host_units
+from reconciler.core.install.nodeconfig import parse_node_config
+from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.systemd import SystemdContainer, systemd_container
 

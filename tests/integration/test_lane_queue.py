@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.model import DesiredState
-from reconciler.registry import NotLeader, ScalingRecord
-from reconciler.registry.dispatcher import dispatch_pass
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.records import ScalingRecord
+from reconciler.engine.dispatch import dispatch_pass
+from reconciler.ports import NotLeader
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import T0, FakeClock
 
@@ -103,7 +104,7 @@ def test_the_scaling_record_is_written_only_under_the_leaders_fence(store):
 
 
 def test_the_snapshot_reports_the_concurrency_override_within_the_ceiling(store):
-    from reconciler.registry import NodeRecord
+    from reconciler.core.live.records import NodeRecord
 
     registry = store.open()
     registry.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda", max_concurrent_tasks=4, max_concurrent_ceiling=6), ttl_s=3600)

@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
-from reconciler.desired import load_desired
-from reconciler.model import DesiredState, FleetConfig
-from reconciler.registry import NodeRecord, NotLeader, Registry
-from reconciler.registry.factory import open_registry
-from reconciler.registry.leader_loop import LeaderLoop
-from reconciler.registry.scaling_step import ScalingStep
-from reconciler.scheduler import schedule
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState, FleetConfig
+from reconciler.core.live.records import NodeRecord
+from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.leader import LeaderLoop
+from reconciler.engine.scaling_step import ScalingStep
+from reconciler.ports import NotLeader, Registry
 from tests.conftest import EXAMPLE_FLEET
 from tests.fakes import FakeClock
 

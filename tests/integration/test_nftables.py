@@ -16,8 +16,8 @@ import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
+from reconciler.core.render.artifacts import TEMPLATES_DIR
 from reconciler.ports import ActivationError
-from reconciler.render import TEMPLATES_DIR
 from tests.conftest import require, require_root
 from tests.harness.netns import Namespace, network_lab, tcp_probe
 

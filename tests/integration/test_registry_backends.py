@@ -22,8 +22,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from reconciler.live import FleetPlan
-from reconciler.registry import NodeRecord, NotLeader, Registry
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import NodeRecord
+from reconciler.ports import NotLeader, Registry
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -95,9 +96,9 @@ def test_several_processes_heart_beating_at_once(store):
     and turns offline while the others stay active."""
     script = (
         "import json, sys, time\n"
-        "from reconciler.model import FleetConfig\n"
-        "from reconciler.registry.factory import open_registry\n"
-        "from reconciler.registry import NodeRecord\n"
+        "from reconciler.core.desired.model import FleetConfig\n"
+        "from reconciler.cli.wiring import open_registry\n"
+        "from reconciler.ports import NodeRecord\n"
         "cfg = json.loads(sys.argv[1])\n"
         "fleet = FleetConfig.model_validate({'fleet': {'domain': 't.example', 'leader_candidates': ['lux']}, 'registry': cfg['registry']})\n"
         "reg = open_registry(fleet, sqlite_path=cfg['sqlite_path'])\n"
@@ -323,7 +324,7 @@ def test_snapshot_has_every_declared_lane_and_the_plan(store):
     registry.report_lane("x86-spill", False)
     registry.claim_slot("a1-arm64", 2, holder="d")
     term = registry.campaign("lux", 30)
-    from reconciler.live import Placement
+    from reconciler.core.live.models import Placement
 
     plan = a_plan().model_copy(update={"placements": [Placement(service="lupine", replica=0, node="qfox-1", tier="gpu_cuda")]})
     registry.publish_plan(term, plan)
@@ -338,6 +339,6 @@ def test_snapshot_has_every_declared_lane_and_the_plan(store):
     (node,) = snap.nodes
     assert (node.node_id, node.in_flight, node.max_concurrent_tasks, node.utilization) == ("qfox-1", 1, 2, 0.5)
     # The export format is what `fabric schedule --snapshot` reads back.
-    from reconciler.live import Snapshot
+    from reconciler.core.live.models import Snapshot
 
     assert Snapshot.model_validate_json(snap.model_dump_json()) == snap

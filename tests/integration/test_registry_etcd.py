@@ -14,9 +14,10 @@ import pytest
 
 from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.registry_etcd import EtcdRegistry
-from reconciler.live import FleetPlan
-from reconciler.model import FlapSettings, TimingSettings
-from reconciler.registry import NodeRecord, RegistryUnavailable
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import NodeRecord
+from reconciler.ports import RegistryUnavailable
 from tests.conftest import require
 from tests.harness.etcd import EtcdCluster, etcd_cluster, free_port
 

@@ -13,10 +13,11 @@ import pytest
 
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK, main
-from reconciler.live import FleetPlan, Snapshot
-from reconciler.model import FlapSettings, TimingSettings
-from reconciler.registry import NodeRecord, NotLeader, RegistryUnavailable
-from reconciler.registry.leader_loop import LeaderLoop
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.records import NodeRecord
+from reconciler.engine.leader import LeaderLoop
+from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import FakeClock
 
@@ -146,7 +147,7 @@ def test_slot_claims_racing_from_several_processes_never_exceed_the_cap(tmp_path
         "import os, sys, time\n"
         "from reconciler.adapters.clock import SystemClock\n"
         "from reconciler.adapters.registry_sqlite import SqliteRegistry\n"
-        "from reconciler.model import FlapSettings, TimingSettings\n"
+        "from reconciler.core.desired.model import FlapSettings, TimingSettings\n"
         "r = SqliteRegistry(sys.argv[1], timing=TimingSettings(), flap=FlapSettings(), clock=SystemClock())\n"
         "print('ready', flush=True)\n"
         "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
@@ -176,8 +177,8 @@ def test_slot_claims_racing_from_several_processes_never_exceed_the_cap(tmp_path
 
 
 def test_leader_loop_step_schedules_and_publishes_only_when_the_plan_changes(registry, clock):
-    from reconciler.desired import load_desired
-    from reconciler.scheduler import schedule
+    from reconciler.core.desired.load import load_desired
+    from reconciler.core.scheduling.placement import schedule
 
     desired = load_desired(EXAMPLE_FLEET)
     loop = LeaderLoop(registry, "lux", lambda: desired, schedule, lease_ttl_s=30, log=lambda m: None)

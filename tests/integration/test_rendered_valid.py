@@ -28,11 +28,11 @@ from reconciler.adapters.caddy import CaddyAdmin
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan
-from reconciler.model import Hardware, NodeFacts
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import Hardware, NodeFacts
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.artifacts import Artifact, complete_caddy_config, render
 from reconciler.ports import ActivationError, CommandResult
-from reconciler.render import Artifact, complete_caddy_config, render
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.netns import network_lab
 
@@ -197,7 +197,7 @@ def test_systemd_runs_a_rendered_unit_with_exactly_the_declared_argv_and_environ
     the sandbox lets it write nowhere else)."""
     require_root()
     require("unshare", "nsenter", "chroot", "python3")
-    from reconciler.desired import load_desired as load
+    from reconciler.core.desired.load import load_desired as load
     from tests.harness.systemd import systemd_container
     from tests.harness.waiting import wait_until
 

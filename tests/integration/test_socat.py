@@ -24,8 +24,8 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.systemd_dbus import SystemdDbus
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
+from reconciler.core.render.artifacts import TEMPLATES_DIR, systemd_quote
 from reconciler.ports import ActivationError
-from reconciler.render import TEMPLATES_DIR, systemd_quote
 from tests.conftest import require, require_root
 from tests.harness.caddy import free_port, http_get, http_upstream
 from tests.harness.systemd import SystemdContainer, systemd_container

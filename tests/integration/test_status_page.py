@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan, Snapshot
-from reconciler.model import DesiredState
-from reconciler.status_page import STATUS_FILE, caddy_site, render_status_page, status_site_address
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.render.status_site import STATUS_FILE, caddy_site, status_site_address
+from reconciler.core.views.page import render_status_page
 from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.harness.caddy import free_port, running_caddy
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan, Snapshot
-from reconciler.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
+from reconciler.core.desired.load import load_desired
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.harness.caddy import free_port
 from tests.harness.waiting import stop_process, wait_until

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.files import FlockLock, LocalTree
-from reconciler.apply import Activators, Applier, GenerationStore, Validators, list_generations
 from reconciler.cli import build_parser
 from reconciler.cli.reconcile import Wiring, execute
+from reconciler.core.render.artifacts import Artifact
+from reconciler.engine.apply import Activators, Applier, GenerationStore, Validators, list_generations
 from reconciler.ports import ActivationError, LockBusy
-from reconciler.render import Artifact
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -287,7 +287,7 @@ def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path, cap
     assert all(r["hash"] == unit_files[r["unit"]] and r["generation"] == "1" and r["reason"] == "new unit" for r in starts)
 
 
-# Rewritten by every pass by design (reconciler.cli.pass_records): the pass's
+# Rewritten by every pass by design (reconciler.engine.pass_records): the pass's
 # metrics and counters, the probe's damping history. Everything else must stay.
 PASS_RECORDS = {"fabric.prom", "pass-counters.json", "probe-history.json", "index.html"}
 
@@ -559,7 +559,7 @@ def test_local_tree_refuses_paths_outside_the_root(tmp_path: Path) -> None:
 
 def test_manifest_round_trips(tmp_path: Path) -> None:
     a = Artifact("etc/x.service", "[Service]\n", 0o644, "unit")
-    from reconciler.apply import Manifest, manifest_for
+    from reconciler.engine.apply import Manifest, manifest_for
 
     m = manifest_for(4, "2026-11-29T00:00:00+00:00", "racknerd", 7, [a])
     again = Manifest.from_json(m.to_json())

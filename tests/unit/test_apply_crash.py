@@ -28,8 +28,8 @@ if __name__ == "__main__":  # run as the killed pass: make `tests` importable
     sys.path.insert(0, str(REPO))
 
 from reconciler.adapters.files import LocalTree  # noqa: E402
-from reconciler.apply import Activators, GenerationStore, Validators  # noqa: E402
 from reconciler.cli.reconcile import KILL_AT_STEP_ENV, Wiring, execute  # noqa: E402
+from reconciler.engine.apply import Activators, GenerationStore, Validators  # noqa: E402
 from tests.unit.test_apply import (  # noqa: E402
     GOLDEN,
     FakeMachine,

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.bootstrap import (
+from reconciler.cli import main
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import Hardware, NodeFacts, OperatingSystem
+from reconciler.core.install.bootstrap import (
     K3S_JOIN_DROPIN,
     NFT_FIX_DROPIN,
     NFT_FIX_FILE,
@@ -23,10 +26,7 @@ from reconciler.bootstrap import (
     plan_bootstrap,
     socat_units,
 )
-from reconciler.cli import main
-from reconciler.desired import load_desired
-from reconciler.model import Hardware, NodeFacts, OperatingSystem
-from reconciler.nodeconfig import parse_node_config
+from reconciler.core.install.nodeconfig import parse_node_config
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 PROBE_CAPTURES = REPO / "tests" / "fixtures" / "probe"

@@ -1,4 +1,4 @@
-"""node.toml (reconciler.nodeconfig) and the units derived from it (reconciler.units)."""
+"""node.toml (reconciler.core.install.nodeconfig) and the units derived from it (reconciler.core.install.units)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.cli import main
-from reconciler.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
-from reconciler.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer
+from reconciler.core.install.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
+from reconciler.core.install.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer
 from tests.conftest import require
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.desired import DesiredStateError, load_desired, summary
-from reconciler.model import IMPLICIT_LOCAL_LANE, Backend, FleetConfig, tier_score
+from reconciler.core.desired.load import DesiredStateError, load_desired, summary
+from reconciler.core.desired.model import IMPLICIT_LOCAL_LANE, Backend, FleetConfig, tier_score
 from tests.conftest import EXAMPLE_FLEET
 
 MINIMAL_FLEET = """

@@ -1,4 +1,4 @@
-"""Lane dispatch (reconciler.lanes): multi-compute.md's rank-tiered drain.
+"""Lane dispatch (reconciler.core.scheduling.lanes): multi-compute.md's rank-tiered drain.
 
 The worked fleet: a1-arm64 (compute, rank 10, cap 2), x86-spill (compute,
 rank 20, cap 4), local (rank 99, cap 1); spill after 900 s, 3 cloud attempts.
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.desired import load_desired
-from reconciler.lanes import LaneDecision, LaneJob, choose_lane, dispatch_jobs, eligible_lanes, lane_views, sort_key
-from reconciler.live import LaneView, Snapshot, SnapshotLane
-from reconciler.model import SchedulerSettings
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import SchedulerSettings
+from reconciler.core.live.models import LaneView, Snapshot, SnapshotLane
+from reconciler.core.scheduling.lanes import LaneDecision, LaneJob, choose_lane, dispatch_jobs, eligible_lanes, lane_views, sort_key
 from tests.conftest import EXAMPLE_FLEET
 
 SETTINGS = SchedulerSettings(local_spill_after_s=900, cloud_attempts=3)

@@ -12,11 +12,11 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node
-from reconciler.live import FleetPlan
-from reconciler.model import FlapSettings, TimingSettings
-from reconciler.registry.fencing import accept_plan
-from reconciler.registry.records import DrainRequest, NodeRecord
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.fencing import accept_plan
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import DrainRequest, NodeRecord
+from reconciler.core.scheduling.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node
 
 T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 TIMING = TimingSettings()  # 30 s beats, 90 s timeout, 45 s relayed beats, 300 s drain grace

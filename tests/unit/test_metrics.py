@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import Deferred, FleetPlan, Snapshot
-from reconciler.metrics import (
+from reconciler.core.desired.load import load_desired
+from reconciler.core.live.models import Deferred, FleetPlan, Snapshot
+from reconciler.core.views.metrics import (
     Family,
     PassMetrics,
     escape_label_value,

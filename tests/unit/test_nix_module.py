@@ -3,7 +3,7 @@
 Every .nix file must parse. modules/fabric.nix is evaluated offline (nix-instantiate
 with tests/unit/nix/eval-module.nix standing in for nixpkgs' lib and pkgs) and
 its fabric-reconcile service and timer and fabric-leader service are compared
-with reconciler/units.py, the definitions `scripts/join.sh` installs: command,
+with reconciler/core/install/units.py, the definitions `scripts/join.sh` installs: command,
 timer and every hardening setting. A change on one side only fails here.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from pydantic import ValidationError
 
 from reconciler.cli import main
-from reconciler.nodeconfig import NodeConfig
-from reconciler.units import (
+from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.core.install.units import (
     HARDENING,
     PASS_DIRECTORIES,
     PASS_HOME,

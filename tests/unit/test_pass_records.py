@@ -7,12 +7,12 @@ from pathlib import Path
 
 from reconciler.adapters.files import LocalTree
 from reconciler.adapters.probe_io import CaptureDirectory
-from reconciler.cli.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.cli.plan_source import PlanSource, empty_plan
-from reconciler.desired import load_desired
-from reconciler.live import Snapshot, SnapshotNode
-from reconciler.metrics import format_value
-from reconciler.probe import RawCapture, facts_from_capture
+from reconciler.core.desired.load import load_desired
+from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.probe import RawCapture, facts_from_capture
+from reconciler.core.views.metrics import format_value
+from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
+from reconciler.engine.plan_source import PlanSource, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 STATE_DIR = "var/lib/fabric"

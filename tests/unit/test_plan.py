@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.plan import Plan, UnitChange, compare_units, make_plan, parse_unit
-from reconciler.render import Artifact
+from reconciler.core.render.actions import Plan, UnitChange, compare_units, make_plan, parse_unit
+from reconciler.core.render.artifacts import Artifact
 
 BASE = """\
 # a comment

@@ -14,12 +14,12 @@ import pytest
 from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.cli.plan_source import effective_facts, from_registry, node_record
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan
-from reconciler.model import DesiredState, NodeFacts
-from reconciler.probe import RawCapture, facts_from_capture
-from reconciler.registry import RegistryUnavailable
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.probe import RawCapture, facts_from_capture
+from reconciler.engine.plan_source import effective_facts, from_registry, node_record
+from reconciler.ports import RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.model import NodeFacts
-from reconciler.probe import RawCapture, facts_from_capture
-from reconciler.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, fact_for_raw
-from reconciler.probe.raw import parse_capture
+from reconciler.core.desired.model import NodeFacts
+from reconciler.core.probe import RawCapture, facts_from_capture
+from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, fact_for_raw
+from reconciler.core.probe.raw import parse_capture
 from tests.conftest import EXAMPLE_FLEET
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"

@@ -20,12 +20,12 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.probe_io import LocalFiles
 from reconciler.cli import main
-from reconciler.model import NodeFacts
-from reconciler.probe import facts_from_capture
-from reconciler.probe.collect import collect_live
-from reconciler.probe.facts import FACTS, Command, Fact
-from reconciler.probe.parsers import parse_uname_m
-from reconciler.probe.raw import parse_capture
+from reconciler.core.desired.model import NodeFacts
+from reconciler.core.probe import facts_from_capture
+from reconciler.core.probe.facts import FACTS, Command, Fact
+from reconciler.core.probe.parsers import parse_uname_m
+from reconciler.core.probe.raw import parse_capture
+from reconciler.engine.probe import collect_live
 from tests.unit.test_probe_fixtures import FIXTURES, expected_facts
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.probe import parsers
-from reconciler.probe.facts import FACTS
-from reconciler.probe.parsers import ParseError
+from reconciler.core.probe import parsers
+from reconciler.core.probe.facts import FACTS
+from reconciler.core.probe.parsers import ParseError
 from tests.unit.test_probe_fixtures import FIXTURES, MACHINES
 
 PARSERS = {fact.raw: fact.parser for fact in FACTS}

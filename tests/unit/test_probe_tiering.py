@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from reconciler.model import TIER_SCORE, Gpu, LabelKey, LabelValue, NodeFacts
-from reconciler.probe import RawCapture, facts_from_capture
-from reconciler.probe.damping import DEMOTE_AFTER_PASSES, ProbeHistory, damp
-from reconciler.probe.parsers import BlockDisk, DriNodes, Encoder, NvidiaGpu, NvidiaReport, PciDisplay, VaDevice, VaInfo
-from reconciler.probe.raw import ParsedFacts
-from reconciler.probe.tiering import (
+from reconciler.core.desired.model import TIER_SCORE, Gpu, LabelKey, LabelValue, NodeFacts
+from reconciler.core.probe import RawCapture, facts_from_capture
+from reconciler.core.probe.damping import DEMOTE_AFTER_PASSES, ProbeHistory, damp
+from reconciler.core.probe.parsers import BlockDisk, DriNodes, Encoder, NvidiaGpu, NvidiaReport, PciDisplay, VaDevice, VaInfo
+from reconciler.core.probe.raw import ParsedFacts
+from reconciler.core.probe.tiering import (
     LABEL_PREFIX,
     build_node_facts,
     gpu_slug,

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from jinja2 import UndefinedError
 
-from reconciler.desired import load_desired
-from reconciler.live import FleetPlan
-from reconciler.model import DesiredState, Hardware, NodeFacts, OperatingSystem
-from reconciler.render import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts, OperatingSystem
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -326,7 +326,7 @@ def test_any_allowed_environment_value_survives_quoting(value: str) -> None:
 
 
 def test_the_snippet_replaces_an_exact_or_glob_import_in_the_main_caddyfile() -> None:
-    from reconciler.render import complete_caddy_config
+    from reconciler.core.render.artifacts import complete_caddy_config
 
     snippet = "encode.researchstack.info {\n\trespond 200\n}\n"
     debian = "{\n\tadmin 127.0.0.1:2019\n}\nimport /etc/caddy/fabric.caddy\nown.example {\n\trespond 204\n}\n"

@@ -1,4 +1,4 @@
-"""Bursts and scaling (reconciler.scaling) over an injected clock.
+"""Bursts and scaling (reconciler.core.scheduling.scaling) over an injected clock.
 
 Each test runs passes at chosen instants, carrying the state from one pass to
 the next as the leader does, and checks the decided actions.
@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from reconciler.live import Snapshot, SnapshotNode
-from reconciler.model import ScalingSettings
-from reconciler.scaling import ScalingState, decide_scaling
+from reconciler.core.desired.model import ScalingSettings
+from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.scheduling.scaling import ScalingState, decide_scaling
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 HOOKS = {

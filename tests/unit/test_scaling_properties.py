@@ -18,10 +18,10 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.live import Snapshot, SnapshotNode
-from reconciler.model import ScalingSettings
-from reconciler.scaling import ScalingState, decide_scaling
-from reconciler.scheduler import accepts_new_work
+from reconciler.core.desired.model import ScalingSettings
+from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.scheduling.placement import accepts_new_work
+from reconciler.core.scheduling.scaling import ScalingState, decide_scaling
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 SETTINGS = ScalingSettings(

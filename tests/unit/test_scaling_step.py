@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from reconciler.live import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.core.live.records import QueuedJob, ScalingRecord, SlotClaim
+from reconciler.core.scheduling.scaling import ScalingAction, ScalingState
+from reconciler.engine.scaling_step import carry_out, queue_depth, summary
 from reconciler.ports import CommandResult
-from reconciler.registry.records import QueuedJob, ScalingRecord, SlotClaim
-from reconciler.registry.scaling_step import carry_out, queue_depth, summary
-from reconciler.scaling import ScalingAction, ScalingState
 
 NOW = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 

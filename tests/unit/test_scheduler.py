@@ -1,4 +1,4 @@
-"""Node placement rules (reconciler.scheduler), table by table.
+"""Node placement rules (reconciler.core.scheduling.placement), table by table.
 
 Each table row is one situation: the nodes of a snapshot, what is asked, and
 the node (or deferral) the rules imply. The seed's edge cases and its burst
@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from reconciler.live import Placement, Snapshot, SnapshotNode
-from reconciler.model import DesiredState, FleetConfig, HostConfig
-from reconciler.scheduler import Choice, NoChoice, Placer, Request, schedule, tier_sequence
+from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.live.models import Placement, Snapshot, SnapshotNode
+from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, schedule, tier_sequence
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from reconciler.cli import main
-from reconciler.live import FleetPlan
+from reconciler.core.live.models import FleetPlan
 from tests.conftest import EXAMPLE_FLEET
 
 NODES = [

@@ -20,9 +20,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.live import Placement, Snapshot, SnapshotNode
-from reconciler.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig
-from reconciler.scheduler import Choice, NoChoice, Placer, Request, accepts_new_work, schedule
+from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig
+from reconciler.core.live.models import Placement, Snapshot, SnapshotNode
+from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, accepts_new_work, schedule
 
 _REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "scheduler" / "reference.py"
 _spec = importlib.util.spec_from_file_location("scheduler_reference", _REFERENCE)

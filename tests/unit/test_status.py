@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import Deferred, FleetPlan, LaneView, Snapshot, SnapshotLane, SnapshotNode
-from reconciler.model import DesiredState
-from reconciler.status import (
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import Deferred, FleetPlan, LaneView, Snapshot, SnapshotLane, SnapshotNode
+from reconciler.core.views.cards import (
     fleet_status,
     format_duration,
     lane_card_line,

@@ -211,11 +211,11 @@ def test_bad_input_mid_watch_is_shown_and_watching_goes_on(capsys, tmp_path, mon
 
 
 def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
-    from reconciler.desired import load_desired
-    from reconciler.live import FleetPlan
-    from reconciler.registry.factory import open_registry
-    from reconciler.registry.records import NodeRecord
-    from reconciler.scheduler import schedule
+    from reconciler.cli.wiring import open_registry
+    from reconciler.core.desired.load import load_desired
+    from reconciler.core.live.models import FleetPlan
+    from reconciler.core.live.records import NodeRecord
+    from reconciler.core.scheduling.placement import schedule
 
     desired = load_desired(EXAMPLE_FLEET)
     path = tmp_path / "registry.sqlite"

@@ -10,10 +10,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from reconciler.desired import load_desired
-from reconciler.live import Deferred, FleetPlan, Snapshot, SnapshotLane
-from reconciler.model import DesiredState
-from reconciler.status_page import caddy_site, render_status_page, status_site_address
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import Deferred, FleetPlan, Snapshot, SnapshotLane
+from reconciler.core.render.status_site import caddy_site, status_site_address
+from reconciler.core.views.page import render_status_page
 from tests.conftest import EXAMPLE_FLEET, REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"

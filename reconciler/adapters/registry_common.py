@@ -1,0 +1,111 @@
+"""What both registry backends share: the lifecycle and the snapshot over one consistent read (pure).
+
+A backend reads everything it holds in one transaction (`LiveRead`) and stores
+the leader's lifecycle with one fenced transaction (`_store_lifecycle`); this
+mixin turns those into `node_states`, `advance_lifecycle` and `snapshot` with
+the pure `reconciler.core.scheduling.lifecycle.observe`, so both backends follow exactly the
+same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
+from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
+from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node
+
+
+@dataclass(frozen=True)
+class LiveRead:
+    """Everything a backend holds, read at one instant."""
+
+    now: datetime
+    # The newest record of every node the registry has facts for.
+    records: dict[str, NodeRecord] = field(default_factory=dict)
+    # Nodes whose heartbeat has not expired.
+    alive: frozenset[str] = frozenset()
+    states: dict[str, NodeState] = field(default_factory=dict)
+    drains: dict[str, DrainRequest] = field(default_factory=dict)
+    lane_available: dict[str, bool] = field(default_factory=dict)
+    lane_in_flight: dict[str, int] = field(default_factory=dict)
+    plan: FleetPlan | None = None
+    leader: LeaderInfo | None = None
+    epoch: int = 0
+    # The leader's scaling overrides of max_concurrent_tasks (ScalingRecord.concurrency).
+    concurrency: dict[str, int] = field(default_factory=dict)
+
+
+def with_override(node: SnapshotNode, override: int | None) -> SnapshotNode:
+    """`node` with the scaling override as its max_concurrent_tasks.
+
+    Never above the node's ceiling (or its own limit when it declares none),
+    so an override left from an older record cannot oversubscribe a node whose
+    limits have shrunk since."""
+    if override is None:
+        return node
+    highest = max(node.max_concurrent_tasks, node.max_concurrent_ceiling or 0)
+    return node.model_copy(update={"max_concurrent_tasks": max(0, min(override, highest))})
+
+
+class LifecycleMixin:
+    """Needs `timing`, `flap`, `_read()` and `_store_lifecycle()` from the backend."""
+
+    timing: TimingSettings
+    flap: FlapSettings
+
+    def _read(self) -> LiveRead:  # pragma: no cover - provided by the backend
+        raise NotImplementedError
+
+    def _store_lifecycle(
+        self,
+        leadership: Leadership,
+        changed: dict[str, NodeState],
+        dead: set[str],
+        forgotten: set[str],
+    ) -> None:  # pragma: no cover - provided by the backend
+        """In one transaction fenced by `leadership`: store the changed states,
+        drop the facts of dead nodes, delete every record of forgotten ones."""
+        raise NotImplementedError
+
+    def _observe(self, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:
+        return observe(read.states, read.records, read.alive, read.drains, read.now, self.timing, self.flap)
+
+    def node_states(self) -> list[NodeState]:
+        states, _ = self._observe(self._read())
+        return [states[k] for k in sorted(states)]
+
+    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
+        read = self._read()
+        states, events = self._observe(read)
+        changed = {k: v for k, v in states.items() if read.states.get(k) != v}
+        dead = {k for k, v in states.items() if v.status == "dead" and k in read.records}
+        forgotten = set(read.states) - set(states)
+        # Stored even when nothing changed: the fenced write is also the check
+        # that `leadership` still holds.
+        self._store_lifecycle(leadership, changed, dead, forgotten)
+        return events
+
+    def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
+        read = self._read()
+        states, _ = self._observe(read)
+        nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
+        lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
+        return Snapshot(
+            now=read.now,
+            nodes=nodes,
+            lanes=[
+                SnapshotLane(
+                    id=lane,
+                    available=read.lane_available.get(lane, True),
+                    in_flight=read.lane_in_flight.get(lane, 0),
+                )
+                for lane in lane_ids
+            ],
+            placements=list(read.plan.placements) if read.plan else [],
+            leader=read.leader.candidate if read.leader else None,
+            epoch=read.epoch,
+        )

@@ -1,0 +1,354 @@
+"""Load and validate the desired state: fabric.toml plus one file per host.
+
+Pure apart from reading the files it is given (through `read_text`, so tests and
+the replay path can hand it anything). Every problem becomes a `Problem`
+(file, key path, reason); all of them are collected before anything is
+reported, so an operator fixes a broken push in one round.
+
+Layout of a desired-state directory DIR:
+    DIR/fabric.toml           fleet settings, lanes, services, port maps
+    DIR/<host>.toml           one file per host (the example fleet: hosts/)
+    DIR/hosts/<host>.toml     ...or in a hosts/ subfolder (a fleet git repo)
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from reconciler.core.desired.model import (
+    DesiredState,
+    FieldProblem,
+    FleetConfig,
+    HostConfig,
+)
+
+FLEET_FILE = "fabric.toml"
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    file: str
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.path}: {self.reason}"
+
+
+class DesiredStateError(Exception):
+    """The desired state is invalid; `problems` lists every reason."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems = sorted(set(problems), key=lambda p: (p.file, p.path, p.reason))
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+# --------------------------------------------------------------------------
+# Pydantic errors -> key paths
+
+
+def _format_loc(loc: Iterable[Any]) -> str:
+    """('services', 0, 'route', 'host') -> 'services[0].route.host'.
+
+    Keys that are not bare TOML keys (label keys with dots and slashes) are
+    quoted as TOML would: labels."topology.researchstack.io/role".
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        key = str(part)
+        if not key.replace("_", "").replace("-", "").isalnum():
+            key = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        out = f"{out}.{key}" if out else key
+    return out or "(top level)"
+
+
+_BOUNDS = {
+    "greater_than_equal": ("ge", "at least"),
+    "less_than_equal": ("le", "at most"),
+    "greater_than": ("gt", "greater than"),
+    "less_than": ("lt", "less than"),
+}
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Known keys of the table at `loc` in `model`, for 'did you mean'."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return []
+        current = _inner_model(field.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The BaseModel inside list[X], X | None, dict[K, X] and Annotated[...]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    origin = getattr(annotation, "__origin__", None)
+    if origin is not None and origin is not annotation:
+        return _inner_model(origin)
+    return None
+
+
+def _problems_from_validation(file: str, model: type[BaseModel], exc: ValidationError) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        error = (err.get("ctx") or {}).get("error")
+        kind = err["type"]
+        if isinstance(error, FieldProblem):
+            path = _format_loc(loc + tuple(error.key.split(".")))
+            reason = error.reason
+        elif kind == "extra_forbidden":
+            path = _format_loc(loc)
+            known = _fields_at(model, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            reason = "unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})" if known else "")
+        elif kind == "missing":
+            path = _format_loc(loc)
+            reason = "required key is missing"
+        else:
+            path = _format_loc(loc)
+            reason = err["msg"]
+            if reason.startswith("Value error, "):
+                reason = reason[len("Value error, ") :]
+            elif kind in _BOUNDS:
+                key, words = _BOUNDS[kind]
+                reason = f"{err['input']!r} is out of range: must be {words} {err['ctx'][key]}"
+            elif kind == "literal_error":
+                reason = f"{err.get('input')!r} is not one of {err['ctx']['expected']}"
+            elif "input" in err and kind.endswith("_type"):
+                reason = f"{reason} (got {type(err['input']).__name__} {err['input']!r})"
+        problems.append(Problem(file, path, reason))
+    return problems
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+def _parse_toml(file: str, text: str) -> tuple[dict[str, Any] | None, list[Problem]]:
+    try:
+        return tomllib.loads(text), []
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        # "Invalid value (at line 3, column 7)" -> path "line 3", reason "invalid value"
+        where = "(syntax)"
+        if "(at line " in msg:
+            msg, _, pos = msg.partition(" (at ")
+            where = pos.rstrip(")").split(",")[0]
+        return None, [Problem(file, where, f"TOML syntax error: {msg}")]
+
+
+def _validate(file: str, model: type[BaseModel], data: dict[str, Any]) -> tuple[Any, list[Problem]]:
+    try:
+        return model.model_validate(data), []
+    except ValidationError as exc:
+        return None, _problems_from_validation(file, model, exc)
+
+
+def host_files(directory: Path) -> list[Path]:
+    files = [p for p in directory.glob("*.toml") if p.name != FLEET_FILE]
+    sub = directory / "hosts"
+    if sub.is_dir():
+        files += list(sub.glob("*.toml"))
+    return sorted(files)
+
+
+def load_desired(
+    directory: Path | str,
+    read_text: Callable[[Path], str] = lambda p: p.read_text(encoding="utf-8"),
+) -> DesiredState:
+    """Load and validate DIR; raise DesiredStateError with every problem."""
+    directory = Path(directory)
+    problems: list[Problem] = []
+    fleet_path = directory / FLEET_FILE
+    fleet_name = str(fleet_path)
+    try:
+        fleet_text = read_text(fleet_path)
+    except FileNotFoundError:
+        raise DesiredStateError([Problem(fleet_name, "(file)", "not found: a desired-state directory needs fabric.toml")])
+    except OSError as exc:
+        raise DesiredStateError([Problem(fleet_name, "(file)", f"cannot read: {exc.strerror or exc}")])
+
+    fleet: FleetConfig | None = None
+    data, errs = _parse_toml(fleet_name, fleet_text)
+    problems += errs
+    if data is not None:
+        fleet, errs = _validate(fleet_name, FleetConfig, data)
+        problems += errs
+
+    hosts: dict[str, HostConfig] = {}
+    host_sources: dict[str, str] = {}
+    # Hosts whose file is broken still count as declared, so one bad host file
+    # does not also produce "not a declared host" for every reference to it.
+    broken_hosts: set[str] = set()
+    for path in host_files(directory):
+        name = str(path)
+        try:
+            text = read_text(path)
+        except OSError as exc:
+            problems.append(Problem(name, "(file)", f"cannot read: {exc.strerror or exc}"))
+            broken_hosts.add(path.stem)
+            continue
+        data, errs = _parse_toml(name, text)
+        problems += errs
+        host = None
+        if data is not None:
+            host, errs = _validate(name, HostConfig, data)
+            problems += errs
+        if host is None:
+            broken_hosts.add(path.stem)
+            continue
+        if host.host.name != path.stem:
+            problems.append(Problem(name, "host.name", f"{host.host.name!r} does not match the file name {path.stem!r}"))
+            continue
+        if host.host.name in hosts:
+            problems.append(Problem(name, "host.name", f"duplicate host {host.host.name!r} (also in {host_sources[host.host.name]})"))
+            continue
+        hosts[host.host.name] = host
+        host_sources[host.host.name] = name
+
+    if fleet is not None:
+        problems += fleet_rules(fleet_name, fleet, hosts, host_sources, broken_hosts)
+    if problems:
+        raise DesiredStateError(problems)
+    assert fleet is not None
+    return DesiredState(fleet=fleet, hosts=hosts, fleet_file=fleet_name)
+
+
+# --------------------------------------------------------------------------
+# Rules that span entries or files
+
+
+def _duplicates(file: str, section: str, key: str, values: list[Any]) -> list[Problem]:
+    counts = Counter(v for v in values if v is not None)
+    problems = []
+    seen: set[Any] = set()
+    for index, value in enumerate(values):
+        if value is None or counts[value] < 2:
+            continue
+        if value in seen:
+            first = values.index(value)
+            problems.append(Problem(file, f"{section}[{index}].{key}", f"duplicate {key} {value!r} (first at {section}[{first}])"))
+        seen.add(value)
+    return problems
+
+
+def fleet_rules(
+    file: str,
+    fleet: FleetConfig,
+    hosts: dict[str, HostConfig],
+    host_sources: dict[str, str],
+    broken_hosts: Collection[str] = (),
+) -> list[Problem]:
+    problems: list[Problem] = []
+    known_hosts = sorted(hosts)
+    # Rules about roles need every host file; with a broken one they would guess.
+    all_hosts_loaded = not broken_hosts
+
+    def unknown_host(path: str, name: str) -> None:
+        if name in broken_hosts:
+            return
+        close = difflib.get_close_matches(name, known_hosts, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (hosts: {', '.join(known_hosts) or 'none'})"
+        problems.append(Problem(file, path, f"{name!r} is not a declared host{hint}"))
+
+    for i, name in enumerate(fleet.fleet.leader_candidates):
+        if name not in hosts:
+            unknown_host(f"fleet.leader_candidates[{i}]", name)
+    if len(set(fleet.fleet.leader_candidates)) != len(fleet.fleet.leader_candidates):
+        problems.append(Problem(file, "fleet.leader_candidates", "lists a host more than once"))
+
+    # Lanes (multi-compute.md's startup validators).
+    backends = fleet.backends
+    problems += _duplicates(file, "backends", "id", [b.id for b in backends])
+    problems += _duplicates(file, "backends", "agent_ref", [b.agent_ref for b in backends])
+    problems += _duplicates(file, "backends", "push_host", [b.push_host for b in backends])
+    for i, b in enumerate(backends):
+        if b.kind == "compute":
+            if b.push_host not in hosts:
+                unknown_host(f"backends[{i}].push_host", b.push_host or "")
+            if fleet.agent is None:
+                problems.append(Problem(file, f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)"))
+            elif b.queue is not None and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
+                problems.append(
+                    Problem(
+                        file,
+                        f"backends[{i}].queue",
+                        f"{b.queue!r} must equal {fleet.agent.queue_prefix}{b.agent_ref} (the agent derives its queue from its id)",
+                    )
+                )
+    if any(b.kind == "local" for b in backends) or not backends:
+        if all_hosts_loaded and hosts and not any("control" in h.host.roles for h in hosts.values()):
+            problems.append(Problem(file, "backends", "the local lane runs on the control host, and no host has the 'control' role"))
+
+    # Services.
+    services = fleet.services
+    problems += _duplicates(file, "services", "id", [s.id for s in services])
+    problems += _duplicates(file, "services", "port", [s.port for s in services])
+    routes = [s.route.host if s.route else None for s in services]
+    problems += [Problem(p.file, p.path.replace(".route", ".route.host"), p.reason) for p in _duplicates(file, "services", "route", routes)]
+    status_host = f"{fleet.fleet.status_subdomain}.{fleet.fleet.domain}"
+    for i, s in enumerate(services):
+        if s.route is not None and s.route.host == status_host:
+            problems.append(Problem(file, f"services[{i}].route.host", f"{status_host!r} is reserved for the fabric's status page"))
+    if all_hosts_loaded and hosts and any(s.route for s in services) and not any("edge" in h.host.roles for h in hosts.values()):
+        problems.append(Problem(file, "services", "services have routes but no host has the 'edge' role"))
+
+    # Port maps.
+    problems += _duplicates(file, "port_maps", "name", [m.name for m in fleet.port_maps])
+    listen = [f"{m.host}/{m.protocol}/{m.listen_port}" for m in fleet.port_maps]
+    for p in _duplicates(file, "port_maps", "listen_port", listen):
+        problems.append(Problem(p.file, p.path, "another port map already listens on this host, protocol and port"))
+    service_ports = {s.port for s in services if s.port}
+    for i, m in enumerate(fleet.port_maps):
+        if m.host not in hosts:
+            unknown_host(f"port_maps[{i}].host", m.host)
+        if m.target_host not in hosts:
+            unknown_host(f"port_maps[{i}].target_host", m.target_host)
+        if m.listen_port in service_ports:
+            problems.append(Problem(file, f"port_maps[{i}].listen_port", f"{m.listen_port} is a service's port"))
+        if m.target_host == m.host and m.target_port == m.listen_port:
+            problems.append(Problem(file, f"port_maps[{i}].target_port", "a port map onto itself would loop"))
+
+    # Hosts: addresses are unique.
+    addresses: dict[str, str] = {}
+    for name in sorted(hosts):
+        addr = hosts[name].host.address
+        if addr in addresses:
+            problems.append(Problem(host_sources[name], "host.address", f"{addr} is also the address of {addresses[addr]!r}"))
+        else:
+            addresses[addr] = name
+    return problems
+
+
+def summary(state: DesiredState) -> str:
+    """The one line `fabric validate` prints for a valid state."""
+    lanes = state.lanes
+    implicit = "" if state.fleet.backends else " (implicit)"
+    return (
+        f"{state.fleet_file}: valid: fleet {state.fleet.fleet.name!r}, {len(state.hosts)} hosts, "
+        f"{len(lanes)} lanes{implicit}, {len(state.fleet.services)} services, "
+        f"{len(state.fleet.port_maps)} port maps, registry {state.fleet.registry.backend}"
+    )

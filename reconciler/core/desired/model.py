@@ -1,0 +1,592 @@
+"""Desired-state and live-state models.
+
+Pure: pydantic models and validators only. Everything here can be built from
+plain dicts (TOML, JSON), and every rule a human could break in a host file is a
+validator here, so `fabric validate` reports it with the key path.
+
+Desired state  = what an operator declares in git (`FleetConfig`, `HostConfig`,
+                 combined into `DesiredState` by `reconciler.core.desired.load`).
+Live state     = what a host observes and reports (`NodeFacts` from the probe).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import PurePosixPath
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+
+# --------------------------------------------------------------------------
+# Tiers
+
+# Best first, with the seed's scores (gpu_cuda 10 ... relay 0).
+TIER_ORDER: tuple[str, ...] = (
+    "gpu_cuda",
+    "gpu_vaapi",
+    "gpu_apu",
+    "cpu_ffmpeg",
+    "batch",
+    "ethernet",
+    "framebuffer",
+    "wasm",
+    "dsp",
+    "esp32",
+    "relay",
+)
+TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
+
+Tier = Literal[
+    "gpu_cuda",
+    "gpu_vaapi",
+    "gpu_apu",
+    "cpu_ffmpeg",
+    "batch",
+    "ethernet",
+    "framebuffer",
+    "wasm",
+    "dsp",
+    "esp32",
+    "relay",
+]
+
+Arch = Literal["x86_64", "aarch64"]
+ARCHES: tuple[str, ...] = ("x86_64", "aarch64")
+
+
+def tier_score(tier: str) -> int:
+    """10 for gpu_cuda down to 0 for relay."""
+    return TIER_SCORE[tier]
+
+
+# --------------------------------------------------------------------------
+# Safe scalar types. Names end up in unit names, file names, Caddy and nft
+# text, so they are restricted to a character set that cannot escape any of
+# those contexts (no '/', '..', whitespace, quotes, braces, ';').
+
+NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9_-]{0,61}[a-z0-9])?$"
+_NAME_RE = re.compile(NAME_PATTERN)
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$")
+_LABEL_KEY_RE = re.compile(r"^(?:[a-z0-9.-]{1,253}/)?[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.:-]{0,61}[A-Za-z0-9])?)?$")
+# An argv element or environment value: printable, no newlines, no NUL. Quotes
+# are allowed; the renderer quotes for systemd.
+_ARG_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$")
+_ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
+
+# Environment names that carry a secret when given inline. Their value must come
+# from a file instead (NAME_FILE = "/run/secrets/...").
+SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|PRIVATE_KEY|AUTH_KEY|DATABASE_URL|QUEUE_URL|CREDENTIAL)", re.I)
+
+
+def _name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a safe name (lowercase letters, digits, '-' and '_', "
+            "starting and ending with a letter or digit, at most 63 characters)"
+        )
+    return value
+
+
+def _hostname(value: str) -> str:
+    if not _HOSTNAME_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid DNS host name (lowercase letters, digits, '-' and '.')")
+    return value
+
+
+def _abs_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path")
+    if not _ARG_RE.match(value) or any(c in value for c in " \"'{};$`\\"):
+        raise ValueError(f"{value!r} contains characters not allowed in a path (whitespace, quotes, braces, ';', '$', '`', '\\')")
+    if ".." in PurePosixPath(value).parts:
+        raise ValueError(f"{value!r} must not contain '..'")
+    return value
+
+
+def _arg(value: str) -> str:
+    if not _ARG_RE.match(value):
+        raise ValueError("control characters (newlines, NUL) are not allowed")
+    return value
+
+
+def _image(value: str) -> str:
+    if not _IMAGE_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid image reference")
+    return value
+
+
+def _label_key(value: str) -> str:
+    if not _LABEL_KEY_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid label key")
+    return value
+
+
+def _label_value(value: str) -> str:
+    if not _LABEL_VALUE_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid label value (letters, digits, '-', '_', '.', ':')")
+    return value
+
+
+def _env_name(value: str) -> str:
+    if not _ENV_NAME_RE.match(value):
+        raise ValueError(f"{value!r} is not a valid environment variable name (A-Z, 0-9, '_')")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_name)]
+HostName = Annotated[str, AfterValidator(_hostname)]
+AbsPath = Annotated[str, AfterValidator(_abs_path)]
+Arg = Annotated[str, AfterValidator(_arg)]
+Image = Annotated[str, AfterValidator(_image)]
+LabelKey = Annotated[str, AfterValidator(_label_key)]
+LabelValue = Annotated[str, AfterValidator(_label_value)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Seconds = Annotated[int, Field(ge=1, le=86_400)]
+NonEmptyArgv = Annotated[list[Arg], Field(min_length=1)]
+
+
+class FieldProblem(ValueError):
+    """A model-level rule broken by one key: `desired` appends `key` to the path."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(reason)
+        self.key = key
+        self.reason = reason
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors; values are not coerced across types."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def check_environment(env: dict[str, str]) -> dict[str, str]:
+    """Inline environment must not carry secrets: those come as NAME_FILE paths."""
+    for key, value in env.items():
+        if key.endswith("_FILE"):
+            try:
+                _abs_path(value)
+            except ValueError as exc:
+                raise FieldProblem(key, str(exc)) from exc
+        elif SECRET_NAME_RE.search(key):
+            raise FieldProblem(key, f"looks like a secret given inline; give its path as {key}_FILE instead")
+    return env
+
+
+Environment = Annotated[dict[EnvName, Arg], AfterValidator(check_environment)]
+
+
+# --------------------------------------------------------------------------
+# fabric.toml
+
+
+class FleetSettings(Strict):
+    name: Name = "fabric"
+    domain: HostName
+    leader_candidates: list[Name] = Field(min_length=1)
+    # Sites served for the fleet itself (status page) live under this domain.
+    status_subdomain: Name = "status"
+
+
+class TimingSettings(Strict):
+    heartbeat_s: Seconds = 30
+    node_timeout_s: Seconds = 90
+    # A node whose Tailscale path is relayed (DERP) gets a longer per-beat
+    # timeout: 200-500 ms of DERP latency must not read as a missed beat.
+    relayed_heartbeat_s: Seconds = 45
+    missed_beats: Annotated[int, Field(ge=1, le=100)] = 3
+    drain_grace_s: Seconds = 300
+
+    @model_validator(mode="after")
+    def _coherent(self) -> TimingSettings:
+        if self.node_timeout_s < self.heartbeat_s:
+            raise FieldProblem("node_timeout_s", f"{self.node_timeout_s} is shorter than heartbeat_s ({self.heartbeat_s})")
+        if self.relayed_heartbeat_s < self.heartbeat_s:
+            raise FieldProblem("relayed_heartbeat_s", f"{self.relayed_heartbeat_s} is shorter than heartbeat_s ({self.heartbeat_s})")
+        return self
+
+    def node_timeout_for(self, relayed: bool) -> int:
+        if relayed:
+            return max(self.node_timeout_s, self.relayed_heartbeat_s * self.missed_beats)
+        return self.node_timeout_s
+
+
+class FlapSettings(Strict):
+    window_s: Seconds = 300
+    toggles: Annotated[int, Field(ge=2, le=100)] = 3
+    hold_off_s: Seconds = 600
+
+
+class RegistrySettings(Strict):
+    backend: Literal["sqlite", "etcd"] = "sqlite"
+    path: AbsPath = "/var/lib/fabric/registry.sqlite"
+    endpoints: list[Annotated[str, StringConstraints(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+$")]] = []
+    prefix: Annotated[str, StringConstraints(pattern=r"^/[a-z0-9/_-]*$")] = "/fabric"
+    ca_file: AbsPath | None = None
+    cert_file: AbsPath | None = None
+    key_file: AbsPath | None = None
+
+    @model_validator(mode="after")
+    def _etcd_needs_endpoints(self) -> RegistrySettings:
+        if self.backend == "etcd" and not self.endpoints:
+            raise FieldProblem("endpoints", "backend 'etcd' needs at least one endpoint")
+        tls = {"ca_file": self.ca_file, "cert_file": self.cert_file, "key_file": self.key_file}
+        if any(tls.values()) and not all(tls.values()):
+            missing = next(k for k, v in tls.items() if v is None)
+            raise FieldProblem(missing, "ca_file, cert_file and key_file go together")
+        return self
+
+
+class SchedulerSettings(Strict):
+    # highest_tier: the seed's rule (best tier first). best_fit: the lowest tier
+    # that satisfies, so CUDA boxes stay free for CUDA-only work.
+    strategy: Literal["highest_tier", "best_fit"] = "highest_tier"
+    # multi-compute.md's staleness gate: a lane job reaches the local lane once
+    # it has waited this long with every cloud lane full.
+    local_spill_after_s: Seconds = 900
+    # ...or once this many cloud attempts failed.
+    cloud_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+
+
+class ScalingSettings(Strict):
+    queue_high: Annotated[int, Field(ge=1)] = 10
+    burst_window_s: Seconds = 30
+    group_interval_s: Seconds = 60
+    scale_up_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8
+    scale_up_window_s: Seconds = 300
+    scale_down_utilization: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    scale_down_window_s: Seconds = 900
+    # Per cloud tier, the argv that deploys one more worker group (e.g. a
+    # workflow dispatch). Never a shell string.
+    cloud_hooks: dict[Tier, NonEmptyArgv] = {}
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ScalingSettings:
+        if self.scale_down_utilization >= self.scale_up_utilization:
+            raise FieldProblem("scale_down_utilization", "must be below scale_up_utilization")
+        return self
+
+
+class ArchAgent(Strict):
+    """One architecture's compute-agent image and launch command."""
+
+    image: Image
+    command: NonEmptyArgv
+
+
+class AgentSettings(Strict):
+    """The compute agent of multi-compute.md, run once per compute lane.
+
+    The arm64 image is the `-arm64` tag started with `python3 -m saq ...` (Python
+    3.13, no .venv); the x86 image has no suffix and is started with `uv run saq
+    ...` (a .venv). Mixing them up makes the container fail to boot, so it is
+    rejected here.
+    """
+
+    arch: dict[Arch, ArchAgent] = Field(min_length=1)
+    queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = "phaze-agent-"
+    environment: Environment = {}
+
+    @model_validator(mode="after")
+    def _image_command_swap(self) -> AgentSettings:
+        arm = self.arch.get("aarch64")
+        x86 = self.arch.get("x86_64")
+        if arm is not None:
+            if not arm.image.endswith("-arm64"):
+                raise FieldProblem("arch.aarch64.image", "must be the '-arm64' tag (there is no multi-arch manifest)")
+            if arm.command[:2] == ["uv", "run"]:
+                raise FieldProblem("arch.aarch64.command", "must not use 'uv run': the arm64 image has no .venv")
+        if x86 is not None and x86.image.endswith("-arm64"):
+            raise FieldProblem("arch.x86_64.image", "must not be the '-arm64' tag: the x86 box cannot run it")
+        return self
+
+
+class Backend(Strict):
+    """One lane of multi-compute.md's backend registry."""
+
+    kind: Literal["compute", "local"]
+    id: Name
+    rank: Annotated[int, Field(ge=0, le=999)]
+    cap: Annotated[int, Field(ge=1, le=999)]
+    agent_ref: Name | None = None
+    push_host: Name | None = None
+    scratch_dir: AbsPath | None = None
+    ssh_user: Name | None = None
+    # Must equal <queue_prefix><agent_ref> when given; derived otherwise.
+    queue: Name | None = None
+
+    @model_validator(mode="after")
+    def _compute_fields(self) -> Backend:
+        if self.kind == "compute":
+            for key in ("agent_ref", "push_host", "scratch_dir"):
+                if getattr(self, key) is None:
+                    raise FieldProblem(key, "required for a compute lane")
+        else:
+            for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "queue"):
+                if getattr(self, key) is not None:
+                    raise FieldProblem(key, "not allowed on a local lane")
+        return self
+
+
+IMPLICIT_LOCAL_LANE = Backend(kind="local", id="local", rank=99, cap=1)
+
+
+class Route(Strict):
+    host: HostName
+    path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/"
+    health_path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/healthz"
+
+
+class Service(Strict):
+    id: Name
+    description: Arg = ""
+    min_tier: Tier
+    # Lowest tier the service may fall back to. Equal to min_tier means hard
+    # fail: deferred rather than degraded (the seed's LUPINE).
+    floor: Tier = "relay"
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    arch: list[Arch] = []
+    labels: dict[LabelKey, LabelValue] = {}
+    # Exactly one of command / image, keyed by architecture ("any" for both).
+    command: dict[Literal["x86_64", "aarch64", "any"], NonEmptyArgv] = {}
+    image: dict[Literal["x86_64", "aarch64", "any"], Image] = {}
+    port: Annotated[int, Field(ge=1024, le=65535)] | None = None
+    route: Route | None = None
+    environment: Environment = {}
+    # name -> absolute path on the host, delivered with LoadCredential=.
+    credentials: dict[Name, AbsPath] = {}
+
+    @model_validator(mode="after")
+    def _rules(self) -> Service:
+        if tier_score(self.floor) > tier_score(self.min_tier):
+            raise FieldProblem("floor", f"{self.floor!r} is above min_tier {self.min_tier!r}")
+        if bool(self.command) == bool(self.image):
+            raise FieldProblem("command", "give exactly one of command or image")
+        if self.route is not None and self.port is None:
+            raise FieldProblem("port", "required for a service with a route")
+        runs = self.command or self.image
+        if "any" not in runs:
+            archs = self.arch or list(ARCHES)
+            missing = [a for a in archs if a not in runs]
+            if missing:
+                key = "command" if self.command else "image"
+                raise FieldProblem(key, f"no entry for {', '.join(missing)} (add it, an 'any' entry, or restrict arch)")
+        return self
+
+    @property
+    def hard_fail(self) -> bool:
+        return self.floor == self.min_tier
+
+
+class PortMap(Strict):
+    """A permanent socat redirect on one host (the seed's edge port maps)."""
+
+    name: Name
+    host: Name
+    protocol: Literal["tcp", "udp"] = "tcp"
+    listen_port: Port
+    target_host: Name
+    target_port: Port
+
+
+class FleetConfig(Strict):
+    """The whole of fabric.toml."""
+
+    fleet: FleetSettings
+    timing: TimingSettings = TimingSettings()
+    flap: FlapSettings = FlapSettings()
+    registry: RegistrySettings = RegistrySettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    scaling: ScalingSettings = ScalingSettings()
+    agent: AgentSettings | None = None
+    backends: list[Backend] = []
+    services: list[Service] = []
+    port_maps: list[PortMap] = []
+
+
+# --------------------------------------------------------------------------
+# hosts/<host>.toml
+
+Role = Literal["edge", "compute", "control", "fileserver"]
+
+
+def _tailnet_ip(value: str) -> str:
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not an IP address") from exc
+    return str(ip)
+
+
+class HostLimits(Strict):
+    max_concurrent_tasks: Annotated[int, Field(ge=1, le=1024)] | None = None
+    # Concurrency may be raised by vertical scaling up to this ceiling.
+    max_concurrent_ceiling: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+    @model_validator(mode="after")
+    def _ceiling(self) -> HostLimits:
+        if (
+            self.max_concurrent_tasks is not None
+            and self.max_concurrent_ceiling is not None
+            and self.max_concurrent_ceiling < self.max_concurrent_tasks
+        ):
+            raise FieldProblem("max_concurrent_ceiling", "is below max_concurrent_tasks")
+        return self
+
+
+class HostOverrides(Strict):
+    # Pin the tier below what the probe finds (never above it: the probe's
+    # tier is a ceiling, so a typo cannot send CUDA work to a CPU box).
+    tier: Tier | None = None
+    arch: Arch | None = None
+
+
+class HostSettings(Strict):
+    name: Name
+    roles: list[Role] = []
+    # The address other hosts and the edge reach this host on (its tailnet IP).
+    # Declared in git, not taken from the registry: a registry writer must not be
+    # able to point the edge at an address of its choosing.
+    address: Annotated[str, AfterValidator(_tailnet_ip)]
+    node_id: HostName | None = None
+    # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
+    nftables_fix: bool | None = None
+
+
+class HostConfig(Strict):
+    """The whole of hosts/<host>.toml."""
+
+    host: HostSettings
+    labels: dict[LabelKey, LabelValue] = {}
+    limits: HostLimits = HostLimits()
+    overrides: HostOverrides = HostOverrides()
+
+
+class DesiredState(BaseModel):
+    """fabric.toml plus every host, validated together."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fleet: FleetConfig
+    hosts: dict[str, HostConfig]
+    # Source file of each part, for messages produced after loading.
+    fleet_file: str = "fabric.toml"
+
+    @property
+    def lanes(self) -> list[Backend]:
+        """The declared lanes, or the implicit single local lane."""
+        return list(self.fleet.backends) or [IMPLICIT_LOCAL_LANE]
+
+    def service(self, service_id: str) -> Service | None:
+        return next((s for s in self.fleet.services if s.id == service_id), None)
+
+    def lane(self, lane_id: str) -> Backend | None:
+        return next((b for b in self.lanes if b.id == lane_id), None)
+
+    def hosts_with_role(self, role: str) -> list[str]:
+        return sorted(n for n, h in self.hosts.items() if role in h.host.roles)
+
+    def queue_for(self, lane: Backend) -> str | None:
+        if lane.kind != "compute" or self.fleet.agent is None:
+            return lane.queue
+        return lane.queue or f"{self.fleet.agent.queue_prefix}{lane.agent_ref}"
+
+
+# --------------------------------------------------------------------------
+# Live state: what the probe reports (the seed's registry data model)
+
+
+class Gpu(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vendor: Literal["nvidia", "amd", "intel", "other"]
+    model: str
+    vram_mib: int | None = None
+    integrated: bool
+    tier: Tier
+    pci_slot: str | None = None
+    render_node: str | None = None
+    driver: str | None = None
+
+
+class Storage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    mount: str | None = None
+    type: Literal["nvme", "ssd", "hdd", "other"]
+    size_gib: int
+
+
+class Framebuffer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str
+    resolution: str
+
+
+class Hardware(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arch: str | None = None
+    cpu_cores: int | None = None
+    memory_mib: int | None = None
+    gpus: list[Gpu] = []
+    storage: list[Storage] = []
+    ffmpeg: list[str] = []
+    framebuffer: Framebuffer | None = None
+
+
+class Limitations(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent_tasks: int = 1
+    # The most vertical scaling may raise concurrency to on this hardware.
+    max_concurrent_ceiling: int = 1
+    vram_mib: int | None = None
+    notes: list[str] = []
+
+
+class OperatingSystem(BaseModel):
+    """From /etc/os-release: decides host-specific fixes (the seed's nftables
+    fix on CachyOS/Arch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    id_like: list[str] = []
+    name: str | None = None
+    version_id: str | None = None
+
+    @property
+    def arch_based(self) -> bool:
+        return self.id == "arch" or "arch" in self.id_like
+
+
+class NodeFacts(BaseModel):
+    """One probe of one machine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_id: str
+    tailscale_ip: str | None = None
+    tailscale_relayed: bool | None = None
+    k3s_hostname: str
+    hardware: Hardware
+    tier: Tier
+    labels: dict[str, str] = {}
+    limitations: Limitations = Limitations()
+    # fact name -> why it is absent (command missing, failed, timed out, odd value).
+    missing: dict[str, str] = {}
+    os: OperatingSystem | None = None

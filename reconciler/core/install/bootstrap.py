@@ -1,0 +1,238 @@
+"""Node bootstrap (the seed's Node Bootstrap Agent): what a new node still needs.
+
+Pure. `plan_bootstrap` compares what a node should have with what it has
+(`Observed`, gathered by reconciler.adapters.bootstrap_io) and returns the
+steps still missing, each with its reason. An empty plan is a node that is
+ready: running `fabric bootstrap` a second time finds nothing to do.
+
+The seed's order, and where each part lives:
+
+1. tailscale_up       `tailscale up --auth-key=file:PATH` when the node is not
+                      on the tailnet (the key is read by tailscale from the
+                      file; it never appears on a command line or in a log)
+2. detect_hardware    the probe (reconciler.core.probe), done by the caller: its
+   build_labels       NodeFacts and labels are an input here
+3. register           a first heartbeat into the registry, unless the
+                      registry already knows the node
+4. join_k3s           the k3s join settings as a config.yaml.d drop-in:
+                      `server` and `token-file` (a path, never the token).
+                      The node labels come from the reconcile pass's own
+                      drop-in (50-fabric-labels.yaml), so they have one owner
+5. nftables fix       CachyOS/Arch: their stock ruleset drops tailnet traffic
+                      in `table inet filter`, and no accept in another table
+                      can override a drop. The fix inserts accepts for the
+                      Tailscale interface into that table, now and (through a
+                      drop-in for nftables.service) after every reload of it,
+                      which also reloads the fabric's own table the reload
+                      flushed
+6. socat redirects    the reconcile timer enabled and a first pass run, which
+                      renders and starts this host's port maps
+7. report_ready       the caller prints the outcome
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.core.live.records import NodeRecord
+from reconciler.core.render.artifacts import needs_nftables_fix
+
+# File names, relative to the root.
+K3S_JOIN_DROPIN = "10-fabric-join.yaml"  # before the pass's 50-fabric-labels.yaml
+NFT_FIX_FILE = "etc/fabric/tailscale-fix.nft"
+NFT_FIX_DROPIN = "etc/systemd/system/nftables.service.d/50-fabric-tailscale-fix.conf"
+NFT_FIX_COMMENT = "fabric-tailscale-fix"
+# The distro ruleset's table and chains the fix opens (Arch's and CachyOS's
+# stock /etc/nftables.conf).
+DISTRO_TABLE = ("inet", "filter")
+
+RECONCILE_TIMER = "fabric-reconcile.timer"
+RECONCILE_SERVICE = "fabric-reconcile.service"
+NFT_TABLE_UNIT = "fabric-nftables.service"
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the node has now (gathered by the adapters; fakes in tests)."""
+
+    # None: tailscale is not installed.
+    tailscale_running: bool | None
+    registered: bool
+    # Content of each file the bootstrap writes (relative path -> text or None).
+    files: dict[str, str | None]
+    # Whether the distro table exists, and whether the fix's rules are in it.
+    distro_table_present: bool
+    nft_fix_loaded: bool
+    timer_active: bool
+    # Active state of the socat unit of each of this host's port maps.
+    socat_active: dict[str, bool]
+
+
+@dataclass(frozen=True)
+class Programs:
+    """Absolute paths the written drop-in calls (they differ between distros)."""
+
+    nft: str = "/usr/sbin/nft"
+    systemctl: str = "/usr/bin/systemctl"
+
+
+StepKind = Literal["tailscale_up", "register", "write_file", "load_nft_fix", "daemon_reload", "enable_timer", "run_pass"]
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    reason: str
+    path: str | None = None  # write_file: relative to the root
+    content: str | None = None
+    mode: int = 0o644
+    argv: tuple[str, ...] = ()  # tailscale_up
+    record: NodeRecord | None = None  # register
+
+    def describe(self) -> str:
+        target = f" {self.path}" if self.path else ""
+        return f"{self.kind}{target}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class BootstrapPlan:
+    steps: tuple[Step, ...]
+    # Things that stop the bootstrap (bad configuration for this node).
+    problems: tuple[str, ...] = ()
+    # Things the operator should know that are not failures.
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return not self.steps and not self.problems
+
+
+def socat_units(state: DesiredState, host: str) -> list[str]:
+    """The port-map units the pass runs on this host (render names them so)."""
+    return sorted(f"fabric-socat-{m.name}.service" for m in state.fleet.port_maps if m.host == host)
+
+
+def k3s_join_dropin(host: str, server: str, token_file: str) -> str:
+    # JSON strings are valid YAML scalars: the values are quoted safely.
+    return (
+        f"# Written by fabric bootstrap for host {host}: do not edit.\n"
+        "# Join settings only; the node labels are the reconcile pass's drop-in\n"
+        "# (50-fabric-labels.yaml). The token stays in its file.\n"
+        f"server: {json.dumps(server)}\n"
+        f"token-file: {json.dumps(token_file)}\n"
+    )
+
+
+def nft_fix_ruleset(interface: str = "tailscale0") -> str:
+    family, table = DISTRO_TABLE
+    rules = [
+        f'insert rule {family} {table} input iifname "{interface}" accept comment "{NFT_FIX_COMMENT}"',
+        f'insert rule {family} {table} forward iifname "{interface}" accept comment "{NFT_FIX_COMMENT}"',
+        f'insert rule {family} {table} forward oifname "{interface}" ct state established,related accept comment "{NFT_FIX_COMMENT}"',
+    ]
+    return (
+        "# Written by fabric bootstrap: let the tailnet through the distro's ruleset\n"
+        "# (CachyOS/Arch drop it in table inet filter; an accept in another table\n"
+        "# cannot override that). Loaded after every start or reload of nftables.service.\n" + "\n".join(rules) + "\n"
+    )
+
+
+def nft_fix_dropin(programs: Programs) -> str:
+    fix = f"-{programs.nft} -f /{NFT_FIX_FILE}"
+    # The distro's reload flushes the whole ruleset, the fabric's table too:
+    # reload the unit that loads it.
+    table = f"-{programs.systemctl} --no-block try-reload-or-restart {NFT_TABLE_UNIT}"
+    return (
+        f"# Written by fabric bootstrap: do not edit.\n[Service]\nExecStartPost={fix}\nExecStartPost={table}\nExecReload={fix}\nExecReload={table}\n"
+    )
+
+
+def plan_bootstrap(
+    *,
+    node: NodeConfig,
+    state: DesiredState,
+    host: str,
+    facts: NodeFacts,
+    observed: Observed,
+    programs: Programs = Programs(),
+) -> BootstrapPlan:
+    """The steps this node still needs, in the seed's order."""
+    steps: list[Step] = []
+    problems: list[str] = []
+    notes: list[str] = []
+    boot = node.bootstrap
+    if host not in state.hosts:
+        return BootstrapPlan((), (f"host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})",))
+    host_config = state.hosts[host]
+
+    # 1. Tailscale
+    if observed.tailscale_running is None:
+        if boot.tailscale_auth_key_file:
+            problems.append("tailscale is not installed, but [bootstrap] tailscale_auth_key_file is set")
+        else:
+            notes.append("tailscale is not installed: the node is reached on its declared address only")
+    elif not observed.tailscale_running:
+        if boot.tailscale_auth_key_file is None:
+            problems.append("tailscale is not up and [bootstrap] tailscale_auth_key_file is not set")
+        else:
+            steps.append(
+                Step(
+                    "tailscale_up",
+                    "not on the tailnet",
+                    argv=("tailscale", "up", f"--auth-key=file:{boot.tailscale_auth_key_file}", f"--hostname={host}"),
+                )
+            )
+
+    # 3. Register
+    if not observed.registered:
+        record = NodeRecord.from_facts(
+            host,
+            facts,
+            max_concurrent_tasks=host_config.limits.max_concurrent_tasks,
+            max_concurrent_ceiling=host_config.limits.max_concurrent_ceiling,
+        )
+        steps.append(Step("register", "the registry does not know this node", record=record))
+
+    def want_file(path: str, content: str, reason: str) -> bool:
+        if observed.files.get(path) == content:
+            return False
+        steps.append(Step("write_file", reason if observed.files.get(path) is None else f"{reason} (changed)", path=path, content=content))
+        return True
+
+    # 4. k3s join settings
+    if boot.k3s_server is not None and boot.k3s_token_file is not None:
+        path = f"{boot.k3s_config_dir.strip('/')}/{K3S_JOIN_DROPIN}"
+        want_file(path, k3s_join_dropin(host, boot.k3s_server, boot.k3s_token_file), "k3s join settings")
+
+    # 5. nftables fix (CachyOS/Arch, or as the host file says)
+    if needs_nftables_fix(host_config, facts):
+        want_file(NFT_FIX_FILE, nft_fix_ruleset(), "tailnet accepts for the distro ruleset")
+        if want_file(NFT_FIX_DROPIN, nft_fix_dropin(programs), "re-apply the fix after nftables.service reloads"):
+            steps.append(Step("daemon_reload", "a drop-in changed"))
+        if not observed.distro_table_present:
+            notes.append("no table inet filter loaded: nothing to open now (the drop-in applies the fix when nftables.service loads it)")
+        elif not observed.nft_fix_loaded:
+            steps.append(Step("load_nft_fix", "the distro ruleset does not let the tailnet through yet"))
+
+    # 6. The reconcile timer and a first pass (starts the socat redirects)
+    if not observed.timer_active:
+        steps.append(Step("enable_timer", f"{RECONCILE_TIMER} is not active"))
+    inactive = sorted(unit for unit, active in observed.socat_active.items() if not active)
+    if inactive:
+        steps.append(Step("run_pass", f"port maps not running: {', '.join(inactive)}"))
+    elif not observed.timer_active:
+        steps.append(Step("run_pass", "no pass has run on this node yet"))
+
+    return BootstrapPlan(tuple(steps), tuple(problems), tuple(notes))
+
+
+def bootstrap_files(node: NodeConfig) -> list[str]:
+    """Every file `plan_bootstrap` may write (relative to the root): what to observe."""
+    files = [NFT_FIX_FILE, NFT_FIX_DROPIN]
+    if node.bootstrap.k3s_server is not None:
+        files.append(f"{node.bootstrap.k3s_config_dir.strip('/')}/{K3S_JOIN_DROPIN}")
+    return files

@@ -1,0 +1,61 @@
+"""Plan fencing on the host side (pure): apply a plan only if it is not older than the newest applied.
+
+A deposed leader may still publish for a moment, or a lagging registry member
+may still serve an old plan. Each host remembers the newest epoch it applied
+and refuses anything older, so a stale plan can never undo its successor's.
+The host-side record is the epoch kept in each generation's manifest
+(`reconciler.engine.apply`, generations/<n>/manifest.json): it is written in the same
+atomic step as the generation, so a crash cannot separate the two.
+
+Usage in the reconcile pass::
+
+    verdict = accept_plan(current_generation.epoch, plan,
+                          leader_candidates=desired.fleet.fleet.leader_candidates)
+    if not verdict.accepted:
+        report(verdict.reason)          # keep the current generation (fail static)
+    else:
+        ... render and apply; the new manifest records plan.epoch ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from reconciler.core.live.models import FleetPlan
+
+
+@dataclass(frozen=True)
+class PlanVerdict:
+    accepted: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
+def accept_plan(
+    last_applied_epoch: int | None,
+    plan: FleetPlan | None,
+    *,
+    leader_candidates: Collection[str] | None = None,
+) -> PlanVerdict:
+    """Whether this host may apply `plan`, with the reason either way.
+
+    The same epoch is accepted again (a pass that re-applies the plan it
+    already runs is a no-op, and a crash between apply and recording the epoch
+    must be able to converge). With `leader_candidates`, a plan signed by a
+    host that is not a declared candidate is refused: a registry writer cannot
+    make itself leader.
+    """
+    if plan is None:
+        return PlanVerdict(False, "no plan published yet")
+    if leader_candidates is not None and plan.leader not in leader_candidates:
+        return PlanVerdict(False, f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})")
+    if last_applied_epoch is not None and plan.epoch < last_applied_epoch:
+        return PlanVerdict(
+            False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): stale leader or lagging registry"
+        )
+    if last_applied_epoch is not None and plan.epoch == last_applied_epoch:
+        return PlanVerdict(True, f"plan epoch {plan.epoch} is the one applied")
+    return PlanVerdict(True, f"plan epoch {plan.epoch} is newer than {last_applied_epoch if last_applied_epoch is not None else 'none applied'}")

@@ -1,0 +1,125 @@
+"""Live-state models shared by the registry, the scheduler, rendering and status.
+
+Pure pydantic. Three shapes cross process boundaries as JSON:
+
+- `Snapshot`: what the registry knows at one instant (nodes, lanes). The leader
+  schedules over it; `fabric registry export` writes it; `fabric schedule
+  --snapshot FILE` reads it, so any saved snapshot is a what-if input.
+- `FleetPlan`: what the leader publishes, fenced by `epoch`. It carries only
+  placements (service ids, host names, counts) and never commands, paths or
+  config text: a host checks every entry against its own desired state.
+- `NodeRecord`: one node as the registry stores it (facts + lifecycle).
+
+A node is named by its fabric host name (the desired state's host, e.g.
+"qfox-1") everywhere in these models, so a host can check any plan entry
+against its own desired state; the probe's Tailscale FQDN is only a fact.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from reconciler.core.desired.model import Tier
+
+NodeStatus = Literal["active", "draining", "offline", "dead"]
+
+HoldReason = Literal["no_free_slots", "local_spill_not_reached", "cloud_attempts_exhausted"]
+
+
+class _Live(BaseModel):
+    # Unknown keys are ignored so an older host can read a newer leader's JSON.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class SnapshotNode(_Live):
+    node_id: str
+    tier: Tier
+    status: NodeStatus = "active"
+    in_flight: int = Field(default=0, ge=0)
+    max_concurrent_tasks: int = Field(default=1, ge=0)
+    arch: str | None = None
+    labels: dict[str, str] = {}
+    # Lifecycle extras (absent in hand-written snapshots: defaults apply).
+    drained: bool = False
+    held_off_until: datetime | None = None
+    last_seen: datetime | None = None
+    # Highest concurrency vertical scaling may raise this node to.
+    max_concurrent_ceiling: int | None = None
+
+    @property
+    def utilization(self) -> float:
+        if self.max_concurrent_tasks <= 0:
+            return 1.0
+        return self.in_flight / self.max_concurrent_tasks
+
+
+class SnapshotLane(_Live):
+    id: str
+    # False when the lane's probe failed this poll: that lane alone is offline.
+    available: bool = True
+    in_flight: int = Field(default=0, ge=0)
+
+
+class Placement(_Live):
+    service: str
+    replica: int = Field(ge=0)
+    node: str
+    tier: Tier
+    fallback: bool = False
+
+
+class Deferred(_Live):
+    service: str
+    replica: int = Field(ge=0)
+    reason: str
+    # True when nothing in the fleet could ever satisfy it (inadmissible), as
+    # opposed to waiting for capacity.
+    inadmissible: bool = False
+
+
+class LaneView(_Live):
+    id: str
+    kind: Literal["compute", "local"]
+    rank: int
+    cap: int
+    in_flight: int
+    available: bool
+
+
+class Snapshot(_Live):
+    now: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    nodes: list[SnapshotNode] = []
+    lanes: list[SnapshotLane] = []
+    # Placements currently in force (the last published plan), so the
+    # scheduler keeps work where it is while still feasible.
+    placements: list[Placement] = []
+    leader: str | None = None
+    epoch: int = 0
+
+
+class FleetPlan(_Live):
+    epoch: int = Field(ge=0)
+    leader: str
+    created: datetime
+    placements: list[Placement] = []
+    deferred: list[Deferred] = []
+    lanes: list[LaneView] = []
+    # Nodes of the snapshot that are not declared hosts of the desired state:
+    # never given work (a registry writer cannot add a target), listed so an
+    # operator sees them.
+    ignored_nodes: list[str] = []
+
+    def services_on(self, node: str) -> list[Placement]:
+        return [p for p in self.placements if p.node == node]
+
+    def nodes_for(self, service: str) -> list[str]:
+        return sorted({p.node for p in self.placements if p.service == service})
+
+
+class Transition(_Live):
+    at: datetime
+    status: NodeStatus | Literal["held_off", "released", "drain", "undrain"]
+    reason: str

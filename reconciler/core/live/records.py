@@ -1,0 +1,213 @@
+"""What the registry stores, as pydantic models (pure).
+
+The registry carries facts and placements only: a node's record says what the
+node is (tier, arch, labels, capacity, load) and when it last beat, never a
+command, a path or configuration text. Nodes are keyed by their fabric host
+name (the desired state's host, e.g. "qfox-1").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from reconciler.core.desired.model import NAME_PATTERN, NodeFacts, Tier
+
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+def check_node_id(value: str) -> str:
+    """A node id becomes part of a registry key: only a safe host name may."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"{value!r} is not a fabric host name (lowercase letters, digits, '-', '_')")
+    return value
+
+
+NodeId = Annotated[str, AfterValidator(check_node_id)]
+
+
+def utc(moment: datetime) -> datetime:
+    """`moment` as an aware UTC datetime (naive values are taken as UTC)."""
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
+def from_epoch_seconds(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+class _Record(BaseModel):
+    # Unknown keys are ignored so an older host reads a newer host's record.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class NodeRecord(_Record):
+    """One heartbeat: what a node is and how busy it is, at `beat_at`."""
+
+    node_id: NodeId
+    tier: Tier
+    arch: str | None = None
+    labels: dict[str, str] = {}
+    max_concurrent_tasks: int = Field(default=1, ge=0)
+    max_concurrent_ceiling: int | None = None
+    in_flight: int = Field(default=0, ge=0)
+    # True when the node's Tailscale path to the fleet is relayed (DERP): it
+    # gets the longer relayed heartbeat timeout.
+    relayed: bool = False
+    tailscale_ip: str | None = None
+    cpu_cores: int | None = None
+    memory_mib: int | None = None
+    # Set by the registry when it stores the beat (its injected clock).
+    beat_at: datetime | None = None
+    # The timeout the beat was stored with: silent this long = offline.
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_facts(
+        cls,
+        host: str,
+        facts: NodeFacts,
+        *,
+        tier: Tier | None = None,
+        in_flight: int = 0,
+        max_concurrent_tasks: int | None = None,
+        max_concurrent_ceiling: int | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> NodeRecord:
+        """The record of fabric host `host` from its probe.
+
+        `tier`, the limits and the labels are the caller's effective values
+        when the host file adds to or overrides them (a tier pin, declared
+        limits, declared labels); by default the probe's.
+        """
+        limits = facts.limitations
+        return cls(
+            node_id=host,
+            tier=tier or facts.tier,
+            arch=facts.hardware.arch,
+            labels=dict(facts.labels if labels is None else labels),
+            max_concurrent_tasks=max_concurrent_tasks if max_concurrent_tasks is not None else limits.max_concurrent_tasks,
+            max_concurrent_ceiling=(max_concurrent_ceiling if max_concurrent_ceiling is not None else limits.max_concurrent_ceiling),
+            in_flight=in_flight,
+            relayed=bool(facts.tailscale_relayed),
+            tailscale_ip=facts.tailscale_ip,
+            cpu_cores=facts.hardware.cpu_cores,
+            memory_mib=facts.hardware.memory_mib,
+        )
+
+
+class DrainRequest(_Record):
+    """`fabric drain HOST --grace S`: no new work at once; existing work moves off after the grace."""
+
+    node_id: NodeId
+    requested_at: datetime
+    grace_s: float = Field(default=0, ge=0)
+    reason: str = "operator drain"
+
+    @property
+    def grace_ends(self) -> datetime:
+        return utc(self.requested_at) + timedelta(seconds=self.grace_s)
+
+
+class LeaderInfo(_Record):
+    """Who leads, since when, and the epoch its term began with."""
+
+    candidate: str
+    epoch: int
+    since: datetime
+    # Opaque per-term token (the etcd lease id, or a random one on sqlite):
+    # two terms of the same candidate never share it.
+    token: str
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """Held by the process that won a campaign; required to publish plans and
+    to write the lifecycle. Worthless once the lease lapses: every write made
+    with it is a transaction that compares the leader key with `info`."""
+
+    info: LeaderInfo
+    ttl_s: float
+
+    @property
+    def candidate(self) -> str:
+        return self.info.candidate
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
+
+
+class SlotClaim(_Record):
+    """One claimed slot of a lane (a dispatcher runs one job in it)."""
+
+    lane: str
+    slot: int = Field(ge=0)
+    holder: str
+    token: str
+    claimed_at: datetime
+
+
+class QueuedJob(_Record):
+    """One lane job of the job system (phaze's control plane), as the registry keeps it.
+
+    Only an id, when it was enqueued and how many cloud attempts failed; what
+    the job does stays with the job system (the registry never holds commands,
+    paths or configuration). `claim` is set while the job runs in a lane slot.
+    """
+
+    job_id: NodeId
+    enqueued_at: datetime
+    attempts: int = Field(default=0, ge=0)
+    claim: SlotClaim | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.claim is None
+
+
+class HookOutcome(_Record):
+    """How the last run of a tier's cloud hook ended (no argv, no output: those go to the log)."""
+
+    at: datetime
+    ok: bool
+    returncode: int | None = None
+    timed_out: bool = False
+    missing: bool = False
+
+
+class ScalingAudit(_Record):
+    """One scaling action the leader carried out, with its reason."""
+
+    at: datetime
+    kind: str
+    reason: str
+    node: str | None = None
+    tier: str | None = None
+    outcome: str = "done"
+
+
+class ScalingRecord(_Record):
+    """The leader's scaling memory and decisions, written only under its fence.
+
+    `state` is `reconciler.core.scheduling.scaling.ScalingState` as JSON (kept as a plain
+    object here so the records stay below the scheduler). `concurrency` is the
+    override of a node's max_concurrent_tasks that the snapshot reports
+    instead of the node's own limit (raised within its ceiling, or lowered
+    while its group is scaled down); `scaled_down` names the nodes whose
+    group is at its minimum until a burst activates it again.
+    """
+
+    state: dict = {}
+    concurrency: dict[NodeId, int] = {}
+    scaled_down: list[NodeId] = []
+    hooks: dict[str, HookOutcome] = {}
+    # The newest actions, newest last (bounded: see reconciler.engine.scaling_step).
+    recent: list[ScalingAudit] = []
+    leader: str | None = None
+    updated_at: datetime | None = None

@@ -1,0 +1,141 @@
+"""The catalogue of probe facts: each one a (source, pure parser) pair.
+
+A fact names where its raw text comes from (a command or a file, with fallbacks
+tried in order), the fixed file name that text is kept under in a capture
+directory (DESIGN.md "Probe"), and the parser that turns it into a value. The
+live collector (`reconciler.engine.probe`) reads the sources; a replay reads
+the capture directory; both then parse the same text the same way, so any
+capture replays to exactly the facts the live probe reported.
+
+Pure data: nothing here runs a command or opens a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from reconciler.core.probe import parsers
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: tuple[str, ...]
+    # A probe must never hang a reconcile pass. nvidia-smi can take several
+    # seconds to wake a GPU without persistence mode; the rest answer at once.
+    timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class File:
+    path: str
+
+
+@dataclass(frozen=True)
+class DriListing:
+    """The names in /dev/dri, with /dev/dri/by-path links as "by-path/N -> T"."""
+
+    path: str = "/dev/dri"
+
+
+@dataclass(frozen=True)
+class PerRenderNode:
+    """A command run once per render node found by the `dri` fact; `{device}`
+    in argv is replaced by the node's path. Outputs are joined, each under a
+    header line `### /dev/dri/renderDN` (parsers.VAINFO_HEADER)."""
+
+    argv: tuple[str, ...]
+    timeout: float = 10.0
+
+
+Source = Command | File | DriListing | PerRenderNode
+
+
+@dataclass(frozen=True)
+class Fact:
+    name: str  # key in NodeFacts.missing and in parsed values
+    raw: str  # file name in a capture directory (fixed by DESIGN.md)
+    sources: tuple[Source, ...]  # tried in order; the first that answers wins
+    parser: Callable[[str], Any]
+    description: str
+
+
+FACTS: tuple[Fact, ...] = (
+    Fact("arch", "uname-m", (Command(("uname", "-m")),), parsers.parse_uname_m, "CPU architecture"),
+    Fact("cpu", "cpuinfo", (File("/proc/cpuinfo"),), parsers.parse_cpuinfo, "logical CPU count"),
+    Fact("memory", "meminfo", (File("/proc/meminfo"),), parsers.parse_meminfo, "total memory"),
+    Fact(
+        "os",
+        "os-release",
+        (File("/etc/os-release"), File("/usr/lib/os-release")),
+        parsers.parse_os_release,
+        "operating system",
+    ),
+    Fact(
+        "hostname",
+        "hostname",
+        (Command(("hostname",)), File("/proc/sys/kernel/hostname")),
+        parsers.parse_hostname,
+        "host name",
+    ),
+    Fact("pci", "lspci", (Command(("lspci", "-vmm", "-nn")),), parsers.parse_lspci, "PCI display devices"),
+    Fact(
+        "nvidia",
+        "nvidia-smi",
+        (
+            Command(
+                (
+                    "nvidia-smi",
+                    "--query-gpu=index,name,memory.total,driver_version,pci.bus_id",
+                    "--format=csv,noheader,nounits",
+                ),
+                timeout=20.0,
+            ),
+        ),
+        parsers.parse_nvidia_smi,
+        "NVIDIA GPUs with a working driver",
+    ),
+    Fact("dri", "dri", (DriListing(),), parsers.parse_dri, "DRM render nodes"),
+    Fact(
+        "vainfo",
+        "vainfo",
+        (PerRenderNode(("vainfo", "--display", "drm", "--device", "{device}")),),
+        parsers.parse_vainfo,
+        "VA-API encode entrypoints per render node",
+    ),
+    Fact(
+        "storage",
+        "lsblk.json",
+        (Command(("lsblk", "--json", "--bytes", "--output", "NAME,TYPE,SIZE,ROTA,TRAN,MOUNTPOINT")),),
+        parsers.parse_lsblk,
+        "disks",
+    ),
+    Fact(
+        "ffmpeg",
+        "ffmpeg-encoders",
+        (Command(("ffmpeg", "-hide_banner", "-encoders")),),
+        parsers.parse_ffmpeg_encoders,
+        "ffmpeg encoders",
+    ),
+    Fact("framebuffer", "fb0", (File("/sys/class/graphics/fb0/virtual_size"),), parsers.parse_fb0, "framebuffer"),
+    Fact(
+        "tailscale",
+        "tailscale.json",
+        (Command(("tailscale", "status", "--json"), timeout=10.0),),
+        parsers.parse_tailscale_status,
+        "Tailscale identity and paths",
+    ),
+)
+
+RAW_NAMES: tuple[str, ...] = tuple(f.raw for f in FACTS)
+# Beside the raw files a capture may hold the reason each absent one is absent.
+ERRORS_FILE = "errors.json"
+
+
+def fact_named(name: str) -> Fact:
+    return next(f for f in FACTS if f.name == name)
+
+
+def fact_for_raw(raw: str) -> Fact:
+    return next(f for f in FACTS if f.raw == raw)

@@ -1,0 +1,315 @@
+"""Plan a pass: the rendered artifacts against what is on disk and what runs.
+
+Pure: `make_plan()` compares contents it is given (read elsewhere through the
+FileTree port) and returns a `Plan`, the list of actions `reconciler.engine.apply`
+executes; `Plan.text()` is what `fabric plan` prints.
+
+Two views of the old state go in, because they can differ:
+
+- `installed`: the bytes on disk now. Decides which files to write.
+- `running`:   the contents systemd, nft and Caddy were last activated with.
+  Decides what to restart, reload, start and stop. Normally the same as
+  `installed`; after a pass was killed between installing files and finishing
+  activation, `apply` passes the last good generation instead, so the next
+  pass still restarts what the killed one did not get to.
+
+The fabric touches only what it created: removals come only from `tracked`
+(the paths in its own manifests), never from scanning a directory.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from reconciler.core.render.artifacts import Artifact
+
+# --------------------------------------------------------------------------
+# compare_units, in the spirit of NixOS switch-to-configuration-ng
+
+
+class UnitChange(enum.IntEnum):
+    """How much a unit's running instance is affected by a new unit file.
+
+    Ordered: a larger value includes the smaller ones.
+    """
+
+    NONE = 0  # same settings (at most comments or whitespace changed)
+    METADATA = 1  # daemon-reload is enough: nothing the running process sees
+    RELOAD = 2  # ExecReload= applies the change
+    RESTART = 3  # the process must be restarted to see the change
+
+
+# [Unit] keys that describe the unit to systemd and to people, but do not
+# change the running process (NixOS's list of keys that need no restart).
+UNIT_KEYS_WITHOUT_RESTART = frozenset(
+    {
+        "Description",
+        "Documentation",
+        "OnFailure",
+        "OnSuccess",
+        "OnFailureJobMode",
+        "IgnoreOnIsolate",
+        "StopWhenUnneeded",
+        "RefuseManualStart",
+        "RefuseManualStop",
+        "AllowIsolate",
+        "CollectMode",
+        "SourcePath",
+        "StartLimitIntervalSec",
+        "StartLimitBurst",
+    }
+)
+# NixOS's markers: a change of X-Reload-Triggers means "reload me"; a unit
+# that says X-ReloadIfChanged=true is reloaded instead of restarted.
+RELOAD_TRIGGERS = "X-Reload-Triggers"
+RESTART_TRIGGERS = "X-Restart-Triggers"
+RELOAD_IF_CHANGED = "X-ReloadIfChanged"
+
+UnitSections = dict[str, dict[str, tuple[str, ...]]]
+
+
+def parse_unit(text: str) -> UnitSections:
+    """A unit file as {section: {key: (values in order)}}; comments and blank
+    lines dropped, backslash continuations joined, as systemd reads it."""
+    sections: UnitSections = {}
+    current: dict[str, list[str]] | None = None
+    raw: dict[str, dict[str, list[str]]] = {}
+    pending = ""
+    for line in text.split("\n"):  # systemd splits on \n only, unlike str.splitlines
+        line = pending + line.strip() if pending else line.strip()
+        pending = ""
+        if not line or line[0] in "#;":
+            continue
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip() + " "
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = raw.setdefault(line[1:-1], {})
+            continue
+        if current is None:
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    for name, keys in raw.items():
+        sections[name] = {k: tuple(v) for k, v in keys.items()}
+    return sections
+
+
+def _has(sections: UnitSections, section: str, key: str) -> bool:
+    return any(v for v in sections.get(section, {}).get(key, ()))
+
+
+def _true(sections: UnitSections, section: str, key: str) -> bool:
+    values = sections.get(section, {}).get(key, ())
+    return bool(values) and values[-1].lower() in {"1", "yes", "true", "on"}
+
+
+def compare_units(old: str, new: str) -> UnitChange:
+    """What a change from unit text `old` to `new` requires of the running unit.
+
+    - identical settings: NONE;
+    - only [Install] (enablement) or [Unit] keys that describe the unit
+      (UNIT_KEYS_WITHOUT_RESTART, X-* other than the triggers): METADATA;
+    - X-Reload-Triggers changed, and the unit can reload (ExecReload=): RELOAD;
+    - anything else in [Unit], [Service] or another section: RESTART, unless
+      the new unit says X-ReloadIfChanged=true and has ExecReload=, then RELOAD.
+    """
+    a, b = parse_unit(old), parse_unit(new)
+    if a == b:
+        return UnitChange.NONE
+    can_reload = _has(b, "Service", "ExecReload")
+    reload_instead = can_reload and _true(b, "Service", RELOAD_IF_CHANGED)
+    change = UnitChange.METADATA
+    for section in sorted(set(a) | set(b)):
+        old_keys, new_keys = a.get(section, {}), b.get(section, {})
+        if old_keys == new_keys or section == "Install":
+            continue
+        changed = {k for k in set(old_keys) | set(new_keys) if old_keys.get(k) != new_keys.get(k)}
+        for key in sorted(changed):
+            if section == "Unit" and (key in UNIT_KEYS_WITHOUT_RESTART or (key.startswith("X-") and key not in (RELOAD_TRIGGERS, RESTART_TRIGGERS))):
+                continue
+            if section == "Unit" and key == RELOAD_TRIGGERS and can_reload:
+                change = max(change, UnitChange.RELOAD)
+            elif reload_instead:
+                change = max(change, UnitChange.RELOAD)
+            else:
+                return UnitChange.RESTART
+    return change
+
+
+# --------------------------------------------------------------------------
+# The plan
+
+ACTIVE_STATES = frozenset({"active", "activating", "reloading"})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one pass does, in the order `apply` does it."""
+
+    write: tuple[str, ...] = ()  # paths (relative to the root)
+    remove: tuple[str, ...] = ()
+    daemon_reload: bool = False
+    nft_load: bool = False
+    stop: tuple[str, ...] = ()  # unit names
+    reload: tuple[str, ...] = ()
+    restart: tuple[str, ...] = ()
+    start: tuple[str, ...] = ()
+    caddy_reload: bool = False
+    # Why each unit is in its list, for the audit trail.
+    reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.write
+            or self.remove
+            or self.daemon_reload
+            or self.nft_load
+            or self.stop
+            or self.reload
+            or self.restart
+            or self.start
+            or self.caddy_reload
+        )
+
+    @property
+    def changes_files(self) -> bool:
+        return bool(self.write or self.remove)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "write": list(self.write),
+            "remove": list(self.remove),
+            "daemon_reload": self.daemon_reload,
+            "nft_load": self.nft_load,
+            "stop": list(self.stop),
+            "reload": list(self.reload),
+            "restart": list(self.restart),
+            "start": list(self.start),
+            "caddy_reload": self.caddy_reload,
+            "reasons": dict(sorted(self.reasons.items())),
+        }
+
+    def text(self, *, files_done: bool = False, activation_done: bool = False) -> str:
+        """The plan as a person reads it (`fabric plan`: "would ..."; after a
+        pass, what was done); golden-tested."""
+        if self.empty:
+            return "nothing to do\n"
+        lines: list[str] = []
+
+        def verb(would: str, did: str, done: bool) -> str:
+            return did if done else f"would {would}"
+
+        def listing(would: str, did: str, done: bool, what: str, items: Sequence[str]) -> None:
+            if items:
+                lines.append(f"{verb(would, did, done)} the following {what}:")
+                lines.extend(f"  {item}" for item in items)
+
+        f, a = files_done, activation_done
+        listing("write", "wrote", f, "files", self.write)
+        listing("remove", "removed", f, "files", self.remove)
+        if self.daemon_reload:
+            lines.append(f"{verb('reload', 'reloaded', a)} the systemd manager configuration (daemon-reload)")
+        if self.nft_load:
+            lines.append(f"{verb('load', 'loaded', a)} the nftables table inet fabric")
+        listing("stop", "stopped", a, "units", self.stop)
+        listing("reload", "reloaded", a, "units", self.reload)
+        listing("restart", "restarted", a, "units", self.restart)
+        listing("start", "started", a, "units", self.start)
+        if self.caddy_reload:
+            lines.append(f"{verb('reload', 'reloaded', a)} caddy")
+        return "\n".join(lines) + "\n"
+
+
+def _unit_name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def make_plan(
+    desired: Iterable[Artifact],
+    installed: Mapping[str, bytes],
+    tracked: Mapping[str, str],
+    *,
+    running: Mapping[str, bytes] | None = None,
+    unit_states: Mapping[str, str] | None = None,
+    nft_table_loaded: bool | None = None,
+) -> Plan:
+    """Compare `desired` with the old state; see the module docstring.
+
+    installed:   path -> bytes on disk now (absent paths missing).
+    tracked:     path -> kind of every file the fabric's manifests say it wrote.
+    running:     path -> bytes last activated (default: `installed`).
+    unit_states: unit -> ActiveState, when systemd can be asked; a desired unit
+                 that is not running (after a reboot, or a failed start) is started.
+    """
+    running = installed if running is None else running
+    desired_by_path = {a.path: a for a in desired}
+    reasons: dict[str, str] = {}
+
+    write = sorted(p for p, a in desired_by_path.items() if installed.get(p) != a.data)
+    gone = sorted(set(tracked) - set(desired_by_path))
+    remove = [p for p in gone if p in installed or p in running]
+
+    stop: list[str] = []
+    reload: list[str] = []
+    restart: list[str] = []
+    start: list[str] = []
+    for path in gone:
+        if tracked[path] == "unit" and (path in installed or path in running):
+            unit = _unit_name(path)
+            stop.append(unit)
+            reasons[unit] = "left the plan"
+
+    for path, artifact in sorted(desired_by_path.items()):
+        if artifact.kind != "unit":
+            continue
+        unit = _unit_name(path)
+        old = running.get(path)
+        if old is None:
+            start.append(unit)
+            reasons[unit] = "new unit"
+            continue
+        change = compare_units(old.decode("utf-8", "replace"), artifact.content)
+        if change == UnitChange.RESTART:
+            restart.append(unit)
+            reasons[unit] = "settings changed"
+        elif change == UnitChange.RELOAD:
+            reload.append(unit)
+            reasons[unit] = "reload triggers changed"
+        elif unit_states is not None and unit_states.get(unit, "inactive") not in ACTIVE_STATES:
+            start.append(unit)
+            reasons[unit] = f"not running ({unit_states.get(unit, 'inactive')})"
+
+    # systemd must re-read unit files whenever one it loaded differs from the
+    # desired one: written now, removed now, or written by a killed pass that
+    # did not get to its daemon-reload (then `running` differs, not the disk).
+    units_touched = (
+        any(desired_by_path[p].kind == "unit" for p in write)
+        or any(tracked[p] == "unit" for p in remove)
+        or any(a.kind == "unit" and running.get(p) != a.data for p, a in desired_by_path.items())
+        or bool(stop)
+    )
+    nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
+    if nft is not None:
+        # Load when the text changed, or when the table is gone from the
+        # kernel though the text did not change (a distro flushed the ruleset).
+        nft_load = running.get(nft.path) != nft.data or nft_table_loaded is False
+    else:  # the table left the plan (a rollback to nothing): load the empty table
+        nft_load = any(tracked[p] == "nft" and p in running for p in gone)
+    caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}
+    caddy_reload = any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(tracked[p] == "caddy" and p in running for p in gone)
+    return Plan(
+        write=tuple(write),
+        remove=tuple(remove),
+        daemon_reload=units_touched,
+        nft_load=nft_load,
+        stop=tuple(sorted(stop)),
+        reload=tuple(sorted(reload)),
+        restart=tuple(sorted(restart)),
+        start=tuple(sorted(start)),
+        caddy_reload=caddy_reload,
+        reasons=reasons,
+    )

@@ -1,0 +1,527 @@
+"""Render one host's artifacts from the desired state, its probe and the fleet plan.
+
+Pure: `render()` takes models and returns `Artifact`s (a path relative to the
+root, the text, a file mode and a kind); it writes nothing and runs nothing.
+The Jinja2 templates in `templates/` (StrictUndefined: a missing value is an
+error, never an empty string) are the only text; this module computes the
+values and quotes every one of them for the language it lands in.
+
+What a host gets:
+
+- every host: `fabric-nftables.service` and the nftables file of the table
+  `inet fabric` (ports of its services and port maps, tailnet only; the
+  CachyOS/Arch forward fix), and the k3s node-label drop-in;
+- one `fabric-socat-<name>.service` per port map declared on the host;
+- one `fabric-agent-<id>.service` per lane it runs (a compute lane on its
+  push_host, the local lane on the control host) and per service the plan
+  places on it;
+- an edge host: the Caddy site snippet, one site per routed service.
+
+Trust: the plan comes from the registry, which may be written by any host. A
+placement naming a service or host the desired state does not know is ignored
+and reported in `Rendered.notes`; the plan never supplies text, only names that
+select text from the desired state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import jinja2
+
+from reconciler.core.desired.model import (
+    _LABEL_KEY_RE,
+    Backend,
+    DesiredState,
+    HostConfig,
+    NodeFacts,
+    Service,
+)
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.status_site import caddy_site as status_caddy_site
+
+ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
+
+# Tailscale's address ranges: CGNAT IPv4 and its IPv6 ULA prefix.
+TAILNET = "100.64.0.0/10"
+TAILNET6 = "fd7a:115c:a1e0::/48"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+
+
+class RenderError(ValueError):
+    """The inputs cannot be rendered (unknown host, colliding unit names)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where artifacts go (relative to the root) and where programs live.
+
+    A Debian or Arch host uses the defaults; a NixOS host points `unit_dir` at
+    a writable unit directory (e.g. run/systemd/system) and the programs at
+    their store paths.
+    """
+
+    unit_dir: str = "etc/systemd/system"
+    nft_file: str = "etc/fabric/fabric.nft"
+    caddy_file: str = "etc/caddy/fabric.caddy"
+    k3s_dropin: str = "etc/rancher/k3s/config.yaml.d/50-fabric-labels.yaml"
+    socat: str = "/usr/bin/socat"
+    podman: str = "/usr/bin/podman"
+    nft: str = "/usr/sbin/nft"
+
+    def unit_path(self, unit: str) -> str:
+        return f"{self.unit_dir.strip('/')}/{unit}"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: str  # relative to the root, no leading '/'
+    content: str
+    mode: int
+    kind: ArtifactKind
+
+    @property
+    def data(self) -> bytes:
+        return self.content.encode("utf-8")
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def unit(self) -> str | None:
+        """The unit name for a unit file, else None."""
+        return self.path.rsplit("/", 1)[-1] if self.kind == "unit" else None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    artifacts: tuple[Artifact, ...]
+    # Things the operator should know: ignored plan entries, missing images.
+    notes: tuple[str, ...] = field(default=())
+
+
+# --------------------------------------------------------------------------
+# Quoting. Each function makes one value safe for one context.
+
+
+def systemd_text(value: str) -> str:
+    """Free text in a unit (Description=): specifiers escaped, and no trailing
+    backslash, which would continue the line into the next setting."""
+    return value.rstrip("\\ \t").replace("%", "%%")
+
+
+def systemd_quote(arg: str) -> str:
+    """One argv element for ExecStart=: double-quoted, C escapes, no specifier
+    or variable expansion (systemd.service(5) "Command lines")."""
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{escaped}"'
+
+
+def systemd_env(name: str, value: str) -> str:
+    """One Environment= assignment, quoted (systemd.exec(5) Environment=)."""
+    escaped = f"{name}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{escaped}"'
+
+
+def caddy_address(address: str, port: int) -> str:
+    ip = ipaddress.ip_address(address)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def credential_env_name(name: str) -> str:
+    return re.sub(r"[^A-Z0-9_]", "_", name.upper()) + "_FILE"
+
+
+# --------------------------------------------------------------------------
+# Templates
+
+
+@lru_cache(maxsize=4)
+def _environment(templates_dir: str) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(templates_dir),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # unit files, nft, Caddyfile: quoting is done per value above
+        keep_trailing_newline=True,
+        trim_blocks=False,
+    )
+
+
+def _template(template_name: str, templates_dir: Path, /, **values: object) -> str:
+    text = _environment(str(templates_dir)).get_template(template_name).render(**values)
+    return text.rstrip("\n") + "\n"
+
+
+# --------------------------------------------------------------------------
+# Facts
+
+
+_ARCH_ALIASES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
+
+
+def host_arch(host: HostConfig, facts: NodeFacts) -> str | None:
+    """The architecture the host runs: the operator's override, else the probe's."""
+    if host.overrides.arch is not None:
+        return host.overrides.arch
+    return _ARCH_ALIASES.get((facts.hardware.arch or "").lower())
+
+
+def needs_nftables_fix(host: HostConfig, facts: NodeFacts) -> bool:
+    """The CachyOS/Arch nftables fix: the host file decides, else the probe's os-release."""
+    if host.host.nftables_fix is not None:
+        return host.host.nftables_fix
+    return facts.os is not None and (facts.os.arch_based or facts.os.id == "cachyos")
+
+
+# --------------------------------------------------------------------------
+# What runs here
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """One fabric-agent-<id>.service: a lane's agent or a placed service."""
+
+    id: str
+    what: str  # "lane" or "service"
+    source: str
+    description: str
+    gpu: bool
+    image: str | None
+    command: tuple[str, ...]
+    environment: tuple[tuple[str, str], ...]
+    credentials: tuple[tuple[str, str], ...]
+    bind_paths: tuple[str, ...]  # host paths a container gets read-only (the *_FILE secrets)
+    writable_paths: tuple[str, ...]  # host paths a container gets read-write (a lane's scratch_dir)
+
+
+def _fleet_file_name(state: DesiredState) -> str:
+    # The base name only: the text must not depend on how --desired was spelled.
+    return Path(state.fleet_file).name
+
+
+def _lanes_here(state: DesiredState, host_name: str) -> list[Backend]:
+    control = state.hosts_with_role("control")
+    here = []
+    for lane in state.lanes:
+        if lane.kind == "compute" and lane.push_host == host_name:
+            here.append(lane)
+        elif lane.kind == "local" and control and control[0] == host_name:
+            here.append(lane)
+    return here
+
+
+def _lane_workload(state: DesiredState, lane: Backend, arch: str | None, notes: list[str]) -> _Workload | None:
+    agent = state.fleet.agent
+    if agent is None:
+        notes.append(f"lane {lane.id}: no [agent] table in {state.fleet_file}, so no agent runs it here")
+        return None
+    if arch is None or arch not in agent.arch:
+        notes.append(f"lane {lane.id}: no agent image for architecture {arch or 'unknown'} (agent.arch has {', '.join(sorted(agent.arch))})")
+        return None
+    spec = agent.arch[arch]  # type: ignore[index]
+    # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>; the
+    # local lane has no agent_ref and consumes <prefix><lane id>.
+    queue = state.queue_for(lane) or f"{agent.queue_prefix}{lane.id}"
+    env = {"PHAZE_AGENT_QUEUE": queue, **agent.environment}
+    writable: tuple[str, ...] = ()
+    if lane.scratch_dir:
+        env["PHAZE_CLOUD_SCRATCH_DIR"] = lane.scratch_dir
+        writable = (lane.scratch_dir,)
+    return _Workload(
+        id=lane.id,
+        what="lane",
+        source=f"{_fleet_file_name(state)} backends[{lane.id}] + agent.arch.{arch}",
+        description=f"{lane.kind} agent, rank {lane.rank}, cap {lane.cap}",
+        gpu=False,
+        image=spec.image,
+        command=tuple(spec.command),
+        environment=tuple(sorted(env.items())),
+        credentials=(),
+        bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
+        writable_paths=writable,
+    )
+
+
+def _service_workload(state: DesiredState, service: Service, arch: str | None, notes: list[str]) -> _Workload | None:
+    runs: Mapping[str, object] = service.command or service.image
+    chosen = runs.get(arch or "") or runs.get("any")
+    if chosen is None:
+        notes.append(f"service {service.id}: placed here but has no command or image for architecture {arch or 'unknown'}; not run")
+        return None
+    env = dict(service.environment)
+    return _Workload(
+        id=service.id,
+        what="service",
+        source=f"{_fleet_file_name(state)} services[{service.id}]",
+        description=service.description,
+        gpu=service.min_tier.startswith("gpu_"),
+        image=chosen if isinstance(chosen, str) else None,
+        command=tuple(chosen) if isinstance(chosen, list) else (),
+        environment=tuple(sorted(env.items())),
+        credentials=tuple(sorted(service.credentials.items())),
+        bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
+        writable_paths=(),
+    )
+
+
+CONTAINER_CREDENTIALS = "/run/credentials/fabric"
+
+
+def _agent_unit(w: _Workload, layout: Layout, templates: Path) -> str:
+    unit = f"fabric-agent-{w.id}.service"
+    environment = [systemd_env(k, v) for k, v in w.environment]
+    credentials = [f"{name}:{path}" for name, path in w.credentials]
+    exec_extra: list[str] = []
+    if w.image is not None:
+        # Values travel as the unit's Environment= and are handed on by name
+        # (--env=NAME), so they never appear in the container's argv.
+        for name, _ in w.credentials:
+            environment.append(systemd_env(credential_env_name(name), f"{CONTAINER_CREDENTIALS}/{name}"))
+        args = [
+            systemd_quote(layout.podman),
+            "run",
+            "--cidfile=%t/%n.ctr-id",
+            "--cgroups=no-conmon",
+            "--rm",
+            "--sdnotify=conmon",
+            "--replace",
+            "--detach",
+            systemd_quote(f"--name={unit.removesuffix('.service')}"),
+            "--network=host",
+        ]
+        names = [k for k, _ in w.environment] + [credential_env_name(n) for n, _ in w.credentials]
+        args += [systemd_quote(f"--env={name}") for name in sorted(names)]
+        args += [systemd_quote(f"--volume={p}:{p}:ro") for p in w.bind_paths]
+        args += [systemd_quote(f"--volume={p}:{p}") for p in w.writable_paths]
+        if w.credentials:
+            # %d is the unit's credentials directory (LoadCredential=).
+            args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
+        args.append(systemd_quote(w.image))
+        args += [systemd_quote(a) for a in w.command]
+        exec_extra = [
+            f"ExecStop={systemd_quote(layout.podman)} stop --ignore --time=20 --cidfile=%t/%n.ctr-id",
+            f"ExecStopPost={systemd_quote(layout.podman)} rm --force --ignore --cidfile=%t/%n.ctr-id",
+        ]
+    else:
+        # The service runs as a dynamic user, who cannot read root's secret
+        # files: every *_FILE path is handed over as a credential instead
+        # (systemd copies it into %d, the unit's credentials directory,
+        # readable by that user only), and the variable points there.
+        environment = []
+        for key, value in w.environment:
+            if key.endswith("_FILE"):
+                credentials.append(f"{key.lower()}:{value}")
+                environment.append(f'"{key}=%d/{key.lower()}"')
+            else:
+                environment.append(systemd_env(key, value))
+        for name, _ in w.credentials:
+            # `name` is a safe Name (model.py), so it needs no quoting.
+            environment.append(f'"{credential_env_name(name)}=%d/{name}"')
+        args = [systemd_quote(a) for a in w.command]
+    return _template(
+        "agent.service.j2",
+        templates,
+        id=w.id,
+        what=w.what,
+        source=w.source,
+        description=systemd_text(w.description),
+        podman=w.image is not None,
+        gpu=w.gpu,
+        environment=environment,
+        credentials=credentials,
+        exec_start=" ".join(args),
+        exec_extra=exec_extra,
+    )
+
+
+_K8S_LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def k8s_label_value(value: str) -> str:
+    """Kubernetes label values allow no ':' (the seed's "auto:foxtop",
+    "nvidia:rtx4070"); k3s refuses to start with one, so it becomes '-'."""
+    return value.replace(":", "-")
+
+
+def _labels(host: HostConfig, facts: NodeFacts, notes: list[str]) -> list[tuple[str, str]]:
+    """The probe's labels, then the host file's (the operator wins), as k3s takes them."""
+    labels: dict[str, str] = {}
+    for key, value in {**facts.labels, **host.labels}.items():
+        value = k8s_label_value(value)
+        if not _LABEL_KEY_RE.match(key) or not _K8S_LABEL_VALUE_RE.match(value):
+            notes.append(f"label {key!r}={value!r} is not a valid k3s label; left out")
+            continue
+        labels[key] = value
+    return sorted(labels.items())
+
+
+def render(
+    state: DesiredState,
+    host_name: str,
+    facts: NodeFacts,
+    plan: FleetPlan,
+    *,
+    layout: Layout = Layout(),
+    templates: Path = TEMPLATES_DIR,
+) -> Rendered:
+    """Every artifact of `host_name`; raise RenderError if it cannot be done."""
+    host = state.hosts.get(host_name)
+    if host is None:
+        known = ", ".join(sorted(state.hosts)) or "none"
+        raise RenderError(f"host {host_name!r} is not declared in the desired state (hosts: {known})")
+    notes: list[str] = []
+    arch = host_arch(host, facts)
+    artifacts: list[Artifact] = []
+
+    # Plan entries are checked against the desired state before anything uses them.
+    valid_placements = []
+    for p in plan.placements:
+        if state.service(p.service) is None:
+            notes.append(f"plan epoch {plan.epoch}: unknown service {p.service!r} ignored")
+        elif p.node not in state.hosts:
+            notes.append(f"plan epoch {plan.epoch}: service {p.service!r} placed on unknown host {p.node!r}; ignored")
+        else:
+            valid_placements.append(p)
+
+    # Workloads: lanes first, then services, each a fabric-agent-<id>.service.
+    workloads: list[_Workload] = []
+    for lane in _lanes_here(state, host_name):
+        w = _lane_workload(state, lane, arch, notes)
+        if w is not None:
+            workloads.append(w)
+    placed_here = sorted({p.service for p in valid_placements if p.node == host_name})
+    for service_id in placed_here:
+        service = state.service(service_id)
+        assert service is not None
+        w = _service_workload(state, service, arch, notes)
+        if w is not None:
+            workloads.append(w)
+    seen: dict[str, str] = {}
+    for w in workloads:
+        if w.id in seen:
+            raise RenderError(
+                f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {state.fleet_file}"
+            )
+        seen[w.id] = w.what
+        artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates), 0o644, "unit"))
+
+    # Port maps of this host: one socat unit each.
+    tcp_ports: set[int] = set()
+    udp_ports: set[int] = set()
+    for pm in sorted((m for m in state.fleet.port_maps if m.host == host_name), key=lambda m: m.name):
+        target = state.hosts[pm.target_host].host.address
+        six = ipaddress.ip_address(target).version == 6
+        proto = pm.protocol.upper()
+        listen = f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
+        connect = f"{proto}6:[{target}]:{pm.target_port}" if six else f"{proto}4:{target}:{pm.target_port}"
+        exec_start = " ".join(systemd_quote(a) for a in (layout.socat, listen, connect))
+        text = _template(
+            "socat.service.j2",
+            templates,
+            source=f"{_fleet_file_name(state)} port_maps[{pm.name}]",
+            name=pm.name,
+            protocol=pm.protocol,
+            listen_port=pm.listen_port,
+            target_host=pm.target_host,
+            target_address=target,
+            target_port=pm.target_port,
+            exec_start=exec_start,
+        )
+        artifacts.append(Artifact(layout.unit_path(f"fabric-socat-{pm.name}.service"), text, 0o644, "unit"))
+        (tcp_ports if pm.protocol == "tcp" else udp_ports).add(pm.listen_port)
+
+    # nftables: the ports of the services running here and of the port maps.
+    for service_id in placed_here:
+        service = state.service(service_id)
+        if service is not None and service.port is not None and any(w.id == service_id and w.what == "service" for w in workloads):
+            tcp_ports.add(service.port)
+    nft_text = _template(
+        "fabric.nft.j2",
+        templates,
+        host=host_name,
+        tailnet=TAILNET,
+        tailnet6=TAILNET6,
+        tcp_ports=[str(p) for p in sorted(tcp_ports)],
+        udp_ports=[str(p) for p in sorted(udp_ports)],
+        nftables_fix=needs_nftables_fix(host, facts),
+    )
+    artifacts.append(Artifact(layout.nft_file, nft_text, 0o644, "nft"))
+    nft_load = " ".join(systemd_quote(a) for a in (layout.nft, "-f", "/" + layout.nft_file))
+    artifacts.append(
+        Artifact(
+            layout.unit_path("fabric-nftables.service"),
+            _template("nftables-load.service.j2", templates, exec_start=nft_load),
+            0o644,
+            "unit",
+        )
+    )
+
+    # The edge: one Caddy site per routed service, and the fleet's status page
+    # (a static file each pass rewrites; see reconciler.core.views.page).
+    if "edge" in host.host.roles:
+        sites = []
+        for service in sorted((s for s in state.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
+            assert service.route is not None and service.port is not None
+            nodes = sorted({p.node for p in valid_placements if p.service == service.id})
+            upstreams = [caddy_address(state.hosts[n].host.address, service.port) for n in nodes]
+            sites.append(
+                {
+                    "service": service.id,
+                    "host": service.route.host,
+                    "path": service.route.path,
+                    "health_path": service.route.health_path,
+                    "upstreams": upstreams,
+                }
+            )
+        artifacts.append(
+            Artifact(
+                layout.caddy_file,
+                _template("fabric.caddy.j2", templates, host=host_name, sites=sites, status_site=status_caddy_site(state)),
+                0o644,
+                "caddy",
+            )
+        )
+
+    # k3s node labels from the probe (and the host file).
+    labels = _labels(host, facts, notes)
+    if labels:
+        artifacts.append(Artifact(layout.k3s_dropin, _template("k3s-labels.yaml.j2", templates, host=host_name, labels=labels), 0o644, "dropin"))
+
+    artifacts.sort(key=lambda a: a.path)
+    return Rendered(tuple(artifacts), tuple(notes))
+
+
+def complete_caddy_config(main: str | None, snippet_path: str, snippet: str) -> str:
+    """The whole config Caddy validates and loads on an edge host.
+
+    The fabric owns only its snippet. When the operator's main Caddyfile
+    imports it (a line `import /etc/caddy/fabric.caddy`, or a glob matching
+    it such as NixOS's `import /etc/caddy/fabric*.caddy`), the complete config
+    is that Caddyfile with the import line replaced by the snippet's text, so
+    what is validated before installing is exactly what is loaded, and the
+    operator's own sites and global options stay. Without such a main file the
+    snippet alone is the config (it is a valid Caddyfile by itself).
+    """
+    if main is None:
+        return snippet
+    target = "/" + snippet_path.lstrip("/")
+    lines = main.splitlines(keepends=True)
+    out = []
+    found = False
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if len(words) == 2 and words[0] == "import" and fnmatch.fnmatchcase(target, words[1]):
+            out.append(snippet if snippet.endswith("\n") else snippet + "\n")
+            found = True
+        else:
+            out.append(line)
+    return "".join(out) if found else snippet

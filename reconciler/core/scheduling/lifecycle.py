@@ -1,0 +1,302 @@
+"""The node lifecycle (pure): heartbeats and drain requests in, node states and events out.
+
+No I/O and no clock: every function takes `now`. The registry backends feed
+it what they read and store what it returns; the leader is the only writer
+of the stored states (its writes are fenced by the leader key).
+
+States of one node (`NodeState.status`, the seed's vocabulary)::
+
+    (first heartbeat) -> active
+    active   --drain request------------------> draining
+    draining --undrain------------------------> active
+    active / draining --silent past timeout--> offline   (work is evacuated:
+                                                          the scheduler re-places it)
+    offline  --heartbeat again---------------> active (or draining if drained)
+    offline  --offline for drain_grace_s-----> dead      (its facts are dropped)
+    dead     --dead for drain_grace_s--------> forgotten (every record deleted)
+    dead     --heartbeat again---------------> active
+
+A node is alive while the backend holds a heartbeat for it that has not
+expired: on etcd the heartbeat key is written under a lease whose TTL is the
+node timeout; on sqlite the stored deadline is compared with the clock
+(`alive_at`). The timeout is `timing.node_timeout_s` (3 missed 30 s beats),
+or for a node whose Tailscale path is relayed (DERP) `relayed_heartbeat_s` x
+`missed_beats` (45 s beats): a slow path must not read as a missed beat
+(`heartbeat_timeout`).
+
+Drain: status "draining" from the request on (no new placements) while the
+node's existing work stays for the grace; when the grace is over `drained`
+becomes True and the scheduler moves its work off. Undrain clears both.
+
+Flap damping: every change between up (active, draining) and down (offline,
+dead) is a toggle. `flap.toggles` toggles within `flap.window_s` hold the node
+off new placements for `flap.hold_off_s` (`held_off_until`); it keeps what it
+runs. Toggles during a hold-off start a new count.
+
+Every change is kept with its time and reason (`NodeState.transitions`, the
+newest `HISTORY` of them) and returned as a `LifecycleEvent`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel, ConfigDict
+
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import NodeStatus, SnapshotNode, Transition
+from reconciler.core.live.records import DrainRequest, NodeRecord, utc
+
+# Transitions kept per node (older ones are dropped first).
+HISTORY = 50
+
+UP: frozenset[str] = frozenset({"active", "draining"})
+
+
+class NodeState(BaseModel):
+    """What the lifecycle knows about one node; stored by the registry as JSON."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    node_id: str
+    status: NodeStatus
+    since: datetime
+    # The last record the node sent (kept while offline, so the node still
+    # shows with its tier; dropped when it is declared dead).
+    record: NodeRecord | None = None
+    last_seen: datetime | None = None
+    toggles: tuple[datetime, ...] = ()
+    held_off_until: datetime | None = None
+    drain: DrainRequest | None = None
+    # The drain's grace is over: the node's work must move off.
+    drained: bool = False
+    transitions: tuple[Transition, ...] = ()
+
+    def held_off(self, now: datetime) -> bool:
+        return self.held_off_until is not None and utc(self.held_off_until) > utc(now)
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    node_id: str
+    transition: Transition
+    # The node's records should be deleted from the registry (garbage collection).
+    forget: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.node_id}: {self.transition.status}: {self.transition.reason}"
+
+
+def heartbeat_timeout(timing: TimingSettings, relayed: bool) -> int:
+    """Seconds of silence after which a node is offline (its heartbeat TTL)."""
+    return timing.node_timeout_for(relayed=relayed)
+
+
+def alive_at(records: Mapping[str, NodeRecord], now: datetime) -> set[str]:
+    """Nodes whose last beat has not expired at `now` (beat_at + timeout_s).
+
+    The sqlite backend judges liveness this way; etcd lets the lease do it."""
+    alive = set()
+    for node_id, record in records.items():
+        if record.beat_at is None or record.timeout_s is None:
+            continue
+        if utc(now) < utc(record.beat_at) + timedelta(seconds=record.timeout_s):
+            alive.add(node_id)
+    return alive
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:g} s"
+
+
+class _Node:
+    """A mutable working copy of one NodeState during `observe`."""
+
+    def __init__(self, state: NodeState) -> None:
+        # Shallow: nested records stay models.
+        self.values = {name: getattr(state, name) for name in NodeState.model_fields}
+        self.values["transitions"] = list(state.transitions)
+        self.values["toggles"] = list(state.toggles)
+        self.events: list[LifecycleEvent] = []
+
+    def __getitem__(self, key: str):
+        return self.values[key]
+
+    def record_transition(self, now: datetime, status: str, reason: str, *, forget: bool = False) -> None:
+        t = Transition(at=now, status=status, reason=reason)
+        self.values["transitions"] = (self.values["transitions"] + [t])[-HISTORY:]
+        self.events.append(LifecycleEvent(self.values["node_id"], t, forget=forget))
+
+    def set_status(self, now: datetime, status: str, reason: str) -> None:
+        self.values["status"] = status
+        self.values["since"] = now
+        self.record_transition(now, status, reason)
+
+    def freeze(self) -> NodeState:
+        values = {k: v for k, v in self.values.items() if k in NodeState.model_fields}
+        values["transitions"] = tuple(values["transitions"])
+        values["toggles"] = tuple(values["toggles"])
+        return NodeState.model_validate(values)
+
+
+def observe(
+    states: Mapping[str, NodeState],
+    records: Mapping[str, NodeRecord],
+    alive: Iterable[str],
+    drains: Mapping[str, DrainRequest],
+    now: datetime,
+    timing: TimingSettings,
+    flap: FlapSettings,
+) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:
+    """Advance every node to `now`.
+
+    states:  the stored lifecycle states (from the previous call).
+    records: the newest record of each node the registry still has facts for.
+    alive:   the nodes whose heartbeat has not expired (see module docstring).
+    drains:  the drain requests in force.
+
+    Returns the new states (forgotten nodes are absent) and what changed.
+    """
+    now = utc(now)
+    alive = set(alive)
+    grace = timedelta(seconds=timing.drain_grace_s)
+    out: dict[str, NodeState] = {}
+    events: list[LifecycleEvent] = []
+
+    for node_id in sorted(set(states) | set(records)):
+        record = records.get(node_id)
+        is_alive = node_id in alive and record is not None
+        drain = drains.get(node_id)
+        previous = states.get(node_id)
+
+        if previous is None:
+            if record is None:
+                continue
+            if is_alive:
+                node = _Node(NodeState(node_id=node_id, status="active", since=now, record=record))
+                node.record_transition(now, "active", "first heartbeat")
+            else:
+                # Seen by the registry but never by the lifecycle, and already
+                # silent: it went offline when its last beat expired.
+                went = _expiry(record) or now
+                node = _Node(NodeState(node_id=node_id, status="offline", since=went, record=record))
+                node.record_transition(now, "offline", f"no heartbeat since {_stamp(record.beat_at)}")
+        else:
+            node = _Node(previous)
+
+        if record is not None:
+            node.values["record"] = record
+            if record.beat_at is not None and is_alive:
+                node.values["last_seen"] = utc(record.beat_at)
+
+        _liveness(node, is_alive, now, timing, grace)
+        if node.values.get("_forget"):
+            events.extend(node.events)
+            continue
+        _drain(node, drain, now)
+        _flap(node, now, flap)
+        out[node_id] = node.freeze()
+        events.extend(node.events)
+    return out, events
+
+
+def _expiry(record: NodeRecord) -> datetime | None:
+    if record.beat_at is None or record.timeout_s is None:
+        return None
+    return utc(record.beat_at) + timedelta(seconds=record.timeout_s)
+
+
+def _stamp(moment: datetime | None) -> str:
+    return utc(moment).strftime("%Y-%m-%dT%H:%M:%SZ") if moment is not None else "never"
+
+
+def _toggle(node: _Node, now: datetime) -> None:
+    node.values["toggles"] = node.values["toggles"] + [now]
+
+
+def _liveness(node: _Node, is_alive: bool, now: datetime, timing: TimingSettings, grace: timedelta) -> None:
+    status = node["status"]
+    since = utc(node["since"])
+    if is_alive:
+        if status in ("offline", "dead"):
+            away = (now - since).total_seconds()
+            node.set_status(now, "active", f"heartbeat again after {_fmt(round(away))} {status}")
+            _toggle(node, now)
+        return
+    if status in UP:
+        record: NodeRecord | None = node["record"]
+        timeout = record.timeout_s if record else None
+        relayed = " (relayed path)" if record and record.relayed else ""
+        node.set_status(
+            now,
+            "offline",
+            f"no heartbeat for {_fmt(timeout or timing.node_timeout_s)}{relayed}, last seen {_stamp(node['last_seen'])}: evacuate",
+        )
+        _toggle(node, now)
+    elif status == "offline" and now - since >= grace:
+        node.set_status(now, "dead", f"offline for {_fmt(grace.total_seconds())}: garbage-collected")
+        node.values["record"] = None
+    elif status == "dead" and now - since >= grace:
+        node.record_transition(now, "dead", f"dead for {_fmt(grace.total_seconds())}: forgotten", forget=True)
+        node.values["_forget"] = True
+
+
+def _drain(node: _Node, drain: DrainRequest | None, now: datetime) -> None:
+    current = node["drain"]
+    if drain is None:
+        if current is not None:
+            node.values["drain"] = None
+            node.values["drained"] = False
+            node.record_transition(now, "undrain", "drain lifted")
+            if node["status"] == "draining":
+                node.set_status(now, "active", "undrained")
+        return
+    if current != drain:
+        node.values["drain"] = drain
+        node.values["drained"] = False
+        node.record_transition(now, "drain", f"{drain.reason} (grace {_fmt(drain.grace_s)})")
+    if node["status"] == "active":
+        node.set_status(now, "draining", f"{drain.reason}: no new work")
+    if not node["drained"] and now >= drain.grace_ends:
+        node.values["drained"] = True
+        node.record_transition(now, "draining", f"grace of {_fmt(drain.grace_s)} over: work moves off")
+
+
+def _flap(node: _Node, now: datetime, flap: FlapSettings) -> None:
+    window = timedelta(seconds=flap.window_s)
+    node.values["toggles"] = [t for t in node["toggles"] if now - utc(t) < window]
+    held = node["held_off_until"]
+    if held is not None and utc(held) <= now:
+        node.values["held_off_until"] = None
+        node.record_transition(now, "released", "hold-off over: may take new work")
+    if len(node["toggles"]) >= flap.toggles:
+        until = now + timedelta(seconds=flap.hold_off_s)
+        node.values["held_off_until"] = until
+        node.values["toggles"] = []
+        node.record_transition(
+            now,
+            "held_off",
+            f"{flap.toggles} toggles within {_fmt(flap.window_s)}: no new work until {_stamp(until)}",
+        )
+
+
+def snapshot_node(state: NodeState) -> SnapshotNode | None:
+    """The scheduler's view of one node, or None when nothing is known of its facts."""
+    record = state.record
+    if record is None:
+        return None
+    return SnapshotNode(
+        node_id=state.node_id,
+        tier=record.tier,
+        status=state.status,
+        in_flight=record.in_flight,
+        max_concurrent_tasks=record.max_concurrent_tasks,
+        arch=record.arch,
+        labels=dict(record.labels),
+        drained=state.drained,
+        held_off_until=state.held_off_until,
+        last_seen=state.last_seen,
+        max_concurrent_ceiling=record.max_concurrent_ceiling,
+    )

@@ -1,0 +1,519 @@
+"""Node placement: a snapshot and the desired state in, a `FleetPlan` out.
+
+Pure: no I/O, no clock (the snapshot's `now` is the time), no randomness, so the
+same inputs always give the same plan and any saved snapshot is a what-if.
+
+The rules (self-adapting-compute-fabric.md, "Adaptive Scheduler Engine"):
+
+Eligible node (for NEW work)
+    status "active", not drained, `held_off_until` not after `now`,
+    load < max_concurrent_tasks (load counts the placements made in this pass),
+    arch in the request's arch list when it has one (a node of unknown arch
+    matches only an unrestricted request), labels a superset of the request's.
+
+Choosing
+    Candidates are the eligible nodes at or above `min_tier`. Strategy
+    "highest_tier" (the seed's) prefers the highest tier; "best_fit" the lowest
+    tier that satisfies, so CUDA boxes stay free for CUDA-only work. Then the
+    lowest utilization (load / max_concurrent_tasks), then the node id.
+    Replicas of one service go to distinct nodes: a host runs one unit per
+    service, so two replicas on one host would be one replica. A node running
+    a sibling is not a candidate at all; a replica with no distinct node left
+    (down to the floor) is deferred, and its reason says so. (`Placer.place`'s
+    `avoid` is the soft form, a preference, for one-off tasks.)
+    No candidate: fall back one tier at a time below `min_tier`, down to the
+    floor. Still nothing: `Deferred`, with a reason naming each tier tried and
+    why its nodes were not usable, and `inadmissible=True` when no node of the
+    snapshot, whatever its status or load, has a tier at or above the floor
+    and the required arch and labels (e.g. CUDA-only work in a fleet without
+    CUDA) - waiting for capacity would not help.
+
+Load
+    A node's load starts at max(reported in_flight, placements kept on it):
+    `in_flight` includes work the node already runs, and a kept placement the
+    node has not applied yet still holds its slot. Every new placement adds one.
+    A node never receives work that would take it past max_concurrent_tasks.
+
+Existing placements (`snapshot.placements`)
+    stay where they are while still feasible: the node is in the snapshot,
+    "active" (or "draining" within its grace), not drained, of a tier at or
+    above the service's floor, matching arch and labels, and the kept
+    placements on it fit its max_concurrent_tasks. A node joining never moves
+    work (the seed's "new node appears before the old one drains": old work
+    stays, new work may go to the new node). Work on a lost node, or on a
+    drained one whose grace is over, is placed again.
+    A held-off (flapping) node keeps what it runs - hold-off stops new
+    placements, it does not evict - which is exactly the churn damping is for.
+
+Order
+    Services with the highest `min_tier` (then the highest floor) are placed
+    first, then in declaration order, so a CUDA-only service is not crowded
+    off the CUDA box by work that could have run anywhere.
+
+Trust
+    Only nodes that are declared hosts of the desired state are used; any
+    other node in the snapshot is listed in `FleetPlan.ignored_nodes`. A
+    registry writer can move declared work around but not add a target.
+
+Speed
+    Per (arch, labels) constraint and per tier, a heap keyed by
+    (utilization, node id) holds the eligible nodes (the id as its rank in
+    sorted order); a placement replaces the chosen node's entry in place and
+    re-pushes it into its other heaps (stale entries are skipped on pop). A
+    decision costs
+    O(log N) heap work per tier tried (at most 11 tiers), against O(N) for a
+    scan of every node; bench/scheduler measures both.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Literal
+
+from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service
+from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.core.scheduling.lanes import lane_views
+
+Strategy = Literal["highest_tier", "best_fit"]
+
+# A reason lists node names for a tier while it has at most this many nodes in
+# one state; beyond it, counts (a 10,000-node fleet must not yield a novel).
+_NAMES_PER_REASON = 4
+
+
+@dataclass(frozen=True)
+class Request:
+    """One unit of work to place: a service replica or a one-off task."""
+
+    min_tier: str
+    floor: str
+    # Allowed architectures; empty = any.
+    arch: frozenset[str] = frozenset()
+    # Labels the node must carry, sorted (key, value) pairs.
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("min_tier", "floor"):
+            if getattr(self, name) not in TIER_SCORE:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not a tier ({', '.join(TIER_ORDER)})")
+        if TIER_SCORE[self.floor] > TIER_SCORE[self.min_tier]:
+            raise ValueError(f"floor {self.floor!r} is above min_tier {self.min_tier!r}")
+
+    @classmethod
+    def for_service(cls, service: Service) -> Request:
+        return cls(
+            min_tier=service.min_tier,
+            floor=service.floor,
+            arch=frozenset(service.arch),
+            labels=tuple(sorted(service.labels.items())),
+        )
+
+    @property
+    def constraint(self) -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+        return (self.arch, self.labels)
+
+    def matches(self, node: SnapshotNode) -> bool:
+        """The static constraints: architecture and labels (not tier, not load)."""
+        if self.arch and node.arch not in self.arch:
+            return False
+        return all(node.labels.get(k) == v for k, v in self.labels)
+
+
+@dataclass(frozen=True)
+class Choice:
+    node: str
+    tier: str
+    fallback: bool
+
+
+@dataclass(frozen=True)
+class NoChoice:
+    reason: str
+    inadmissible: bool
+
+
+def tier_sequence(min_tier: str, floor: str, strategy: Strategy) -> tuple[list[str], list[str]]:
+    """(satisfying tiers in preference order, fallback tiers from just below min_tier down to floor)."""
+    top = TIER_ORDER.index(min_tier)
+    bottom = TIER_ORDER.index(floor)
+    satisfying = list(TIER_ORDER[: top + 1])  # gpu_cuda .. min_tier, best first
+    if strategy == "best_fit":
+        satisfying.reverse()
+    fallback = list(TIER_ORDER[top + 1 : bottom + 1])
+    return satisfying, fallback
+
+
+def as_aware(moment: datetime) -> datetime:
+    """Hand-written snapshots may omit the zone: read that as UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def utc_stamp(moment: datetime) -> str:
+    """`2026-11-29T12:00:00Z`, whatever zone the datetime carries."""
+    return as_aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
+    """Status and lifecycle part of eligibility (load, tier, arch, labels aside)."""
+    if node.status != "active" or node.drained or node.max_concurrent_tasks <= 0:
+        return False
+    return node.held_off_until is None or as_aware(node.held_off_until) <= now
+
+
+def can_keep_work(node: SnapshotNode) -> bool:
+    """Whether a node may keep what it runs.
+
+    Held-off nodes keep their work, and so does a draining node until its
+    drain grace is over (the registry then sets `drained`): `fabric drain HOST
+    --grace S` gives running work S seconds before it moves.
+    """
+    return node.status in ("active", "draining") and not node.drained
+
+
+@dataclass
+class _Slot:
+    """One node's running state during a pass."""
+
+    node: SnapshotNode
+    load: int
+    limit: int
+    # Position of the node id in sorted order: the tie-break, as an int
+    # because comparing ints is cheaper than comparing ids.
+    rank: int = 0
+    # Bumped at every load change: heap entries with an older stamp are stale.
+    stamp: int = 0
+    heaps: list[list[tuple[float, int, int]]] = field(default_factory=list)
+
+    def entry(self) -> tuple[float, int, int]:
+        return (self.load / self.limit, self.rank, self.stamp)
+
+
+class Placer:
+    """The nodes of one scheduling pass, indexed for O(log N) decisions.
+
+    Build once per pass, call `keep` for placements already in force, then
+    `place` for each piece of new work; loads carry over between calls, so a
+    sequence of `place` calls is a burst dispatched against one snapshot.
+    """
+
+    def __init__(self, nodes: Iterable[SnapshotNode], now: datetime, strategy: Strategy = "highest_tier") -> None:
+        self.now = as_aware(now)
+        self.strategy: Strategy = strategy
+        self.nodes: dict[str, SnapshotNode] = {}
+        for node in nodes:
+            self.nodes.setdefault(node.node_id, node)  # the first record of a node wins
+        accepting = sorted(n.node_id for n in self.nodes.values() if accepts_new_work(n, self.now))
+        self._ranked: list[_Slot] = [
+            _Slot(self.nodes[node_id], self.nodes[node_id].in_flight, self.nodes[node_id].max_concurrent_tasks, rank)
+            for rank, node_id in enumerate(accepting)
+        ]
+        self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
+        self._kept: Counter[str] = Counter()
+        # constraint -> tier -> heap of (utilization, node rank, stamp)
+        self._pools: dict[tuple, dict[str, list[tuple[float, int, int]]]] = {}
+        # (min_tier, floor) -> the tier groups to try, in order
+        self._steps: dict[tuple[str, str], list[tuple[list[str], bool]]] = {}
+        self._deferral_cache: dict[tuple, NoChoice] = {}
+
+    # ------------------------------------------------------------------
+    # Loads
+
+    def load(self, node_id: str) -> int:
+        slot = self.slots.get(node_id)
+        if slot is not None:
+            return slot.load
+        node = self.nodes[node_id]
+        return max(node.in_flight, self._kept[node_id])
+
+    def keep(self, node_id: str, request: Request) -> bool:
+        """Keep a placement already in force on `node_id` if still feasible."""
+        node = self.nodes.get(node_id)
+        if node is None or not can_keep_work(node):
+            return False
+        if TIER_SCORE[node.tier] < TIER_SCORE[request.floor] or not request.matches(node):
+            return False
+        if self._kept[node_id] >= node.max_concurrent_tasks:
+            return False
+        self._kept[node_id] += 1
+        slot = self.slots.get(node_id)
+        if slot is not None:
+            # In flight already counts work the node applied; the kept
+            # placement holds its slot whether applied yet or not.
+            self._set_load(slot, max(slot.node.in_flight, self._kept[node_id]))
+        return True
+
+    def _set_load(self, slot: _Slot, load: int) -> None:
+        if load == slot.load:
+            return
+        slot.load = load
+        slot.stamp += 1
+        if slot.load < slot.limit:
+            entry = slot.entry()
+            for heap in slot.heaps:
+                heapq.heappush(heap, entry)
+        # A full node simply has no current entry left: its old ones are stale.
+        self._deferral_cache.clear()
+
+    # ------------------------------------------------------------------
+    # Index
+
+    def prepare(self, requests: Iterable[Request]) -> None:
+        """Build the index for these request shapes now (else on first use)."""
+        for request in requests:
+            self._pool(request)
+
+    def _pool(self, request: Request) -> dict[str, list[tuple[float, int, int]]]:
+        key = request.constraint
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = defaultdict(list)
+            for slot in self.slots.values():
+                if request.matches(slot.node):
+                    heap = pool[slot.node.tier]
+                    slot.heaps.append(heap)
+                    if slot.load < slot.limit:
+                        heap.append(slot.entry())
+            for heap in pool.values():
+                heapq.heapify(heap)
+            self._pools[key] = pool
+        return pool
+
+    def _best(self, heap: list[tuple[float, int, int]], avoid: frozenset[str]) -> _Slot | None:
+        """The least-utilized current node of a tier heap, skipping `avoid`."""
+        skipped = []
+        found = None
+        while heap:
+            _, rank, stamp = heap[0]
+            slot = self._ranked[rank]
+            if stamp != slot.stamp or slot.load >= slot.limit:
+                heapq.heappop(heap)  # stale entry, or full
+                continue
+            if avoid and slot.node.node_id in avoid:
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = slot
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _take(self, slot: _Slot, heap: list[tuple[float, int, int]]) -> None:
+        """One more unit of work on `slot`, chosen from `heap`.
+
+        When the slot's entry is the top of `heap` (no avoided sibling was
+        pushed back above it) it is replaced in place: one sift instead of a
+        push now and a stale pop later. Its other heaps get a new entry.
+        """
+        top_is_slot = bool(heap) and heap[0][1] == slot.rank and heap[0][2] == slot.stamp
+        slot.load += 1
+        slot.stamp += 1
+        entry = slot.entry() if slot.load < slot.limit else None
+        for other in slot.heaps:
+            if other is heap and top_is_slot:
+                if entry is None:
+                    heapq.heappop(other)
+                else:
+                    heapq.heapreplace(other, entry)
+            elif entry is not None:
+                heapq.heappush(other, entry)
+        self._deferral_cache.clear()
+
+    def _tier_steps(self, request: Request) -> list[tuple[list[str], bool]]:
+        """Satisfying tiers as one group, then each fallback tier on its own."""
+        key = (request.min_tier, request.floor)
+        steps = self._steps.get(key)
+        if steps is None:
+            satisfying, fallback = tier_sequence(request.min_tier, request.floor, self.strategy)
+            steps = self._steps[key] = [(satisfying, False)] + [([tier], True) for tier in fallback]
+        return steps
+
+    # ------------------------------------------------------------------
+    # Decisions
+
+    def place(self, request: Request, avoid: Iterable[str] = (), exclude: Iterable[str] = ()) -> Choice | NoChoice:
+        """Place one unit of work. `avoid`: nodes to pass over while another
+        will do (a preference); `exclude`: nodes that must not take it (a
+        service's nodes already running one of its replicas)."""
+        exclude = frozenset(exclude)
+        avoid = frozenset(avoid) | exclude
+        pool = self._pool(request)
+        # Within the satisfying group, nodes not avoided first; then the same
+        # for each fallback tier, best first.
+        passes = (avoid, exclude) if avoid != exclude else (avoid,)
+        for group, is_fallback in self._tier_steps(request):
+            for avoiding in passes:
+                for tier in group:
+                    heap = pool.get(tier)
+                    if not heap:
+                        continue
+                    slot = self._best(heap, avoiding)
+                    if slot is not None:
+                        self._take(slot, heap)
+                        return Choice(slot.node.node_id, slot.node.tier, is_fallback)
+        return self._explain(request, exclude)
+
+    def _explain(self, request: Request, exclude: frozenset[str]) -> NoChoice:
+        key = (request.constraint, request.min_tier, request.floor, exclude)
+        cached = self._deferral_cache.get(key)
+        if cached is None:
+            cached = self._deferral_cache[key] = explain_deferral(request, list(self.nodes.values()), self.load, self.now, exclude)
+        return cached
+
+
+def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
+    """Why this node, of a tier in range, cannot take the request right now."""
+    if node.node_id in exclude:
+        return "runs a replica already"
+    if node.status != "active":
+        return node.status
+    if node.drained:
+        return "drained"
+    if node.held_off_until is not None and as_aware(node.held_off_until) > now:
+        return f"held off until {utc_stamp(node.held_off_until)}"
+    if request.arch and node.arch not in request.arch:
+        return f"arch {node.arch or 'unknown'} not in [{', '.join(sorted(request.arch))}]"
+    missing = [f"{k}={v}" for k, v in request.labels if node.labels.get(k) != v]
+    if missing:
+        return f"lacks label {', '.join(missing)}"
+    return f"full {load}/{node.max_concurrent_tasks}"
+
+
+def explain_deferral(
+    request: Request,
+    nodes: Sequence[SnapshotNode],
+    load_of: Callable[[str], int],
+    now: datetime,
+    exclude: Collection[str] = (),
+) -> NoChoice:
+    """The reason no node could take `request` (a scan: only on deferral)."""
+    bottom = TIER_ORDER.index(request.floor)
+    in_range = set(TIER_ORDER[: bottom + 1])
+    # Every tier from the best down to the floor was tried (the satisfying
+    # ones in strategy order, then the fallback ones).
+    tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
+    constraint = ""
+    if request.arch:
+        constraint += f" arch [{', '.join(sorted(request.arch))}]"
+    if request.labels:
+        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
+    admissible = [n for n in nodes if n.tier in in_range and request.matches(n)]
+    if not admissible:
+        present = sorted({n.tier for n in nodes}, key=TIER_ORDER.index)
+        what = f"tier {request.floor} or better" + (f" with{constraint}" if constraint else "")
+        return NoChoice(
+            f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
+            f"tiers present: {', '.join(present) or 'none'}",
+            inadmissible=True,
+        )
+    by_tier: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        if node.tier in in_range:
+            by_tier[node.tier][_node_problem(node, request, load_of(node.node_id), now, exclude)].append(node.node_id)
+    parts = []
+    empty = []
+    for tier in TIER_ORDER[: bottom + 1]:
+        problems = by_tier.get(tier)
+        if not problems:
+            empty.append(tier)
+            continue
+        described = []
+        for problem, names in problems.items():
+            if len(names) <= _NAMES_PER_REASON:
+                described += [f"{name} {problem}" for name in names]
+            else:
+                described.append(f"{len(names)} nodes {problem.split(' ')[0]}")
+        parts.append(f"{tier}: {', '.join(described)}")
+    if empty:
+        parts.append(f"no node at {', '.join(empty)}")
+    return NoChoice(
+        f"no eligible node from {tried} (min_tier {request.min_tier}, floor {request.floor}"
+        f"{';' + constraint if constraint else ''}): " + "; ".join(parts),
+        inadmissible=False,
+    )
+
+
+def _placement_order(services: Sequence[Service]) -> list[Service]:
+    """Most demanding first (min_tier, then floor), then declaration order."""
+    indexed = list(enumerate(services))
+    indexed.sort(key=lambda p: (-TIER_SCORE[p[1].min_tier], -TIER_SCORE[p[1].floor], p[0]))
+    return [s for _, s in indexed]
+
+
+def schedule(
+    snapshot: Snapshot,
+    desired: DesiredState,
+    *,
+    leader: str | None = None,
+    epoch: int | None = None,
+) -> FleetPlan:
+    """Place every service replica of `desired` over `snapshot`; lanes as seen."""
+    _, plan = schedule_with_placer(snapshot, desired, leader=leader, epoch=epoch)
+    return plan
+
+
+def schedule_with_placer(
+    snapshot: Snapshot,
+    desired: DesiredState,
+    *,
+    leader: str | None = None,
+    epoch: int | None = None,
+) -> tuple[Placer, FleetPlan]:
+    """`schedule`, also returning the pass's `Placer` with the plan's loads
+    applied, so more work (a task dispatch) can be placed after the services."""
+    declared = set(desired.hosts)
+    nodes = [n for n in snapshot.nodes if n.node_id in declared]
+    ignored = sorted({n.node_id for n in snapshot.nodes if n.node_id not in declared})
+    placer = Placer(nodes, snapshot.now, desired.fleet.scheduler.strategy)
+    services = {s.id: s for s in desired.fleet.services}
+
+    # 1. Keep what is in force and still feasible, before anything new claims
+    #    the slots. The first record of a (service, replica) wins.
+    kept: dict[tuple[str, int], Placement] = {}
+    kept_on: set[tuple[str, str]] = set()  # (service, node): one replica per node
+    for old in sorted(snapshot.placements, key=lambda p: (p.service, p.replica)):
+        service = services.get(old.service)
+        if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
+            continue
+        if (old.service, old.node) in kept_on:
+            continue  # a sibling already runs there: this replica moves
+        if placer.keep(old.node, Request.for_service(service)):
+            kept_on.add((old.service, old.node))
+            tier = placer.nodes[old.node].tier
+            kept[(old.service, old.replica)] = Placement(
+                service=old.service,
+                replica=old.replica,
+                node=old.node,
+                tier=tier,
+                fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
+            )
+
+    # 2. Place the rest, most demanding services first.
+    placements: list[Placement] = list(kept.values())
+    deferred: list[Deferred] = []
+    for service in _placement_order(desired.fleet.services):
+        request = Request.for_service(service)
+        hosting = {p.node for key, p in kept.items() if key[0] == service.id}
+        for replica in range(service.replicas):
+            if (service.id, replica) in kept:
+                continue
+            outcome = placer.place(request, exclude=hosting)
+            if isinstance(outcome, Choice):
+                hosting.add(outcome.node)
+                placements.append(Placement(service=service.id, replica=replica, node=outcome.node, tier=outcome.tier, fallback=outcome.fallback))
+            else:
+                deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
+
+    plan = FleetPlan(
+        epoch=snapshot.epoch if epoch is None else epoch,
+        leader=leader or snapshot.leader or "what-if",
+        created=as_aware(snapshot.now),
+        placements=sorted(placements, key=lambda p: (p.service, p.replica)),
+        deferred=sorted(deferred, key=lambda d: (d.service, d.replica)),
+        lanes=lane_views(desired, snapshot),
+        ignored_nodes=ignored,
+    )
+    return placer, plan

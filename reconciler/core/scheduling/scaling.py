@@ -1,0 +1,236 @@
+"""Bursts and scaling (self-adapting-compute-fabric.md, "Scaling Mechanisms").
+
+Pure: `decide_scaling` takes the snapshot, the queue depth, the settings, the
+time and the leader's small persisted `ScalingState`, and returns the actions
+an adapter would carry out plus the next state. Nothing is run here: a cloud
+hook's argv is returned, never executed.
+
+Windows are "continuously since": a condition's start time is kept in the
+state while it holds and forgotten the moment it does not, so a brief dip
+restarts the window. All thresholds come from `[scaling]`:
+
+Burst (horizontal)
+    queue depth > queue_high continuously for burst_window_s ->
+    1. idle capacity first: every node that takes new work (active, not
+       drained, not held off, limit > 0) and has nothing in flight gets
+       `activate_idle` (its worker group is brought back up); a node is not
+       re-activated within group_interval_s;
+    2. only when there is no idle capacity: each configured cloud hook
+       (`scaling.cloud_hooks`, tier -> argv, best tier first) gets
+       `run_cloud_hook`, at most one new worker group per tier per
+       group_interval_s; a rate-limited tier gets a `hold` saying until when;
+    3. no idle capacity and no hook configured: a `hold` (the work stays
+       queued - the seed's ENQUEUE).
+    While the queue stays high this repeats every pass, paced by the limits.
+
+Vertical
+    a node's utilization (in_flight / max_concurrent_tasks) >
+    scale_up_utilization continuously for scale_up_window_s ->
+    `raise_concurrency` by one when max_concurrent_tasks < its ceiling
+    (`max_concurrent_ceiling`; none = no headroom), else a scale-out as in
+    the burst steps 1-3. Either way the node's window starts again, so the
+    next step needs another full window.
+
+Scale down
+    a node's utilization < scale_down_utilization continuously for
+    scale_down_window_s, and no burst under way (queue depth <= queue_high) ->
+    `scale_down` of its worker group, once: the node is remembered as scaled
+    down until it is busy again or activated by a burst.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from reconciler.core.desired.model import TIER_ORDER, ScalingSettings, Tier
+from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.scheduling.placement import accepts_new_work, as_aware, utc_stamp
+
+ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold"]
+
+
+class ScalingAction(BaseModel):
+    """One decided action, with the reason it was decided."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: ActionKind
+    reason: str
+    node: str | None = None
+    tier: Tier | None = None
+    # run_cloud_hook: the configured command, for an adapter to run (never a shell string).
+    argv: list[str] = []
+    # raise_concurrency: the node's new max_concurrent_tasks.
+    max_concurrent_tasks: int | None = None
+
+
+class ScalingState(BaseModel):
+    """What the leader keeps between passes (JSON in the registry)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # Since when the queue depth has been above queue_high (None: it is not).
+    queue_high_since: datetime | None = None
+    # node -> since when its utilization has been above / below the thresholds.
+    hot_since: dict[str, datetime] = {}
+    cold_since: dict[str, datetime] = {}
+    # tier -> when its cloud hook was last returned (one group per interval);
+    # entries older than the interval are dropped, they pace nothing.
+    last_group_at: dict[str, datetime] = {}
+    # node -> when it was last activated as idle capacity (same pruning).
+    last_activation_at: dict[str, datetime] = {}
+    # Nodes whose worker group was scaled down and has not been busy since.
+    scaled_down: list[str] = []
+
+
+class ScalingDecision(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    actions: list[ScalingAction]
+    state: ScalingState
+
+
+def _utilization(node: SnapshotNode) -> float | None:
+    if node.max_concurrent_tasks <= 0:
+        return None
+    return node.in_flight / node.max_concurrent_tasks
+
+
+def _since(previous: datetime | None, now: datetime) -> datetime:
+    return as_aware(previous) if previous is not None else now
+
+
+def _held_for(since: datetime | None, now: datetime) -> float:
+    return (now - since).total_seconds() if since is not None else -1.0
+
+
+def decide_scaling(
+    snapshot: Snapshot,
+    queue_depth: int,
+    settings: ScalingSettings,
+    state: ScalingState,
+    now: datetime | None = None,
+) -> ScalingDecision:
+    """The scaling actions for this pass and the state to keep for the next."""
+    now = as_aware(now if now is not None else snapshot.now)
+    interval = timedelta(seconds=settings.group_interval_s)
+    running = {}
+    for node in snapshot.nodes:
+        if node.status == "active" and not node.drained:
+            running.setdefault(node.node_id, node)
+
+    # 1. Windows: keep a start time while its condition holds, drop it otherwise.
+    hot: dict[str, datetime] = {}
+    cold: dict[str, datetime] = {}
+    for node_id, node in running.items():
+        busy = _utilization(node)
+        if busy is None:
+            continue
+        if busy > settings.scale_up_utilization:
+            hot[node_id] = _since(state.hot_since.get(node_id), now)
+        if busy < settings.scale_down_utilization:
+            cold[node_id] = _since(state.cold_since.get(node_id), now)
+    queue_high_since = _since(state.queue_high_since, now) if queue_depth > settings.queue_high else None
+    scaled_down = {n for n in state.scaled_down if n in cold}
+    last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items() if now - as_aware(at) < interval}
+    # Kept while they still pace something, whatever the node did meanwhile
+    # (a node that blinks offline and back is not activated again sooner).
+    last_activation_at = {n: as_aware(at) for n, at in state.last_activation_at.items() if now - as_aware(at) < interval}
+
+    actions: list[ScalingAction] = []
+    scale_out_reasons: list[str] = []
+
+    # 2. Vertical: more concurrency where there is headroom, else scale out.
+    for node_id in sorted(hot):
+        held = _held_for(hot[node_id], now)
+        if held < settings.scale_up_window_s:
+            continue
+        node = running[node_id]
+        busy = f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s (> {settings.scale_up_utilization:.0%})"
+        ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
+        if node.max_concurrent_tasks < ceiling:
+            actions.append(
+                ScalingAction(
+                    kind="raise_concurrency",
+                    node=node_id,
+                    tier=node.tier,
+                    max_concurrent_tasks=node.max_concurrent_tasks + 1,
+                    reason=f"{busy}; ceiling {ceiling} leaves headroom",
+                )
+            )
+        else:
+            scale_out_reasons.append(f"{busy} and at its ceiling {ceiling}")
+        hot[node_id] = now  # the next step needs another full window
+
+    # 3. Horizontal: a sustained burst, or a hot node without headroom.
+    burst_for = _held_for(queue_high_since, now)
+    if burst_for >= settings.burst_window_s:
+        scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
+    if scale_out_reasons:
+        why = "; ".join(scale_out_reasons)
+        idle = sorted(node_id for node_id, node in running.items() if node.in_flight == 0 and accepts_new_work(node, now))
+        if idle:
+            for node_id in idle:
+                last = last_activation_at.get(node_id)
+                if last is not None and now - last < interval:
+                    continue
+                actions.append(ScalingAction(kind="activate_idle", node=node_id, tier=running[node_id].tier, reason=why))
+                last_activation_at[node_id] = now
+                scaled_down.discard(node_id)
+                cold.pop(node_id, None)
+        elif not settings.cloud_hooks:
+            actions.append(ScalingAction(kind="hold", reason=f"{why}; no idle capacity and no cloud hook configured: work stays queued"))
+        else:
+            for tier in sorted(settings.cloud_hooks, key=TIER_ORDER.index):
+                last = last_group_at.get(tier)
+                if last is not None and now - last < interval:
+                    actions.append(
+                        ScalingAction(
+                            kind="hold",
+                            tier=tier,
+                            reason=f"{why}; one {tier} group per {settings.group_interval_s}s: last at {utc_stamp(last)}, next from {utc_stamp(last + interval)}",
+                        )
+                    )
+                    continue
+                actions.append(
+                    ScalingAction(
+                        kind="run_cloud_hook",
+                        tier=tier,
+                        argv=list(settings.cloud_hooks[tier]),
+                        reason=f"{why}; no idle capacity",
+                    )
+                )
+                last_group_at[tier] = now
+
+    # 4. Scale down groups idle for the whole window, unless a burst is on.
+    if queue_depth <= settings.queue_high:
+        for node_id in sorted(cold):
+            held = _held_for(cold[node_id], now)
+            if held < settings.scale_down_window_s or node_id in scaled_down:
+                continue
+            node = running[node_id]
+            actions.append(
+                ScalingAction(
+                    kind="scale_down",
+                    node=node_id,
+                    tier=node.tier,
+                    reason=(
+                        f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s "
+                        f"(< {settings.scale_down_utilization:.0%}), queue depth {queue_depth}"
+                    ),
+                )
+            )
+            scaled_down.add(node_id)
+
+    next_state = ScalingState(
+        queue_high_since=queue_high_since,
+        hot_since=hot,
+        cold_since=cold,
+        last_group_at=last_group_at,
+        last_activation_at=last_activation_at,
+        scaled_down=sorted(scaled_down),
+    )
+    return ScalingDecision(actions=actions, state=next_state)

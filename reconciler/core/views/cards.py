@@ -1,0 +1,380 @@
+"""What the fabric is doing, for people: lane cards, nodes, leader, deferred work.
+
+Pure: `fleet_status(desired, snapshot, plan, now)` folds the three models into
+one `FleetStatus`, and the renderers turn that into terminal text
+(`render_text`) or a JSON document (`status_document`). The HTML page
+(`reconciler.core.views.page`) and the Prometheus metrics (`reconciler.core.views.metrics`)
+read the same `FleetStatus`, so every surface says the same thing.
+
+The lane cards use multi-compute.md's "Reading the lanes" vocabulary on purpose,
+word for word: `COMPUTE · a1-arm64  RANK 10  1/2`, sorted rank-ascending (the
+first card is the lane the scheduler tries first), and a lane whose probe failed
+shows a greyed glyph and the word `offline` on that card alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+
+# Glyphs of a lane card. The offline one is drawn greyed (dim ANSI in a
+# terminal, a grey card on the page); without colour the word `offline` says it.
+GLYPH_ONLINE = "●"
+GLYPH_OFFLINE = "○"
+
+# ANSI "bright black": grey on every common terminal (dim, SGR 2, is not).
+_GREY = "\x1b[90m"
+_RESET = "\x1b[0m"
+
+# The status of a declared host the registry has never heard from.
+NOT_REPORTING = "not reporting"
+
+
+@dataclass(frozen=True)
+class LaneCard:
+    id: str
+    kind: str
+    rank: int
+    cap: int
+    in_flight: int
+    available: bool
+
+    @property
+    def glyph(self) -> str:
+        return GLYPH_ONLINE if self.available else GLYPH_OFFLINE
+
+    @property
+    def title(self) -> str:
+        """`COMPUTE · a1-arm64`: the lane's kind and id."""
+        return f"{self.kind.upper()} · {self.id}"
+
+    @property
+    def capacity(self) -> str:
+        """`{in_flight}/{cap}`, the card's capacity numeral."""
+        return f"{self.in_flight}/{self.cap}"
+
+    @property
+    def text(self) -> str:
+        """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`."""
+        line = f"{self.title}  RANK {self.rank}  {self.capacity}"
+        return line if self.available else f"{line}  offline"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_id: str
+    # None for a declared host that has never reported.
+    tier: str | None
+    status: str
+    in_flight: int
+    max_concurrent_tasks: int
+    last_seen: datetime | None
+    # Seconds since last_seen at `now` (None when never seen).
+    last_seen_ago_s: float | None
+    held_off_until: datetime | None
+    # Seconds of hold-off left at `now`; None when not held off.
+    held_off_for_s: float | None
+    draining: bool
+    services: tuple[str, ...]
+    # False for a node the registry reports but git does not declare: the
+    # scheduler gives it no work (a registry writer cannot add a target).
+    declared: bool = True
+
+    @property
+    def utilization(self) -> float:
+        if self.max_concurrent_tasks <= 0:
+            return 1.0 if self.in_flight else 0.0
+        return self.in_flight / self.max_concurrent_tasks
+
+    @property
+    def status_id(self) -> str:
+        """The status as an identifier (JSON, metrics): `not_reporting` has no space."""
+        return self.status.replace(" ", "_")
+
+    @property
+    def load(self) -> str:
+        """`1/4 25%`, or `-` for a host that has never reported."""
+        if self.tier is None:
+            return "-"
+        return f"{self.in_flight}/{self.max_concurrent_tasks} {round(self.utilization * 100)}%"
+
+    @property
+    def seen(self) -> str:
+        if self.last_seen_ago_s is None:
+            return "never" if self.tier is None else "-"
+        return f"{format_duration(self.last_seen_ago_s)} ago"
+
+    @property
+    def note(self) -> str:
+        """Held off (flapping) and/or draining, else empty."""
+        notes = []
+        if self.held_off_for_s is not None:
+            notes.append(f"held off {format_duration(self.held_off_for_s)}")
+        if self.draining:
+            notes.append("draining")
+        if not self.declared:
+            notes.append("not declared: ignored")
+        return ", ".join(notes)
+
+
+@dataclass(frozen=True)
+class DeferredRow:
+    service: str
+    replica: int
+    reason: str
+    inadmissible: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.service}#{self.replica}"
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    fleet: str
+    domain: str
+    now: datetime
+    lanes: tuple[LaneCard, ...]
+    nodes: tuple[NodeRow, ...]
+    leader: str | None
+    epoch: int
+    # False when no plan was given: deferred work is then unknown, not none.
+    plan_known: bool
+    waiting: tuple[DeferredRow, ...]
+    inadmissible: tuple[DeferredRow, ...]
+
+    @property
+    def headline(self) -> str:
+        leader = f"leader {self.leader}" if self.leader else "no leader"
+        return f"{self.fleet} · {leader} · plan epoch {self.epoch} · {format_time(self.now)}"
+
+
+# --------------------------------------------------------------------------
+# Building the view
+
+
+def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> FleetStatus:
+    """Fold desired state, live snapshot and (optionally) the plan into one view.
+
+    Lanes come from the desired state (the only source of what lanes exist:
+    a lane the registry reports but git does not declare is not shown). Their
+    in-flight count and availability come from the snapshot, which is never
+    older than the plan (a published plan's lane view is a copy of the
+    snapshot it was made from, possibly minutes ago); the plan's view fills in
+    a lane the snapshot does not mention, and a lane neither mentions has the
+    snapshot's defaults (online, nothing in flight), as the scheduler assumes.
+
+    The leader is the registry's current one (the plan's when the snapshot
+    names none); the epoch is the plan's, else the snapshot's.
+    """
+    now = _aware(now)
+    return FleetStatus(
+        fleet=desired.fleet.fleet.name,
+        domain=desired.fleet.fleet.domain,
+        now=now,
+        lanes=_lane_cards(desired, snapshot, plan),
+        nodes=_node_rows(desired, snapshot, plan, now),
+        leader=snapshot.leader or (plan.leader if plan is not None else None),
+        epoch=plan.epoch if plan is not None else snapshot.epoch,
+        plan_known=plan is not None,
+        waiting=_deferred(plan, inadmissible=False),
+        inadmissible=_deferred(plan, inadmissible=True),
+    )
+
+
+def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
+    observed = {lane.id: (lane.available, lane.in_flight) for lane in plan.lanes} if plan is not None else {}
+    observed.update({lane.id: (lane.available, lane.in_flight) for lane in snapshot.lanes})
+    cards = []
+    for lane in desired.lanes:
+        available, in_flight = observed.get(lane.id, (True, 0))
+        cards.append(LaneCard(id=lane.id, kind=lane.kind, rank=lane.rank, cap=lane.cap, in_flight=in_flight, available=available))
+    # multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
+    return tuple(sorted(cards, key=lambda c: (c.rank, c.in_flight / c.cap, c.id)))
+
+
+def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> tuple[NodeRow, ...]:
+    placements = plan.placements if plan is not None else snapshot.placements
+    services: dict[str, list[str]] = {}
+    for p in sorted(placements, key=lambda p: (p.service, p.replica)):
+        services.setdefault(p.node, []).append(f"{p.service}#{p.replica}")
+    rows = [_node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts) for node in snapshot.nodes]
+    reported = {node.node_id for node in snapshot.nodes}
+    for host in sorted(set(desired.hosts) - reported):
+        rows.append(
+            NodeRow(
+                node_id=host,
+                tier=None,
+                status=NOT_REPORTING,
+                in_flight=0,
+                max_concurrent_tasks=0,
+                last_seen=None,
+                last_seen_ago_s=None,
+                held_off_until=None,
+                held_off_for_s=None,
+                draining=False,
+                services=tuple(services.get(host, ())),
+            )
+        )
+    return tuple(sorted(rows, key=lambda r: r.node_id))
+
+
+def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime, *, declared: bool) -> NodeRow:
+    last_seen = _aware(node.last_seen) if node.last_seen is not None else None
+    held_off_until = _aware(node.held_off_until) if node.held_off_until is not None else None
+    held_off_for = (held_off_until - now).total_seconds() if held_off_until is not None else None
+    return NodeRow(
+        node_id=node.node_id,
+        tier=node.tier,
+        status=node.status,
+        in_flight=node.in_flight,
+        max_concurrent_tasks=node.max_concurrent_tasks,
+        last_seen=last_seen,
+        last_seen_ago_s=max(0.0, (now - last_seen).total_seconds()) if last_seen is not None else None,
+        held_off_until=held_off_until,
+        # A hold-off that has run out is no longer one.
+        held_off_for_s=held_off_for if held_off_for is not None and held_off_for > 0 else None,
+        draining=node.drained or node.status == "draining",
+        services=services,
+        declared=declared,
+    )
+
+
+def _deferred(plan: FleetPlan | None, *, inadmissible: bool) -> tuple[DeferredRow, ...]:
+    if plan is None:
+        return ()
+    rows = [
+        DeferredRow(service=d.service, replica=d.replica, reason=d.reason, inadmissible=d.inadmissible)
+        for d in plan.deferred
+        if d.inadmissible == inadmissible
+    ]
+    return tuple(sorted(rows, key=lambda r: (r.service, r.replica)))
+
+
+def _aware(moment: datetime) -> datetime:
+    """Naive datetimes in snapshots are UTC (the registry writes UTC)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+# --------------------------------------------------------------------------
+# Small formatters shared by the text, the page and the JSON
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m 5s`, `2h 4m`, `3d 1h`: two units at most, rounded down."""
+    total = int(seconds)
+    days, rest = divmod(total, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def format_time(moment: datetime) -> str:
+    return _aware(moment).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# --------------------------------------------------------------------------
+# Terminal text
+
+
+def lane_card_line(card: LaneCard, *, color: bool = False) -> str:
+    """`● COMPUTE · a1-arm64  RANK 10  1/2`; an offline card greyed when `color`."""
+    line = f"{card.glyph} {card.text}"
+    if color and not card.available:
+        return f"{_GREY}{line}{_RESET}"
+    return line
+
+
+def render_text(status: FleetStatus, *, color: bool = False) -> str:
+    """The whole status for a terminal. `color` only when stdout is a tty."""
+    out = [status.headline, "", "LANES"]
+    out += [lane_card_line(card, color=color) for card in status.lanes]
+    out += ["", "NODES"]
+    out += _table(
+        ("NODE", "TIER", "STATUS", "LOAD", "LAST SEEN", "NOTE", "SERVICES"),
+        [(n.node_id, n.tier or "-", n.status, n.load, n.seen, n.note, " ".join(n.services)) for n in status.nodes],
+    )
+    for title, rows in (("waiting for capacity", status.waiting), ("inadmissible", status.inadmissible)):
+        out += ["", f"DEFERRED · {title} ({len(rows)})" if status.plan_known else f"DEFERRED · {title}"]
+        if not status.plan_known:
+            out.append("  (no plan: deferred work unknown)")
+        elif not rows:
+            out.append("  (none)")
+        else:
+            width = max(len(r.label) for r in rows)
+            out += [f"  {r.label.ljust(width)}  {r.reason}" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    if not rows:
+        return ["  (no nodes)"]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+# --------------------------------------------------------------------------
+# JSON for scripts
+
+STATUS_DOCUMENT_VERSION = 1
+
+
+def status_document(status: FleetStatus) -> dict[str, Any]:
+    """A JSON-ready dict; `version` changes only when a key changes meaning."""
+
+    def when(moment: datetime | None) -> str | None:
+        return moment.isoformat() if moment is not None else None
+
+    def deferred(rows: tuple[DeferredRow, ...]) -> list[dict[str, Any]] | None:
+        if not status.plan_known:
+            return None
+        return [{"service": r.service, "replica": r.replica, "reason": r.reason} for r in rows]
+
+    return {
+        "version": STATUS_DOCUMENT_VERSION,
+        "fleet": status.fleet,
+        "domain": status.domain,
+        "now": when(status.now),
+        "leader": status.leader,
+        "epoch": status.epoch,
+        "lanes": [
+            {
+                "id": c.id,
+                "kind": c.kind,
+                "rank": c.rank,
+                "cap": c.cap,
+                "in_flight": c.in_flight,
+                "available": c.available,
+                "card": c.text,
+            }
+            for c in status.lanes
+        ],
+        "nodes": [
+            {
+                "node": n.node_id,
+                "tier": n.tier,
+                "status": n.status_id,
+                "in_flight": n.in_flight,
+                "max_concurrent_tasks": n.max_concurrent_tasks,
+                "utilization": round(n.utilization, 4),
+                "last_seen": when(n.last_seen),
+                "held_off_until": when(n.held_off_until) if n.held_off_for_s is not None else None,
+                "draining": n.draining,
+                "declared": n.declared,
+                "services": list(n.services),
+            }
+            for n in status.nodes
+        ],
+        # null (not []) when no plan was available: unknown is not "none".
+        "deferred": {"waiting": deferred(status.waiting), "inadmissible": deferred(status.inadmissible)},
+    }

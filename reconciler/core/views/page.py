@@ -1,0 +1,68 @@
+"""The fleet's status page: the same lane cards as `fabric status`, as static HTML.
+
+Pure: `render_status_page(desired, snapshot, plan, now)` returns the page as a
+string. The edge host's reconcile pass writes it (atomically, like every other
+artifact) under the directory its Caddy serves at `status.<domain>`
+(`fleet.status_subdomain`); `reconciler.core.render.status_site` is that site block.
+
+The page is self-contained (inline CSS, no external assets, no script) so it
+works from a phone on a flaky link and leaks nothing to third parties, and it
+reloads itself with a meta refresh every heartbeat, about as often as the
+reconciler rewrites it.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.views.cards import FleetStatus, NodeRow, fleet_status, format_time
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+TEMPLATE_NAME = "status.html.j2"
+# Where the edge host keeps the page; Caddy's file_server is rooted here.
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    # One per process: compiling the template costs more than rendering it.
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        # Every value on the page (reasons, ids) came from the registry or the
+        # plan: escape all of it.
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def _node_status_class(node: NodeRow) -> str:
+    if node.tier is None:
+        return "status-unknown"
+    return f"status-{node.status}"
+
+
+def render_status_html(status: FleetStatus, *, refresh_s: int = 30) -> str:
+    """The page for an already-built `FleetStatus`."""
+    template = _environment().get_template(TEMPLATE_NAME)
+    return template.render(
+        status=status,
+        updated=format_time(status.now),
+        refresh_s=refresh_s,
+        node_status_class=_node_status_class,
+    )
+
+
+def render_status_page(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> str:
+    """The status page for one pass; refreshes itself every heartbeat."""
+    return render_status_html(
+        fleet_status(desired, snapshot, plan, now),
+        refresh_s=desired.fleet.timing.heartbeat_s,
+    )

@@ -1,0 +1,590 @@
+"""Apply a pass: generations on disk, validation, activation in phases, rollback.
+
+Everything goes through the ports (FileTree, PassLock, Systemd, Nftables, Caddy,
+UnitVerifier, Audit); `reconciler.cli` chooses the real adapters, tests give
+fakes. Only one pass runs at a time (PassLock).
+
+On-disk protocol (under the state directory, default <root>/var/lib/fabric):
+
+    generations/<n>/manifest.json   number, time, host, epoch, every artifact's
+                                    path, kind, mode and sha256
+    generations/<n>/files/<path>    the artifact's bytes
+    current                         the generation the host is converging to
+    good                            the last generation that was fully activated
+    lock                            the pass lock (flock)
+
+A pass that changes files:
+
+    1. stages generations/.new-<n>/ (every file, then the manifest; each write
+       atomic and fsynced) and validates the staged units, ruleset and Caddy
+       config with the real checks. A failure deletes the staging directory:
+       nothing else was touched.
+    2. publishes it: rename .new-<n> -> <n>, then points `current` at <n>.
+       This is the commit point.
+    3. installs the files (atomic writes, removals of what left the plan).
+    4. activates (daemon-reload, nft, stop, reload, restart, start, caddy).
+    5. points `good` at <n>.
+
+A SIGKILL at any instant leaves `current` on the old generation (before 2:
+the staging directory is swept by the next pass) or on the new one (after 2).
+While `current` != `good`, the next pass knows activation is unfinished: it
+plans against the files of `good` (what last ran), not against the disk, so it
+still restarts and starts what the killed pass did not reach. Every step is
+idempotent, so doing one twice is harmless.
+
+`--no-activate` stops after step 3 and leaves `good` where it was: the first
+activating pass afterwards activates everything that changed since.
+
+If any activation step fails, the pass rolls back to `good`: it reinstalls
+good's files, removes the new ones, and activates the difference, then points
+`current` back at `good`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from reconciler.core.render.actions import Plan, make_plan
+from reconciler.core.render.artifacts import Artifact, complete_caddy_config
+from reconciler.ports import (
+    ActivationError,
+    Audit,
+    Caddy,
+    Clock,
+    FileTree,
+    Nftables,
+    PassLock,
+    Systemd,
+    UnitVerifier,
+)
+
+STATE_DIR = "var/lib/fabric"
+# The operator's main Caddyfile on an edge host (see complete_caddy_config).
+CADDY_MAIN = "etc/caddy/Caddyfile"
+KEEP_GENERATIONS = 10
+# Loading this removes the table inet fabric (and nothing else) in one transaction.
+EMPTY_RULESET = "table inet fabric\ndelete table inet fabric\n"
+
+
+def _no_checkpoint(step: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------
+# Generations
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str
+    kind: str
+    mode: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    number: int
+    created: str  # ISO 8601, UTC
+    host: str
+    epoch: int | None
+    entries: tuple[ManifestEntry, ...]
+
+    @property
+    def digest(self) -> str:
+        """One hash over every path and content hash: equal digests, equal generations."""
+        h = hashlib.sha256()
+        for e in sorted(self.entries, key=lambda e: e.path):
+            h.update(f"{e.path}\0{e.kind}\0{e.mode:o}\0{e.sha256}\n".encode())
+        return h.hexdigest()
+
+    def kinds(self) -> dict[str, str]:
+        return {e.path: e.kind for e in self.entries}
+
+    def to_json(self) -> str:
+        return (
+            json.dumps(
+                {
+                    "number": self.number,
+                    "created": self.created,
+                    "host": self.host,
+                    "epoch": self.epoch,
+                    "digest": self.digest,
+                    "artifacts": [
+                        {"path": e.path, "kind": e.kind, "mode": f"{e.mode:04o}", "sha256": e.sha256}
+                        for e in sorted(self.entries, key=lambda e: e.path)
+                    ],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        return cls(
+            number=int(data["number"]),
+            created=str(data["created"]),
+            host=str(data["host"]),
+            epoch=data.get("epoch"),
+            entries=tuple(ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"]) for a in data["artifacts"]),
+        )
+
+
+def manifest_for(number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact]) -> Manifest:
+    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256) for a in artifacts))
+
+
+class GenerationStore:
+    """The generations directory and the `current` / `good` pointers."""
+
+    def __init__(self, tree: FileTree, state_dir: str = STATE_DIR) -> None:
+        self.tree = tree
+        self.state_dir = state_dir.strip("/")
+        self.dir = f"{self.state_dir}/generations"
+
+    # pointers
+    def _pointer(self, name: str) -> int | None:
+        raw = self.tree.read(f"{self.state_dir}/{name}")
+        if raw is None:
+            return None
+        text = raw.decode().strip()
+        return int(text) if text.isdigit() else None
+
+    def current(self) -> int | None:
+        return self._pointer("current")
+
+    def good(self) -> int | None:
+        return self._pointer("good")
+
+    def set_current(self, number: int | None) -> None:
+        self._set("current", number)
+
+    def set_good(self, number: int | None) -> None:
+        self._set("good", number)
+
+    def _set(self, name: str, number: int | None) -> None:
+        if number is None:
+            self.tree.remove(f"{self.state_dir}/{name}")
+        else:
+            self.tree.write(f"{self.state_dir}/{name}", f"{number}\n".encode())
+
+    # generations
+    def numbers(self) -> list[int]:
+        return sorted(int(n) for n in self.tree.list_dir(self.dir) if n.isdigit())
+
+    def next_number(self) -> int:
+        numbers = self.numbers()
+        staged = [int(n.removeprefix(".new-")) for n in self.tree.list_dir(self.dir) if n.startswith(".new-") and n[5:].isdigit()]
+        return max([0, *numbers, *staged]) + 1
+
+    def manifest(self, number: int | None) -> Manifest | None:
+        if number is None:
+            return None
+        raw = self.tree.read(f"{self.dir}/{number}/manifest.json")
+        return Manifest.from_json(raw.decode()) if raw is not None else None
+
+    def artifacts(self, number: int | None) -> list[Artifact]:
+        manifest = self.manifest(number)
+        if manifest is None:
+            return []
+        out = []
+        for e in manifest.entries:
+            data = self.tree.read(f"{self.dir}/{number}/files/{e.path}")
+            if data is None:
+                raise ActivationError(f"generation {number}: {e.path} is missing from {self.dir}/{number}/files")
+            out.append(Artifact(e.path, data.decode("utf-8"), e.mode, e.kind))  # type: ignore[arg-type]
+        return out
+
+    def sweep_staging(self) -> list[str]:
+        """Remove staging directories a killed pass left behind."""
+        swept = []
+        for name in self.tree.list_dir(self.dir):
+            if name.startswith("."):
+                self.tree.remove_tree(f"{self.dir}/{name}")
+                swept.append(name)
+        return swept
+
+    def stage(self, manifest: Manifest, artifacts: Sequence[Artifact], checkpoint: Callable[[str], None]) -> str:
+        staging = f"{self.dir}/.new-{manifest.number}"
+        self.tree.remove_tree(staging)
+        for a in artifacts:
+            checkpoint(f"stage {a.path}")
+            self.tree.write(f"{staging}/files/{a.path}", a.data, a.mode)
+        checkpoint("stage manifest.json")
+        self.tree.write(f"{staging}/manifest.json", manifest.to_json().encode())
+        return staging
+
+    def publish(self, staging: str, number: int) -> None:
+        self.tree.rename(staging, f"{self.dir}/{number}")
+
+    def prune(self, keep: int = KEEP_GENERATIONS) -> list[int]:
+        protected = {self.current(), self.good()}
+        numbers = self.numbers()
+        doomed = [n for n in numbers[: max(0, len(numbers) - keep)] if n not in protected]
+        for n in doomed:
+            self.tree.remove_tree(f"{self.dir}/{n}")
+        return doomed
+
+
+# --------------------------------------------------------------------------
+# The pass
+
+
+@dataclass(frozen=True)
+class Activators:
+    """The ports that change what runs."""
+
+    systemd: Systemd
+    nftables: Nftables
+    caddy: Caddy
+
+
+@dataclass(frozen=True)
+class Validators:
+    """The real checks of what would be activated."""
+
+    units: UnitVerifier
+    nftables: Nftables
+    caddy: Caddy
+
+
+@dataclass
+class PassResult:
+    outcome: str  # "noop", "applied", "written" (no activation), "invalid", "rolled-back", "failed"
+    plan: Plan
+    generation: int | None = None
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("noop", "applied", "written")
+
+
+def _sha(data: bytes | None) -> str:
+    return hashlib.sha256(data).hexdigest() if data is not None else ""
+
+
+class Applier:
+    def __init__(
+        self,
+        tree: FileTree,
+        lock: PassLock,
+        audit: Audit,
+        clock: Clock,
+        *,
+        validators: Validators | None,
+        activators: Activators | None,
+        state_dir: str = STATE_DIR,
+        checkpoint: Callable[[str], None] = _no_checkpoint,
+        caddy_main: str = CADDY_MAIN,
+    ) -> None:
+        self.tree = tree
+        self.lock = lock
+        self.audit = audit
+        self.clock = clock
+        self.validators = validators
+        self.activators = activators
+        self.store = GenerationStore(tree, state_dir)
+        self.checkpoint = checkpoint
+        self.caddy_main = caddy_main
+
+    # ---- reading the old state
+
+    def _caddy_config(self, snippet: Artifact | None) -> str:
+        """The complete config for Caddy: the main Caddyfile with the snippet inlined."""
+        if snippet is None:
+            return ""
+        main = self.tree.read(self.caddy_main)
+        return complete_caddy_config(main.decode("utf-8", "replace") if main is not None else None, snippet.path, snippet.content)
+
+    def _sweep_temp_files(self, paths: Iterable[str]) -> list[str]:
+        """Remove the temp files of atomic writes a killed pass left beside
+        the fabric's files (named .<file>.fabric-tmp-<pid>)."""
+        swept = []
+        directories = {p.rpartition("/")[0] for p in [*paths, *self._tracked()] if "/" in p}
+        for directory in sorted(directories):
+            for name in self.tree.list_dir(directory):
+                if name.startswith(".") and ".fabric-tmp-" in name:
+                    self.tree.remove(f"{directory}/{name}")
+                    swept.append(f"{directory}/{name}")
+        return swept
+
+    def _installed(self, paths: Iterable[str]) -> dict[str, bytes]:
+        out = {}
+        for p in sorted(set(paths)):
+            data = self.tree.read(p)
+            if data is not None:
+                out[p] = data
+        return out
+
+    def _tracked(self) -> dict[str, str]:
+        tracked: dict[str, str] = {}
+        for number in (self.store.good(), self.store.current()):
+            manifest = self.store.manifest(number)
+            if manifest is not None:
+                tracked.update(manifest.kinds())
+        return tracked
+
+    def _unit_states(self, artifacts: Iterable[Artifact]) -> dict[str, str] | None:
+        if self.activators is None:
+            return None
+        return {a.unit: self.activators.systemd.active_state(a.unit) for a in artifacts if a.unit}
+
+    def compute_plan(self, artifacts: Sequence[Artifact]) -> tuple[Plan, bool]:
+        """The plan of a pass over `artifacts`, and whether the last activation
+        is unfinished (current != good). Reads only."""
+        current, good = self.store.current(), self.store.good()
+        tracked = self._tracked()
+        installed = self._installed([*(a.path for a in artifacts), *tracked])
+        unfinished = self.activators is not None and current is not None and current != good
+        running: Mapping[str, bytes] | None = None
+        if unfinished:
+            running = {a.path: a.data for a in self.store.artifacts(good)}
+        plan = make_plan(
+            artifacts,
+            installed,
+            tracked,
+            running=running,
+            unit_states=self._unit_states(artifacts),
+            nft_table_loaded=self.activators.nftables.table_loaded() if self.activators is not None else None,
+        )
+        return plan, unfinished
+
+    # ---- the pass
+
+    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None) -> PassResult:
+        self.lock.acquire()
+        try:
+            return self._run(list(artifacts), host, epoch)
+        finally:
+            self.lock.release()
+
+    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None) -> PassResult:
+        for name in self.store.sweep_staging():
+            self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
+        for path in self._sweep_temp_files([a.path for a in artifacts]):
+            self.audit.record("sweep", "ok", file=path, reason="temp file left by a killed pass")
+        plan, unfinished = self.compute_plan(artifacts)
+        current = self.store.current()
+        if plan.empty:
+            if unfinished:
+                # Killed after activating everything but before marking it good.
+                self.store.set_good(current)
+            self.audit.record("noop", "ok", generation=str(current or ""))
+            return PassResult("noop", plan, current)
+
+        current_manifest = self.store.manifest(current)
+        proposed = manifest_for(0, "", host, epoch, artifacts)
+        if current_manifest is not None and current_manifest.digest == proposed.digest:
+            # The files are those of `current` already (a pass killed after
+            # publishing it, or one run with --no-activate): activate it.
+            number = current
+            assert number is not None
+            if current != self.store.good() and self.validators is not None:
+                # A --no-activate pass may have written it without the real checks.
+                problem = self._validate(f"{self.store.dir}/{number}", artifacts)
+                if problem is not None:
+                    self.audit.record("validate", "failed", generation=str(number), reason=problem)
+                    return PassResult("invalid", plan, current, [problem])
+        else:
+            number = self.store.next_number()
+            created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
+            manifest = manifest_for(number, created, host, epoch, artifacts)
+            try:
+                staging = self.store.stage(manifest, artifacts, self.checkpoint)
+            except OSError as exc:
+                # The state directory cannot be written: nothing was installed
+                # (the next pass sweeps the partial staging directory).
+                message = f"cannot write generation {number} under {self.store.dir}: {exc}"
+                self.audit.record("generation", "failed", generation=str(number), reason=message)
+                return PassResult("failed", plan, current, [message])
+            problem = self._validate(staging, artifacts)
+            if problem is not None:
+                self.tree.remove_tree(staging)
+                self.audit.record("validate", "failed", generation=str(number), reason=problem)
+                return PassResult("invalid", plan, current, [problem])
+            self.audit.record("validate", "ok" if self.validators else "skipped", generation=str(number), hash=manifest.digest)
+            self.checkpoint("publish generation")
+            self.store.publish(staging, number)
+            self.checkpoint("switch current")
+            self.store.set_current(number)
+            self.audit.record("generation", "ok", generation=str(number), hash=manifest.digest)
+
+        by_path = {a.path: a for a in artifacts}
+        try:
+            try:
+                self._install(plan, by_path, number)
+            except OSError as exc:
+                # A directory that cannot be written (read-only, a file in
+                # the way): undo the files this pass installed, like a failed
+                # activation.
+                raise ActivationError(f"installing the files failed: {exc}") from exc
+            if self.activators is None:
+                return PassResult("written", plan, number)
+            self._activate(plan, by_path, number, self.activators)
+        except ActivationError as exc:
+            message = f"activation of generation {number} failed: {exc}"
+            self.audit.record("activate", "failed", generation=str(number), reason=str(exc))
+            messages = [message]
+            good = self.store.good()
+            try:
+                self.rollback_to(good, reason=message)
+                messages.append(
+                    f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
+                )
+                return PassResult("rolled-back", plan, good, messages)
+            except ActivationError as again:
+                messages.append(f"rollback to generation {good} failed too: {again}")
+                self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
+                return PassResult("failed", plan, number, messages)
+        self.checkpoint("mark good")
+        self.store.set_good(number)
+        self.audit.record("activate", "ok", generation=str(number))
+        for n in self.store.prune():
+            self.audit.record("prune", "ok", generation=str(n))
+        return PassResult("applied", plan, number)
+
+    def _validate(self, staging: str, artifacts: Sequence[Artifact]) -> str | None:
+        if self.validators is None:
+            return None
+        units = [self.tree.real_path(f"{staging}/files/{a.path}") for a in artifacts if a.kind == "unit"]
+        try:
+            if units:
+                self.validators.units.verify(units)
+            for a in artifacts:
+                if a.kind == "nft":
+                    self.validators.nftables.check(a.content)
+                elif a.kind == "caddy":
+                    self.validators.caddy.validate(self._caddy_config(a))
+        except ActivationError as exc:
+            return f"validation failed, nothing installed: {exc}"
+        return None
+
+    def _install(self, plan: Plan, by_path: Mapping[str, Artifact], number: int | None) -> None:
+        for path in plan.write:
+            a = by_path[path]
+            self.checkpoint(f"write {path}")
+            self.tree.write(path, a.data, a.mode)
+            self.audit.record("write", "ok", file=path, generation=str(number or ""), hash=a.sha256)
+        for path in plan.remove:
+            self.checkpoint(f"remove {path}")
+            self.tree.remove(path)
+            self.audit.record("remove", "ok", file=path, generation=str(number or ""))
+
+    def _activate(self, plan: Plan, by_path: Mapping[str, Artifact], number: int | None, ports: Activators) -> None:
+        gen = str(number or "")
+
+        def step(action: str, call: Callable[[], None], **fields: str) -> None:
+            self.checkpoint(f"{action} {fields.get('unit') or fields.get('file') or ''}".strip())
+            try:
+                call()
+            except ActivationError as exc:
+                self.audit.record(action, "failed", **{**fields, "generation": gen, "reason": str(exc)})
+                raise ActivationError(f"{action} {fields.get('unit') or fields.get('file') or ''}: {exc}".strip()) from exc
+            self.audit.record(action, "ok", generation=gen, **fields)
+
+        if plan.daemon_reload:
+            step("daemon-reload", ports.systemd.daemon_reload)
+        nft = next((a for a in by_path.values() if a.kind == "nft"), None)
+        if plan.nft_load:
+            ruleset = nft.content if nft is not None else EMPTY_RULESET
+            step("nft-load", lambda: ports.nftables.apply(ruleset), file=nft.path if nft else "", hash=_sha(ruleset.encode()))
+        unit_hashes = {a.unit: a.sha256 for a in by_path.values() if a.unit}
+        for action, units, call in (
+            ("stop", plan.stop, ports.systemd.stop),
+            ("reload", plan.reload, ports.systemd.reload),
+            ("restart", plan.restart, ports.systemd.restart),
+            ("start", plan.start, ports.systemd.start),
+        ):
+            for unit in units:
+                step(action, lambda u=unit, c=call: c(u), unit=unit, hash=unit_hashes.get(unit, ""), reason=plan.reasons.get(unit, ""))  # type: ignore[misc]
+        if plan.caddy_reload:
+            caddy = next((a for a in by_path.values() if a.kind == "caddy"), None)
+            config = self._caddy_config(caddy)
+            step("caddy-load", lambda: ports.caddy.load(config), file=caddy.path if caddy else "", hash=_sha(config.encode()))
+
+    # ---- rollback
+
+    def rollback_to(self, target: int | None, *, reason: str) -> Plan:
+        """Reinstall generation `target` (None: nothing) and activate the
+        difference from what the current generation left running."""
+        current = self.store.current()
+        old = self.store.artifacts(target)
+        failed = {a.path: a.data for a in self.store.artifacts(current)}
+        tracked = self._tracked()
+        installed = self._installed([*(a.path for a in old), *tracked])
+        # What runs now is (at most) the failed generation: plan from it.
+        running = {**installed, **failed}
+        plan = make_plan(old, installed, tracked, running=running)
+        self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)
+        by_path = {a.path: a for a in old}
+        self._install(plan, by_path, target)
+        if self.activators is not None:
+            self._activate(plan, by_path, target, self.activators)
+        self.store.set_current(target)
+        self.store.set_good(target)
+        self.audit.record("rollback", "ok", generation=str(target or ""))
+        return plan
+
+    def rollback(self, target: int | None = None) -> tuple[int, Plan]:
+        """`fabric rollback`: back to `target`, by default the generation
+        before the last good one."""
+        self.lock.acquire()
+        try:
+            numbers = self.store.numbers()
+            if target is None:
+                good = self.store.good() or self.store.current()
+                earlier = [n for n in numbers if good is None or n < good]
+                if not earlier:
+                    raise ActivationError("no earlier generation to roll back to")
+                target = earlier[-1]
+            elif target not in numbers:
+                raise ActivationError(f"no generation {target} (have: {', '.join(map(str, numbers)) or 'none'})")
+            plan = self.rollback_to(target, reason="fabric rollback")
+            return target, plan
+        finally:
+            self.lock.release()
+
+
+def stale_plan(store: GenerationStore, epoch: int) -> str | None:
+    """Why a fleet plan of `epoch` must be ignored, or None to use it.
+
+    A host never applies a plan older than the one its current generation was
+    rendered from: a deposed leader's late plan cannot undo its successor's.
+    """
+    current = store.current()
+    manifest = store.manifest(current)
+    if manifest is not None and manifest.epoch is not None and epoch < manifest.epoch:
+        return f"the fleet plan's epoch {epoch} is older than epoch {manifest.epoch} of generation {current}: ignored, generation {current} stays"
+    return None
+
+
+# --------------------------------------------------------------------------
+# `fabric generations`
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    number: int
+    created: str
+    digest: str
+    artifacts: int
+    current: bool
+    good: bool
+
+
+def list_generations(store: GenerationStore) -> list[GenerationInfo]:
+    current, good = store.current(), store.good()
+    out = []
+    for n in store.numbers():
+        m = store.manifest(n)
+        if m is None:
+            continue
+        out.append(GenerationInfo(n, m.created, m.digest, len(m.entries), n == current, n == good))
+    return out

@@ -1,0 +1,135 @@
+"""The lane dispatcher: waiting lane jobs, oldest first, into lane slots (multi-compute.md).
+
+The job system (phaze's control plane) feeds the registry's queue
+(`Registry.enqueue_jobs`); `fabric lane dispatch` runs `dispatch_pass` over it:
+
+    for each waiting job, oldest enqueued first:
+        choose_lane(lanes, LaneJob(waited_s, attempts))   (reconciler.core.scheduling.lanes, pure)
+        a lane  -> Registry.start_job(job, lane, cap): one transaction that
+                   takes a free slot of the lane only while the job still
+                   waits, so however many dispatchers race, no lane ever has
+                   more than `cap` jobs and no job runs twice
+        a hold  -> the job stays queued; the event carries the hold reason
+
+A lost race (the slot or the job taken by another dispatcher between the read
+and the transaction) re-reads the lanes and decides again; a job another
+dispatcher started is reported as such. Lanes come from the desired state
+(kind, rank, cap) and the registry (available, claimed slots: plain
+`claim_slot` holders share the same caps).
+
+Talks to the registry only through its Protocol; `reconciler.cli.lane` wires it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import HoldReason, LaneView
+from reconciler.core.live.records import QueuedJob, utc
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key
+from reconciler.ports import Registry, RegistryError
+
+# Lost races in a row before a pass gives up on a job (each loss means another
+# dispatcher made progress, so this only trips under a pathological storm).
+RETRIES = 20
+
+# What would release a held job, for people reading `fabric lane` output.
+HOLD_MEANING: dict[str, str] = {
+    "no_free_slots": "every lane it may use is full or offline",
+    "local_spill_not_reached": "the cloud lanes are full and it has not waited long enough to spill to local",
+    "cloud_attempts_exhausted": "its cloud attempts are spent and the local lane has no free slot",
+}
+
+
+@dataclass(frozen=True)
+class DispatchEvent:
+    """One job's outcome in a pass: started in a lane slot, held with a reason, or taken by another dispatcher."""
+
+    job: str
+    waited_s: float
+    attempts: int
+    backend: str | None = None
+    slot: int | None = None
+    hold: HoldReason | None = None
+    taken_elsewhere: bool = False
+
+    def as_json(self) -> dict:
+        return {
+            "job": self.job,
+            "backend": self.backend,
+            "slot": self.slot,
+            "hold": self.hold,
+            "waited_s": round(self.waited_s, 3),
+            "attempts": self.attempts,
+            "taken_elsewhere": self.taken_elsewhere,
+        }
+
+    def text(self) -> str:
+        seen = f"waited {self.waited_s:.0f}s, attempts {self.attempts}"
+        if self.backend is not None:
+            return f"{self.job} -> {self.backend} slot {self.slot} ({seen})"
+        if self.taken_elsewhere:
+            return f"{self.job}: started by another dispatcher"
+        return f"{self.job} held: {self.hold}: {HOLD_MEANING.get(self.hold or '', '')} ({seen})"
+
+
+def job_view(job: QueuedJob, now: datetime) -> LaneJob:
+    return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts)
+
+
+def current_lanes(registry: Registry, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+    snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+    return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
+
+
+def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEvent]:
+    """One pass over the waiting jobs (see the module docstring)."""
+    settings = desired.fleet.scheduler
+    caps = {lane.id: lane.cap for lane in desired.lanes}
+    views, now = current_lanes(registry, desired)
+    events: list[DispatchEvent] = []
+    for job in registry.lane_jobs():
+        if not job.waiting:
+            continue
+        wanted = job_view(job, now)
+        event: DispatchEvent | None = None
+        # A lost race re-reads the job and the lanes and decides again.
+        for _ in range(RETRIES):
+            decision = choose_lane(sorted(views.values(), key=sort_key), wanted, settings)
+            if decision.backend is None:
+                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, hold=decision.hold)
+                break
+            claim = registry.start_job(job.job_id, decision.backend, caps[decision.backend])
+            if claim is not None:
+                lane = views[decision.backend]
+                views[decision.backend] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, backend=claim.lane, slot=claim.slot)
+                break
+            again = next((j for j in registry.lane_jobs() if j.job_id == job.job_id), None)
+            if again is None or not again.waiting:
+                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, taken_elsewhere=True)
+                break
+            views, _ = current_lanes(registry, desired)
+        if event is None:
+            raise RegistryError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
+        events.append(event)
+    return events
+
+
+def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: DesiredState, now: datetime) -> dict[str, DispatchEvent]:
+    """What a pass would decide now for each waiting job (read-only, for `fabric lane status`)."""
+    settings = desired.fleet.scheduler
+    current = dict(views)
+    out = {}
+    for job in jobs:
+        if not job.waiting:
+            continue
+        wanted = job_view(job, now)
+        decision = choose_lane(sorted(current.values(), key=sort_key), wanted, settings)
+        if decision.backend is not None:
+            lane = current[decision.backend]
+            current[decision.backend] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+        out[job.job_id] = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, backend=decision.backend, hold=decision.hold)
+    return out

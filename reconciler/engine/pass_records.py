@@ -1,0 +1,98 @@
+"""What every pass leaves for people and monitoring, beside its generation.
+
+- the probe's damping history (a device missed once does not demote the node),
+- the Prometheus textfile for node_exporter (every host),
+- the fleet status page served by the edge's Caddy (edge hosts).
+
+These are rewritten every pass, atomically, and are not part of a generation:
+a status page that changes every 30 s must not make a new generation or
+reload Caddy. Failing to write one is reported, never fails the pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+
+from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.probe.damping import ProbeHistory, damp
+from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
+from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
+from reconciler.core.views.page import render_status_page
+from reconciler.engine.plan_source import PlanSource
+from reconciler.ports import FileTree
+
+PROBE_HISTORY = "probe-history.json"
+PASS_COUNTERS = "pass-counters.json"
+
+
+def damped_facts(tree: FileTree, state_dir: str, state: DesiredState, observed: NodeFacts, now: datetime) -> tuple[NodeFacts, ProbeHistory]:
+    """The facts this pass uses (a lower tier only after `missed_beats` passes
+    in a row) and the history to keep; `save_probe_history` keeps it once the
+    pass's inputs all checked out, so bad input still changes nothing."""
+    raw = tree.read(f"{state_dir}/{PROBE_HISTORY}")
+    try:
+        history = ProbeHistory.model_validate_json(raw) if raw else ProbeHistory()
+    except ValueError:
+        # A history from another version or a torn disk: start afresh rather
+        # than refuse to run (the worst case is one undamped pass).
+        history = ProbeHistory()
+    return damp(history, observed, now, passes=state.fleet.timing.missed_beats)
+
+
+def save_probe_history(tree: FileTree, state_dir: str, history: ProbeHistory) -> None:
+    tree.write(f"{state_dir}/{PROBE_HISTORY}", history.model_dump_json().encode())
+
+
+@dataclass(frozen=True)
+class PassOutcome:
+    succeeded: bool
+    rolled_back: bool
+    generation: int | None
+    duration_s: float
+
+
+def write_pass_records(
+    tree: FileTree,
+    state_dir: str,
+    state: DesiredState,
+    host: str,
+    source: PlanSource,
+    outcome: PassOutcome,
+    now: datetime,
+) -> None:
+    try:
+        _write(tree, state_dir, state, host, source, outcome, now)
+    except OSError as exc:
+        print(f"note: could not write metrics or the status page: {exc}", file=sys.stderr)
+
+
+def _write(tree: FileTree, state_dir: str, state: DesiredState, host: str, source: PlanSource, outcome: PassOutcome, now: datetime) -> None:
+    counters_path = f"{state_dir}/{PASS_COUNTERS}"
+    raw = tree.read(counters_path)
+    try:
+        counters = json.loads(raw) if raw else {}
+    except ValueError:
+        counters = {}
+    rollbacks = int(counters.get("rollbacks_total", 0)) + (1 if outcome.rolled_back else 0)
+    last_success = now.isoformat() if outcome.succeeded else counters.get("last_success")
+    tree.write(counters_path, json.dumps({"rollbacks_total": rollbacks, "last_success": last_success}).encode())
+
+    stats = PassMetrics(
+        duration_s=outcome.duration_s,
+        succeeded=outcome.succeeded,
+        last_success=datetime.fromisoformat(last_success) if last_success else None,
+        generation=outcome.generation,
+        plan_epoch=source.plan.epoch if source.static is None else None,
+        rollbacks_total=rollbacks,
+    )
+    snapshot = source.snapshot
+    tree.write(
+        TEXTFILE_PATH,
+        render_metrics(stats, desired=state if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
+    )
+    if snapshot is not None and "edge" in state.hosts[host].host.roles:
+        page = render_status_page(state, snapshot, source.plan if source.plan.leader else None, now)
+        tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

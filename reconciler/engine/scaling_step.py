@@ -1,0 +1,243 @@
+"""The leader's scaling step: queue depth in, `decide_scaling`, its actions carried out.
+
+`reconciler.core.scheduling.scaling.decide_scaling` is pure and only decides; this module is
+where the leader loop (the only place scaling actions are executed) carries
+them out, through the Registry Protocol and the CommandRunner / Audit ports.
+It imports no adapter: `reconciler.cli.leader` wires the real ones.
+
+Queue depth (what the burst rule compares with `scaling.queue_high`):
+
+    lane jobs waiting in the registry (enqueued, not yet in a slot)
+  + replicas the plan defers for want of capacity (not the inadmissible ones:
+    no amount of capacity would place those, so they must not start a burst)
+
+Both are work that exists and has nowhere to run right now, which is what the
+seed's "queue_depth > THRESHOLD_HIGH" means; running jobs are not counted (they
+have a slot), and lane jobs that are only held by the local spill gate are
+(they are waiting for a cloud slot, which is the capacity a burst adds).
+
+What each action does (all registry-held, in the `ScalingRecord`, which only
+the leader writes, under its fence):
+
+    raise_concurrency  the node's concurrency override becomes the decided
+                       value (checked again against its ceiling); the
+                       registry's snapshot reports it as max_concurrent_tasks,
+                       so the next plan may place more there.
+    scale_down         the node's worker group goes to its minimum: the
+                       override becomes max(1, what it runs now: in-flight
+                       tasks + the replicas the plan keeps there), so nothing
+                       that runs has to move; the node is marked scaled down.
+    activate_idle      a scaled-down group is brought back: its override is
+                       dropped (its own declared limit again). An idle node
+                       that was not scaled down already takes work; that is
+                       logged as such. Besides bursts, every scaled-down group
+                       is brought back as soon as the plan defers a replica
+                       for capacity (a lost node's work needs a home): scaling
+                       down never keeps work waiting.
+    run_cloud_hook     the tier's configured argv is run through the
+                       CommandRunner (never a shell), with a timeout (the
+                       pass's hooks share `hook_budget_s`); the
+                       outcome (exit status, timed out, missing) is stored per
+                       tier, the output goes to the log only.
+    hold               logged: why the burst added nothing this pass.
+
+Order: the new record (decided state + overrides) is stored first, fenced by
+the leader's term, and only then are hooks run. A leader that lost its fence
+gets NotLeader from that write and runs nothing; a leader that dies after the
+write but before a hook ran loses one group (the next burst window asks
+again), never runs a tier's hook twice within the interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
+from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
+from reconciler.ports import Audit, CommandResult, CommandRunner, Registry
+
+# All cloud hooks of one pass share this many seconds (each gets its share as
+# its timeout). The leader's CLI sets it to half the lease TTL: a slow hook
+# must not keep the leader from renewing its lease.
+HOOK_BUDGET_S = 120.0
+# How many carried-out actions the record keeps for `fabric lane status`.
+RECENT_ACTIONS = 50
+
+
+def queue_depth(jobs: Sequence[QueuedJob], plan: FleetPlan | None) -> int:
+    """Waiting lane jobs + replicas deferred for capacity (see the module docstring)."""
+    waiting = sum(1 for job in jobs if job.waiting)
+    deferred = sum(1 for d in plan.deferred if not d.inadmissible) if plan is not None else 0
+    return waiting + deferred
+
+
+def _minimum(node_id: str, snapshot: Snapshot, plan: FleetPlan | None) -> int:
+    node = next(n for n in snapshot.nodes if n.node_id == node_id)
+    kept = len(plan.services_on(node_id)) if plan is not None else 0
+    return max(1, node.in_flight + kept)
+
+
+@dataclass(frozen=True)
+class Carried:
+    """What `carry_out` decided: the record to store, the hooks to run, the lines to log."""
+
+    record: ScalingRecord
+    hooks: list[ScalingAction]
+    lines: list[tuple[ScalingAction, str]]
+
+
+def carry_out(
+    record: ScalingRecord,
+    actions: Sequence[ScalingAction],
+    state: ScalingState,
+    snapshot: Snapshot,
+    plan: FleetPlan | None,
+    *,
+    leader: str,
+    now: datetime,
+) -> Carried:
+    """Pure: the overrides after `actions`, which hooks to run, and what to log."""
+    nodes = {n.node_id: n for n in snapshot.nodes}
+    # Overrides of nodes the registry no longer knows at all are dropped.
+    concurrency = {n: v for n, v in record.concurrency.items() if n in nodes}
+    scaled_down = {n for n in record.scaled_down if n in nodes}
+    hooks: list[ScalingAction] = []
+    lines: list[tuple[ScalingAction, str]] = []
+    recent = list(record.recent)
+
+    for action in actions:
+        node = nodes.get(action.node) if action.node else None
+        if action.kind in ("raise_concurrency", "scale_down", "activate_idle") and node is None:
+            # decide_scaling names only nodes of this snapshot; say so rather than guess.
+            lines.append((action, f"skipped: {action.node!r} is not in the snapshot"))
+            continue
+        if action.kind == "raise_concurrency":
+            assert node is not None and action.max_concurrent_tasks is not None
+            ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
+            if action.max_concurrent_tasks > ceiling:
+                lines.append((action, f"refused: {action.max_concurrent_tasks} is above {action.node}'s ceiling {ceiling}"))
+                continue
+            concurrency[node.node_id] = action.max_concurrent_tasks
+            scaled_down.discard(node.node_id)
+            lines.append((action, f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {action.max_concurrent_tasks}"))
+        elif action.kind == "scale_down":
+            assert node is not None
+            floor = _minimum(node.node_id, snapshot, plan)
+            if floor >= node.max_concurrent_tasks:
+                lines.append((action, f"{node.node_id} already at its minimum {node.max_concurrent_tasks} (what it runs)"))
+            else:
+                concurrency[node.node_id] = floor
+                lines.append((action, f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {floor} (what it runs)"))
+            scaled_down.add(node.node_id)
+        elif action.kind == "activate_idle":
+            assert node is not None
+            if node.node_id in scaled_down:
+                scaled_down.discard(node.node_id)
+                concurrency.pop(node.node_id, None)
+                lines.append((action, f"{node.node_id} scaled-down group back to its own limit"))
+            else:
+                lines.append((action, f"{node.node_id} is idle and already takes work"))
+        elif action.kind == "run_cloud_hook":
+            hooks.append(action)
+            continue  # logged with its outcome once run
+        else:
+            lines.append((action, "held"))
+            continue  # holds repeat every pass: logged, not kept
+        recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, node=action.node, tier=action.tier, outcome=lines[-1][1]))
+
+    # Safety valve: scaling down must never be why work waits. While the plan
+    # defers replicas for capacity (a node was lost, a service added), every
+    # scaled-down group gets its own limit back at once, burst or not.
+    waiting = [d for d in plan.deferred if not d.inadmissible] if plan is not None else []
+    if waiting and scaled_down:
+        why = f"{len(waiting)} replica(s) deferred for capacity ({', '.join(sorted({d.service for d in waiting}))})"
+        for node_id in sorted(scaled_down):
+            valve = ScalingAction(kind="activate_idle", node=node_id, tier=nodes[node_id].tier, reason=why)
+            concurrency.pop(node_id, None)
+            lines.append((valve, f"{node_id} scaled-down group back to its own limit"))
+            recent.append(ScalingAudit(at=now, kind=valve.kind, reason=why, node=node_id, tier=valve.tier, outcome=lines[-1][1]))
+        scaled_down.clear()
+
+    updated = record.model_copy(
+        update={
+            "state": state.model_dump(mode="json"),
+            "concurrency": dict(sorted(concurrency.items())),
+            "scaled_down": sorted(scaled_down),
+            "recent": recent[-RECENT_ACTIONS:],
+            "leader": leader,
+            "updated_at": now,
+        }
+    )
+    return Carried(record=updated, hooks=hooks, lines=lines)
+
+
+def hook_outcome(result: CommandResult, now: datetime) -> HookOutcome:
+    return HookOutcome(at=now, ok=result.ok, returncode=result.returncode, timed_out=result.timed_out, missing=result.missing)
+
+
+def summary(result: CommandResult) -> str:
+    """How a hook ended, without its argv or output."""
+    if result.missing:
+        return "failed: not installed"
+    if result.timed_out:
+        return "failed: timed out"
+    return "ran, exit 0" if result.returncode == 0 else f"failed: exit {result.returncode}"
+
+
+def _same(a: ScalingRecord, b: ScalingRecord) -> bool:
+    return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
+
+
+@dataclass
+class ScalingStep:
+    """Run by LeaderLoop.step while it leads, after the plan."""
+
+    registry: Registry
+    runner: CommandRunner
+    log: Callable[[str], None]
+    audit: Audit | None = None
+    hook_budget_s: float = HOOK_BUDGET_S
+
+    def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
+        where = action.node or action.tier or "fleet"
+        self.log(f"scaling {action.kind} {where}: {outcome} ({action.reason})")
+        if self.audit is not None:
+            self.audit.record(f"scaling-{action.kind}", "ok" if ok else "failed", unit=where, reason=f"{outcome}: {action.reason}")
+
+    def run(self, leadership: Leadership, desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> list[ScalingAction]:
+        """Decide and carry out this pass's scaling; raises NotLeader (nothing run) when the term is over."""
+        record = self.registry.scaling_record()
+        try:
+            state = ScalingState.model_validate(record.state)
+        except ValidationError as exc:
+            self.log(f"scaling state unreadable, starting afresh: {exc.errors()[0]['msg']}")
+            state = ScalingState()
+        depth = queue_depth(self.registry.lane_jobs(), plan)
+        now = snapshot.now
+        decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now)
+        carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now)
+        if not _same(carried.record, record):
+            self.registry.store_scaling(leadership, carried.record)  # the fence: NotLeader stops here
+        for action, outcome in carried.lines:
+            self._say(action, outcome)
+        if not carried.hooks:
+            return decision.actions
+
+        hooks = dict(carried.record.hooks)
+        recent = list(carried.record.recent)
+        for action in carried.hooks:
+            assert action.tier is not None
+            result = self.runner.run(action.argv, timeout=self.hook_budget_s / len(carried.hooks))
+            failure = result.failure()
+            self._say(action, "ran, exit 0" if failure is None else f"failed: {failure}", ok=failure is None)
+            hooks[action.tier] = hook_outcome(result, now)
+            # The registry keeps no command, path or output: only how it ended.
+            recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, outcome=summary(result)))
+        self.registry.store_scaling(leadership, carried.record.model_copy(update={"hooks": hooks, "recent": recent[-RECENT_ACTIONS:]}))
+        return decision.actions
