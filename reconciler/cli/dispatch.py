@@ -11,7 +11,7 @@ seed's `select_worker`, fall back as far as there is anything. Prints
 `{"node": null, "status": "deferred", "reason": TEXT}` (the reason starts with
 "inadmissible:" when no node of the fleet could ever take it).
 
-`--lane`: a job for a backend lane (reconciler.core.scheduling.lanes), given how long it has
+`--lane`: a job for a lane (reconciler.core.scheduling.lanes), given how long it has
 waited and how many cloud attempts failed. Prints `{"backend": ID, "hold": null}`
 or `{"backend": null, "hold": REASON}`.
 
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dispatch", help="where one task (--min-tier) or lane job (--lane) would go now")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--min-tier", choices=TIER_ORDER, metavar="TIER", help=f"a node task needing TIER ({', '.join(TIER_ORDER)})")
-    what.add_argument("--lane", action="store_true", help="a job for a backend lane")
+    what.add_argument("--lane", action="store_true", help="a job for a lane")
     p.add_argument("--floor", choices=TIER_ORDER, metavar="TIER", help="with --min-tier: lowest tier to fall back to (default relay)")
     p.add_argument("--arch", action="append", choices=ARCHES, default=[], help="with --min-tier: allowed architecture (repeatable)")
     p.add_argument("--label", action="append", type=_label, default=[], metavar="KEY=VALUE", help="with --min-tier: required node label (repeatable)")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(decision.as_json()))
         else:
-            print(decision.backend if decision.backend else f"hold: {decision.hold}")
+            print(decision.lane if decision.lane else f"hold: {decision.hold}")
         return EXIT_OK
 
     request = Request(

@@ -170,7 +170,7 @@ def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> int:
     for j in jobs:
         if j.waiting:
             event = predicted[j.job_id]
-            nxt = f"next: {event.backend}" if event.backend else f"held: {event.hold}: {HOLD_MEANING[event.hold or '']}"
+            nxt = f"next: {event.lane}" if event.lane else f"held: {event.hold}: {HOLD_MEANING[event.hold or '']}"
             print(f"waiting {j.job_id} since {stamp(j.enqueued_at, now)}, attempts {j.attempts}; {nxt}")
     for d in document["deferred"]:
         print(f"deferred {d['service']}#{d['replica']}: {d['reason']}")

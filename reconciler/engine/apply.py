@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from reconciler.core.render.actions import Plan, make_plan
+from reconciler.core.render.actions import HostActions, plan_actions
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config
 from reconciler.ports import (
     ActivationError,
@@ -257,7 +257,7 @@ class Validators:
 @dataclass
 class PassResult:
     outcome: str  # "noop", "applied", "written" (no activation), "invalid", "rolled-back", "failed"
-    plan: Plan
+    plan: HostActions
     generation: int | None = None
     messages: list[str] = field(default_factory=list)
 
@@ -336,7 +336,7 @@ class Applier:
             return None
         return {a.unit: self.activators.systemd.active_state(a.unit) for a in artifacts if a.unit}
 
-    def compute_plan(self, artifacts: Sequence[Artifact]) -> tuple[Plan, bool]:
+    def compute_plan(self, artifacts: Sequence[Artifact]) -> tuple[HostActions, bool]:
         """The plan of a pass over `artifacts`, and whether the last activation
         is unfinished (current != good). Reads only."""
         current, good = self.store.current(), self.store.good()
@@ -346,7 +346,7 @@ class Applier:
         running: Mapping[str, bytes] | None = None
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
-        plan = make_plan(
+        plan = plan_actions(
             artifacts,
             installed,
             tracked,
@@ -466,7 +466,7 @@ class Applier:
             return f"validation failed, nothing installed: {exc}"
         return None
 
-    def _install(self, plan: Plan, by_path: Mapping[str, Artifact], number: int | None) -> None:
+    def _install(self, plan: HostActions, by_path: Mapping[str, Artifact], number: int | None) -> None:
         for path in plan.write:
             a = by_path[path]
             self.checkpoint(f"write {path}")
@@ -477,7 +477,7 @@ class Applier:
             self.tree.remove(path)
             self.audit.record("remove", "ok", file=path, generation=str(number or ""))
 
-    def _activate(self, plan: Plan, by_path: Mapping[str, Artifact], number: int | None, ports: Activators) -> None:
+    def _activate(self, plan: HostActions, by_path: Mapping[str, Artifact], number: int | None, ports: Activators) -> None:
         gen = str(number or "")
 
         def step(action: str, call: Callable[[], None], **fields: str) -> None:
@@ -511,7 +511,7 @@ class Applier:
 
     # ---- rollback
 
-    def rollback_to(self, target: int | None, *, reason: str) -> Plan:
+    def rollback_to(self, target: int | None, *, reason: str) -> HostActions:
         """Reinstall generation `target` (None: nothing) and activate the
         difference from what the current generation left running."""
         current = self.store.current()
@@ -521,7 +521,7 @@ class Applier:
         installed = self._installed([*(a.path for a in old), *tracked])
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
-        plan = make_plan(old, installed, tracked, running=running)
+        plan = plan_actions(old, installed, tracked, running=running)
         self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)
         by_path = {a.path: a for a in old}
         self._install(plan, by_path, target)
@@ -532,7 +532,7 @@ class Applier:
         self.audit.record("rollback", "ok", generation=str(target or ""))
         return plan
 
-    def rollback(self, target: int | None = None) -> tuple[int, Plan]:
+    def rollback(self, target: int | None = None) -> tuple[int, HostActions]:
         """`fabric rollback`: back to `target`, by default the generation
         before the last good one."""
         self.lock.acquire()

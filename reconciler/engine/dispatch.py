@@ -50,7 +50,7 @@ class DispatchEvent:
     job: str
     waited_s: float
     attempts: int
-    backend: str | None = None
+    lane: str | None = None
     slot: int | None = None
     hold: HoldReason | None = None
     taken_elsewhere: bool = False
@@ -58,7 +58,7 @@ class DispatchEvent:
     def as_json(self) -> dict:
         return {
             "job": self.job,
-            "backend": self.backend,
+            "backend": self.lane,
             "slot": self.slot,
             "hold": self.hold,
             "waited_s": round(self.waited_s, 3),
@@ -68,8 +68,8 @@ class DispatchEvent:
 
     def text(self) -> str:
         seen = f"waited {self.waited_s:.0f}s, attempts {self.attempts}"
-        if self.backend is not None:
-            return f"{self.job} -> {self.backend} slot {self.slot} ({seen})"
+        if self.lane is not None:
+            return f"{self.job} -> {self.lane} slot {self.slot} ({seen})"
         if self.taken_elsewhere:
             return f"{self.job}: started by another dispatcher"
         return f"{self.job} held: {self.hold}: {HOLD_MEANING.get(self.hold or '', '')} ({seen})"
@@ -98,14 +98,14 @@ def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEve
         # A lost race re-reads the job and the lanes and decides again.
         for _ in range(RETRIES):
             decision = choose_lane(sorted(views.values(), key=sort_key), wanted, settings)
-            if decision.backend is None:
+            if decision.lane is None:
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, hold=decision.hold)
                 break
-            claim = registry.start_job(job.job_id, decision.backend, caps[decision.backend])
+            claim = registry.start_job(job.job_id, decision.lane, caps[decision.lane])
             if claim is not None:
-                lane = views[decision.backend]
-                views[decision.backend] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
-                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, backend=claim.lane, slot=claim.slot)
+                lane = views[decision.lane]
+                views[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=claim.lane, slot=claim.slot)
                 break
             again = next((j for j in registry.lane_jobs() if j.job_id == job.job_id), None)
             if again is None or not again.waiting:
@@ -128,8 +128,8 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
             continue
         wanted = job_view(job, now)
         decision = choose_lane(sorted(current.values(), key=sort_key), wanted, settings)
-        if decision.backend is not None:
-            lane = current[decision.backend]
-            current[decision.backend] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
-        out[job.job_id] = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, backend=decision.backend, hold=decision.hold)
+        if decision.lane is not None:
+            lane = current[decision.lane]
+            current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+        out[job.job_id] = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=decision.lane, hold=decision.hold)
     return out

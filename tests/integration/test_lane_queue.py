@@ -46,7 +46,7 @@ def desired() -> DesiredState:
 
 
 def outcome(events) -> dict[str, str]:
-    return {e.job: (e.backend if e.backend else f"hold:{e.hold}") for e in events}
+    return {e.job: (e.lane if e.lane else f"hold:{e.hold}") for e in events}
 
 
 # -- the queue itself -----------------------------------------------------------
@@ -149,7 +149,7 @@ def test_jobs_fill_the_cheapest_lane_then_spill_and_reach_local_only_through_the
         assert registry.start_job("spent", "a1-arm64", 2) is not None
         registry.finish_job("spent", requeue=True, count_attempt=True)
     events = {e.job: e for e in dispatch_pass(registry, desired)}
-    assert events["job-7"].backend == "a1-arm64", "the oldest job first, to the cheapest free lane"
+    assert events["job-7"].lane == "a1-arm64", "the oldest job first, to the cheapest free lane"
     assert events["spent"].hold == "cloud_attempts_exhausted" and events["spent"].attempts == 3
     assert registry.lane_in_flight()["x86-spill"] == 3, "the spent job did not take the free cloud slot"
 

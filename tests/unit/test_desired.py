@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import DesiredStateError, load_desired, summary
-from reconciler.core.desired.model import IMPLICIT_LOCAL_LANE, Backend, FleetConfig, tier_score
+from reconciler.core.desired.model import IMPLICIT_LOCAL_LANE, FleetConfig, Lane, tier_score
 from tests.conftest import EXAMPLE_FLEET
 
 MINIMAL_FLEET = """
@@ -147,7 +147,7 @@ def test_tiers_are_ordered_as_in_the_seed() -> None:
 )
 def test_backend_startup_validators(fields: dict) -> None:
     with pytest.raises(ValueError):
-        Backend.model_validate(fields)
+        Lane.model_validate(fields)
 
 
 def test_models_are_frozen() -> None:

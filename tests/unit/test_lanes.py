@@ -34,7 +34,7 @@ FULL_A1, FULL_X86, FULL_LOCAL = (2, True), (4, True), (1, True)
 OFF = (0, False)
 
 TABLE = [
-    # (id, lanes, waited_s, attempts, backend, hold)
+    # (id, lanes, waited_s, attempts, lane, hold)
     ("cheapest lane first", lanes(), 0, 0, "a1-arm64", None),
     ("spill to the next rank when full", lanes(a1=FULL_A1), 0, 0, "x86-spill", None),
     ("an offline lane never stalls the others", lanes(a1=OFF), 0, 0, "x86-spill", None),
@@ -56,10 +56,10 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("views, waited, attempts, backend, hold", [r[1:] for r in TABLE], ids=[r[0] for r in TABLE])
-def test_choose_lane(views, waited, attempts, backend, hold):
+@pytest.mark.parametrize("views, waited, attempts, lane, hold", [r[1:] for r in TABLE], ids=[r[0] for r in TABLE])
+def test_choose_lane(views, waited, attempts, lane, hold):
     decision = choose_lane(views, LaneJob(waited_s=waited, attempts=attempts), SETTINGS)
-    assert decision == LaneDecision(backend=backend, hold=hold)
+    assert decision == LaneDecision(lane=lane, hold=hold)
 
 
 def test_equal_ranks_share_by_utilization_then_id():
@@ -69,7 +69,7 @@ def test_equal_ranks_share_by_utilization_then_id():
         LaneView(id="c", kind="compute", rank=10, cap=4, in_flight=1, available=True),
     ]
     # b and c at 1/4 beat a at 1/2; b beats c by id.
-    assert choose_lane(views, LaneJob(), SETTINGS).backend == "b"
+    assert choose_lane(views, LaneJob(), SETTINGS).lane == "b"
 
 
 def test_only_the_implicit_local_lane_takes_work_at_once():
@@ -91,17 +91,17 @@ def test_a_local_lane_ranked_below_the_cloud_wins_once_its_gate_opens():
         LaneView(id="cloud", kind="compute", rank=50, cap=1, in_flight=0, available=True),
         LaneView(id="local", kind="local", rank=5, cap=1, in_flight=0, available=True),
     ]
-    assert choose_lane(views, LaneJob(), SETTINGS).backend == "cloud"
-    assert choose_lane(views, LaneJob(waited_s=900), SETTINGS).backend == "local"
+    assert choose_lane(views, LaneJob(), SETTINGS).lane == "cloud"
+    assert choose_lane(views, LaneJob(waited_s=900), SETTINGS).lane == "local"
 
 
 def test_dispatching_a_queue_fills_by_rank_then_holds():
     decisions, after = dispatch_jobs(lanes(), [LaneJob()] * 8, SETTINGS)
-    assert [d.backend or d.hold for d in decisions] == (["a1-arm64"] * 2 + ["x86-spill"] * 4 + ["local_spill_not_reached"] * 2)
+    assert [d.lane or d.hold for d in decisions] == (["a1-arm64"] * 2 + ["x86-spill"] * 4 + ["local_spill_not_reached"] * 2)
     assert [(v.id, v.in_flight) for v in after] == [("a1-arm64", 2), ("x86-spill", 4), ("local", 0)]
     # A stale job then takes the local slot; the next one finds nothing.
     decisions, after = dispatch_jobs(after, [LaneJob(waited_s=901)] * 2, SETTINGS)
-    assert [d.backend or d.hold for d in decisions] == ["local", "no_free_slots"]
+    assert [d.lane or d.hold for d in decisions] == ["local", "no_free_slots"]
 
 
 def test_lane_views_join_declared_lanes_with_the_snapshot():
@@ -167,7 +167,7 @@ def test_choice_is_the_minimum_sort_key_among_eligible_lanes(views, waited, atte
         assert decision == LaneDecision(best.id, None)
         assert all(sort_key(best) <= sort_key(v) for v in eligible)
     else:
-        assert decision.backend is None
+        assert decision.lane is None
         if spent:
             assert decision.hold == "cloud_attempts_exhausted"
         elif any(v.kind == "local" for v in free) and cloud_online and waited < SETTINGS.local_spill_after_s:

@@ -1,10 +1,10 @@
-"""plan: compare_units (NixOS switch-to-configuration style) and make_plan."""
+"""plan: compare_units (NixOS switch-to-configuration style) and plan_actions."""
 
 from __future__ import annotations
 
 import pytest
 
-from reconciler.core.render.actions import Plan, UnitChange, compare_units, make_plan, parse_unit
+from reconciler.core.render.actions import HostActions, UnitChange, compare_units, parse_unit, plan_actions
 from reconciler.core.render.artifacts import Artifact
 
 BASE = """\
@@ -87,7 +87,7 @@ def test_make_plan_start_restart_stop_and_untracked_files() -> None:
         "etc/fabric/fabric.nft": b"table inet fabric {}\n",
     }
     tracked = {U + "fabric-a.service": "unit", U + "fabric-b.service": "unit", U + "fabric-gone.service": "unit", "etc/fabric/fabric.nft": "nft"}
-    plan = make_plan(desired, installed, tracked)
+    plan = plan_actions(desired, installed, tracked)
     assert plan.write == (U + "fabric-b.service", U + "fabric-new.service")
     assert plan.remove == (U + "fabric-gone.service",)
     assert plan.stop == ("fabric-gone.service",)
@@ -103,12 +103,12 @@ def test_running_view_decides_activation_and_states_start_stopped_units() -> Non
     tracked = {a.path: "unit" for a in desired}
     # Files installed by a killed pass, last activated with older content.
     running = {U + "fabric-a.service": changed("Restart=always", "Restart=no").encode()}
-    plan = make_plan(desired, installed, tracked, running=running, unit_states={"fabric-a.service": "active"})
+    plan = plan_actions(desired, installed, tracked, running=running, unit_states={"fabric-a.service": "active"})
     assert plan.write == () and plan.daemon_reload
     assert plan.restart == ("fabric-a.service",) and plan.start == ("fabric-b.service",)
     # Same files, both running: nothing. One failed: started again.
-    assert make_plan(desired, installed, tracked, unit_states={"fabric-a.service": "active", "fabric-b.service": "active"}).empty
-    again = make_plan(desired, installed, tracked, unit_states={"fabric-a.service": "failed", "fabric-b.service": "active"})
+    assert plan_actions(desired, installed, tracked, unit_states={"fabric-a.service": "active", "fabric-b.service": "active"}).empty
+    again = plan_actions(desired, installed, tracked, unit_states={"fabric-a.service": "failed", "fabric-b.service": "active"})
     assert again.start == ("fabric-a.service",) and again.reasons["fabric-a.service"] == "not running (failed)"
     assert not again.daemon_reload
 
@@ -116,12 +116,12 @@ def test_running_view_decides_activation_and_states_start_stopped_units() -> Non
 def test_caddy_snippet_leaving_the_plan_reloads_caddy() -> None:
     tracked = {"etc/caddy/fabric.caddy": "caddy"}
     installed = {"etc/caddy/fabric.caddy": b"a.example {\n}\n"}
-    plan = make_plan([], installed, tracked)
+    plan = plan_actions([], installed, tracked)
     assert plan.remove == ("etc/caddy/fabric.caddy",) and plan.caddy_reload
 
 
 def test_plan_text_tenses() -> None:
-    plan = Plan(write=("etc/x",), daemon_reload=True, restart=("fabric-x.service",), caddy_reload=True)
+    plan = HostActions(write=("etc/x",), daemon_reload=True, restart=("fabric-x.service",), caddy_reload=True)
     assert plan.text() == (
         "would write the following files:\n  etc/x\n"
         "would reload the systemd manager configuration (daemon-reload)\n"
@@ -130,4 +130,4 @@ def test_plan_text_tenses() -> None:
     )
     assert plan.text(files_done=True, activation_done=True).startswith("wrote the following files:")
     assert "restarted the following units" in plan.text(files_done=True, activation_done=True)
-    assert Plan().text() == "nothing to do\n"
+    assert HostActions().text() == "nothing to do\n"

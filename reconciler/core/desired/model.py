@@ -312,8 +312,8 @@ class AgentSettings(Strict):
         return self
 
 
-class Backend(Strict):
-    """One lane of multi-compute.md's backend registry."""
+class Lane(Strict):
+    """One lane: a `[[backends]]` entry of multi-compute.md (phaze calls lanes backends)."""
 
     kind: Literal["compute", "local"]
     id: Name
@@ -327,7 +327,7 @@ class Backend(Strict):
     queue: Name | None = None
 
     @model_validator(mode="after")
-    def _compute_fields(self) -> Backend:
+    def _compute_fields(self) -> Lane:
         if self.kind == "compute":
             for key in ("agent_ref", "push_host", "scratch_dir"):
                 if getattr(self, key) is None:
@@ -339,7 +339,7 @@ class Backend(Strict):
         return self
 
 
-IMPLICIT_LOCAL_LANE = Backend(kind="local", id="local", rank=99, cap=1)
+IMPLICIT_LOCAL_LANE = Lane(kind="local", id="local", rank=99, cap=1)
 
 
 class Route(Strict):
@@ -410,7 +410,7 @@ class FleetConfig(Strict):
     scheduler: SchedulerSettings = SchedulerSettings()
     scaling: ScalingSettings = ScalingSettings()
     agent: AgentSettings | None = None
-    backends: list[Backend] = []
+    backends: list[Lane] = []
     services: list[Service] = []
     port_maps: list[PortMap] = []
 
@@ -484,20 +484,20 @@ class DesiredState(BaseModel):
     fleet_file: str = "fabric.toml"
 
     @property
-    def lanes(self) -> list[Backend]:
+    def lanes(self) -> list[Lane]:
         """The declared lanes, or the implicit single local lane."""
         return list(self.fleet.backends) or [IMPLICIT_LOCAL_LANE]
 
     def service(self, service_id: str) -> Service | None:
         return next((s for s in self.fleet.services if s.id == service_id), None)
 
-    def lane(self, lane_id: str) -> Backend | None:
+    def lane(self, lane_id: str) -> Lane | None:
         return next((b for b in self.lanes if b.id == lane_id), None)
 
     def hosts_with_role(self, role: str) -> list[str]:
         return sorted(n for n, h in self.hosts.items() if role in h.host.roles)
 
-    def queue_for(self, lane: Backend) -> str | None:
+    def queue_for(self, lane: Lane) -> str | None:
         if lane.kind != "compute" or self.fleet.agent is None:
             return lane.queue
         return lane.queue or f"{self.fleet.agent.queue_prefix}{lane.agent_ref}"

@@ -1,4 +1,4 @@
-"""Plan fencing on the host side (pure): apply a plan only if it is not older than the newest applied.
+"""Fleet-plan fencing on the host side (pure): apply a plan only if it is not older than the newest applied.
 
 A deposed leader may still publish for a moment, or a lagging registry member
 may still serve an old plan. Each host remembers the newest epoch it applied

@@ -1,8 +1,8 @@
-"""Plan a pass: the rendered artifacts against what is on disk and what runs.
+"""Host actions of a pass: the rendered artifacts against what is on disk and what runs.
 
-Pure: `make_plan()` compares contents it is given (read elsewhere through the
-FileTree port) and returns a `Plan`, the list of actions `reconciler.engine.apply`
-executes; `Plan.text()` is what `fabric plan` prints.
+Pure: `plan_actions()` compares contents it is given (read elsewhere through the
+FileTree port) and returns a `HostActions`, the list of actions `reconciler.engine.apply`
+executes; `HostActions.text()` is what `fabric plan` prints.
 
 Two views of the old state go in, because they can differ:
 
@@ -146,7 +146,7 @@ ACTIVE_STATES = frozenset({"active", "activating", "reloading"})
 
 
 @dataclass(frozen=True)
-class Plan:
+class HostActions:
     """What one pass does, in the order `apply` does it."""
 
     write: tuple[str, ...] = ()  # paths (relative to the root)
@@ -228,7 +228,7 @@ def _unit_name(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
-def make_plan(
+def plan_actions(
     desired: Iterable[Artifact],
     installed: Mapping[str, bytes],
     tracked: Mapping[str, str],
@@ -236,7 +236,7 @@ def make_plan(
     running: Mapping[str, bytes] | None = None,
     unit_states: Mapping[str, str] | None = None,
     nft_table_loaded: bool | None = None,
-) -> Plan:
+) -> HostActions:
     """Compare `desired` with the old state; see the module docstring.
 
     installed:   path -> bytes on disk now (absent paths missing).
@@ -301,7 +301,7 @@ def make_plan(
         nft_load = any(tracked[p] == "nft" and p in running for p in gone)
     caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}
     caddy_reload = any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(tracked[p] == "caddy" and p in running for p in gone)
-    return Plan(
+    return HostActions(
         write=tuple(write),
         remove=tuple(remove),
         daemon_reload=units_touched,

@@ -39,9 +39,9 @@ import jinja2
 
 from reconciler.core.desired.model import (
     _LABEL_KEY_RE,
-    Backend,
     DesiredState,
     HostConfig,
+    Lane,
     NodeFacts,
     Service,
 )
@@ -208,7 +208,7 @@ def _fleet_file_name(state: DesiredState) -> str:
     return Path(state.fleet_file).name
 
 
-def _lanes_here(state: DesiredState, host_name: str) -> list[Backend]:
+def _lanes_here(state: DesiredState, host_name: str) -> list[Lane]:
     control = state.hosts_with_role("control")
     here = []
     for lane in state.lanes:
@@ -219,7 +219,7 @@ def _lanes_here(state: DesiredState, host_name: str) -> list[Backend]:
     return here
 
 
-def _lane_workload(state: DesiredState, lane: Backend, arch: str | None, notes: list[str]) -> _Workload | None:
+def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
     agent = state.fleet.agent
     if agent is None:
         notes.append(f"lane {lane.id}: no [agent] table in {state.fleet_file}, so no agent runs it here")
@@ -382,7 +382,7 @@ def render(
     arch = host_arch(host, facts)
     artifacts: list[Artifact] = []
 
-    # Plan entries are checked against the desired state before anything uses them.
+    # Fleet-plan entries are checked against the desired state before anything uses them.
     valid_placements = []
     for p in plan.placements:
         if state.service(p.service) is None:

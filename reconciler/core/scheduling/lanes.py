@@ -1,4 +1,4 @@
-"""Lane dispatch (multi-compute.md): which backend lane takes the next job.
+"""Lane dispatch (multi-compute.md): which lane takes the next job.
 
 Pure: lanes and a job's age and attempts in, a `LaneDecision` out. Nothing is
 sent anywhere; the caller carries the decision out.
@@ -46,11 +46,11 @@ from reconciler.core.live.models import HoldReason, LaneView, Snapshot
 
 @dataclass(frozen=True)
 class LaneDecision:
-    backend: str | None
+    lane: str | None
     hold: HoldReason | None
 
     def as_json(self) -> dict[str, str | None]:
-        return {"backend": self.backend, "hold": self.hold}
+        return {"backend": self.lane, "hold": self.hold}
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,14 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
     """The lane for `job`, or a hold with its reason."""
     eligible = eligible_lanes(lanes, job, settings)
     if eligible:
-        return LaneDecision(backend=min(eligible, key=sort_key).id, hold=None)
+        return LaneDecision(lane=min(eligible, key=sort_key).id, hold=None)
     if job.attempts >= settings.cloud_attempts:
-        return LaneDecision(backend=None, hold="cloud_attempts_exhausted")
+        return LaneDecision(lane=None, hold="cloud_attempts_exhausted")
     compute_available = any(lane.available for lane in lanes if lane.kind != "local")
     local_free = any(has_free_slot(lane) for lane in lanes if lane.kind == "local")
     if compute_available and local_free and job.waited_s < settings.local_spill_after_s:
-        return LaneDecision(backend=None, hold="local_spill_not_reached")
-    return LaneDecision(backend=None, hold="no_free_slots")
+        return LaneDecision(lane=None, hold="local_spill_not_reached")
+    return LaneDecision(lane=None, hold="no_free_slots")
 
 
 def dispatch_jobs(lanes: Sequence[LaneView], jobs: Iterable[LaneJob], settings: SchedulerSettings) -> tuple[list[LaneDecision], list[LaneView]]:
@@ -132,7 +132,7 @@ def dispatch_jobs(lanes: Sequence[LaneView], jobs: Iterable[LaneJob], settings: 
     for job in jobs:
         decision = choose_lane([current[i] for i in order], job, settings)
         decisions.append(decision)
-        if decision.backend is not None:
-            lane = current[decision.backend]
-            current[decision.backend] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+        if decision.lane is not None:
+            lane = current[decision.lane]
+            current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
     return decisions, [current[i] for i in order]
