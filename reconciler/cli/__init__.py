@@ -2,10 +2,15 @@
 
 Each subcommand lives in its own module under `reconciler.cli` and exposes
 `register(subparsers)`, which adds its parser and sets `func` to a function
-taking the parsed arguments and returning the exit status.
+taking the parsed arguments and returning the exit status. Real adapters are
+built in one module, `reconciler.cli.wiring`; the work itself is in
+`reconciler.engine` and the pure core.
 
 Exit status: 0 success; 1 the action failed (a rolled-back pass, an unreachable
 peer); 2 bad input (invalid desired state, bad arguments) and nothing changed.
+A command that cannot go on raises `CommandError` (or `InvalidInput`, exit 2);
+`main` prints its lines to stderr and exits with its status: that is the one
+way a command fails.
 """
 
 from __future__ import annotations
@@ -17,6 +22,22 @@ import sys
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
+
+
+class CommandError(Exception):
+    """The command stops: `lines` go to stderr, the process exits with `exit_status`."""
+
+    exit_status = EXIT_FAILED
+
+    def __init__(self, *lines: str) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class InvalidInput(CommandError):
+    """Bad input (desired state, arguments, a plan or capture file): exit 2, nothing changed."""
+
+    exit_status = EXIT_INVALID
 
 # Subcommand -> the module that registers it, in the order `fabric --help`
 # lists them. Only the module of the command being run is imported: a pass
@@ -62,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except CommandError as exc:
+        for line in exc.lines:
+            print(line, file=sys.stderr)
+        return exc.exit_status
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
