@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from reconciler.cli import InvalidInput
 from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.desired.model import DesiredState
 
@@ -24,10 +25,20 @@ def add_desired(parser: argparse.ArgumentParser) -> None:
 
 
 def load_or_report(directory: Path) -> DesiredState | None:
-    """The desired state, or None after printing every problem to stderr."""
+    """The desired state, or None after printing every problem to stderr.
+
+    Kept while commands move to `load_or_fail`."""
     try:
         return load_desired(directory)
     except DesiredStateError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)
         return None
+
+
+def load_or_fail(directory: Path) -> DesiredState:
+    """The desired state; every problem (`FILE: key.path: reason`) ends the command with exit 2."""
+    try:
+        return load_desired(directory)
+    except DesiredStateError as exc:
+        raise InvalidInput(*(str(problem) for problem in exc.problems)) from None
