@@ -1,4 +1,7 @@
-"""Open the registry fabric.toml's [registry] names. Only `reconciler.cli` calls this.
+"""The one place the real adapters are built; only `reconciler.cli` calls this.
+
+Commands parse their arguments, take their adapters from here, and hand them
+(as the ports they implement) to the engine and the core.
 
     registry = open_registry(desired.fleet)                    # as configured
     registry = open_registry(desired.fleet, sqlite_path=PATH)   # --registry-path / $FABRIC_REGISTRY
@@ -9,10 +12,22 @@ says (tests and the demo run a fleet on one machine without etcd).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from reconciler.core.desired.model import FleetConfig
-from reconciler.ports import Clock, Registry
+# The adapters' own errors that commands report (not in reconciler.ports yet):
+# commands catch them from here, so only this module imports the adapters.
+from reconciler.adapters.bootstrap_io import BootstrapError as BootstrapError
+from reconciler.adapters.probe_io import CaptureError as CaptureError
+from reconciler.core.desired.model import FleetConfig, NodeFacts
+from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, Registry, RegistryUnavailable
+
+if TYPE_CHECKING:
+    from reconciler.adapters.bootstrap_io import NodeIO
+    from reconciler.adapters.git_source import GitSource
 
 
 def open_registry(
@@ -48,3 +63,107 @@ def open_registry(
         key_file=settings.key_file,
         op_timeout_s=op_timeout_s,
     )
+
+
+def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None = None) -> Registry:
+    """`open_registry` for commands that only look: a sqlite registry that is not
+    there raises `RegistryUnavailable` instead of being created."""
+    if sqlite_path is not None or fleet.registry.backend == "sqlite":
+        path = Path(sqlite_path or fleet.registry.path)
+        if not path.is_file():
+            raise RegistryUnavailable(f"{path}: no such registry (has any host joined?)")
+    return open_registry(fleet, sqlite_path=sqlite_path)
+
+
+# --------------------------------------------------------------------------
+# The other real adapters. Imported when asked for: a command pays only for
+# the adapters it uses.
+
+
+def system_clock() -> Clock:
+    from reconciler.adapters.clock import SystemClock
+
+    return SystemClock()
+
+
+def command_runner() -> CommandRunner:
+    """Programs run without a shell, with a timeout, in the C locale."""
+    from reconciler.adapters.commands import SubprocessRunner
+
+    return SubprocessRunner()
+
+
+def local_files() -> FileReader:
+    """This machine's /proc, /sys and /dev/dri, for the probe."""
+    from reconciler.adapters.probe_io import LocalFiles
+
+    return LocalFiles()
+
+
+def capture_store() -> CaptureStore:
+    """Probe capture directories (`fabric probe --capture/--replay DIR`); they raise `CaptureError`."""
+    from reconciler.adapters.probe_io import CaptureDirectory
+
+    return CaptureDirectory()
+
+
+def probe_facts(host: str | None, replay: str | None) -> NodeFacts:
+    """This machine's facts, probed live or re-parsed from the capture in `replay`.
+    Raises `CaptureError` for an unreadable capture directory."""
+    from reconciler.core.probe import RawCapture, facts_from_capture
+    from reconciler.engine.probe import collect_live
+
+    if replay:
+        outputs, errors = capture_store().load(replay)
+        capture = RawCapture(outputs, errors)
+    else:
+        capture = collect_live(command_runner(), local_files())
+    return facts_from_capture(capture, host=host)
+
+
+@contextmanager
+def leader_ports() -> Iterator[tuple[CommandRunner, Audit | None]]:
+    """fabric-leader's command runner (cloud hooks) and its audit: journal
+    entries of their own when journald is there, else none (its stderr log,
+    the unit's journal, says it all)."""
+    from reconciler.adapters.journal import JournalAudit
+
+    journal = JournalAudit(identifier="fabric-leader")
+    try:
+        yield command_runner(), journal if journal.to_journal else None
+    finally:
+        journal.close()
+
+
+def desired_source(node: NodeConfig) -> GitSource:
+    """The desired-state checkout node.toml's [source] names (`fabric pull`); node.source must be set."""
+    from reconciler.adapters.git_source import GitSource
+
+    assert node.source is not None
+    return GitSource(
+        command_runner(),
+        node.source,
+        checkout=Path(node.node.desired),
+        known_hosts=Path(node.node.state_dir) / "known_hosts",
+    )
+
+
+def bootstrap_io(registry: Registry, root: Path) -> NodeIO:
+    """What `fabric bootstrap` observes and does on this node, files under `root`; steps raise `BootstrapError`."""
+    from reconciler.adapters.bootstrap_io import NodeIO
+
+    return NodeIO(command_runner(), registry, root=root)
+
+
+def read_text_or_none(path: Path) -> str | None:
+    """A small file of ours (node.toml), None when it is not there."""
+    from reconciler.adapters.install_files import read_text_or_none
+
+    return read_text_or_none(path)
+
+
+def write_atomic(path: Path, text: str) -> bool:
+    """Install one of our files (a unit) atomically; False when it already holds `text`."""
+    from reconciler.adapters.install_files import write_atomic
+
+    return write_atomic(path, text)
