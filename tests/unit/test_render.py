@@ -13,12 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jinja2 import UndefinedError
+from jinja2 import PackageLoader, StrictUndefined, UndefinedError
 
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
+from reconciler.templates import environment as template_environment
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -274,11 +275,23 @@ def test_unit_directory_is_a_parameter() -> None:
 
 
 def test_templates_are_strict_about_missing_values(tmp_path: Path) -> None:
+    # The environments render() and the status page use: loaded from the
+    # package, StrictUndefined.
+    for kind in ("text", "html"):
+        packaged = template_environment(kind)  # type: ignore[arg-type]
+        assert isinstance(packaged.loader, PackageLoader) and packaged.undefined is StrictUndefined
+    # A copy of the templates with one name misspelt: rendering fails instead of
+    # writing an empty value (the socat unit reaches it through an include).
     templates = tmp_path / "templates"
-    shutil.copytree(TEMPLATES_DIR, templates)
+    shutil.copytree(TEMPLATES_DIR, templates, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     path = templates / "socat.service.j2"
     path.write_text(path.read_text().replace("{{ listen_port }}", "{{ listen_prot }}", 1))
     with pytest.raises(UndefinedError, match="listen_prot"):
+        render(example(), "racknerd", facts("racknerd"), golden_plan(), templates=templates)
+    header = templates / "_unit_header.j2"
+    path.write_text((TEMPLATES_DIR / "socat.service.j2").read_text())
+    header.write_text(header.read_text().replace("{{ source }}", "{{ sauce }}", 1))
+    with pytest.raises(UndefinedError, match="sauce"):
         render(example(), "racknerd", facts("racknerd"), golden_plan(), templates=templates)
 
 

@@ -2,7 +2,7 @@
 
 Pure: `render()` takes models and returns `Artifact`s (a path relative to the
 root, the text, a file mode and a kind); it writes nothing and runs nothing.
-The Jinja2 templates in `templates/` (StrictUndefined: a missing value is an
+The Jinja2 templates of `reconciler.templates` (StrictUndefined: a missing value is an
 error, never an empty string) are the only text; this module computes the
 values and quotes every one of them for the language it lands in.
 
@@ -31,11 +31,8 @@ import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
-
-import jinja2
 
 from reconciler.core.desired.model import (
     _LABEL_KEY_RE,
@@ -47,13 +44,14 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
+from reconciler.templates import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
+from reconciler.templates import environment as template_environment
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
 # Tailscale's address ranges: CGNAT IPv4 and its IPv6 ULA prefix.
 TAILNET = "100.64.0.0/10"
 TAILNET6 = "fd7a:115c:a1e0::/48"
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 
 
 class RenderError(ValueError):
@@ -145,19 +143,10 @@ def credential_env_name(name: str) -> str:
 # Templates
 
 
-@lru_cache(maxsize=4)
-def _environment(templates_dir: str) -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(templates_dir),
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,  # unit files, nft, Caddyfile: quoting is done per value above
-        keep_trailing_newline=True,
-        trim_blocks=False,
-    )
-
-
-def _template(template_name: str, templates_dir: Path, /, **values: object) -> str:
-    text = _environment(str(templates_dir)).get_template(template_name).render(**values)
+def _template(template_name: str, templates_dir: Path | None, /, **values: object) -> str:
+    # Unit files, nft, Caddyfile: nothing is escaped, quoting is done per value above.
+    directory = None if templates_dir is None else str(templates_dir)
+    text = template_environment("text", directory).get_template(template_name).render(**values)
     return text.rstrip("\n") + "\n"
 
 
@@ -276,7 +265,7 @@ def _service_workload(state: DesiredState, service: Service, arch: str | None, n
 CONTAINER_CREDENTIALS = "/run/credentials/fabric"
 
 
-def _agent_unit(w: _Workload, layout: Layout, templates: Path) -> str:
+def _agent_unit(w: _Workload, layout: Layout, templates: Path | None) -> str:
     unit = f"fabric-agent-{w.id}.service"
     environment = [systemd_env(k, v) for k, v in w.environment]
     credentials = [f"{name}:{path}" for name, path in w.credentials]
@@ -371,9 +360,12 @@ def render(
     plan: FleetPlan,
     *,
     layout: Layout = Layout(),
-    templates: Path = TEMPLATES_DIR,
+    templates: Path | None = None,
 ) -> Rendered:
-    """Every artifact of `host_name`; raise RenderError if it cannot be done."""
+    """Every artifact of `host_name`; raise RenderError if it cannot be done.
+
+    The templates come from the package; `templates` renders from that
+    directory instead (tests render edited copies)."""
     host = state.hosts.get(host_name)
     if host is None:
         known = ", ".join(sorted(state.hosts)) or "none"

@@ -13,34 +13,14 @@ reconciler rewrites it.
 
 from __future__ import annotations
 
-import functools
 from datetime import datetime
-from pathlib import Path
-
-import jinja2
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.views.cards import FleetStatus, NodeRow, fleet_status, format_time
+from reconciler.templates import environment as template_environment
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 TEMPLATE_NAME = "status.html.j2"
-# Where the edge host keeps the page; Caddy's file_server is rooted here.
-
-
-@functools.cache
-def _environment() -> jinja2.Environment:
-    # One per process: compiling the template costs more than rendering it.
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
-        # Every value on the page (reasons, ids) came from the registry or the
-        # plan: escape all of it.
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
 
 
 def _node_status_class(node: NodeRow) -> str:
@@ -51,7 +31,9 @@ def _node_status_class(node: NodeRow) -> str:
 
 def render_status_html(status: FleetStatus, *, refresh_s: int = 30) -> str:
     """The page for an already-built `FleetStatus`."""
-    template = _environment().get_template(TEMPLATE_NAME)
+    # "html": every value on the page (reasons, ids) came from the registry or
+    # the plan, so all of it is escaped. The environment is cached per process.
+    template = template_environment("html").get_template(TEMPLATE_NAME)
     return template.render(
         status=status,
         updated=format_time(status.now),

@@ -1,0 +1,61 @@
+"""The Jinja templates of every file a pass writes, and the one way to load them.
+
+The templates are package data (pyproject.toml `[tool.setuptools.package-data]`)
+and are loaded with Jinja's `PackageLoader`, so they are found wherever the
+package is installed: a wheel in a virtual environment (`scripts/join.sh`), the
+Nix store (`nix/package.nix`), an editable checkout. Nothing copies them beside
+the package. The repository's top-level `templates/` is a link to this
+directory.
+
+Files whose name starts with `_` are included by other templates, never
+rendered on their own.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import jinja2
+
+# This directory, for tests that read or copy the templates; rendering goes
+# through `environment()` and never uses the path.
+TEMPLATES_DIR = Path(__file__).resolve().parent
+
+Kind = Literal["text", "html"]
+
+
+@cache
+def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Environment:
+    """The Jinja environment for `kind`, one per process (it caches the compiled templates).
+
+    Both kinds are StrictUndefined: a missing value is an error, never an
+    empty string.
+
+    - "text": unit files, nftables, the Caddyfile, YAML. Nothing is escaped
+      (the renderer quotes every value for the language it lands in) and the
+      whitespace is exactly what the template spells out.
+    - "html": the status page. Everything is escaped (its values come from the
+      registry and the plan) and block tags take their line with them.
+
+    `directory` loads the templates from there instead of the package (tests
+    render edited copies).
+    """
+    loader: jinja2.BaseLoader = jinja2.PackageLoader("reconciler", "templates") if directory is None else jinja2.FileSystemLoader(directory)
+    if kind == "html":
+        return jinja2.Environment(
+            loader=loader,
+            undefined=jinja2.StrictUndefined,
+            autoescape=True,
+            trim_blocks=True,
+            lstrip_blocks=True,
+            keep_trailing_newline=True,
+        )
+    return jinja2.Environment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+    )
