@@ -27,19 +27,20 @@ install_debian_packages() {
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 }
 
-ensure_venv() {
-  local extras="$1"
+ensure_venv() {  # ensure_venv [EXTRAS]: the package (with these extras of pyproject.toml)
+  local extras="${1:-}" target="$ROOT"
+  [ -z "$extras" ] || target="$ROOT[$extras]"
   if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV" >&2
     python3 -m venv "$VENV"
   fi
   # Reinstall only when pyproject.toml changed since the last install.
-  local stamp="$VENV/.fabric-installed-$extras"
+  local stamp="$VENV/.fabric-installed-${extras:-package}"
   if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-    echo "==> pip install -e .[$extras]" >&2
+    echo "==> pip install -e .${extras:+[$extras]}" >&2
     # (This machine's pip.conf names local indexes that may be absent; pip
     # warns once per package about them, which says nothing about us.)
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" 2>&1 \
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$target" 2>&1 \
       | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
     touch "$stamp"
   fi
