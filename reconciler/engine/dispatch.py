@@ -17,19 +17,25 @@ dispatcher started is reported as such. Lanes come from the desired state
 (kind, rank, cap) and the registry (available, claimed slots: plain
 `claim_slot` holders share the same caps).
 
+Also here: `run_dispatcher` (`fabric lane dispatch`'s loop), `finish_job`
+(`fabric lane done/fail`) and `lane_status` (`fabric lane status`).
+
 Talks to the registry only through its Protocol; `reconciler.cli.lane` wires it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import HoldReason, LaneView
-from reconciler.core.live.records import QueuedJob, utc
+from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
+from reconciler.core.live.records import QueuedJob, ScalingRecord, utc
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key
-from reconciler.ports import Registry, RegistryError
+from reconciler.engine.scaling_step import queue_depth
+from reconciler.ports import Registry, RegistryError, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -133,3 +139,101 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
             current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
         out[job.job_id] = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=decision.lane, hold=decision.hold)
     return out
+
+
+def run_dispatcher(
+    registry: Registry,
+    desired: DesiredState,
+    *,
+    emit: Callable[[DispatchEvent], None],
+    stop: threading.Event,
+    interval_s: float,
+    once: bool = False,
+    log: Callable[[str], None] = print,
+) -> None:
+    """`dispatch_pass` every `interval_s` until `stop` is set (or one pass with
+    `once`), each event to `emit`. A long-running dispatcher outlives a registry
+    outage (jobs wait meanwhile, `log` says so); with `once` it raises."""
+    while True:
+        try:
+            for event in dispatch_pass(registry, desired):
+                emit(event)
+        except RegistryUnavailable as exc:
+            if once:
+                raise
+            log(f"registry unreachable, retrying: {exc}")
+        if once or stop.wait(interval_s):
+            return
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    job: QueuedJob  # as the registry keeps it afterwards (attempts counted)
+    lane: str  # the lane it ran in ('?' when its claim was gone already)
+    requeued: bool
+
+
+def finish_job(registry: Registry, desired: DesiredState, job_id: str, *, failed: bool) -> FinishedJob | None:
+    """The job is done (or `failed`): its slot is free; a failed job waits again,
+    one more cloud attempt counted if it ran in a compute lane. None when it was not running."""
+    running = next((j for j in registry.lane_jobs() if j.job_id == job_id), None)
+    kinds = {lane.id: lane.kind for lane in desired.lanes}
+    cloud = running is not None and running.claim is not None and kinds.get(running.claim.lane) == "compute"
+    finished = registry.finish_job(job_id, requeue=failed, count_attempt=failed and cloud)
+    if finished is None:
+        return None
+    lane = running.claim.lane if running is not None and running.claim is not None else "?"
+    return FinishedJob(job=finished, lane=lane, requeued=failed)
+
+
+@dataclass(frozen=True)
+class LaneStatus:
+    """What `fabric lane status` shows: lanes, jobs with what a pass would do to
+    each waiting one now, the plan's deferred work, the leader's scaling record."""
+
+    now: datetime
+    lanes: list[LaneView]  # by (rank, id)
+    jobs: list[QueuedJob]
+    predicted: dict[str, DispatchEvent]  # waiting job id -> its decision now
+    plan: FleetPlan | None
+    scaling: ScalingRecord
+
+    @property
+    def queue_depth(self) -> int:
+        return queue_depth(self.jobs, self.plan)
+
+    @property
+    def running(self) -> list[QueuedJob]:
+        return [j for j in self.jobs if j.claim is not None]
+
+    @property
+    def waiting(self) -> list[QueuedJob]:
+        return [j for j in self.jobs if j.waiting]
+
+    def as_json(self) -> dict:
+        return {
+            "now": self.now.isoformat(),
+            "queue_depth": self.queue_depth,
+            "lanes": [v.model_dump() for v in self.lanes],
+            "waiting": [{**self.predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in self.waiting],
+            "running": [
+                {"job": j.job_id, "lane": j.claim.lane, "slot": j.claim.slot, "since": j.claim.claimed_at.isoformat(), "attempts": j.attempts}
+                for j in self.running
+                if j.claim is not None
+            ],
+            "deferred": [d.model_dump() for d in self.plan.deferred if not d.inadmissible] if self.plan else [],
+            "scaling": self.scaling.model_dump(mode="json", exclude={"state"}),
+        }
+
+
+def lane_status(registry: Registry, desired: DesiredState) -> LaneStatus:
+    views, now = current_lanes(registry, desired)
+    jobs = registry.lane_jobs()
+    return LaneStatus(
+        now=now,
+        lanes=sorted(views.values(), key=lambda v: (v.rank, v.id)),
+        jobs=jobs,
+        predicted=predicted_holds(jobs, views, desired, now),
+        plan=registry.newest_plan(),
+        scaling=registry.scaling_record(),
+    )

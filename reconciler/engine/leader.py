@@ -34,7 +34,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.engine.scaling_step import ScalingStep
-from reconciler.ports import NotLeader, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CommandRunner, NotLeader, Registry, RegistryUnavailable
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.core.scheduling.placement.schedule)
 Scheduler = Callable[..., FleetPlan]
@@ -53,7 +53,7 @@ class LeaderLoop:
     registry: Registry
     host: str
     load_desired: Callable[[], DesiredState]
-    schedule: Scheduler | None
+    schedule: Scheduler
     lease_ttl_s: float
     log: Callable[[str], None] = print
     leadership: Leadership | None = None
@@ -102,21 +102,26 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         snapshot: Snapshot = self.registry.snapshot(lanes=[lane.id for lane in self.desired.lanes])
         newest = self.registry.newest_plan()
-        plan = newest
-        if self.schedule is not None:
-            # Without a scheduler the leader still keeps the lifecycle; hosts
-            # keep the newest plan they have.
-            plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
-            if not same_plan(plan, newest):
-                self.published = self.registry.publish_plan(self.leadership, plan)
-                self.log(
-                    f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, "
-                    f"{len(self.published.deferred)} deferred"
-                )
+        plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
+        if not same_plan(plan, newest):
+            self.published = self.registry.publish_plan(self.leadership, plan)
+            self.log(
+                f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, {len(self.published.deferred)} deferred"
+            )
         if self.scaling is not None:
             # After the plan: its deferred replicas are part of the queue depth,
             # and what scaling changes shows in the next pass's snapshot.
             self.scaling.run(self.leadership, self.desired, snapshot, plan)
+
+    def step_and_resign(self) -> None:
+        """One step, then resign: the next one-shot process (`fabric leader run
+        --once`) campaigns anew instead of waiting for this lease to lapse."""
+        try:
+            self.step()
+        finally:
+            if self.leadership is not None:
+                self.registry.resign(self.leadership)
+                self.leadership = None
 
     def wait_s(self) -> float:
         # Leading: renew three times per TTL. Following: the watch wakes us
@@ -153,3 +158,35 @@ class LeaderLoop:
             except RegistryUnavailable as exc:
                 self.log(f"could not resign (the lease will lapse): {exc}")
             self.leadership = None
+
+
+def candidate_loop(
+    registry: Registry,
+    host: str,
+    load_desired: Callable[[], DesiredState],
+    schedule: Scheduler,
+    *,
+    lease_ttl_s: float,
+    runner: CommandRunner,
+    audit: Audit | None,
+    log: Callable[[str], None],
+) -> LeaderLoop:
+    """fabric-leader.service's loop: the plan, then bursts and scaling, whose
+    actions go to `log` and (when given) as audit entries of their own."""
+    scaling = ScalingStep(
+        registry=registry,
+        runner=runner,
+        log=log,
+        audit=audit,
+        # Hooks run inside the step: they must leave time to renew the lease.
+        hook_budget_s=lease_ttl_s / 2,
+    )
+    return LeaderLoop(
+        registry=registry,
+        host=host,
+        load_desired=load_desired,
+        schedule=schedule,
+        lease_ttl_s=lease_ttl_s,
+        log=log,
+        scaling=scaling,
+    )

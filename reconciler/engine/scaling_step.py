@@ -3,7 +3,7 @@
 `reconciler.core.scheduling.scaling.decide_scaling` is pure and only decides; this module is
 where the leader loop (the only place scaling actions are executed) carries
 them out, through the Registry Protocol and the CommandRunner / Audit ports.
-It imports no adapter: `reconciler.cli.leader` wires the real ones.
+It imports no adapter: `reconciler.cli.wiring.leader_ports` builds the real ones.
 
 Queue depth (what the burst rule compares with `scaling.queue_high`):
 
@@ -63,7 +63,7 @@ from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, deci
 from reconciler.ports import Audit, CommandResult, CommandRunner, Registry
 
 # All cloud hooks of one pass share this many seconds (each gets its share as
-# its timeout). The leader's CLI sets it to half the lease TTL: a slow hook
+# its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
 # must not keep the leader from renewing its lease.
 HOOK_BUDGET_S = 120.0
 # How many carried-out actions the record keeps for `fabric lane status`.
