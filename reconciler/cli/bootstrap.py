@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import socket
-import sys
 from pathlib import Path
 
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from reconciler.cli.common import load_or_report
-from reconciler.cli.registry_options import add_registry_path
-from reconciler.cli.units import add_node_config, load_node_config
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
+from reconciler.cli.registry_options import add_registry_path, opened_registry
+from reconciler.cli.wiring import BootstrapError, CaptureError, bootstrap_io, probe_facts
 from reconciler.core.install.bootstrap import Programs, bootstrap_files, plan_bootstrap, socat_units
 
 
@@ -40,35 +39,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from reconciler.adapters.bootstrap_io import BootstrapError, NodeIO
-    from reconciler.adapters.commands import SubprocessRunner
-    from reconciler.cli.reconcile import probe_host
-    from reconciler.cli.wiring import open_registry
-    from reconciler.ports import RegistryError
-
     node = load_node_config(args.config)
-    if node is None:
-        return EXIT_INVALID
-    state = load_or_report(args.desired or Path(node.node.desired))
-    if state is None:
-        return EXIT_INVALID
+    state = load_or_fail(args.desired or Path(node.node.desired))
     host = args.host or node.node.host or socket.gethostname().split(".")[0]
     if host not in state.hosts:
-        print(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})", file=sys.stderr)
-        return EXIT_INVALID
+        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})")
     try:
-        facts = probe_host(host, args.replay)
-    except Exception as exc:  # an unreadable capture directory: bad input
-        print(f"bootstrap: probe: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    try:
-        registry = open_registry(state.fleet, sqlite_path=args.registry_path)
-    except RegistryError as exc:
-        print(f"bootstrap: registry: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        facts = probe_facts(host, args.replay)
+    except (CaptureError, OSError) as exc:  # an unreadable capture directory: bad input
+        raise InvalidInput(f"bootstrap: probe: {exc}") from None
 
-    try:
-        io = NodeIO(SubprocessRunner(), registry, root=args.root)
+    with opened_registry(args, state, who="bootstrap") as registry:
+        io = bootstrap_io(registry, args.root)
         ports = socat_units(state, host)
         programs = Programs(nft=shutil.which("nft") or Programs.nft, systemctl=shutil.which("systemctl") or Programs.systemctl)
         observed = io.observe(host, bootstrap_files(node), ports)
@@ -76,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
         for note in plan.notes:
             print(f"note: {note}")
         if plan.problems:
-            for problem in plan.problems:
-                print(f"bootstrap: {problem}", file=sys.stderr)
-            return EXIT_INVALID
+            raise InvalidInput(*(f"bootstrap: {problem}" for problem in plan.problems))
         if plan.nothing_to_do:
             print(f"nothing to do: {host} is ready (tier {facts.tier})")
             return EXIT_OK
@@ -89,16 +69,12 @@ def run(args: argparse.Namespace) -> int:
             try:
                 io.execute(step)
             except BootstrapError as exc:
-                print(f"bootstrap: {exc}", file=sys.stderr)
-                return EXIT_FAILED
+                raise CommandError(f"bootstrap: {exc}") from None
         if args.dry_run:
             return EXIT_OK
         after = io.observe(host, bootstrap_files(node), ports)
         down = sorted(unit for unit, active in after.socat_active.items() if not active)
         if down:
-            print(f"bootstrap: port maps still not running after the pass: {', '.join(down)} (journalctl -t fabric-reconcile)", file=sys.stderr)
-            return EXIT_FAILED
+            raise CommandError(f"bootstrap: port maps still not running after the pass: {', '.join(down)} (journalctl -t fabric-reconcile)")
         print(f"ready: {host} (tier {facts.tier})")
         return EXIT_OK
-    finally:
-        registry.close()

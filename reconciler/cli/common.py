@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from reconciler.cli import InvalidInput
+from reconciler.cli.wiring import read_text_or_none
 from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH, NodeConfig, NodeConfigError, parse_node_config
 
 DEFAULT_DESIRED = "/var/lib/fabric/desired"
 
@@ -27,7 +29,7 @@ def add_desired(parser: argparse.ArgumentParser) -> None:
 def load_or_report(directory: Path) -> DesiredState | None:
     """The desired state, or None after printing every problem to stderr.
 
-    Kept while commands move to `load_or_fail`."""
+    Kept while `fabric reconcile` and `fabric plan` move to `load_or_fail`."""
     try:
         return load_desired(directory)
     except DesiredStateError as exc:
@@ -41,4 +43,27 @@ def load_or_fail(directory: Path) -> DesiredState:
     try:
         return load_desired(directory)
     except DesiredStateError as exc:
+        raise InvalidInput(*(str(problem) for problem in exc.problems)) from None
+
+
+def add_node_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        type=Path,
+        default=Path(NODE_CONFIG_PATH),
+        help=f"the node's configuration (default: {NODE_CONFIG_PATH}; absent means all defaults)",
+    )
+
+
+def load_node_config(path: Path, *, must_exist: bool = False) -> NodeConfig:
+    """node.toml, all defaults when absent; its problems end the command with exit 2."""
+    text = read_text_or_none(path)
+    if text is None:
+        if must_exist:
+            raise InvalidInput(f"{path}: (file): not found")
+        return NodeConfig()
+    try:
+        return parse_node_config(text, str(path))
+    except NodeConfigError as exc:
         raise InvalidInput(*(str(problem) for problem in exc.problems)) from None

@@ -25,7 +25,7 @@ import argparse
 import json
 
 from reconciler.cli import EXIT_OK
-from reconciler.cli.schedule import add_snapshot_options, load_inputs
+from reconciler.cli.registry_options import add_snapshot_options, desired_and_snapshot
 from reconciler.core.desired.model import ARCHES, TIER_ORDER, TIER_SCORE
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views
 from reconciler.core.scheduling.placement import Choice, Request, schedule_with_placer
@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if TIER_SCORE[floor] > TIER_SCORE[args.min_tier]:
             parser.error(f"--floor {floor} is above --min-tier {args.min_tier}")
 
-    inputs = load_inputs(args)
-    if isinstance(inputs, int):
-        return inputs
-    desired, snapshot = inputs
+    desired, snapshot = desired_and_snapshot(args)
 
     if args.lane:
         views = lane_views(desired, snapshot)

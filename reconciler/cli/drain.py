@@ -9,11 +9,12 @@ HOST must be a host of the desired state (exit 2 otherwise, nothing written).
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from reconciler.cli import EXIT_INVALID, EXIT_OK
-from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed
-from reconciler.ports import RegistryError
+from reconciler.cli import EXIT_OK, InvalidInput
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
+from reconciler.ports import Registry
 
 
 def _grace(text: str) -> float:
@@ -39,44 +40,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.set_defaults(func=run_undrain)
 
 
-def _open(args: argparse.Namespace):
-    opened = open_from_args(args)
-    if opened is None:
-        return None, failure_status(args)
-    desired, registry = opened
-    if args.host not in desired.hosts:
-        registry.close()
-        print(
-            f"fabric {args.command}: {args.host!r} is not a host of the desired state ({', '.join(sorted(desired.hosts))})",
-            file=sys.stderr,
-        )
-        return None, EXIT_INVALID
-    return registry, EXIT_OK
+@contextmanager
+def _host_registry(args: argparse.Namespace) -> Iterator[Registry]:
+    """The registry, once HOST is known to be a host of the desired state."""
+    with desired_and_registry(args) as (desired, registry):
+        if args.host not in desired.hosts:
+            raise InvalidInput(f"fabric {args.command}: {args.host!r} is not a host of the desired state ({', '.join(sorted(desired.hosts))})")
+        yield registry
 
 
 def run_drain(args: argparse.Namespace) -> int:
-    registry, status = _open(args)
-    if registry is None:
-        return status
-    try:
+    with _host_registry(args) as registry:
         request = registry.set_drain(args.host, grace_s=args.grace, reason="fabric drain")
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    finally:
-        registry.close()
     print(f"{args.host}: drained (no new work); existing work moves off after {request.grace_s:g} s")
     return EXIT_OK
 
 
 def run_undrain(args: argparse.Namespace) -> int:
-    registry, status = _open(args)
-    if registry is None:
-        return status
-    try:
+    with _host_registry(args) as registry:
         lifted = registry.clear_drain(args.host)
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    finally:
-        registry.close()
     print(f"{args.host}: {'undrained' if lifted else 'was not drained'}")
     return EXIT_OK

@@ -30,13 +30,12 @@ import threading
 
 from pydantic import ValidationError
 
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed, stamp
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
-from reconciler.engine.dispatch import HOLD_MEANING, current_lanes, dispatch_pass, predicted_holds
-from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import Registry, RegistryError, RegistryUnavailable
+from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, finish_job, lane_status, run_dispatcher
+from reconciler.ports import Registry
 
 
 def _interval(text: str) -> float:
@@ -69,109 +68,80 @@ def run(args: argparse.Namespace) -> int:
             try:
                 check_node_id(job)
             except ValueError:
-                print(f"fabric lane {args.action}: {job!r} is not a job id (lowercase letters, digits, '-', '_')", file=sys.stderr)
-                return EXIT_INVALID
+                raise InvalidInput(f"fabric lane {args.action}: {job!r} is not a job id (lowercase letters, digits, '-', '_')") from None
     elif args.jobs:
         parser.error(f"lane {args.action} takes no job ids")
-    opened = open_from_args(args)
-    if opened is None:
-        return failure_status(args)
-    desired, registry = opened
-    try:
-        if args.action == "enqueue":
-            for job in registry.enqueue_jobs(args.jobs):
-                print(
-                    json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts})
-                    if args.json
-                    else f"{job.job_id} enqueued {stamp(job.enqueued_at)}"
-                )
-            return EXIT_OK
-        if args.action in ("done", "fail"):
-            return _finish(registry, desired, args.jobs[0], failed=args.action == "fail", as_json=args.json)
-        if args.action == "status":
-            return _status(registry, desired, as_json=args.json)
-        return _dispatch(registry, desired, once=args.once, interval=args.interval, as_json=args.json)
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
-        print(f"fabric lane {args.action}: registry holds an invalid record: {exc.errors()[0]['msg']}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        registry.close()
+    with desired_and_registry(args) as (desired, registry):
+        try:
+            if args.action == "enqueue":
+                _enqueue(registry, args.jobs, as_json=args.json)
+            elif args.action in ("done", "fail"):
+                _finish(registry, desired, args.jobs[0], failed=args.action == "fail", as_json=args.json)
+            elif args.action == "status":
+                _status(registry, desired, as_json=args.json)
+            else:
+                _dispatch(registry, desired, once=args.once, interval=args.interval, as_json=args.json)
+        except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
+            raise CommandError(f"fabric lane {args.action}: registry holds an invalid record: {exc.errors()[0]['msg']}") from None
+    return EXIT_OK
 
 
-def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> int:
+def _enqueue(registry: Registry, job_ids: list[str], *, as_json: bool) -> None:
+    for job in registry.enqueue_jobs(job_ids):
+        print(
+            json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts})
+            if as_json
+            else f"{job.job_id} enqueued {stamp(job.enqueued_at)}"
+        )
+
+
+def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> None:
     stop = threading.Event()
     if not once:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
         lanes = ", ".join(f"{lane.id} (rank {lane.rank}, cap {lane.cap})" for lane in desired.lanes)
         print(f"fabric lane dispatch: every {interval:g} s over {lanes}", file=sys.stderr, flush=True)
-    while True:
-        try:
-            for event in dispatch_pass(registry, desired):
-                print(json.dumps(event.as_json()) if as_json else event.text(), flush=True)
-        except RegistryUnavailable as exc:
-            if once:
-                raise
-            # A long-running dispatcher outlives a registry outage: jobs wait meanwhile.
-            print(f"fabric lane dispatch: registry unreachable, retrying: {exc}", file=sys.stderr, flush=True)
-        if once or stop.wait(interval):
-            return EXIT_OK
+
+    def emit(event: DispatchEvent) -> None:
+        print(json.dumps(event.as_json()) if as_json else event.text(), flush=True)
+
+    def log(message: str) -> None:
+        print(f"fabric lane dispatch: {message}", file=sys.stderr, flush=True)
+
+    run_dispatcher(registry, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
 
 
-def _finish(registry: Registry, desired: DesiredState, job_id: str, *, failed: bool, as_json: bool) -> int:
-    running = next((j for j in registry.lane_jobs() if j.job_id == job_id), None)
-    kinds = {lane.id: lane.kind for lane in desired.lanes}
-    cloud = running is not None and running.claim is not None and kinds.get(running.claim.lane) == "compute"
-    finished = registry.finish_job(job_id, requeue=failed, count_attempt=failed and cloud)
+def _finish(registry: Registry, desired: DesiredState, job_id: str, *, failed: bool, as_json: bool) -> None:
+    finished = finish_job(registry, desired, job_id, failed=failed)
     if finished is None:
-        print(f"fabric lane {'fail' if failed else 'done'}: job {job_id} is not running", file=sys.stderr)
-        return EXIT_FAILED
-    lane = running.claim.lane if running is not None and running.claim is not None else "?"
+        raise CommandError(f"fabric lane {'fail' if failed else 'done'}: job {job_id} is not running")
     if as_json:
-        print(json.dumps({"job": job_id, "lane": lane, "requeued": failed, "attempts": finished.attempts}))
+        print(json.dumps({"job": job_id, "lane": finished.lane, "requeued": failed, "attempts": finished.job.attempts}))
     elif failed:
-        print(f"{job_id} failed in {lane}: waiting again (attempts {finished.attempts})")
+        print(f"{job_id} failed in {finished.lane}: waiting again (attempts {finished.job.attempts})")
     else:
-        print(f"{job_id} done in {lane}: slot freed")
-    return EXIT_OK
+        print(f"{job_id} done in {finished.lane}: slot freed")
 
 
-def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> int:
-    views, now = current_lanes(registry, desired)
-    jobs = registry.lane_jobs()
-    plan = registry.newest_plan()
-    scaling = registry.scaling_record()
-    predicted = predicted_holds(jobs, views, desired, now)
-    lanes = sorted(views.values(), key=lambda v: (v.rank, v.id))
-    document = {
-        "now": now.isoformat(),
-        "queue_depth": queue_depth(jobs, plan),
-        "lanes": [v.model_dump() for v in lanes],
-        "waiting": [{**predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in jobs if j.waiting],
-        "running": [
-            {"job": j.job_id, "lane": j.claim.lane, "slot": j.claim.slot, "since": j.claim.claimed_at.isoformat(), "attempts": j.attempts}
-            for j in jobs
-            if j.claim is not None
-        ],
-        "deferred": [d.model_dump() for d in plan.deferred if not d.inadmissible] if plan else [],
-        "scaling": scaling.model_dump(mode="json", exclude={"state"}),
-    }
+def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> None:
+    status = lane_status(registry, desired)
+    document = status.as_json()
     if as_json:
         print(json.dumps(document, indent=2))
-        return EXIT_OK
+        return
+    now = status.now
+    scaling = status.scaling
     print(f"queue depth {document['queue_depth']} (waiting lane jobs + replicas deferred for capacity)")
-    for v in lanes:
+    for v in status.lanes:
         print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}{'' if v.available else '  OFFLINE'}")
-    for j in jobs:
+    for j in status.running:
         if j.claim is not None:
             print(f"running {j.job_id} in {j.claim.lane} slot {j.claim.slot} since {stamp(j.claim.claimed_at, now)}")
-    for j in jobs:
-        if j.waiting:
-            event = predicted[j.job_id]
-            nxt = f"next: {event.lane}" if event.lane else f"held: {event.hold}: {HOLD_MEANING[event.hold or '']}"
-            print(f"waiting {j.job_id} since {stamp(j.enqueued_at, now)}, attempts {j.attempts}; {nxt}")
+    for j in status.waiting:
+        event = status.predicted[j.job_id]
+        nxt = f"next: {event.lane}" if event.lane else f"held: {event.hold}: {HOLD_MEANING[event.hold or '']}"
+        print(f"waiting {j.job_id} since {stamp(j.enqueued_at, now)}, attempts {j.attempts}; {nxt}")
     for d in document["deferred"]:
         print(f"deferred {d['service']}#{d['replica']}: {d['reason']}")
     for node, limit in scaling.concurrency.items():
@@ -181,4 +151,3 @@ def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> int:
         print(f"scaling: {tier} hook last at {stamp(outcome.at, now)}: {'ok' if outcome.ok else 'failed'}")
     for entry in scaling.recent[-10:]:
         print(f"scaling {stamp(entry.at)} {entry.kind} {entry.node or entry.tier or ''}: {entry.outcome} ({entry.reason})")
-    return EXIT_OK

@@ -21,17 +21,14 @@ import json
 import signal
 import sys
 
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from reconciler.cli.registry_options import (
-    add_registry_options,
-    failure_status,
-    open_from_args,
-    registry_failed,
-    stamp,
-)
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
+from reconciler.cli.wiring import leader_ports
 from reconciler.core.desired.load import load_desired
-from reconciler.engine.leader import LeaderLoop
-from reconciler.ports import RegistryError, RegistryUnavailable
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.leader import candidate_loop
+from reconciler.ports import Audit, CommandRunner, Registry, RegistryUnavailable
 
 
 def _ttl(text: str) -> float:
@@ -58,18 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.action == "run":
         return _run_loop(args)
-    opened = open_from_args(args)
-    if opened is None:
-        return failure_status(args)
-    _, registry = opened
-    try:
+    with desired_and_registry(args) as (_, registry):
         info = registry.leader()
         epoch = registry.epoch()
         plan = registry.newest_plan()
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    finally:
-        registry.close()
     if args.json:
         print(
             json.dumps(
@@ -98,67 +87,34 @@ def _log(message: str) -> None:
 
 def _run_loop(args: argparse.Namespace) -> int:
     if not args.host:
-        print("fabric leader run: --host NAME is required", file=sys.stderr)
-        return EXIT_INVALID
-    opened = open_from_args(args)
-    if opened is None:
-        return failure_status(args)
-    desired, registry = opened
-    if args.host not in desired.fleet.fleet.leader_candidates:
-        registry.close()
-        print(
-            f"fabric leader run: {args.host!r} is not in fleet.leader_candidates ({', '.join(desired.fleet.fleet.leader_candidates)})",
-            file=sys.stderr,
-        )
-        return EXIT_INVALID
-    try:
-        from reconciler.core.scheduling.placement import schedule
-    except ImportError:  # the scheduler ships separately; without it the leader keeps the lifecycle only
-        schedule = None
-        _log("reconciler.core.scheduling.placement not available: no plans will be published")
+        raise InvalidInput("fabric leader run: --host NAME is required")
+    with desired_and_registry(args) as (desired, registry):
+        candidates = desired.fleet.fleet.leader_candidates
+        if args.host not in candidates:
+            raise InvalidInput(f"fabric leader run: {args.host!r} is not in fleet.leader_candidates ({', '.join(candidates)})")
+        with leader_ports() as (runner, audit):
+            return _lead(args, desired, registry, runner, audit)
 
-    from reconciler.adapters.commands import SubprocessRunner
-    from reconciler.adapters.journal import JournalAudit
-    from reconciler.engine.scaling_step import ScalingStep
 
-    # Scaling actions go to the leader's log (stderr, the unit's journal) and,
-    # when journald is there, as audit entries of their own.
-    journal = JournalAudit(identifier="fabric-leader")
-    lease_ttl_s = args.lease_ttl or float(desired.fleet.timing.heartbeat_s)
-    scaling = ScalingStep(
-        registry=registry,
-        runner=SubprocessRunner(),
+def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None) -> int:
+    loop = candidate_loop(
+        registry,
+        args.host,
+        lambda: load_desired(args.desired),
+        schedule,
+        lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
+        runner=runner,
+        audit=audit,
         log=_log,
-        audit=journal if journal.to_journal else None,
-        # Hooks run inside the step: they must leave time to renew the lease.
-        hook_budget_s=lease_ttl_s / 2,
     )
-    loop = LeaderLoop(
-        registry=registry,
-        host=args.host,
-        load_desired=lambda: load_desired(args.desired),
-        schedule=schedule,
-        lease_ttl_s=lease_ttl_s,
-        log=_log,
-        scaling=scaling,
-    )
-    try:
-        if args.once:
-            # One step, then resign: the next one-shot process campaigns anew
-            # instead of waiting for this lease to lapse.
-            try:
-                loop.step()
-                if loop.leadership is not None:
-                    registry.resign(loop.leadership)
-            except RegistryUnavailable as exc:
-                _log(f"registry unreachable: {exc}")
-                return EXIT_FAILED
-            return EXIT_OK
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: loop.stop())
-        _log(f"{args.host} campaigning (lease TTL {loop.lease_ttl_s:g} s)")
-        loop.run()
+    if args.once:
+        try:
+            loop.step_and_resign()
+        except RegistryUnavailable as exc:
+            raise CommandError(f"fabric-leader: registry unreachable: {exc}") from None
         return EXIT_OK
-    finally:
-        journal.close()
-        registry.close()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: loop.stop())
+    _log(f"{args.host} campaigning (lease TTL {loop.lease_ttl_s:g} s)")
+    loop.run()
+    return EXIT_OK

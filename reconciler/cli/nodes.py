@@ -11,15 +11,8 @@ import argparse
 import json
 
 from reconciler.cli import EXIT_OK
-from reconciler.cli.registry_options import (
-    add_registry_options,
-    failure_status,
-    open_from_args,
-    registry_failed,
-    stamp,
-)
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
 from reconciler.core.scheduling.lifecycle import NodeState
-from reconciler.ports import RegistryError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,17 +32,9 @@ def _utilization(state: NodeState) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    opened = open_from_args(args)
-    if opened is None:
-        return failure_status(args)
-    desired, registry = opened
-    try:
+    with desired_and_registry(args) as (desired, registry):
         snapshot = registry.snapshot()
         states = registry.node_states()
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    finally:
-        registry.close()
     now = snapshot.now
     known = {s.node_id for s in states}
     never_seen = sorted(set(desired.hosts) - known)
@@ -84,5 +69,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append((host, "-", "never seen", "-", "-", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     return EXIT_OK

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
-from reconciler.adapters.commands import SubprocessRunner
-from reconciler.adapters.probe_io import CaptureDirectory, CaptureError, LocalFiles
-from reconciler.cli import EXIT_INVALID, EXIT_OK
+from reconciler.cli import EXIT_OK, InvalidInput
+from reconciler.cli.wiring import CaptureError, capture_store, command_runner, local_files
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine.probe import collect_live
@@ -40,22 +38,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    store = CaptureDirectory()
-    if args.replay:
-        try:
-            outputs, errors = store.load(args.replay)
-        except CaptureError as exc:
-            print(f"fabric probe: {exc}", file=sys.stderr)
-            return EXIT_INVALID
-        capture = RawCapture(outputs, errors)
-    else:
-        capture = collect_live(SubprocessRunner(), LocalFiles())
-        if args.capture:
-            try:
+    store = capture_store()
+    try:
+        if args.replay:
+            capture = RawCapture(*store.load(args.replay))
+        else:
+            capture = collect_live(command_runner(), local_files())
+            if args.capture:
                 store.save(args.capture, capture.outputs, capture.errors)
-            except CaptureError as exc:
-                print(f"fabric probe: {exc}", file=sys.stderr)
-                return EXIT_INVALID
+    except CaptureError as exc:
+        raise InvalidInput(f"fabric probe: {exc}") from None
     facts = facts_from_capture(capture, host=args.host)
     if args.json:
         print(facts.model_dump_json(indent=2))

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from reconciler.adapters.commands import SubprocessRunner
-from reconciler.adapters.git_source import GitSource
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from reconciler.cli.units import add_node_config, load_node_config
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_node_config, load_node_config
+from reconciler.cli.wiring import desired_source
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,23 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     node = load_node_config(args.config, must_exist=True)
-    if node is None:
-        return EXIT_INVALID
     if node.source is None:
-        print(f"{args.config}: source: not set (the desired state is the local directory {node.node.desired})", file=sys.stderr)
-        return EXIT_INVALID
-    source = GitSource(
-        SubprocessRunner(),
-        node.source,
-        checkout=Path(node.node.desired),
-        known_hosts=Path(node.node.state_dir) / "known_hosts",
-    )
+        raise InvalidInput(f"{args.config}: source: not set (the desired state is the local directory {node.node.desired})")
+    source = desired_source(node)
     outcome = source.update()
     if outcome.problem:
         print(f"pull: {outcome.problem}", file=sys.stderr)
     if outcome.commit is None:
-        print("pull: no desired state checked out yet", file=sys.stderr)
-        return EXIT_FAILED
+        raise CommandError("pull: no desired state checked out yet")
     if outcome.problem:
         print(f"pull: keeping the last good commit {outcome.commit[:12]}", file=sys.stderr)
     else:

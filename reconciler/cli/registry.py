@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 
 from reconciler.cli import EXIT_OK
-from reconciler.cli.registry_options import add_registry_options, failure_status, open_from_args, registry_failed
-from reconciler.ports import RegistryError
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,15 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    opened = open_from_args(args)
-    if opened is None:
-        return failure_status(args)
-    desired, registry = opened
-    try:
+    with desired_and_registry(args) as (desired, registry):
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
-    except RegistryError as exc:
-        return registry_failed(args, exc)
-    finally:
-        registry.close()
     print(snapshot.model_dump_json(indent=2))
     return EXIT_OK

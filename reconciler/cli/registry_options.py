@@ -1,21 +1,34 @@
-"""Registry options shared by `fabric nodes`, `leader`, `drain`, `undrain` and `registry`.
+"""Registry options shared by the commands that read or write the registry
+(`nodes`, `leader`, `drain`, `undrain`, `registry`, `lane`, `schedule`, `dispatch`).
 
 The registry comes from fabric.toml's [registry] in `--desired DIR`;
 `--registry-path FILE` (or $FABRIC_REGISTRY) forces a sqlite file instead, for
-tests and the demo.
+tests and the demo. `--snapshot FILE` (`schedule`, `dispatch`) replaces the
+live registry by a saved snapshot.
+
+A registry that cannot be opened or answer ends the command with exit 1
+(`fabric COMMAND: registry: REASON`); a bad desired state or snapshot file with
+exit 2 (`FILE: key.path: reason`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from reconciler.cli.common import add_desired, load_or_report
-from reconciler.cli.wiring import open_registry
+from pydantic import BaseModel, ValidationError
+
+from reconciler.cli import CommandError, InvalidInput
+from reconciler.cli.common import add_desired, load_or_fail
+from reconciler.cli.wiring import open_existing_registry, open_registry
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import utc
 from reconciler.ports import Registry, RegistryError
 
@@ -37,32 +50,124 @@ def add_registry_path(parser: argparse.ArgumentParser | argparse._ActionsContain
     )
 
 
-def open_from_args(args: argparse.Namespace) -> tuple[DesiredState, Registry] | None:
-    """The desired state and its registry, or None after saying why on stderr
-    (`report_failure` tells which exit status)."""
-    state = load_or_report(args.desired)
-    if state is None:
-        args._failure = "invalid"
-        return None
+@contextmanager
+def opened_registry(
+    args: argparse.Namespace,
+    desired: DesiredState,
+    *,
+    existing: bool = False,
+    who: str = "",
+    hint: str = "",
+) -> Iterator[Registry]:
+    """The registry of `desired` (or --registry-path), closed afterwards;
+    `existing`: a sqlite registry that is not there is an error, not created.
+    A RegistryError, opening it or inside, ends the command with exit 1:
+    `WHO: registry: REASON HINT`, WHO `fabric COMMAND` unless given."""
     try:
-        return state, open_registry(state.fleet, sqlite_path=args.registry_path)
+        if existing:
+            registry = open_existing_registry(desired.fleet, sqlite_path=args.registry_path)
+        else:
+            registry = open_registry(desired.fleet, sqlite_path=args.registry_path)
+        try:
+            yield registry
+        finally:
+            registry.close()
     except RegistryError as exc:
-        print(f"fabric {args.command}: registry: {exc}", file=sys.stderr)
-        args._failure = "registry"
-        return None
+        raise CommandError(f"{who or f'fabric {args.command}'}: registry: {exc}{hint}") from None
 
 
-def failure_status(args: argparse.Namespace) -> int:
-    from reconciler.cli import EXIT_FAILED, EXIT_INVALID
+@contextmanager
+def desired_and_registry(args: argparse.Namespace) -> Iterator[tuple[DesiredState, Registry]]:
+    """--desired's state (exit 2 when invalid) and its registry (exit 1 when unreachable)."""
+    desired = load_or_fail(args.desired)
+    with opened_registry(args, desired) as registry:
+        yield desired, registry
 
-    return EXIT_INVALID if getattr(args, "_failure", None) == "invalid" else EXIT_FAILED
+
+# --------------------------------------------------------------------------
+# A saved snapshot instead of the live registry (`fabric schedule`, `fabric dispatch`)
 
 
-def registry_failed(args: argparse.Namespace, exc: RegistryError) -> int:
-    from reconciler.cli import EXIT_FAILED
+def add_snapshot_options(parser: argparse.ArgumentParser) -> None:
+    """--desired, --registry-path and --snapshot."""
+    add_registry_options(parser)
+    parser.add_argument(
+        "--snapshot",
+        metavar="FILE",
+        type=Path,
+        help="a saved snapshot (JSON, as `fabric registry export` writes) instead of the live registry",
+    )
 
-    print(f"fabric {args.command}: registry: {exc}", file=sys.stderr)
-    return EXIT_FAILED
+
+def _key_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+# Each list of the snapshot and the model of its entries, for unknown-key notes.
+_ENTRY_MODELS: dict[str, type[BaseModel]] = {"nodes": SnapshotNode, "lanes": SnapshotLane, "placements": Placement}
+
+
+def unknown_keys(data: dict) -> list[str]:
+    """Key paths the snapshot models do not know (ignored for compatibility
+    with newer writers, but most likely a typo in a hand-written file)."""
+    found = [key for key in data if key not in Snapshot.model_fields]
+    for section, model in _ENTRY_MODELS.items():
+        entries = data.get(section)
+        if not isinstance(entries, list):
+            continue
+        for index, entry in enumerate(entries):
+            if isinstance(entry, dict):
+                found += [f"{section}[{index}].{key}" for key in entry if key not in model.model_fields]
+    return found
+
+
+def read_snapshot(path: Path, warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Snapshot:
+    """The snapshot in `path`; raises InvalidInput naming file, key path and reason."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: (file): not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path}: (file): cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{path}: line {exc.lineno} column {exc.colno}: JSON syntax error: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{path}: (top level): a snapshot is a JSON object, not {type(data).__name__}")
+    try:
+        snapshot = Snapshot.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            reason = err["msg"].removeprefix("Value error, ")
+            if err["type"] != "missing" and "input" in err:
+                reason += f" (got {json.dumps(err['input'])[:80]})"
+            problems.append(f"{path}: {_key_path(tuple(err['loc']))}: {reason}")
+        raise InvalidInput(*problems) from None
+    for key in unknown_keys(data):
+        warn(f"{path}: {key}: unknown key, ignored")
+    return snapshot
+
+
+def desired_and_snapshot(args: argparse.Namespace) -> tuple[DesiredState, Snapshot]:
+    """--desired's state and the snapshot to work on: --snapshot's, else the live
+    registry's (the same one `fabric registry export` prints)."""
+    desired = load_or_fail(args.desired)
+    if args.snapshot is not None:
+        return desired, read_snapshot(args.snapshot)
+    with opened_registry(args, desired, hint=" (give --snapshot FILE for a what-if)") as registry:
+        return desired, registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+
+
+# --------------------------------------------------------------------------
+# Output
 
 
 def stamp(moment: datetime | None, now: datetime | None = None) -> str:

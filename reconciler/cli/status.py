@@ -24,23 +24,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from reconciler.cli.common import add_desired
-from reconciler.cli.registry_options import add_registry_path
-from reconciler.cli.wiring import open_registry
-from reconciler.core.desired.load import DesiredStateError, load_desired
-from reconciler.core.desired.model import DesiredState
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_desired, load_or_fail
+from reconciler.cli.registry_options import add_registry_path, opened_registry
 from reconciler.core.live.models import FleetPlan, Snapshot
-from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.cards import fleet_status, render_text, status_document
-from reconciler.ports import RegistryError
+from reconciler.engine.status import StatusInputs, live_status, saved_status
 
 DEFAULT_WATCH_S = 2.0
 # Home the cursor and clear the screen: one redraw per refresh, no scrollback spam.
@@ -83,40 +77,10 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-@dataclass(frozen=True)
-class Inputs:
-    desired: DesiredState
-    snapshot: Snapshot
-    plan: FleetPlan | None
-    now: datetime
-
-
-class InputError(Exception):
-    """Bad input: `problems` are `file: key.path: reason` lines."""
-
-    exit_status = EXIT_INVALID
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-class Unreachable(InputError):
-    """The live registry did not answer (not the operator's input: exit 1)."""
-
-    exit_status = EXIT_FAILED
-
-
 def run(args: argparse.Namespace) -> int:
     if args.plan is not None and args.snapshot is None:
-        print("fabric status: --plan needs --snapshot (the live registry has its own plan)", file=sys.stderr)
-        return EXIT_INVALID
-    try:
-        first = gather(args)
-    except InputError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
-        return exc.exit_status
+        raise InvalidInput("fabric status: --plan needs --snapshot (the live registry has its own plan)")
+    first = gather(args)
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if args.watch is None:
         sys.stdout.write(frame(first, as_json=args.json, color=color))
@@ -133,54 +97,24 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-def gather(args: argparse.Namespace) -> Inputs:
-    """Everything one frame shows, read afresh."""
-    try:
-        desired = load_desired(args.desired)
-    except DesiredStateError as exc:
-        raise InputError([str(p) for p in exc.problems]) from None
+def gather(args: argparse.Namespace) -> StatusInputs:
+    """Everything one frame shows, read afresh; bad input raises InvalidInput
+    (exit 2), an unreachable registry CommandError (exit 1)."""
+    desired = load_or_fail(args.desired)
     if args.snapshot is None:
-        return read_live(desired, args.registry_path)
+        # Looking must not create a sqlite registry that is not there.
+        with opened_registry(args, desired, existing=True) as registry:
+            return live_status(desired, registry)
     snapshot = load_json_model(args.snapshot, Snapshot)
-    if args.plan is not None:
-        plan = load_json_model(args.plan, FleetPlan)
-    else:
-        plan = plan_for_snapshot(desired, snapshot)
-    # A saved snapshot is shown as of the instant it was taken.
-    return Inputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
-
-
-def plan_for_snapshot(desired: DesiredState, snapshot: Snapshot) -> FleetPlan:
-    """The seam to the scheduler: what the leader would publish for `snapshot`."""
-    return schedule(snapshot, desired)
-
-
-def read_live(desired: DesiredState, sqlite_path: Path | None) -> Inputs:
-    """The live registry: its snapshot now and the newest published plan."""
-    settings = desired.fleet.registry
-    if sqlite_path is not None or settings.backend == "sqlite":
-        # Opening a sqlite registry creates it: looking must not do that.
-        path = Path(sqlite_path or settings.path)
-        if not path.is_file():
-            raise Unreachable([f"fabric status: registry: {path}: no such registry (has any host joined?)"])
-    try:
-        registry = open_registry(desired.fleet, sqlite_path=sqlite_path)
-        try:
-            # Every declared lane, so a lane nobody reported yet still gets a card.
-            snapshot = registry.snapshot([lane.id for lane in desired.lanes])
-            plan = registry.newest_plan()
-        finally:
-            registry.close()
-    except RegistryError as exc:
-        raise Unreachable([f"fabric status: registry: {exc}"]) from None
-    return Inputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
+    plan = load_json_model(args.plan, FleetPlan) if args.plan is not None else None
+    return saved_status(desired, snapshot, plan)
 
 
 def load_json_model(path: Path, model: type[Model]) -> Model:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise InputError([f"{path}: (file): {exc.strerror or exc}"]) from None
+        raise InvalidInput(f"{path}: (file): {exc.strerror or exc}") from None
     try:
         return model.model_validate_json(text)
     except ValidationError as exc:
@@ -188,10 +122,10 @@ def load_json_model(path: Path, model: type[Model]) -> Model:
         for error in exc.errors():
             loc = ".".join(str(part) for part in error["loc"]) or "(document)"
             problems.append(f"{path}: {loc}: {error['msg']}")
-        raise InputError(problems) from None
+        raise InvalidInput(*problems) from None
 
 
-def frame(inputs: Inputs, *, as_json: bool, color: bool) -> str:
+def frame(inputs: StatusInputs, *, as_json: bool, color: bool) -> str:
     status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now)
     if as_json:
         return json.dumps(status_document(status), ensure_ascii=False) + "\n"
@@ -202,10 +136,10 @@ def draw(args: argparse.Namespace, color: bool) -> str:
     """One refresh; bad input mid-watch is shown in the frame, not fatal."""
     try:
         return frame(gather(args), as_json=args.json, color=color)
-    except InputError as exc:
+    except CommandError as exc:
         if args.json:
-            return json.dumps({"error": exc.problems}) + "\n"
-        return "\n".join(["fabric status: cannot read the inputs:", *exc.problems]) + "\n"
+            return json.dumps({"error": list(exc.lines)}) + "\n"
+        return "\n".join(["fabric status: cannot read the inputs:", *exc.lines]) + "\n"
 
 
 def watch(

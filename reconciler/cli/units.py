@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from reconciler.adapters.install_files import read_text_or_none, write_atomic
-from reconciler.cli import EXIT_INVALID, EXIT_OK
-from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH, NodeConfig, NodeConfigError, parse_node_config
+from reconciler.cli import EXIT_OK, InvalidInput
+from reconciler.cli.common import add_node_config, load_node_config
+from reconciler.cli.wiring import write_atomic
 from reconciler.core.install.units import Install, UnitsError, host_units, units_json
 
 
@@ -43,48 +43,17 @@ def _this_program() -> str | None:
     return str(program.absolute())
 
 
-def add_node_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        type=Path,
-        default=Path(NODE_CONFIG_PATH),
-        help=f"the node's configuration (default: {NODE_CONFIG_PATH}; absent means all defaults)",
-    )
-
-
-def load_node_config(path: Path, *, must_exist: bool = False) -> NodeConfig | None:
-    """node.toml, all defaults when absent, None after printing its problems."""
-    text = read_text_or_none(path)
-    if text is None:
-        if must_exist:
-            print(f"{path}: (file): not found", file=sys.stderr)
-            return None
-        return NodeConfig()
-    try:
-        return parse_node_config(text, str(path))
-    except NodeConfigError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     if args.fabric_bin is None:
-        print("--fabric-bin PATH is required when not run as the `fabric` program", file=sys.stderr)
-        return EXIT_INVALID
+        raise InvalidInput("--fabric-bin PATH is required when not run as the `fabric` program")
     if not args.fabric_bin.startswith("/"):
-        print(f"--fabric-bin: {args.fabric_bin!r} must be an absolute path", file=sys.stderr)
-        return EXIT_INVALID
+        raise InvalidInput(f"--fabric-bin: {args.fabric_bin!r} must be an absolute path")
     node = load_node_config(args.config)
-    if node is None:
-        return EXIT_INVALID
     install = Install(fabric_bin=args.fabric_bin, node=node, config_path=str(args.config), search_path=args.search_path)
     try:
         units = host_units(install, leader_candidate=args.leader_candidate)
     except UnitsError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        raise InvalidInput(f"{args.config}: {exc}") from None
     if args.json:
         print(units_json(units))
     elif args.write is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from reconciler.cli import EXIT_INVALID, EXIT_OK
-from reconciler.cli.common import add_desired, load_or_report
+from reconciler.cli import EXIT_OK
+from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.core.desired.load import summary
 
 
@@ -16,8 +16,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    state = load_or_report(args.desired)
-    if state is None:
-        return EXIT_INVALID
-    print(summary(state))
+    print(summary(load_or_fail(args.desired)))
     return EXIT_OK
