@@ -41,9 +41,7 @@ def open_registry(
 
     Raises `RegistryUnavailable` when a sqlite file cannot be opened; an etcd
     cluster is only contacted by the first call."""
-    from reconciler.adapters.clock import SystemClock
-
-    clock = clock or SystemClock()
+    clock = clock or system_clock()
     settings = fleet.registry
     if sqlite_path is not None or settings.backend == "sqlite":
         from reconciler.adapters.registry_sqlite import SqliteRegistry
