@@ -187,9 +187,9 @@ def load_desired(
     try:
         fleet_text = read_text(fleet_path)
     except FileNotFoundError:
-        raise DesiredStateError([Problem(fleet_name, "(file)", "not found: a desired-state directory needs fabric.toml")])
+        raise DesiredStateError([Problem(fleet_name, "(file)", "not found: a desired-state directory needs fabric.toml")]) from None
     except OSError as exc:
-        raise DesiredStateError([Problem(fleet_name, "(file)", f"cannot read: {exc.strerror or exc}")])
+        raise DesiredStateError([Problem(fleet_name, "(file)", f"cannot read: {exc.strerror or exc}")]) from None
 
     fleet: FleetConfig | None = None
     data, errs = _parse_toml(fleet_name, fleet_text)

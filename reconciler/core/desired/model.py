@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -27,22 +27,6 @@ from pydantic import (
 
 # --------------------------------------------------------------------------
 # Tiers
-
-# Best first, with the seed's scores (gpu_cuda 10 ... relay 0).
-TIER_ORDER: tuple[str, ...] = (
-    "gpu_cuda",
-    "gpu_vaapi",
-    "gpu_apu",
-    "cpu_ffmpeg",
-    "batch",
-    "ethernet",
-    "framebuffer",
-    "wasm",
-    "dsp",
-    "esp32",
-    "relay",
-)
-TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
 
 Tier = Literal[
     "gpu_cuda",
@@ -58,8 +42,17 @@ Tier = Literal[
     "relay",
 ]
 
+# Best first, with the seed's scores (gpu_cuda 10 ... relay 0).
+TIER_ORDER: tuple[Tier, ...] = get_args(Tier)
+TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
+
 Arch = Literal["x86_64", "aarch64"]
-ARCHES: tuple[str, ...] = ("x86_64", "aarch64")
+ARCHES: tuple[Arch, ...] = get_args(Arch)
+# A service's command or image is keyed by architecture, or "any" for both.
+RunsOn = Literal["x86_64", "aarch64", "any"]
+
+GpuVendor = Literal["nvidia", "amd", "intel", "other"]
+StorageType = Literal["nvme", "ssd", "hdd", "other"]
 
 
 def tier_score(tier: str) -> int:
@@ -359,8 +352,8 @@ class Service(Strict):
     arch: list[Arch] = []
     labels: dict[LabelKey, LabelValue] = {}
     # Exactly one of command / image, keyed by architecture ("any" for both).
-    command: dict[Literal["x86_64", "aarch64", "any"], NonEmptyArgv] = {}
-    image: dict[Literal["x86_64", "aarch64", "any"], Image] = {}
+    command: dict[RunsOn, NonEmptyArgv] = {}
+    image: dict[RunsOn, Image] = {}
     port: Annotated[int, Field(ge=1024, le=65535)] | None = None
     route: Route | None = None
     environment: Environment = {}
@@ -510,7 +503,7 @@ class DesiredState(BaseModel):
 class Gpu(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    vendor: Literal["nvidia", "amd", "intel", "other"]
+    vendor: GpuVendor
     model: str
     vram_mib: int | None = None
     integrated: bool
@@ -525,7 +518,7 @@ class Storage(BaseModel):
 
     name: str
     mount: str | None = None
-    type: Literal["nvme", "ssd", "hdd", "other"]
+    type: StorageType
     size_gib: int
 
 

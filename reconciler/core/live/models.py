@@ -26,6 +26,9 @@ from reconciler.core.desired.model import Tier
 
 NodeStatus = Literal["active", "draining", "offline", "dead"]
 
+# What a lifecycle transition records: a new status, or an event that does not change it.
+TransitionStatus = NodeStatus | Literal["held_off", "released", "drain", "undrain"]
+
 HoldReason = Literal["no_free_slots", "local_spill_not_reached", "cloud_attempts_exhausted"]
 
 
@@ -121,5 +124,5 @@ class FleetPlan(_Live):
 
 class Transition(_Live):
     at: datetime
-    status: NodeStatus | Literal["held_off", "released", "drain", "undrain"]
+    status: TransitionStatus
     reason: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -203,7 +203,7 @@ class ScalingRecord(_Record):
     group is at its minimum until a burst activates it again.
     """
 
-    state: dict = {}
+    state: dict[str, Any] = {}
     concurrency: dict[NodeId, int] = {}
     scaled_down: list[NodeId] = []
     hooks: dict[str, HookOutcome] = {}

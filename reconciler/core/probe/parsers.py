@@ -602,7 +602,8 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
     state = document.get("BackendState")
     if state != "Running":
         raise ParseError(f"tailscale is not running (BackendState {str(state)[:40]!r})")
-    me = document.get("Self") if isinstance(document.get("Self"), dict) else {}
+    me_entry = document.get("Self")
+    me: dict[str, Any] = me_entry if isinstance(me_entry, dict) else {}
     dns = me.get("DNSName")
     dns_name = dns.rstrip(".").lower() if isinstance(dns, str) and dns.strip(".") else None
     addresses = me.get("TailscaleIPs") or document.get("TailscaleIPs") or []
@@ -611,7 +612,8 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
     ipv4 = next((a for a in addresses if isinstance(a, str) and re.match(r"^\d+\.\d+\.\d+\.\d+$", a)), None)
     if ipv4 is None and dns_name is None:
         raise ParseError("no address and no DNS name for this node")
-    peers = document.get("Peer") if isinstance(document.get("Peer"), dict) else {}
+    peer_entry = document.get("Peer")
+    peers: dict[str, Any] = peer_entry if isinstance(peer_entry, dict) else {}
     active = 0
     relayed_peers = []
     for peer in peers.values():

@@ -26,11 +26,14 @@ from reconciler.core.desired.model import (
     TIER_SCORE,
     Framebuffer,
     Gpu,
+    GpuVendor,
     Hardware,
     Limitations,
     NodeFacts,
     OperatingSystem,
     Storage,
+    StorageType,
+    Tier,
 )
 from reconciler.core.probe.parsers import (
     BlockDisk,
@@ -46,7 +49,7 @@ from reconciler.core.probe.raw import ParsedFacts
 
 LABEL_PREFIX = "topology.researchstack.io/"
 
-_VENDORS = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
+_VENDORS: dict[str, GpuVendor] = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
 _VENDOR_DISPLAY = {"nvidia": "NVIDIA", "amd": "AMD", "intel": "Intel"}
 
 # AMD APU graphics as pci.ids names them (Ryzen mobile and desktop APUs, the
@@ -90,7 +93,7 @@ def _render_nodes(displays: list[PciDisplay], dri: DriNodes | None) -> tuple[dic
     # has one. Anything less would be a guess, so then nothing is matched.
     slots = sorted(d.slot for d in displays)
     if slots and len(slots) == len(dri.render_nodes):
-        return dict(zip(slots, dri.render_nodes)), ["render nodes matched to GPUs by PCI order (no /dev/dri/by-path)"]
+        return dict(zip(slots, dri.render_nodes, strict=True)), ["render nodes matched to GPUs by PCI order (no /dev/dri/by-path)"]
     if dri.render_nodes:
         return {}, ["render nodes cannot be matched to GPUs (no /dev/dri/by-path and counts differ)"]
     return {}, []
@@ -145,10 +148,10 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
         integrated = is_integrated(device)
         va_device = va.on(node) if va is not None else None
         encodes = bool(va_device and va_device.encode_profiles)
-        tier = "gpu_vaapi" if encodes and not integrated else "gpu_apu"
+        tier: Tier = "gpu_vaapi" if encodes and not integrated else "gpu_apu"
         if not integrated and not encodes:
-            reason = parsed.missing.get("vainfo") if va is None else dict(va.problems).get(node, "no encode entrypoints")
-            notes.append(f"{model}: discrete but no VA-API encode ({reason}); counted as gpu_apu")
+            why_not = parsed.missing.get("vainfo", "no vainfo output") if va is None else dict(va.problems).get(node, "no encode entrypoints")
+            notes.append(f"{model}: discrete but no VA-API encode ({why_not}); counted as gpu_apu")
         gpus.append(
             Gpu(
                 vendor=vendor,
@@ -169,7 +172,7 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
 # Storage
 
 
-def storage_type(disk: BlockDisk) -> str:
+def storage_type(disk: BlockDisk) -> StorageType:
     if disk.transport == "nvme" or disk.name.startswith("nvme"):
         return "nvme"
     # Virtual disks (virtio, Xen) and network block devices report a
@@ -262,7 +265,7 @@ def usable_hardware_encoders(encoders: Iterable[Encoder], gpus: list[Gpu], va: V
 # Tier, labels, limitations
 
 
-def node_tier(gpus: list[Gpu], ffmpeg_present: bool) -> str:
+def node_tier(gpus: list[Gpu], ffmpeg_present: bool) -> Tier:
     if gpus:
         return max(gpus, key=lambda g: TIER_SCORE[g.tier]).tier
     return "cpu_ffmpeg" if ffmpeg_present else "relay"

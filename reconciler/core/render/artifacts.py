@@ -40,6 +40,7 @@ from reconciler.core.desired.model import (
     HostConfig,
     Lane,
     NodeFacts,
+    RunsOn,
     Service,
 )
 from reconciler.core.live.models import FleetPlan
@@ -216,7 +217,7 @@ def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: lis
     if arch is None or arch not in agent.arch:
         notes.append(f"lane {lane.id}: no agent image for architecture {arch or 'unknown'} (agent.arch has {', '.join(sorted(agent.arch))})")
         return None
-    spec = agent.arch[arch]  # type: ignore[index]
+    spec = agent.arch[arch]
     # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>; the
     # local lane has no agent_ref and consumes <prefix><lane id>.
     queue = state.queue_for(lane) or f"{agent.queue_prefix}{lane.id}"
@@ -241,8 +242,8 @@ def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: lis
 
 
 def _service_workload(state: DesiredState, service: Service, arch: str | None, notes: list[str]) -> _Workload | None:
-    runs: Mapping[str, object] = service.command or service.image
-    chosen = runs.get(arch or "") or runs.get("any")
+    runs: Mapping[RunsOn, list[str] | str] = service.command or service.image
+    chosen = next((value for key, value in runs.items() if key == arch), None) or runs.get("any")
     if chosen is None:
         notes.append(f"service {service.id}: placed here but has no command or image for architecture {arch or 'unknown'}; not run")
         return None

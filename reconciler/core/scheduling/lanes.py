@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from reconciler.core.desired.model import DesiredState, SchedulerSettings
-from reconciler.core.live.models import HoldReason, LaneView, Snapshot
+from reconciler.core.live.models import HoldReason, LaneView, Snapshot, SnapshotLane
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ class LaneJob:
 
 def lane_views(desired: DesiredState, snapshot: Snapshot) -> list[LaneView]:
     """Declared lanes with their live state, in sort-key order."""
-    live = {}
-    for lane in snapshot.lanes:
-        live.setdefault(lane.id, lane)
+    live: dict[str, SnapshotLane] = {}
+    for seen_lane in snapshot.lanes:
+        live.setdefault(seen_lane.id, seen_lane)
     views = []
     for lane in desired.lanes:
         seen = live.get(lane.id)

@@ -42,11 +42,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from reconciler.core.desired.model import FlapSettings, TimingSettings
-from reconciler.core.live.models import NodeStatus, SnapshotNode, Transition
+from reconciler.core.live.models import NodeStatus, SnapshotNode, Transition, TransitionStatus
 from reconciler.core.live.records import DrainRequest, NodeRecord, utc
 
 # Transitions kept per node (older ones are dropped first).
@@ -116,20 +117,20 @@ class _Node:
 
     def __init__(self, state: NodeState) -> None:
         # Shallow: nested records stay models.
-        self.values = {name: getattr(state, name) for name in NodeState.model_fields}
+        self.values: dict[str, Any] = {name: getattr(state, name) for name in NodeState.model_fields}
         self.values["transitions"] = list(state.transitions)
         self.values["toggles"] = list(state.toggles)
         self.events: list[LifecycleEvent] = []
 
-    def __getitem__(self, key: str):
+    def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
-    def record_transition(self, now: datetime, status: str, reason: str, *, forget: bool = False) -> None:
+    def record_transition(self, now: datetime, status: TransitionStatus, reason: str, *, forget: bool = False) -> None:
         t = Transition(at=now, status=status, reason=reason)
         self.values["transitions"] = (self.values["transitions"] + [t])[-HISTORY:]
         self.events.append(LifecycleEvent(self.values["node_id"], t, forget=forget))
 
-    def set_status(self, now: datetime, status: str, reason: str) -> None:
+    def set_status(self, now: datetime, status: NodeStatus, reason: str) -> None:
         self.values["status"] = status
         self.values["since"] = now
         self.record_transition(now, status, reason)

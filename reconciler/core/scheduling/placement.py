@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service
+from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import lane_views
 
@@ -84,13 +84,16 @@ Strategy = Literal["highest_tier", "best_fit"]
 # one state; beyond it, counts (a 10,000-node fleet must not yield a novel).
 _NAMES_PER_REASON = 4
 
+# A request's static constraints: (allowed architectures, required labels).
+Constraint = tuple[frozenset[str], tuple[tuple[str, str], ...]]
+
 
 @dataclass(frozen=True)
 class Request:
     """One unit of work to place: a service replica or a one-off task."""
 
-    min_tier: str
-    floor: str
+    min_tier: Tier
+    floor: Tier
     # Allowed architectures; empty = any.
     arch: frozenset[str] = frozenset()
     # Labels the node must carry, sorted (key, value) pairs.
@@ -113,7 +116,7 @@ class Request:
         )
 
     @property
-    def constraint(self) -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+    def constraint(self) -> Constraint:
         return (self.arch, self.labels)
 
     def matches(self, node: SnapshotNode) -> bool:
@@ -126,7 +129,7 @@ class Request:
 @dataclass(frozen=True)
 class Choice:
     node: str
-    tier: str
+    tier: Tier
     fallback: bool
 
 
@@ -136,7 +139,7 @@ class NoChoice:
     inadmissible: bool
 
 
-def tier_sequence(min_tier: str, floor: str, strategy: Strategy) -> tuple[list[str], list[str]]:
+def tier_sequence(min_tier: Tier, floor: Tier, strategy: Strategy) -> tuple[list[Tier], list[Tier]]:
     """(satisfying tiers in preference order, fallback tiers from just below min_tier down to floor)."""
     top = TIER_ORDER.index(min_tier)
     bottom = TIER_ORDER.index(floor)
@@ -214,10 +217,10 @@ class Placer:
         self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
         self._kept: Counter[str] = Counter()
         # constraint -> tier -> heap of (utilization, node rank, stamp)
-        self._pools: dict[tuple, dict[str, list[tuple[float, int, int]]]] = {}
+        self._pools: dict[Constraint, dict[str, list[tuple[float, int, int]]]] = {}
         # (min_tier, floor) -> the tier groups to try, in order
-        self._steps: dict[tuple[str, str], list[tuple[list[str], bool]]] = {}
-        self._deferral_cache: dict[tuple, NoChoice] = {}
+        self._steps: dict[tuple[str, str], list[tuple[list[Tier], bool]]] = {}
+        self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
 
     # ------------------------------------------------------------------
     # Loads
@@ -322,7 +325,7 @@ class Placer:
                 heapq.heappush(other, entry)
         self._deferral_cache.clear()
 
-    def _tier_steps(self, request: Request) -> list[tuple[list[str], bool]]:
+    def _tier_steps(self, request: Request) -> list[tuple[list[Tier], bool]]:
         """Satisfying tiers as one group, then each fallback tier on its own."""
         key = (request.min_tier, request.floor)
         steps = self._steps.get(key)

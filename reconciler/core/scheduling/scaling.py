@@ -117,7 +117,7 @@ def decide_scaling(
     """The scaling actions for this pass and the state to keep for the next."""
     now = as_aware(now if now is not None else snapshot.now)
     interval = timedelta(seconds=settings.group_interval_s)
-    running = {}
+    running: dict[str, SnapshotNode] = {}
     for node in snapshot.nodes:
         if node.status == "active" and not node.drained:
             running.setdefault(node.node_id, node)
@@ -149,7 +149,7 @@ def decide_scaling(
         if held < settings.scale_up_window_s:
             continue
         node = running[node_id]
-        busy = f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s (> {settings.scale_up_utilization:.0%})"
+        how_busy = f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s (> {settings.scale_up_utilization:.0%})"
         ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
         if node.max_concurrent_tasks < ceiling:
             actions.append(
@@ -158,11 +158,11 @@ def decide_scaling(
                     node=node_id,
                     tier=node.tier,
                     max_concurrent_tasks=node.max_concurrent_tasks + 1,
-                    reason=f"{busy}; ceiling {ceiling} leaves headroom",
+                    reason=f"{how_busy}; ceiling {ceiling} leaves headroom",
                 )
             )
         else:
-            scale_out_reasons.append(f"{busy} and at its ceiling {ceiling}")
+            scale_out_reasons.append(f"{how_busy} and at its ceiling {ceiling}")
         hot[node_id] = now  # the next step needs another full window
 
     # 3. Horizontal: a sustained burst, or a hot node without headroom.

@@ -320,7 +320,8 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     if not rows:
         return ["  (no nodes)"]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    # Every row has a cell per header column: a short row is a bug, not a blank.
+    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
 
 
 # --------------------------------------------------------------------------
