@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +23,8 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import ScalingRecord
-from reconciler.engine.dispatch import dispatch_pass
-from reconciler.ports import NotLeader
+from reconciler.engine.dispatch import dispatch_pass, finish_job, lane_status, run_dispatcher
+from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import T0, FakeClock
 
@@ -159,6 +160,83 @@ def test_jobs_fill_the_cheapest_lane_then_spill_and_reach_local_only_through_the
     assert registry.finish_job("job-1") is not None
     registry.enqueue_jobs(["fresh"])
     assert outcome(dispatch_pass(registry, desired)) == {"fresh": "a1-arm64", "spent": "hold:cloud_attempts_exhausted"}
+
+
+def test_a_failed_job_waits_again_with_one_more_attempt_only_after_a_cloud_lane(store, desired):
+    registry = store.open()
+    registry.enqueue_jobs(["cloudy", "homely", "tidy"])
+    assert registry.start_job("cloudy", "a1-arm64", 2) is not None
+    assert registry.start_job("homely", "local", 1) is not None
+    assert registry.start_job("tidy", "x86-spill", 4) is not None
+
+    cloudy = finish_job(registry, desired, "cloudy", failed=True)
+    homely = finish_job(registry, desired, "homely", failed=True)
+    tidy = finish_job(registry, desired, "tidy", failed=False)
+
+    assert cloudy is not None and (cloudy.lane, cloudy.requeued, cloudy.job.attempts) == ("a1-arm64", True, 1)
+    assert homely is not None and (homely.lane, homely.job.attempts) == ("local", 0), "a local run spends no cloud attempt"
+    assert tidy is not None and tidy.lane == "x86-spill"
+    assert {j.job_id: j.waiting for j in registry.lane_jobs()} == {"cloudy": True, "homely": True}, "done is gone, failed waits"
+    assert registry.lane_in_flight() == {}
+    assert finish_job(registry, desired, "tidy", failed=False) is None, "not running any more"
+
+
+def test_lane_status_shows_what_a_pass_would_do_to_each_waiting_job_now(store, desired):
+    registry = store.open()
+    registry.enqueue_jobs([f"job-{i}" for i in range(8)])
+    assert registry.start_job("job-0", "a1-arm64", 2) is not None
+    store.clock.advance(1)
+
+    status = lane_status(registry, desired)
+
+    assert [lane.id for lane in status.lanes] == ["a1-arm64", "x86-spill", "local"], "by rank"
+    assert [j.job_id for j in status.running] == ["job-0"]
+    assert {job: event.lane or f"hold:{event.hold}" for job, event in status.predicted.items()} == {
+        "job-1": "a1-arm64",
+        **{f"job-{i}": "x86-spill" for i in range(2, 6)},
+        "job-6": "hold:local_spill_not_reached",
+        "job-7": "hold:local_spill_not_reached",
+    }
+    assert status.queue_depth == 7, "waiting jobs (no plan published)"
+    document = status.as_json()
+    assert [w["job"] for w in document["waiting"]] == [f"job-{i}" for i in range(1, 8)]
+    assert document["running"][0]["lane"] == "a1-arm64" and document["deferred"] == []
+    assert registry.lane_in_flight() == {"a1-arm64": 1}, "looking starts nothing"
+
+
+class OutageFirst:
+    """The registry, whose first snapshot fails as if it were unreachable."""
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+        self.failed = False
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+    def snapshot(self, lanes=()):
+        if not self.failed:
+            self.failed = True
+            raise RegistryUnavailable("connection refused")
+        return self._registry.snapshot(lanes)
+
+
+def test_the_dispatcher_outlives_a_registry_outage_and_stops_when_asked(store, desired):
+    registry = store.open()
+    registry.enqueue_jobs(["j1"])
+    stop = threading.Event()
+    events, logs = [], []
+
+    def emit(event) -> None:
+        events.append(event)
+        stop.set()  # one successful pass is enough
+
+    run_dispatcher(OutageFirst(registry), desired, emit=emit, stop=stop, interval_s=0.01, log=logs.append)
+
+    assert logs == ["registry unreachable, retrying: connection refused"]
+    assert [(e.job, e.lane) for e in events] == [("j1", "a1-arm64")]
+    with pytest.raises(RegistryUnavailable):
+        run_dispatcher(OutageFirst(registry), desired, emit=emit, stop=threading.Event(), interval_s=0.01, once=True)
 
 
 def test_racing_dispatcher_processes_never_put_more_than_its_cap_in_a_lane(store, tmp_path, desired):

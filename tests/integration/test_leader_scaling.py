@@ -25,8 +25,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.leader import LeaderLoop
-from reconciler.engine.scaling_step import ScalingStep
+from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import NotLeader, Registry
 from tests.conftest import EXAMPLE_FLEET
 from tests.fakes import FakeClock
@@ -39,6 +38,16 @@ HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) 
 TRICKY = ["a b; touch /tmp/not-a-shell", "$HOME", "*"]
 
 
+class RecordingAudit:
+    """The Audit port, kept in a list: (action, outcome, unit)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, str | None]] = []
+
+    def record(self, action: str, outcome: str, **fields: str) -> None:
+        self.entries.append((action, outcome, fields.get("unit")))
+
+
 class Fleet:
     """A registry with the example fleet's nodes, a clock, hook output, and leader loops."""
 
@@ -49,6 +58,7 @@ class Fleet:
         self.hook_out = tmp / "hooks.jsonl"
         self.opened: list[Registry] = []
         self.logs: list[str] = []
+        self.audit = RecordingAudit()
         base = load_desired(EXAMPLE_FLEET)
         hooks = {tier: [sys.executable, "-c", HOOK, str(self.hook_out), tier, *TRICKY] for tier in ("batch", "wasm")}
         scaling = base.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
@@ -62,15 +72,16 @@ class Fleet:
         return registry
 
     def loop(self, host: str = "lux") -> LeaderLoop:
-        registry = self.open()
-        return LeaderLoop(
-            registry=registry,
-            host=host,
-            load_desired=lambda: self.desired,
-            schedule=schedule,
+        """fabric-leader.service's loop, as `fabric leader run` builds it (engine.leader.candidate_loop)."""
+        return candidate_loop(
+            self.open(),
+            host,
+            lambda: self.desired,
+            schedule,
             lease_ttl_s=LONG,
+            runner=SubprocessRunner(),
+            audit=self.audit,
             log=self.logs.append,
-            scaling=ScalingStep(registry=registry, runner=SubprocessRunner(), log=self.logs.append),
         )
 
     def beat(self, **in_flight: int) -> None:
@@ -160,6 +171,22 @@ def test_a_burst_activates_idle_capacity_first_then_runs_each_tiers_hook_once_pe
     fleet.clock.advance(1)
     leader.step()
     assert fleet.hook_runs() == expected * 2, "60 s later: one more group per tier"
+
+
+def test_a_one_shot_step_resigns_and_the_next_one_campaigns_anew_and_audits_what_it_scales(fleet):
+    fleet.beat(lux=0)
+    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    leader = fleet.loop()
+    assert leader.scaling is not None and leader.scaling.hook_budget_s == LONG / 2, "hooks leave half the lease to renew it"
+
+    leader.step_and_resign()
+    assert fleet.registry.leader() is None and leader.leadership is None, "resigned: the next one need not wait for the lease"
+    assert fleet.registry.newest_plan() is not None
+
+    fleet.clock.advance(30)
+    leader.step_and_resign()
+    assert fleet.registry.leader() is None
+    assert ("scaling-activate_idle", "ok", "lux") in fleet.audit.entries, "the burst window outlived the first term"
 
 
 def test_sustained_high_utilization_raises_concurrency_within_the_ceiling_and_the_next_plan_uses_it(fleet):
