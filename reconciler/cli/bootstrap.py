@@ -15,15 +15,13 @@ input or a node that cannot be bootstrapped as configured (nothing changed).
 from __future__ import annotations
 
 import argparse
-import shutil
-import socket
 from pathlib import Path
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.cli.wiring import BootstrapError, CaptureError, bootstrap_io, probe_facts
-from reconciler.core.install.bootstrap import Programs, bootstrap_files, plan_bootstrap, socat_units
+from reconciler.cli.wiring import BootstrapError, CaptureError, bootstrap_io, bootstrap_programs, host_name, probe_facts
+from reconciler.core.install.bootstrap import bootstrap_files, plan_bootstrap, socat_units
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     node = load_node_config(args.config)
     state = load_or_fail(args.desired or Path(node.node.desired))
-    host = args.host or node.node.host or socket.gethostname().split(".")[0]
+    host = args.host or node.node.host or host_name()
     if host not in state.hosts:
         raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})")
     try:
@@ -52,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     with opened_registry(args, state, who="bootstrap") as registry:
         io = bootstrap_io(registry, args.root)
         ports = socat_units(state, host)
-        programs = Programs(nft=shutil.which("nft") or Programs.nft, systemctl=shutil.which("systemctl") or Programs.systemctl)
+        programs = bootstrap_programs()
         observed = io.observe(host, bootstrap_files(node), ports)
         plan = plan_bootstrap(node=node, state=state, host=host, facts=facts, observed=observed, programs=programs)
         for note in plan.notes:

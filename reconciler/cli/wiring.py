@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from reconciler.adapters.bootstrap_io import BootstrapError as BootstrapError
 from reconciler.adapters.probe_io import CaptureError as CaptureError
 from reconciler.core.desired.model import FleetConfig, NodeFacts
+from reconciler.core.install.bootstrap import Programs
 from reconciler.core.install.nodeconfig import NodeConfig
 from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, Registry, RegistryUnavailable
 
@@ -165,3 +166,17 @@ def write_atomic(path: Path, text: str) -> bool:
     from reconciler.adapters.install_files import write_atomic
 
     return write_atomic(path, text)
+
+
+def bootstrap_programs() -> Programs:
+    """nft and systemctl found on PATH, for the drop-in `fabric bootstrap` writes (they differ between distros)."""
+    import shutil
+
+    return Programs(nft=shutil.which("nft") or Programs.nft, systemctl=shutil.which("systemctl") or Programs.systemctl)
+
+
+def host_name() -> str:
+    """This machine's short host name (the fabric host it is, unless told otherwise)."""
+    import socket
+
+    return socket.gethostname().split(".")[0]
