@@ -16,131 +16,22 @@ from __future__ import annotations
 import difflib
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from reconciler.core.desired.model import (
-    DesiredState,
-    FieldProblem,
-    FleetConfig,
-    HostConfig,
-)
+from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
+
+Model = TypeVar("Model", bound=BaseModel)
 
 FLEET_FILE = "fabric.toml"
 
 
-@dataclass(frozen=True, order=True)
-class Problem:
-    file: str
-    path: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.path}: {self.reason}"
-
-
-class DesiredStateError(Exception):
+class DesiredStateError(ProblemsError):
     """The desired state is invalid; `problems` lists every reason."""
-
-    def __init__(self, problems: Iterable[Problem]) -> None:
-        self.problems = sorted(set(problems), key=lambda p: (p.file, p.path, p.reason))
-        super().__init__("\n".join(str(p) for p in self.problems))
-
-
-# --------------------------------------------------------------------------
-# Pydantic errors -> key paths
-
-
-def _format_loc(loc: Iterable[Any]) -> str:
-    """('services', 0, 'route', 'host') -> 'services[0].route.host'.
-
-    Keys that are not bare TOML keys (label keys with dots and slashes) are
-    quoted as TOML would: labels."topology.researchstack.io/role".
-    """
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-            continue
-        key = str(part)
-        if not key.replace("_", "").replace("-", "").isalnum():
-            key = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        out = f"{out}.{key}" if out else key
-    return out or "(top level)"
-
-
-_BOUNDS = {
-    "greater_than_equal": ("ge", "at least"),
-    "less_than_equal": ("le", "at most"),
-    "greater_than": ("gt", "greater than"),
-    "less_than": ("lt", "less than"),
-}
-
-
-def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Known keys of the table at `loc` in `model`, for 'did you mean'."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
-            continue
-        field = current.model_fields.get(str(part))
-        if field is None:
-            return []
-        current = _inner_model(field.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return []
-
-
-def _inner_model(annotation: Any) -> Any:
-    """The BaseModel inside list[X], X | None, dict[K, X] and Annotated[...]."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    origin = getattr(annotation, "__origin__", None)
-    if origin is not None and origin is not annotation:
-        return _inner_model(origin)
-    return None
-
-
-def _problems_from_validation(file: str, model: type[BaseModel], exc: ValidationError) -> list[Problem]:
-    problems = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        error = (err.get("ctx") or {}).get("error")
-        kind = err["type"]
-        if isinstance(error, FieldProblem):
-            path = _format_loc(loc + tuple(error.key.split(".")))
-            reason = error.reason
-        elif kind == "extra_forbidden":
-            path = _format_loc(loc)
-            known = _fields_at(model, loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            reason = "unknown key" + (f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})" if known else "")
-        elif kind == "missing":
-            path = _format_loc(loc)
-            reason = "required key is missing"
-        else:
-            path = _format_loc(loc)
-            reason = err["msg"]
-            if reason.startswith("Value error, "):
-                reason = reason[len("Value error, ") :]
-            elif kind in _BOUNDS:
-                key, words = _BOUNDS[kind]
-                reason = f"{err['input']!r} is out of range: must be {words} {err['ctx'][key]}"
-            elif kind == "literal_error":
-                reason = f"{err.get('input')!r} is not one of {err['ctx']['expected']}"
-            elif "input" in err and kind.endswith("_type"):
-                reason = f"{reason} (got {type(err['input']).__name__} {err['input']!r})"
-        problems.append(Problem(file, path, reason))
-    return problems
 
 
 # --------------------------------------------------------------------------
@@ -151,20 +42,14 @@ def _parse_toml(file: str, text: str) -> tuple[dict[str, Any] | None, list[Probl
     try:
         return tomllib.loads(text), []
     except tomllib.TOMLDecodeError as exc:
-        msg = str(exc)
-        # "Invalid value (at line 3, column 7)" -> path "line 3", reason "invalid value"
-        where = "(syntax)"
-        if "(at line " in msg:
-            msg, _, pos = msg.partition(" (at ")
-            where = pos.rstrip(")").split(",")[0]
-        return None, [Problem(file, where, f"TOML syntax error: {msg}")]
+        return None, [problem_from_toml_error(file, exc)]
 
 
-def _validate(file: str, model: type[BaseModel], data: dict[str, Any]) -> tuple[Any, list[Problem]]:
+def _validate(file: str, model: type[Model], data: dict[str, Any]) -> tuple[Model | None, list[Problem]]:
     try:
         return model.model_validate(data), []
     except ValidationError as exc:
-        return None, _problems_from_validation(file, model, exc)
+        return None, problems_from_validation(file, exc, model)
 
 
 def host_files(directory: Path) -> list[Path]:

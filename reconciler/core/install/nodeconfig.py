@@ -18,13 +18,12 @@ Secrets never appear here, only paths to files holding them (`*_file`).
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import StringConstraints, ValidationError, model_validator
 
-from reconciler.core.desired.load import Problem
 from reconciler.core.desired.model import AbsPath, FieldProblem, Name, Strict
+from reconciler.core.desired.problems import ProblemsError, problem_from_toml_error, problems_from_validation
 
 NODE_CONFIG_PATH = "/etc/fabric/node.toml"
 
@@ -121,20 +120,8 @@ class NodeConfig(Strict):
         return self
 
 
-class NodeConfigError(Exception):
-    def __init__(self, problems: Iterable[Problem]) -> None:
-        self.problems = sorted(set(problems))
-        super().__init__("\n".join(str(p) for p in self.problems))
-
-
-def _loc(loc: Iterable[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out = f"{out}.{part}" if out else str(part)
-    return out or "(top level)"
+class NodeConfigError(ProblemsError):
+    """node.toml is invalid; `problems` lists every reason."""
 
 
 def parse_node_config(text: str, file: str = NODE_CONFIG_PATH) -> NodeConfig:
@@ -142,19 +129,8 @@ def parse_node_config(text: str, file: str = NODE_CONFIG_PATH) -> NodeConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise NodeConfigError([Problem(file, "(syntax)", str(exc))]) from exc
+        raise NodeConfigError([problem_from_toml_error(file, exc)]) from exc
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = list(err["loc"])
-            reason = err["msg"]
-            ctx_error = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_error, FieldProblem):
-                loc.append(ctx_error.key)
-                reason = ctx_error.reason
-            elif reason.startswith("Value error, "):
-                reason = reason.removeprefix("Value error, ")
-            problems.append(Problem(file, _loc(loc), reason))
-        raise NodeConfigError(problems) from exc
+        raise NodeConfigError(problems_from_validation(file, exc, NodeConfig)) from exc
