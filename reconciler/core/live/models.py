@@ -17,12 +17,13 @@ against its own desired state; the probe's Tailscale FQDN is only a fact.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from reconciler.core.desired.model import Tier
+from reconciler.core.timestamps import utc_now
 
 NodeStatus = Literal["active", "draining", "offline", "dead"]
 
@@ -93,7 +94,9 @@ class LaneView(_Live):
 
 
 class Snapshot(_Live):
-    now: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    # A hand-written snapshot without `now` means now: the one clock read of
+    # the core, at the edge where a file becomes a model.
+    now: datetime = Field(default_factory=utc_now)
     nodes: list[SnapshotNode] = []
     lanes: list[SnapshotLane] = []
     # Placements currently in force (the last published plan), so the

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from reconciler.core.desired.model import NAME_PATTERN, NodeFacts, Tier
+
+# Re-exported for the engine, adapters and CLI until they import them from
+# reconciler.core.timestamps, where they live.
+from reconciler.core.timestamps import from_epoch_seconds as from_epoch_seconds
+from reconciler.core.timestamps import utc as utc
 
 _NAME_RE = re.compile(NAME_PATTERN)
 
@@ -28,17 +33,6 @@ def check_node_id(value: str) -> str:
 
 
 NodeId = Annotated[str, AfterValidator(check_node_id)]
-
-
-def utc(moment: datetime) -> datetime:
-    """`moment` as an aware UTC datetime (naive values are taken as UTC)."""
-    if moment.tzinfo is None:
-        return moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC)
-
-
-def from_epoch_seconds(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 class _Record(BaseModel):

@@ -48,7 +48,8 @@ from pydantic import BaseModel, ConfigDict
 
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import NodeStatus, SnapshotNode, Transition, TransitionStatus
-from reconciler.core.live.records import DrainRequest, NodeRecord, utc
+from reconciler.core.live.records import DrainRequest, NodeRecord
+from reconciler.core.timestamps import stamp, utc, utc_stamp
 
 # Transitions kept per node (older ones are dropped first).
 HISTORY = 50
@@ -183,7 +184,7 @@ def observe(
                 # silent: it went offline when its last beat expired.
                 went = _expiry(record) or now
                 node = _Node(NodeState(node_id=node_id, status="offline", since=went, record=record))
-                node.record_transition(now, "offline", f"no heartbeat since {_stamp(record.beat_at)}")
+                node.record_transition(now, "offline", f"no heartbeat since {stamp(record.beat_at, absent='never')}")
         else:
             node = _Node(previous)
 
@@ -209,10 +210,6 @@ def _expiry(record: NodeRecord) -> datetime | None:
     return utc(record.beat_at) + timedelta(seconds=record.timeout_s)
 
 
-def _stamp(moment: datetime | None) -> str:
-    return utc(moment).strftime("%Y-%m-%dT%H:%M:%SZ") if moment is not None else "never"
-
-
 def _toggle(node: _Node, now: datetime) -> None:
     node.values["toggles"] = node.values["toggles"] + [now]
 
@@ -233,7 +230,7 @@ def _liveness(node: _Node, is_alive: bool, now: datetime, timing: TimingSettings
         node.set_status(
             now,
             "offline",
-            f"no heartbeat for {_fmt(timeout or timing.node_timeout_s)}{relayed}, last seen {_stamp(node['last_seen'])}: evacuate",
+            f"no heartbeat for {_fmt(timeout or timing.node_timeout_s)}{relayed}, last seen {stamp(node['last_seen'], absent='never')}: evacuate",
         )
         _toggle(node, now)
     elif status == "offline" and now - since >= grace:
@@ -279,7 +276,7 @@ def _flap(node: _Node, now: datetime, flap: FlapSettings) -> None:
         node.record_transition(
             now,
             "held_off",
-            f"{flap.toggles} toggles within {_fmt(flap.window_s)}: no new work until {_stamp(until)}",
+            f"{flap.toggles} toggles within {_fmt(flap.window_s)}: no new work until {utc_stamp(until)}",
         )
 
 

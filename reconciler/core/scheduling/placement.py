@@ -71,12 +71,13 @@ import heapq
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import lane_views
+from reconciler.core.timestamps import utc, utc_stamp
 
 Strategy = Literal["highest_tier", "best_fit"]
 
@@ -150,21 +151,11 @@ def tier_sequence(min_tier: Tier, floor: Tier, strategy: Strategy) -> tuple[list
     return satisfying, fallback
 
 
-def as_aware(moment: datetime) -> datetime:
-    """Hand-written snapshots may omit the zone: read that as UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
-def utc_stamp(moment: datetime) -> str:
-    """`2026-11-29T12:00:00Z`, whatever zone the datetime carries."""
-    return as_aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
     """Status and lifecycle part of eligibility (load, tier, arch, labels aside)."""
     if node.status != "active" or node.drained or node.max_concurrent_tasks <= 0:
         return False
-    return node.held_off_until is None or as_aware(node.held_off_until) <= now
+    return node.held_off_until is None or utc(node.held_off_until) <= now
 
 
 def can_keep_work(node: SnapshotNode) -> bool:
@@ -204,7 +195,7 @@ class Placer:
     """
 
     def __init__(self, nodes: Iterable[SnapshotNode], now: datetime, strategy: Strategy = "highest_tier") -> None:
-        self.now = as_aware(now)
+        self.now = utc(now)
         self.strategy: Strategy = strategy
         self.nodes: dict[str, SnapshotNode] = {}
         for node in nodes:
@@ -375,7 +366,7 @@ def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime
         return node.status
     if node.drained:
         return "drained"
-    if node.held_off_until is not None and as_aware(node.held_off_until) > now:
+    if node.held_off_until is not None and utc(node.held_off_until) > now:
         return f"held off until {utc_stamp(node.held_off_until)}"
     if request.arch and node.arch not in request.arch:
         return f"arch {node.arch or 'unknown'} not in [{', '.join(sorted(request.arch))}]"
@@ -513,7 +504,7 @@ def schedule_with_placer(
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,
         leader=leader or snapshot.leader or "what-if",
-        created=as_aware(snapshot.now),
+        created=utc(snapshot.now),
         placements=sorted(placements, key=lambda p: (p.service, p.replica)),
         deferred=sorted(deferred, key=lambda d: (d.service, d.replica)),
         lanes=lane_views(desired, snapshot),

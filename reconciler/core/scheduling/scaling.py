@@ -47,7 +47,8 @@ from pydantic import BaseModel, ConfigDict
 
 from reconciler.core.desired.model import TIER_ORDER, ScalingSettings, Tier
 from reconciler.core.live.models import Snapshot, SnapshotNode
-from reconciler.core.scheduling.placement import accepts_new_work, as_aware, utc_stamp
+from reconciler.core.scheduling.placement import accepts_new_work
+from reconciler.core.timestamps import utc, utc_stamp
 
 ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold"]
 
@@ -100,7 +101,7 @@ def _utilization(node: SnapshotNode) -> float | None:
 
 
 def _since(previous: datetime | None, now: datetime) -> datetime:
-    return as_aware(previous) if previous is not None else now
+    return utc(previous) if previous is not None else now
 
 
 def _held_for(since: datetime | None, now: datetime) -> float:
@@ -115,7 +116,7 @@ def decide_scaling(
     now: datetime | None = None,
 ) -> ScalingDecision:
     """The scaling actions for this pass and the state to keep for the next."""
-    now = as_aware(now if now is not None else snapshot.now)
+    now = utc(now if now is not None else snapshot.now)
     interval = timedelta(seconds=settings.group_interval_s)
     running: dict[str, SnapshotNode] = {}
     for node in snapshot.nodes:
@@ -135,10 +136,10 @@ def decide_scaling(
             cold[node_id] = _since(state.cold_since.get(node_id), now)
     queue_high_since = _since(state.queue_high_since, now) if queue_depth > settings.queue_high else None
     scaled_down = {n for n in state.scaled_down if n in cold}
-    last_group_at = {tier: as_aware(at) for tier, at in state.last_group_at.items() if now - as_aware(at) < interval}
+    last_group_at = {tier: utc(at) for tier, at in state.last_group_at.items() if now - utc(at) < interval}
     # Kept while they still pace something, whatever the node did meanwhile
     # (a node that blinks offline and back is not activated again sooner).
-    last_activation_at = {n: as_aware(at) for n, at in state.last_activation_at.items() if now - as_aware(at) < interval}
+    last_activation_at = {n: utc(at) for n, at in state.last_activation_at.items() if now - utc(at) < interval}
 
     actions: list[ScalingAction] = []
     scale_out_reasons: list[str] = []

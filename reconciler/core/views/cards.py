@@ -15,11 +15,12 @@ shows a greyed glyph and the word `offline` on that card alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.timestamps import display_time, utc
 
 # Glyphs of a lane card. The offline one is drawn greyed (dim ANSI in a
 # terminal, a grey card on the page); without colour the word `offline` says it.
@@ -150,7 +151,7 @@ class FleetStatus:
     @property
     def headline(self) -> str:
         leader = f"leader {self.leader}" if self.leader else "no leader"
-        return f"{self.fleet} · {leader} · plan epoch {self.epoch} · {format_time(self.now)}"
+        return f"{self.fleet} · {leader} · plan epoch {self.epoch} · {display_time(self.now)}"
 
 
 # --------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
     The leader is the registry's current one (the plan's when the snapshot
     names none); the epoch is the plan's, else the snapshot's.
     """
-    now = _aware(now)
+    now = utc(now)
     return FleetStatus(
         fleet=desired.fleet.fleet.name,
         domain=desired.fleet.fleet.domain,
@@ -224,8 +225,8 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
 
 
 def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime, *, declared: bool) -> NodeRow:
-    last_seen = _aware(node.last_seen) if node.last_seen is not None else None
-    held_off_until = _aware(node.held_off_until) if node.held_off_until is not None else None
+    last_seen = utc(node.last_seen) if node.last_seen is not None else None
+    held_off_until = utc(node.held_off_until) if node.held_off_until is not None else None
     held_off_for = (held_off_until - now).total_seconds() if held_off_until is not None else None
     return NodeRow(
         node_id=node.node_id,
@@ -255,11 +256,6 @@ def _deferred(plan: FleetPlan | None, *, inadmissible: bool) -> tuple[DeferredRo
     return tuple(sorted(rows, key=lambda r: (r.service, r.replica)))
 
 
-def _aware(moment: datetime) -> datetime:
-    """Naive datetimes in snapshots are UTC (the registry writes UTC)."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
 # --------------------------------------------------------------------------
 # Small formatters shared by the text, the page and the JSON
 
@@ -277,10 +273,6 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m {secs}s"
     return f"{secs}s"
-
-
-def format_time(moment: datetime) -> str:
-    return _aware(moment).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 # --------------------------------------------------------------------------

@@ -23,11 +23,12 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
 from reconciler.core.desired.model import DesiredState, tier_score
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.timestamps import epoch_seconds
 from reconciler.core.views.cards import FleetStatus, fleet_status
 
 TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
@@ -149,7 +150,7 @@ def pass_families(stats: PassMetrics) -> list[Family]:
             "gauge",
             "Unix time the last successful reconcile pass ended.",
         )
-        f.add(_unix(stats.last_success))
+        f.add(epoch_seconds(stats.last_success))
         families.append(f)
     if stats.generation is not None:
         f = Family("fabric_generation", "gauge", "Generation of artifacts live on this host.")
@@ -187,7 +188,7 @@ def fleet_families(status: FleetStatus) -> list[Family]:
         max_tasks.add(node.max_concurrent_tasks, node=node.node_id)
         held_off.add(1 if node.held_off_for_s is not None else 0, node=node.node_id)
         if node.last_seen is not None:
-            last_seen.add(_unix(node.last_seen), node=node.node_id)
+            last_seen.add(epoch_seconds(node.last_seen), node=node.node_id)
 
     lane_in_flight = Family("fabric_lane_in_flight", "gauge", "Jobs in flight on a lane.")
     lane_cap = Family("fabric_lane_cap", "gauge", "Most jobs a lane takes at once.")
@@ -237,9 +238,3 @@ def render_metrics(
             f.add(plan.epoch)
             families.append(f)
     return exposition(families)
-
-
-def _unix(moment: datetime) -> float:
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()

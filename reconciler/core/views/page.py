@@ -17,7 +17,8 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
-from reconciler.core.views.cards import FleetStatus, NodeRow, fleet_status, format_time
+from reconciler.core.timestamps import display_time
+from reconciler.core.views.cards import FleetStatus, NodeRow, fleet_status
 from reconciler.templates import environment as template_environment
 
 TEMPLATE_NAME = "status.html.j2"
@@ -36,7 +37,7 @@ def render_status_html(status: FleetStatus, *, refresh_s: int = 30) -> str:
     template = template_environment("html").get_template(TEMPLATE_NAME)
     return template.render(
         status=status,
-        updated=format_time(status.now),
+        updated=display_time(status.now),
         refresh_s=refresh_s,
         node_status_class=_node_status_class,
     )
