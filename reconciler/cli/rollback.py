@@ -13,13 +13,12 @@ to stay on the old generation.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from reconciler.cli import EXIT_FAILED, EXIT_OK
-from reconciler.cli.reconcile import Wiring, applier_for, real_wiring
+from reconciler.cli.pass_options import finish
+from reconciler.cli.wiring import real_rollback_ports
 from reconciler.engine.apply import STATE_DIR
-from reconciler.ports import ActivationError, LockBusy
+from reconciler.engine.reconcile import RollbackOptions, roll_back
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,24 +31,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API")
     p.add_argument("--caddy-main", metavar="FILE", help="the edge's main Caddyfile, relative to the root (default: as for reconcile)")
     p.add_argument("--startup-grace", metavar="SECONDS", type=float, default=1.0, help="watch each started unit this long (default 1)")
-    p.set_defaults(func=run, validate=False)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    wiring = real_wiring(args)
-    try:
-        return roll_back(args, wiring)
-    finally:
-        wiring.close()
-
-
-def roll_back(args: argparse.Namespace, wiring: Wiring) -> int:
-    applier = applier_for(args, wiring)
-    try:
-        number, plan = applier.rollback(args.to)
-    except (ActivationError, LockBusy) as exc:
-        print(f"fabric rollback: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    sys.stdout.write(plan.text(files_done=True, activation_done=not args.no_activate))
-    print(f"generation {number} is {'installed' if args.no_activate else 'active'} again")
-    return EXIT_OK
+    options = RollbackOptions(
+        root=args.root,
+        state_dir=args.state_dir,
+        to=args.to,
+        no_activate=args.no_activate,
+        caddy_main=args.caddy_main,
+        systemd_bus=args.systemd_bus,
+        caddy_admin=args.caddy_admin,
+        startup_grace=args.startup_grace,
+    )
+    with real_rollback_ports(options) as ports:
+        report = roll_back(options, ports)
+    return finish(report)

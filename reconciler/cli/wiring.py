@@ -29,6 +29,7 @@ from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileRead
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
+    from reconciler.engine.reconcile import PassOptions, PassPorts, ProgramPaths, RollbackOptions
 
 
 def open_registry(
@@ -180,3 +181,128 @@ def host_name() -> str:
     import socket
 
     return socket.gethostname().split(".")[0]
+
+
+# --------------------------------------------------------------------------
+# A reconcile pass, `fabric plan` and `fabric rollback`: the real PassPorts.
+
+
+def registry_path(sqlite_path: Path | None, root: Path, fleet: FleetConfig) -> Path | None:
+    """--registry-path, or the sqlite file of [registry] under a sandbox root."""
+    if sqlite_path is not None:
+        return sqlite_path
+    if fleet.registry.backend == "sqlite" and Path(root) != Path("/"):
+        return Path(root) / fleet.registry.path.lstrip("/")
+    return None
+
+
+def program_paths() -> ProgramPaths:
+    """socat, podman and nft found on PATH: on NixOS they live in the store
+    (the module puts them on the pass's PATH), on Debian in /usr/bin."""
+    import shutil
+
+    from reconciler.engine.reconcile import ProgramPaths
+
+    default = ProgramPaths()
+    return ProgramPaths(
+        socat=shutil.which("socat") or default.socat,
+        podman=shutil.which("podman") or default.podman,
+        nft=shutil.which("nft") or default.nft,
+    )
+
+
+def print_note(note: str) -> None:
+    import sys
+
+    print(f"note: {note}", file=sys.stderr)
+
+
+@contextmanager
+def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
+    """The ports of `fabric reconcile` and `fabric plan`; the D-Bus connection is closed on leaving."""
+    from reconciler.engine.plan_source import PlanFromRegistry
+
+    sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
+
+    def connect(fleet: FleetConfig) -> Registry:
+        return open_registry(fleet, sqlite_path=registry_path(sqlite_path, options.root, fleet))
+
+    with _pass_ports(
+        options.root,
+        options.state_dir,
+        check=not options.no_activate or options.validate,
+        activate=not options.no_activate,
+        systemd_bus=options.systemd_bus,
+        caddy_admin=options.caddy_admin,
+        startup_grace=options.startup_grace,
+    ) as ports:
+        ports.open_registry = connect
+        yield ports
+
+
+@contextmanager
+def real_rollback_ports(options: RollbackOptions) -> Iterator[PassPorts]:
+    """The ports of `fabric rollback` (no registry); the D-Bus connection is closed on leaving."""
+    with _pass_ports(
+        options.root,
+        options.state_dir,
+        check=not options.no_activate,
+        activate=not options.no_activate,
+        systemd_bus=options.systemd_bus,
+        caddy_admin=options.caddy_admin,
+        startup_grace=options.startup_grace,
+    ) as ports:
+        yield ports
+
+
+@contextmanager
+def _pass_ports(
+    root: Path,
+    state_dir: str,
+    *,
+    check: bool,
+    activate: bool,
+    systemd_bus: str | None,
+    caddy_admin: str,
+    startup_grace: float,
+) -> Iterator[PassPorts]:
+    from reconciler.adapters.files import FlockLock, LocalTree
+    from reconciler.adapters.journal import JournalAudit
+    from reconciler.engine.apply import Activators, Validators
+    from reconciler.engine.reconcile import PassPorts
+
+    runner = command_runner()
+    validators = activators = systemd = None
+    if check:
+        from reconciler.adapters.caddy import CaddyAdmin
+        from reconciler.adapters.nftables import NftCommand
+        from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
+
+        caddy = CaddyAdmin(runner, admin_address=caddy_admin)
+        nft = NftCommand(runner)
+        validators = Validators(SystemdAnalyzeVerifier(runner), nft, caddy)
+        if activate:
+            from reconciler.adapters.systemd_dbus import SystemdDbus
+
+            # A Type=exec service counts as started once exec'd: the grace
+            # catches one that exits at once (a port already taken, say).
+            systemd = SystemdDbus(systemd_bus, startup_grace=startup_grace)
+            activators = Activators(systemd, nft, caddy)
+    audit = JournalAudit()
+    try:
+        yield PassPorts(
+            tree=LocalTree(root),
+            lock=FlockLock(Path(root) / state_dir.strip("/") / "lock"),
+            audit=audit,
+            clock=system_clock(),
+            probe=probe_facts,
+            validators=validators,
+            activators=activators,
+            programs=program_paths(),
+            note=print_note,
+        )
+    finally:
+        # The D-Bus connection's event loop dies with a task pending unless closed.
+        if systemd is not None:
+            systemd.close()
+        audit.close()

@@ -70,8 +70,8 @@ KEEP_GENERATIONS = 10
 EMPTY_RULESET = "table inet fabric\ndelete table inet fabric\n"
 
 
-def _no_checkpoint(step: str) -> None:
-    pass
+def no_checkpoint(step: str) -> None:
+    """The pass's steps pass unobserved (the crash tests pass one that kills the pass)."""
 
 
 # --------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class Applier:
         validators: Validators | None,
         activators: Activators | None,
         state_dir: str = STATE_DIR,
-        checkpoint: Callable[[str], None] = _no_checkpoint,
+        checkpoint: Callable[[str], None] = no_checkpoint,
         caddy_main: str = CADDY_MAIN,
     ) -> None:
         self.tree = tree
@@ -550,19 +550,6 @@ class Applier:
             return target, plan
         finally:
             self.lock.release()
-
-
-def stale_plan(store: GenerationStore, epoch: int) -> str | None:
-    """Why a fleet plan of `epoch` must be ignored, or None to use it.
-
-    A host never applies a plan older than the one its current generation was
-    rendered from: a deposed leader's late plan cannot undo its successor's.
-    """
-    current = store.current()
-    manifest = store.manifest(current)
-    if manifest is not None and manifest.epoch is not None and epoch < manifest.epoch:
-        return f"the fleet plan's epoch {epoch} is older than epoch {manifest.epoch} of generation {current}: ignored, generation {current} stays"
-    return None
 
 
 # --------------------------------------------------------------------------

@@ -6,13 +6,12 @@
 
 These are rewritten every pass, atomically, and are not part of a generation:
 a status page that changes every 30 s must not make a new generation or
-reload Caddy. Failing to write one is reported, never fails the pass.
+reload Caddy. Failing to write one is a note for the log, never fails the pass.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -62,11 +61,13 @@ def write_pass_records(
     source: PlanSource,
     outcome: PassOutcome,
     now: datetime,
-) -> None:
+) -> str | None:
+    """Write them; a note for the log when they cannot be written (the pass still counts)."""
     try:
         _write(tree, state_dir, state, host, source, outcome, now)
     except OSError as exc:
-        print(f"note: could not write metrics or the status page: {exc}", file=sys.stderr)
+        return f"could not write metrics or the status page: {exc}"
+    return None
 
 
 def _write(tree: FileTree, state_dir: str, state: DesiredState, host: str, source: PlanSource, outcome: PassOutcome, now: datetime) -> None:

@@ -1,19 +1,22 @@
 """Where a pass gets its fleet plan: the registry (the normal case), a file, or nobody.
 
-    --plan-file FILE   a saved FleetPlan (what-if, tests); the registry is not touched
-    --no-registry      a plan the scheduler computes over this host alone
-                       (a one-host fleet: what it could run if it were alone)
-    otherwise          the registry of fabric.toml [registry] (or --registry-path):
-                         1 heartbeat this host's facts (its record lives for the
-                           node timeout, longer for a DERP-relayed path)
-                         2 a leader candidate with nobody leading takes one
-                           leader step (campaign, lifecycle, schedule, publish
-                           if the plan changed) and resigns, so a single host
-                           with the embedded registry schedules itself and a
-                           running fabric-leader.service is never displaced
-                         3 the newest published plan, checked by the fence
-                           (`accept_plan`): not older than what this host
-                           applied, signed by a declared leader candidate
+    PlanFile(path)       a saved FleetPlan (what-if, tests); the registry is not touched
+    PlanAlone()          a plan the scheduler computes over this host alone
+                         (a one-host fleet: what it could run if it were alone)
+    PlanFromRegistry()   the registry of fabric.toml [registry] (or --registry-path):
+                           1 heartbeat this host's facts (its record lives for the
+                             node timeout, longer for a DERP-relayed path)
+                           2 a leader candidate with nobody leading takes one
+                             leader step (campaign, lifecycle, schedule, publish
+                             if the plan changed) and resigns, so a single host
+                             with the embedded registry schedules itself and a
+                             running fabric-leader.service is never displaced
+                           3 the newest published plan
+
+Whatever the source offers then passes the one epoch fence (`admit`, which
+calls `reconciler.core.live.fencing.accept_plan` once): not older than what
+this host applied and, for the registry's plans, signed by a declared leader
+candidate.
 
 Fail static: when the registry cannot be reached, or has no plan this host
 may apply while it runs placements from an earlier one, a host that already
@@ -25,16 +28,14 @@ empty plan, so its host-local units (lanes, port maps, nftables) converge.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 from pydantic import ValidationError
 
-from reconciler.cli.registry_options import add_registry_path
 from reconciler.core.desired.model import TIER_SCORE, DesiredState, NodeFacts
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
@@ -47,15 +48,28 @@ from reconciler.ports import Registry, RegistryError
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
 
-def add_plan_source_options(p: argparse.ArgumentParser) -> None:
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--plan-file", metavar="FILE", type=Path, help="render from this FleetPlan JSON; do not touch the registry")
-    source.add_argument(
-        "--no-registry",
-        action="store_true",
-        help="do not touch the registry: plan over this host alone (what it would run by itself)",
-    )
-    add_registry_path(p, otherwise="with --root and the sqlite backend, [registry].path under the root")
+@dataclass(frozen=True)
+class PlanFile:
+    """--plan-file: render from this saved FleetPlan; the registry is not touched."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class PlanAlone:
+    """--no-registry: the scheduler over this host alone."""
+
+
+@dataclass(frozen=True)
+class PlanFromRegistry:
+    """The registry (the normal case). `sqlite_path` is --registry-path: the
+    wiring's registry connector opens that sqlite file whatever [registry]
+    says; the pass itself only ever sees the connector."""
+
+    sqlite_path: Path | None = None
+
+
+PlanChoice = PlanFile | PlanAlone | PlanFromRegistry
 
 
 @dataclass(frozen=True)
@@ -130,15 +144,6 @@ def plan_alone(state: DesiredState, host: str, facts: NodeFacts, now: datetime) 
     return schedule(Snapshot(now=now, nodes=[node]), state, leader=host, epoch=0)
 
 
-def registry_path(args: argparse.Namespace, state: DesiredState) -> Path | None:
-    """--registry-path, or the sqlite file under a sandbox root."""
-    if args.registry_path is not None:
-        return args.registry_path
-    if state.fleet.registry.backend == "sqlite" and Path(args.root) != Path("/"):
-        return Path(args.root) / state.fleet.registry.path.lstrip("/")
-    return None
-
-
 def lead_once(registry: Registry, state: DesiredState, host: str) -> str | None:
     """One leader step if this host is a candidate and nobody leads; a note or None."""
     from reconciler.engine.leader import LeaderLoop
@@ -162,18 +167,20 @@ def lead_once(registry: Registry, state: DesiredState, host: str) -> str | None:
     return "; ".join(notes) or None
 
 
-def from_registry(
-    connect: Callable[[], Registry],
-    state: DesiredState,
-    host: str,
-    facts: NodeFacts,
-    *,
-    applied_epoch: int | None,
-    has_generation: bool,
-    now: datetime,
-    write: bool,
-) -> PlanSource:
-    """Connect, heartbeat (when `write`), maybe lead, then the newest plan behind the fence."""
+@dataclass(frozen=True)
+class Offer:
+    """What a plan source offers, before the fence."""
+
+    origin: Literal["file", "alone", "registry"]
+    plan: FleetPlan | None
+    notes: tuple[str, ...] = ()
+    snapshot: Snapshot | None = None
+    # Why the registry could not be asked (then there is no plan to fence).
+    unreachable: str | None = None
+
+
+def read_registry(connect: Callable[[], Registry], state: DesiredState, host: str, facts: NodeFacts, *, write: bool) -> Offer:
+    """Connect, heartbeat (when `write`), maybe lead, then the newest plan."""
     notes: list[str] = []
     registry: Registry | None = None
     try:
@@ -188,28 +195,62 @@ def from_registry(
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in state.lanes]) if "edge" in state.hosts[host].host.roles else None
     except RegistryError as exc:  # RegistryUnavailable above all
-        reason = f"registry unreachable ({exc})"
-        if has_generation:
-            return PlanSource(empty_plan(state, now), static=f"{reason}: running static", notes=tuple(notes))
-        notes.append(f"{reason}: no generation yet, rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(state, now), notes=tuple(notes))
+        return Offer("registry", None, tuple(notes), unreachable=f"registry unreachable ({exc})")
     finally:
         if registry is not None:
             registry.close()
-    verdict = accept_plan(applied_epoch, newest, leader_candidates=state.fleet.fleet.leader_candidates)
-    if verdict.accepted and newest is not None:
-        return PlanSource(newest, notes=(*notes, verdict.reason), snapshot=snapshot)
-    if newest is None and not applied_epoch:
+    return Offer("registry", newest, tuple(notes), snapshot)
+
+
+def admit(offer: Offer, state: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PlanSource:
+    """The plan this pass renders from: the offer if the fence admits it,
+    else the empty plan or (a host that runs a generation) fail static."""
+    notes = list(offer.notes)
+    if offer.unreachable is not None:
+        if has_generation:
+            return PlanSource(empty_plan(state, now), static=f"{offer.unreachable}: running static", notes=tuple(notes))
+        notes.append(f"{offer.unreachable}: no generation yet, rendering host-local units from an empty plan")
+        return PlanSource(empty_plan(state, now), notes=tuple(notes))
+    # Only the registry's plans must be signed by a declared candidate: a
+    # plan file or --no-registry's own plan is the operator's choice.
+    signers = state.fleet.fleet.leader_candidates if offer.origin == "registry" else None
+    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers)
+    if verdict.accepted and offer.plan is not None:
+        if offer.origin == "registry":
+            notes.append(verdict.reason)
+        return PlanSource(offer.plan, notes=tuple(notes), snapshot=offer.snapshot)
+    if offer.plan is None and not applied_epoch:
         # Nothing published and nothing applied from a published plan: the
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=snapshot)
+        return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=offer.snapshot)
     if has_generation:
-        return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=snapshot)
+        return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot)
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-    return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=snapshot)
+    return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=offer.snapshot)
 
 
-def print_notes(source: PlanSource) -> None:
-    for note in source.notes:
-        print(f"note: {note}", file=sys.stderr)
+def fleet_plan_for(
+    choice: PlanChoice,
+    state: DesiredState,
+    host: str,
+    facts: NodeFacts,
+    *,
+    connect: Callable[[], Registry],
+    applied_epoch: int | None,
+    has_generation: bool,
+    now: datetime,
+    write: bool,
+) -> PlanSource:
+    """The pass's fleet plan from `choice`, through the fence.
+
+    `write=False` (fabric plan) reads the registry's plan but sends no
+    heartbeat and takes no leader step. Raises ValueError for an unreadable
+    or invalid plan file."""
+    if isinstance(choice, PlanFile):
+        offer = Offer("file", plan_from_file(choice.path))
+    elif isinstance(choice, PlanAlone):
+        offer = Offer("alone", plan_alone(state, host, facts, now))
+    else:
+        offer = read_registry(connect, state, host, facts, write=write)
+    return admit(offer, state, applied_epoch=applied_epoch, has_generation=has_generation, now=now)

@@ -14,7 +14,7 @@ FakeMachine keeps its state in a JSON file, so the crash tests
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,10 +23,13 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.files import FlockLock, LocalTree
-from reconciler.cli import build_parser
-from reconciler.cli.reconcile import Wiring, execute
+from reconciler.adapters.probe_io import CaptureDirectory
+from reconciler.core.desired.model import NodeFacts
+from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier, GenerationStore, Validators, list_generations
+from reconciler.engine.plan_source import PlanFile
+from reconciler.engine.reconcile import PassOptions, PassPorts, PassReport, preview_pass, run_pass
 from reconciler.ports import ActivationError, LockBusy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,7 +194,7 @@ def assert_converged(machine: FakeMachine, root: Path) -> None:
 
 
 # --------------------------------------------------------------------------
-# Driving whole passes through the CLI, with the fakes wired in
+# Driving whole passes through the engine, with the fakes wired in
 
 
 def copy_fleet(tmp_path: Path) -> Path:
@@ -202,23 +205,33 @@ def copy_fleet(tmp_path: Path) -> Path:
     return desired
 
 
-def pass_args(desired: Path, root: Path, host: str, *extra: str, command: str = "reconcile") -> argparse.Namespace:
+def replayed_probe(host: str, replay: str | None) -> NodeFacts:
+    """The probe port over a saved capture (every pass here replays one)."""
+    assert replay is not None, "a test pass never probes the machine it runs on"
+    outputs, errors = CaptureDirectory().load(replay)
+    return facts_from_capture(RawCapture(outputs, errors), host=host)
+
+
+def pass_options(desired: Path, root: Path, host: str, /, **changes: object) -> PassOptions:
+    """A pass of `host` into the sandbox `root`: its golden probe capture, the golden fleet plan."""
     arch = "aarch64" if host == "a1-arm64" else "x86_64"
-    return build_parser().parse_args(
-        [
-            command,
-            "--desired",
-            str(desired),
-            "--host",
-            host,
-            "--root",
-            str(root),
-            "--replay",
-            str(GOLDEN / "probe" / arch),
-            "--plan-file",
-            str(GOLDEN / "fleet-plan.json"),
-            *extra,
-        ]
+    options = PassOptions(desired=desired, host=host, root=root, replay=str(GOLDEN / "probe" / arch), plan=PlanFile(GOLDEN / "fleet-plan.json"))
+    return dataclasses.replace(options, **changes)  # type: ignore[arg-type]
+
+
+def fake_pass_ports(
+    root: Path, machine: FakeMachine, verifier: FakeVerifier, audit: RecordingAudit, *, activate: bool = True, notes: list[str] | None = None
+) -> PassPorts:
+    """The pass's ports: real files under `root`, FakeMachine for systemd, nft and Caddy."""
+    return PassPorts(
+        tree=LocalTree(root),
+        lock=FlockLock(root / "var/lib/fabric/lock"),
+        audit=audit,
+        clock=FixedClock(),
+        probe=replayed_probe,
+        validators=Validators(verifier, machine, machine),
+        activators=Activators(machine, machine, machine) if activate else None,
+        note=notes.append if notes is not None else lambda note: None,
     )
 
 
@@ -233,15 +246,23 @@ class Fleet:
         self.machine = FakeMachine(self.root, tmp_path / "machine.json")
         self.verifier = FakeVerifier()
         self.audit = RecordingAudit()
+        self.notes: list[str] = []
 
-    def wiring(self, *, activate: bool = True) -> Wiring:
-        validators = Validators(self.verifier, self.machine, self.machine)
-        activators = Activators(self.machine, self.machine, self.machine) if activate else None
-        return Wiring(self.audit, FixedClock(), validators, activators)
+    def ports(self, *, activate: bool = True) -> PassPorts:
+        return fake_pass_ports(self.root, self.machine, self.verifier, self.audit, activate=activate, notes=self.notes)
 
-    def reconcile(self, *extra: str, activate: bool = True) -> int:
-        args = pass_args(self.desired, self.root, self.host, *extra)
-        return execute(args, self.wiring(activate=activate and not args.no_activate))
+    def options(self, **changes: object) -> PassOptions:
+        return pass_options(self.desired, self.root, self.host, **changes)
+
+    def reconcile(self, **changes: object) -> PassReport:
+        """One pass (`changes`: PassOptions fields); --no-activate wires no activators, as the command line does."""
+        options = self.options(**changes)
+        return run_pass(options, self.ports(activate=not options.no_activate))
+
+    def preview(self, **changes: object) -> PassReport:
+        """`fabric plan` with the same options."""
+        options = self.options(**changes)
+        return preview_pass(options, self.ports(activate=not options.no_activate))
 
     def edit_fleet(self, old: str, new: str) -> None:
         path = self.desired / "fabric.toml"
@@ -258,11 +279,11 @@ class Fleet:
 # Tests
 
 
-def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
-    out = capsys.readouterr().out
-    assert "generation 1 is active" in out
+    report = fleet.reconcile()
+    assert report.outcome == "applied" and report.exit_status == 0
+    assert report.stdout.endswith("generation 1 is active\n")
     assert_converged(fleet.machine, fleet.root)
     # The real checks saw the staged units before anything was activated.
     assert len(fleet.verifier.verified) == 1
@@ -300,14 +321,13 @@ def installed_contents(root: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock" and p.name not in PASS_RECORDS}
 
 
-def test_second_pass_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_second_pass_is_a_noop(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     before = installed_mtimes(fleet.root)
     fleet.machine.forget_calls()
-    capsys.readouterr()
-    assert fleet.reconcile() == 0
-    assert capsys.readouterr().out == "nothing to do (generation 1)\n"
+    report = fleet.reconcile()
+    assert (report.outcome, report.stdout, report.stderr) == ("noop", "nothing to do (generation 1)\n", ())
     assert fleet.machine.calls == [], "a no-op pass restarts, reloads and loads nothing"
     assert installed_mtimes(fleet.root) == before, "a no-op pass writes nothing"
     assert [g.number for g in list_generations(fleet.store)] == [1]
@@ -315,10 +335,10 @@ def test_second_pass_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_changing_a_port_map_restarts_exactly_that_unit(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert fleet.machine.calls == [("daemon-reload", ""), ("restart", "fabric-socat-qfox-ssh.service")]
     assert fleet.store.current() == fleet.store.good() == 2
     assert_converged(fleet.machine, fleet.root)
@@ -326,12 +346,12 @@ def test_changing_a_port_map_restarts_exactly_that_unit(tmp_path: Path) -> None:
 
 def test_removed_port_map_is_stopped_and_removed(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
     text = (fleet.desired / "fabric.toml").read_text()
     block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
     fleet.edit_fleet(block, "")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     # The ruleset loses port 4445 too; the only unit touched is the socat one.
     assert fleet.machine.calls == [("daemon-reload", ""), ("nft-load", ""), ("stop", "fabric-socat-lux-smb.service")]
     assert not (fleet.root / UNIT_DIR / "fabric-socat-lux-smb.service").exists()
@@ -345,9 +365,9 @@ def test_units_the_fabric_did_not_write_are_left_alone(tmp_path: Path) -> None:
     foreign.write_text("[Service]\nExecStart=/bin/true\n")
     other = fleet.root / UNIT_DIR / "sshd.service"
     other.write_text("[Service]\nExecStart=/usr/sbin/sshd\n")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.edit_fleet('name = "qfox-ssh"', 'name = "qfox-ssh2"')
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert foreign.read_text() == "[Service]\nExecStart=/bin/true\n"
     assert other.exists()
     touched = {c[1] for c in fleet.machine.calls if c[1]}
@@ -355,15 +375,16 @@ def test_units_the_fabric_did_not_write_are_left_alone(tmp_path: Path) -> None:
     assert ("stop", "fabric-socat-qfox-ssh.service") in fleet.machine.calls
 
 
-def test_failed_validation_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_failed_validation_writes_nothing(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     before = installed_contents(fleet.root)
     fleet.machine.forget_calls()
     fleet.verifier.fail = "fabric-socat-qfox-ssh.service: Unknown key name 'ExecStrat'"
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
-    assert fleet.reconcile() == 1
-    assert "ExecStrat" in capsys.readouterr().err
+    report = fleet.reconcile()
+    assert report.outcome == "invalid" and report.exit_status == 1
+    assert "ExecStrat" in report.stderr[0] and report.stderr[-1] == "pass stopped before installing anything"
     assert installed_contents(fleet.root) == before, "nothing installed, no generation published, no staging left"
     # ...and the failure is what monitoring sees.
     assert "\nfabric_reconcile_success 0\n" in (fleet.root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
@@ -375,14 +396,14 @@ def test_failed_validation_writes_nothing(tmp_path: Path, capsys: pytest.Capture
 def test_a_ruleset_or_caddy_config_that_does_not_check_stops_the_pass(tmp_path: Path, check: str) -> None:
     fleet = Fleet(tmp_path)
     fleet.machine.fail[check] = f"{check}: syntax error"
-    assert fleet.reconcile() == 1
+    assert fleet.reconcile().outcome == "invalid"
     assert fleet.store.current() is None
     assert not (fleet.root / "etc").exists()
 
 
-def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     gen1 = {a.path: a.data for a in fleet.store.artifacts(1)}
     fleet.machine.forget_calls()
     # Generation 2 changes one port map, removes another and adds a third;
@@ -392,10 +413,10 @@ def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path,
     block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
     fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
     fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
-    capsys.readouterr()
-    assert fleet.reconcile() == 1
-    err = capsys.readouterr().err
-    assert "fabric-socat-lux-nfs.service" in err and "generation 1 is active again" in err
+    report = fleet.reconcile()
+    assert report.outcome == "rolled-back" and report.exit_status == 1
+    err = "\n".join(report.stderr)
+    assert "fabric-socat-lux-nfs.service" in err and err.endswith("pass failed; generation 1 is active again")
     # Back on generation 1: its files, its units running its settings.
     assert fleet.store.current() == fleet.store.good() == 1
     for path, data in gen1.items():
@@ -413,7 +434,7 @@ def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path,
 def test_failed_first_activation_rolls_back_to_nothing(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     fleet.machine.fail["caddy-load"] = "caddy: loading config: bad upstream"
-    assert fleet.reconcile() == 1
+    assert fleet.reconcile().outcome == "rolled-back"
     assert fleet.store.current() is None and fleet.store.good() is None
     assert fleet.machine.state["active"] == []
     assert not list((fleet.root / UNIT_DIR).glob("fabric-*"))
@@ -423,9 +444,9 @@ def test_failed_first_activation_rolls_back_to_nothing(tmp_path: Path) -> None:
 
 def test_rollback_by_hand_and_forward_again(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert fleet.store.good() == 2
     applier = Applier(
         LocalTree(fleet.root),
@@ -444,7 +465,7 @@ def test_rollback_by_hand_and_forward_again(tmp_path: Path) -> None:
     with pytest.raises(ActivationError, match="no generation 9"):
         applier.rollback(9)
     # The next pass renders the desired state again: generation 2's content.
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert fleet.store.current() == 3
     assert fleet.store.manifest(3).digest == fleet.store.manifest(2).digest  # type: ignore[union-attr]
     assert_converged(fleet.machine, fleet.root)
@@ -452,24 +473,24 @@ def test_rollback_by_hand_and_forward_again(tmp_path: Path) -> None:
 
 def test_no_activate_then_activate_starts_what_was_written(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile("--no-activate") == 0
+    assert fleet.reconcile(no_activate=True).outcome == "written"
     assert fleet.machine.calls == []
     assert fleet.store.current() == 1 and fleet.store.good() is None
     # A second --no-activate pass has nothing to write.
-    assert fleet.reconcile("--no-activate") == 0
+    assert fleet.reconcile(no_activate=True).outcome == "noop"
     assert fleet.store.numbers() == [1]
     # The first activating pass activates generation 1 (no new generation).
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert fleet.store.numbers() == [1] and fleet.store.good() == 1
     assert_converged(fleet.machine, fleet.root)
 
 
 def test_units_not_running_after_a_reboot_are_started(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.reboot()
     fleet.machine.forget_calls()
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     started = sorted(c[1] for c in fleet.machine.calls if c[0] == "start")
     assert started == ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
     assert fleet.store.numbers() == [1], "starting units writes no generation"
@@ -477,20 +498,21 @@ def test_units_not_running_after_a_reboot_are_started(tmp_path: Path) -> None:
 
 def test_a_table_flushed_behind_the_fabrics_back_is_loaded_again(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.state["nft"] = None  # a distro's `flush ruleset`; every unit still runs
     fleet.machine.forget_calls()
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert fleet.machine.calls == [("nft-load", "")]
     assert fleet.store.numbers() == [1], "reloading the table writes no generation"
 
 
-def test_a_directory_that_cannot_be_written_fails_the_pass_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_directory_that_cannot_be_written_fails_the_pass_cleanly(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     (fleet.root / "etc").mkdir(parents=True)
     (fleet.root / "etc" / "rancher").write_text("a file where the k3s directory goes\n")
-    assert fleet.reconcile() == 1
-    err = capsys.readouterr().err
+    report = fleet.reconcile()
+    assert report.outcome == "rolled-back"
+    err = "\n".join(report.stderr)
     assert "installing the files failed" in err and "Traceback" not in err
     # Rolled back to nothing: no unit of this pass is left installed or started.
     assert not (fleet.root / UNIT_DIR).exists() or not any((fleet.root / UNIT_DIR).iterdir())
@@ -503,43 +525,46 @@ def test_one_pass_at_a_time(tmp_path: Path) -> None:
     held = FlockLock(fleet.root / "var/lib/fabric/lock")
     held.acquire()
     try:
-        assert fleet.reconcile() == 1
+        report = fleet.reconcile()
+        assert report.outcome == "busy" and report.stderr[0].startswith("fabric reconcile: ")
         assert fleet.store.current() is None
         with pytest.raises(LockBusy, match=f"pid {os.getpid()}"):
             FlockLock(fleet.root / "var/lib/fabric/lock").acquire()
     finally:
         held.release()
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
 
 
 def test_old_generations_are_pruned_but_current_and_good_kept(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     for port in range(2100, 2113):
         fleet.edit_fleet(f"listen_port = {2222 if port == 2100 else port - 1}\n", f"listen_port = {port}\n")
-        assert fleet.reconcile() == 0
+        assert fleet.reconcile().ok
     numbers = fleet.store.numbers()
     assert len(numbers) == 10 and numbers[-1] == 13 and fleet.store.good() == 13
 
 
-def test_bad_desired_state_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_desired_state_is_bad_input_and_writes_nothing(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     fleet.edit_fleet("listen_port = 2222", "listen_port = 99999")
-    assert fleet.reconcile() == 2
-    assert "port_maps[0].listen_port" in capsys.readouterr().err
+    report = fleet.reconcile()
+    assert report.outcome == "bad-input" and report.exit_status == 2
+    assert any("port_maps[0].listen_port" in line for line in report.stderr)
     assert list(fleet.root.iterdir()) == []
     fleet.edit_fleet("listen_port = 99999", "listen_port = 2222")
-    assert execute(pass_args(fleet.desired, fleet.root, "nosuchhost"), fleet.wiring()) == 2
+    report = fleet.reconcile(host="nosuchhost")
+    assert report.outcome == "bad-input" and "host 'nosuchhost' is not declared" in report.stderr[0]
     assert list(fleet.root.iterdir()) == []
 
 
 def test_staging_and_temp_files_of_a_killed_pass_are_swept(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     staging = fleet.root / "var/lib/fabric/generations/.new-2/files"
     staging.mkdir(parents=True)
     temp = fleet.root / UNIT_DIR / ".fabric-socat-qfox-ssh.service.fabric-tmp-12345"
     temp.write_text("half")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert not staging.parent.exists() and not temp.exists()
     assert {r["reason"] for r in fleet.audit.records if r["action"] == "sweep"} == {
         "left by a killed pass",
@@ -567,16 +592,20 @@ def test_manifest_round_trips(tmp_path: Path) -> None:
     assert json.loads(m.to_json())["artifacts"][0] == {"path": "etc/x.service", "kind": "unit", "mode": "0644", "sha256": a.sha256}
 
 
-def test_a_plan_older_than_the_applied_one_is_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_plan_file_older_than_the_applied_plan_is_fenced_off(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0  # the golden plan: epoch 7
+    assert fleet.reconcile().ok  # the golden plan: epoch 7
     old_plan = tmp_path / "old-plan.json"
     old_plan.write_text((GOLDEN / "fleet-plan.json").read_text().replace('"epoch": 7', '"epoch": 6').replace('"node": "x86-spill"', '"node": "lux"'))
     fleet.machine.forget_calls()
-    capsys.readouterr()
-    assert fleet.reconcile("--plan-file", str(old_plan)) == 0
-    assert "epoch 6 is older than epoch 7 of generation 1" in capsys.readouterr().out
+    report = fleet.reconcile(plan=PlanFile(old_plan))
+    assert report.outcome == "static" and report.exit_status == 0
+    assert report.stdout.startswith("plan epoch 6 is older than the newest applied (7)")
+    assert report.stdout.endswith(": running static; generation 1 stays\n")
     assert fleet.machine.calls == [] and fleet.store.numbers() == [1]
+    assert any(r["action"] == "static" for r in fleet.audit.records)
+    # fabric plan says the same and shows no actions.
+    assert fleet.preview(plan=PlanFile(old_plan)).stdout == report.stdout.replace("; generation 1 stays", "")
 
 
 def test_caddy_gets_the_main_caddyfile_with_the_snippet_inlined(tmp_path: Path) -> None:
@@ -588,14 +617,14 @@ def test_caddy_gets_the_main_caddyfile_with_the_snippet_inlined(tmp_path: Path) 
     main = fleet.root / "etc/caddy/Caddyfile"
     main.parent.mkdir(parents=True)
     main.write_text("{\n\tadmin localhost:2019\n}\nown.example {\n\trespond ok\n}\nimport /etc/caddy/fabric.caddy  # the fabric's sites\n")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     snippet = (fleet.root / "etc/caddy/fabric.caddy").read_text()
     assert validated == loaded == ["{\n\tadmin localhost:2019\n}\nown.example {\n\trespond ok\n}\n" + snippet]
     assert main.read_text().endswith("import /etc/caddy/fabric.caddy  # the fabric's sites\n"), "the main file is not the fabric's"
     # Without an import of the snippet, the snippet alone is the config.
     main.write_text("own.example {\n\trespond ok\n}\n")
     fleet.edit_fleet('host = "fft.researchstack.info"', 'host = "fft2.researchstack.info"')
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert loaded[-1] == (fleet.root / "etc/caddy/fabric.caddy").read_text()
 
 
@@ -603,9 +632,9 @@ def test_generations_and_rollback_commands(tmp_path: Path, capsys: pytest.Captur
     from reconciler.cli import main
 
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     capsys.readouterr()
     assert main(["generations", "--root", str(fleet.root)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -624,22 +653,96 @@ def test_generations_and_rollback_commands(tmp_path: Path, capsys: pytest.Captur
 
 def test_a_generation_written_without_checks_is_validated_before_activation(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile("--no-activate") == 0
+    assert fleet.reconcile(no_activate=True).outcome == "written"
     fleet.verifier.fail = "fabric-socat-qfox-ssh.service: bad setting"
-    assert fleet.reconcile() == 1
+    assert fleet.reconcile().outcome == "invalid"
     assert fleet.machine.calls == [] and fleet.store.good() is None
     assert all("/var/lib/fabric/generations/1/files/" in p for p in fleet.verifier.verified[-1])
     fleet.verifier.fail = None
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     assert_converged(fleet.machine, fleet.root)
 
 
-def test_bad_replay_or_plan_file_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_replay_or_plan_file_is_bad_input_and_writes_nothing(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    assert fleet.reconcile("--replay", str(tmp_path / "no-such-capture")) == 2
-    assert "no-such-capture" in capsys.readouterr().err
+    report = fleet.reconcile(replay=str(tmp_path / "no-such-capture"))
+    assert report.outcome == "bad-input" and report.stderr[0].startswith("fabric: probe: ") and "no-such-capture" in report.stderr[0]
     bad_plan = tmp_path / "plan.json"
     bad_plan.write_text('{"epoch": -1, "leader": "lux", "created": "2026-11-01T00:00:00Z"}')
-    assert fleet.reconcile("--plan-file", str(bad_plan)) == 2
-    assert f"{bad_plan}: epoch:" in capsys.readouterr().err
+    report = fleet.reconcile(plan=PlanFile(bad_plan))
+    assert report.outcome == "bad-input" and report.stderr[0].startswith(f"fabric: plan: {bad_plan}: epoch:")
     assert list(fleet.root.iterdir()) == []
+
+
+# --------------------------------------------------------------------------
+# The command line end to end: arguments in, exit status and text out (the
+# real ports; --no-activate, so nothing outside the sandbox root is touched).
+
+
+def fabric(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from reconciler.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_pass(fleet: Fleet, *extra: str, command: str = "reconcile") -> list[str]:
+    arch = "aarch64" if fleet.host == "a1-arm64" else "x86_64"
+    return [
+        command,
+        "--desired",
+        str(fleet.desired),
+        "--host",
+        fleet.host,
+        "--root",
+        str(fleet.root),
+        "--replay",
+        str(GOLDEN / "probe" / arch),
+        "--no-activate",
+        *extra,
+    ]
+
+
+def test_fabric_reconcile_writes_then_does_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    plan = ["--plan-file", str(GOLDEN / "fleet-plan.json")]
+    code, out, _ = fabric(capsys, *cli_pass(fleet, *plan))
+    assert code == 0 and out.startswith("wrote the following files:\n")
+    assert out.endswith("generation 1 written, not activated (--no-activate)\n")
+    assert fabric(capsys, *cli_pass(fleet, *plan))[:2] == (0, "nothing to do (generation 1)\n")
+    # The plan of this host alone (--no-registry, epoch 0) passes the same fence
+    # as any plan: older than the applied epoch 7, so the generation stays.
+    code, out, _ = fabric(capsys, *cli_pass(fleet, "--no-registry"))
+    assert (code, out) == (
+        0,
+        "plan epoch 0 is older than the newest applied (7): stale leader or lagging registry: running static; generation 1 stays\n",
+    )
+
+
+def test_fabric_reconcile_exits_2_on_bad_input_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    bad_plan = tmp_path / "plan.json"
+    bad_plan.write_text('{"epoch": -1, "leader": "lux", "created": "2026-11-01T00:00:00Z"}')
+    code, out, err = fabric(capsys, *cli_pass(fleet, "--plan-file", str(bad_plan)))
+    assert (code, out) == (2, "") and err.startswith(f"fabric: plan: {bad_plan}: epoch:")
+    fleet.edit_fleet("listen_port = 2222", "listen_port = 99999")
+    code, out, err = fabric(capsys, *cli_pass(fleet, "--plan-file", str(GOLDEN / "fleet-plan.json")))
+    assert (code, out) == (2, "") and "port_maps[0].listen_port" in err
+    assert list(fleet.root.iterdir()) == []
+    # A plan file and --no-registry are two plan sources: argparse refuses both at once.
+    with pytest.raises(SystemExit) as exit:
+        fabric(capsys, *cli_pass(fleet, "--plan-file", str(bad_plan), "--no-registry"))
+    assert exit.value.code == 2
+
+
+def test_fabric_reconcile_exits_1_when_the_pass_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = Fleet(tmp_path)
+    held = FlockLock(fleet.root / "var/lib/fabric/lock")
+    held.acquire()
+    try:
+        code, out, err = fabric(capsys, *cli_pass(fleet, "--plan-file", str(GOLDEN / "fleet-plan.json")))
+    finally:
+        held.release()
+    assert (code, out) == (1, "") and err.splitlines()[-1].startswith("fabric reconcile: ")

@@ -1,12 +1,13 @@
 """Crash consistency: a pass SIGKILLed at any step leaves the old or the new
 generation, and the next pass converges.
 
-A real `fabric reconcile` pass runs in a subprocess (this file run as a
-script: the CLI's `execute` with FakeMachine wired in, whose state is a JSON
-file, so it survives the kill). FABRIC_KILL_AT_STEP=K makes the pass SIGKILL
-itself at its K-th step (every staged file, the publish, the pointer switch,
-every installed file, every activation call, marking good). For every K until
-the pass completes unharmed:
+A real reconcile pass runs in a subprocess (this file run as a script: the
+engine's `run_pass` with FakeMachine wired in, whose state is a JSON file, so
+it survives the kill). The script's step argument K wires a checkpoint into
+the pass's ports that SIGKILLs the process at the pass's K-th step (every
+staged file, the publish, the pointer switch, every installed file, every
+activation call, marking good); the product has no such hook of its own. For
+every K until the pass completes unharmed:
 
 1. after the kill, `current` names the old or the new generation, and that
    generation is complete (manifest present, every file matching its hash);
@@ -27,34 +28,53 @@ REPO = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # run as the killed pass: make `tests` importable
     sys.path.insert(0, str(REPO))
 
+from collections.abc import Callable  # noqa: E402
+
 from reconciler.adapters.files import LocalTree  # noqa: E402
-from reconciler.cli.reconcile import KILL_AT_STEP_ENV, Wiring, execute  # noqa: E402
-from reconciler.engine.apply import Activators, GenerationStore, Validators  # noqa: E402
+from reconciler.engine.apply import GenerationStore, no_checkpoint  # noqa: E402
+from reconciler.engine.plan_source import PlanFile  # noqa: E402
+from reconciler.engine.reconcile import run_pass  # noqa: E402
 from tests.unit.test_apply import (  # noqa: E402
     GOLDEN,
     FakeMachine,
     FakeVerifier,
-    FixedClock,
     RecordingAudit,
     assert_converged,
     copy_fleet,
-    pass_args,
+    fake_pass_ports,
+    pass_options,
 )
 
 
-def run_pass(desired: Path, root: Path, machine_file: Path, plan_file: Path) -> int:
+def kill_at_step(target: int) -> Callable[[str], None]:
+    """A checkpoint that SIGKILLs this process at the pass's `target`-th step."""
+    count = 0
+
+    def checkpoint(step: str) -> None:
+        nonlocal count
+        count += 1
+        if count == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return checkpoint
+
+
+def one_pass(desired: Path, root: Path, machine_file: Path, plan_file: Path, checkpoint: Callable[[str], None] = no_checkpoint) -> int:
+    """A pass of racknerd with FakeMachine; its exit status."""
     machine = FakeMachine(root, machine_file)
-    wiring = Wiring(RecordingAudit(), FixedClock(), Validators(FakeVerifier(), machine, machine), Activators(machine, machine, machine))
-    args = pass_args(desired, root, "racknerd", "--plan-file", str(plan_file))
-    return execute(args, wiring)
+    ports = fake_pass_ports(root, machine, FakeVerifier(), RecordingAudit())
+    ports.checkpoint = checkpoint
+    report = run_pass(pass_options(desired, root, "racknerd", plan=PlanFile(plan_file)), ports)
+    assert report.outcome != "bad-input", report.stderr
+    return report.exit_status
 
 
 def killed_pass(desired: Path, root: Path, machine_file: Path, plan_file: Path, step: int) -> int:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     # Compile to bytecode once for all the killed passes, outside the tree.
-    env.update({KILL_AT_STEP_ENV: str(step), "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(desired.parent / "pycache")})
+    env.update({"PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(desired.parent / "pycache")})
     proc = subprocess.run(
-        [sys.executable, __file__, str(desired), str(root), str(machine_file), str(plan_file)],
+        [sys.executable, __file__, str(desired), str(root), str(machine_file), str(plan_file), str(step)],
         env=env,
         capture_output=True,
         text=True,
@@ -72,7 +92,7 @@ def assert_whole_generation(root: Path, allowed: set[int | None]) -> None:
         return
     manifest = store.manifest(current)
     assert manifest is not None, f"generation {current} has no manifest"
-    for artifact, entry in zip(store.artifacts(current), manifest.entries):
+    for artifact, entry in zip(store.artifacts(current), manifest.entries, strict=True):
         assert artifact.sha256 == entry.sha256, f"generation {current}: {entry.path} does not match its manifest"
 
 
@@ -111,7 +131,7 @@ def sweep_kills(tmp_path: Path, base_root: Path | None, base_machine: Path | Non
         code = killed_pass(desired, root, machine_file, plan_file, step)
         assert_whole_generation(root, allowed)
         # The next pass, not killed, converges.
-        assert run_pass(desired, root, machine_file, plan_file) == 0
+        assert one_pass(desired, root, machine_file, plan_file) == 0
         assert_converged(FakeMachine(root, machine_file), root)
         store = GenerationStore(LocalTree(root))
         assert store.manifest(store.current()).host == "racknerd"  # type: ignore[union-attr]
@@ -127,7 +147,7 @@ def test_sigkill_at_every_step_of_a_changing_pass_then_convergence(tmp_path: Pat
     base.mkdir()
     base_root, base_machine = base / "root", base / "machine.json"
     base_root.mkdir()
-    assert run_pass(desired, base_root, base_machine, GOLDEN / "fleet-plan.json") == 0
+    assert one_pass(desired, base_root, base_machine, GOLDEN / "fleet-plan.json") == 0
     change_desired(desired)
     plan_file = second_plan(tmp_path)
     steps = sweep_kills(tmp_path, base_root, base_machine, desired, plan_file, allowed={1, 2})
@@ -142,6 +162,6 @@ def test_sigkill_at_every_step_of_a_first_pass_then_convergence(tmp_path: Path) 
     assert steps >= 15
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the killed pass: DESIRED ROOT MACHINE_FILE PLAN_FILE STEP
     desired_dir, root_dir, machine_path, plan_path = map(Path, sys.argv[1:5])
-    sys.exit(run_pass(desired_dir, root_dir, machine_path, plan_path))
+    sys.exit(one_pass(desired_dir, root_dir, machine_path, plan_path, kill_at_step(int(sys.argv[5]))))

@@ -73,3 +73,11 @@ def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) 
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert "a1-arm64" in page and "RANK 10" in page and "qfox-1" in page
     assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
+
+
+def test_records_that_cannot_be_written_are_a_note_not_a_failure(tmp_path: Path) -> None:
+    (tmp_path / "var/lib").mkdir(parents=True)
+    (tmp_path / "var/lib/node_exporter").write_text("a file where the textfile directory goes\n")
+    note = write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0)
+    assert note is not None and note.startswith("could not write metrics or the status page: ")
+    assert write_pass_records(LocalTree(tmp_path / "elsewhere"), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0) is None

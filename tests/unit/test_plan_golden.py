@@ -1,10 +1,11 @@
 """Golden tests of `fabric plan` over the example fleet (hosts/).
 
-Each step runs the real command line (`fabric plan`, `fabric reconcile`)
-against a sandbox root, with the probe replayed from tests/golden/probe/ and
-the fleet plan from tests/golden/fleet-plan.json; the activation ports are
-FakeMachine (test_apply.py). The printed plan must equal the file in
-tests/golden/plan/ exactly. After an intended change of the text, regenerate
+Each step runs the engine's `preview_pass` (what `fabric plan --no-activate`
+prints) and `run_pass` (fabric reconcile) against a sandbox root, with the
+probe replayed from tests/golden/probe/ and the fleet plan from
+tests/golden/fleet-plan.json; the activation ports are FakeMachine
+(test_apply.py). The plan text must equal the file in tests/golden/plan/
+exactly. --json, a format of the command line, runs the real `fabric plan`. After an intended change of the text, regenerate
 them with `UPDATE_GOLDEN=1 pytest tests/unit/test_plan_golden.py` and review
 the diff.
 """
@@ -23,7 +24,13 @@ from tests.unit.test_apply import GOLDEN, Fleet
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
 
-def fabric_plan(fleet: Fleet, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+def fabric_plan(fleet: Fleet) -> str:
+    report = fleet.preview(no_activate=True)
+    assert report.outcome == "planned", report.stderr
+    return report.stdout
+
+
+def fabric_plan_cli(fleet: Fleet, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
     capsys.readouterr()
     arch = "aarch64" if fleet.host == "a1-arm64" else "x86_64"
     code = main(
@@ -56,54 +63,54 @@ def assert_golden(text: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"])
-def test_first_pass_writes_and_starts_everything_then_second_is_a_noop(tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str) -> None:
+def test_first_pass_writes_and_starts_everything_then_second_is_a_noop(tmp_path: Path, host: str) -> None:
     fleet = Fleet(tmp_path, host)
-    assert_golden(fabric_plan(fleet, capsys), f"{host}-first-pass.txt")
-    assert fleet.reconcile() == 0
+    assert_golden(fabric_plan(fleet), f"{host}-first-pass.txt")
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
-    assert fabric_plan(fleet, capsys) == "nothing to do\n"
-    assert fleet.reconcile() == 0
+    assert fabric_plan(fleet) == "nothing to do\n"
+    assert fleet.reconcile().ok
     assert fleet.machine.calls == []
 
 
-def test_changing_one_services_command_restarts_exactly_that_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_changing_one_services_command_restarts_exactly_that_unit(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "qfox-1")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
     fleet.edit_fleet(
         'command = { x86_64 = ["/opt/researchstack/bin/lupine-server", "--port", "8701"] }',
         'command = { x86_64 = ["/opt/researchstack/bin/lupine-server", "--port", "8701", "--batch", "4"] }',
     )
-    assert_golden(fabric_plan(fleet, capsys), "qfox-1-command-changed.txt")
-    assert fleet.reconcile() == 0
+    assert_golden(fabric_plan(fleet), "qfox-1-command-changed.txt")
+    assert fleet.reconcile().ok
     assert fleet.machine.calls == [("daemon-reload", ""), ("restart", "fabric-agent-lupine.service")]
 
 
-def test_removing_a_port_map_stops_and_removes_exactly_that_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_removing_a_port_map_stops_and_removes_exactly_that_unit(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "racknerd")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
     text = (fleet.desired / "fabric.toml").read_text()
     fleet.edit_fleet(text[text.index('[[port_maps]]\nname = "lux-smb"') :], "")
-    assert_golden(fabric_plan(fleet, capsys), "racknerd-port-map-removed.txt")
-    assert fleet.reconcile() == 0
+    assert_golden(fabric_plan(fleet), "racknerd-port-map-removed.txt")
+    assert fleet.reconcile().ok
     units = [c for c in fleet.machine.calls if c[1]]
     assert units == [("stop", "fabric-socat-lux-smb.service")]
 
 
-def test_description_only_change_rewrites_without_restarting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_description_only_change_rewrites_without_restarting(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "qfox-1")
-    assert fleet.reconcile() == 0
+    assert fleet.reconcile().ok
     fleet.machine.forget_calls()
     fleet.edit_fleet('description = "FLAC audio FFT: any tier can do it"', 'description = "FLAC audio FFT"')
-    assert_golden(fabric_plan(fleet, capsys), "qfox-1-description-changed.txt")
-    assert fleet.reconcile() == 0
+    assert_golden(fabric_plan(fleet), "qfox-1-description-changed.txt")
+    assert fleet.reconcile().ok
     assert fleet.machine.calls == [("daemon-reload", "")]
 
 
 def test_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = Fleet(tmp_path, "racknerd")
-    body = json.loads(fabric_plan(fleet, capsys, "--json"))
+    body = json.loads(fabric_plan_cli(fleet, capsys, "--json"))
     assert body["host"] == "racknerd"
     assert body["start"] == ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
     assert body["caddy_reload"] is True and body["nft_load"] is True and body["daemon_reload"] is True
@@ -114,5 +121,5 @@ def test_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = Fleet(tmp_path, "racknerd")
-    fabric_plan(fleet, capsys)
+    assert fabric_plan_cli(fleet, capsys) == fabric_plan(fleet)
     assert list(fleet.root.iterdir()) == []

@@ -16,9 +16,11 @@ from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.probe import RawCapture, facts_from_capture
-from reconciler.engine.plan_source import effective_facts, from_registry, node_record
+from reconciler.engine import plan_source
+from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry, effective_facts, fleet_plan_for, node_record
 from reconciler.ports import RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 
@@ -49,12 +51,13 @@ def registry(connect):
     reg.close()
 
 
-def source(connect, state, host, *, applied=None, has_generation=False, write=True):
-    return from_registry(
-        connect,
+def source(connect, state, host, *, applied=None, has_generation=False, write=True, choice=None):
+    return fleet_plan_for(
+        choice or PlanFromRegistry(),
         state,
         host,
         facts(host),
+        connect=connect,
         applied_epoch=applied,
         has_generation=has_generation,
         now=NOW,
@@ -101,7 +104,7 @@ def test_registry_unreachable_with_a_generation_runs_static(state) -> None:
     def unreachable():
         raise RegistryUnavailable("etcd: no endpoint answers")
 
-    result = from_registry(unreachable, state, "racknerd", facts("racknerd"), applied_epoch=4, has_generation=True, now=NOW, write=True)
+    result = source(unreachable, state, "racknerd", applied=4, has_generation=True)
     assert result.static == "registry unreachable (etcd: no endpoint answers): running static"
 
 
@@ -109,7 +112,7 @@ def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> N
     def unreachable():
         raise RegistryUnavailable("etcd: no endpoint answers")
 
-    result = from_registry(unreachable, state, "racknerd", facts("racknerd"), applied_epoch=None, has_generation=False, now=NOW, write=True)
+    result = source(unreachable, state, "racknerd")
     assert result.static is None
     assert result.plan.placements == []
     assert [lane.id for lane in result.plan.lanes] == ["a1-arm64", "x86-spill", "local"]
@@ -161,3 +164,26 @@ def test_the_record_carries_declared_limits_lowered_tier_and_declared_labels(sta
     assert facts("qfox-1").labels["topology.researchstack.io/role"] == "auto:qfox-1"
     assert record.labels["topology.researchstack.io/role"] == "foxtop"
     assert record.labels["topology.researchstack.io/tier"] == "gpu_cuda"
+
+
+def test_every_plan_source_passes_the_one_fence_exactly_once(connect, registry, state, tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def counting_fence(*args, **kwargs):
+        verdict = accept_plan(*args, **kwargs)
+        calls.append(verdict)
+        return verdict
+
+    monkeypatch.setattr(plan_source, "accept_plan", counting_fence)
+    saved = tmp_path / "plan.json"
+    saved.write_text(FleetPlan(epoch=3, leader="lux", created=NOW).model_dump_json())
+    for choice in (PlanFromRegistry(), PlanFile(saved), PlanAlone()):
+        calls.clear()
+        source(connect, state, "lux", applied=0, has_generation=True, choice=choice)
+        assert len(calls) == 1, choice
+    # A plan file older than the applied plan is fenced off like the registry's.
+    result = source(connect, state, "lux", applied=5, has_generation=True, choice=PlanFile(saved))
+    assert result.static == "plan epoch 3 is older than the newest applied (5): stale leader or lagging registry: running static"
+    # Only the registry's plans must be signed by a leader candidate.
+    saved.write_text(FleetPlan(epoch=3, leader="racknerd", created=NOW).model_dump_json())
+    assert source(connect, state, "lux", applied=3, has_generation=True, choice=PlanFile(saved)).static is None

@@ -7,12 +7,14 @@ The host-side record is the epoch kept in each generation's manifest
 (`reconciler.engine.apply`, generations/<n>/manifest.json): it is written in the same
 atomic step as the generation, so a crash cannot separate the two.
 
-Usage in the reconcile pass::
+This is the one fence: the pass (`reconciler.engine.plan_source.admit`)
+calls it exactly once, whatever the plan came from (the registry, a
+--plan-file, or --no-registry's plan of this host alone)::
 
-    verdict = accept_plan(current_generation.epoch, plan,
-                          leader_candidates=desired.fleet.fleet.leader_candidates)
+    verdict = accept_plan(current_manifest.epoch, plan,
+                          leader_candidates=desired.fleet.fleet.leader_candidates)  # registry plans only
     if not verdict.accepted:
-        report(verdict.reason)          # keep the current generation (fail static)
+        ...                             # keep the current generation (fail static)
     else:
         ... render and apply; the new manifest records plan.epoch ...
 """

@@ -1,0 +1,121 @@
+"""The options of a pass, shared by `fabric reconcile` and `fabric plan`, and how a pass command ends.
+
+add_pass_options(parser)     every option of a pass
+options = pass_options(args)  -> reconciler.engine.reconcile.PassOptions
+return finish(report)         print a PassReport; bad input raises InvalidInput (exit 2),
+                              a failed pass CommandError (exit 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_desired
+from reconciler.cli.registry_options import add_registry_path
+from reconciler.core.render.artifacts import Layout
+from reconciler.engine.apply import STATE_DIR
+from reconciler.engine.plan_source import PlanAlone, PlanChoice, PlanFile, PlanFromRegistry
+from reconciler.engine.reconcile import CADDY_MAIN_CANDIDATES, PassOptions, PassReport
+
+
+def add_plan_source_options(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--plan-file", metavar="FILE", type=Path, help="render from this FleetPlan JSON; do not touch the registry")
+    source.add_argument(
+        "--no-registry",
+        action="store_true",
+        help="do not touch the registry: plan over this host alone (what it would run by itself)",
+    )
+    add_registry_path(p, otherwise="with --root and the sqlite backend, [registry].path under the root")
+
+
+def add_pass_options(p: argparse.ArgumentParser) -> None:
+    add_desired(p)
+    p.add_argument("--host", metavar="NAME", help="which host of the desired state this machine is (default: its host name)")
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        type=Path,
+        default=Path("/"),
+        help="root the files and the state directory go under (default /); for a sandbox, add --no-activate "
+        "unless the systemd you activate through reads its units from DIR",
+    )
+    p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture (fabric probe --capture) instead of probing")
+    add_plan_source_options(p)
+    p.add_argument(
+        "--unit-dir",
+        metavar="DIR",
+        default=Layout().unit_dir,
+        help=f"where units go, always under the root, given with or without a leading '/' "
+        f"(default: {Layout().unit_dir}; a NixOS host: /run/systemd/system)",
+    )
+    p.add_argument("--state-dir", metavar="DIR", default=STATE_DIR, help=f"generations and lock, relative to the root (default: {STATE_DIR})")
+    p.add_argument("--no-activate", action="store_true", help="write the files but activate nothing (and skip the real checks)")
+    p.add_argument("--validate", action="store_true", help="with --no-activate: still run systemd-analyze, nft -c and caddy validate")
+    p.add_argument(
+        "--systemd-bus",
+        metavar="ADDRESS",
+        default=os.environ.get("FABRIC_SYSTEMD_BUS"),
+        help="D-Bus address of the systemd to activate through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
+    )
+    p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API (edge hosts)")
+    p.add_argument(
+        "--caddy-main",
+        metavar="FILE",
+        help="the edge's main Caddyfile, which imports the fabric's snippet, relative to the root "
+        f"(default: the first that exists of {', '.join(CADDY_MAIN_CANDIDATES)})",
+    )
+    p.add_argument(
+        "--startup-grace",
+        metavar="SECONDS",
+        type=float,
+        default=1.0,
+        help="watch each started or restarted unit this long; one that fails meanwhile fails the pass (default 1)",
+    )
+
+
+def this_host_name() -> str:
+    return socket.gethostname().split(".")[0].lower()
+
+
+def plan_choice(args: argparse.Namespace) -> PlanChoice:
+    if args.plan_file is not None:
+        return PlanFile(args.plan_file)
+    if args.no_registry:
+        return PlanAlone()
+    return PlanFromRegistry(args.registry_path)
+
+
+def pass_options(args: argparse.Namespace) -> PassOptions:
+    return PassOptions(
+        desired=args.desired,
+        host=args.host or this_host_name(),
+        root=Path(args.root),
+        state_dir=args.state_dir,
+        unit_dir=args.unit_dir,
+        replay=args.replay,
+        plan=plan_choice(args),
+        no_activate=args.no_activate,
+        validate=args.validate,
+        caddy_main=args.caddy_main,
+        systemd_bus=args.systemd_bus,
+        caddy_admin=args.caddy_admin,
+        startup_grace=args.startup_grace,
+    )
+
+
+def finish(report: PassReport) -> int:
+    """Print what the pass reports and end the command with its status."""
+    if report.outcome == "bad-input":
+        raise InvalidInput(*report.stderr)
+    sys.stdout.write(report.stdout)
+    if not report.ok:
+        raise CommandError(*report.stderr)
+    for line in report.stderr:
+        print(line, file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,384 @@
+"""One reconcile pass of this host, from typed options and ports to a report.
+
+    report = run_pass(options, ports)       fabric reconcile
+    report = preview_pass(options, ports)   fabric plan: what the pass would do; writes nothing
+    report = roll_back(options, ports)      fabric rollback
+
+A pass:
+
+    1 load + validate the desired state   (bad input: outcome "bad-input", nothing written)
+    2 probe this machine (ports.probe: live, or a replayed capture), damped across passes
+    3 the fleet plan (plan_source: a file, this host alone, or the registry),
+      through the one epoch fence; fail static when it must
+    4 render -> plan -> new generation -> validate -> install -> activate (Applier)
+    5 the pass records (metrics, the edge's status page)
+
+Everything outside the process goes through `PassPorts`; `reconciler.cli.wiring`
+builds the real ones and tests build fakes. The report is a value: what to
+print on stdout and stderr, and the outcome the exit status follows from.
+Notes (heartbeat, leader step, render notes) go out through `ports.note` as
+they happen, so the log shows them in order with the audit records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
+from reconciler.core.probe.damping import ProbeHistory
+from reconciler.core.render.actions import HostActions
+from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
+from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
+from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
+from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for
+from reconciler.ports import ActivationError, Audit, Clock, FileTree, LockBusy, PassLock, Registry, RegistryUnavailable
+
+# The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
+CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
+
+# --------------------------------------------------------------------------
+# Options
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """A pass's options, parsed and typed (`fabric reconcile` and `fabric plan`).
+
+    The pass reads the desired state, host, replay, plan, state and unit
+    directories and the main Caddyfile; the wiring reads the rest (where
+    the root is, whether to check and activate, how to reach systemd and
+    Caddy, the registry's sqlite path)."""
+
+    desired: Path
+    host: str
+    root: Path = Path("/")
+    state_dir: str = STATE_DIR
+    unit_dir: str = Layout().unit_dir
+    # A saved probe capture (fabric probe --capture) instead of probing.
+    replay: str | None = None
+    plan: PlanChoice = PlanFromRegistry()
+    no_activate: bool = False
+    # With no_activate: still run systemd-analyze, nft -c and caddy validate.
+    validate: bool = False
+    # The edge's main Caddyfile, relative to the root; None: the first of CADDY_MAIN_CANDIDATES that exists.
+    caddy_main: str | None = None
+    systemd_bus: str | None = None
+    caddy_admin: str = "localhost:2019"
+    startup_grace: float = 1.0
+
+
+@dataclass(frozen=True)
+class RollbackOptions:
+    """`fabric rollback`'s options: `to` None is the generation before the last good one."""
+
+    root: Path = Path("/")
+    state_dir: str = STATE_DIR
+    to: int | None = None
+    no_activate: bool = False
+    caddy_main: str | None = None
+    systemd_bus: str | None = None
+    caddy_admin: str = "localhost:2019"
+    startup_grace: float = 1.0
+
+
+# --------------------------------------------------------------------------
+# Ports
+
+
+# This machine's facts for `host`, probed live or re-parsed from the capture
+# directory `replay`. Raises (any exception) for an unreadable capture.
+Probe = Callable[[str, str | None], NodeFacts]
+
+
+@dataclass(frozen=True)
+class ProgramPaths:
+    """The programs the rendered units run. The wiring finds them on PATH
+    (on NixOS in the store); a missing one keeps the conventional path, so
+    the unit names what would have to be installed."""
+
+    socat: str = Layout().socat
+    podman: str = Layout().podman
+    nft: str = Layout().nft
+
+
+def _no_registry(fleet: FleetConfig) -> Registry:
+    raise RegistryUnavailable("no registry is wired into this pass")
+
+
+def _ignore(note: str) -> None:
+    pass
+
+
+@dataclass
+class PassPorts:
+    """Everything a pass, `fabric plan` and `fabric rollback` reach outside the process."""
+
+    tree: FileTree  # the files under the root
+    lock: PassLock  # one pass at a time
+    audit: Audit
+    clock: Clock
+    probe: Probe
+    validators: Validators | None = None  # None: no real checks (--no-activate without --validate)
+    activators: Activators | None = None  # None: write the files, activate nothing
+    # Opens the registry fabric.toml's [registry] names (the pass closes it).
+    open_registry: Callable[[FleetConfig], Registry] = _no_registry
+    programs: ProgramPaths = field(default_factory=ProgramPaths)
+    # Called before every step that changes something (the crash tests kill the pass there).
+    checkpoint: Callable[[str], None] = no_checkpoint
+    # A note for the log, as it happens (the command line prints `note: ...` on stderr).
+    note: Callable[[str], None] = _ignore
+
+
+# --------------------------------------------------------------------------
+# The report
+
+Outcome = Literal[
+    "noop",  # nothing to do
+    "applied",  # a generation written and activated
+    "written",  # a generation written, not activated
+    "static",  # kept the current generation (fail static, or a fenced-off plan)
+    "planned",  # fabric plan: the actions shown
+    "restored",  # fabric rollback: an earlier generation reinstalled
+    "invalid",  # the new generation did not pass the checks; nothing installed
+    "rolled-back",  # activation failed; the last good generation is back
+    "failed",  # the pass (or rollback) could not finish
+    "busy",  # another pass holds the lock
+    "bad-input",  # bad desired state, host, capture or plan file; nothing written
+]
+SUCCEEDED = frozenset({"noop", "applied", "written", "static", "planned", "restored"})
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What `fabric plan` shows, for its --json form."""
+
+    host: str
+    actions: HostActions
+    unfinished: bool  # the last pass did not finish activating; this one would
+    render_notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PassReport:
+    outcome: Outcome
+    stdout: str = ""  # what a person reads: the actions and the closing line, newline-terminated
+    stderr: tuple[str, ...] = ()  # one line each: why it failed or stopped
+    preview: Preview | None = None  # preview_pass, when it planned
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in SUCCEEDED
+
+    @property
+    def exit_status(self) -> int:
+        """The command line's: 0 success, 1 the pass failed, 2 bad input (nothing changed)."""
+        if self.ok:
+            return 0
+        return 2 if self.outcome == "bad-input" else 1
+
+
+class _BadInput(Exception):
+    def __init__(self, *lines: str) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+# --------------------------------------------------------------------------
+# Preparing a pass (shared with fabric plan)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    state: DesiredState
+    host: str
+    source: PlanSource
+    rendered: Rendered
+    probe_history: ProbeHistory
+
+
+def _now(clock: Clock) -> datetime:
+    return datetime.fromtimestamp(clock.now(), UTC)
+
+
+def _state_dir(state_dir: str) -> str:
+    return state_dir.strip("/")
+
+
+def caddy_main_path(tree: FileTree, given: str | None) -> str:
+    """The main Caddyfile, relative to the root: the one given, else the first candidate that exists."""
+    if given:
+        return given.strip("/")
+    return next((c for c in CADDY_MAIN_CANDIDATES if tree.read(c) is not None), CADDY_MAIN)
+
+
+def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepared:
+    """Load, probe, read the plan and render; raises _BadInput before anything is written.
+
+    `write=False` (fabric plan) reads the registry's plan but sends no
+    heartbeat and takes no leader step."""
+    try:
+        state = load_desired(options.desired)
+    except DesiredStateError as exc:
+        raise _BadInput(*(str(problem) for problem in exc.problems)) from None
+    host = options.host
+    if host not in state.hosts:
+        raise _BadInput(f"{state.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(state.hosts))}); use --host NAME")
+    try:
+        observed = ports.probe(host, options.replay)
+    except Exception as exc:  # CaptureError and friends: a bad replay directory
+        raise _BadInput(f"fabric: probe: {exc}") from None
+    state_dir = _state_dir(options.state_dir)
+    damped, probe_history = damped_facts(ports.tree, state_dir, state, observed, _now(ports.clock))
+    facts = effective_facts(state, host, damped)
+    store = GenerationStore(ports.tree, state_dir)
+    current = store.current()
+    manifest = store.manifest(current)
+    try:
+        source = fleet_plan_for(
+            options.plan,
+            state,
+            host,
+            facts,
+            connect=lambda: ports.open_registry(state.fleet),
+            applied_epoch=manifest.epoch if manifest is not None else None,
+            has_generation=current is not None,
+            now=_now(ports.clock),
+            write=write,
+        )
+    except ValueError as exc:
+        raise _BadInput(f"fabric: plan: {exc}") from None
+    for note in source.notes:
+        ports.note(note)
+    programs = ports.programs
+    layout = Layout(unit_dir=options.unit_dir.strip("/"), socat=programs.socat, podman=programs.podman, nft=programs.nft)
+    try:
+        rendered = render(state, host, facts, source.plan, layout=layout)
+    except RenderError as exc:
+        raise _BadInput(f"fabric: {exc}") from None
+    for note in rendered.notes:
+        ports.note(note)
+    return _Prepared(state, host, source, rendered, probe_history)
+
+
+def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None) -> Applier:
+    return Applier(
+        ports.tree,
+        ports.lock,
+        ports.audit,
+        ports.clock,
+        validators=ports.validators,
+        activators=ports.activators,
+        state_dir=_state_dir(state_dir),
+        caddy_main=caddy_main_path(ports.tree, caddy_main),
+        checkpoint=ports.checkpoint,
+    )
+
+
+# --------------------------------------------------------------------------
+# fabric reconcile
+
+
+def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
+    """One pass of this host; see the module docstring."""
+    started = ports.clock.now()
+    try:
+        prepared = _prepare(options, ports, write=True)
+    except _BadInput as bad:
+        return PassReport("bad-input", stderr=bad.lines)
+    applier = _applier(ports, options.state_dir, options.caddy_main)
+    store = applier.store
+    # The inputs all checked out: keep the damping history (bad input changes nothing).
+    save_probe_history(store.tree, store.state_dir, prepared.probe_history)
+
+    def records(succeeded: bool, rolled_back: bool) -> None:
+        outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
+        note = write_pass_records(store.tree, store.state_dir, prepared.state, prepared.host, prepared.source, outcome, _now(ports.clock))
+        if note is not None:
+            ports.note(note)
+
+    static = prepared.source.static
+    if static is not None:
+        # Fail static: keep what runs, say why.
+        current = store.current()
+        ports.audit.record("static", "ok", generation=str(current or ""), reason=static)
+        records(True, False)
+        return PassReport("static", f"{static}; generation {current} stays\n" if current else f"{static}\n")
+    try:
+        result = applier.run(prepared.rendered.artifacts, host=prepared.host, epoch=prepared.source.plan.epoch)
+    except LockBusy as exc:
+        return PassReport("busy", stderr=(f"fabric reconcile: {exc}",))
+    except ActivationError as exc:
+        records(False, False)
+        return PassReport("failed", stderr=(f"fabric reconcile: {exc}",))
+    records(result.ok, result.outcome == "rolled-back")
+    return _pass_report(result)
+
+
+def _pass_report(result: PassResult) -> PassReport:
+    stdout, stderr = "", list(result.messages)
+    if result.outcome == "noop":
+        stdout = f"nothing to do (generation {result.generation})\n" if result.generation else "nothing to do\n"
+    elif result.outcome == "applied":
+        stdout = result.plan.text(files_done=True, activation_done=True) + f"generation {result.generation} is active\n"
+    elif result.outcome == "written":
+        stdout = result.plan.text(files_done=True, activation_done=False) + f"generation {result.generation} written, not activated (--no-activate)\n"
+    elif result.outcome == "invalid":
+        stderr.append("pass stopped before installing anything")
+    elif result.outcome == "rolled-back":
+        stdout = result.plan.text(files_done=True)
+        stderr.append(f"pass failed; generation {result.generation} is active again")
+    elif result.outcome == "failed":
+        stdout = result.plan.text(files_done=True)
+    return PassReport(result.outcome, stdout, tuple(stderr))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# fabric plan
+
+
+def preview_pass(options: PassOptions, ports: PassPorts) -> PassReport:
+    """What `run_pass` would do with the same options. Reads the disk, the
+    generations and (with activators) which units run; takes no lock and
+    changes nothing."""
+    try:
+        prepared = _prepare(options, ports, write=False)
+    except _BadInput as bad:
+        return PassReport("bad-input", stderr=bad.lines)
+    applier = _applier(ports, options.state_dir, options.caddy_main)
+    static = prepared.source.static
+    if static is not None:
+        return PassReport("static", f"{static}\n")
+    artifacts = prepared.rendered.artifacts
+    try:
+        actions, unfinished = applier.compute_plan(artifacts)
+    except ActivationError as exc:
+        if applier.activators is None:
+            return PassReport("failed", stderr=(f"fabric plan: {exc}",))
+        # systemd cannot be asked (no D-Bus here): plan from the files alone.
+        ports.note(f"cannot ask systemd which units run ({exc}); planning from the files alone")
+        applier.activators = None
+        actions, unfinished = applier.compute_plan(artifacts)
+    text = ("the last pass did not finish activating; this pass completes it\n" if unfinished else "") + actions.text()
+    return PassReport("planned", text, preview=Preview(prepared.host, actions, unfinished, tuple(prepared.rendered.notes)))
+
+
+# --------------------------------------------------------------------------
+# fabric rollback
+
+
+def roll_back(options: RollbackOptions, ports: PassPorts) -> PassReport:
+    """Reinstall generation `options.to` (default: the one before the last
+    good one) and activate the difference, as a failed pass rolls back."""
+    applier = _applier(ports, options.state_dir, options.caddy_main)
+    try:
+        number, actions = applier.rollback(options.to)
+    except (ActivationError, LockBusy) as exc:
+        return PassReport("failed", stderr=(f"fabric rollback: {exc}",))
+    activated = applier.activators is not None
+    closing = f"generation {number} is {'active' if activated else 'installed'} again\n"
+    return PassReport("restored", actions.text(files_done=True, activation_done=activated) + closing)
