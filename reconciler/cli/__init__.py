@@ -39,6 +39,7 @@ class InvalidInput(CommandError):
 
     exit_status = EXIT_INVALID
 
+
 # Subcommand -> the module that registers it, in the order `fabric --help`
 # lists them. Only the module of the command being run is imported: a pass
 # from the timer does not pay for importing every other command.
