@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from reconciler.cli import InvalidInput
@@ -24,18 +23,6 @@ def add_desired(parser: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get("FABRIC_DESIRED", DEFAULT_DESIRED)),
         help=f"desired-state directory holding fabric.toml and the host files (default: $FABRIC_DESIRED or {DEFAULT_DESIRED})",
     )
-
-
-def load_or_report(directory: Path) -> DesiredState | None:
-    """The desired state, or None after printing every problem to stderr.
-
-    Kept while `fabric reconcile` and `fabric plan` move to `load_or_fail`."""
-    try:
-        return load_desired(directory)
-    except DesiredStateError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
-        return None
 
 
 def load_or_fail(directory: Path) -> DesiredState:

@@ -31,9 +31,10 @@ import threading
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
+from reconciler.core.timestamps import stamp
 from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, finish_job, lane_status, run_dispatcher
 from reconciler.ports import Registry
 

@@ -22,11 +22,12 @@ import signal
 import sys
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 from reconciler.cli.wiring import leader_ports
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.scheduling.placement import schedule
+from reconciler.core.timestamps import stamp
 from reconciler.engine.leader import candidate_loop
 from reconciler.ports import Audit, CommandRunner, Registry, RegistryUnavailable
 

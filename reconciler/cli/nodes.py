@@ -11,8 +11,9 @@ import argparse
 import json
 
 from reconciler.cli import EXIT_OK
-from reconciler.cli.registry_options import add_registry_options, desired_and_registry, stamp
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 from reconciler.core.scheduling.lifecycle import NodeState
+from reconciler.core.timestamps import stamp
 
 
 def register(sub: argparse._SubParsersAction) -> None:

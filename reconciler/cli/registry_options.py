@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -29,7 +28,6 @@ from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.wiring import open_existing_registry, open_registry
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
-from reconciler.core.live.records import utc
 from reconciler.ports import Registry, RegistryError
 
 
@@ -164,18 +162,3 @@ def desired_and_snapshot(args: argparse.Namespace) -> tuple[DesiredState, Snapsh
         return desired, read_snapshot(args.snapshot)
     with opened_registry(args, desired, hint=" (give --snapshot FILE for a what-if)") as registry:
         return desired, registry.snapshot(lanes=[lane.id for lane in desired.lanes])
-
-
-# --------------------------------------------------------------------------
-# Output
-
-
-def stamp(moment: datetime | None, now: datetime | None = None) -> str:
-    """`2026-11-29T18:26:48Z (12 s ago)`, or '-'."""
-    if moment is None:
-        return "-"
-    text = utc(moment).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if now is not None:
-        delta = (utc(now) - utc(moment)).total_seconds()
-        text += f" ({abs(delta):.0f} s {'ago' if delta >= 0 else 'from now'})"
-    return text
