@@ -3,7 +3,8 @@
 #
 # Detects what the machine is (architecture, GPUs, storage, memory, Tailscale)
 # and prints it, installs the reconciler into a virtual environment (default
-# /opt/fabric) from a source checkout, writes /etc/fabric/node.toml, installs
+# /opt/fabric) with pip, as a wheel built from a source checkout (or a wheel
+# built elsewhere), writes /etc/fabric/node.toml, installs
 # fabric-reconcile.service/.timer (and fabric-leader.service on a leader
 # candidate) exactly as `fabric units` renders them -- the same definitions the
 # NixOS module declares -- enables the timer and runs a first pass.
@@ -12,8 +13,9 @@
 #       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /root/.ssh/fleet
 #
 # Offline: --wheelhouse DIR installs the dependencies from wheels in DIR only
-# (make one elsewhere with `pip download -d DIR pydantic jinja2 dbus-fast aetcd
-# setuptools wheel`). Run it again at any time: it changes only what differs.
+# (make one elsewhere with `pip download -d DIR /path/to/fabric 'setuptools>=68'
+# wheel`: the dependencies, and the build backend that turns a checkout into a
+# wheel). Run it again at any time: it changes only what differs.
 set -euo pipefail
 
 PREFIX=/opt/fabric
@@ -40,9 +42,11 @@ K3S_TOKEN_FILE=""
 
 usage() {
   cat <<'EOF'
-usage: join.sh --source DIR [options]
-  --source DIR               fabric source checkout to install (pyproject.toml, reconciler/, templates/)
-  --wheelhouse DIR           install dependencies only from the wheels in DIR (offline)
+usage: join.sh --source DIR|WHEEL [options]
+  --source DIR|WHEEL         fabric source checkout to build and install (pyproject.toml,
+                             reconciler/), or a fabric_reconciler-*.whl built from one
+  --wheelhouse DIR           install dependencies (and, for a checkout, the build backend)
+                             only from the wheels in DIR (offline)
   --prefix DIR               virtual environment to install into (default /opt/fabric)
   --host NAME                which host of the desired state this is (default: its hostname)
   --desired DIR              desired-state directory (default /var/lib/fabric/desired)
@@ -133,9 +137,12 @@ detect
 
 [ "$(id -u)" = 0 ] || die "run as root (installs units into $SYSTEMD_DIR)"
 [ -d /run/systemd/system ] || die "systemd is not running as init here"
-[ -n "$SOURCE" ] || { usage >&2; die "--source DIR is required"; }
-[ -f "$SOURCE/pyproject.toml" ] && [ -d "$SOURCE/reconciler" ] && [ -d "$SOURCE/templates" ] \
-  || die "--source $SOURCE: not a fabric checkout (pyproject.toml, reconciler/, templates/)"
+[ -n "$SOURCE" ] || { usage >&2; die "--source DIR|WHEEL is required"; }
+case "$SOURCE" in
+  *.whl) [ -f "$SOURCE" ] || die "--source $SOURCE: no such wheel" ;;
+  *) [ -f "$SOURCE/pyproject.toml" ] && [ -d "$SOURCE/reconciler" ] \
+       || die "--source $SOURCE: not a fabric checkout (pyproject.toml, reconciler/) nor a wheel" ;;
+esac
 [ -z "$WHEELHOUSE" ] || [ -d "$WHEELHOUSE" ] || die "--wheelhouse $WHEELHOUSE: not a directory"
 case "$PREFIX" in /*) ;; *) die "--prefix must be absolute" ;; esac
 command -v python3 >/dev/null || die "python3 is needed (3.11 or newer)"
@@ -150,23 +157,35 @@ pip_args=(--quiet --disable-pip-version-check --no-input)
 if [ -n "$WHEELHOUSE" ]; then
   pip_args+=(--no-index --find-links "$WHEELHOUSE")
 fi
-# The dependencies from pyproject.toml through pip; the package itself is pure
-# Python and is copied, so no build backend is needed (offline or not).
-mapfile -t deps < <("$PREFIX/bin/python" -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$SOURCE/pyproject.toml")
-"$PREFIX/bin/python" -m pip install "${pip_args[@]}" "${deps[@]}"
+# An installed package like any other: a wheel (its templates are package
+# data, bin/fabric is its entry point), installed by pip with its dependencies.
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+case "$SOURCE" in
+  *.whl) wheel=$SOURCE ;;
+  *)
+    # pip builds the wheel (PEP 517, the backend pyproject.toml names) from a
+    # copy of what the build reads, the files nix/package.nix builds from too:
+    # nothing is written into the checkout, and no build/ left there by an
+    # older build can leak removed modules into this one.
+    mkdir "$build/src"
+    cp -r "$SOURCE/pyproject.toml" "$SOURCE/README.md" "$SOURCE/reconciler" "$build/src/"
+    find "$build/src" -name __pycache__ -prune -exec rm -rf {} +
+    "$PREFIX/bin/python" -m pip wheel "${pip_args[@]}" --no-deps --wheel-dir "$build" "$build/src" \
+      || die "could not build a wheel from $SOURCE (offline, --wheelhouse needs setuptools>=68 and wheel too)"
+    wheel=$(echo "$build"/fabric_reconciler-*.whl)
+    ;;
+esac
 site=$("$PREFIX/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# reconciler/core/render/artifacts.py finds its templates beside the package (nix/package.nix
-# installs them the same way).
-for part in reconciler templates; do
-  rm -rf "$site/$part.new"
-  cp -r "$SOURCE/$part" "$site/$part.new"
-  find "$site/$part.new" -name __pycache__ -prune -exec rm -rf {} +
-  rm -rf "$site/$part"
-  mv "$site/$part.new" "$site/$part"
-done
-printf '#!%s\nimport sys\nfrom reconciler.cli import main\nsys.exit(main())\n' "$PREFIX/bin/python" > "$PREFIX/bin/fabric.new"
-chmod 755 "$PREFIX/bin/fabric.new"
-mv -f "$PREFIX/bin/fabric.new" "$PREFIX/bin/fabric"
+if ! "$PREFIX/bin/python" -m pip show --quiet fabric-reconciler >/dev/null 2>&1; then
+  # An older join.sh copied the sources in by hand, without metadata: pip is
+  # to own every file of the package.
+  rm -rf "$site/reconciler" "$site/templates" "$PREFIX/bin/fabric"
+fi
+# Its dependencies (and the package, the first time), then this very build
+# even when its version is the one installed.
+"$PREFIX/bin/python" -m pip install "${pip_args[@]}" "$wheel"
+"$PREFIX/bin/python" -m pip install "${pip_args[@]}" --force-reinstall --no-deps "$wheel"
 FABRIC="$PREFIX/bin/fabric"
 "$FABRIC" --help >/dev/null
 

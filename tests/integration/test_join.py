@@ -1,8 +1,9 @@
 """scripts/join.sh on a plain systemd host: systemd as PID 1 in a container.
 
-join.sh installs the reconciler into /opt/fabric from this checkout, offline
-(--wheelhouse: the test venv's own installed distributions, repacked as
-wheels), writes node.toml and the units `fabric units` renders, enables the
+join.sh builds a wheel of this checkout with pip and installs it into
+/opt/fabric, offline (--wheelhouse: the test venv's own installed
+distributions, the dependencies and the build backend, repacked as wheels),
+writes node.toml and the units `fabric units` renders, enables the
 timer and runs a first pass of the example fleet as host "racknerd". The test
 then checks what an operator would: the timer is active, a pass has run and
 succeeded, its audit entries are in the journal, and the installed units are
@@ -12,15 +13,12 @@ module is compared against in tests/unit/test_nix_module.py).
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import importlib.metadata as md
 import re
 import shutil
 import subprocess
 import tempfile
 import time
-import zipfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +28,8 @@ from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.integration.test_wheel import runtime_requirements
+from tests.integration.test_wheel import wheelhouse as make_wheelhouse
 
 pytestmark = pytest.mark.integration
 
@@ -38,61 +38,15 @@ WHEELHOUSE = "/var/cache/fabric-wheelhouse"
 SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def _requirement_names(dist: md.Distribution) -> list[str]:
-    names = []
-    for req in dist.requires or []:
-        if ";" in req and "extra ==" in req.split(";", 1)[1]:
-            continue
-        names.append(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
-    return names
-
-
-def _closure(roots: list[str]) -> dict[str, md.Distribution]:
-    seen: dict[str, md.Distribution] = {}
-    todo = list(roots)
-    while todo:
-        name = todo.pop()
-        key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in seen:
-            continue
-        dist = md.distribution(name)
-        seen[key] = dist
-        todo += _requirement_names(dist)
-    return seen
-
-
-def _repack(dist: md.Distribution, out_dir: Path) -> Path:
-    """A wheel of an installed distribution: its files from RECORD and a fresh RECORD."""
-    wheel_meta = dist.read_text("WHEEL") or ""
-    tag = next(line.split(":", 1)[1].strip() for line in wheel_meta.splitlines() if line.startswith("Tag:"))
-    name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
-    dist_info = f"{name}-{dist.version}.dist-info"
-    target = out_dir / f"{name}-{dist.version}-{tag}.whl"
-    records = []
-    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as whl:
-        for file in dist.files or []:
-            rel = str(file)
-            if rel.startswith("..") or "__pycache__" in rel or rel.endswith((".pyc", "/RECORD", "/INSTALLER", "/REQUESTED", "/direct_url.json")):
-                continue
-            data = Path(file.locate()).read_bytes()
-            arcname = rel if not rel.split("/", 1)[0].endswith(".dist-info") else f"{dist_info}/{rel.split('/', 1)[1]}"
-            whl.writestr(arcname, data)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            records.append(f"{arcname},sha256={digest},{len(data)}")
-        records.append(f"{dist_info}/RECORD,,")
-        whl.writestr(f"{dist_info}/RECORD", "\n".join(records) + "\n")
-    return target
-
-
 @pytest.fixture(scope="module")
 def wheelhouse() -> Iterator[Path]:
-    """The runtime dependencies as wheels, made offline."""
+    """The runtime dependencies pyproject.toml declares, and the build backend
+    join.sh builds the checkout's wheel with, as wheels, made offline."""
     directory = Path(tempfile.mkdtemp(prefix="fabric-wheelhouse-"))
     try:
-        fabric = md.distribution("fabric-reconciler")
-        for dist in _closure(_requirement_names(fabric)).values():
-            _repack(dist, directory)
-        yield directory
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())
+        build_backend = runtime_requirements(project["build-system"]["requires"])
+        yield make_wheelhouse([*runtime_requirements(project["project"]["dependencies"]), *build_backend, "wheel"], directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -138,6 +92,11 @@ def test_join_installs_enables_the_timer_and_a_pass_runs(joined: tuple[SystemdCo
     # What it detected, printed for the operator.
     for line in ("architecture:", "gpus:", "storage:", "memory:", "tailscale:"):
         assert line in result.stdout
+    # Installed by pip like any distribution: its files are known, the
+    # templates among them as package data, bin/fabric its entry point.
+    shown = container.run(f"{PREFIX}/bin/python", "-m", "pip", "show", "--files", "fabric-reconciler")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "reconciler/templates/agent.service.j2" in shown.stdout and "../../../bin/fabric" in shown.stdout, shown.stdout
 
     status = container.systemctl("status", "fabric-reconcile.timer")
     assert status.returncode == 0, status.stdout
