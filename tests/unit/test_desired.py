@@ -45,7 +45,7 @@ def test_example_fleet_is_valid_and_matches_the_seeds() -> None:
     assert timing.node_timeout_for(relayed=True) == 135
     assert state.fleet.registry.backend == "sqlite"
     lupine = state.service("lupine")
-    assert lupine is not None and lupine.hard_fail
+    assert lupine is not None and lupine.floor == lupine.min_tier  # hard fail: deferred, never degraded
     vaapi = state.service("vaapi-encode")
     assert vaapi is not None and (vaapi.min_tier, vaapi.floor) == ("gpu_vaapi", "cpu_ffmpeg")
     assert state.hosts_with_role("edge") == ["racknerd"]

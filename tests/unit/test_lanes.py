@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import SchedulerSettings
 from reconciler.core.live.models import LaneView, Snapshot, SnapshotLane
-from reconciler.core.scheduling.lanes import LaneDecision, LaneJob, choose_lane, dispatch_jobs, eligible_lanes, lane_views, sort_key
+from reconciler.core.scheduling.lanes import LaneDecision, LaneJob, choose_lane, eligible_lanes, lane_views, sort_key
 from tests.conftest import EXAMPLE_FLEET
 
 SETTINGS = SchedulerSettings(local_spill_after_s=900, cloud_attempts=3)
@@ -93,6 +93,20 @@ def test_a_local_lane_ranked_below_the_cloud_wins_once_its_gate_opens():
     ]
     assert choose_lane(views, LaneJob(), SETTINGS).lane == "cloud"
     assert choose_lane(views, LaneJob(waited_s=900), SETTINGS).lane == "local"
+
+
+def dispatch_jobs(views, jobs, settings):
+    """Jobs in order through choose_lane, each taking a slot of the lane it gets
+    (what the dispatcher does): the decisions and the lanes afterwards."""
+    current = {view.id: view for view in views}
+    decisions = []
+    for job in jobs:
+        decision = choose_lane(list(current.values()), job, settings)
+        decisions.append(decision)
+        if decision.lane is not None:
+            lane = current[decision.lane]
+            current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+    return decisions, list(current.values())
 
 
 def test_dispatching_a_queue_fills_by_rank_then_holds():

@@ -20,7 +20,7 @@ import pytest
 
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
-from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, fact_for_raw
+from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES
 from reconciler.core.probe.raw import parse_capture
 from tests.conftest import EXAMPLE_FLEET
 
@@ -74,7 +74,7 @@ def test_raw_output_parses_as_the_machine_expects(machine, raw):
     """One raw output through its own parser: usable exactly when expected.json
     has the fact, absent with exactly the recorded reason when it does not."""
     capture = load_capture(machine)
-    fact = fact_for_raw(raw)
+    fact = next(f for f in FACTS if f.raw == raw)
     alone = RawCapture(
         {raw: capture.outputs[raw]} if raw in capture.outputs else {},
         {raw: capture.errors[raw]} if raw in capture.errors else {},

@@ -377,10 +377,6 @@ class Service(Strict):
                 raise FieldProblem(key, f"no entry for {', '.join(missing)} (add it, an 'any' entry, or restrict arch)")
         return self
 
-    @property
-    def hard_fail(self) -> bool:
-        return self.floor == self.min_tier
-
 
 class PortMap(Strict):
     """A permanent socat redirect on one host (the seed's edge port maps)."""

@@ -121,9 +121,6 @@ class FleetPlan(_Live):
     def services_on(self, node: str) -> list[Placement]:
         return [p for p in self.placements if p.node == node]
 
-    def nodes_for(self, service: str) -> list[str]:
-        return sorted({p.node for p in self.placements if p.service == service})
-
 
 class Transition(_Live):
     at: datetime

@@ -132,10 +132,3 @@ RAW_NAMES: tuple[str, ...] = tuple(f.raw for f in FACTS)
 # Beside the raw files a capture may hold the reason each absent one is absent.
 ERRORS_FILE = "errors.json"
 
-
-def fact_named(name: str) -> Fact:
-    return next(f for f in FACTS if f.name == name)
-
-
-def fact_for_raw(raw: str) -> Fact:
-    return next(f for f in FACTS if f.raw == raw)

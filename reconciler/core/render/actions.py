@@ -175,10 +175,6 @@ class HostActions:
             or self.caddy_reload
         )
 
-    @property
-    def changes_files(self) -> bool:
-        return bool(self.write or self.remove)
-
     def to_json(self) -> dict[str, object]:
         return {
             "write": list(self.write),

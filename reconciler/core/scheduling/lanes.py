@@ -36,7 +36,7 @@ A hold always carries the reason, chosen by what would release the job:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -120,19 +120,3 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
         return LaneDecision(lane=None, hold="local_spill_not_reached")
     return LaneDecision(lane=None, hold="no_free_slots")
 
-
-def dispatch_jobs(lanes: Sequence[LaneView], jobs: Iterable[LaneJob], settings: SchedulerSettings) -> tuple[list[LaneDecision], list[LaneView]]:
-    """Dispatch jobs in order, each taking a slot of the lane it gets.
-
-    Returns the decisions and the lanes as they would be afterwards.
-    """
-    current = {lane.id: lane for lane in lanes}
-    order = [lane.id for lane in lanes]
-    decisions = []
-    for job in jobs:
-        decision = choose_lane([current[i] for i in order], job, settings)
-        decisions.append(decision)
-        if decision.lane is not None:
-            lane = current[decision.lane]
-            current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
-    return decisions, [current[i] for i in order]
