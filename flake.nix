@@ -47,6 +47,9 @@
                 pytest-subprocess
                 hypothesis
                 pyroute2
+                # the build backend: tests/integration build the wheel offline
+                setuptools
+                wheel
               ]
             ))
             pkgs.nftables

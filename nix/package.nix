@@ -1,48 +1,53 @@
-# The fabric reconciler, built from nixpkgs' Python packages.
+# The fabric reconciler, built from nixpkgs' Python packages: setuptools builds
+# the wheel pyproject.toml describes (the templates are package data inside
+# it) and it is installed like any other Python application.
 {
   lib,
   python3Packages,
 }:
 
+let
+  # The version is written in pyproject.toml only.
+  pyproject = lib.importTOML ../pyproject.toml;
+in
 python3Packages.buildPythonApplication {
   pname = "fabric-reconciler";
-  version = "0.1.0";
+  inherit (pyproject.project) version;
   pyproject = true;
 
+  # What the build reads; the top-level templates/ is only a link into
+  # reconciler/.
   src = lib.fileset.toSource {
     root = ../.;
     fileset = lib.fileset.unions [
       ../pyproject.toml
       ../README.md
       ../reconciler
-      ../templates
     ];
   };
 
   build-system = [ python3Packages.setuptools ];
 
+  # pyproject.toml's dependencies; the runtime-deps check compares the two.
+  # python3Packages.aetcd is 1.0.0a4, inside pyproject.toml's pin.
   dependencies = with python3Packages; [
     pydantic
     jinja2
     dbus-fast
     aetcd
+    grpcio
   ];
-
-  # reconciler/core/render/artifacts.py finds its templates beside the package
-  # (<site-packages>/templates); setuptools installs only the package itself.
-  postInstall = ''
-    cp -r templates "$out/${python3Packages.python.sitePackages}/templates"
-  '';
 
   # The test suite needs real nft, caddy, etcd and systemd as PID 1; the VM
   # test in checks.<system>.vm runs the package for real instead.
   pythonImportsCheck = [
     "reconciler"
     "reconciler.cli"
+    "reconciler.templates"
   ];
 
   meta = {
-    description = "fabric: a self-adapting compute fabric reconciled by systemd timers";
+    description = pyproject.project.description;
     license = lib.licenses.mit;
     mainProgram = "fabric";
     platforms = lib.platforms.linux;
