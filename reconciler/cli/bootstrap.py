@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         ports = socat_units(state, host)
         programs = bootstrap_programs()
         observed = io.observe(host, bootstrap_files(node), ports)
-        plan = plan_bootstrap(node=node, state=state, host=host, facts=facts, observed=observed, programs=programs)
+        plan = plan_bootstrap(node=node, desired=state, host=host, facts=facts, observed=observed, programs=programs)
         for note in plan.notes:
             print(f"note: {note}")
         if plan.problems:

@@ -98,7 +98,7 @@ class FakeNode:
 
 
 def run(node_state: FakeNode, host: str = "racknerd", node=NODE, probe: NodeFacts | None = None):
-    plan = plan_bootstrap(node=node, state=STATE, host=host, facts=probe or facts(), observed=node_state.observe(host, node))
+    plan = plan_bootstrap(node=node, desired=STATE, host=host, facts=probe or facts(), observed=node_state.observe(host, node))
     for step in plan.steps:
         node_state.apply(step, host)
     return plan
@@ -168,7 +168,7 @@ def test_nftables_fix_only_where_the_os_needs_it(os_id: str, id_like: tuple[str,
 def test_host_file_overrides_the_os_detection() -> None:
     # qfox-1 declares nftables_fix = true; a Debian probe does not change that.
     node = FakeNode(tailscale=True, distro_table=True)
-    plan = plan_bootstrap(node=NODE, state=STATE, host="qfox-1", facts=facts("debian"), observed=node.observe("qfox-1"))
+    plan = plan_bootstrap(node=NODE, desired=STATE, host="qfox-1", facts=facts("debian"), observed=node.observe("qfox-1"))
     assert any(s.kind == "load_nft_fix" for s in plan.steps)
 
 
@@ -182,7 +182,7 @@ def test_programs_paths_land_in_the_dropin() -> None:
     node = FakeNode(tailscale=True, distro_table=True)
     plan = plan_bootstrap(
         node=NODE,
-        state=STATE,
+        desired=STATE,
         host="racknerd",
         facts=facts("arch"),
         observed=node.observe("racknerd"),
@@ -194,11 +194,11 @@ def test_programs_paths_land_in_the_dropin() -> None:
 
 def test_problems_stop_before_any_step() -> None:
     no_key = NODE.model_copy(update={"bootstrap": NODE.bootstrap.model_copy(update={"tailscale_auth_key_file": None})})
-    plan = plan_bootstrap(node=no_key, state=STATE, host="racknerd", facts=facts(), observed=FakeNode().observe("racknerd"))
+    plan = plan_bootstrap(node=no_key, desired=STATE, host="racknerd", facts=facts(), observed=FakeNode().observe("racknerd"))
     assert plan.problems == ("tailscale is not up and [bootstrap] tailscale_auth_key_file is not set",)
-    missing = plan_bootstrap(node=NODE, state=STATE, host="racknerd", facts=facts(), observed=FakeNode(tailscale=None).observe("racknerd"))
+    missing = plan_bootstrap(node=NODE, desired=STATE, host="racknerd", facts=facts(), observed=FakeNode(tailscale=None).observe("racknerd"))
     assert "tailscale is not installed" in missing.problems[0]
-    unknown = plan_bootstrap(node=NODE, state=STATE, host="nope", facts=facts(), observed=FakeNode().observe("racknerd"))
+    unknown = plan_bootstrap(node=NODE, desired=STATE, host="nope", facts=facts(), observed=FakeNode().observe("racknerd"))
     assert unknown.steps == () and "'nope' is not in the desired state" in unknown.problems[0]
 
 
@@ -210,7 +210,7 @@ def test_registered_node_is_not_registered_again() -> None:
 
 def test_host_without_port_maps_still_gets_a_first_pass() -> None:
     node = FakeNode(tailscale=True)
-    plan = plan_bootstrap(node=NODE, state=STATE, host="a1-arm64", facts=facts(), observed=node.observe("a1-arm64"))
+    plan = plan_bootstrap(node=NODE, desired=STATE, host="a1-arm64", facts=facts(), observed=node.observe("a1-arm64"))
     assert [s.kind for s in plan.steps][-2:] == ["enable_timer", "run_pass"]
     assert plan.steps[-1].reason == "no pass has run on this node yet"
 

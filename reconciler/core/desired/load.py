@@ -228,12 +228,12 @@ def fleet_rules(
     return problems
 
 
-def summary(state: DesiredState) -> str:
-    """The one line `fabric validate` prints for a valid state."""
-    lanes = state.lanes
-    implicit = "" if state.fleet.backends else " (implicit)"
+def summary(desired: DesiredState) -> str:
+    """The one line `fabric validate` prints for a valid desired state."""
+    lanes = desired.lanes
+    implicit = "" if desired.fleet.backends else " (implicit)"
     return (
-        f"{state.fleet_file}: valid: fleet {state.fleet.fleet.name!r}, {len(state.hosts)} hosts, "
-        f"{len(lanes)} lanes{implicit}, {len(state.fleet.services)} services, "
-        f"{len(state.fleet.port_maps)} port maps, registry {state.fleet.registry.backend}"
+        f"{desired.fleet_file}: valid: fleet {desired.fleet.fleet.name!r}, {len(desired.hosts)} hosts, "
+        f"{len(lanes)} lanes{implicit}, {len(desired.fleet.services)} services, "
+        f"{len(desired.fleet.port_maps)} port maps, registry {desired.fleet.registry.backend}"
     )

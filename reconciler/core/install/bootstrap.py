@@ -111,9 +111,9 @@ class BootstrapPlan:
         return not self.steps and not self.problems
 
 
-def socat_units(state: DesiredState, host: str) -> list[str]:
+def socat_units(desired: DesiredState, host: str) -> list[str]:
     """The port-map units the pass runs on this host (render names them so)."""
-    return sorted(f"fabric-socat-{m.name}.service" for m in state.fleet.port_maps if m.host == host)
+    return sorted(f"fabric-socat-{m.name}.service" for m in desired.fleet.port_maps if m.host == host)
 
 
 def k3s_join_dropin(host: str, server: str, token_file: str) -> str:
@@ -154,7 +154,7 @@ def nft_fix_dropin(programs: Programs) -> str:
 def plan_bootstrap(
     *,
     node: NodeConfig,
-    state: DesiredState,
+    desired: DesiredState,
     host: str,
     facts: NodeFacts,
     observed: Observed,
@@ -165,9 +165,9 @@ def plan_bootstrap(
     problems: list[str] = []
     notes: list[str] = []
     boot = node.bootstrap
-    if host not in state.hosts:
-        return BootstrapPlan((), (f"host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})",))
-    host_config = state.hosts[host]
+    if host not in desired.hosts:
+        return BootstrapPlan((), (f"host {host!r} is not in the desired state (hosts: {', '.join(sorted(desired.hosts))})",))
+    host_config = desired.hosts[host]
 
     # 1. Tailscale
     if observed.tailscale_running is None:

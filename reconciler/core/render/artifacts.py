@@ -193,15 +193,15 @@ class _Workload:
     writable_paths: tuple[str, ...]  # host paths a container gets read-write (a lane's scratch_dir)
 
 
-def _fleet_file_name(state: DesiredState) -> str:
+def _fleet_file_name(desired: DesiredState) -> str:
     # The base name only: the text must not depend on how --desired was spelled.
-    return Path(state.fleet_file).name
+    return Path(desired.fleet_file).name
 
 
-def _lanes_here(state: DesiredState, host_name: str) -> list[Lane]:
-    control = state.hosts_with_role("control")
+def _lanes_here(desired: DesiredState, host_name: str) -> list[Lane]:
+    control = desired.hosts_with_role("control")
     here = []
-    for lane in state.lanes:
+    for lane in desired.lanes:
         if lane.kind == "compute" and lane.push_host == host_name:
             here.append(lane)
         elif lane.kind == "local" and control and control[0] == host_name:
@@ -209,10 +209,10 @@ def _lanes_here(state: DesiredState, host_name: str) -> list[Lane]:
     return here
 
 
-def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
-    agent = state.fleet.agent
+def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
+    agent = desired.fleet.agent
     if agent is None:
-        notes.append(f"lane {lane.id}: no [agent] table in {state.fleet_file}, so no agent runs it here")
+        notes.append(f"lane {lane.id}: no [agent] table in {desired.fleet_file}, so no agent runs it here")
         return None
     if arch is None or arch not in agent.arch:
         notes.append(f"lane {lane.id}: no agent image for architecture {arch or 'unknown'} (agent.arch has {', '.join(sorted(agent.arch))})")
@@ -220,7 +220,7 @@ def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: lis
     spec = agent.arch[arch]
     # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>; the
     # local lane has no agent_ref and consumes <prefix><lane id>.
-    queue = state.queue_for(lane) or f"{agent.queue_prefix}{lane.id}"
+    queue = desired.queue_for(lane) or f"{agent.queue_prefix}{lane.id}"
     env = {"PHAZE_AGENT_QUEUE": queue, **agent.environment}
     writable: tuple[str, ...] = ()
     if lane.scratch_dir:
@@ -229,7 +229,7 @@ def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: lis
     return _Workload(
         id=lane.id,
         what="lane",
-        source=f"{_fleet_file_name(state)} backends[{lane.id}] + agent.arch.{arch}",
+        source=f"{_fleet_file_name(desired)} backends[{lane.id}] + agent.arch.{arch}",
         description=f"{lane.kind} agent, rank {lane.rank}, cap {lane.cap}",
         gpu=False,
         image=spec.image,
@@ -241,7 +241,7 @@ def _lane_workload(state: DesiredState, lane: Lane, arch: str | None, notes: lis
     )
 
 
-def _service_workload(state: DesiredState, service: Service, arch: str | None, notes: list[str]) -> _Workload | None:
+def _service_workload(desired: DesiredState, service: Service, arch: str | None, notes: list[str]) -> _Workload | None:
     runs: Mapping[RunsOn, list[str] | str] = service.command or service.image
     chosen = next((value for key, value in runs.items() if key == arch), None) or runs.get("any")
     if chosen is None:
@@ -251,7 +251,7 @@ def _service_workload(state: DesiredState, service: Service, arch: str | None, n
     return _Workload(
         id=service.id,
         what="service",
-        source=f"{_fleet_file_name(state)} services[{service.id}]",
+        source=f"{_fleet_file_name(desired)} services[{service.id}]",
         description=service.description,
         gpu=service.min_tier.startswith("gpu_"),
         image=chosen if isinstance(chosen, str) else None,
@@ -355,7 +355,7 @@ def _labels(host: HostConfig, facts: NodeFacts, notes: list[str]) -> list[tuple[
 
 
 def render(
-    state: DesiredState,
+    desired: DesiredState,
     host_name: str,
     facts: NodeFacts,
     plan: FleetPlan,
@@ -367,9 +367,9 @@ def render(
 
     The templates come from the package; `templates` renders from that
     directory instead (tests render edited copies)."""
-    host = state.hosts.get(host_name)
+    host = desired.hosts.get(host_name)
     if host is None:
-        known = ", ".join(sorted(state.hosts)) or "none"
+        known = ", ".join(sorted(desired.hosts)) or "none"
         raise RenderError(f"host {host_name!r} is not declared in the desired state (hosts: {known})")
     notes: list[str] = []
     arch = host_arch(host, facts)
@@ -378,31 +378,31 @@ def render(
     # Fleet-plan entries are checked against the desired state before anything uses them.
     valid_placements = []
     for p in plan.placements:
-        if state.service(p.service) is None:
+        if desired.service(p.service) is None:
             notes.append(f"plan epoch {plan.epoch}: unknown service {p.service!r} ignored")
-        elif p.node not in state.hosts:
+        elif p.node not in desired.hosts:
             notes.append(f"plan epoch {plan.epoch}: service {p.service!r} placed on unknown host {p.node!r}; ignored")
         else:
             valid_placements.append(p)
 
     # Workloads: lanes first, then services, each a fabric-agent-<id>.service.
     workloads: list[_Workload] = []
-    for lane in _lanes_here(state, host_name):
-        w = _lane_workload(state, lane, arch, notes)
+    for lane in _lanes_here(desired, host_name):
+        w = _lane_workload(desired, lane, arch, notes)
         if w is not None:
             workloads.append(w)
     placed_here = sorted({p.service for p in valid_placements if p.node == host_name})
     for service_id in placed_here:
-        service = state.service(service_id)
+        service = desired.service(service_id)
         assert service is not None
-        w = _service_workload(state, service, arch, notes)
+        w = _service_workload(desired, service, arch, notes)
         if w is not None:
             workloads.append(w)
     seen: dict[str, str] = {}
     for w in workloads:
         if w.id in seen:
             raise RenderError(
-                f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {state.fleet_file}"
+                f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}"
             )
         seen[w.id] = w.what
         artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates), 0o644, "unit"))
@@ -410,8 +410,8 @@ def render(
     # Port maps of this host: one socat unit each.
     tcp_ports: set[int] = set()
     udp_ports: set[int] = set()
-    for pm in sorted((m for m in state.fleet.port_maps if m.host == host_name), key=lambda m: m.name):
-        target = state.hosts[pm.target_host].host.address
+    for pm in sorted((m for m in desired.fleet.port_maps if m.host == host_name), key=lambda m: m.name):
+        target = desired.hosts[pm.target_host].host.address
         six = ipaddress.ip_address(target).version == 6
         proto = pm.protocol.upper()
         listen = f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
@@ -420,7 +420,7 @@ def render(
         text = _template(
             "socat.service.j2",
             templates,
-            source=f"{_fleet_file_name(state)} port_maps[{pm.name}]",
+            source=f"{_fleet_file_name(desired)} port_maps[{pm.name}]",
             name=pm.name,
             protocol=pm.protocol,
             listen_port=pm.listen_port,
@@ -434,7 +434,7 @@ def render(
 
     # nftables: the ports of the services running here and of the port maps.
     for service_id in placed_here:
-        service = state.service(service_id)
+        service = desired.service(service_id)
         if service is not None and service.port is not None and any(w.id == service_id and w.what == "service" for w in workloads):
             tcp_ports.add(service.port)
     nft_text = _template(
@@ -462,10 +462,10 @@ def render(
     # (a static file each pass rewrites; see reconciler.core.views.page).
     if "edge" in host.host.roles:
         sites = []
-        for service in sorted((s for s in state.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
+        for service in sorted((s for s in desired.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
             assert service.route is not None and service.port is not None
             nodes = sorted({p.node for p in valid_placements if p.service == service.id})
-            upstreams = [caddy_address(state.hosts[n].host.address, service.port) for n in nodes]
+            upstreams = [caddy_address(desired.hosts[n].host.address, service.port) for n in nodes]
             sites.append(
                 {
                     "service": service.id,
@@ -478,7 +478,7 @@ def render(
         artifacts.append(
             Artifact(
                 layout.caddy_file,
-                _template("fabric.caddy.j2", templates, host=host_name, sites=sites, status_site=status_caddy_site(state)),
+                _template("fabric.caddy.j2", templates, host=host_name, sites=sites, status_site=status_caddy_site(desired)),
                 0o644,
                 "caddy",
             )
