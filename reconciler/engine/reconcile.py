@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +33,7 @@ from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
 from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
+from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for
@@ -202,7 +203,7 @@ class _Prepared:
 
 
 def _now(clock: Clock) -> datetime:
-    return datetime.fromtimestamp(clock.now(), UTC)
+    return from_epoch_seconds(clock.now())
 
 
 def _state_dir(state_dir: str) -> str:
