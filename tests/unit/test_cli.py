@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import subprocess
 import sys
@@ -35,3 +36,12 @@ def test_a_pass_imports_no_other_command() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "reconciler.cli.status" not in out and "reconciler.cli.validate" in out
+
+
+def test_reconcile_plan_and_rollback_import_no_other_command_module() -> None:
+    """They share options (cli.pass_options) and wiring, and the pass itself is the engine's."""
+    command_modules = {f"reconciler.cli.{m}" for m in COMMANDS.values()}
+    for command in ("reconcile", "plan", "rollback"):
+        code = f"import sys, reconciler.cli.{command}; print(sorted(m for m in sys.modules if m.startswith('reconciler.cli.')))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert set(ast.literal_eval(out)) & command_modules == {f"reconciler.cli.{command}"}, command
