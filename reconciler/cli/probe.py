@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 def summary(facts: NodeFacts) -> str:
     """A human-readable account of one probe."""
     hw = facts.hardware
-    rows: list[tuple[str, str]] = [("host", f"{facts.k3s_hostname} (node id {facts.node_id})")]
+    rows: list[tuple[str, str]] = [("host", f"{facts.k3s_hostname} (tailnet name {facts.tailnet_name})")]
     if facts.os is not None:
         rows.append(("os", facts.os.name or facts.os.id))
     rows.append(("arch", hw.arch or "unknown"))

@@ -196,7 +196,7 @@ def test_bootstrap_after_join_opens_the_distro_ruleset_and_is_idempotent(joined:
     container.write_file(
         host_file,
         container.read_file(host_file).replace(
-            'node_id = "racknerd.tail-abc123.ts.net"', 'node_id = "racknerd.tail-abc123.ts.net"\nnftables_fix = true'
+            'tailnet_name = "racknerd.tail-abc123.ts.net"', 'tailnet_name = "racknerd.tail-abc123.ts.net"\nnftables_fix = true'
         ),
     )
 

@@ -132,6 +132,15 @@ def test_validate_exit_2_and_nothing_on_stdout_for_a_bad_state(tmp_path: Path) -
     assert proc.stderr.strip() == f"{desired}/racknerd.toml: host.address: required key is missing"
 
 
+def test_a_host_file_declares_its_tailnet_name_and_the_old_key_still_reads(tmp_path: Path) -> None:
+    old = MINIMAL_HOST + 'node_id = "ctl.tail-1.ts.net"\n'
+    assert load_desired(_fleet_dir(tmp_path, ctl=old)).hosts["ctl"].host.tailnet_name == "ctl.tail-1.ts.net"
+    both = MINIMAL_HOST + 'node_id = "ctl.tail-1.ts.net"\ntailnet_name = "ctl.tail-1.ts.net"\n'
+    with pytest.raises(DesiredStateError) as info:
+        load_desired(_fleet_dir(tmp_path, ctl=both))
+    assert [str(p) for p in info.value.problems] == [f"{tmp_path}/ctl.toml: host.node_id: the old name of tailnet_name: give only tailnet_name"]
+
+
 def test_tiers_are_ordered_as_in_the_seed() -> None:
     assert tier_score("gpu_cuda") == 10
     assert tier_score("cpu_ffmpeg") == 7

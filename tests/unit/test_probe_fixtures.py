@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES
+from reconciler.core.probe.identity import probed_tailnet_name, tailnet_name_note
 from reconciler.core.probe.raw import parse_capture
 from tests.conftest import EXAMPLE_FLEET
 
@@ -115,5 +117,47 @@ def test_fleet_host_capture_matches_its_host_file(host):
     facts = NodeFacts.model_validate(expected_facts(host))
     assert facts.k3s_hostname == host
     assert facts.tailscale_ip == declared["address"]
-    assert facts.node_id == declared["node_id"]
+    assert facts.tailnet_name == declared["tailnet_name"]
     assert facts.labels["topology.researchstack.io/role"] == f"auto:{host}"
+
+
+# ---------------------------------------------------------------- tailnet name
+
+
+def test_the_tailnet_name_keeps_its_json_key_node_id():
+    """Operators' scripts read `fabric probe --json`'s node_id: the attribute's
+    rename to tailnet_name does not change the document."""
+    facts = facts_from_capture(load_capture("qfox-1"))
+    document = json.loads(facts.model_dump_json())
+    assert document["node_id"] == facts.tailnet_name == "qfox-1.tail-abc123.ts.net"
+    assert "tailnet_name" not in document and "tailnet_name" not in facts.model_dump(by_alias=True)
+    assert NodeFacts.model_validate_json(facts.model_dump_json()) == facts
+    assert facts.model_copy(update={"tailnet_name": "x.ts.net"}).tailnet_name == "x.ts.net"
+
+
+@pytest.mark.parametrize("host", FLEET_HOSTS)
+def test_a_fleet_host_probing_as_itself_gets_no_tailnet_name_note(host):
+    facts = facts_from_capture(load_capture(host), host=host)
+    assert probed_tailnet_name(facts) == f"{host}.tail-abc123.ts.net"
+    assert tailnet_name_note(load_desired(EXAMPLE_FLEET), host, facts) is None
+
+
+def test_a_probe_of_another_machine_names_both_tailnet_names():
+    facts = facts_from_capture(load_capture("lux"), host="qfox-1")
+    note = tailnet_name_note(load_desired(EXAMPLE_FLEET), "qfox-1", facts)
+    assert note is not None
+    assert "'lux.tail-abc123.ts.net'" in note and "tailnet_name 'qfox-1.tail-abc123.ts.net'" in note
+
+
+def test_no_tailnet_name_note_when_either_name_is_unknown():
+    desired = load_desired(EXAMPLE_FLEET)
+    # No Tailscale on the machine: the probe reports its host name instead.
+    offline = facts_from_capture(load_capture("amd-apu-laptop"), host="qfox-1")
+    assert probed_tailnet_name(offline) is None
+    assert tailnet_name_note(desired, "qfox-1", offline) is None
+    # Nothing declared in the host file.
+    qfox = desired.hosts["qfox-1"]
+    undeclared = desired.model_copy(
+        update={"hosts": {**desired.hosts, "qfox-1": qfox.model_copy(update={"host": qfox.host.model_copy(update={"tailnet_name": None})})}}
+    )
+    assert tailnet_name_note(undeclared, "qfox-1", facts_from_capture(load_capture("lux"), host="qfox-1")) is None

@@ -73,7 +73,7 @@ def test_gpu_slug(model, slug):
 
 def test_host_name_given_by_the_fleet_replaces_the_machine_name():
     facts = facts_from_capture(load_capture("amd-apu-laptop"), host="qfox-1")
-    assert facts.k3s_hostname == "qfox-1" and facts.node_id == "qfox-1"
+    assert facts.k3s_hostname == "qfox-1" and facts.tailnet_name == "qfox-1"
     assert facts.labels[f"{LABEL_PREFIX}role"] == "auto:qfox-1"
 
 

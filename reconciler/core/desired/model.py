@@ -14,14 +14,16 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
+    model_serializer,
     model_validator,
 )
 
@@ -448,9 +450,22 @@ class HostSettings(Strict):
     # Declared in git, not taken from the registry: a registry writer must not be
     # able to point the edge at an address of its choosing.
     address: Annotated[str, AfterValidator(_tailnet_ip)]
-    node_id: HostName | None = None
+    # The machine's DNS name on the tailnet ("qfox-1.tail-abc123.ts.net"): a
+    # pass whose probe finds another name says so (probe.identity).
+    tailnet_name: HostName | None = None
     # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
     nftables_fix: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_id_was_renamed(cls, data: Any) -> Any:
+        # Host files written before the rename say node_id: read it as
+        # tailnet_name, so a fleet repo keeps validating until it is updated.
+        if isinstance(data, dict) and "node_id" in data:
+            if "tailnet_name" in data:
+                raise FieldProblem("node_id", "the old name of tailnet_name: give only tailnet_name")
+            data = {("tailnet_name" if key == "node_id" else key): value for key, value in data.items()}
+        return data
 
 
 class HostConfig(Strict):
@@ -566,9 +581,13 @@ class OperatingSystem(BaseModel):
 class NodeFacts(BaseModel):
     """One probe of one machine."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    node_id: str
+    # The machine's DNS name on the tailnet ("qfox-1.tail-abc123.ts.net"), or its
+    # host name without Tailscale. Not a node id: nodes are named by their host.
+    # Its JSON key stays "node_id" (read and written): `fabric probe --json`
+    # has always printed it so, and operators' scripts read it.
+    tailnet_name: str = Field(alias="node_id")
     tailscale_ip: str | None = None
     tailscale_relayed: bool | None = None
     k3s_hostname: str
@@ -579,3 +598,10 @@ class NodeFacts(BaseModel):
     # fact name -> why it is absent (command missing, failed, timed out, odd value).
     missing: dict[str, str] = {}
     os: OperatingSystem | None = None
+
+    @model_serializer(mode="wrap")
+    def _json_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The JSON key of `tailnet_name` whether or not the caller dumps by alias
+        # (pydantic < 2.11, which nixpkgs carries, has no serialize_by_alias).
+        data: dict[str, Any] = handler(self)
+        return {("node_id" if key == "tailnet_name" else key): value for key, value in data.items()}

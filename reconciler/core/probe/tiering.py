@@ -405,7 +405,7 @@ def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
     os_release: OsRelease | None = parsed.get("os")
 
     return NodeFacts(
-        node_id=(tailscale.dns_name if tailscale and tailscale.dns_name else None) or hostname or "unknown",
+        tailnet_name=(tailscale.dns_name if tailscale and tailscale.dns_name else None) or hostname or "unknown",
         tailscale_ip=tailscale.ipv4 if tailscale else None,
         tailscale_relayed=tailscale.relayed if tailscale else None,
         k3s_hostname=hostname or "unknown",
