@@ -149,7 +149,9 @@ def test_host_file_can_turn_the_fix_off(tmp_path: Path) -> None:
     desired = tmp_path / "d"
     shutil.copytree(REPO / "hosts", desired)
     (desired / "lux.toml").write_text(
-        (desired / "lux.toml").read_text().replace('tailnet_name = "lux.tail-abc123.ts.net"', 'tailnet_name = "lux.tail-abc123.ts.net"\nnftables_fix = false')
+        (desired / "lux.toml")
+        .read_text()
+        .replace('tailnet_name = "lux.tail-abc123.ts.net"', 'tailnet_name = "lux.tail-abc123.ts.net"\nnftables_fix = false')
     )
     arch = facts("lux", os=OperatingSystem(id="arch"))
     assert "chain forward" not in files(load_desired(desired), "lux", node_facts=arch)["etc/fabric/fabric.nft"]

@@ -131,4 +131,3 @@ FACTS: tuple[Fact, ...] = (
 RAW_NAMES: tuple[str, ...] = tuple(f.raw for f in FACTS)
 # Beside the raw files a capture may hold the reason each absent one is absent.
 ERRORS_FILE = "errors.json"
-

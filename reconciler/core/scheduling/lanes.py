@@ -119,4 +119,3 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
     if compute_available and local_free and job.waited_s < settings.local_spill_after_s:
         return LaneDecision(lane=None, hold="local_spill_not_reached")
     return LaneDecision(lane=None, hold="no_free_slots")
-
