@@ -43,7 +43,7 @@ python3Packages.buildPythonApplication {
   pythonImportsCheck = [
     "reconciler"
     "reconciler.cli"
-    "reconciler.templates"
+    "reconciler.core.templating"
   ];
 
   meta = {

@@ -156,6 +156,10 @@ class FileReader(Protocol):
         ...
 
 
+class CaptureError(Exception):
+    """The capture directory cannot be used; the message names it and says why."""
+
+
 class CaptureStore(Protocol):
     """Raw probe outputs kept under fixed file names in one directory."""
 
@@ -215,6 +219,10 @@ class PassLock(Protocol):
         ...
 
     def release(self) -> None: ...
+
+
+class BootstrapError(Exception):
+    """A bootstrap step failed; the message names it and says why."""
 
 
 class LockBusy(Exception):

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO))
 
 from reconciler.core.desired.load import load_desired  # noqa: E402
-from reconciler.core.live.records import utc  # noqa: E402
+from reconciler.core.timestamps import utc  # noqa: E402
 from tests.e2e.fleet import (  # noqa: E402
     HOST_OCTETS,
     FleetSettings,

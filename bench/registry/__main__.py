@@ -132,7 +132,7 @@ def main() -> None:
             prefix = f"/bench{uuid.uuid4().hex[:8]}"
             bench(
                 f"etcd ({members} member{'s' if members > 1 else ''}, loopback)",
-                lambda: EtcdRegistry(cluster.endpoints, prefix=prefix, **common),
+                lambda prefix=prefix, cluster=cluster: EtcdRegistry(cluster.endpoints, prefix=prefix, **common),
                 args.beats,
                 args.nodes,
             )

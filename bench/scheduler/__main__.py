@@ -22,6 +22,7 @@ to the log N ratio it must stay within.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -133,7 +134,7 @@ def main() -> int:
         )
     print("decisions identical between the indexed placer and the scan: yes")
     print("per-decision cost ratio between sizes (indexed must stay within the log N ratio):")
-    for (small, fast_small, naive_small), (big, fast_big, naive_big) in zip(rows, rows[1:]):
+    for (small, fast_small, naive_small), (big, fast_big, naive_big) in itertools.pairwise(rows):
         log_ratio = math.log(big) / math.log(small)
         print(
             f"  {big:>6} vs {small:>5} nodes: indexed x{fast_big / fast_small:.2f} "

@@ -10,8 +10,10 @@ make the same decision every time.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from fractions import Fraction
+
+from reconciler.core.timestamps import utc
 
 TIERS = (
     "gpu_cuda",
@@ -28,13 +30,9 @@ TIERS = (
 )  # best first
 
 
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
 class ScanningPlacer:
     def __init__(self, nodes, now: datetime, strategy: str = "highest_tier") -> None:
-        self.now = _aware(now)
+        self.now = utc(now)
         self.strategy = strategy
         self.nodes = []
         seen = set()
@@ -47,7 +45,7 @@ class ScanningPlacer:
     def _eligible(self, node, request) -> bool:
         if node.status != "active" or node.drained:
             return False
-        if node.held_off_until is not None and _aware(node.held_off_until) > self.now:
+        if node.held_off_until is not None and utc(node.held_off_until) > self.now:
             return False
         if self.load[node.node_id] >= node.max_concurrent_tasks:
             return False

@@ -18,11 +18,7 @@ from reconciler.core.install.bootstrap import (
     Observed,
     Step,
 )
-from reconciler.ports import CommandRunner, Registry, RegistryError
-
-
-class BootstrapError(Exception):
-    """A step failed; the message names it and says why."""
+from reconciler.ports import BootstrapError, CommandRunner, Registry, RegistryError
 
 
 class NodeIO:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from reconciler.adapters.files import fsync_dir
 from reconciler.core.probe.facts import ERRORS_FILE, RAW_NAMES
+from reconciler.ports import CaptureError
 
 
 class LocalFiles:
@@ -29,10 +30,6 @@ class LocalFiles:
 
     def read_link(self, path: str) -> str:
         return os.readlink(path)
-
-
-class CaptureError(Exception):
-    """The capture directory cannot be used; the message names it and says why."""
 
 
 class CaptureDirectory:

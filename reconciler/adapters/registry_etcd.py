@@ -67,10 +67,9 @@ from reconciler.core.live.records import (
     ScalingRecord,
     SlotClaim,
     check_node_id,
-    from_epoch_seconds,
-    utc,
 )
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout
+from reconciler.core.timestamps import from_epoch_seconds, utc
 from reconciler.ports import Clock, NotLeader, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")

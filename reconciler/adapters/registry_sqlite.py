@@ -33,9 +33,9 @@ from reconciler.core.live.records import (
     ScalingRecord,
     SlotClaim,
     check_node_id,
-    from_epoch_seconds,
 )
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout
+from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, RegistryUnavailable
 
 SCHEMA = """

@@ -20,8 +20,9 @@ from pathlib import Path
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.cli.wiring import BootstrapError, CaptureError, bootstrap_io, bootstrap_programs, host_name, probe_facts
+from reconciler.cli.wiring import bootstrap_io, bootstrap_programs, host_name, probe_facts
 from reconciler.core.install.bootstrap import bootstrap_files, plan_bootstrap, socat_units
+from reconciler.ports import BootstrapError, CaptureError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,21 +39,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     node = load_node_config(args.config)
-    state = load_or_fail(args.desired or Path(node.node.desired))
+    desired = load_or_fail(args.desired or Path(node.node.desired))
     host = args.host or node.node.host or host_name()
-    if host not in state.hosts:
-        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(state.hosts))})")
+    if host not in desired.hosts:
+        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(desired.hosts))})")
     try:
         facts = probe_facts(host, args.replay)
     except (CaptureError, OSError) as exc:  # an unreadable capture directory: bad input
         raise InvalidInput(f"bootstrap: probe: {exc}") from None
 
-    with opened_registry(args, state, who="bootstrap") as registry:
+    with opened_registry(args, desired, who="bootstrap") as registry:
         io = bootstrap_io(registry, args.root)
-        ports = socat_units(state, host)
+        ports = socat_units(desired, host)
         programs = bootstrap_programs()
         observed = io.observe(host, bootstrap_files(node), ports)
-        plan = plan_bootstrap(node=node, desired=state, host=host, facts=facts, observed=observed, programs=programs)
+        plan = plan_bootstrap(node=node, desired=desired, host=host, facts=facts, observed=observed, programs=programs)
         for note in plan.notes:
             print(f"note: {note}")
         if plan.problems:

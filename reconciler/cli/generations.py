@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from reconciler.cli import EXIT_OK
+from reconciler.cli.wiring import local_tree
 from reconciler.engine.apply import STATE_DIR, GenerationStore, list_generations
 
 
@@ -33,9 +34,7 @@ def state_text(current: bool, good: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from reconciler.adapters.files import LocalTree
-
-    infos = list_generations(GenerationStore(LocalTree(args.root), args.state_dir))
+    infos = list_generations(GenerationStore(local_tree(args.root), args.state_dir))
     if args.json:
         print(
             json.dumps(

@@ -13,10 +13,11 @@ import argparse
 import re
 
 from reconciler.cli import EXIT_OK, InvalidInput
-from reconciler.cli.wiring import CaptureError, capture_store, command_runner, local_files
+from reconciler.cli.wiring import capture_store, command_runner, local_files
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine.probe import collect_live
+from reconciler.ports import CaptureError
 
 _HOST_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 

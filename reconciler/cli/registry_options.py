@@ -27,6 +27,7 @@ from reconciler.cli import CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.wiring import open_existing_registry, open_registry
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.problems import key_path, problem_from_json_error
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.ports import Registry, RegistryError
 
@@ -97,16 +98,6 @@ def add_snapshot_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _key_path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
-
-
 # Each list of the snapshot and the model of its entries, for unknown-key notes.
 _ENTRY_MODELS: dict[str, type[BaseModel]] = {"nodes": SnapshotNode, "lanes": SnapshotLane, "placements": Placement}
 
@@ -136,7 +127,7 @@ def read_snapshot(path: Path, warn: Callable[[str], None] = lambda line: print(l
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidInput(f"{path}: line {exc.lineno} column {exc.colno}: JSON syntax error: {exc.msg}") from None
+        raise InvalidInput(str(problem_from_json_error(str(path), exc))) from None
     if not isinstance(data, dict):
         raise InvalidInput(f"{path}: (top level): a snapshot is a JSON object, not {type(data).__name__}")
     try:
@@ -147,7 +138,7 @@ def read_snapshot(path: Path, warn: Callable[[str], None] = lambda line: print(l
             reason = err["msg"].removeprefix("Value error, ")
             if err["type"] != "missing" and "input" in err:
                 reason += f" (got {json.dumps(err['input'])[:80]})"
-            problems.append(f"{path}: {_key_path(tuple(err['loc']))}: {reason}")
+            problems.append(f"{path}: {key_path(err['loc'])}: {reason}")
         raise InvalidInput(*problems) from None
     for key in unknown_keys(data):
         warn(f"{path}: {key}: unknown key, ignored")

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
+from reconciler.core.desired.problems import key_path
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.status import StatusInputs, live_status, saved_status
@@ -118,11 +119,7 @@ def load_json_model(path: Path, model: type[Model]) -> Model:
     try:
         return model.model_validate_json(text)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            loc = ".".join(str(part) for part in error["loc"]) or "(document)"
-            problems.append(f"{path}: {loc}: {error['msg']}")
-        raise InvalidInput(*problems) from None
+        raise InvalidInput(*(f"{path}: {key_path(error['loc'])}: {error['msg']}" for error in exc.errors())) from None
 
 
 def frame(inputs: StatusInputs, *, as_json: bool, color: bool) -> str:

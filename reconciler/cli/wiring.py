@@ -17,14 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# The adapters' own errors that commands report (not in reconciler.ports yet):
-# commands catch them from here, so only this module imports the adapters.
-from reconciler.adapters.bootstrap_io import BootstrapError as BootstrapError
-from reconciler.adapters.probe_io import CaptureError as CaptureError
 from reconciler.core.desired.model import FleetConfig, NodeFacts
 from reconciler.core.install.bootstrap import Programs
 from reconciler.core.install.nodeconfig import NodeConfig
-from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, Registry, RegistryUnavailable
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
@@ -78,6 +74,13 @@ def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None
 # --------------------------------------------------------------------------
 # The other real adapters. Imported when asked for: a command pays only for
 # the adapters it uses.
+
+
+def local_tree(root: Path) -> FileTree:
+    """The files under `root` (/ on a host, a sandbox in tests and the demo)."""
+    from reconciler.adapters.files import LocalTree
+
+    return LocalTree(root)
 
 
 def system_clock() -> Clock:

@@ -32,8 +32,9 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
-from reconciler.core.live.records import QueuedJob, ScalingRecord, utc
+from reconciler.core.live.records import QueuedJob, ScalingRecord
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key
+from reconciler.core.timestamps import utc
 from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry, RegistryError, RegistryUnavailable
 

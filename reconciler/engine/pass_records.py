@@ -27,7 +27,7 @@ PROBE_HISTORY = "probe-history.json"
 PASS_COUNTERS = "pass-counters.json"
 
 
-def damped_facts(tree: FileTree, state_dir: str, state: DesiredState, observed: NodeFacts, now: datetime) -> tuple[NodeFacts, ProbeHistory]:
+def damped_facts(tree: FileTree, state_dir: str, desired: DesiredState, observed: NodeFacts, now: datetime) -> tuple[NodeFacts, ProbeHistory]:
     """The facts this pass uses (a lower tier only after `missed_beats` passes
     in a row) and the history to keep; `save_probe_history` keeps it once the
     pass's inputs all checked out, so bad input still changes nothing."""
@@ -38,7 +38,7 @@ def damped_facts(tree: FileTree, state_dir: str, state: DesiredState, observed: 
         # A history from another version or a torn disk: start afresh rather
         # than refuse to run (the worst case is one undamped pass).
         history = ProbeHistory()
-    return damp(history, observed, now, passes=state.fleet.timing.missed_beats)
+    return damp(history, observed, now, passes=desired.fleet.timing.missed_beats)
 
 
 def save_probe_history(tree: FileTree, state_dir: str, history: ProbeHistory) -> None:
@@ -56,7 +56,7 @@ class PassOutcome:
 def write_pass_records(
     tree: FileTree,
     state_dir: str,
-    state: DesiredState,
+    desired: DesiredState,
     host: str,
     source: PlanSource,
     outcome: PassOutcome,
@@ -64,13 +64,13 @@ def write_pass_records(
 ) -> str | None:
     """Write them; a note for the log when they cannot be written (the pass still counts)."""
     try:
-        _write(tree, state_dir, state, host, source, outcome, now)
+        _write(tree, state_dir, desired, host, source, outcome, now)
     except OSError as exc:
         return f"could not write metrics or the status page: {exc}"
     return None
 
 
-def _write(tree: FileTree, state_dir: str, state: DesiredState, host: str, source: PlanSource, outcome: PassOutcome, now: datetime) -> None:
+def _write(tree: FileTree, state_dir: str, desired: DesiredState, host: str, source: PlanSource, outcome: PassOutcome, now: datetime) -> None:
     counters_path = f"{state_dir}/{PASS_COUNTERS}"
     raw = tree.read(counters_path)
     try:
@@ -92,8 +92,8 @@ def _write(tree: FileTree, state_dir: str, state: DesiredState, host: str, sourc
     snapshot = source.snapshot
     tree.write(
         TEXTFILE_PATH,
-        render_metrics(stats, desired=state if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
+        render_metrics(stats, desired=desired if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
     )
-    if snapshot is not None and "edge" in state.hosts[host].host.roles:
-        page = render_status_page(state, snapshot, source.plan if source.plan.leader else None, now)
+    if snapshot is not None and "edge" in desired.hosts[host].host.roles:
+        page = render_status_page(desired, snapshot, source.plan if source.plan.leader else None, now)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

@@ -37,6 +37,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from reconciler.core.desired.model import TIER_SCORE, DesiredState, NodeFacts
+from reconciler.core.desired.problems import Problem, ProblemsError, problems_from_validation
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
@@ -85,14 +86,14 @@ class PlanSource:
     snapshot: Snapshot | None = None
 
 
-def effective_facts(state: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
+def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
     """The probe as the fabric uses it: the host file's tier pin applied.
 
     An override can only lower the probe's tier (a typo must not send CUDA
     work to a CPU box); the tier label follows, so k3s and the registry see
     the tier the scheduler uses.
     """
-    override = state.hosts[host].overrides.tier
+    override = desired.hosts[host].overrides.tier
     if override is None or TIER_SCORE[override] >= TIER_SCORE[facts.tier]:
         return facts
     labels = {**facts.labels, TIER_LABEL: override}
@@ -100,11 +101,11 @@ def effective_facts(state: DesiredState, host: str, facts: NodeFacts) -> NodeFac
     return facts.model_copy(update={"tier": override, "labels": labels, "limitations": facts.limitations.model_copy(update={"notes": notes})})
 
 
-def node_record(state: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
+def node_record(desired: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
     """What this host reports: its (effective) facts with the host file's
     limits and declared labels (the operator's win), so services can be
     constrained to labels an operator declared."""
-    declared = state.hosts[host]
+    declared = desired.hosts[host]
     return NodeRecord.from_facts(
         host,
         facts,
@@ -114,25 +115,23 @@ def node_record(state: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
     )
 
 
-def empty_plan(state: DesiredState, now: datetime) -> FleetPlan:
-    return FleetPlan(epoch=0, leader="", created=now, lanes=lane_views(state, Snapshot(now=now)))
+def empty_plan(desired: DesiredState, now: datetime) -> FleetPlan:
+    return FleetPlan(epoch=0, leader="", created=now, lanes=lane_views(desired, Snapshot(now=now)))
 
 
 def plan_from_file(path: Path) -> FleetPlan:
-    """Raises ValueError naming the file and key for an unreadable or invalid plan."""
+    """Raises ProblemsError (`FILE: key.path: reason`, every one) for an unreadable or invalid plan."""
     try:
         return FleetPlan.model_validate_json(path.read_bytes())
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise ProblemsError([Problem(str(path), "(file)", f"cannot read: {exc.strerror or exc}")]) from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise ValueError(f"{path}: {where}: {first['msg']}") from None
+        raise ProblemsError(problems_from_validation(str(path), exc, FleetPlan)) from None
 
 
-def plan_alone(state: DesiredState, host: str, facts: NodeFacts, now: datetime) -> FleetPlan:
+def plan_alone(desired: DesiredState, host: str, facts: NodeFacts, now: datetime) -> FleetPlan:
     """The scheduler over a fleet of this host alone."""
-    record = node_record(state, host, facts)
+    record = node_record(desired, host, facts)
     node = SnapshotNode(
         node_id=host,
         tier=record.tier,
@@ -141,30 +140,33 @@ def plan_alone(state: DesiredState, host: str, facts: NodeFacts, now: datetime) 
         arch=record.arch,
         labels=dict(record.labels),
     )
-    return schedule(Snapshot(now=now, nodes=[node]), state, leader=host, epoch=0)
+    return schedule(Snapshot(now=now, nodes=[node]), desired, leader=host, epoch=0)
 
 
-def lead_once(registry: Registry, state: DesiredState, host: str) -> str | None:
+def lead_once(registry: Registry, desired: DesiredState, host: str) -> str | None:
     """One leader step if this host is a candidate and nobody leads; a note or None."""
     from reconciler.engine.leader import LeaderLoop
 
-    if host not in state.fleet.fleet.leader_candidates or registry.leader() is not None:
+    if host not in desired.fleet.fleet.leader_candidates or registry.leader() is not None:
         return None
     notes: list[str] = []
-    loop = LeaderLoop(
+    LeaderLoop(
         registry=registry,
         host=host,
-        load_desired=lambda: state,
+        load_desired=lambda: desired,
         schedule=schedule,
-        lease_ttl_s=float(state.fleet.timing.heartbeat_s),
+        lease_ttl_s=float(desired.fleet.timing.heartbeat_s),
         log=notes.append,
-    )
-    try:
-        loop.step()
-    finally:
-        if loop.leadership is not None:
-            registry.resign(loop.leadership)
+    ).step_and_resign()
     return "; ".join(notes) or None
+
+
+# Why a plan older than the applied one comes from each source.
+STALE_CAUSE = {
+    "registry": "stale leader or lagging registry",
+    "file": "the plan file is older than the plan this host runs",
+    "alone": "this host's own plan does not replace the fleet's",
+}
 
 
 @dataclass(frozen=True)
@@ -179,21 +181,21 @@ class Offer:
     unreachable: str | None = None
 
 
-def read_registry(connect: Callable[[], Registry], state: DesiredState, host: str, facts: NodeFacts, *, write: bool) -> Offer:
+def read_registry(connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, *, write: bool) -> Offer:
     """Connect, heartbeat (when `write`), maybe lead, then the newest plan."""
     notes: list[str] = []
     registry: Registry | None = None
     try:
         registry = connect()
         if write:
-            stored = registry.heartbeat(node_record(state, host, facts))
+            stored = registry.heartbeat(node_record(desired, host, facts))
             notes.append(f"heartbeat: {host} tier {stored.tier}, alive for {stored.timeout_s:g} s")
-            led = lead_once(registry, state, host)
+            led = lead_once(registry, desired, host)
             if led:
                 notes.append(f"leader step: {led}")
         newest = registry.newest_plan()
         # The edge serves the fleet's status page, so it reads the whole view.
-        snapshot = registry.snapshot(lanes=[lane.id for lane in state.lanes]) if "edge" in state.hosts[host].host.roles else None
+        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
     except RegistryError as exc:  # RegistryUnavailable above all
         return Offer("registry", None, tuple(notes), unreachable=f"registry unreachable ({exc})")
     finally:
@@ -202,19 +204,19 @@ def read_registry(connect: Callable[[], Registry], state: DesiredState, host: st
     return Offer("registry", newest, tuple(notes), snapshot)
 
 
-def admit(offer: Offer, state: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PlanSource:
+def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PlanSource:
     """The plan this pass renders from: the offer if the fence admits it,
     else the empty plan or (a host that runs a generation) fail static."""
     notes = list(offer.notes)
     if offer.unreachable is not None:
         if has_generation:
-            return PlanSource(empty_plan(state, now), static=f"{offer.unreachable}: running static", notes=tuple(notes))
+            return PlanSource(empty_plan(desired, now), static=f"{offer.unreachable}: running static", notes=tuple(notes))
         notes.append(f"{offer.unreachable}: no generation yet, rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(state, now), notes=tuple(notes))
+        return PlanSource(empty_plan(desired, now), notes=tuple(notes))
     # Only the registry's plans must be signed by a declared candidate: a
     # plan file or --no-registry's own plan is the operator's choice.
-    signers = state.fleet.fleet.leader_candidates if offer.origin == "registry" else None
-    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers)
+    signers = desired.fleet.fleet.leader_candidates if offer.origin == "registry" else None
+    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, stale_cause=STALE_CAUSE[offer.origin])
     if verdict.accepted and offer.plan is not None:
         if offer.origin == "registry":
             notes.append(verdict.reason)
@@ -223,16 +225,16 @@ def admit(offer: Offer, state: DesiredState, *, applied_epoch: int | None, has_g
         # Nothing published and nothing applied from a published plan: the
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=offer.snapshot)
+        return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot)
     if has_generation:
-        return PlanSource(empty_plan(state, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot)
+        return PlanSource(empty_plan(desired, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot)
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-    return PlanSource(empty_plan(state, now), notes=tuple(notes), snapshot=offer.snapshot)
+    return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot)
 
 
 def fleet_plan_for(
     choice: PlanChoice,
-    state: DesiredState,
+    desired: DesiredState,
     host: str,
     facts: NodeFacts,
     *,
@@ -245,12 +247,12 @@ def fleet_plan_for(
     """The pass's fleet plan from `choice`, through the fence.
 
     `write=False` (fabric plan) reads the registry's plan but sends no
-    heartbeat and takes no leader step. Raises ValueError for an unreadable
-    or invalid plan file."""
+    heartbeat and takes no leader step. Raises ProblemsError for an
+    unreadable or invalid plan file."""
     if isinstance(choice, PlanFile):
         offer = Offer("file", plan_from_file(choice.path))
     elif isinstance(choice, PlanAlone):
-        offer = Offer("alone", plan_alone(state, host, facts, now))
+        offer = Offer("alone", plan_alone(desired, host, facts, now))
     else:
-        offer = read_registry(connect, state, host, facts, write=write)
-    return admit(offer, state, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
+        offer = read_registry(connect, desired, host, facts, write=write)
+    return admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)

@@ -30,14 +30,16 @@ from typing import Literal
 
 from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
+from reconciler.core.desired.problems import ProblemsError
 from reconciler.core.probe.damping import ProbeHistory
+from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for
-from reconciler.ports import ActivationError, Audit, Clock, FileTree, LockBusy, PassLock, Registry, RegistryUnavailable
+from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, Registry, RegistryUnavailable
 
 # The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
 CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
@@ -195,7 +197,7 @@ class _BadInput(Exception):
 
 @dataclass(frozen=True)
 class _Prepared:
-    state: DesiredState
+    desired: DesiredState
     host: str
     source: PlanSource
     rendered: Rendered
@@ -223,47 +225,50 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     `write=False` (fabric plan) reads the registry's plan but sends no
     heartbeat and takes no leader step."""
     try:
-        state = load_desired(options.desired)
+        desired = load_desired(options.desired)
     except DesiredStateError as exc:
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     host = options.host
-    if host not in state.hosts:
-        raise _BadInput(f"{state.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(state.hosts))}); use --host NAME")
+    if host not in desired.hosts:
+        raise _BadInput(f"{desired.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(desired.hosts))}); use --host NAME")
     try:
         observed = ports.probe(host, options.replay)
-    except Exception as exc:  # CaptureError and friends: a bad replay directory
+    except CaptureError as exc:  # a bad --replay directory
         raise _BadInput(f"fabric: probe: {exc}") from None
     state_dir = _state_dir(options.state_dir)
-    damped, probe_history = damped_facts(ports.tree, state_dir, state, observed, _now(ports.clock))
-    facts = effective_facts(state, host, damped)
+    damped, probe_history = damped_facts(ports.tree, state_dir, desired, observed, _now(ports.clock))
+    facts = effective_facts(desired, host, damped)
+    identity = tailnet_name_note(desired, host, facts)
+    if identity is not None:
+        ports.note(identity)
     store = GenerationStore(ports.tree, state_dir)
     current = store.current()
     manifest = store.manifest(current)
     try:
         source = fleet_plan_for(
             options.plan,
-            state,
+            desired,
             host,
             facts,
-            connect=lambda: ports.open_registry(state.fleet),
+            connect=lambda: ports.open_registry(desired.fleet),
             applied_epoch=manifest.epoch if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
             write=write,
         )
-    except ValueError as exc:
-        raise _BadInput(f"fabric: plan: {exc}") from None
+    except ProblemsError as exc:
+        raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
     for note in source.notes:
         ports.note(note)
     programs = ports.programs
     layout = Layout(unit_dir=options.unit_dir.strip("/"), socat=programs.socat, podman=programs.podman, nft=programs.nft)
     try:
-        rendered = render(state, host, facts, source.plan, layout=layout)
+        rendered = render(desired, host, facts, source.plan, layout=layout)
     except RenderError as exc:
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:
         ports.note(note)
-    return _Prepared(state, host, source, rendered, probe_history)
+    return _Prepared(desired, host, source, rendered, probe_history)
 
 
 def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None) -> Applier:
@@ -298,7 +303,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
 
     def records(succeeded: bool, rolled_back: bool) -> None:
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
-        note = write_pass_records(store.tree, store.state_dir, prepared.state, prepared.host, prepared.source, outcome, _now(ports.clock))
+        note = write_pass_records(store.tree, store.state_dir, prepared.desired, prepared.host, prepared.source, outcome, _now(ports.clock))
         if note is not None:
             ports.note(note)
 

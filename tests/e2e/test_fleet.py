@@ -342,7 +342,7 @@ def test_flapping_node_is_held_off(fleet: Fleet, desired: DesiredState) -> None:
         going_down = toggle % 2 == 0
         container.systemctl("stop" if going_down else "start", "fabric-reconcile.timer")
         want = "offline" if going_down else "active"
-        wait_for(lambda: node_status(fleet).get(flaky) == want, timeout=REACT_S, what=f"{flaky} {want} (toggle {toggle + 1})", interval=0.2)
+        wait_for(lambda want=want: node_status(fleet).get(flaky) == want, timeout=REACT_S, what=f"{flaky} {want} (toggle {toggle + 1})", interval=0.2)
     container.systemctl("start", "fabric-reconcile.timer")
     wait_for(lambda: node_status(fleet).get(flaky) == "active", timeout=REACT_S, what=f"{flaky} back", interval=0.2)
     with fleet.registry() as registry:

@@ -329,7 +329,7 @@ def test_snapshot_has_every_declared_lane_and_the_plan(store):
     plan = a_plan().model_copy(update={"placements": [Placement(service="lupine", replica=0, node="qfox-1", tier="gpu_cuda")]})
     registry.publish_plan(term, plan)
     snap = registry.snapshot(lanes=["a1-arm64", "x86-spill", "local"])
-    assert [(l.id, l.available, l.in_flight) for l in snap.lanes] == [
+    assert [(lane.id, lane.available, lane.in_flight) for lane in snap.lanes] == [
         ("a1-arm64", True, 1),
         ("local", True, 0),
         ("x86-spill", False, 0),

@@ -261,7 +261,7 @@ def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch
     status, out, _ = fabric(capsys, "registry", "export", *common)
     assert status == EXIT_OK
     snapshot = Snapshot.model_validate_json(out)
-    assert {l.id for l in snapshot.lanes} == {"a1-arm64", "x86-spill", "local"}
+    assert {lane.id for lane in snapshot.lanes} == {"a1-arm64", "x86-spill", "local"}
     assert {n.node_id for n in snapshot.nodes} == {"qfox-1", "intruder"}
     assert snapshot.epoch == shown["epoch"] and snapshot.placements
 

@@ -198,7 +198,7 @@ def test_the_wheel_carries_the_templates_and_one_version(installed: tuple[Path, 
         [
             venv / "bin" / "python",
             "-c",
-            "import reconciler, reconciler.templates as t; print(reconciler.__file__); print(t.TEMPLATES_DIR); print(reconciler.__version__)",
+            "import reconciler, reconciler.core.templating as t; print(reconciler.__file__); print(t.TEMPLATES_DIR); print(reconciler.__version__)",
         ],
         cwd=venv.parent,
     ).stdout.split()

@@ -600,7 +600,7 @@ def test_a_plan_file_older_than_the_applied_plan_is_fenced_off(tmp_path: Path) -
     fleet.machine.forget_calls()
     report = fleet.reconcile(plan=PlanFile(old_plan))
     assert report.outcome == "static" and report.exit_status == 0
-    assert report.stdout.startswith("plan epoch 6 is older than the newest applied (7)")
+    assert report.stdout.startswith("plan epoch 6 is older than the newest applied (7): the plan file is older than the plan this host runs")
     assert report.stdout.endswith(": running static; generation 1 stays\n")
     assert fleet.machine.calls == [] and fleet.store.numbers() == [1]
     assert any(r["action"] == "static" for r in fleet.audit.records)
@@ -717,7 +717,7 @@ def test_fabric_reconcile_writes_then_does_nothing(tmp_path: Path, capsys: pytes
     code, out, _ = fabric(capsys, *cli_pass(fleet, "--no-registry"))
     assert (code, out) == (
         0,
-        "plan epoch 0 is older than the newest applied (7): stale leader or lagging registry: running static; generation 1 stays\n",
+        "plan epoch 0 is older than the newest applied (7): this host's own plan does not replace the fleet's: running static; generation 1 stays\n",
     )
 
 

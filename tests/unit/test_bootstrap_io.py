@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.bootstrap_io import BootstrapError, NodeIO
+from reconciler.adapters.bootstrap_io import NodeIO
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import Hardware, NodeFacts
 from reconciler.core.install.bootstrap import NFT_FIX_COMMENT, NFT_FIX_FILE, Step
 from reconciler.core.live.records import NodeRecord
-from reconciler.ports import CommandResult
+from reconciler.ports import BootstrapError, CommandResult
 from tests.conftest import EXAMPLE_FLEET
 
 STATE = load_desired(EXAMPLE_FLEET)

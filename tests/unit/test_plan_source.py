@@ -183,7 +183,7 @@ def test_every_plan_source_passes_the_one_fence_exactly_once(connect, registry, 
         assert len(calls) == 1, choice
     # A plan file older than the applied plan is fenced off like the registry's.
     result = source(connect, state, "lux", applied=5, has_generation=True, choice=PlanFile(saved))
-    assert result.static == "plan epoch 3 is older than the newest applied (5): stale leader or lagging registry: running static"
+    assert result.static == "plan epoch 3 is older than the newest applied (5): the plan file is older than the plan this host runs: running static"
     # Only the registry's plans must be signed by a leader candidate.
     saved.write_text(FleetPlan(epoch=3, leader="racknerd", created=NOW).model_dump_json())
     assert source(connect, state, "lux", applied=3, has_generation=True, choice=PlanFile(saved)).static is None

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.probe_io import CaptureDirectory, CaptureError
+from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, Command, File, PerRenderNode
 from reconciler.core.probe.parsers import VAINFO_HEADER, parse_dri
 from reconciler.engine.probe import collect_live
-from reconciler.ports import CommandResult
+from reconciler.ports import CaptureError, CommandResult
 from tests.unit.test_probe_fixtures import FIXTURES, MACHINES, expected_facts, load_capture
 
 # Program -> raw file, from the catalogue itself.

@@ -19,7 +19,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
-from reconciler.templates import environment as template_environment
+from reconciler.core.templating import environment as template_environment
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"

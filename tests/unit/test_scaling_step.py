@@ -30,8 +30,8 @@ def node(node_id: str, limit: int = 4, ceiling: int | None = 6, in_flight: int =
     return SnapshotNode(node_id=node_id, tier="cpu_ffmpeg", max_concurrent_tasks=limit, max_concurrent_ceiling=ceiling, in_flight=in_flight)
 
 
-def run(actions, snap, fleet_plan=None, record=ScalingRecord()):
-    return carry_out(record, actions, ScalingState(), snap, fleet_plan, leader="lux", now=NOW)
+def run(actions, snap, fleet_plan=None, record=None):
+    return carry_out(record or ScalingRecord(), actions, ScalingState(), snap, fleet_plan, leader="lux", now=NOW)
 
 
 def test_queue_depth_counts_waiting_jobs_and_replicas_deferred_for_capacity_only():

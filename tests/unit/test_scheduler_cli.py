@@ -110,7 +110,7 @@ def test_bad_snapshot_names_file_and_key_path_and_exits_2(tmp_path, capsys, text
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == len(expected)
-    for line, start in zip(lines, expected):
+    for line, start in zip(lines, expected, strict=True):
         assert line.startswith(f"{tmp_path}/{start}")
 
 

@@ -70,7 +70,7 @@ def test_a_bad_snapshot_names_file_key_path_and_reason(capsys, tmp_path):
     code, out, err = fabric_status(capsys, "--snapshot", str(bad))
 
     assert (code, out) == (EXIT_INVALID, "")
-    assert err.startswith(f"{bad}: nodes.0.tier: Input should be 'gpu_cuda'")
+    assert err.startswith(f"{bad}: nodes[0].tier: Input should be 'gpu_cuda'")
 
 
 def test_a_missing_snapshot_file_is_bad_input(capsys, tmp_path):
@@ -202,7 +202,7 @@ def test_bad_input_mid_watch_is_shown_and_watching_goes_on(capsys, tmp_path, mon
     assert code == EXIT_OK
     assert out.rstrip().splitlines()[-2:] == [
         "fabric status: cannot read the inputs:",
-        f"{snapshot}: (document): Invalid JSON: key must be a string at line 1 column 2",
+        f"{snapshot}: (top level): Invalid JSON: key must be a string at line 1 column 2",
     ]
 
 

@@ -41,6 +41,7 @@ def accept_plan(
     plan: FleetPlan | None,
     *,
     leader_candidates: Collection[str] | None = None,
+    stale_cause: str = "stale leader or lagging registry",
 ) -> PlanVerdict:
     """Whether this host may apply `plan`, with the reason either way.
 
@@ -48,16 +49,15 @@ def accept_plan(
     already runs is a no-op, and a crash between apply and recording the epoch
     must be able to converge). With `leader_candidates`, a plan signed by a
     host that is not a declared candidate is refused: a registry writer cannot
-    make itself leader.
+    make itself leader. `stale_cause` says why an older plan reaches a host
+    from where this one came from.
     """
     if plan is None:
         return PlanVerdict(False, "no plan published yet")
     if leader_candidates is not None and plan.leader not in leader_candidates:
         return PlanVerdict(False, f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})")
     if last_applied_epoch is not None and plan.epoch < last_applied_epoch:
-        return PlanVerdict(
-            False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): stale leader or lagging registry"
-        )
+        return PlanVerdict(False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): {stale_cause}")
     if last_applied_epoch is not None and plan.epoch == last_applied_epoch:
         return PlanVerdict(True, f"plan epoch {plan.epoch} is the one applied")
     return PlanVerdict(True, f"plan epoch {plan.epoch} is newer than {last_applied_epoch if last_applied_epoch is not None else 'none applied'}")

@@ -19,8 +19,7 @@ from reconciler.core.desired.model import NAME_PATTERN, NodeFacts, Tier
 
 # Re-exported for the engine, adapters and CLI until they import them from
 # reconciler.core.timestamps, where they live.
-from reconciler.core.timestamps import from_epoch_seconds as from_epoch_seconds
-from reconciler.core.timestamps import utc as utc
+from reconciler.core.timestamps import utc
 
 _NAME_RE = re.compile(NAME_PATTERN)
 

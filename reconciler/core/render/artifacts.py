@@ -2,7 +2,7 @@
 
 Pure: `render()` takes models and returns `Artifact`s (a path relative to the
 root, the text, a file mode and a kind); it writes nothing and runs nothing.
-The Jinja2 templates of `reconciler.templates` (StrictUndefined: a missing value is an
+The Jinja2 templates of `reconciler/templates/` (loaded by `reconciler.core.templating`) (StrictUndefined: a missing value is an
 error, never an empty string) are the only text; this module computes the
 values and quotes every one of them for the language it lands in.
 
@@ -45,8 +45,8 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
-from reconciler.templates import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
-from reconciler.templates import environment as template_environment
+from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
+from reconciler.core.templating import environment as template_environment
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 

@@ -17,9 +17,9 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.templating import environment as template_environment
 from reconciler.core.timestamps import display_time
 from reconciler.core.views.cards import FleetStatus, NodeRow, fleet_status
-from reconciler.templates import environment as template_environment
 
 TEMPLATE_NAME = "status.html.j2"
 

@@ -1,11 +1,11 @@
-"""The Jinja templates of every file a pass writes, and the one way to load them.
+"""The one way to load the Jinja templates of every file a pass writes.
 
 The templates are package data (pyproject.toml `[tool.setuptools.package-data]`)
 and are loaded with Jinja's `PackageLoader`, so they are found wherever the
 package is installed: a wheel in a virtual environment (`scripts/join.sh`), the
 Nix store (`nix/package.nix`), an editable checkout. Nothing copies them beside
-the package. The repository's top-level `templates/` is a link to this
-directory.
+the package. They live in `reconciler/templates/` (data, no code); the
+repository's top-level `templates/` is a link to that directory.
 
 Files whose name starts with `_` are included by other templates, never
 rendered on their own.
@@ -19,9 +19,9 @@ from typing import Literal
 
 import jinja2
 
-# This directory, for tests that read or copy the templates; rendering goes
+# The templates' directory, for tests that read or copy them; rendering goes
 # through `environment()` and never uses the path.
-TEMPLATES_DIR = Path(__file__).resolve().parent
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 
 Kind = Literal["text", "html"]
 
