@@ -746,3 +746,16 @@ def test_fabric_reconcile_exits_1_when_the_pass_fails(tmp_path: Path, capsys: py
     finally:
         held.release()
     assert (code, out) == (1, "") and err.splitlines()[-1].startswith("fabric reconcile: ")
+
+
+def test_a_pass_notes_a_machine_whose_tailnet_name_is_not_the_host_files(tmp_path: Path) -> None:
+    """racknerd's pass on lux's hardware (a copied host file, a wrong --host):
+    the pass still runs, and says which machine it found."""
+    fleet = Fleet(tmp_path)
+    report = fleet.reconcile(replay=str(REPO / "tests/fixtures/probe/lux"), no_activate=True)
+    assert report.ok
+    assert any("'lux.tail-abc123.ts.net'" in note and "tailnet_name 'racknerd.tail-abc123.ts.net'" in note for note in fleet.notes), fleet.notes
+    # Its own capture: no such note.
+    fleet.notes.clear()
+    assert fleet.reconcile(replay=str(REPO / "tests/fixtures/probe/racknerd"), no_activate=True).ok
+    assert not any("tailnet name" in note for note in fleet.notes), fleet.notes
