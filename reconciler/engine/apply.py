@@ -257,7 +257,7 @@ class Validators:
 @dataclass
 class PassResult:
     outcome: str  # "noop", "applied", "written" (no activation), "invalid", "rolled-back", "failed"
-    plan: HostActions
+    actions: HostActions
     generation: int | None = None
     messages: list[str] = field(default_factory=list)
 
@@ -336,8 +336,8 @@ class Applier:
             return None
         return {a.unit: self.activators.systemd.active_state(a.unit) for a in artifacts if a.unit}
 
-    def compute_plan(self, artifacts: Sequence[Artifact]) -> tuple[HostActions, bool]:
-        """The plan of a pass over `artifacts`, and whether the last activation
+    def compute_actions(self, artifacts: Sequence[Artifact]) -> tuple[HostActions, bool]:
+        """The actions of a pass over `artifacts`, and whether the last activation
         is unfinished (current != good). Reads only."""
         current, good = self.store.current(), self.store.good()
         tracked = self._tracked()
@@ -346,7 +346,7 @@ class Applier:
         running: Mapping[str, bytes] | None = None
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
-        plan = plan_actions(
+        actions = plan_actions(
             artifacts,
             installed,
             tracked,
@@ -354,7 +354,7 @@ class Applier:
             unit_states=self._unit_states(artifacts),
             nft_table_loaded=self.activators.nftables.table_loaded() if self.activators is not None else None,
         )
-        return plan, unfinished
+        return actions, unfinished
 
     # ---- the pass
 
@@ -370,14 +370,14 @@ class Applier:
             self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
         for path in self._sweep_temp_files([a.path for a in artifacts]):
             self.audit.record("sweep", "ok", file=path, reason="temp file left by a killed pass")
-        plan, unfinished = self.compute_plan(artifacts)
+        actions, unfinished = self.compute_actions(artifacts)
         current = self.store.current()
-        if plan.empty:
+        if actions.empty:
             if unfinished:
                 # Killed after activating everything but before marking it good.
                 self.store.set_good(current)
             self.audit.record("noop", "ok", generation=str(current or ""))
-            return PassResult("noop", plan, current)
+            return PassResult("noop", actions, current)
 
         current_manifest = self.store.manifest(current)
         proposed = manifest_for(0, "", host, epoch, artifacts)
@@ -391,7 +391,7 @@ class Applier:
                 problem = self._validate(f"{self.store.dir}/{number}", artifacts)
                 if problem is not None:
                     self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                    return PassResult("invalid", plan, current, [problem])
+                    return PassResult("invalid", actions, current, [problem])
         else:
             number = self.store.next_number()
             created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
@@ -403,12 +403,12 @@ class Applier:
                 # (the next pass sweeps the partial staging directory).
                 message = f"cannot write generation {number} under {self.store.dir}: {exc}"
                 self.audit.record("generation", "failed", generation=str(number), reason=message)
-                return PassResult("failed", plan, current, [message])
+                return PassResult("failed", actions, current, [message])
             problem = self._validate(staging, artifacts)
             if problem is not None:
                 self.tree.remove_tree(staging)
                 self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                return PassResult("invalid", plan, current, [problem])
+                return PassResult("invalid", actions, current, [problem])
             self.audit.record("validate", "ok" if self.validators else "skipped", generation=str(number), hash=manifest.digest)
             self.checkpoint("publish generation")
             self.store.publish(staging, number)
@@ -419,15 +419,15 @@ class Applier:
         by_path = {a.path: a for a in artifacts}
         try:
             try:
-                self._install(plan, by_path, number)
+                self._install(actions, by_path, number)
             except OSError as exc:
                 # A directory that cannot be written (read-only, a file in
                 # the way): undo the files this pass installed, like a failed
                 # activation.
                 raise ActivationError(f"installing the files failed: {exc}") from exc
             if self.activators is None:
-                return PassResult("written", plan, number)
-            self._activate(plan, by_path, number, self.activators)
+                return PassResult("written", actions, number)
+            self._activate(actions, by_path, number, self.activators)
         except ActivationError as exc:
             message = f"activation of generation {number} failed: {exc}"
             self.audit.record("activate", "failed", generation=str(number), reason=str(exc))
@@ -438,17 +438,17 @@ class Applier:
                 messages.append(
                     f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
                 )
-                return PassResult("rolled-back", plan, good, messages)
+                return PassResult("rolled-back", actions, good, messages)
             except ActivationError as again:
                 messages.append(f"rollback to generation {good} failed too: {again}")
                 self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
-                return PassResult("failed", plan, number, messages)
+                return PassResult("failed", actions, number, messages)
         self.checkpoint("mark good")
         self.store.set_good(number)
         self.audit.record("activate", "ok", generation=str(number))
         for n in self.store.prune():
             self.audit.record("prune", "ok", generation=str(n))
-        return PassResult("applied", plan, number)
+        return PassResult("applied", actions, number)
 
     def _validate(self, staging: str, artifacts: Sequence[Artifact]) -> str | None:
         if self.validators is None:
@@ -466,18 +466,18 @@ class Applier:
             return f"validation failed, nothing installed: {exc}"
         return None
 
-    def _install(self, plan: HostActions, by_path: Mapping[str, Artifact], number: int | None) -> None:
-        for path in plan.write:
+    def _install(self, actions: HostActions, by_path: Mapping[str, Artifact], number: int | None) -> None:
+        for path in actions.write:
             a = by_path[path]
             self.checkpoint(f"write {path}")
             self.tree.write(path, a.data, a.mode)
             self.audit.record("write", "ok", file=path, generation=str(number or ""), hash=a.sha256)
-        for path in plan.remove:
+        for path in actions.remove:
             self.checkpoint(f"remove {path}")
             self.tree.remove(path)
             self.audit.record("remove", "ok", file=path, generation=str(number or ""))
 
-    def _activate(self, plan: HostActions, by_path: Mapping[str, Artifact], number: int | None, ports: Activators) -> None:
+    def _activate(self, actions: HostActions, by_path: Mapping[str, Artifact], number: int | None, ports: Activators) -> None:
         gen = str(number or "")
 
         def step(action: str, call: Callable[[], None], **fields: str) -> None:
@@ -489,22 +489,22 @@ class Applier:
                 raise ActivationError(f"{action} {fields.get('unit') or fields.get('file') or ''}: {exc}".strip()) from exc
             self.audit.record(action, "ok", generation=gen, **fields)
 
-        if plan.daemon_reload:
+        if actions.daemon_reload:
             step("daemon-reload", ports.systemd.daemon_reload)
         nft = next((a for a in by_path.values() if a.kind == "nft"), None)
-        if plan.nft_load:
+        if actions.nft_load:
             ruleset = nft.content if nft is not None else EMPTY_RULESET
             step("nft-load", lambda: ports.nftables.apply(ruleset), file=nft.path if nft else "", hash=_sha(ruleset.encode()))
         unit_hashes = {a.unit: a.sha256 for a in by_path.values() if a.unit}
         for action, units, call in (
-            ("stop", plan.stop, ports.systemd.stop),
-            ("reload", plan.reload, ports.systemd.reload),
-            ("restart", plan.restart, ports.systemd.restart),
-            ("start", plan.start, ports.systemd.start),
+            ("stop", actions.stop, ports.systemd.stop),
+            ("reload", actions.reload, ports.systemd.reload),
+            ("restart", actions.restart, ports.systemd.restart),
+            ("start", actions.start, ports.systemd.start),
         ):
             for unit in units:
-                step(action, lambda u=unit, c=call: c(u), unit=unit, hash=unit_hashes.get(unit, ""), reason=plan.reasons.get(unit, ""))  # type: ignore[misc]
-        if plan.caddy_reload:
+                step(action, lambda u=unit, c=call: c(u), unit=unit, hash=unit_hashes.get(unit, ""), reason=actions.reasons.get(unit, ""))  # type: ignore[misc]
+        if actions.caddy_reload:
             caddy = next((a for a in by_path.values() if a.kind == "caddy"), None)
             config = self._caddy_config(caddy)
             step("caddy-load", lambda: ports.caddy.load(config), file=caddy.path if caddy else "", hash=_sha(config.encode()))
@@ -521,16 +521,16 @@ class Applier:
         installed = self._installed([*(a.path for a in old), *tracked])
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
-        plan = plan_actions(old, installed, tracked, running=running)
+        actions = plan_actions(old, installed, tracked, running=running)
         self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)
         by_path = {a.path: a for a in old}
-        self._install(plan, by_path, target)
+        self._install(actions, by_path, target)
         if self.activators is not None:
-            self._activate(plan, by_path, target, self.activators)
+            self._activate(actions, by_path, target, self.activators)
         self.store.set_current(target)
         self.store.set_good(target)
         self.audit.record("rollback", "ok", generation=str(target or ""))
-        return plan
+        return actions
 
     def rollback(self, target: int | None = None) -> tuple[int, HostActions]:
         """`fabric rollback`: back to `target`, by default the generation
@@ -546,8 +546,8 @@ class Applier:
                 target = earlier[-1]
             elif target not in numbers:
                 raise ActivationError(f"no generation {target} (have: {', '.join(map(str, numbers)) or 'none'})")
-            plan = self.rollback_to(target, reason="fabric rollback")
-            return target, plan
+            actions = self.rollback_to(target, reason="fabric rollback")
+            return target, actions
         finally:
             self.lock.release()
 

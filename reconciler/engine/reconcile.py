@@ -94,7 +94,7 @@ class RollbackOptions:
 
 
 # This machine's facts for `host`, probed live or re-parsed from the capture
-# directory `replay`. Raises (any exception) for an unreadable capture.
+# directory `replay`. Raises CaptureError for an unreadable capture.
 Probe = Callable[[str, str | None], NodeFacts]
 
 
@@ -330,16 +330,18 @@ def _pass_report(result: PassResult) -> PassReport:
     if result.outcome == "noop":
         stdout = f"nothing to do (generation {result.generation})\n" if result.generation else "nothing to do\n"
     elif result.outcome == "applied":
-        stdout = result.plan.text(files_done=True, activation_done=True) + f"generation {result.generation} is active\n"
+        stdout = result.actions.text(files_done=True, activation_done=True) + f"generation {result.generation} is active\n"
     elif result.outcome == "written":
-        stdout = result.plan.text(files_done=True, activation_done=False) + f"generation {result.generation} written, not activated (--no-activate)\n"
+        stdout = (
+            result.actions.text(files_done=True, activation_done=False) + f"generation {result.generation} written, not activated (--no-activate)\n"
+        )
     elif result.outcome == "invalid":
         stderr.append("pass stopped before installing anything")
     elif result.outcome == "rolled-back":
-        stdout = result.plan.text(files_done=True)
+        stdout = result.actions.text(files_done=True)
         stderr.append(f"pass failed; generation {result.generation} is active again")
     elif result.outcome == "failed":
-        stdout = result.plan.text(files_done=True)
+        stdout = result.actions.text(files_done=True)
     return PassReport(result.outcome, stdout, tuple(stderr))  # type: ignore[arg-type]
 
 
@@ -361,14 +363,14 @@ def preview_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         return PassReport("static", f"{static}\n")
     artifacts = prepared.rendered.artifacts
     try:
-        actions, unfinished = applier.compute_plan(artifacts)
+        actions, unfinished = applier.compute_actions(artifacts)
     except ActivationError as exc:
         if applier.activators is None:
             return PassReport("failed", stderr=(f"fabric plan: {exc}",))
         # systemd cannot be asked (no D-Bus here): plan from the files alone.
         ports.note(f"cannot ask systemd which units run ({exc}); planning from the files alone")
         applier.activators = None
-        actions, unfinished = applier.compute_plan(artifacts)
+        actions, unfinished = applier.compute_actions(artifacts)
     text = ("the last pass did not finish activating; this pass completes it\n" if unfinished else "") + actions.text()
     return PassReport("planned", text, preview=Preview(prepared.host, actions, unfinished, tuple(prepared.rendered.notes)))
 
