@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cli import main
-from tests.unit.test_apply import GOLDEN, Fleet
+from tests.unit.test_apply import GOLDEN, Fleet, cli_pass, fabric
 
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
@@ -31,27 +30,9 @@ def fabric_plan(fleet: Fleet) -> str:
 
 
 def fabric_plan_cli(fleet: Fleet, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
-    capsys.readouterr()
-    arch = "aarch64" if fleet.host == "a1-arm64" else "x86_64"
-    code = main(
-        [
-            "plan",
-            "--desired",
-            str(fleet.desired),
-            "--host",
-            fleet.host,
-            "--root",
-            str(fleet.root),
-            "--replay",
-            str(GOLDEN / "probe" / arch),
-            "--plan-file",
-            str(GOLDEN / "fleet-plan.json"),
-            "--no-activate",
-            *extra,
-        ]
-    )
+    code, out, _ = fabric(capsys, *cli_pass(fleet, "--plan-file", str(GOLDEN / "fleet-plan.json"), *extra, command="plan"))
     assert code == 0
-    return capsys.readouterr().out
+    return out
 
 
 def assert_golden(text: str, name: str) -> None:
