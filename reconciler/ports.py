@@ -23,6 +23,7 @@ from reconciler.core.live.records import (
 )
 
 if TYPE_CHECKING:
+    from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, Snapshot
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
 
@@ -280,6 +281,12 @@ class NotLeader(RegistryError):
     (its lease lapsed, or another candidate leads now)."""
 
 
+class PermissionDenied(RegistryError):
+    """The registry refused this identity the operation (etcd with auth on: a
+    host writing another host's keys, a non-candidate writing the leader's).
+    Retrying does not help: the certificate or `fabric registry init-auth` must change."""
+
+
 class Registry(Protocol):
     # -- nodes ------------------------------------------------------------
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
@@ -390,5 +397,20 @@ class Registry(Protocol):
         """Block until a node joins or goes silent, a drain changes or the
         leader changes, or `timeout_s` passes. True if something changed."""
         ...
+
+    def close(self) -> None: ...
+
+
+class RegistryAuth(Protocol):
+    """etcd's users, roles and auth switch (`fabric registry init-auth`); the
+    client must act as root (or auth must still be off). Failures raise
+    RegistryError (PermissionDenied for a non-root identity)."""
+
+    def access_state(self) -> AccessState:
+        """The users with their roles, the roles with their key permissions,
+        and whether auth is enabled."""
+        ...
+
+    def apply_auth_step(self, step: AuthStep) -> None: ...
 
     def close(self) -> None: ...

@@ -54,9 +54,11 @@ from urllib.parse import urlsplit
 import aetcd
 import grpc
 from aetcd import rpc, watcher
+from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import (
     DrainRequest,
@@ -70,12 +72,24 @@ from reconciler.core.live.records import (
 )
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout
 from reconciler.core.timestamps import from_epoch_seconds, utc
-from reconciler.ports import Clock, NotLeader, RegistryError, RegistryUnavailable
+from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")
 
+_ACCESS = {auth_pb2.Permission.READ: "read", auth_pb2.Permission.WRITE: "write", auth_pb2.Permission.READWRITE: "readwrite"}
+_PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
+
 # Errors meaning "this endpoint did not answer": try the next one.
 _UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, asyncio.TimeoutError, OSError)
+
+
+def _status(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status behind an aetcd error (aetcd raises its errors from the
+    grpc one; PERMISSION_DENIED has no aetcd class of its own)."""
+    for cause in (exc, exc.__cause__):
+        if isinstance(cause, grpc.aio.AioRpcError):
+            return cause.code()
+    return None
 
 
 class _Client(aetcd.Client):
@@ -125,6 +139,7 @@ class EtcdRegistry(LifecycleMixin):
         self._op_timeout = op_timeout_s
         self._endpoints = [urlsplit(e) for e in endpoints]
         self._credentials = self._load_credentials(ca_file, cert_file, key_file)
+        self._identity = f"the identity of {cert_file}" if cert_file else "a client without a certificate"
         self._current = 0
         self._client: _Client | None = None
         self._changed = threading.Event()
@@ -182,7 +197,7 @@ class EtcdRegistry(LifecycleMixin):
         names = ", ".join(e.geturl() for e in self._endpoints)
         raise RegistryUnavailable(f"no etcd endpoint answers ({names}): {last}")
 
-    def _call(self, op: Callable[[_Client], Awaitable[T]]) -> T:
+    def _call(self, op: Callable[[_Client], Awaitable[T]], what: str = "the request") -> T:
         if self._closed:
             raise RegistryError("registry is closed")
         future = asyncio.run_coroutine_threadsafe(self._with_failover(op), self._loop)
@@ -192,7 +207,13 @@ class EtcdRegistry(LifecycleMixin):
             future.cancel()
             raise RegistryUnavailable(f"etcd did not answer in time: {exc}") from exc
         except aetcd.ClientError as exc:
-            raise RegistryError(f"etcd: {exc}") from exc
+            if _status(exc) == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionDenied(
+                    f"etcd refused {what} to {self._identity}: permission denied (a host writes only its own "
+                    f"{self._prefix}/nodes/<host> and {self._prefix}/facts/<host>; the leader's keys, drains and lanes "
+                    "need a leader candidate's certificate; `fabric registry init-auth` grants what the desired state declares)"
+                ) from exc
+            raise RegistryError(f"etcd: {what}: {exc}") from exc
 
     def close(self) -> None:
         if self._closed:
@@ -251,7 +272,7 @@ class EtcdRegistry(LifecycleMixin):
                     lease_id = 0
             raise RegistryError(f"heartbeat of {record.node_id}: its lease kept lapsing")
 
-        self._call(op)
+        self._call(op, f"the heartbeat of {record.node_id}")
         return stored
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
@@ -261,7 +282,7 @@ class EtcdRegistry(LifecycleMixin):
         async def op(c: _Client) -> None:
             await c.put(key, value)
 
-        self._call(op)
+        self._call(op, f"the drain of {node_id}")
         return request
 
     def clear_drain(self, node_id: str) -> bool:
@@ -270,7 +291,7 @@ class EtcdRegistry(LifecycleMixin):
         async def op(c: _Client) -> bool:
             return bool(await c.delete(key))
 
-        return self._call(op)
+        return self._call(op, f"lifting the drain of {node_id}")
 
     # -- leadership and the plan ----------------------------------------------------------
 
@@ -306,7 +327,7 @@ class EtcdRegistry(LifecycleMixin):
             await c.revoke_lease(lease.id)
             return None
 
-        return self._call(op)
+        return self._call(op, f"the campaign of {candidate}")
 
     def renew(self, leadership: Leadership) -> bool:
         leader_key = self._key("leader")
@@ -318,7 +339,7 @@ class EtcdRegistry(LifecycleMixin):
             kv = await c.get(leader_key)
             return kv is not None and kv.value == self._leader_value(leadership.info)
 
-        return self._call(op)
+        return self._call(op, f"renewing {leadership.candidate}'s term")
 
     def resign(self, leadership: Leadership) -> None:
         leader_key = self._key("leader")
@@ -332,7 +353,7 @@ class EtcdRegistry(LifecycleMixin):
             )
             await c.revoke_lease(int(leadership.info.token))
 
-        self._call(op)
+        self._call(op, f"{leadership.candidate}'s resignation")
 
     def leader(self) -> LeaderInfo | None:
         key = self._key("leader")
@@ -341,7 +362,7 @@ class EtcdRegistry(LifecycleMixin):
             kv = await c.get(key)
             return LeaderInfo.model_validate_json(kv.value) if kv is not None else None
 
-        return self._call(op)
+        return self._call(op, "reading the leader")
 
     def epoch(self) -> int:
         key = self._key("epoch")
@@ -350,7 +371,7 @@ class EtcdRegistry(LifecycleMixin):
             kv = await c.get(key)
             return int(kv.value) if kv is not None else 0
 
-        return self._call(op)
+        return self._call(op, "reading the epoch")
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
         leader_key, epoch_key, plan_key = self._key("leader"), self._key("epoch"), self._key("plan")
@@ -376,7 +397,7 @@ class EtcdRegistry(LifecycleMixin):
                     raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
             raise RegistryError("publish kept racing with epoch changes")
 
-        return self._call(op)
+        return self._call(op, f"publishing {leadership.candidate}'s plan")
 
     def newest_plan(self) -> FleetPlan | None:
         key = self._key("plan")
@@ -385,7 +406,7 @@ class EtcdRegistry(LifecycleMixin):
             kv = await c.get(key)
             return FleetPlan.model_validate_json(kv.value) if kv is not None else None
 
-        return self._call(op)
+        return self._call(op, "reading the plan")
 
     # -- lanes --------------------------------------------------------------------------
 
@@ -415,7 +436,7 @@ class EtcdRegistry(LifecycleMixin):
                 await c.revoke_lease(lease_id)
             return None
 
-        return self._call(op)
+        return self._call(op, f"claiming a slot of lane {lane}")
 
     def release_slot(self, claim: SlotClaim) -> bool:
         key = self._key("lanes", claim.lane, "slot", str(claim.slot))
@@ -430,7 +451,7 @@ class EtcdRegistry(LifecycleMixin):
                 await c.revoke_lease(kv.lease)
             return ok
 
-        return self._call(op)
+        return self._call(op, f"releasing slot {claim.slot} of lane {claim.lane}")
 
     def lane_in_flight(self) -> dict[str, int]:
         return dict(self._read().lane_in_flight)
@@ -441,7 +462,7 @@ class EtcdRegistry(LifecycleMixin):
         async def op(c: _Client) -> None:
             await c.put(key, b"true" if available else b"false")
 
-        self._call(op)
+        self._call(op, f"the report of lane {lane}")
 
     # -- the lane job queue -------------------------------------------------------------
 
@@ -461,14 +482,14 @@ class EtcdRegistry(LifecycleMixin):
                 stored.append(job if created else QueuedJob.model_validate_json(replies[0][0][0]))
             return stored
 
-        return self._call(op)
+        return self._call(op, "enqueueing lane jobs")
 
     def lane_jobs(self) -> list[QueuedJob]:
         async def op(c: _Client) -> list[tuple[QueuedJob, int]]:
             return [(QueuedJob.model_validate_json(kv.value), kv.create_revision) for kv in await c.get_prefix(self._key("jobs") + b"/")]
 
         # Ties of the enqueue time (one batch) keep the order they were enqueued in.
-        return [job for job, _ in sorted(self._call(op), key=lambda pair: (utc(pair[0].enqueued_at), pair[1]))]
+        return [job for job, _ in sorted(self._call(op, "reading the lane jobs"), key=lambda pair: (utc(pair[0].enqueued_at), pair[1]))]
 
     def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
         check_node_id(lane)
@@ -503,7 +524,7 @@ class EtcdRegistry(LifecycleMixin):
                     return None  # the job changed meanwhile (started by another dispatcher, or gone)
             return None
 
-        return self._call(op)
+        return self._call(op, f"starting job {job_id}")
 
     def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
         job_key = self._key("jobs", check_node_id(job_id))
@@ -536,7 +557,7 @@ class EtcdRegistry(LifecycleMixin):
                     return result
             raise RegistryError(f"finishing job {job_id} kept racing with other writers")
 
-        return self._call(op)
+        return self._call(op, f"finishing job {job_id}")
 
     # -- scaling --------------------------------------------------------------------------
 
@@ -547,7 +568,7 @@ class EtcdRegistry(LifecycleMixin):
             kv = await c.get(key)
             return ScalingRecord.model_validate_json(kv.value) if kv is not None else ScalingRecord()
 
-        return self._call(op)
+        return self._call(op, "reading the scaling record")
 
     def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
         leader_key, key = self._key("leader"), self._key("scaling")
@@ -559,7 +580,7 @@ class EtcdRegistry(LifecycleMixin):
             if not ok:
                 raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
 
-        self._call(op)
+        self._call(op, f"storing {leadership.candidate}'s scaling record")
 
     # -- reading it all, and the leader's lifecycle -----------------------------------------
 
@@ -579,13 +600,15 @@ class EtcdRegistry(LifecycleMixin):
         plan = leader = None
         epoch = 0
         concurrency: dict[str, int] = {}
-        for key, value in self._call(op):
+        for key, value in self._call(op, "reading the live state"):
             parts = key.split("/")
             kind = parts[0]
-            if kind == "nodes" and len(parts) == 2:
-                live[parts[1]] = NodeRecord.model_validate_json(value)
-            elif kind == "facts" and len(parts) == 2:
-                records[parts[1]] = NodeRecord.model_validate_json(value)
+            if kind in ("nodes", "facts") and len(parts) == 2:
+                record = NodeRecord.model_validate_json(value)
+                # A host may write only its own keys; a record naming another
+                # host under them is not believed.
+                if record.node_id == parts[1]:
+                    (live if kind == "nodes" else records)[parts[1]] = record
             elif kind == "state" and len(parts) == 2:
                 states[parts[1]] = NodeState.model_validate_json(value)
             elif kind == "drain" and len(parts) == 2:
@@ -631,7 +654,78 @@ class EtcdRegistry(LifecycleMixin):
             if not ok:
                 raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
 
-        self._call(op)
+        self._call(op, f"storing {leadership.candidate}'s lifecycle")
+
+    # -- auth: users, roles and the switch (fabric registry init-auth) ----------------------
+    # aetcd 1.0 has no auth API: these call etcd's Auth service on the client's channel.
+
+    @staticmethod
+    async def _auth_rpc(c: _Client, method: str, request):
+        await c.connect()
+        try:
+            return await getattr(rpc.AuthStub(c.channel), method)(request, timeout=c._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise aetcd.ConnectionFailedError(exc.details()) from exc
+            raise aetcd.ClientError(exc.details()) from exc
+
+    async def _auth_enabled(self, c: _Client) -> bool:
+        # etcd 3.5 answers AuthStatus; 3.4 does not know it, but refuses to
+        # authenticate anyone with "authentication is not enabled" while auth is off.
+        try:
+            return bool((await self._auth_rpc(c, "AuthStatus", rpc.AuthStatusRequest())).enabled)
+        except aetcd.ClientError as exc:
+            if _status(exc) != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        try:
+            await self._auth_rpc(c, "Authenticate", rpc.AuthenticateRequest(name="fabric-auth-probe", password=""))
+        except aetcd.ClientError as exc:
+            if _status(exc) == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in str(exc):
+                return False
+            if _status(exc) == grpc.StatusCode.INVALID_ARGUMENT:  # authentication failed: auth is on
+                return True
+            raise
+        return True
+
+    def access_state(self) -> AccessState:
+        async def op(c: _Client) -> AccessState:
+            roles: dict[str, frozenset[Grant]] = {}
+            for role in (await self._auth_rpc(c, "RoleList", rpc.AuthRoleListRequest())).roles:
+                perms = (await self._auth_rpc(c, "RoleGet", rpc.AuthRoleGetRequest(role=role))).perm
+                roles[role] = frozenset(Grant(p.key.decode(), p.range_end.decode(), _ACCESS[p.permType]) for p in perms)
+            users: dict[str, frozenset[str]] = {}
+            for user in (await self._auth_rpc(c, "UserList", rpc.AuthUserListRequest())).users:
+                users[user] = frozenset((await self._auth_rpc(c, "UserGet", rpc.AuthUserGetRequest(name=user))).roles)
+            return AccessState(roles=roles, users=users, auth_enabled=await self._auth_enabled(c))
+
+        return self._call(op, "reading users and roles")
+
+    def apply_auth_step(self, step: AuthStep) -> None:
+        grant = step.grant
+
+        def permission() -> auth_pb2.Permission:
+            assert grant is not None
+            return auth_pb2.Permission(permType=_PERM_TYPE[grant.access], key=grant.key.encode(), range_end=grant.range_end.encode())
+
+        requests = {
+            "add_role": lambda: ("RoleAdd", rpc.AuthRoleAddRequest(name=step.name)),
+            "grant_permission": lambda: ("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(name=step.name, perm=permission())),
+            "revoke_permission": lambda: (
+                "RoleRevokePermission",
+                rpc.AuthRoleRevokePermissionRequest(role=step.name, key=grant.key.encode(), range_end=grant.range_end.encode()),
+            ),
+            # No password: only a certificate with this CN acts as the user.
+            "add_user": lambda: ("UserAdd", rpc.AuthUserAddRequest(name=step.name, options=auth_pb2.UserAddOptions(no_password=True))),
+            "grant_role": lambda: ("UserGrantRole", rpc.AuthUserGrantRoleRequest(user=step.name, role=step.role)),
+            "revoke_role": lambda: ("UserRevokeRole", rpc.AuthUserRevokeRoleRequest(name=step.name, role=step.role)),
+            "enable_auth": lambda: ("AuthEnable", rpc.AuthEnableRequest()),
+        }
+        method, request = requests[step.kind]()
+
+        async def op(c: _Client) -> None:
+            await self._auth_rpc(c, method, request)
+
+        self._call(op, f"the auth change '{step.describe()}'")
 
     # -- watching -------------------------------------------------------------------------
 

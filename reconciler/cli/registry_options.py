@@ -4,7 +4,10 @@
 The registry comes from fabric.toml's [registry] in `--desired DIR`;
 `--registry-path FILE` (or $FABRIC_REGISTRY) forces a sqlite file instead, for
 tests and the demo. `--snapshot FILE` (`schedule`, `dispatch`) replaces the
-live registry by a saved snapshot.
+live registry by a saved snapshot. `--cert-file FILE --key-file FILE` act with
+another etcd identity than [registry]'s (this host's own): an operator's
+`fabric-admin` certificate for `fabric drain`, root's for `fabric registry
+init-auth`; the CA stays [registry] ca_file.
 
 A registry that cannot be opened or answer ends the command with exit 1
 (`fabric COMMAND: registry: REASON`); a bad desired state or snapshot file with
@@ -26,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from reconciler.cli import CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.wiring import open_existing_registry, open_registry
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.desired.problems import key_path, problem_from_json_error
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.ports import Registry, RegistryError
@@ -35,6 +38,26 @@ from reconciler.ports import Registry, RegistryError
 def add_registry_options(parser: argparse.ArgumentParser) -> None:
     add_desired(parser)
     add_registry_path(parser)
+    add_identity_options(parser)
+
+
+def add_identity_options(parser: argparse.ArgumentParser, *, default: str = "[registry] cert_file/key_file: this host's own") -> None:
+    """--cert-file/--key-file: the etcd client identity (its CN is the etcd user)."""
+    parser.add_argument("--cert-file", metavar="FILE", type=Path, help=f"etcd client certificate to act with (default: {default})")
+    parser.add_argument("--key-file", metavar="FILE", type=Path, help="its private key (given with --cert-file)")
+
+
+def with_identity(args: argparse.Namespace, fleet: FleetConfig) -> FleetConfig:
+    """`fleet` with --cert-file/--key-file in place of [registry]'s; exit 2 when only one is given."""
+    cert, key = getattr(args, "cert_file", None), getattr(args, "key_file", None)
+    if cert is None and key is None:
+        return fleet
+    if cert is None or key is None:
+        raise InvalidInput(f"fabric {args.command}: --cert-file and --key-file go together")
+    if fleet.registry.backend != "etcd":
+        return fleet  # the sqlite registry has no identities: file permissions guard it
+    registry = fleet.registry.model_copy(update={"cert_file": str(cert.absolute()), "key_file": str(key.absolute())})
+    return fleet.model_copy(update={"registry": registry})
 
 
 def add_registry_path(parser: argparse.ArgumentParser | argparse._ActionsContainer, *, otherwise: str = "[registry]") -> None:
@@ -62,11 +85,12 @@ def opened_registry(
     `existing`: a sqlite registry that is not there is an error, not created.
     A RegistryError, opening it or inside, ends the command with exit 1:
     `WHO: registry: REASON HINT`, WHO `fabric COMMAND` unless given."""
+    fleet = with_identity(args, desired.fleet)
     try:
         if existing:
-            registry = open_existing_registry(desired.fleet, sqlite_path=args.registry_path)
+            registry = open_existing_registry(fleet, sqlite_path=args.registry_path)
         else:
-            registry = open_registry(desired.fleet, sqlite_path=args.registry_path)
+            registry = open_registry(fleet, sqlite_path=args.registry_path)
         try:
             yield registry
         finally:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from reconciler.core.desired.model import FleetConfig, NodeFacts
 from reconciler.core.install.bootstrap import Programs
 from reconciler.core.install.nodeconfig import NodeConfig
-from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, Registry, RegistryAuth, RegistryUnavailable
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
@@ -58,6 +58,24 @@ def open_registry(
         cert_file=settings.cert_file,
         key_file=settings.key_file,
         op_timeout_s=op_timeout_s,
+    )
+
+
+def registry_auth(fleet: FleetConfig) -> RegistryAuth:
+    """etcd's users, roles and auth switch, reached with [registry]'s endpoints
+    and certificates (give `fleet` a root identity's cert_file/key_file)."""
+    from reconciler.adapters.registry_etcd import EtcdRegistry
+
+    settings = fleet.registry
+    return EtcdRegistry(
+        list(settings.endpoints),
+        prefix=settings.prefix,
+        timing=fleet.timing,
+        flap=fleet.flap,
+        clock=system_clock(),
+        ca_file=settings.ca_file,
+        cert_file=settings.cert_file,
+        key_file=settings.key_file,
     )
 
 

@@ -24,6 +24,17 @@ What the object offers:
   directory; it rejoins the cluster.
 - `log(name)`: that member's output so far (for assertion messages).
 
+TLS mode, `etcd_cluster(members=1, tls=True)`: the members serve clients on
+`https://127.0.0.1:PORT` with a server certificate for 127.0.0.1/localhost
+(`--cert-file --key-file`) and require a client certificate signed by the
+test CA (`--client-cert-auth --trusted-ca-file`); once etcd's auth is enabled
+the certificate's CN is the user name. `cluster.pki` is that CA
+(`TestPki`, made with `cryptography`): `cluster.pki.client(name)` issues (once)
+a client certificate with CN=name and returns its (cert, key) paths, and
+`cluster.tls_settings(name)` gives the [registry] ca_file/cert_file/key_file of
+that identity. Peers stay on plain http (loopback only). Auth itself is not
+enabled here: that is `fabric registry init-auth`'s job.
+
 Ports are taken free from the kernel (bind to port 0) just before start; every
 member gets its own data directory under a temporary directory that is removed
 at the end. Every process started here is stopped by its PID in a `finally`, so
@@ -32,10 +43,13 @@ a failing test leaves nothing behind. etcd 3.4 is healthy in about 0.3 s.
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -53,6 +67,99 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class TestPki:
+    """A throwaway CA in `directory` and the certificates it signs (EC P-256, valid one day).
+
+    Keys are written 0600, as a host keeps its registry key."""
+
+    def __init__(self, directory: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._ca_key = ec.generate_private_key(ec.SECP256R1())
+        self._ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fabric-test-ca")])
+        self._ca_cert = (
+            self._builder(self._ca_name, self._ca_key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)  # key_cert_sign, crl_sign
+            .sign(self._ca_key, _sha256())
+        )
+        self.ca_file = directory / "ca.crt"
+        self.ca_file.write_bytes(_pem(self._ca_cert))
+        self._issued: dict[str, tuple[Path, Path]] = {}
+        self.server_cert, self.server_key = self._issue("server", server=True)
+
+    def _builder(self, subject, public_key):
+        from cryptography import x509
+
+        now = datetime.datetime.now(datetime.UTC)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self._ca_name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    def _issue(self, common_name: str, *, server: bool = False) -> tuple[Path, Path]:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = self._builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]), key.public_key())
+        builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        if server:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        else:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        cert = builder.sign(self._ca_key, _sha256())
+        cert_path, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
+        cert_path.write_bytes(_pem(cert))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return cert_path, key_path
+
+    def client(self, common_name: str) -> tuple[Path, Path]:
+        """The (cert, key) paths of a client certificate with CN=common_name, issued on first use."""
+        if common_name not in self._issued:
+            # One directory per identity, as each host keeps its own pair at
+            # the fleet-wide [registry] cert_file/key_file paths.
+            directory = self.directory / "clients" / common_name
+            directory.mkdir(parents=True, exist_ok=True)
+            cert, key = self._issue(common_name)
+            self._issued[common_name] = (cert.rename(directory / "client.crt"), key.rename(directory / "client.key"))
+        return self._issued[common_name]
+
+    def ssl_context(self, common_name: str) -> ssl.SSLContext:
+        """A client-side TLS context presenting CN=common_name (for /health)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        cert, key = self.client(common_name)
+        context.load_cert_chain(str(cert), str(key))
+        return context
+
+
+def _sha256():
+    from cryptography.hazmat.primitives import hashes
+
+    return hashes.SHA256()
+
+
+def _pem(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 @dataclass
@@ -74,11 +181,18 @@ class EtcdCluster:
     members: list[EtcdMember]
     initial_cluster: str
     base: Path
+    pki: TestPki | None = None
     _log_files: list = field(default_factory=list)
 
     @property
     def endpoints(self) -> list[str]:
         return [m.client_url for m in self.members]
+
+    def tls_settings(self, identity: str) -> dict[str, str]:
+        """[registry] ca_file/cert_file/key_file of the client identity CN=identity (TLS mode)."""
+        assert self.pki is not None, "etcd_cluster(tls=True) has a PKI"
+        cert, key = self.pki.client(identity)
+        return {"ca_file": str(self.pki.ca_file), "cert_file": str(cert), "key_file": str(key)}
 
     def member(self, name: str) -> EtcdMember:
         return next(m for m in self.members if m.name == name)
@@ -112,6 +226,21 @@ class EtcdCluster:
             "50",
             "--election-timeout",
             "500",
+        ] + self._tls_argv()
+
+    def _tls_argv(self) -> list[str]:
+        if self.pki is None:
+            return []
+        return [
+            "--cert-file",
+            str(self.pki.server_cert),
+            "--key-file",
+            str(self.pki.server_key),
+            "--trusted-ca-file",
+            str(self.pki.ca_file),
+            # A client must present a certificate of the CA; with auth
+            # enabled its CN is the user it acts as.
+            "--client-cert-auth",
         ]
 
     def start(self, name: str, state: str = "new") -> None:
@@ -147,13 +276,15 @@ class EtcdCluster:
         names = names or [m.name for m in self.members if m.running]
         deadline = time.monotonic() + timeout
         pending = set(names)
+        # /health over TLS needs a client certificate (any CN: it checks no permission).
+        context = self.pki.ssl_context("root") if self.pki is not None else None
         while pending:
             for name in sorted(pending):
                 m = self.member(name)
                 if m.process is not None and m.process.poll() is not None:
                     raise RuntimeError(f"etcd member {name} exited with {m.process.returncode}:\n{self.log(name)[-3000:]}")
                 try:
-                    with urllib.request.urlopen(f"{m.client_url}/health", timeout=1) as resp:
+                    with urllib.request.urlopen(f"{m.client_url}/health", timeout=1, context=context) as resp:
                         if b'"health":"true"' in resp.read():
                             pending.discard(name)
                 except OSError:
@@ -176,25 +307,28 @@ class EtcdCluster:
 
 
 @contextmanager
-def etcd_cluster(members: int = 1) -> Iterator[EtcdCluster]:
-    """Start `members` etcd processes forming one cluster on loopback; stop them all on exit."""
+def etcd_cluster(members: int = 1, *, tls: bool = False) -> Iterator[EtcdCluster]:
+    """Start `members` etcd processes forming one cluster on loopback; stop them all on exit.
+    `tls`: clients on https with client certificates of `cluster.pki` required."""
     base = Path(tempfile.mkdtemp(prefix="fabric-etcd-"))
     cluster: EtcdCluster | None = None
     try:
+        pki = TestPki(base / "pki") if tls else None
+        scheme = "https" if tls else "http"
         ms = []
         for i in range(members):
             name = f"m{i}"
             ms.append(
                 EtcdMember(
                     name=name,
-                    client_url=f"http://127.0.0.1:{free_port()}",
+                    client_url=f"{scheme}://127.0.0.1:{free_port()}",
                     peer_url=f"http://127.0.0.1:{free_port()}",
                     data_dir=base / name,
                     log_path=base / f"{name}.log",
                 )
             )
         initial = ",".join(f"{m.name}={m.peer_url}" for m in ms)
-        cluster = EtcdCluster(members=ms, initial_cluster=initial, base=base)
+        cluster = EtcdCluster(members=ms, initial_cluster=initial, base=base, pki=pki)
         for m in ms:
             cluster.start(m.name)
         cluster.wait_healthy()
@@ -205,6 +339,10 @@ def etcd_cluster(members: int = 1) -> Iterator[EtcdCluster]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def etcdctl_env(cluster: EtcdCluster) -> dict[str, str]:
-    """Environment for running `etcdctl` (v3 API) against the cluster."""
-    return {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": ",".join(cluster.endpoints)}
+def etcdctl_env(cluster: EtcdCluster, identity: str = "root") -> dict[str, str]:
+    """Environment for running `etcdctl` (v3 API) against the cluster (as CN=`identity` in TLS mode)."""
+    env = {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": ",".join(cluster.endpoints)}
+    if cluster.pki is not None:
+        tls = cluster.tls_settings(identity)
+        env.update(ETCDCTL_CACERT=tls["ca_file"], ETCDCTL_CERT=tls["cert_file"], ETCDCTL_KEY=tls["key_file"])
+    return env

@@ -1,0 +1,262 @@
+"""Per-host identities in a real etcd: TLS client certificates (CN = host name)
+and etcd's auth, set up by `fabric registry init-auth`
+(reconciler.core.desired.registry_access).
+
+One etcd member for the module, started by tests/harness/etcd.py in TLS mode
+(`--client-cert-auth`, certificates of a test CA made with `cryptography`).
+The module's first test runs init-auth through the CLI, twice; the others
+act as each host with that host's own certificate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from reconciler.cli import EXIT_FAILED, EXIT_OK, main
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import LeaderInfo, Leadership, NodeRecord
+from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.leader import LeaderLoop
+from reconciler.ports import PermissionDenied, Registry
+from tests.conftest import EXAMPLE_FLEET, require
+from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.harness.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+PREFIX = f"/auth{uuid.uuid4().hex[:8]}"
+# "x86" is a prefix of "x86-spill": its permissions must not reach x86-spill's keys.
+HOSTS = {"lux": "lux", "qfox-1": "qfox-1", "x86-spill": "x86-spill", "x86": "x86-spill"}
+
+
+def fabric_toml(cluster: EtcdCluster, identity: str) -> str:
+    tls = cluster.tls_settings(identity)
+    endpoints = ", ".join(f'"{e}"' for e in cluster.endpoints)
+    return f"""
+[fleet]
+name = "authtest"
+domain = "auth.example"
+leader_candidates = ["lux", "qfox-1"]
+
+[timing]
+heartbeat_s = 1
+node_timeout_s = 3
+relayed_heartbeat_s = 2
+missed_beats = 3
+drain_grace_s = 30
+
+[registry]
+backend = "etcd"
+endpoints = [{endpoints}]
+prefix = "{PREFIX}"
+ca_file = "{tls["ca_file"]}"
+cert_file = "{tls["cert_file"]}"
+key_file = "{tls["key_file"]}"
+"""
+
+
+def write_desired(directory: Path, cluster: EtcdCluster, identity: str) -> Path:
+    """The desired state as seen on the machine of `identity`: [registry]'s
+    cert_file/key_file are that identity's (fleet-wide paths, per-host files)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "fabric.toml").write_text(fabric_toml(cluster, identity))
+    for host, model in HOSTS.items():
+        text = (EXAMPLE_FLEET / f"{model}.toml").read_text()
+        if host != model:  # a second host made from the same file: its own name, address and tailnet name
+            text = text.replace(f'"{model}', f'"{host}').replace('address = "100.101.7.22"', 'address = "100.101.7.23"')
+        (directory / f"{host}.toml").write_text(text)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    require("etcd")
+    with etcd_cluster(members=1, tls=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def desired_root(cluster: EtcdCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fabric.toml with root's certificate at [registry] cert_file (an operator's machine)."""
+    return write_desired(tmp_path_factory.mktemp("root"), cluster, "root")
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def init_auth(desired_root: Path) -> list[tuple[int, str, str]]:
+    """`fabric registry init-auth` run twice as root (the module's tests need auth on)."""
+    return [run_cli("registry", "init-auth", "--desired", str(desired_root)) for _ in range(2)]
+
+
+@pytest.fixture
+def as_host(init_auth, cluster: EtcdCluster, tmp_path: Path) -> Iterator:
+    """Open the registry as `identity`, with its own certificate; all closed afterwards."""
+    opened: list[Registry] = []
+
+    def open_as(identity: str) -> Registry:
+        desired = load_desired(write_desired(tmp_path / identity, cluster, identity))
+        registry = open_registry(desired.fleet)
+        opened.append(registry)
+        return registry
+
+    yield open_as
+    for registry in opened:
+        registry.close()
+
+
+def desired_of(cluster: EtcdCluster, tmp: Path, identity: str) -> DesiredState:
+    return load_desired(write_desired(tmp / f"desired-{identity}", cluster, identity))
+
+
+def raw_put(registry: Registry, key: str, value: bytes = b"x") -> None:
+    async def op(c):
+        await c.put(f"{PREFIX}/{key}".encode(), value)
+
+    registry._call(op, f"a put of {PREFIX}/{key}")  # type: ignore[attr-defined]
+
+
+# -- init-auth -------------------------------------------------------------------------
+
+
+def test_init_auth_creates_every_identity_then_has_nothing_to_do(init_auth):
+    (first_status, first, first_err), (second_status, second, second_err) = init_auth
+    assert first_status == EXIT_OK, first_err
+    lines = first.splitlines()
+    for expected in (
+        "created role fabric-host-lux",
+        f"granted fabric-host-lux readwrite {PREFIX}/nodes/lux",
+        f"granted fabric-host-lux read {PREFIX}/* (prefix)",
+        f"granted fabric-leader readwrite {PREFIX}/* (prefix)",
+        f"granted fabric-admin readwrite {PREFIX}/drain/* (prefix)",
+        "granted role fabric-leader to user lux",
+        "granted role fabric-leader to user qfox-1",
+        "granted role fabric-host-x86-spill to user x86-spill",
+        "granted role root to user root",
+    ):
+        assert expected in lines, f"{expected!r} not in:\n{first}"
+    assert "granted role fabric-leader to user x86-spill" not in lines
+    assert lines[-1] == "enabled auth", "auth goes on last, once every identity can work"
+    assert second_status == EXIT_OK, second_err
+    assert second.startswith("nothing to do"), second
+
+
+def test_init_auth_with_a_host_certificate_is_refused(init_auth, cluster, tmp_path):
+    desired = write_desired(tmp_path / "x86-spill", cluster, "x86-spill")
+    status, out, err = run_cli("registry", "init-auth", "--desired", str(desired))
+    assert status == EXIT_FAILED
+    assert "permission denied" in err and "Traceback" not in err, err
+
+
+def test_init_auth_takes_an_admin_certificate_on_the_command_line(init_auth, cluster, tmp_path):
+    """On a host (its own certificate in [registry]), --cert-file/--key-file name root's."""
+    desired = write_desired(tmp_path / "lux", cluster, "lux")
+    cert, key = cluster.pki.client("root")
+    status, out, err = run_cli("registry", "init-auth", "--desired", str(desired), "--cert-file", str(cert), "--key-file", str(key))
+    assert (status, out.startswith("nothing to do")) == (EXIT_OK, True), out + err
+
+
+# -- what a plain host may do ------------------------------------------------------------
+
+
+def test_a_host_writes_only_its_own_heartbeat_and_reads_everything(as_host):
+    spill = as_host("x86-spill")
+    spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"))
+    spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"))  # keeps its lease alive
+    assert "x86-spill" in {s.node_id for s in spill.node_states()}
+    spill.leader(), spill.newest_plan(), spill.epoch(), spill.snapshot()
+
+    with pytest.raises(PermissionDenied, match="the heartbeat of lux to the identity of .*: permission denied"):
+        spill.heartbeat(NodeRecord(node_id="lux", tier="gpu_cuda"))
+    # Exact keys, not prefixes: x86's identity does not reach x86-spill's keys.
+    with pytest.raises(PermissionDenied):
+        as_host("x86").heartbeat(NodeRecord(node_id="x86-spill", tier="gpu_cuda"))
+
+
+def test_a_host_cannot_write_the_leaders_keys_or_drains(as_host):
+    spill = as_host("x86-spill")
+    for key in ("plan", "leader", "epoch", "nodes/lux", "facts/lux", "state/x86-spill", "drain/x86-spill", "scaling", "jobs/j1"):
+        with pytest.raises(PermissionDenied, match="permission denied"):
+            raw_put(spill, key)
+    with pytest.raises(PermissionDenied, match="the campaign of x86-spill"):
+        spill.campaign("x86-spill", ttl_s=2)
+    fake = Leadership(info=LeaderInfo(candidate="x86-spill", epoch=1, since=datetime.now(UTC), token="1"), ttl_s=2)
+    with pytest.raises(PermissionDenied, match="publishing x86-spill's plan"):
+        spill.publish_plan(fake, FleetPlan(epoch=0, leader="x86-spill", created=datetime.now(UTC)))
+    with pytest.raises(PermissionDenied, match="the drain of x86-spill"):
+        spill.set_drain("x86-spill")
+    with pytest.raises(PermissionDenied):
+        spill.enqueue_jobs(["j1"])
+
+
+def test_the_operator_identity_drains_but_does_not_beat(as_host):
+    admin = as_host("fabric-admin")
+    admin.set_drain("x86-spill", grace_s=5)
+    assert admin.clear_drain("x86-spill")
+    with pytest.raises(PermissionDenied):
+        admin.heartbeat(NodeRecord(node_id="lux", tier="gpu_cuda"))
+    with pytest.raises(PermissionDenied):
+        raw_put(admin, "plan")
+
+
+def test_a_record_under_another_hosts_key_is_not_believed(as_host):
+    """A host writes only its own keys; what it writes there cannot speak for another host."""
+    spill = as_host("x86-spill")
+    spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"))
+    raw_put(spill, "facts/x86-spill", NodeRecord(node_id="lux", tier="gpu_cuda").model_dump_json().encode())
+    records = {s.node_id: s.record for s in spill.node_states()}
+    assert records["x86-spill"].tier == "cpu_ffmpeg"
+    assert "lux" not in records or records["lux"].tier != "gpu_cuda", "x86-spill's key spoke for lux"
+
+
+# -- the fleet over per-host identities ------------------------------------------------------
+
+
+def test_heartbeats_election_publish_and_failover(as_host, cluster, tmp_path):
+    desired = {name: desired_of(cluster, tmp_path, name) for name in ("lux", "qfox-1")}
+    timing = desired["lux"].fleet.timing
+    ttl = float(timing.heartbeat_s * 2)
+    registries = {name: as_host(name) for name in ("lux", "qfox-1", "x86-spill")}
+    for name, registry in registries.items():
+        registry.heartbeat(NodeRecord(node_id=name, tier="cpu_ffmpeg"))
+
+    loops = {name: LeaderLoop(registries[name], name, lambda d=desired[name]: d, schedule, lease_ttl_s=ttl, log=lambda m: None) for name in desired}
+    loops["lux"].step()
+    assert loops["lux"].leadership is not None, "lux campaigns with its own certificate"
+    first = registries["x86-spill"].newest_plan()
+    assert first is not None and first.leader == "lux", "the leader publishes; a plain host reads it"
+    loops["qfox-1"].step()
+    assert loops["qfox-1"].leadership is None, "qfox-1 waits while lux leads"
+
+    # lux resigns: qfox-1 takes over and publishes under its own identity.
+    registries["lux"].resign(loops["lux"].leadership)
+    loops["lux"].leadership = None
+    loops["qfox-1"].step()
+    term = loops["qfox-1"].leadership
+    assert term is not None and term.epoch > first.epoch
+    published = registries["qfox-1"].publish_plan(term, FleetPlan(epoch=0, leader="qfox-1", created=datetime.now(UTC)))
+    assert registries["x86-spill"].newest_plan().epoch == published.epoch > term.epoch
+
+    # qfox-1 goes silent (no renewal): its lease lapses and lux leads again.
+    def lux_leads() -> bool:
+        loops["lux"].step()
+        return loops["lux"].leadership is not None
+
+    wait_until(lux_leads, timeout=ttl * 3 + 5, interval=0.2, what="lux to lead after qfox-1's lease lapsed")
+    info = registries["x86-spill"].leader()
+    assert info is not None and info.candidate == "lux" and info.epoch > published.epoch
