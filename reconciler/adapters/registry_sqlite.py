@@ -9,12 +9,22 @@ are ignored by readers and deleted by the next writer that meets them.
 
 Every sqlite failure (file cannot be opened, stays locked past the busy
 timeout, disk errors) surfaces as `RegistryUnavailable`.
+
+Trust: whoever can write the file can write the whole live state (the plan,
+the leader, every host's facts). The file is created root-only (0600; a
+directory created here 0700), and a file (or its -wal/-shm companion) that
+group or others may write, or that another non-root user owns, is refused
+with `RegistryUnavailable` saying why: the pass fails static, other commands
+exit 1. So is a directory that group or others may write without the sticky
+bit (anyone could put another file in its place).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -72,6 +82,27 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 """
 
+
+def untrusted_file(path: Path) -> str | None:
+    """Why the registry file at `path` cannot be trusted, or None: writable by
+    group or others, owned by another non-root user (the file and its -wal/-shm
+    files), or in a directory group or others may write without the sticky bit."""
+    me = os.geteuid()
+    for candidate in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        try:
+            st = candidate.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{candidate} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}; chmod 600 it)"
+        if st.st_uid not in (0, me):
+            return f"{candidate} is owned by another user (uid {st.st_uid}; chown it to root)"
+    st = path.parent.stat()
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"its directory {path.parent} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 # meta keys: the epoch counter, and a counter of membership changes (a node
 # joined or came back, a drain or the leader changed) that wait_for_change polls.
 EPOCH = "epoch"
@@ -99,7 +130,10 @@ class SqliteRegistry(LifecycleMixin):
         self._seen_changes: int | None = None
         self._next_expiry: float | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._create_private()
+            refused = untrusted_file(self.path)
+            if refused:
+                raise RegistryUnavailable(f"sqlite registry {self.path}: refused: {refused}")
             self._db = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
             self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -112,6 +146,18 @@ class SqliteRegistry(LifecycleMixin):
                     db.execute(statement)
 
     # -- plumbing -------------------------------------------------------------
+
+    def _create_private(self) -> None:
+        """The directory (0700) and the file (0600), if they are not there yet,
+        created before sqlite opens it (sqlite's own would follow the umask);
+        its -wal and -shm files take the file's mode."""
+        missing = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
+        for directory in reversed(missing):  # mkdir(parents=True) would give the parents the umask's mode
+            directory.mkdir(mode=0o700, exist_ok=True)
+        try:
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[sqlite3.Connection]:

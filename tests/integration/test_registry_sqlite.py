@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -124,6 +125,62 @@ def test_a_registry_that_cannot_be_opened_is_unavailable(tmp_path, clock):
     (tmp_path / "a-directory").mkdir()
     with pytest.raises(RegistryUnavailable, match="a-directory"):
         SqliteRegistry(tmp_path / "a-directory", timing=TimingSettings(), flap=FlapSettings(), clock=clock)
+
+
+def open_sqlite(path, clock) -> SqliteRegistry:
+    return SqliteRegistry(path, timing=TimingSettings(), flap=FlapSettings(), clock=clock)
+
+
+def test_a_new_registry_file_and_directory_are_root_only(tmp_path, clock):
+    path = tmp_path / "made" / "here" / "registry.sqlite"
+    registry = open_sqlite(path, clock)
+    try:
+        beat(registry, "lux")  # the WAL files appear with the first write
+    finally:
+        registry.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "made").stat().st_mode) == 0o700
+    wal = path.with_name(path.name + "-wal")
+    assert not wal.exists() or stat.S_IMODE(wal.stat().st_mode) == 0o600
+
+
+def test_a_registry_file_others_can_write_is_refused_until_chmod(tmp_path, clock, capsys):
+    path = tmp_path / "registry.sqlite"
+    open_sqlite(path, clock).close()
+    path.chmod(0o666)
+    with pytest.raises(RegistryUnavailable, match=r"refused: .*registry.sqlite is writable by group or others \(mode 0666"):
+        open_sqlite(path, clock)
+    # Any other command than a pass (which fails static on RegistryUnavailable) exits 1.
+    status, _, err = fabric(capsys, "nodes", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(path))
+    assert status == EXIT_FAILED and "writable by group or others" in err and "Traceback" not in err
+    path.chmod(0o620)
+    with pytest.raises(RegistryUnavailable, match="writable by group or others"):
+        open_sqlite(path, clock)
+    path.chmod(0o600)
+    open_sqlite(path, clock).close()
+
+
+def test_a_registry_file_of_another_user_is_refused(tmp_path, clock):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root (the suite runs as root)")
+    path = tmp_path / "registry.sqlite"
+    open_sqlite(path, clock).close()
+    os.chown(path, 4242, 4242)
+    with pytest.raises(RegistryUnavailable, match="owned by another user \\(uid 4242"):
+        open_sqlite(path, clock)
+    os.chown(path, 0, 0)
+    open_sqlite(path, clock).close()
+
+
+def test_a_registry_in_a_directory_others_can_write_is_refused(tmp_path, clock):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(RegistryUnavailable, match="its directory .* is writable by group or others"):
+        open_sqlite(shared / "registry.sqlite", clock)
+    shared.chmod(0o1777)  # sticky, like /tmp: nobody else may replace our file
+    open_sqlite(shared / "registry.sqlite", clock).close()
 
 
 def test_a_registry_locked_past_the_busy_timeout_is_unavailable(tmp_path, clock):
