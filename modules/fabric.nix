@@ -243,7 +243,14 @@ in
         [registry] says (FABRIC_REGISTRY for the fabric's services): a
         single-host fleet or a demo. Null: the registry the desired state
         names; a fleet's etcd endpoints and client certificate paths live
-        there, the same for every host.
+        there, the same for every host. The paths are fleet-wide, the files
+        are not: each host keeps its own client certificate (CN = its host
+        name, signed by the fleet's CA) and key (root-only) at [registry]
+        cert_file/key_file, deployed like any secret (agenix, sops-nix),
+        never from the Nix store. With etcd's auth on (`fabric registry
+        init-auth`, with root's certificate) a host writes only its own
+        heartbeat and only leader candidates write the plan. The embedded
+        sqlite file is created 0600 and refused when others can write it.
       '';
     };
 

@@ -63,6 +63,14 @@ usage: join.sh --source DIR|WHEEL [options]
                              what the bootstrap needs (written to node.toml)
   --no-first-pass            enable the timer but do not run a pass now
   --detect-only              print what this machine is and exit
+
+A fleet on etcd ([registry] backend = "etcd" in fabric.toml): the ca_file,
+cert_file and key_file paths there are the same on every host, but each host
+puts ITS OWN client certificate (CN = its host name, signed by the fleet's CA)
+and key (root-only, 0600) at those paths before its first pass; with etcd's
+auth on (`fabric registry init-auth`, run once with root's certificate, and
+again after a host or a leader candidate is added) a host may write only its
+own heartbeat. join.sh copies no certificate.
 EOF
 }
 
