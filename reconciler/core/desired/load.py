@@ -165,6 +165,16 @@ def fleet_rules(
     if len(set(fleet.fleet.leader_candidates)) != len(fleet.fleet.leader_candidates):
         problems.append(Problem(file, "fleet.leader_candidates", "lists a host more than once"))
 
+    # Plan keys: only a candidate signs plans; one key, one id, one host (a
+    # key listed for two hosts would let either sign as the other).
+    problems += _duplicates(file, "plan_keys", "id", [k.id for k in fleet.plan_keys])
+    problems += _duplicates(file, "plan_keys", "public_key", [k.public_key for k in fleet.plan_keys])
+    for i, key in enumerate(fleet.plan_keys):
+        if key.host not in fleet.fleet.leader_candidates:
+            problems.append(
+                Problem(file, f"plan_keys[{i}].host", f"{key.host!r} is not a leader candidate ({', '.join(fleet.fleet.leader_candidates)})")
+            )
+
     # Lanes (multi-compute.md's startup validators).
     backends = fleet.backends
     problems += _duplicates(file, "backends", "id", [b.id for b in backends])

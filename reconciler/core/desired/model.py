@@ -11,6 +11,8 @@ Live state     = what a host observes and reports (`NodeFacts` from the probe).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import re
 from pathlib import PurePosixPath
@@ -391,6 +393,33 @@ class PortMap(Strict):
     target_port: Port
 
 
+# An ed25519 public key is 32 raw bytes; fabric.toml holds them base64-encoded.
+ED25519_PUBLIC_KEY_BYTES = 32
+
+
+def _ed25519_public_key(value: str) -> str:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("is not base64 (the raw 32-byte ed25519 public key, as `fabric leader keygen` prints it)") from None
+    if len(raw) != ED25519_PUBLIC_KEY_BYTES:
+        raise ValueError(f"decodes to {len(raw)} bytes; an ed25519 public key is {ED25519_PUBLIC_KEY_BYTES}")
+    return value
+
+
+class PlanKey(Strict):
+    """A public key a leader candidate signs its fleet plans with
+    (`fabric leader keygen`). A candidate may have several (rotation): a plan
+    signed by any of them verifies; removing one retires it."""
+
+    host: Name
+    id: Name
+    public_key: Annotated[str, AfterValidator(_ed25519_public_key)]
+
+    def public_bytes(self) -> bytes:
+        return base64.b64decode(self.public_key)
+
+
 class FleetConfig(Strict):
     """The whole of fabric.toml."""
 
@@ -404,6 +433,9 @@ class FleetConfig(Strict):
     backends: list[Lane] = []
     services: list[Service] = []
     port_maps: list[PortMap] = []
+    # Leader candidates' public keys: when any are listed, hosts apply only
+    # registry plans signed by a key of the candidate the plan names.
+    plan_keys: list[PlanKey] = []
 
 
 # --------------------------------------------------------------------------

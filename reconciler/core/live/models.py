@@ -106,6 +106,15 @@ class Snapshot(_Live):
     epoch: int = 0
 
 
+class PlanSignature(_Live):
+    """The leader's ed25519 signature over the plan's canonical form
+    (`reconciler.core.live.signing`), by the plan key `key_id` of fabric.toml."""
+
+    key_id: str
+    # base64 of the 64-byte signature
+    value: str
+
+
 class FleetPlan(_Live):
     epoch: int = Field(ge=0)
     leader: str
@@ -117,6 +126,8 @@ class FleetPlan(_Live):
     # never given work (a registry writer cannot add a target), listed so an
     # operator sees them.
     ignored_nodes: list[str] = []
+    # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
+    signature: PlanSignature | None = None
 
     def services_on(self, node: str) -> list[Placement]:
         return [p for p in self.placements if p.node == node]
