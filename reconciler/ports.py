@@ -230,6 +230,29 @@ class LockBusy(Exception):
     """Another pass holds the lock; the message names it."""
 
 
+class PlanSigningError(Exception):
+    """The plan signing key cannot be used (missing, unreadable, readable by
+    others, not an ed25519 key); the message names the file, never the key."""
+
+
+class PlanSigner(Protocol):
+    """A leader candidate's private plan key (`reconciler.adapters.plan_signing`
+    reads it from its key file). The key itself never crosses this port: only
+    its public half and signatures. Both raise `PlanSigningError`."""
+
+    def public_key(self) -> bytes:
+        """The raw 32-byte ed25519 public key (matched against fabric.toml's plan_keys)."""
+        ...
+
+    def sign(self, message: bytes) -> bytes:
+        """The 64-byte ed25519 signature of `message`."""
+        ...
+
+    def describe(self) -> str:
+        """Where the key comes from, for messages (the file's path)."""
+        ...
+
+
 # --------------------------------------------------------------------------
 # The registry: the fleet's live state (who is alive, what it can do, who leads, the plan).
 #

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from reconciler.core.desired.model import FleetConfig, NodeFacts
 from reconciler.core.install.bootstrap import Programs
 from reconciler.core.install.nodeconfig import NodeConfig
-from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, Registry, RegistryAuth, RegistryUnavailable
+from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, PlanSigner, Registry, RegistryAuth, RegistryUnavailable
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
@@ -156,6 +156,22 @@ def leader_ports() -> Iterator[tuple[CommandRunner, Audit | None]]:
         journal.close()
 
 
+def plan_signer(key_file: Path) -> PlanSigner:
+    """A leader candidate's plan signing key in `key_file`, read when first used
+    (a host that never leads never opens it); raises `PlanSigningError` then."""
+    from reconciler.adapters.plan_signing import KeyFileSigner
+
+    return KeyFileSigner(key_file)
+
+
+def generate_plan_key(out: Path) -> bytes:
+    """`fabric leader keygen`: a new private key in `out` (0600, never
+    overwritten); returns the raw public key. Raises `PlanSigningError`."""
+    from reconciler.adapters.plan_signing import generate_key_file
+
+    return generate_key_file(out)
+
+
 def desired_source(node: NodeConfig) -> GitSource:
     """The desired-state checkout node.toml's [source] names (`fabric pull`); node.source must be set."""
     from reconciler.adapters.git_source import GitSource
@@ -258,6 +274,7 @@ def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
         startup_grace=options.startup_grace,
     ) as ports:
         ports.open_registry = connect
+        ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 
 
