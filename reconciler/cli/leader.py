@@ -12,24 +12,38 @@ groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
 leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
+When fabric.toml lists [[plan_keys]], the loop signs every plan with the
+private key in `--plan-key-file` (default $FABRIC_PLAN_KEY_FILE or
+/etc/fabric/plan-signing.key); a key that is missing, readable by others or
+not listed for NAME ends the command (exit 1) before it campaigns.
+
+`fabric leader keygen --out FILE [--host NAME] [--id ID]` makes a new plan
+signing key: the private key goes to FILE (mode 0600; an existing FILE is
+never overwritten), and the [[plan_keys]] lines to add to fabric.toml are
+printed (host default: this machine's name; id default: HOST-YYYY-MM).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import signal
 import sys
+from pathlib import Path
+
+from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import leader_ports
+from reconciler.cli.wiring import generate_plan_key, host_name, leader_ports, plan_signer
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
 from reconciler.core.scheduling.placement import schedule
-from reconciler.core.timestamps import stamp
-from reconciler.engine.leader import candidate_loop
-from reconciler.ports import Audit, CommandRunner, Registry, RegistryUnavailable
+from reconciler.core.timestamps import stamp, utc_now
+from reconciler.engine.leader import candidate_loop, signing_key
+from reconciler.ports import Audit, CommandRunner, PlanSigner, PlanSigningError, Registry, RegistryUnavailable
 
 
 def _ttl(text: str) -> float:
@@ -45,17 +59,28 @@ def _ttl(text: str) -> float:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leader", help="show the leader and epoch; 'leader run --host NAME' campaigns and leads")
     add_registry_options(p)
-    p.add_argument("action", nargs="?", choices=["show", "run"], default="show", help="show (default) or run the leader loop")
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["show", "run", "keygen"],
+        default="show",
+        help="show (default), run the leader loop, or keygen a plan signing key",
+    )
     p.add_argument("--json", action="store_true", help="show: machine-readable output")
-    p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate)")
+    p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate); keygen: the key's host (default: this machine)")
     p.add_argument("--lease-ttl", type=_ttl, metavar="S", help="run: leader lease TTL in seconds (default timing.heartbeat_s)")
     p.add_argument("--once", action="store_true", help="run: one step, then exit")
+    add_plan_key_option(p, used="run: needed when fabric.toml lists plan keys")
+    p.add_argument("--out", metavar="FILE", type=Path, help="keygen: where the new private key goes (0600, never overwritten)")
+    p.add_argument("--id", metavar="ID", help="keygen: the key's id in fabric.toml (default HOST-YYYY-MM)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "run":
         return _run_loop(args)
+    if args.action == "keygen":
+        return _keygen(args)
     with desired_and_registry(args) as (_, registry):
         info = registry.leader()
         epoch = registry.epoch()
@@ -86,6 +111,29 @@ def _log(message: str) -> None:
     print(f"fabric-leader: {message}", file=sys.stderr, flush=True)
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    if args.out is None:
+        raise InvalidInput("fabric leader keygen: --out FILE is required (where the private key goes)")
+    host = args.host or host_name().lower()
+    key_id = args.id or f"{host}-{utc_now():%Y-%m}"
+    try:
+        # Host and id checked as fabric.toml will check them, before a key exists.
+        PlanKey(host=host, id=key_id, public_key=base64.b64encode(bytes(ED25519_PUBLIC_KEY_BYTES)).decode())
+    except ValidationError as exc:
+        raise InvalidInput(*(f"fabric leader keygen: --{e['loc'][0]}: {e['msg']}" for e in exc.errors())) from None
+    try:
+        public = generate_plan_key(args.out)
+    except PlanSigningError as exc:
+        raise CommandError(f"fabric leader keygen: {exc}") from None
+    print(f"# {host}'s plan signing key; the private key is in {args.out} (keep it there, mode 0600)")
+    print("[[plan_keys]]")
+    print(f'host = "{host}"')
+    print(f'id = "{key_id}"')
+    print(f'public_key = "{base64.b64encode(public).decode()}"')
+    print(f"add these lines to fabric.toml; the host leads with --plan-key-file {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _run_loop(args: argparse.Namespace) -> int:
     if not args.host:
         raise InvalidInput("fabric leader run: --host NAME is required")
@@ -93,11 +141,17 @@ def _run_loop(args: argparse.Namespace) -> int:
         candidates = desired.fleet.fleet.leader_candidates
         if args.host not in candidates:
             raise InvalidInput(f"fabric leader run: {args.host!r} is not in fleet.leader_candidates ({', '.join(candidates)})")
+        signer = plan_signer(args.plan_key_file)
+        if desired.fleet.plan_keys:
+            try:
+                signing_key(signer, desired.fleet.plan_keys, args.host)
+            except PlanSigningError as exc:
+                raise CommandError(f"fabric leader run: {args.host} cannot sign plans: {exc}") from None
         with leader_ports() as (runner, audit):
-            return _lead(args, desired, registry, runner, audit)
+            return _lead(args, desired, registry, runner, audit, signer)
 
 
-def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None) -> int:
+def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
     loop = candidate_loop(
         registry,
         args.host,
@@ -107,6 +161,7 @@ def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, r
         runner=runner,
         audit=audit,
         log=_log,
+        signer=signer,
     )
     if args.once:
         try:

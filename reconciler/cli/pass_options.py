@@ -20,7 +20,22 @@ from reconciler.cli.registry_options import add_registry_path
 from reconciler.core.render.artifacts import Layout
 from reconciler.engine.apply import STATE_DIR
 from reconciler.engine.plan_source import PlanAlone, PlanChoice, PlanFile, PlanFromRegistry
-from reconciler.engine.reconcile import CADDY_MAIN_CANDIDATES, PassOptions, PassReport
+from reconciler.engine.reconcile import CADDY_MAIN_CANDIDATES, DEFAULT_PLAN_KEY_FILE, PassOptions, PassReport
+
+# The environment variable naming a candidate's plan signing key file (a *_FILE path, never the key).
+PLAN_KEY_ENV = "FABRIC_PLAN_KEY_FILE"
+
+
+def add_plan_key_option(p: argparse.ArgumentParser, *, used: str) -> None:
+    """--plan-key-file: a leader candidate's private plan signing key (`fabric leader keygen`)."""
+    p.add_argument(
+        "--plan-key-file",
+        metavar="FILE",
+        type=Path,
+        default=Path(os.environ.get(PLAN_KEY_ENV) or DEFAULT_PLAN_KEY_FILE),
+        help=f"the private ed25519 key this leader candidate signs fleet plans with, mode 0600, {used} "
+        f"(default: ${PLAN_KEY_ENV} or {DEFAULT_PLAN_KEY_FILE})",
+    )
 
 
 def add_plan_source_options(p: argparse.ArgumentParser) -> None:
@@ -47,6 +62,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replay", metavar="PROBEDIR", help="use a saved probe capture (fabric probe --capture) instead of probing")
     add_plan_source_options(p)
+    add_plan_key_option(p, used="read only when this pass leads")
     p.add_argument(
         "--unit-dir",
         metavar="DIR",
@@ -106,6 +122,7 @@ def pass_options(args: argparse.Namespace) -> PassOptions:
         systemd_bus=args.systemd_bus,
         caddy_admin=args.caddy_admin,
         startup_grace=args.startup_grace,
+        plan_key_file=args.plan_key_file,
     )
 
 

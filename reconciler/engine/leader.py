@@ -21,6 +21,14 @@ wakes every third of the lease TTL, in time to renew.
 If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait
 for the lease to lapse.
+
+Signed plans: when fabric.toml lists plan keys, every plan is signed before
+it is published (`sign_plan`, through the `PlanSigner` port) under the epoch
+the registry will give it, and a candidate whose key is missing or not
+listed for it does not campaign (it says why and resigns if it led), so a
+candidate that can sign leads instead. The newest plan is published again
+when its signature does not verify (a forgery, or a retired key), so the
+fleet never waits on a plan its hosts refuse.
 """
 
 from __future__ import annotations
@@ -30,22 +38,45 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import Leadership
+from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.engine.scaling_step import ScalingStep
-from reconciler.ports import Audit, CommandRunner, NotLeader, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CommandRunner, NotLeader, PlanSigner, PlanSigningError, Registry, RegistryUnavailable
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.core.scheduling.placement.schedule)
 Scheduler = Callable[..., FleetPlan]
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
-    """Equal apart from who made it, when and under which epoch."""
+    """Equal apart from who made it, when, under which epoch and signature."""
     if a is None or b is None:
         return a is b
-    ignore = {"epoch", "leader", "created"}
+    ignore = {"epoch", "leader", "created", "signature"}
     return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+
+
+class PlanNotPublished(Exception):
+    """The registry stored the plan under another epoch than it was signed for."""
+
+
+def signing_key(signer: PlanSigner | None, keys: list[PlanKey], host: str) -> PlanKey:
+    """The plan key of fabric.toml that `signer` holds for `host`; raises
+    PlanSigningError when there is no signer, its key cannot be read, or
+    fabric.toml does not list it for `host`."""
+    if signer is None:
+        raise PlanSigningError(f"fabric.toml lists plan keys but {host} has no plan signing key (--plan-key-file)")
+    key = listed_key(keys, host, signer.public_key())
+    if key is None:
+        listed = ", ".join(k.id for k in keys if k.host == host) or "none"
+        raise PlanSigningError(f"the {signer.describe()} is not one of {host}'s plan keys in fabric.toml (listed: {listed})")
+    return key
+
+
+def sign_plan(plan: FleetPlan, signer: PlanSigner, key: PlanKey) -> FleetPlan:
+    """`plan` signed over its canonical form by `key`'s private half."""
+    return with_signature(plan, key.id, signer.sign(canonical_plan(plan)))
 
 
 @dataclass
@@ -62,7 +93,10 @@ class LeaderLoop:
     # Bursts and scaling; None: the leader only schedules (a one-shot leader
     # step of a reconcile pass, or tests of the plan alone).
     scaling: ScalingStep | None = None
+    # The candidate's plan signing key; needed when fabric.toml lists plan keys.
+    signer: PlanSigner | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _cannot_sign: str | None = None
 
     def _reload(self) -> None:
         try:
@@ -78,6 +112,11 @@ class LeaderLoop:
         if self.host not in self.desired.fleet.fleet.leader_candidates:
             if self.leadership is not None:
                 self.log(f"{self.host} is no longer a leader candidate: resigning")
+                self.registry.resign(self.leadership)
+                self.leadership = None
+            return
+        if not self._can_sign():
+            if self.leadership is not None:
                 self.registry.resign(self.leadership)
                 self.leadership = None
             return
@@ -97,14 +136,61 @@ class LeaderLoop:
         except NotLeader as exc:
             self.log(str(exc))
             self.leadership = None
+        except (PlanSigningError, PlanNotPublished) as exc:
+            # The key became unreadable or the plan was numbered otherwise:
+            # nothing valid was published; keep the term and try next step.
+            self.log(f"plan not published: {exc}")
+
+    def _can_sign(self) -> bool:
+        """With plan keys listed: whether this candidate holds one of its keys.
+        A candidate that cannot sign must not lead (its hosts would refuse
+        every plan); it says why once, not every step."""
+        assert self.desired is not None
+        keys = self.desired.fleet.plan_keys
+        if not keys:
+            return True
+        try:
+            signing_key(self.signer, keys, self.host)
+        except PlanSigningError as exc:
+            reason = f"{self.host} cannot sign plans, so it does not lead: {exc}"
+            if reason != self._cannot_sign:
+                self.log(reason)
+            self._cannot_sign = reason
+            return False
+        self._cannot_sign = None
+        return True
+
+    def _publish_signed(self, plan: FleetPlan) -> FleetPlan:
+        """Publish `plan`, signed when fabric.toml lists plan keys. The registry
+        numbers the plan as it stores it, and the signature covers the epoch,
+        so the plan is signed under the epoch it will get: the next one (only
+        this leader raises the epoch while its term holds)."""
+        assert self.desired is not None and self.leadership is not None
+        keys = self.desired.fleet.plan_keys
+        if not keys:
+            return self.registry.publish_plan(self.leadership, plan)
+        key = signing_key(self.signer, keys, self.host)
+        assert self.signer is not None
+        expected = self.registry.epoch() + 1
+        signed = sign_plan(plan.model_copy(update={"epoch": expected, "leader": self.host}), self.signer, key)
+        stored = self.registry.publish_plan(self.leadership, signed)
+        if stored.epoch != expected or verify_plan(stored, keys) is not None:
+            # The registry numbered it otherwise: hosts would refuse it. Say so;
+            # the next step sees an invalid newest plan and publishes again.
+            raise PlanNotPublished(f"plan stored as epoch {stored.epoch}, signed for epoch {expected}: publishing again next step")
+        return stored
 
     def _publish(self) -> None:
         assert self.desired is not None and self.leadership is not None
         snapshot: Snapshot = self.registry.snapshot(lanes=[lane.id for lane in self.desired.lanes])
         newest = self.registry.newest_plan()
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
-        if not same_plan(plan, newest):
-            self.published = self.registry.publish_plan(self.leadership, plan)
+        keys = self.desired.fleet.plan_keys
+        # A newest plan whose signature does not verify (forged, or by a
+        # retired key) is replaced even when its placements are the same.
+        untrusted = newest is not None and bool(keys) and verify_plan(newest, keys) is not None
+        if untrusted or not same_plan(plan, newest):
+            self.published = self._publish_signed(plan)
             self.log(
                 f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, {len(self.published.deferred)} deferred"
             )
@@ -170,6 +256,7 @@ def candidate_loop(
     runner: CommandRunner,
     audit: Audit | None,
     log: Callable[[str], None],
+    signer: PlanSigner | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan, then bursts and scaling, whose
     actions go to `log` and (when given) as audit entries of their own."""
@@ -189,4 +276,5 @@ def candidate_loop(
         lease_ttl_s=lease_ttl_s,
         log=log,
         scaling=scaling,
+        signer=signer,
     )

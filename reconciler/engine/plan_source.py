@@ -13,10 +13,13 @@
                              running fabric-leader.service is never displaced
                            3 the newest published plan
 
-Whatever the source offers then passes the one epoch fence (`admit`, which
-calls `reconciler.core.live.fencing.accept_plan` once): not older than what
-this host applied and, for the registry's plans, signed by a declared leader
-candidate.
+Whatever the source offers then passes the one fence (`admit`, which calls
+`reconciler.core.live.fencing.accept_plan` once): for the registry's plans,
+made by a declared leader candidate and, when fabric.toml lists plan keys,
+validly signed by one of that candidate's keys (`reconciler.core.live.signing`);
+then not older than what this host applied. A plan file or --no-registry's
+own plan is the operator's choice: neither check applies to it. Without plan
+keys every registry plan is taken on its word, and each pass notes that.
 
 Fail static: when the registry cannot be reached, or has no plan this host
 may apply while it runs placements from an earlier one, a host that already
@@ -44,7 +47,7 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.placement import schedule
-from reconciler.ports import Registry, RegistryError
+from reconciler.ports import PlanSigner, Registry, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -143,8 +146,13 @@ def plan_alone(desired: DesiredState, host: str, facts: NodeFacts, now: datetime
     return schedule(Snapshot(now=now, nodes=[node]), desired, leader=host, epoch=0)
 
 
-def lead_once(registry: Registry, desired: DesiredState, host: str) -> str | None:
-    """One leader step if this host is a candidate and nobody leads; a note or None."""
+# Said once per pass when a registry plan is taken without a signature to check.
+UNSIGNED_NOTE = "fleet plans are not signed: any registry client can forge them (list [[plan_keys]] in fabric.toml; see README 'Signed plans')"
+
+
+def lead_once(registry: Registry, desired: DesiredState, host: str, signer: PlanSigner | None = None) -> str | None:
+    """One leader step if this host is a candidate and nobody leads; a note or None.
+    With plan keys, the step signs with `signer` (or, without a usable key, does not lead)."""
     from reconciler.engine.leader import LeaderLoop
 
     if host not in desired.fleet.fleet.leader_candidates or registry.leader() is not None:
@@ -157,6 +165,7 @@ def lead_once(registry: Registry, desired: DesiredState, host: str) -> str | Non
         schedule=schedule,
         lease_ttl_s=float(desired.fleet.timing.heartbeat_s),
         log=notes.append,
+        signer=signer,
     ).step_and_resign()
     return "; ".join(notes) or None
 
@@ -181,7 +190,9 @@ class Offer:
     unreachable: str | None = None
 
 
-def read_registry(connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, *, write: bool) -> Offer:
+def read_registry(
+    connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, *, write: bool, signer: PlanSigner | None = None
+) -> Offer:
     """Connect, heartbeat (when `write`), maybe lead, then the newest plan."""
     notes: list[str] = []
     registry: Registry | None = None
@@ -190,7 +201,7 @@ def read_registry(connect: Callable[[], Registry], desired: DesiredState, host: 
         if write:
             stored = registry.heartbeat(node_record(desired, host, facts))
             notes.append(f"heartbeat: {host} tier {stored.tier}, alive for {stored.timeout_s:g} s")
-            led = lead_once(registry, desired, host)
+            led = lead_once(registry, desired, host, signer)
             if led:
                 notes.append(f"leader step: {led}")
         newest = registry.newest_plan()
@@ -213,10 +224,14 @@ def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has
             return PlanSource(empty_plan(desired, now), static=f"{offer.unreachable}: running static", notes=tuple(notes))
         notes.append(f"{offer.unreachable}: no generation yet, rendering host-local units from an empty plan")
         return PlanSource(empty_plan(desired, now), notes=tuple(notes))
-    # Only the registry's plans must be signed by a declared candidate: a
-    # plan file or --no-registry's own plan is the operator's choice.
-    signers = desired.fleet.fleet.leader_candidates if offer.origin == "registry" else None
-    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, stale_cause=STALE_CAUSE[offer.origin])
+    # Only the registry's plans must come from a declared candidate and carry
+    # its signature: a plan file or --no-registry's own plan is the operator's choice.
+    from_registry = offer.origin == "registry"
+    signers = desired.fleet.fleet.leader_candidates if from_registry else None
+    keys = desired.fleet.plan_keys if from_registry else None
+    if from_registry and not keys and offer.plan is not None:
+        notes.append(UNSIGNED_NOTE)
+    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, plan_keys=keys, stale_cause=STALE_CAUSE[offer.origin])
     if verdict.accepted and offer.plan is not None:
         if offer.origin == "registry":
             notes.append(verdict.reason)
@@ -243,6 +258,7 @@ def fleet_plan_for(
     has_generation: bool,
     now: datetime,
     write: bool,
+    signer: PlanSigner | None = None,
 ) -> PlanSource:
     """The pass's fleet plan from `choice`, through the fence.
 
@@ -254,5 +270,5 @@ def fleet_plan_for(
     elif isinstance(choice, PlanAlone):
         offer = Offer("alone", plan_alone(desired, host, facts, now))
     else:
-        offer = read_registry(connect, desired, host, facts, write=write)
+        offer = read_registry(connect, desired, host, facts, write=write, signer=signer)
     return admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)

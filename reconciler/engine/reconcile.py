@@ -39,7 +39,11 @@ from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for
-from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, Registry, RegistryUnavailable
+from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, PlanSigner, Registry, RegistryUnavailable
+
+# Where a leader candidate keeps its private plan signing key unless told
+# otherwise (--plan-key-file, $FABRIC_PLAN_KEY_FILE): root's, mode 0600.
+DEFAULT_PLAN_KEY_FILE = Path("/etc/fabric/plan-signing.key")
 
 # The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
 CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
@@ -73,6 +77,9 @@ class PassOptions:
     systemd_bus: str | None = None
     caddy_admin: str = "localhost:2019"
     startup_grace: float = 1.0
+    # A leader candidate's private plan key (read only when its pass leads;
+    # the wiring builds the signer from it). Never in the desired state.
+    plan_key_file: Path = DEFAULT_PLAN_KEY_FILE
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class PassPorts:
     activators: Activators | None = None  # None: write the files, activate nothing
     # Opens the registry fabric.toml's [registry] names (the pass closes it).
     open_registry: Callable[[FleetConfig], Registry] = _no_registry
+    # A leader candidate's plan key, for the pass's one-shot leader step (None: cannot sign).
+    plan_signer: PlanSigner | None = None
     programs: ProgramPaths = field(default_factory=ProgramPaths)
     # Called before every step that changes something (the crash tests kill the pass there).
     checkpoint: Callable[[str], None] = no_checkpoint
@@ -255,6 +264,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
             has_generation=current is not None,
             now=_now(ports.clock),
             write=write,
+            signer=ports.plan_signer,
         )
     except ProblemsError as exc:
         raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
