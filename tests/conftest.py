@@ -28,3 +28,13 @@ def require(*programs: str) -> None:
 def require_root() -> None:
     if os.geteuid() != 0:
         pytest.fail("this test needs root (namespaces, nft, systemd); CI runs as root")
+
+
+@pytest.fixture
+def signed_fleet(tmp_path: Path):
+    """A copy of the example fleet whose leader candidates sign plans with
+    throwaway keys (tests.plan_keys): the private halves of hosts/fabric.toml's
+    plan keys exist only on lux and qfox-1."""
+    from tests.plan_keys import signed_example_fleet
+
+    return signed_example_fleet(tmp_path / "signed-fleet")

@@ -22,14 +22,26 @@ from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine import plan_source
 from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry, effective_facts, fleet_plan_for, node_record
 from reconciler.ports import RegistryUnavailable
-from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.conftest import REPO
+from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
-def state() -> DesiredState:
-    return load_desired(EXAMPLE_FLEET)
+def fleet(tmp_path_factory) -> SignedFleet:
+    """The example fleet with throwaway plan keys: lux and qfox-1 sign what they lead."""
+    return signed_example_fleet(tmp_path_factory.mktemp("fleet"))
+
+
+@pytest.fixture(scope="module")
+def state(fleet: SignedFleet) -> DesiredState:
+    return load_desired(fleet.desired)
+
+
+@pytest.fixture(scope="module")
+def signers(fleet: SignedFleet) -> dict[str, FakeSigner]:
+    return {host: fleet.signer(host) for host in CANDIDATES}
 
 
 def facts(host: str) -> NodeFacts:
@@ -51,6 +63,15 @@ def registry(connect):
     reg.close()
 
 
+SIGNERS: dict[str, FakeSigner] = {}
+
+
+@pytest.fixture(autouse=True)
+def _candidates_hold_their_keys(signers) -> None:
+    SIGNERS.clear()
+    SIGNERS.update(signers)
+
+
 def source(connect, state, host, *, applied=None, has_generation=False, write=True, choice=None):
     return fleet_plan_for(
         choice or PlanFromRegistry(),
@@ -62,6 +83,7 @@ def source(connect, state, host, *, applied=None, has_generation=False, write=Tr
         has_generation=has_generation,
         now=NOW,
         write=write,
+        signer=SIGNERS.get(host),
     )
 
 
