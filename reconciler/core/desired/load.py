@@ -168,7 +168,17 @@ def fleet_rules(
     # Plan keys: only a candidate signs plans; one key, one id, one host (a
     # key listed for two hosts would let either sign as the other).
     problems += _duplicates(file, "plan_keys", "id", [k.id for k in fleet.plan_keys])
-    problems += _duplicates(file, "plan_keys", "public_key", [k.public_key for k in fleet.plan_keys])
+    first_listed: dict[str, int] = {}
+    for i, key in enumerate(fleet.plan_keys):
+        first = first_listed.setdefault(key.public_key, i)
+        if first != i:
+            problems.append(
+                Problem(
+                    file,
+                    f"plan_keys[{i}].public_key",
+                    f"the same key as plan_keys[{first}] ({fleet.plan_keys[first].id!r}): each key signs for one host under one id",
+                )
+            )
     for i, key in enumerate(fleet.plan_keys):
         if key.host not in fleet.fleet.leader_candidates:
             problems.append(
