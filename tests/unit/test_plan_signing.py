@@ -1,0 +1,257 @@
+"""Signed fleet plans: the canonical form, verify_plan and the fence (pure), and the leader that signs.
+
+The pure part builds plans and keys in memory. The leader part runs
+LeaderLoop steps over the embedded sqlite registry (a file in tmp_path) with
+the PlanSigner port faked by an in-memory key (tests.plan_keys).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import PlanKey
+from reconciler.core.live.fencing import accept_plan
+from reconciler.core.live.models import FleetPlan, Placement
+from reconciler.core.live.signing import canonical_plan, verify_plan, with_signature
+from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.leader import LeaderLoop
+from reconciler.engine.plan_source import UNSIGNED_NOTE, Offer, admit
+from tests.plan_keys import SignedFleet, TestKey, signed_example_fleet, with_plan_keys
+
+T0 = datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=UTC)
+CANDIDATES = ["lux", "qfox-1"]
+
+
+def plan(epoch: int = 7, leader: str = "lux", node: str = "qfox-1") -> FleetPlan:
+    return FleetPlan(
+        epoch=epoch,
+        leader=leader,
+        created=T0,
+        placements=[Placement(service="lupine", replica=0, node=node, tier="gpu_cuda")],
+    )
+
+
+def listed(*keys: TestKey) -> list[PlanKey]:
+    return [PlanKey(host=k.host, id=k.id, public_key=k.public_b64) for k in keys]
+
+
+def signed(p: FleetPlan, key: TestKey) -> FleetPlan:
+    return with_signature(p, key.id, key.private.sign(canonical_plan(p)))
+
+
+LUX = TestKey("lux", "lux-2026-11")
+LUX_NEXT = TestKey("lux", "lux-2027-05")
+QFOX = TestKey("qfox-1", "qfox-1-2026-11")
+STRANGER = TestKey("lux", "lux-stolen")  # never listed
+
+
+# --------------------------------------------------------------------------
+# The canonical form
+
+
+def test_the_canonical_form_is_sorted_compact_json_without_the_signature() -> None:
+    body = canonical_plan(signed(plan(), LUX))
+    assert b" " not in body and b"signature" not in body
+    decoded = json.loads(body)
+    assert list(decoded) == sorted(decoded)
+    assert decoded["created"] == "2026-11-29T12:00:00.123456Z"
+    assert canonical_plan(signed(plan(), LUX)) == canonical_plan(plan())
+
+
+def test_the_canonical_form_does_not_depend_on_field_order_or_time_zone() -> None:
+    original = plan()
+    as_json = json.loads(original.model_dump_json())
+    reordered = FleetPlan.model_validate(dict(reversed(list(as_json.items()))))
+    # The nested placement's keys reversed too.
+    placement = as_json["placements"][0]
+    as_json["placements"] = [dict(reversed(list(placement.items())))]
+    shuffled = FleetPlan.model_validate(dict(reversed(list(as_json.items()))))
+    plus_two = original.model_copy(update={"created": T0.astimezone(timezone(timedelta(hours=2)))})
+    naive = original.model_copy(update={"created": T0.replace(tzinfo=None)})
+    assert {canonical_plan(p) for p in (original, reordered, shuffled, plus_two, naive)} == {canonical_plan(original)}
+    # And it survives the registry's JSON round trip, signature and all.
+    stored = FleetPlan.model_validate_json(signed(original, LUX).model_dump_json())
+    assert verify_plan(stored, listed(LUX)) is None
+
+
+# --------------------------------------------------------------------------
+# verify_plan and the fence
+
+
+def test_a_plan_signed_by_a_listed_key_of_its_leader_verifies() -> None:
+    assert verify_plan(signed(plan(), LUX), listed(LUX, QFOX)) is None
+    assert accept_plan(3, signed(plan(), LUX), leader_candidates=CANDIDATES, plan_keys=listed(LUX, QFOX)).accepted
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        {"epoch": 8},
+        {"leader": "qfox-1"},
+        {"placements": [Placement(service="lupine", replica=0, node="racknerd", tier="gpu_cuda")]},
+        {"created": T0 + timedelta(seconds=1)},
+        {"ignored_nodes": ["rogue"]},
+    ],
+    ids=["epoch", "leader", "placement-node", "created", "ignored-nodes"],
+)
+def test_tampering_with_any_field_breaks_the_signature(tamper: dict) -> None:
+    forged = signed(plan(), LUX).model_copy(update=tamper)
+    keys = listed(LUX, QFOX)
+    problem = verify_plan(forged, keys)
+    assert problem is not None
+    verdict = accept_plan(3, forged, leader_candidates=CANDIDATES, plan_keys=keys)
+    assert not verdict.accepted and verdict.reason.startswith("refused: ")
+
+
+def test_a_key_listed_for_qfox_1_cannot_sign_a_plan_naming_lux() -> None:
+    problem = verify_plan(signed(plan(leader="lux"), QFOX), listed(LUX, QFOX))
+    assert problem == "plan epoch 7 names 'lux' as leader but is signed by 'qfox-1''s key 'qfox-1-2026-11'"
+
+
+def test_a_key_fabric_toml_does_not_list_is_refused() -> None:
+    problem = verify_plan(signed(plan(), STRANGER), listed(LUX, QFOX))
+    assert problem == "plan epoch 7 is signed by key 'lux-stolen', which fabric.toml does not list (unknown or retired)"
+
+
+def test_a_forged_signature_under_a_listed_key_id_is_refused() -> None:
+    # The attacker names lux's key id but signs with a key of its own.
+    forged = with_signature(plan(), LUX.id, STRANGER.private.sign(canonical_plan(plan())))
+    assert "does not match its content" in (verify_plan(forged, listed(LUX)) or "")
+    garbage = with_signature(plan(), LUX.id, b"\x00" * 10)
+    assert "does not match its content" in (verify_plan(garbage, listed(LUX)) or "")
+
+
+def test_rotation_any_listed_key_of_the_candidate_verifies_and_removing_one_retires_it() -> None:
+    old, new = signed(plan(), LUX), signed(plan(), LUX_NEXT)
+    both = listed(LUX, LUX_NEXT)
+    assert verify_plan(old, both) is None and verify_plan(new, both) is None
+    after = listed(LUX_NEXT)  # the old entry removed from fabric.toml
+    assert verify_plan(new, after) is None
+    assert verify_plan(old, after) == "plan epoch 7 is signed by key 'lux-2026-11', which fabric.toml does not list (unknown or retired)"
+
+
+def test_an_unsigned_plan_is_refused_when_keys_are_listed_and_taken_when_none_are() -> None:
+    verdict = accept_plan(3, plan(), leader_candidates=CANDIDATES, plan_keys=listed(LUX))
+    assert not verdict.accepted
+    assert verdict.reason == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys"
+    assert accept_plan(3, plan(), leader_candidates=CANDIDATES, plan_keys=[]).accepted
+    assert accept_plan(3, plan(), leader_candidates=CANDIDATES).accepted
+
+
+def test_a_forged_plan_is_refused_whatever_epoch_it_claims() -> None:
+    forged = plan(epoch=10**9)
+    verdict = accept_plan(5, forged, leader_candidates=CANDIDATES, plan_keys=listed(LUX))
+    assert not verdict.accepted and "not signed" in verdict.reason
+    # The epoch fence still applies to a well-signed plan.
+    stale = signed(plan(epoch=4), LUX)
+    assert "older than the newest applied" in accept_plan(5, stale, leader_candidates=CANDIDATES, plan_keys=listed(LUX)).reason
+
+
+# --------------------------------------------------------------------------
+# admit: which origins are checked, and the note without keys
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> SignedFleet:
+    return signed_example_fleet(tmp_path_factory.mktemp("fleet"))
+
+
+@pytest.fixture(scope="module")
+def desired(fleet):
+    return load_desired(fleet.desired)
+
+
+def test_admit_refuses_an_unsigned_registry_plan_and_keeps_the_generation(desired) -> None:
+    source = admit(Offer("registry", plan()), desired, applied_epoch=3, has_generation=True, now=T0)
+    assert source.static == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys: running static"
+    assert UNSIGNED_NOTE not in source.notes
+
+
+def test_admit_applies_a_plan_signed_by_the_named_candidate(desired, fleet) -> None:
+    good = signed(plan(), fleet.keys["lux"])
+    source = admit(Offer("registry", good), desired, applied_epoch=3, has_generation=True, now=T0)
+    assert source.static is None and source.plan == good
+
+
+def test_plan_files_and_no_registry_plans_are_the_operators_choice(desired) -> None:
+    for origin in ("file", "alone"):
+        source = admit(Offer(origin, plan()), desired, applied_epoch=3, has_generation=True, now=T0)  # type: ignore[arg-type]
+        assert source.static is None, origin
+        assert UNSIGNED_NOTE not in source.notes
+
+
+def test_without_plan_keys_a_registry_plan_is_taken_with_a_note(tmp_path: Path) -> None:
+    fleet = signed_example_fleet(tmp_path)
+    fleet_toml = fleet.desired / "fabric.toml"
+    fleet_toml.write_text(with_plan_keys(fleet_toml.read_text(), []))
+    unsigned_fleet = load_desired(fleet.desired)
+    assert unsigned_fleet.fleet.plan_keys == []
+    source = admit(Offer("registry", plan()), unsigned_fleet, applied_epoch=3, has_generation=True, now=T0)
+    assert source.static is None
+    assert source.notes.count(UNSIGNED_NOTE) == 1
+
+
+# --------------------------------------------------------------------------
+# The leader signs what it publishes
+
+
+@pytest.fixture
+def registry(tmp_path: Path, desired):
+    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
+    yield reg
+    reg.close()
+
+
+def loop(registry, desired, host: str, signer, log: list[str]) -> LeaderLoop:
+    return LeaderLoop(registry=registry, host=host, load_desired=lambda: desired, schedule=schedule, lease_ttl_s=30, log=log.append, signer=signer)
+
+
+def test_the_leader_publishes_plans_signed_under_the_epoch_they_get(registry, desired, fleet) -> None:
+    log: list[str] = []
+    leader = loop(registry, desired, "lux", fleet.signer("lux"), log)
+    leader.step()
+    stored = registry.newest_plan()
+    assert stored is not None and stored.signature is not None and stored.signature.key_id == "lux-test"
+    assert verify_plan(stored, desired.fleet.plan_keys) is None
+    assert accept_plan(0, stored, leader_candidates=CANDIDATES, plan_keys=desired.fleet.plan_keys).accepted
+    leader.step_and_resign()
+
+
+def test_a_candidate_without_a_listed_key_does_not_lead(registry, desired, fleet) -> None:
+    log: list[str] = []
+    # qfox-1 holding lux's key: fabric.toml does not list it for qfox-1.
+    wrong = loop(registry, desired, "qfox-1", fleet.signer("lux"), log)
+    wrong.step()
+    assert registry.leader() is None and registry.newest_plan() is None
+    assert log == [
+        "qfox-1 cannot sign plans, so it does not lead: the test key lux-test is not one of qfox-1's plan keys in fabric.toml (listed: qfox-1-test)"
+    ]
+    wrong.step()
+    assert len(log) == 1  # said once, not every step
+    keyless = loop(registry, desired, "qfox-1", None, log)
+    keyless.step()
+    assert registry.leader() is None and "has no plan signing key" in log[-1]
+
+
+def test_the_leader_replaces_a_forged_newest_plan_with_the_same_placements(registry, desired, fleet) -> None:
+    log: list[str] = []
+    leader = loop(registry, desired, "lux", fleet.signer("lux"), log)
+    leader.step()
+    genuine = registry.newest_plan()
+    assert genuine is not None
+    # A registry writer re-publishes the same placements, unsigned, under lux's term.
+    assert leader.leadership is not None
+    forged = registry.publish_plan(leader.leadership, genuine.model_copy(update={"signature": None}))
+    assert verify_plan(forged, desired.fleet.plan_keys) is not None
+    leader.step()
+    healed = registry.newest_plan()
+    assert healed is not None and healed.epoch > forged.epoch
+    assert verify_plan(healed, desired.fleet.plan_keys) is None
+    leader.step_and_resign()
