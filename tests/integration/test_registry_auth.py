@@ -184,8 +184,11 @@ def test_a_host_writes_only_its_own_heartbeat_and_reads_everything(as_host):
     with pytest.raises(PermissionDenied, match="the heartbeat of lux to the identity of .*: permission denied"):
         spill.heartbeat(NodeRecord(node_id="lux", tier="gpu_cuda"))
     # Exact keys, not prefixes: x86's identity does not reach x86-spill's keys.
-    with pytest.raises(PermissionDenied):
-        as_host("x86").heartbeat(NodeRecord(node_id="x86-spill", tier="gpu_cuda"))
+    x86 = as_host("x86")
+    for key in ("nodes/x86-spill", "facts/x86-spill"):
+        with pytest.raises(PermissionDenied):
+            raw_put(x86, key, NodeRecord(node_id="x86-spill", tier="gpu_cuda").model_dump_json().encode())
+    x86.heartbeat(NodeRecord(node_id="x86", tier="cpu_ffmpeg"))
 
 
 def test_a_host_cannot_write_the_leaders_keys_or_drains(as_host):
@@ -216,12 +219,13 @@ def test_the_operator_identity_drains_but_does_not_beat(as_host):
 
 def test_a_record_under_another_hosts_key_is_not_believed(as_host):
     """A host writes only its own keys; what it writes there cannot speak for another host."""
-    spill = as_host("x86-spill")
-    spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"))
-    raw_put(spill, "facts/x86-spill", NodeRecord(node_id="lux", tier="gpu_cuda").model_dump_json().encode())
-    records = {s.node_id: s.record for s in spill.node_states()}
-    assert records["x86-spill"].tier == "cpu_ffmpeg"
-    assert "lux" not in records or records["lux"].tier != "gpu_cuda", "x86-spill's key spoke for lux"
+    x86 = as_host("x86")
+    forged = NodeRecord(node_id="lux", tier="gpu_cuda").model_dump_json().encode()
+    raw_put(x86, "nodes/x86", forged)
+    raw_put(x86, "facts/x86", forged)
+    states = x86.node_states()
+    assert all(s.record is None or s.record.node_id == s.node_id for s in states), [(s.node_id, s.record) for s in states]
+    assert not [n for n in x86.snapshot().nodes if n.node_id == "lux" and n.tier == "gpu_cuda"]
 
 
 # -- the fleet over per-host identities ------------------------------------------------------
