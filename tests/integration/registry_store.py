@@ -13,7 +13,7 @@ from pathlib import Path
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.model import FleetConfig
 from reconciler.ports import Clock, Registry
-from tests.conftest import EXAMPLE_FLEET
+from tests.plan_keys import SignedFleet, signed_example_fleet
 
 # The example fleet's [registry] lines, replaced to point at a store.
 _EXAMPLE_REGISTRY = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
@@ -27,6 +27,7 @@ class Store:
     # None: the registry's own system clock; a FakeClock moves by hand.
     clock: Clock | None = None
     opened: list = field(default_factory=list)
+    signed: SignedFleet | None = None
 
     def fleet(self) -> FleetConfig:
         return FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})
@@ -41,11 +42,11 @@ class Store:
         return json.dumps({"registry": self.settings, "sqlite_path": self.sqlite_path})
 
     def desired_dir(self, tmp: Path) -> Path:
-        """The example fleet with [registry] pointing at this store (for CLI processes)."""
-        target = tmp / "desired"
-        target.mkdir()
-        for f in EXAMPLE_FLEET.glob("*.toml"):
-            (target / f.name).write_text(f.read_text())
+        """The example fleet with [registry] pointing at this store (for CLI
+        processes), and throwaway plan keys: `self.signed.key_file(host)` is a
+        candidate's --plan-key-file."""
+        self.signed = signed_example_fleet(tmp)
+        target = self.signed.desired
         text = (target / "fabric.toml").read_text()
         assert _EXAMPLE_REGISTRY in text
         if self.backend == "etcd":

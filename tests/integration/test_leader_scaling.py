@@ -27,8 +27,8 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import NotLeader, Registry
-from tests.conftest import EXAMPLE_FLEET
 from tests.fakes import FakeClock
+from tests.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,9 @@ class Fleet:
         self.opened: list[Registry] = []
         self.logs: list[str] = []
         self.audit = RecordingAudit()
-        base = load_desired(EXAMPLE_FLEET)
+        # The example fleet with throwaway plan keys: the leader signs what it publishes.
+        self.signed = signed_example_fleet(tmp / "signed-fleet")
+        base = load_desired(self.signed.desired)
         hooks = {tier: [sys.executable, "-c", HOOK, str(self.hook_out), tier, *TRICKY] for tier in ("batch", "wasm")}
         scaling = base.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
         self.desired: DesiredState = base.model_copy(update={"fleet": base.fleet.model_copy(update={"scaling": scaling})})
@@ -82,6 +84,7 @@ class Fleet:
             runner=SubprocessRunner(),
             audit=self.audit,
             log=self.logs.append,
+            signer=self.signed.signer(host),
         )
 
     def beat(self, **in_flight: int) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.conftest import REPO
+from tests.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -26,11 +27,10 @@ FABRIC = [sys.executable, "-m", "reconciler"]
 HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
 
 
-def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> Path:
-    target = tmp / "desired"
-    target.mkdir()
-    for f in EXAMPLE_FLEET.glob("*.toml"):
-        (target / f.name).write_text(f.read_text())
+def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> tuple[Path, Path]:
+    """The example fleet with throwaway plan keys, and lux's private key file."""
+    signed = signed_example_fleet(tmp)
+    target = signed.desired
     text = (target / "fabric.toml").read_text()
     registry_old = 'path = "/var/lib/fabric/registry.sqlite"'
     window_old = "burst_window_s = 30"
@@ -41,13 +41,13 @@ def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> Path:
     text = text[:hooks_start] + f"[scaling.cloud_hooks]\nbatch = {hook}" + text[hooks_end:]
     text = text.replace(registry_old, f'path = "{registry}"').replace(window_old, "burst_window_s = 1")
     (target / "fabric.toml").write_text(text)
-    return target
+    return target, signed.key_file("lux")
 
 
 def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_path):
     registry = tmp_path / "registry.sqlite"
     hook_out = tmp_path / "hooks.jsonl"
-    desired = desired_dir(tmp_path, registry, hook_out)
+    desired, lux_key = desired_dir(tmp_path, registry, hook_out)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FABRIC_REGISTRY", None)
     common = ["--desired", str(desired)]
@@ -58,7 +58,7 @@ def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_pat
     log = tmp_path / "leader.log"
     with open(log, "w") as out:
         leader = subprocess.Popen(
-            [*FABRIC, "leader", "run", "--host", "lux", "--lease-ttl", "2", *common],
+            [*FABRIC, "leader", "run", "--host", "lux", "--lease-ttl", "2", "--plan-key-file", str(lux_key), *common],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

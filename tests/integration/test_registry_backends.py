@@ -211,7 +211,8 @@ def test_killing_the_leader_process_elects_another_candidate_within_one_ttl(stor
 
     def start(host: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [PYTHON, "-m", "reconciler", "leader", "run", "--host", host, "--lease-ttl", str(ttl), "--desired", str(desired)],
+            [PYTHON, "-m", "reconciler", "leader", "run", "--host", host, "--lease-ttl", str(ttl), "--desired", str(desired)]
+            + ["--plan-key-file", str(store.signed.key_file(host))],
             env=env,
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,

@@ -233,12 +233,12 @@ def test_slot_claims_racing_from_several_processes_never_exceed_the_cap(tmp_path
     check.close()
 
 
-def test_leader_loop_step_schedules_and_publishes_only_when_the_plan_changes(registry, clock):
+def test_leader_loop_step_schedules_and_publishes_only_when_the_plan_changes(registry, clock, signed_fleet):
     from reconciler.core.desired.load import load_desired
     from reconciler.core.scheduling.placement import schedule
 
-    desired = load_desired(EXAMPLE_FLEET)
-    loop = LeaderLoop(registry, "lux", lambda: desired, schedule, lease_ttl_s=30, log=lambda m: None)
+    desired = load_desired(signed_fleet.desired)
+    loop = LeaderLoop(registry, "lux", lambda: desired, schedule, lease_ttl_s=30, log=lambda m: None, signer=signed_fleet.signer("lux"))
     loop.step()
     first = registry.newest_plan()
     assert first is not None and first.leader == "lux"
@@ -270,7 +270,7 @@ def fabric(capsys, *argv: str) -> tuple[int, str, str]:
     return status, out, err
 
 
-def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch):
+def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch, signed_fleet):
     path = tmp_path / "registry.sqlite"
     monkeypatch.setenv("FABRIC_REGISTRY", str(path))
     common = ["--desired", str(EXAMPLE_FLEET)]
@@ -309,6 +309,9 @@ def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch
     status, _, err = fabric(capsys, "leader", "run", "--host", "racknerd", *common)
     assert status == EXIT_INVALID and "not in fleet.leader_candidates" in err
     status, _, err = fabric(capsys, "leader", "run", "--host", "lux", "--once", *common)
+    assert status == 1 and "lux cannot sign plans" in err, "hosts/ lists lux's real key: its private half is on lux alone"
+    common = ["--desired", str(signed_fleet.desired)]
+    status, _, err = fabric(capsys, "leader", "run", "--host", "lux", "--once", "--plan-key-file", str(signed_fleet.key_file("lux")), *common)
     assert status == EXIT_OK and "published plan epoch" in err
     status, out, _ = fabric(capsys, "leader", "--json", *common)
     shown = json.loads(out)
