@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLE_FLEET, REPO, require
+from tests.conftest import REPO, require
+from tests.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -207,7 +208,7 @@ def test_the_wheel_carries_the_templates_and_one_version(installed: tuple[Path, 
     assert where[2] == version
 
 
-def _pass(fabric: list[str | Path], host: str, desired: Path, root: Path, registry: Path) -> None:
+def _pass(fabric: list[str | Path], host: str, desired: Path, root: Path, registry: Path, plan_key: Path) -> None:
     run(
         [
             *fabric,
@@ -223,6 +224,8 @@ def _pass(fabric: list[str | Path], host: str, desired: Path, root: Path, regist
             registry,
             "--replay",
             PROBES / host,
+            "--plan-key-file",
+            plan_key,
         ],
         cwd=root,
     )
@@ -234,15 +237,18 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_passes_of_the_example_fleet_render_every_artifact(installed: tuple[Path, Path], tmp_path: Path) -> None:
     venv, _ = installed
-    desired = shutil.copytree(EXAMPLE_FLEET, tmp_path / "desired")
+    # Throwaway plan keys: the passes of lux and qfox-1 lead, and sign.
+    signed = signed_example_fleet(tmp_path)
+    desired = signed.desired
     wheel_root, checkout_root = tmp_path / "wheel", tmp_path / "checkout"
     for root in (wheel_root, checkout_root):
         root.mkdir()
     # The same passes with the checkout's own code (the test venv's).
     checkout_fabric: list[str | Path] = [sys.executable, "-m", "reconciler"]
     for host in PASSES:
-        _pass([venv / "bin" / "fabric"], host, desired, wheel_root, wheel_root / "registry.sqlite")
-        _pass(checkout_fabric, host, desired, checkout_root, checkout_root / "registry.sqlite")
+        key = signed.key_file(host) if host in signed.keys else tmp_path / "no.key"
+        _pass([venv / "bin" / "fabric"], host, desired, wheel_root, wheel_root / "registry.sqlite", key)
+        _pass(checkout_fabric, host, desired, checkout_root, checkout_root / "registry.sqlite", key)
 
     racknerd = _files(wheel_root / "racknerd" / "etc")
     for path in (
