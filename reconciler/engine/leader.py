@@ -184,11 +184,15 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         snapshot: Snapshot = self.registry.snapshot(lanes=[lane.id for lane in self.desired.lanes])
         newest = self.registry.newest_plan()
-        plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         keys = self.desired.fleet.plan_keys
         # A newest plan whose signature does not verify (forged, or by a
-        # retired key) is replaced even when its placements are the same.
+        # retired key) is replaced even when its placements are the same, and
+        # its placements are not the ones in force: the scheduler keeps work
+        # where it is, and a forger must not choose where that is.
         untrusted = newest is not None and bool(keys) and verify_plan(newest, keys) is not None
+        if untrusted:
+            snapshot = snapshot.model_copy(update={"placements": []})
+        plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)
             self.log(

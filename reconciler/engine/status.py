@@ -3,7 +3,9 @@
 Two sources: the live registry (its snapshot now, every declared lane
 included, and the newest published plan), or a saved snapshot shown as of the
 instant it was taken, with a saved plan or the plan the scheduler makes for it
-(a what-if). Talks to the registry only through its Protocol;
+(a what-if). A live plan that hosts would refuse is left out and the reason
+kept (`plan_refused`); a saved plan is the operator's what-if, not checked.
+Talks to the registry only through its Protocol;
 `reconciler.cli.status` reads the files and wires the registry.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.fencing import authorship_problem
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
 from reconciler.ports import Registry
@@ -24,6 +27,9 @@ class StatusInputs:
     snapshot: Snapshot
     plan: FleetPlan | None
     now: datetime
+    # Why the registry's newest plan was left out: hosts refuse it (forged,
+    # not from a candidate, or signed by a key fabric.toml does not list).
+    plan_refused: str | None = None
 
 
 def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
@@ -31,6 +37,14 @@ def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
     # Every declared lane, so a lane nobody reported yet still gets a card.
     snapshot = registry.snapshot([lane.id for lane in desired.lanes])
     plan = registry.newest_plan()
+    # The same check as every host's fence: a plan they refuse is not the fleet's.
+    refused = None
+    if plan is not None:
+        refused = authorship_problem(plan, leader_candidates=desired.fleet.fleet.leader_candidates, plan_keys=desired.fleet.plan_keys)
+    if refused is not None:
+        # The snapshot's placements are that plan's: left out with it.
+        snapshot = snapshot.model_copy(update={"placements": []})
+        return StatusInputs(desired=desired, snapshot=snapshot, plan=None, now=snapshot.now, plan_refused=refused)
     return StatusInputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
 
 

@@ -19,10 +19,13 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan, Placement
+from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.signing import canonical_plan, verify_plan, with_signature
 from reconciler.core.scheduling.placement import schedule
+from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.leader import LeaderLoop
 from reconciler.engine.plan_source import UNSIGNED_NOTE, Offer, admit
+from reconciler.engine.status import live_status
 from tests.plan_keys import SignedFleet, TestKey, signed_example_fleet, with_plan_keys
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=UTC)
@@ -255,3 +258,54 @@ def test_the_leader_replaces_a_forged_newest_plan_with_the_same_placements(regis
     assert healed is not None and healed.epoch > forged.epoch
     assert verify_plan(healed, desired.fleet.plan_keys) is None
     leader.step_and_resign()
+
+
+def heartbeat_example_hosts(registry) -> None:
+    for host, tier, arch, limit in (
+        ("qfox-1", "gpu_cuda", "x86_64", 4),
+        ("a1-arm64", "cpu_ffmpeg", "aarch64", 2),
+        ("x86-spill", "cpu_ffmpeg", "x86_64", 4),
+    ):
+        registry.heartbeat(NodeRecord(node_id=host, tier=tier, arch=arch, max_concurrent_tasks=limit), ttl_s=300)
+
+
+def test_a_forged_plan_does_not_choose_where_the_leader_keeps_work(registry, desired, fleet) -> None:
+    heartbeat_example_hosts(registry)
+    log: list[str] = []
+    leader = loop(registry, desired, "lux", fleet.signer("lux"), log)
+    leader.step()
+    genuine = registry.newest_plan()
+    assert genuine is not None
+    braid = next(p for p in genuine.placements if p.service == "braid")
+    assert braid.node == "qfox-1"
+    # The forger moves braid to x86-spill (feasible, so the scheduler would keep it there).
+    moved = [p.model_copy(update={"node": "x86-spill", "tier": "cpu_ffmpeg"}) if p is braid else p for p in genuine.placements]
+    assert leader.leadership is not None
+    registry.publish_plan(leader.leadership, genuine.model_copy(update={"placements": moved, "signature": None}))
+    leader.step()
+    healed = registry.newest_plan()
+    assert healed is not None and verify_plan(healed, desired.fleet.plan_keys) is None
+    assert {(p.service, p.replica, p.node) for p in healed.placements} == {(p.service, p.replica, p.node) for p in genuine.placements}
+    leader.step_and_resign()
+
+
+def test_fabric_status_leaves_out_a_plan_hosts_refuse_and_says_why(registry, desired, fleet) -> None:
+    heartbeat_example_hosts(registry)
+    leader = loop(registry, desired, "lux", fleet.signer("lux"), [])
+    leader.step()
+    genuine = registry.newest_plan()
+    assert genuine is not None
+    shown = live_status(desired, registry)
+    assert shown.plan == genuine and shown.plan_refused is None
+    assert leader.leadership is not None
+    moved = [p.model_copy(update={"node": "a1-arm64"}) for p in genuine.placements]
+    forged = registry.publish_plan(leader.leadership, genuine.model_copy(update={"placements": moved, "signature": None}))
+    registry.resign(leader.leadership)  # no further step: the forged plan stays the newest
+    shown = live_status(desired, registry)
+    assert shown.plan is None and shown.snapshot.placements == []
+    assert shown.plan_refused == f"refused: plan epoch {forged.epoch} is not signed, and fabric.toml lists plan keys"
+    status = fleet_status(shown.desired, shown.snapshot, shown.plan, shown.now, plan_refused=shown.plan_refused)
+    text = render_text(status)
+    assert text.splitlines()[1] == f"PLAN REFUSED · hosts keep their generations: {shown.plan_refused}"
+    assert "a1-arm64" not in {n.node_id for n in status.nodes if n.services}
+    assert status_document(status)["plan_refused"] == shown.plan_refused

@@ -47,6 +47,25 @@ class PlanVerdict:
         return self.accepted
 
 
+def authorship_problem(
+    plan: FleetPlan,
+    *,
+    leader_candidates: Collection[str] | None = None,
+    plan_keys: Sequence[PlanKey] | None = None,
+) -> str | None:
+    """Why `plan` cannot be from the leader it names, or None: the leader is
+    not a candidate, or (with `plan_keys`) the signature is missing, by a key
+    not listed for that leader, or does not match. `fabric status` asks the
+    same of the newest plan, so it never shows a forged one as the fleet's."""
+    if leader_candidates is not None and plan.leader not in leader_candidates:
+        return f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})"
+    if plan_keys:
+        forged = verify_plan(plan, plan_keys)
+        if forged is not None:
+            return f"refused: {forged}"
+    return None
+
+
 def accept_plan(
     last_applied_epoch: int | None,
     plan: FleetPlan | None,
@@ -70,12 +89,9 @@ def accept_plan(
     """
     if plan is None:
         return PlanVerdict(False, "no plan published yet")
-    if leader_candidates is not None and plan.leader not in leader_candidates:
-        return PlanVerdict(False, f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})")
-    if plan_keys:
-        forged = verify_plan(plan, plan_keys)
-        if forged is not None:
-            return PlanVerdict(False, f"refused: {forged}")
+    forged = authorship_problem(plan, leader_candidates=leader_candidates, plan_keys=plan_keys)
+    if forged is not None:
+        return PlanVerdict(False, forged)
     if last_applied_epoch is not None and plan.epoch < last_applied_epoch:
         return PlanVerdict(False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): {stale_cause}")
     if last_applied_epoch is not None and plan.epoch == last_applied_epoch:

@@ -147,6 +147,9 @@ class FleetStatus:
     plan_known: bool
     waiting: tuple[DeferredRow, ...]
     inadmissible: tuple[DeferredRow, ...]
+    # Why the registry's newest plan is not the fleet's (forged, or signed by
+    # a key fabric.toml does not list): hosts refuse it, so it is not shown.
+    plan_refused: str | None = None
 
     @property
     def headline(self) -> str:
@@ -158,7 +161,7 @@ class FleetStatus:
 # Building the view
 
 
-def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> FleetStatus:
+def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime, *, plan_refused: str | None = None) -> FleetStatus:
     """Fold desired state, live snapshot and (optionally) the plan into one view.
 
     Lanes come from the desired state (the only source of what lanes exist:
@@ -171,6 +174,9 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
 
     The leader is the registry's current one (the plan's when the snapshot
     names none); the epoch is the plan's, else the snapshot's.
+
+    `plan_refused` says why the registry's newest plan is not shown (hosts
+    refuse it: `reconciler.engine.status.live_status` leaves it out).
     """
     now = utc(now)
     return FleetStatus(
@@ -184,6 +190,7 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
         plan_known=plan is not None,
         waiting=_deferred(plan, inadmissible=False),
         inadmissible=_deferred(plan, inadmissible=True),
+        plan_refused=plan_refused,
     )
 
 
@@ -289,7 +296,10 @@ def lane_card_line(card: LaneCard, *, color: bool = False) -> str:
 
 def render_text(status: FleetStatus, *, color: bool = False) -> str:
     """The whole status for a terminal. `color` only when stdout is a tty."""
-    out = [status.headline, "", "LANES"]
+    out = [status.headline]
+    if status.plan_refused:
+        out.append(f"PLAN REFUSED · hosts keep their generations: {status.plan_refused}")
+    out += ["", "LANES"]
     out += [lane_card_line(card, color=color) for card in status.lanes]
     out += ["", "NODES"]
     out += _table(
@@ -340,6 +350,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
         "now": when(status.now),
         "leader": status.leader,
         "epoch": status.epoch,
+        "plan_refused": status.plan_refused,
         "lanes": [
             {
                 "id": c.id,
