@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +19,8 @@ SNAPSHOT = FIXTURES / "snapshot.json"
 PLAN = FIXTURES / "plan.json"
 
 
-def fabric_status(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(["status", "--desired", str(EXAMPLE_FLEET), *args])
+def fabric_status(capsys, *args: str, desired: Path = EXAMPLE_FLEET) -> tuple[int, str, str]:
+    code = main(["status", "--desired", str(desired), *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -210,14 +211,17 @@ def test_bad_input_mid_watch_is_shown_and_watching_goes_on(capsys, tmp_path, mon
 # The live registry (the embedded sqlite backend, a file in tmp)
 
 
-def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
+def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, signed_fleet):
     from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
     from reconciler.core.live.models import FleetPlan
     from reconciler.core.live.records import NodeRecord
     from reconciler.core.scheduling.placement import schedule
+    from reconciler.engine.leader import sign_plan, signing_key
 
-    desired = load_desired(EXAMPLE_FLEET)
+    # lux signs what it publishes (throwaway keys: tests.plan_keys).
+    desired = load_desired(signed_fleet.desired)
+    signer = signed_fleet.signer("lux")
     path = tmp_path / "registry.sqlite"
     registry = open_registry(desired.fleet, sqlite_path=path)
     try:
@@ -226,12 +230,12 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
         registry.report_lane("x86-spill", False)
         leadership = registry.campaign("lux", ttl_s=60)
         assert leadership is not None
-        plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired)
-        published: FleetPlan = registry.publish_plan(leadership, plan)
+        plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired, leader="lux", epoch=registry.epoch() + 1)
+        published: FleetPlan = registry.publish_plan(leadership, sign_plan(plan, signer, signing_key(signer, desired.fleet.plan_keys, "lux")))
     finally:
         registry.close()
 
-    code, out, err = fabric_status(capsys, "--registry-path", str(path), "--json")
+    code, out, err = fabric_status(capsys, "--registry-path", str(path), "--json", desired=signed_fleet.desired)
 
     doc = json.loads(out)
     assert (code, err) == (EXIT_OK, "")
@@ -247,7 +251,7 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path):
         "racknerd": "not_reporting",
         "x86-spill": "not_reporting",
     }
-    assert (doc["leader"], doc["epoch"]) == ("lux", published.epoch)
+    assert (doc["leader"], doc["epoch"], doc["plan_refused"]) == ("lux", published.epoch, None)
     assert [d["service"] for d in doc["deferred"]["inadmissible"]] == ["lupine"]
 
 
