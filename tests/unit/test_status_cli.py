@@ -309,3 +309,31 @@ def test_watch_on_a_terminal_clears_and_redraws(monkeypatch):
     assert code == EXIT_OK
     assert terminal.getvalue().count(status_cli.CLEAR_SCREEN) == 2
     assert terminal.getvalue().startswith(status_cli.CLEAR_SCREEN + "researchstack · leader lux")
+
+
+def test_a_forged_plan_in_the_registry_shows_as_refused(capsys, tmp_path, signed_fleet):
+    """An unsigned plan naming lux (what any registry client could write):
+    `fabric status` leaves its placements out and says why, in text and JSON."""
+    from reconciler.cli.wiring import open_registry
+    from reconciler.core.desired.load import load_desired
+    from reconciler.core.live.records import NodeRecord
+    from reconciler.core.scheduling.placement import schedule
+
+    desired = load_desired(signed_fleet.desired)
+    path = tmp_path / "registry.sqlite"
+    registry = open_registry(desired.fleet, sqlite_path=path)
+    try:
+        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2))
+        leadership = registry.campaign("lux", ttl_s=60)
+        assert leadership is not None
+        forged = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired, leader="lux", epoch=registry.epoch() + 1)
+        registry.publish_plan(leadership, forged)  # no signature
+    finally:
+        registry.close()
+
+    code, out, err = fabric_status(capsys, "--registry-path", str(path), "--json", desired=signed_fleet.desired)
+    doc = json.loads(out)
+    assert (code, err) == (EXIT_OK, "")
+    assert doc["plan_refused"] is not None and "not signed" in doc["plan_refused"]
+    code, out, _ = fabric_status(capsys, "--registry-path", str(path), desired=signed_fleet.desired)
+    assert code == EXIT_OK and "PLAN REFUSED" in out and "not signed" in out
