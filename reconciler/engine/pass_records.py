@@ -95,5 +95,5 @@ def _write(tree: FileTree, state_dir: str, desired: DesiredState, host: str, sou
         render_metrics(stats, desired=desired if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
     )
     if snapshot is not None and "edge" in desired.hosts[host].host.roles:
-        page = render_status_page(desired, snapshot, source.plan if source.plan.leader else None, now)
+        page = render_status_page(desired, snapshot, source.plan if source.plan.leader else None, now, plan_refused=source.refused)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

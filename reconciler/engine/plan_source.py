@@ -87,6 +87,9 @@ class PlanSource:
     notes: tuple[str, ...] = ()
     # The registry's view of the fleet, read on edge hosts for the status page.
     snapshot: Snapshot | None = None
+    # Why the registry's newest plan was refused as not the leader's (forged,
+    # or signed by a key fabric.toml does not list), for the status page.
+    refused: str | None = None
 
 
 def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
@@ -241,10 +244,13 @@ def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
         return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot)
+    refused = verdict.reason if verdict.untrusted else None
     if has_generation:
-        return PlanSource(empty_plan(desired, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot)
+        return PlanSource(
+            empty_plan(desired, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot, refused=refused
+        )
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-    return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot)
+    return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot, refused=refused)
 
 
 def fleet_plan_for(

@@ -75,6 +75,17 @@ def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) 
     assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
 
 
+def test_the_edges_page_says_when_the_registrys_plan_was_refused(tmp_path: Path) -> None:
+    snapshot = Snapshot(now=T0, leader="lux", epoch=9)
+    reason = "refused: plan epoch 9 is not signed, and fabric.toml lists plan keys"
+    source = PlanSource(empty_plan(STATE, T0), static=f"{reason}: running static", snapshot=snapshot, refused=reason)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0)
+    page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
+    assert 'id="plan-refused"' in page and "PLAN REFUSED" in page and "plan epoch 9 is not signed" in page
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", PlanSource(empty_plan(STATE, T0), snapshot=snapshot), outcome(), T0)
+    assert "PLAN REFUSED" not in (tmp_path / "var/lib/fabric/status/index.html").read_text()
+
+
 def test_records_that_cannot_be_written_are_a_note_not_a_failure(tmp_path: Path) -> None:
     (tmp_path / "var/lib").mkdir(parents=True)
     (tmp_path / "var/lib/node_exporter").write_text("a file where the textfile directory goes\n")

@@ -174,7 +174,17 @@ def desired(fleet):
 def test_admit_refuses_an_unsigned_registry_plan_and_keeps_the_generation(desired) -> None:
     source = admit(Offer("registry", plan()), desired, applied_epoch=3, has_generation=True, now=T0)
     assert source.static == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys: running static"
+    assert source.refused == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys"
     assert UNSIGNED_NOTE not in source.notes
+
+
+def test_a_merely_stale_plan_is_static_but_not_refused_as_forged(desired, fleet) -> None:
+    """The status page's PLAN REFUSED is for plans that are not the leader's,
+    not for a lagging registry serving an older genuine plan."""
+    genuine = signed(plan(), fleet.keys["lux"])
+    source = admit(Offer("registry", genuine), desired, applied_epoch=9, has_generation=True, now=T0)
+    assert source.static is not None and "older than the newest applied" in source.static
+    assert source.refused is None
 
 
 def test_admit_applies_a_plan_signed_by_the_named_candidate(desired, fleet) -> None:

@@ -42,6 +42,8 @@ from reconciler.core.live.signing import verify_plan
 class PlanVerdict:
     accepted: bool
     reason: str
+    # Refused because it cannot be from the leader it names (not merely stale).
+    untrusted: bool = False
 
     def __bool__(self) -> bool:
         return self.accepted
@@ -91,7 +93,7 @@ def accept_plan(
         return PlanVerdict(False, "no plan published yet")
     forged = authorship_problem(plan, leader_candidates=leader_candidates, plan_keys=plan_keys)
     if forged is not None:
-        return PlanVerdict(False, forged)
+        return PlanVerdict(False, forged, untrusted=True)
     if last_applied_epoch is not None and plan.epoch < last_applied_epoch:
         return PlanVerdict(False, f"plan epoch {plan.epoch} is older than the newest applied ({last_applied_epoch}): {stale_cause}")
     if last_applied_epoch is not None and plan.epoch == last_applied_epoch:

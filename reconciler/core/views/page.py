@@ -43,9 +43,10 @@ def render_status_html(status: FleetStatus, *, refresh_s: int = 30) -> str:
     )
 
 
-def render_status_page(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> str:
-    """The status page for one pass; refreshes itself every heartbeat."""
+def render_status_page(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime, *, plan_refused: str | None = None) -> str:
+    """The status page for one pass; refreshes itself every heartbeat.
+    `plan_refused`: why the registry's newest plan is not the fleet's (shown)."""
     return render_status_html(
-        fleet_status(desired, snapshot, plan, now),
+        fleet_status(desired, snapshot, plan, now, plan_refused=plan_refused),
         refresh_s=desired.fleet.timing.heartbeat_s,
     )
