@@ -47,7 +47,7 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.placement import schedule
-from reconciler.ports import PlanSigner, Registry, RegistryError
+from reconciler.ports import PermissionDenied, PlanSigner, Registry, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -210,6 +210,8 @@ def read_registry(
         newest = registry.newest_plan()
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
+    except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
+        return Offer("registry", None, tuple(notes), unreachable=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
         return Offer("registry", None, tuple(notes), unreachable=f"registry unreachable ({exc})")
     finally:

@@ -21,7 +21,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine import plan_source
 from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry, effective_facts, fleet_plan_for, node_record
-from reconciler.ports import RegistryUnavailable
+from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 
@@ -128,6 +128,18 @@ def test_registry_unreachable_with_a_generation_runs_static(state) -> None:
 
     result = source(unreachable, state, "racknerd", applied=4, has_generation=True)
     assert result.static == "registry unreachable (etcd: no endpoint answers): running static"
+
+
+def test_a_registry_that_refuses_this_host_runs_static_and_says_so(state) -> None:
+    """etcd with per-host identities: a host whose certificate may not write
+    its own heartbeat (init-auth not run, a wrong certificate) keeps its
+    generation, and the reason says refused, not an outage."""
+
+    def refusing():
+        raise PermissionDenied("heartbeat of x86-spill: permission denied for /etc/fabric/etcd/client.crt")
+
+    result = source(refusing, state, "x86-spill", applied=4, has_generation=True)
+    assert result.static == ("registry refused this host (heartbeat of x86-spill: permission denied for /etc/fabric/etcd/client.crt): running static")
 
 
 def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> None:
