@@ -10,7 +10,8 @@ tests.e2e.fleet`).
         fleet.request("encode.researchstack.info")   # (200, "vaapi-encode on lux\n")
         fleet.stop_host("qfox-1"); fleet.start_host("qfox-1")
         fleet.stop_etcd(); fleet.start_etcd()
-        with fleet.registry() as registry: registry.snapshot()
+        with fleet.registry() as registry: registry.snapshot()   # as fabric-admin
+        with fleet.registry("root") as registry: ...               # or another identity
 
 The topology
 ------------
@@ -36,8 +37,14 @@ In each container
   fabric installs run with ProtectHome= and PrivateTmp=, which would hide a
   venv under /tmp and the interpreter under /root, hence the bind;
 - the desired state at /var/lib/fabric/desired: a copy of hosts/ changed for
-  this machine by `e2e_desired_state` (registry = the etcd on the bridge,
-  addresses = bridge addresses, short timings, service commands = service_stub.py);
+  this machine by `e2e_desired_state` (registry = the etcd on the bridge over
+  TLS, plan keys = throwaway ones, addresses = bridge addresses, short
+  timings, service commands = service_stub.py);
+- its own etcd identity at [registry]'s fleet-wide paths: the fleet CA at
+  /etc/fabric/etcd/ca.crt, its client certificate (CN = its host name) and
+  key (0600) at /etc/fabric/etcd/client.crt and client.key; on lux and qfox-1
+  only, that candidate's own plan signing key at /etc/fabric/plan-signing.key
+  (0600, the default of --plan-key-file);
 - /etc/fabric/node.toml and the units `fabric units` renders from it (the single
   source of the reconcile service, timer and leader service), plus one drop-in
   that appends `--replay tests/fixtures/probe/<host>` to the pass: the
@@ -52,6 +59,20 @@ Trying a change of the reconciler in the fleet without touching the checkout:
 FABRIC_E2E_BIND=HOSTFILE:PATH[,...] bind-mounts each HOSTFILE over PATH in
 every container as it boots (for example a patched copy of
 reconciler/cli/reconcile.py over /work/main/reconciler/cli/reconcile.py).
+
+Identities
+----------
+`up()` makes a throwaway CA with `tests.harness.etcd.TestPki` (in WORK/pki):
+etcd's server certificate for its bridge address, a client certificate per
+host and for `root` and `fabric-admin`; and a plan signing key per leader
+candidate with `fabric leader keygen` (in WORK/plan-keys), whose public
+halves replace hosts/'s [[plan_keys]]. etcd runs with `--client-cert-auth`,
+and `fabric registry init-auth` (as root) creates the users and roles and
+turns auth on before any host's first pass. This host's test client reads
+WORK/client-desired (the same desired state, [registry] pointing at the
+fabric-admin identity's files here): `Fleet.registry(identity)` and
+`Fleet.fabric(..., identity=...)` act as another identity (lux for lane jobs,
+root for a forger's raw writes). Teardown removes the keys with the rest.
 
 Teardown is by PID and handle, in reverse order of creation, even when bring-up
 fails half-way: every resource registers its undo on an ExitStack the moment
@@ -83,6 +104,7 @@ from typing import Any
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.install.units import PASS_DIRECTORIES
 from reconciler.core.live.models import FleetPlan
+from tests.harness.etcd import TestPki
 from tests.harness.systemd import SystemdContainer, systemd_container
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -101,6 +123,18 @@ ETCD_CLIENT_PORT = 2379
 
 DESIRED_DIR = "/var/lib/fabric/desired"
 NODE_CONFIG = "/etc/fabric/node.toml"
+# [registry]'s TLS files: fleet-wide paths, per-host files (each host its own
+# certificate, CN = its host name, and key).
+ETCD_TLS_DIR = "/etc/fabric/etcd"
+ETCD_CA_FILE = f"{ETCD_TLS_DIR}/ca.crt"
+ETCD_CERT_FILE = f"{ETCD_TLS_DIR}/client.crt"
+ETCD_KEY_FILE = f"{ETCD_TLS_DIR}/client.key"
+# A leader candidate's private plan signing key (the default of --plan-key-file).
+PLAN_KEY_FILE = "/etc/fabric/plan-signing.key"
+# The etcd identities of this host's test client: reads and drains as the
+# operator, init-auth and raw writes as root.
+ADMIN = "fabric-admin"
+ROOT = "root"
 PREFIX = "/opt/fabric"
 # This checkout, bind-mounted read-only inside every container. Not under /tmp:
 # the pass and the agent units run with PrivateTmp=, which hides /tmp (where CI
@@ -162,7 +196,7 @@ class FleetSettings:
 
     @property
     def etcd_endpoint(self) -> str:
-        return f"http://{self.address(ETCD_OCTET)}:{ETCD_CLIENT_PORT}"
+        return f"https://{self.address(ETCD_OCTET)}:{ETCD_CLIENT_PORT}"
 
 
 def in_container(path: Path) -> str:
@@ -170,11 +204,20 @@ def in_container(path: Path) -> str:
     return f"{SOURCE}/{path.relative_to(REPO)}"
 
 
-def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> dict[str, str]:
+def e2e_desired_state(
+    settings: FleetSettings,
+    source: Path = EXAMPLE_FLEET,
+    *,
+    plan_keys: list[dict[str, str]] | None = None,
+    tls: dict[str, str] | None = None,
+) -> dict[str, str]:
     """The example fleet's files (name -> TOML text) changed for this machine.
 
-    Changed: the registry (etcd on the bridge), the timings (the local
-    lane's staleness gate included), every
+    Changed: the registry (etcd on the bridge over TLS: [registry] ca_file,
+    cert_file, key_file are `tls`, by default the fleet-wide paths under
+    /etc/fabric/etcd), the [[plan_keys]] (`plan_keys`: the throwaway keys of
+    lux and qfox-1; None keeps the example's, whose private halves are not
+    here), the timings (the local lane's staleness gate included), every
     host's address (its bridge address), every service's program (service_stub.py
     on the service's own port; braid's images become that command too), and
     the scaling cloud hooks (gh and wrangler, which this machine cannot run)
@@ -187,6 +230,9 @@ def e2e_desired_state(settings: FleetSettings, source: Path = EXAMPLE_FLEET) -> 
         data = tomllib.loads(path.read_text())
         if path.name == "fabric.toml":
             data = _e2e_fleet(data, settings)
+            data["registry"].update(tls or {"ca_file": ETCD_CA_FILE, "cert_file": ETCD_CERT_FILE, "key_file": ETCD_KEY_FILE})
+            if plan_keys is not None:
+                data["plan_keys"] = plan_keys
         else:
             host = data["host"]["name"]
             data["host"]["address"] = settings.host_address(host)
@@ -336,6 +382,10 @@ class Fleet:
     _stack: ExitStack = field(default_factory=ExitStack)
     _state: dict[str, Any] = field(default_factory=dict)
     _etcd: subprocess.Popen[bytes] | None = None
+    # The fleet's CA and every identity's certificate (made by up()).
+    pki: TestPki | None = None
+    # The candidates' throwaway plan keys: host -> [[plan_keys]] table.
+    plan_keys: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # --- names -------------------------------------------------------------
 
@@ -356,7 +406,24 @@ class Fleet:
 
     @property
     def desired_dir(self) -> Path:
+        """The e2e desired state as every host has it ([registry]'s TLS files
+        at the fleet-wide paths inside the containers)."""
         return self.work / "desired"
+
+    @property
+    def client_desired_dir(self) -> Path:
+        """The same desired state for this host's test client: [registry]'s
+        TLS files are the fabric-admin identity's files here."""
+        return self.work / "client-desired"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.work / "plan-keys"
+
+    def identity(self, name: str) -> tuple[Path, Path]:
+        """The (certificate, key) files of the etcd identity CN=name on this host."""
+        assert self.pki is not None, "the fleet's PKI is made by up()"
+        return self.pki.client(name)
 
     @property
     def edge(self) -> str:
@@ -383,11 +450,13 @@ class Fleet:
         # bring back its nodes, plans and epochs).
         shutil.rmtree(self.work / "etcd", ignore_errors=True)
         try:
+            self._make_identities()
             self._write_desired()
             self._make_bridge()
             self._make_namespace("etcd", ETCD_OCTET)
             self._make_namespace("client", CLIENT_OCTET)
             self.start_etcd()
+            self._init_auth()
             for name in HOST_OCTETS:
                 self.hosts[name] = FleetHost(name, self.settings.host_address(name))
             for name in HOST_OCTETS:
@@ -400,11 +469,50 @@ class Fleet:
             self.down()
             raise
 
+    def _make_identities(self) -> None:
+        """A throwaway CA, etcd's server certificate (for its bridge address),
+        a client certificate per host (CN = host name), root and fabric-admin;
+        a throwaway plan signing key per leader candidate (`fabric leader keygen`)."""
+        for directory in ("pki", "plan-keys"):
+            shutil.rmtree(self.work / directory, ignore_errors=True)
+        self.pki = TestPki(self.work / "pki", server_ips=(self.settings.address(ETCD_OCTET),))
+        for name in (*HOST_OCTETS, ROOT, ADMIN):
+            self.pki.client(name)
+        candidates = tomllib.loads((EXAMPLE_FLEET / "fabric.toml").read_text())["fleet"]["leader_candidates"]
+        self.keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for host in candidates:
+            out = self.keys_dir / f"{host}.key"
+            done = subprocess.run(
+                [sys.executable, "-m", "reconciler", "leader", "keygen", "--out", str(out), "--host", host, "--id", f"{host}-e2e"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+                cwd=REPO,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"fabric leader keygen for {host} failed: {done.stderr.strip()}")
+            (table,) = tomllib.loads(done.stdout)["plan_keys"]
+            self.plan_keys[host] = table
+        self.progress(f"identities: CA and certificates in {self.pki.directory}; plan keys of {', '.join(candidates)} in {self.keys_dir}")
+
     def _write_desired(self) -> None:
-        self.desired_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in e2e_desired_state(self.settings).items():
-            (self.desired_dir / name).write_text(text)
-        self.progress(f"desired state: {self.desired_dir}")
+        cert, key = self.identity(ADMIN)
+        assert self.pki is not None
+        client_tls = {"ca_file": str(self.pki.ca_file), "cert_file": str(cert), "key_file": str(key)}
+        keys = list(self.plan_keys.values())
+        for directory, tls in ((self.desired_dir, None), (self.client_desired_dir, client_tls)):
+            directory.mkdir(parents=True, exist_ok=True)
+            for name, text in e2e_desired_state(self.settings, plan_keys=keys, tls=tls).items():
+                (directory / name).write_text(text)
+        self.progress(f"desired state: {self.desired_dir} (hosts), {self.client_desired_dir} (this host's client, as {ADMIN})")
+
+    def _init_auth(self) -> None:
+        """etcd's users and roles from the desired state, then auth on (as root)."""
+        done = self.fabric("registry", "init-auth", identity=ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"fabric registry init-auth failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+        self.progress(f"etcd auth: {done.stdout.strip().splitlines()[-1]}")
 
     def _make_bridge(self) -> None:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -442,6 +550,7 @@ class Fleet:
         if self._etcd is not None and self._etcd.poll() is None:
             return
         address = self.settings.address(ETCD_OCTET)
+        assert self.pki is not None, "the fleet's PKI is made by up()"
         data_dir = self.work / "etcd"
         log = open(self.work / "etcd.log", "ab")
         self._etcd = subprocess.Popen(
@@ -469,6 +578,15 @@ class Fleet:
                 "50",
                 "--election-timeout",
                 "500",
+                # Clients over TLS with a certificate of the fleet's CA; once
+                # init-auth enabled auth, its CN is the user a client acts as.
+                "--cert-file",
+                str(self.pki.server_cert),
+                "--key-file",
+                str(self.pki.server_key),
+                "--trusted-ca-file",
+                str(self.pki.ca_file),
+                "--client-cert-auth",
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -483,11 +601,12 @@ class Fleet:
             if self._etcd is None or self._etcd.poll() is not None:
                 raise RuntimeError(f"etcd exited: {(self.work / 'etcd.log').read_text(errors='replace')[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{self.settings.etcd_endpoint}/health", timeout=1) as response:
+                with urllib.request.urlopen(f"{self.settings.etcd_endpoint}/health", timeout=1, context=context) as response:
                     return b'"health":"true"' in response.read()
             except OSError:
                 return False
 
+        context = self.pki.ssl_context(ROOT)
         wait_for(healthy, timeout=20, what="etcd /health")
         self.progress(f"etcd healthy at {address}:{ETCD_CLIENT_PORT} (pid {self._etcd.pid})")
 
@@ -610,6 +729,15 @@ class Fleet:
             self._check(container, "mkdir", "-p", directory)
         for path, text in SECRET_FILES.items():
             container.write_file(path, text, mode=0o600)
+        # This host's own etcd identity at the fleet-wide paths; a leader
+        # candidate's own plan signing key. No host gets another's.
+        assert self.pki is not None
+        cert, key = self.identity(name)
+        container.write_file(ETCD_CA_FILE, self.pki.ca_file.read_text())
+        container.write_file(ETCD_CERT_FILE, cert.read_text())
+        _write_private(container.host_path(ETCD_KEY_FILE), key.read_bytes())
+        if name in self.plan_keys:
+            _write_private(container.host_path(PLAN_KEY_FILE), (self.keys_dir / f"{name}.key").read_bytes())
         node_toml = (
             f'[node]\nhost = "{name}"\ndesired = "{DESIRED_DIR}"\n\n[timer]\ninterval = "{self.settings.pass_interval}"\nrandomized_delay = "0"\n'
         )
@@ -654,21 +782,31 @@ class Fleet:
     # --- looking at the fleet ------------------------------------------------
 
     @contextmanager
-    def registry(self) -> Iterator[Any]:
-        """The fleet's registry, opened from this host (it is on the bridge)."""
+    def registry(self, identity: str = ADMIN) -> Iterator[Any]:
+        """The fleet's registry, opened from this host (it is on the bridge) as
+        the etcd identity CN=`identity` (default the operator's, fabric-admin)."""
         from reconciler.cli.wiring import open_registry
         from reconciler.core.desired.load import load_desired
 
-        registry = open_registry(load_desired(self.desired_dir).fleet)
+        fleet = load_desired(self.client_desired_dir).fleet
+        cert, key = self.identity(identity)
+        settings = fleet.registry.model_copy(update={"cert_file": str(cert), "key_file": str(key)})
+        registry = open_registry(fleet.model_copy(update={"registry": settings}))
         try:
             yield registry
         finally:
             registry.close()
 
-    def fabric(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        """Run `fabric ARGS --desired <the e2e desired state>` on this host."""
+    def fabric(self, *args: str, identity: str | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """Run `fabric ARGS --desired <the e2e desired state>` on this host, as
+        fabric-admin or, given `identity`, with that etcd identity's
+        --cert-file/--key-file (a candidate's for lane jobs, root's for init-auth)."""
+        extra = ["--desired", str(self.client_desired_dir)]
+        if identity is not None:
+            cert, key = self.identity(identity)
+            extra += ["--cert-file", str(cert), "--key-file", str(key)]
         return subprocess.run(
-            [sys.executable, "-m", "reconciler", *args, "--desired", str(self.desired_dir)],
+            [sys.executable, "-m", "reconciler", *args, *extra],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -717,10 +855,25 @@ class Fleet:
             except Exception as exc:  # keep going: the rest must still go
                 self.progress(f"{name}: stop failed: {exc}")
         self._stack.close()
-        shutil.rmtree(self.work / "etcd", ignore_errors=True)
+        _remove_fleet_files(self.work)
         state_file = self.work / "state.json"
         state_file.unlink(missing_ok=True)
         self.progress("fleet down")
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A private key: created 0600 (never readable by others, not even for a moment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def _remove_fleet_files(work: Path) -> None:
+    """The registry's data and the throwaway CA, certificates and plan keys."""
+    for directory in ("etcd", "pki", "plan-keys"):
+        shutil.rmtree(work / directory, ignore_errors=True)
 
 
 @contextmanager
@@ -750,6 +903,7 @@ def force_down(state_dir: Path, progress: Progress = print) -> None:
         _run("ip", "netns", "del", namespace, check=False)
     if state.get("bridge"):
         _run("ip", "link", "del", state["bridge"], check=False)
+    _remove_fleet_files(state_dir)
     state_file.unlink(missing_ok=True)
     progress("leftovers removed")
 
@@ -943,7 +1097,7 @@ def _status(state_dir: Path) -> int:
     print(f"  etcd       pid {state.get('etcd_pid')}")
     for command in (["nodes"], ["leader"]):
         done = subprocess.run(
-            [sys.executable, "-m", "reconciler", *command, "--desired", str(state_dir / "desired")],
+            [sys.executable, "-m", "reconciler", *command, "--desired", str(state_dir / "client-desired")],
             capture_output=True,
             text=True,
             cwd=REPO,

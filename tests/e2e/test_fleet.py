@@ -1,11 +1,17 @@
 """The example fleet end to end: the scenarios of the seed's "Verification".
 
 One fleet for the whole module (tests/e2e/fleet.py: five systemd containers on
-a bridge, etcd, a real Caddy on the edge, every host's own
-fabric-reconcile.timer and, on lux and qfox-1, fabric-leader.service). The
-scenarios run in file order and each leaves the fleet converged for the next:
+a bridge, etcd over TLS with auth on, a real Caddy on the edge, every host's own
+fabric-reconcile.timer and, on lux and qfox-1, fabric-leader.service). Signed
+plans and per-host identities are on: lux and qfox-1 sign with throwaway plan
+keys (only they hold theirs), every host talks to etcd with its own client
+certificate, and this test client acts as fabric-admin (reads), lux (lane
+jobs) or root (a forger). The scenarios run in file order and each leaves the
+fleet converged for the next:
 
-    converge -> node loss (qfox-1 off) -> node join (qfox-1 back) -> burst
+    converge -> forged plan (refused everywhere, replaced by the leader) ->
+    a host's identity (cannot write the plan or another's heartbeat) ->
+    node loss (qfox-1 off) -> node join (qfox-1 back) -> burst
     (lane slots) -> flapping (x86-spill) -> registry outage (etcd off/on) ->
     leader failure (the leader's host killed) -> audit (the journal)
 
@@ -25,17 +31,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import TIER_SCORE, DesiredState
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.signing import verify_plan
 from tests.conftest import require, require_root
 from tests.e2e.fleet import (
+    DESIRED_DIR,
+    ETCD_CERT_FILE,
+    ETCD_KEY_FILE,
+    FABRIC_BIN,
+    PLAN_KEY_FILE,
+    ROOT,
     Fleet,
     FleetSettings,
     converged,
     edge_reaches,
     expected_units,
+    in_container,
     node_status,
     placed,
     routed_services,
@@ -51,6 +67,11 @@ HOSTS = ("lux", "qfox-1", "racknerd", "a1-arm64", "x86-spill")
 # Bounds of the polls (a broken run fails after these; a working one is far faster).
 CONVERGE_S = 120.0
 REACT_S = 60.0
+# The leader steps three times per lease TTL (timing.heartbeat_s) and a step
+# that finds a plan it cannot verify publishes at once: a few TTLs at most.
+LEADER_STEP_S = 5.0 * SETTINGS.heartbeat_s
+IDENTITY_PROBE = Path(__file__).resolve().parent / "identity_probe.py"
+UNSIGNED = "is not signed, and fabric.toml lists plan keys: running static"
 HEARTBEAT_GRACE_S = 30.0
 # Asked once per module: did any heartbeat ever arrive (see heartbeats_arrive)?
 _NO_HEARTBEAT = "no heartbeat"
@@ -147,6 +168,17 @@ def test_topology(fleet: Fleet, desired: DesiredState) -> None:
         leader_unit = container.systemctl("is-active", "fabric-leader.service").stdout.strip()
         assert leader_unit == ("active" if host in desired.fleet.fleet.leader_candidates else "inactive"), host
         assert container.run("ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3] == f"{SETTINGS.host_address(host)}/24"
+        # Its own etcd identity at the fleet-wide paths (CN = its name, key
+        # 0600); a plan signing key only on a candidate, and only its own.
+        cert = x509.load_pem_x509_certificate(container.host_path(ETCD_CERT_FILE).read_bytes())
+        assert [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)] == [host]
+        assert container.host_path(ETCD_KEY_FILE).stat().st_mode & 0o777 == 0o600, host
+        plan_key = container.host_path(PLAN_KEY_FILE)
+        if host in desired.fleet.fleet.leader_candidates:
+            assert plan_key.stat().st_mode & 0o777 == 0o600, host
+            assert plan_key.read_bytes() == (fleet.keys_dir / f"{host}.key").read_bytes(), host
+        else:
+            assert not plan_key.exists(), host
 
     def passes_succeeded() -> bool:
         return all(
@@ -185,6 +217,9 @@ def test_converge(fleet: Fleet, desired: DesiredState) -> None:
         leader = registry.leader()
         states = {s.node_id: s for s in registry.node_states()}
     assert leader is not None and leader.candidate in desired.fleet.fleet.leader_candidates
+    # The plan the fleet runs is signed by its leader's (throwaway) key.
+    assert verify_plan(plan, desired.fleet.plan_keys) is None, plan.signature
+    assert plan.signature is not None and plan.signature.key_id == f"{plan.leader}-e2e", plan.signature
     assert set(states) == set(HOSTS)
     # The tiers come from the replayed probes (lux's gpu_apu pinned to
     # cpu_ffmpeg by its host file).
@@ -208,6 +243,123 @@ def test_converge(fleet: Fleet, desired: DesiredState) -> None:
 
 def test_replicas_of_a_service_run_on_distinct_nodes(fleet: Fleet, desired: DesiredState) -> None:
     assert_replicas_on_distinct_nodes(wait_converged(fleet, desired))
+
+
+# --------------------------------------------------------------------------
+# 1b. Signed plans: a forged plan
+
+
+def pass_journal(fleet: Fleet, host: str, since: str, *matches: str) -> str:
+    return fleet.journal(host, "-t", "fabric-reconcile", *matches, "--since", since, "-o", "cat")
+
+
+def container_now(fleet: Fleet, host: str) -> str:
+    return fleet.container(host).run("date", "+%Y-%m-%d %H:%M:%S").stdout.strip()
+
+
+def put_raw_plan(fleet: Fleet, desired: DesiredState, plan: FleetPlan) -> FleetPlan:
+    """What a plain etcd client can do: put JSON under the plan key, numbered
+    above the registry's epoch. As root: a host's identity cannot write the
+    plan (test_a_hosts_identity_writes_only_its_own_keys)."""
+    prefix = desired.fleet.registry.prefix.rstrip("/")
+    with fleet.registry(ROOT) as registry:
+        forged = plan.model_copy(update={"epoch": registry.epoch() + 1})
+
+        async def put(client) -> None:
+            await client.put(f"{prefix}/epoch".encode(), str(forged.epoch).encode())
+            await client.put(f"{prefix}/plan".encode(), forged.model_dump_json().encode())
+
+        registry._call(put, f"a put of {prefix}/plan")
+    return forged
+
+
+def test_a_forged_plan_is_refused_everywhere_and_the_leader_replaces_it(fleet: Fleet, desired: DesiredState) -> None:
+    """A plan with the leader's name and a higher epoch but no signature:
+    every host refuses it, keeps its generation and says why; the work it
+    moves never moves; the leader's next step publishes a signed plan over it.
+
+    The leader replaces a forged plan within a step (a fraction of a second),
+    faster than a pass comes round, so the forger keeps putting it back until
+    every host has met it; each put is a new plan (a higher epoch)."""
+    keys = desired.fleet.plan_keys
+    before = wait_converged(fleet, desired)
+    since = {h: container_now(fleet, h) for h in HOSTS}
+    # Work where the scheduler never puts it: VA-API encoding on the
+    # relay-tier edge, below the service's floor.
+    edge = fleet.edge
+    moved = [p.model_copy(update={"node": edge, "tier": "relay"}) if p.service == "vaapi-encode" else p for p in before.placements]
+    template = before.model_copy(update={"placements": moved, "signature": None})
+    encode_host = routed_services(desired)["vaapi-encode"]
+    forged: list[FleetPlan] = []
+    violations: list[str] = []
+    refused: dict[str, str] = {}
+
+    def every_host_refused() -> bool:
+        with fleet.registry() as registry:
+            newest = registry.newest_plan()
+        if newest is None or newest.signature is not None:  # the leader replaced it (or none yet)
+            forged.append(put_raw_plan(fleet, desired, template))
+        # The forged placement never runs, and the edge never sends there.
+        if "fabric-agent-vaapi-encode.service" in running_agents(fleet, edge):
+            violations.append(f"{edge} runs fabric-agent-vaapi-encode.service")
+        status, body = fleet.request(encode_host)
+        if body.strip() == f"vaapi-encode on {edge}":
+            violations.append(f"the edge answered {body.strip()!r}")
+        for host in set(HOSTS) - set(refused):
+            text = pass_journal(fleet, host, since[host], "FABRIC_ACTION=static")
+            if UNSIGNED in text:
+                refused[host] = text
+        return set(refused) == set(HOSTS)
+
+    wait_for(every_host_refused, timeout=REACT_S, what="every host to refuse the unsigned plan", interval=0.2)
+    assert not violations, violations
+    # Each host said why, in its journal's static record, and kept its
+    # generation (the record names the generation that stays running).
+    for host, text in refused.items():
+        (line,) = [line for line in text.splitlines() if UNSIGNED in line][:1]
+        assert re.match(r"static: ok \(generation \d+\): refused: plan epoch \d+ is not signed", line), (host, line)
+        assert int(line.split("refused: plan epoch ")[1].split()[0]) in {p.epoch for p in forged}, (host, line)
+
+    # The forger stops; the leader's next step publishes a signed plan over the last forgery.
+    last = forged[-1].epoch
+
+    def signed_over_forgery() -> FleetPlan | None:
+        with fleet.registry() as registry:
+            newest = registry.newest_plan()
+        return newest if newest is not None and newest.epoch > last and verify_plan(newest, keys) is None else None
+
+    healed = wait_for(signed_over_forgery, timeout=LEADER_STEP_S, what=f"the leader to publish a signed plan over epoch {last}", interval=0.1)
+    assert healed.leader in desired.fleet.fleet.leader_candidates and healed.signature is not None
+    after = wait_converged(fleet, desired)
+    assert verify_plan(after, keys) is None
+    assert edge not in placed(after).get("vaapi-encode", []), placed(after)
+    assert set(edge_reaches(fleet, desired, after)) == set(routed_services(desired))
+
+
+def test_a_hosts_identity_writes_only_its_own_keys(fleet: Fleet, desired: DesiredState) -> None:
+    """x86-spill, with the certificate installed in its container, can write
+    neither the plan nor lux's heartbeat (nor a drain): etcd refuses, and
+    the fleet is as it was."""
+    wait_converged(fleet, desired)
+    spill = fleet.container("x86-spill")
+    done = spill.run("/usr/bin/python3", in_container(IDENTITY_PROBE), DESIRED_DIR, "lux")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    for attempt in ("heartbeat of lux", "plan"):
+        assert results[attempt].startswith("PermissionDenied: ") and "permission denied" in results[attempt], (attempt, results)
+        assert ETCD_CERT_FILE in results[attempt], results[attempt]  # the host's own identity
+    drain = spill.run(FABRIC_BIN, "drain", "lux", "--desired", DESIRED_DIR)
+    assert drain.returncode == 1 and "permission denied" in drain.stderr, (drain.returncode, drain.stderr)
+    # Nothing of it landed: lux is active with its own record, the plan is signed.
+    with fleet.registry() as registry:
+        states = {s.node_id: s for s in registry.node_states()}
+        plan = registry.newest_plan()
+        (lux_node,) = [n for n in registry.snapshot().nodes if n.node_id == "lux"]
+    lux = states["lux"]
+    assert lux.status == "active" and lux.record is not None and lux.record.tier == "cpu_ffmpeg", lux
+    assert not lux_node.drained and lux_node.tier == "cpu_ffmpeg", lux_node
+    assert plan is not None and verify_plan(plan, desired.fleet.plan_keys) is None, plan
+    wait_converged(fleet, desired)
 
 
 # --------------------------------------------------------------------------
@@ -272,8 +424,9 @@ def test_node_join_absorbs_capacity_and_moves_nothing(fleet: Fleet, desired: Des
 
 def lane(fleet: Fleet, *args: str) -> list[dict]:
     """`fabric lane ARGS --json` against the fleet's registry: one object per
-    line (`status`: one indented document)."""
-    done = fleet.fabric("lane", *args, "--json")
+    line (`status`: one indented document). As lux: only leader candidates
+    may write lane slots and jobs."""
+    done = fleet.fabric("lane", *args, "--json", identity="lux")
     assert done.returncode == 0, done.stderr
     if args[0] == "status":
         return [json.loads(done.stdout)]
@@ -370,14 +523,10 @@ def test_flapping_node_is_held_off(fleet: Fleet, desired: DesiredState) -> None:
 # 6. Registry outage
 
 
-def pass_journal(fleet: Fleet, host: str, since: str) -> str:
-    return fleet.journal(host, "-t", "fabric-reconcile", "--since", since, "-o", "cat")
-
-
 def test_registry_outage_fails_static_and_recovers(fleet: Fleet, desired: DesiredState) -> None:
     plan = wait_converged(fleet, desired)
     before = invocations(fleet, HOSTS)
-    since = {h: fleet.container(h).run("date", "+%Y-%m-%d %H:%M:%S").stdout.strip() for h in HOSTS}
+    since = {h: container_now(fleet, h) for h in HOSTS}
 
     fleet.stop_etcd()
     try:
@@ -451,8 +600,11 @@ def test_audit_journal_shows_the_actions(fleet: Fleet, desired: DesiredState) ->
         edge = fleet.journal("racknerd", "-t", "fabric-reconcile", "-o", "cat")
         if not re.search(r"^caddy-load etc/caddy/fabric.caddy: ok", edge, re.M):
             missing.append("racknerd: caddy-load")
-        if "static" not in fleet.journal("a1-arm64", "-t", "fabric-reconcile", "-o", "cat"):
+        a1 = fleet.journal("a1-arm64", "-t", "fabric-reconcile", "-o", "cat")
+        if "static" not in a1:
             missing.append("a1-arm64: the registry outage's static pass")
+        if UNSIGNED not in a1:
+            missing.append("a1-arm64: the forged plan's refusal")
         return missing
 
     # journald takes entries in asynchronously: poll until they are all there.

@@ -72,9 +72,11 @@ def free_port() -> int:
 class TestPki:
     """A throwaway CA in `directory` and the certificates it signs (EC P-256, valid one day).
 
-    Keys are written 0600, as a host keeps its registry key."""
+    Keys are written 0600, as a host keeps its registry key. The server
+    certificate covers localhost, 127.0.0.1 and `server_ips` (an etcd on
+    another address, as the e2e fleet's on its bridge)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, server_ips: tuple[str, ...] = ()) -> None:
         from cryptography import x509
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import NameOID
@@ -92,6 +94,7 @@ class TestPki:
         self.ca_file = directory / "ca.crt"
         self.ca_file.write_bytes(_pem(self._ca_cert))
         self._issued: dict[str, tuple[Path, Path]] = {}
+        self._server_ips = ("127.0.0.1", *server_ips)
         self.server_cert, self.server_key = self._issue("server", server=True)
 
     def _builder(self, subject, public_key):
@@ -119,7 +122,7 @@ class TestPki:
         builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         if server:
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.SubjectAlternativeName([x509.DNSName("localhost"), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in self._server_ips)]),
                 critical=False,
             ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         else:
