@@ -188,10 +188,13 @@ class LeaderLoop:
         # A newest plan whose signature does not verify (forged, or by a
         # retired key) is replaced even when its placements are the same, and
         # its placements are not the ones in force: the scheduler keeps work
-        # where it is, and a forger must not choose where that is.
+        # where it is, and a forger must not choose where that is. What hosts
+        # run is this leader's last verified plan (they refused the forgery),
+        # so the schedule keeps those placements: a forgery moves nothing.
         untrusted = newest is not None and bool(keys) and verify_plan(newest, keys) is not None
         if untrusted:
-            snapshot = snapshot.model_copy(update={"placements": []})
+            in_force = self.published if self.published is not None and verify_plan(self.published, keys) is None else None
+            snapshot = snapshot.model_copy(update={"placements": list(in_force.placements) if in_force is not None else []})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)

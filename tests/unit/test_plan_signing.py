@@ -319,3 +319,32 @@ def test_fabric_status_leaves_out_a_plan_hosts_refuse_and_says_why(registry, des
     assert text.splitlines()[1] == f"PLAN REFUSED · hosts keep their generations: {shown.plan_refused}"
     assert "a1-arm64" not in {n.node_id for n in status.nodes if n.services}
     assert status_document(status)["plan_refused"] == shown.plan_refused
+
+
+def test_a_forgery_that_changes_nothing_moves_nothing(registry, desired, fleet) -> None:
+    """Hosts refuse the forgery and keep running the leader's last verified
+    plan, so the leader reschedules from that plan's placements: work that
+    stays where it is (stickiness) is not reshuffled onto nodes a fresh
+    schedule would prefer."""
+    registry.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=4), ttl_s=300)
+    leader = loop(registry, desired, "lux", fleet.signer("lux"), [])
+    leader.step()
+    genuine = registry.newest_plan()
+    assert genuine is not None and genuine.placements
+    # The CUDA desktop joins: a fresh schedule would put work there (highest
+    # tier first); the leader keeps what runs on x86-spill where it is.
+    heartbeat_example_hosts(registry)
+    leader.step()
+    kept = registry.newest_plan()
+    assert kept is not None
+    where = {(p.service, p.replica): p.node for p in kept.placements}
+    fresh = schedule(registry.snapshot([lane.id for lane in desired.lanes]).model_copy(update={"placements": []}), desired, leader="lux", epoch=0)
+    assert {(p.service, p.replica): p.node for p in fresh.placements} != where, "the scenario needs a fresh schedule to differ"
+    # Any registry client with write access republishes the same placements, unsigned.
+    assert leader.leadership is not None
+    registry.publish_plan(leader.leadership, kept.model_copy(update={"signature": None}))
+    leader.step()
+    healed = registry.newest_plan()
+    assert healed is not None and verify_plan(healed, desired.fleet.plan_keys) is None
+    assert {(p.service, p.replica): p.node for p in healed.placements} == where
+    leader.step_and_resign()
