@@ -333,6 +333,9 @@ def test_a_forged_plan_is_refused_everywhere_and_the_leader_replaces_it(fleet: F
     after = wait_converged(fleet, desired)
     assert verify_plan(after, keys) is None
     assert edge not in placed(after).get("vaapi-encode", []), placed(after)
+    # The leader rescheduled from its own last plan, not from the forgery's
+    # or from none: nothing moved.
+    assert placed(after) == placed(before), (placed(before), placed(after))
     assert set(edge_reaches(fleet, desired, after)) == set(routed_services(desired))
 
 
