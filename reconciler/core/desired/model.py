@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -28,6 +29,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from reconciler.core.desired.secrets import argument_reason, environment_secret, secret_value_kind
 
 # --------------------------------------------------------------------------
 # Tiers
@@ -80,10 +83,6 @@ _ARG_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")
 _IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$")
 _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 
-# Environment names that carry a secret when given inline. Their value must come
-# from a file instead (NAME_FILE = "/run/secrets/...").
-SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|PRIVATE_KEY|AUTH_KEY|DATABASE_URL|QUEUE_URL|CREDENTIAL)", re.I)
-
 
 def _name(value: str) -> str:
     if not _NAME_RE.match(value):
@@ -113,6 +112,13 @@ def _abs_path(value: str) -> str:
 def _arg(value: str) -> str:
     if not _ARG_RE.match(value):
         raise ValueError("control characters (newlines, NUL) are not allowed")
+    return value
+
+
+def _no_secret_argument(value: str) -> str:
+    kind = secret_value_kind(value)
+    if kind is not None:
+        raise ValueError(argument_reason(kind))
     return value
 
 
@@ -150,7 +156,11 @@ LabelValue = Annotated[str, AfterValidator(_label_value)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[int, Field(ge=1, le=86_400)]
-NonEmptyArgv = Annotated[list[Arg], Field(min_length=1)]
+# An argv element is judged by value (`core.desired.secrets`) before anything
+# else, so no message quotes it: a secret on a command line shows in ps and in
+# the unit file.
+ArgvElement = Annotated[str, AfterValidator(_no_secret_argument), AfterValidator(_arg)]
+NonEmptyArgv = Annotated[list[ArgvElement], Field(min_length=1)]
 
 
 class FieldProblem(ValueError):
@@ -168,20 +178,31 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def refuse_inline_secrets(env: Any) -> Any:
+    """Inline environment must not carry secrets (by name or by value,
+    `core.desired.secrets`): those come as NAME_FILE paths. Runs before the
+    values' own checks, so no other message quotes a secret value (a
+    password given as a number, a token where a NAME_FILE path belongs)."""
+    if isinstance(env, dict):
+        for key, value in env.items():
+            reason = environment_secret(str(key), value)
+            if reason is not None:
+                raise FieldProblem(str(key), reason)
+    return env
+
+
 def check_environment(env: dict[str, str]) -> dict[str, str]:
-    """Inline environment must not carry secrets: those come as NAME_FILE paths."""
+    """NAME_FILE values are absolute paths."""
     for key, value in env.items():
         if key.endswith("_FILE"):
             try:
                 _abs_path(value)
             except ValueError as exc:
                 raise FieldProblem(key, str(exc)) from exc
-        elif SECRET_NAME_RE.search(key):
-            raise FieldProblem(key, f"looks like a secret given inline; give its path as {key}_FILE instead")
     return env
 
 
-Environment = Annotated[dict[EnvName, Arg], AfterValidator(check_environment)]
+Environment = Annotated[dict[EnvName, Arg], BeforeValidator(refuse_inline_secrets), AfterValidator(check_environment)]
 
 
 # --------------------------------------------------------------------------
