@@ -3,11 +3,14 @@
 Two namespaces joined by a veth: `client` 10.250.1.1 and `server` 10.250.1.2.
 The server runs TCP listeners on 8080 and 8081; the table `inet fabric` is
 loaded in the server's namespace and connections from the client show what it
-lets through, drops or forwards.
+lets through, drops or forwards. The rendered template's tests play the
+tailnet with 10.250.1.0/24 and the world outside it with 10.250.2-3.0/24
+(a port map's allow_from).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,9 +19,12 @@ import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
-from reconciler.core.render.artifacts import TEMPLATES_DIR
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import Hardware, NodeFacts, PortMap
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.artifacts import TEMPLATES_DIR, nft_opening, render
 from reconciler.ports import ActivationError
-from tests.conftest import require, require_root
+from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.netns import Namespace, network_lab, tcp_probe
 
 pytestmark = pytest.mark.integration
@@ -220,7 +226,7 @@ def test_rendered_fabric_template_admits_fabric_ports_from_the_fabric_network_on
     fabric does not own is left to the host's own policy."""
     require_root()
     require("ip", "nft", "socat", "python3", "ss")
-    ruleset = render_fabric_template(host="server", tailnet="10.250.1.0/24", tcp_ports=["8080"], udp_ports=[], nftables_fix=True)
+    ruleset = render_fabric_template(host="server", tailnet="10.250.1.0/24", tcp_ports=["8080"], udp_ports=[], openings=[], nftables_fix=True)
     with network_lab() as lab:
         peer, outsider, server = lab.namespace("peer"), lab.namespace("outsider"), lab.namespace("server")
         lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
@@ -241,3 +247,94 @@ def test_rendered_fabric_template_admits_fabric_ports_from_the_fabric_network_on
         listed = server.check("nft", "list", "table", "inet", "fabric")
         assert listed.count("tcp dport 8080 accept") == 1
         assert 'iifname "tailscale0" accept' in listed  # the CachyOS/Arch forward fix loaded
+
+
+# --------------------------------------------------------------------------
+# allow_from: a port map opened beyond the tailnet
+
+
+def port_map(name: str, port: int, allow_from: list[str]) -> PortMap:
+    return PortMap(name=name, host="server", listen_port=port, target_host="target", target_port=22, allow_from=allow_from)
+
+
+def test_allow_from_opens_a_port_map_to_its_networks_and_leaves_the_others_closed() -> None:
+    """The tailnet is played by 10.250.1.0/24 (peer), the outside world by
+    10.250.2.0/24 (near) and 10.250.3.0/24 (far). Port map `opened` (8080)
+    allows near's network, `closed` (8081) allows nobody beyond the tailnet,
+    `everyone` (8082) allows 0.0.0.0/0 and ::/0."""
+    require_root()
+    require("ip", "nft", "socat", "python3", "ss")
+    maps = [port_map("closed", 8081, []), port_map("everyone", 8082, ["0.0.0.0/0", "::/0"]), port_map("opened", 8080, ["10.250.2.0/24"])]
+    ruleset = render_fabric_template(
+        host="server",
+        tailnet="10.250.1.0/24",
+        tcp_ports=["8080", "8081", "8082"],
+        udp_ports=[],
+        openings=[nft_opening(m) for m in maps if m.allow_from],
+        nftables_fix=False,
+    )
+    with network_lab() as lab:
+        peer, near, far, server = lab.namespace("peer"), lab.namespace("near"), lab.namespace("far"), lab.namespace("server")
+        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
+        lab.link(near, "10.250.2.1/24", server, "10.250.2.2/24")
+        lab.link(far, "10.250.3.1/24", server, "10.250.3.2/24")
+        for port in (8080, 8081, 8082):
+            server.spawn("socat", f"TCP-LISTEN:{port},fork,reuseaddr", "EXEC:/bin/cat")
+        for port in (8080, 8081, 8082):
+            server.wait_listening(port)
+        nft = NftCommand(SubprocessRunner(), prefix=server.exec_prefix)
+
+        nft.check(ruleset)
+        nft.apply(ruleset)
+        first = server.check("nft", "list", "table", "inet", "fabric")
+        nft.apply(ruleset)  # idempotent: the same table, not a second copy of each rule
+        assert server.check("nft", "list", "table", "inet", "fabric") == first
+        assert first.count("ip saddr 10.250.2.0/24 tcp dport 8080 accept") == 1
+        assert first.count("ip saddr 0.0.0.0/0 tcp dport 8082 accept") == 1
+        assert first.count("ip6 saddr ::/0 tcp dport 8082 accept") == 1
+
+        # The tailnet reaches every port map.
+        assert [tcp_probe(peer, SERVER_ADDRESS, port) for port in (8080, 8081, 8082)] == ["connected"] * 3
+        # A client outside the tailnet reaches the port map opened to its network, not the closed one.
+        assert tcp_probe(near, "10.250.2.2", 8080) == "connected"
+        assert tcp_probe(near, "10.250.2.2", 8081) == "timeout"
+        # Another outside network: only the port map open to everyone.
+        assert tcp_probe(far, "10.250.3.2", 8080) == "timeout"
+        assert tcp_probe(far, "10.250.3.2", 8081) == "timeout"
+        assert tcp_probe(far, "10.250.3.2", 8082) == "connected"
+
+
+def test_the_edge_table_with_allow_from_passes_nft_and_reloads_idempotently(tmp_path) -> None:
+    """render() of the example fleet with both port maps opened (IPv4, IPv6 and
+    everyone): the real nft accepts the table and a second load changes nothing."""
+    require_root()
+    require("ip", "nft")
+    desired = tmp_path / "desired"
+    shutil.copytree(EXAMPLE_FLEET, desired)
+    fleet = (desired / "fabric.toml").read_text()
+    fleet = fleet.replace("target_port = 22\n", 'target_port = 22\nallow_from = ["0.0.0.0/0", "::/0"]\n', 1)
+    fleet = fleet.replace("target_port = 445\n", 'target_port = 445\nallow_from = ["10.250.2.0/24", "2001:db8:42::/48"]\n', 1)
+    (desired / "fabric.toml").write_text(fleet)
+    facts = NodeFacts(node_id="racknerd", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
+    plan = FleetPlan.model_validate_json((REPO / "tests" / "golden" / "fleet-plan.json").read_text())
+    [ruleset] = [a.content for a in render(load_desired(desired), "racknerd", facts, plan).artifacts if a.kind == "nft"]
+    assert "ip6 saddr 2001:db8:42::/48 tcp dport 4445 accept" in ruleset
+    with network_lab() as lab:
+        server = lab.namespace("edge")
+        nft = NftCommand(SubprocessRunner(), prefix=server.exec_prefix)
+        nft.check(ruleset)
+        nft.apply(ruleset)
+        first = server.check("nft", "list", "table", "inet", "fabric")
+        # What fabric-nftables.service runs (`nft -f`), without the adapter's
+        # transaction: the file's own prologue keeps the reload idempotent.
+        server.check("nft", "-f", "-", input=ruleset)
+        assert server.check("nft", "list", "table", "inet", "fabric") == first
+        for rule in (
+            "ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept",
+            "ip saddr 10.250.2.0/24 tcp dport 4445 accept",
+            "ip6 saddr 2001:db8:42::/48 tcp dport 4445 accept",
+            "ip saddr 0.0.0.0/0 tcp dport 2222 accept",
+            "ip6 saddr ::/0 tcp dport 2222 accept",
+            "tcp dport { 2222, 4445 } drop",
+        ):
+            assert first.count(rule) == 1, rule

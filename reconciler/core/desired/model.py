@@ -403,6 +403,37 @@ class Service(Strict):
         return self
 
 
+def _cidr(value: str) -> str:
+    """'203.0.113.0/24', '2001:db8::/32' (a bare address is its /32 or /128),
+    normalized; host bits set is an error, not silently masked off."""
+    if "%" in value:
+        raise ValueError(f"{value!r} has a zone (%...): give the network alone")
+    try:
+        return str(ipaddress.ip_network(value, strict=True))
+    except ValueError:
+        pass
+    try:
+        network = ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a CIDR (an IPv4 or IPv6 network such as 203.0.113.0/24 or 2001:db8::/32)") from None
+    raise ValueError(f"{value!r} has host bits set; the network is {network}")
+
+
+Cidr = Annotated[str, AfterValidator(_cidr)]
+
+# allow_from entries that open a port map to every address of their family.
+EVERYONE = ("0.0.0.0/0", "::/0")
+
+
+def _unique_cidrs(values: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise ValueError(f"{value} is listed twice (allow_from[{seen[value]}] and allow_from[{i}])")
+        seen[value] = i
+    return values
+
+
 class PortMap(Strict):
     """A permanent socat redirect on one host (the seed's edge port maps)."""
 
@@ -412,6 +443,13 @@ class PortMap(Strict):
     listen_port: Port
     target_host: Name
     target_port: Port
+    # Who besides the tailnet may reach listen_port: CIDRs, IPv4 and IPv6;
+    # 0.0.0.0/0 and ::/0 are everyone. Empty (the default): the tailnet only.
+    allow_from: Annotated[list[Cidr], AfterValidator(_unique_cidrs)] = []
+
+    @property
+    def open_to_everyone(self) -> bool:
+        return any(cidr in EVERYONE for cidr in self.allow_from)
 
 
 # An ed25519 public key is 32 raw bytes; fabric.toml holds them base64-encoded.

@@ -9,8 +9,9 @@ values and quotes every one of them for the language it lands in.
 What a host gets:
 
 - every host: `fabric-nftables.service` and the nftables file of the table
-  `inet fabric` (ports of its services and port maps, tailnet only; the
-  CachyOS/Arch forward fix), and the k3s node-label drop-in;
+  `inet fabric` (ports of its services and port maps, tailnet only unless a
+  port map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
+  the k3s node-label drop-in;
 - one `fabric-socat-<name>.service` per port map declared on the host;
 - one `fabric-agent-<id>.service` per lane it runs (a compute lane on its
   push_host, the local lane on the control host) and per service the plan
@@ -40,6 +41,7 @@ from reconciler.core.desired.model import (
     HostConfig,
     Lane,
     NodeFacts,
+    PortMap,
     RunsOn,
     Service,
 )
@@ -163,6 +165,32 @@ def host_arch(host: HostConfig, facts: NodeFacts) -> str | None:
     if host.overrides.arch is not None:
         return host.overrides.arch
     return _ARCH_ALIASES.get((facts.hardware.arch or "").lower())
+
+
+@dataclass(frozen=True)
+class NftOpening:
+    """A port map's `allow_from` as the nft template renders it: one accept
+    rule per CIDR, `ip` or `ip6` by the CIDR's family, before the drop."""
+
+    name: str
+    protocol: str
+    port: str
+    everyone: bool
+    sources: tuple[tuple[str, str], ...]  # (nft family keyword, CIDR)
+
+
+def nft_opening(pm: PortMap) -> NftOpening:
+    sources = tuple(("ip6" if ipaddress.ip_network(cidr).version == 6 else "ip", cidr) for cidr in pm.allow_from)
+    return NftOpening(pm.name, pm.protocol, str(pm.listen_port), pm.open_to_everyone, sources)
+
+
+def exposure_note(pm: PortMap) -> str:
+    """What `fabric plan` and `fabric reconcile` say of a port map open beyond the tailnet."""
+    where = f"port map {pm.name}: {pm.protocol} {pm.listen_port} on {pm.host}"
+    cidrs = ", ".join(pm.allow_from)
+    if pm.open_to_everyone:
+        return f"{where} is open to everyone (allow_from {cidrs}), not only the tailnet"
+    return f"{where} is open beyond the tailnet to {cidrs} (allow_from)"
 
 
 def needs_nftables_fix(host: HostConfig, facts: NodeFacts) -> bool:
@@ -410,6 +438,7 @@ def render(
     # Port maps of this host: one socat unit each.
     tcp_ports: set[int] = set()
     udp_ports: set[int] = set()
+    openings: list[NftOpening] = []
     for pm in sorted((m for m in desired.fleet.port_maps if m.host == host_name), key=lambda m: m.name):
         target = desired.hosts[pm.target_host].host.address
         six = ipaddress.ip_address(target).version == 6
@@ -431,6 +460,9 @@ def render(
         )
         artifacts.append(Artifact(layout.unit_path(f"fabric-socat-{pm.name}.service"), text, 0o644, "unit"))
         (tcp_ports if pm.protocol == "tcp" else udp_ports).add(pm.listen_port)
+        if pm.allow_from:
+            openings.append(nft_opening(pm))
+            notes.append(exposure_note(pm))
 
     # nftables: the ports of the services running here and of the port maps.
     for service_id in placed_here:
@@ -445,6 +477,7 @@ def render(
         tailnet6=TAILNET6,
         tcp_ports=[str(p) for p in sorted(tcp_ports)],
         udp_ports=[str(p) for p in sorted(udp_ports)],
+        openings=openings,
         nftables_fix=needs_nftables_fix(host, facts),
     )
     artifacts.append(Artifact(layout.nft_file, nft_text, 0o644, "nft"))

@@ -135,6 +135,28 @@ class DeferredRow:
 
 
 @dataclass(frozen=True)
+class ExposureRow:
+    """A port map open beyond the tailnet: fabric.toml's `allow_from`, said."""
+
+    port_map: str
+    host: str
+    protocol: str
+    port: int
+    allow_from: tuple[str, ...]
+    everyone: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.host} {self.protocol} {self.port}"
+
+    @property
+    def to(self) -> str:
+        """`everyone (0.0.0.0/0, ::/0)` or the CIDRs."""
+        cidrs = ", ".join(self.allow_from)
+        return f"everyone ({cidrs})" if self.everyone else cidrs
+
+
+@dataclass(frozen=True)
 class FleetStatus:
     fleet: str
     domain: str
@@ -150,6 +172,8 @@ class FleetStatus:
     # Why the registry's newest plan is not the fleet's (forged, or signed by
     # a key fabric.toml does not list): hosts refuse it, so it is not shown.
     plan_refused: str | None = None
+    # Port maps open beyond the tailnet (their allow_from); empty: tailnet only.
+    exposure: tuple[ExposureRow, ...] = ()
 
     @property
     def headline(self) -> str:
@@ -191,7 +215,18 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
         waiting=_deferred(plan, inadmissible=False),
         inadmissible=_deferred(plan, inadmissible=True),
         plan_refused=plan_refused,
+        exposure=exposure(desired),
     )
+
+
+def exposure(desired: DesiredState) -> tuple[ExposureRow, ...]:
+    """The port maps of fabric.toml open beyond the tailnet, by host and name."""
+    rows = [
+        ExposureRow(m.name, m.host, m.protocol, m.listen_port, tuple(m.allow_from), m.open_to_everyone)
+        for m in desired.fleet.port_maps
+        if m.allow_from
+    ]
+    return tuple(sorted(rows, key=lambda r: (r.host, r.port_map)))
 
 
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
@@ -315,6 +350,11 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
         else:
             width = max(len(r.label) for r in rows)
             out += [f"  {r.label.ljust(width)}  {r.reason}" for r in rows]
+    out += ["", f"EXPOSURE · port maps open beyond the tailnet ({len(status.exposure)})"]
+    if not status.exposure:
+        out.append("  (none: every port map is reachable from the tailnet only)")
+    else:
+        out += ["  " + line for line in _table(("PORT MAP", "ON", "OPEN TO"), [(e.port_map, e.where, e.to) for e in status.exposure])]
     return "\n".join(out) + "\n"
 
 
@@ -381,4 +421,16 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
         ],
         # null (not []) when no plan was available: unknown is not "none".
         "deferred": {"waiting": deferred(status.waiting), "inadmissible": deferred(status.inadmissible)},
+        # Port maps open beyond the tailnet; [] when every one is tailnet only.
+        "exposure": [
+            {
+                "port_map": e.port_map,
+                "host": e.host,
+                "protocol": e.protocol,
+                "port": e.port,
+                "allow_from": list(e.allow_from),
+                "everyone": e.everyone,
+            }
+            for e in status.exposure
+        ],
     }
