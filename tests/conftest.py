@@ -12,10 +12,34 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_FLEET = REPO / "hosts"
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Hypothesis: no test has the 200 ms default deadline (a loaded machine blows
+# it and fails a correct test). Under CI every run tests the same examples
+# (derandomize: each test's seed is a hash of the test, no example database)
+# and a failure prints the @reproduce_failure blob that replays it.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None)
+settings.load_profile("ci" if IN_CI else "dev")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.getoption("hypothesis_seed", default=None)
+    how = (
+        f"--hypothesis-seed={seed}"
+        if seed is not None
+        else "derandomized: seed = hash of each test"
+        if settings.default.derandomize
+        else "random seed per run"
+    )
+    return (
+        f"hypothesis profile {settings.get_current_profile_name()!r} (CI={'true' if IN_CI else 'unset'}): {how}, "
+        f"deadline={settings.default.deadline}, print_blob={settings.default.print_blob}"
+    )
 
 
 def require(*programs: str) -> None:

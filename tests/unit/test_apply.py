@@ -759,3 +759,27 @@ def test_a_pass_notes_a_machine_whose_tailnet_name_is_not_the_host_files(tmp_pat
     fleet.notes.clear()
     assert fleet.reconcile(replay=str(REPO / "tests/fixtures/probe/racknerd"), no_activate=True).ok
     assert not any("tailnet name" in note for note in fleet.notes), fleet.notes
+
+
+def test_a_rollback_whose_own_activation_fails_is_reported_failed_not_rolled_back(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    # Generation 2 renames lux-smb to lux-nfs: lux-smb is stopped, starting
+    # lux-nfs fails, and the rollback's start of lux-smb fails as well.
+    text = (fleet.desired / "fabric.toml").read_text()
+    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
+    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
+    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    fleet.machine.fail["start fabric-socat-lux-smb.service"] = "Job for fabric-socat-lux-smb.service failed"
+    report = fleet.reconcile()
+    assert report.outcome == "failed" and report.exit_status == 1
+    err = "\n".join(report.stderr)
+    assert "activation of generation 2 failed" in err
+    assert "rollback to generation 1 failed too" in err and "fabric-socat-lux-smb.service" in err
+    assert "active again" not in err and "rolled back" not in err
+    assert fleet.store.good() == 1, "generation 2 never became good"
+    rollbacks = [r["outcome"] for r in fleet.audit.records if r["action"] == "rollback"]
+    assert rollbacks == ["started", "failed"]
+    # The failures were one-shot: the next pass converges on what is desired.
+    assert fleet.reconcile().ok
+    assert_converged(fleet.machine, fleet.root)

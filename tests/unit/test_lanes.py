@@ -72,6 +72,19 @@ def test_equal_ranks_share_by_utilization_then_id():
     assert choose_lane(views, LaneJob(), SETTINGS).lane == "b"
 
 
+@pytest.mark.parametrize("order", ["ids ascending", "ids descending"])
+def test_a_tie_on_rank_and_utilization_goes_to_the_smallest_id_whatever_the_input_order(order):
+    views = [
+        LaneView(id="a1-arm64", kind="compute", rank=10, cap=2, in_flight=1, available=True),
+        LaneView(id="b-spill", kind="compute", rank=10, cap=4, in_flight=2, available=True),
+        LaneView(id="c-spill", kind="compute", rank=10, cap=6, in_flight=3, available=True),
+    ]
+    if order == "ids descending":
+        views.reverse()
+    assert choose_lane(views, LaneJob(), SETTINGS).lane == "a1-arm64"
+    assert [v.id for v in sorted(views, key=sort_key)] == ["a1-arm64", "b-spill", "c-spill"]
+
+
 def test_only_the_implicit_local_lane_takes_work_at_once():
     views = [LaneView(id="local", kind="local", rank=99, cap=1, in_flight=0, available=True)]
     assert choose_lane(views, LaneJob(), SETTINGS) == LaneDecision("local", None)

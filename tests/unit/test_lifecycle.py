@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +112,31 @@ def test_a_relayed_node_gets_45_s_beats_before_it_is_offline():
     assert "relayed path" in events[0].transition.reason
 
 
+@pytest.mark.parametrize(
+    "node_timeout_s, relayed_heartbeat_s, missed_beats, relayed_timeout",
+    [
+        (90, 45, 3, 135),  # 3 relayed beats outlast the node timeout
+        (200, 45, 3, 200),  # a node timeout longer than 3 relayed beats still holds for a relayed node
+        (90, 30, 3, 90),  # relayed beats no slower than the plain ones: the node timeout
+    ],
+    ids=["relayed beats longer", "node timeout longer", "equal"],
+)
+def test_a_relayed_nodes_timeout_is_never_shorter_than_the_node_timeout(node_timeout_s, relayed_heartbeat_s, missed_beats, relayed_timeout):
+    timing = TimingSettings(node_timeout_s=node_timeout_s, relayed_heartbeat_s=relayed_heartbeat_s, missed_beats=missed_beats)
+    assert heartbeat_timeout(timing, relayed=False) == node_timeout_s
+    assert heartbeat_timeout(timing, relayed=True) == relayed_timeout
+    fleet = Fleet(timing=timing)
+    fleet.beat("racknerd", 0, relayed=True)
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    fleet.tick(node_timeout_s - 1)
+    assert fleet.status("racknerd") == fleet.status("lux") == "active"
+    fleet.tick(relayed_timeout - 1)
+    assert fleet.status("racknerd") == "active", "a relayed path is never judged sooner than a direct one"
+    fleet.tick(relayed_timeout)
+    assert fleet.status("racknerd") == "offline"
+
+
 def test_offline_node_is_dead_after_the_drain_grace_then_forgotten():
     fleet = Fleet()
     fleet.beat("a1-arm64", 0)
@@ -189,6 +215,29 @@ def test_toggles_spread_wider_than_the_window_are_not_a_flap():
     fleet.tick(400)  # toggle 3 at 400: toggle 1 (at 90) left the 300 s window
     assert fleet.status("qfox-1") == "offline"
     assert fleet.states["qfox-1"].held_off_until is None
+
+
+@pytest.mark.parametrize(
+    "first_offline_at, held",
+    [(91, True), (90, False)],
+    ids=["3 toggles within 299 s: held off", "3 toggles exactly 300 s apart: not a flap"],
+)
+def test_the_flap_window_is_shorter_than_window_s(first_offline_at, held):
+    """Toggles at first_offline_at (offline), 100 (back), 390 (offline): the
+    window holds toggles younger than window_s, so one exactly 300 s old has left it."""
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    fleet.tick(0)
+    fleet.tick(first_offline_at)  # toggle 1: its beat at 0 expired at 90
+    assert fleet.status("qfox-1") == "offline"
+    for t in range(100, 301, 50):  # toggle 2 at 100, then beats until 300
+        fleet.beat("qfox-1", t)
+        fleet.tick(t)
+    assert fleet.status("qfox-1") == "active" and fleet.states["qfox-1"].held_off_until is None
+    events = fleet.tick(390)  # toggle 3: the beat at 300 expired
+    assert fleet.status("qfox-1") == "offline"
+    assert (fleet.states["qfox-1"].held_off_until == at(390 + 600)) is held
+    assert any(e.transition.status == "held_off" for e in events) is held
 
 
 def test_flap_settings_are_honoured():

@@ -242,3 +242,25 @@ def test_the_time_defaults_to_the_snapshot_time():
     state = ScalingState(queue_high_since=T0)
     decision = decide_scaling(Snapshot(now=T0 + timedelta(seconds=30), nodes=[node("idle", in_flight=0)]), 20, SETTINGS, state)
     assert kinds(decision.actions) == [("activate_idle", "idle")]
+
+
+@pytest.mark.parametrize(
+    "burst_at, expected_during",
+    [
+        (880, [("hold", None)]),  # the burst window (30 s) passed: a hold, never a scale-down
+        (895, []),  # the queue is high but the burst window has not passed yet: still no scale-down
+    ],
+    ids=["burst under way", "queue high within the burst window"],
+)
+def test_a_queue_above_the_mark_blocks_scale_down_of_a_node_cold_for_the_whole_window(burst_at, expected_during):
+    """1 of 20 busy (5 % < 10 %) is cold but not idle, so the burst activates
+    nothing and the cold window is not restarted: only the guard against
+    scaling down during a burst keeps the node up."""
+    leader = Leader(ScalingSettings())
+    cold = [node("a1-arm64", in_flight=1, limit=20)]
+    assert leader.at(0, cold) == []
+    leader.at(burst_at, cold, queue_depth=40)
+    assert kinds(leader.at(910, cold, queue_depth=40)) == expected_during
+    assert leader.state.scaled_down == []
+    # The queue is back at the mark (not above it): the window, held since 0, scales it down.
+    assert kinds(leader.at(920, cold, queue_depth=10)) == [("scale_down", "a1-arm64")]

@@ -602,6 +602,24 @@ def test_kept_placements_hold_their_slots_before_the_node_reports_them():
     assert where(plan, "other") == ["old"] and where(plan, "svc") == ["cpu"]
 
 
+@pytest.mark.parametrize(
+    "limit, in_flight, stays",
+    [(1, 0, ["a"]), (2, 0, ["a", "b"]), (2, 2, ["a", "b"]), (2, 3, ["a", "b"])],
+    ids=["limit 1: one of three kept", "limit 2: both kept", "limit 2, both reported in flight", "reported over its limit: still at most limit kept"],
+)
+def test_kept_placements_of_different_services_never_push_a_node_over_its_limit(limit, in_flight, stays):
+    """Different services (so no sibling rule moves them) kept on one node:
+    only as many stay as max_concurrent_tasks allows; the rest move."""
+    services = [service(s, "cpu_ffmpeg") for s in ("a", "b", "c")]
+    nodes = [node("old", "cpu_ffmpeg", max_concurrent_tasks=limit, in_flight=in_flight), node("new", "cpu_ffmpeg", max_concurrent_tasks=8)]
+    plan = plan_for(services, nodes, [kept("a", 0, "old"), kept("b", 0, "old"), kept("c", 0, "old")])
+    on_old = sorted(p.service for p in plan.placements if p.node == "old")
+    assert on_old == stays
+    assert len(on_old) <= limit
+    assert sorted(p.service for p in plan.placements if p.node == "new") == sorted({"a", "b", "c"} - set(stays))
+    assert not plan.deferred
+
+
 def test_a_kept_replica_sharing_a_node_with_a_sibling_moves_to_a_distinct_node():
     existing = [kept("flac-fft", 0, "a"), kept("flac-fft", 1, "a")]
     plan = plan_for([service("flac-fft", "cpu_ffmpeg", replicas=2)], [node("a", "cpu_ffmpeg"), node("b", "cpu_ffmpeg")], existing)
