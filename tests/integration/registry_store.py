@@ -28,9 +28,13 @@ class Store:
     clock: Clock | None = None
     opened: list = field(default_factory=list)
     signed: SignedFleet | None = None
+    # More sections of fabric.toml for the registries `open` makes ([timing], [flap]).
+    config: dict = field(default_factory=dict)
 
     def fleet(self) -> FleetConfig:
-        return FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})
+        return FleetConfig.model_validate(
+            {"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings, **self.config}
+        )
 
     def open(self, clock: Clock | None = None) -> Registry:
         registry = open_registry(self.fleet(), clock=clock or self.clock, sqlite_path=self.sqlite_path)
