@@ -8,8 +8,8 @@ reason in `RawCapture.errors`; nothing here raises for a bad machine.
 
 from __future__ import annotations
 
-from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, PerRenderNode, Source
-from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, parse_dri
+from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, PerRenderNode, Source, SysfsPci
+from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, format_sysfs_pci_line, parse_dri, pci_slot_in_path
 from reconciler.core.probe.raw import RawCapture
 from reconciler.ports import CommandRunner, FileReader
 
@@ -70,6 +70,56 @@ def _per_render_node(runner: CommandRunner, source: PerRenderNode, dri_text: str
     return "".join(s if s.endswith("\n") else s + "\n" for s in sections), None
 
 
+def _read_optional(files: FileReader, path: str) -> str | None:
+    try:
+        return files.read_text(path).strip()
+    except OSError:
+        return None
+
+
+def _sysfs_pci(files: FileReader, source: SysfsPci) -> tuple[str | None, str | None]:
+    """One line per PCI device (parsers.format_sysfs_pci_line). A device file
+    that cannot be read is left out of its line; the parser judges the line."""
+    try:
+        slots = files.list_dir(source.devices)
+    except OSError as exc:
+        return None, _oserror(source.devices, exc)
+    drm: dict[str, list[str]] = {}
+    try:
+        drm_names = files.list_dir(source.drm)
+    except OSError:
+        drm_names = []  # no DRM class at all: devices without nodes
+    for name in drm_names:
+        # card1, renderD128; not the connectors (card1-DP-1) nor "version".
+        if not (name.startswith("card") or name.startswith("renderD")) or "-" in name:
+            continue
+        try:
+            # /sys/class/drm/card1 -> ../../devices/pci0000:00/.../0000:03:00.0/drm/card1
+            slot = pci_slot_in_path(files.read_link(f"{source.drm}/{name}"))
+        except OSError:
+            continue
+        if slot is not None:
+            drm.setdefault(slot, []).append(name)
+    lines = []
+    for slot in slots:
+        base = f"{source.devices}/{slot}"
+        sub_vendor = _read_optional(files, f"{base}/subsystem_vendor")
+        sub_device = _read_optional(files, f"{base}/subsystem_device")
+        try:
+            driver: str | None = files.read_link(f"{base}/driver").rstrip("/").rsplit("/", 1)[-1]
+        except OSError:
+            driver = None  # no driver bound
+        fields = {
+            "class": _read_optional(files, f"{base}/class"),
+            "vendor": _read_optional(files, f"{base}/vendor"),
+            "device": _read_optional(files, f"{base}/device"),
+            "subsystem": f"{sub_vendor}:{sub_device}" if sub_vendor and sub_device else None,
+            "driver": driver,
+        }
+        lines.append(format_sysfs_pci_line(slot, fields, drm.get(pci_slot_in_path(slot) or slot, [])))
+    return "".join(lines), None
+
+
 def _read(source: Source, runner: CommandRunner, files: FileReader, outputs: dict[str, str]) -> tuple[str | None, str | None]:
     if isinstance(source, Command):
         return _run(runner, source.argv, source.timeout)
@@ -82,6 +132,8 @@ def _read(source: Source, runner: CommandRunner, files: FileReader, outputs: dic
         return _list_dri(files, source.path)
     if isinstance(source, PerRenderNode):
         return _per_render_node(runner, source, outputs.get("dri"))
+    if isinstance(source, SysfsPci):
+        return _sysfs_pci(files, source)
     raise TypeError(f"unknown source {source!r}")
 
 

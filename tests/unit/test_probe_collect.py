@@ -20,7 +20,7 @@ import pytest
 from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
-from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, Command, File, PerRenderNode
+from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, Command, File, PerRenderNode, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, parse_dri
 from reconciler.engine.probe import collect_live
 from reconciler.ports import CaptureError, CommandResult
@@ -29,6 +29,7 @@ from tests.unit.test_probe_fixtures import FIXTURES, MACHINES, expected_facts, l
 # Program -> raw file, from the catalogue itself.
 _PROGRAM_RAW = {s.argv[0]: f.raw for f in FACTS for s in f.sources if isinstance(s, Command | PerRenderNode)}
 _FILE_RAW = {s.path: f.raw for f in FACTS for s in f.sources if isinstance(s, File)}
+SYSFS = next(s for f in FACTS for s in f.sources if isinstance(s, SysfsPci))
 
 
 class FakeMachine:
@@ -71,7 +72,50 @@ class FakeMachine:
                 return body
         return "vaInitialize failed with error code -1 (unknown libva error),exit\n"
 
+    # sysfs, rebuilt from the fixture's sysfs-pci lines as the kernel shows it:
+    # /sys/bus/pci/devices/SLOT/{class,vendor,device,subsystem_*} and a
+    # driver link; /sys/class/drm/NODE links into the device's path, plus the
+    # connectors and "version" that the collector must skip.
+    def _sysfs(self) -> dict[str, object]:
+        if "sysfs-pci" not in self.capture.outputs:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", SYSFS.devices)
+        files: dict[str, str] = {}
+        links: dict[str, str] = {}
+        slots: list[str] = []
+        drm: list[str] = ["version"]
+        # Read leniently, field by field, so odd values (odd-values) come back
+        # as the odd file contents that produced them.
+        for line in self.capture.outputs["sysfs-pci"].splitlines():
+            if not line.strip():
+                continue
+            slot, *parts = line.split()
+            fields = dict(part.partition("=")[::2] for part in parts)
+            base = f"{SYSFS.devices}/{slot}"
+            slots.append(slot)
+            for key in ("class", "vendor", "device"):
+                if key in fields:
+                    files[f"{base}/{key}"] = fields[key] + "\n"
+            if "subsystem" in fields:
+                vendor, _, sub = fields["subsystem"].partition(":")
+                files[f"{base}/subsystem_vendor"] = f"{vendor}\n"
+                files[f"{base}/subsystem_device"] = f"{sub}\n"
+            if "driver" in fields:
+                links[f"{base}/driver"] = f"../../../bus/pci/drivers/{fields['driver']}"
+            for node in filter(None, fields.get("drm", "").split(",")):
+                drm.append(node)
+                links[f"{SYSFS.drm}/{node}"] = f"../../devices/pci0000:00/0000:00:01.0/{slot}/drm/{node}"
+                if node.startswith("card"):
+                    drm.append(f"{node}-HDMI-A-1")
+                    links[f"{SYSFS.drm}/{node}-HDMI-A-1"] = links[f"{SYSFS.drm}/{node}"] + f"/{node}-HDMI-A-1"
+        return {"files": files, "links": links, "slots": sorted(slots), "drm": sorted(drm)}
+
     def read_text(self, path: str) -> str:
+        if path.startswith("/sys/bus/pci/"):
+            files = self._sysfs()["files"]
+            assert isinstance(files, dict)
+            if path not in files:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+            return files[path]
         raw = _FILE_RAW.get(path)
         if raw is None or raw not in self.capture.outputs:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
@@ -91,6 +135,10 @@ class FakeMachine:
         return names, links
 
     def list_dir(self, path: str) -> list[str]:
+        if path == SYSFS.devices:
+            return list(self._sysfs()["slots"])  # type: ignore[call-overload]
+        if path == SYSFS.drm:
+            return list(self._sysfs()["drm"])  # type: ignore[call-overload]
         names, links = self._dri()
         if path == "/dev/dri":
             return sorted(names + (["by-path"] if links else []))
@@ -99,6 +147,12 @@ class FakeMachine:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
 
     def read_link(self, path: str) -> str:
+        if path.startswith("/sys/"):
+            links = self._sysfs()["links"]
+            assert isinstance(links, dict)
+            if path not in links:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+            return links[path]
         return self._dri()[1][path.rsplit("/", 1)[-1]]
 
 

@@ -29,6 +29,8 @@ from tests.conftest import EXAMPLE_FLEET
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
 MACHINES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 EXPECTED = "expected.json"
+# Where a fixture's raw files come from (a published output, or assembled).
+NOTE = "NOTE"
 # The hosts of the example fleet: the fleet end-to-end tests replay these.
 FLEET_HOSTS = ("qfox-1", "a1-arm64", "x86-spill", "lux", "racknerd")
 
@@ -65,7 +67,7 @@ def test_there_are_fixtures_for_every_kind_of_machine():
 @pytest.mark.parametrize("machine", MACHINES)
 def test_fixture_holds_only_known_files(machine):
     names = {p.name for p in (FIXTURES / machine).iterdir()}
-    unknown = names - set(RAW_NAMES) - {ERRORS_FILE, EXPECTED}
+    unknown = names - set(RAW_NAMES) - {ERRORS_FILE, EXPECTED, NOTE}
     assert not unknown, f"not raw probe names (typo?): {sorted(unknown)}"
     errors = load_capture(machine).errors
     assert set(errors) <= set(RAW_NAMES), "errors.json names a file that is not a raw probe name"
@@ -119,6 +121,60 @@ def test_fleet_host_capture_matches_its_host_file(host):
     assert facts.tailscale_ip == declared["address"]
     assert facts.tailnet_name == declared["tailnet_name"]
     assert facts.labels["topology.researchstack.io/role"] == f"auto:{host}"
+
+
+# ---------------------------------------------------------------- without pciutils
+
+BOTH_PCI_SOURCES = [m for m in MACHINES if (FIXTURES / m / "lspci").is_file() and (FIXTURES / m / "sysfs-pci").is_file()]
+NO_LSPCI = ("rx6600-debian-no-lspci", "intel-adl-laptop-no-lspci", "ryzen-780m-no-lspci", "pi-zero-framebuffer")
+
+
+def _gpu_view(facts: NodeFacts) -> list[tuple]:
+    return [(g.vendor, g.pci_slot, g.render_node, g.integrated, g.tier) for g in facts.hardware.gpus]
+
+
+def _unusable_gpus(facts: NodeFacts) -> set[str]:
+    return {key for key in facts.missing if key.startswith("gpu ")}
+
+
+def test_some_machines_have_both_pci_sources():
+    assert {"qfox-1", "radeon-desktop", "amd-apu-laptop", "intel-nuc", "multi-gpu-server"} <= set(BOTH_PCI_SOURCES)
+
+
+@pytest.mark.parametrize("machine", BOTH_PCI_SOURCES)
+def test_without_lspci_sysfs_finds_the_same_gpus(machine):
+    """Drop lspci from a machine that has both: the same GPUs (vendor, slot,
+    render node, integrated, tier), the same unusable ones, the same tier."""
+    capture = load_capture(machine)
+    with_lspci = facts_from_capture(capture)
+    without = facts_from_capture(
+        RawCapture(
+            {k: v for k, v in capture.outputs.items() if k != "lspci"},
+            {**{k: v for k, v in capture.errors.items() if k != "lspci"}, "lspci": "lspci: not installed"},
+        )
+    )
+    assert _gpu_view(without) == _gpu_view(with_lspci)
+    assert _unusable_gpus(without) == _unusable_gpus(with_lspci)
+    assert without.tier == with_lspci.tier
+    assert without.hardware.ffmpeg == with_lspci.hardware.ffmpeg
+    assert without.missing["pci"] == "lspci: not installed"
+
+
+@pytest.mark.parametrize("machine", NO_LSPCI)
+def test_machines_without_pciutils_are_not_relays(machine):
+    assert not (FIXTURES / machine / "lspci").is_file()
+    assert (FIXTURES / machine / NOTE).is_file(), "say where the raw files come from"
+    facts = NodeFacts.model_validate(expected_facts(machine))
+    expected_tier = {
+        "rx6600-debian-no-lspci": "gpu_vaapi",
+        "intel-adl-laptop-no-lspci": "gpu_apu",
+        "ryzen-780m-no-lspci": "gpu_apu",
+        "pi-zero-framebuffer": "framebuffer",
+    }[machine]
+    assert facts.tier == expected_tier
+    if machine != "pi-zero-framebuffer":
+        [gpu] = facts.hardware.gpus
+        assert gpu.integrated == (expected_tier == "gpu_apu")
 
 
 # ---------------------------------------------------------------- tailnet name

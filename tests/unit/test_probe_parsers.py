@@ -324,3 +324,43 @@ def test_json_of_any_shape_never_crashes_the_json_parsers(raw, document):
         PARSERS[raw](json.dumps(document))
     except ParseError:
         pass
+
+
+# ---------------------------------------------------------------- sysfs-pci
+
+
+def test_sysfs_pci_lines_parse_and_format_round_trip():
+    fields = {"class": "0x030000\n", "vendor": "0x1002", "device": "0x73ff", "subsystem": "0x1da2:0xe448", "driver": "amdgpu"}
+    line = parsers.format_sysfs_pci_line("0000:03:00.0", fields, ["renderD128", "card1", "card1-DP-1"])
+    assert line == "0000:03:00.0 class=0x030000 vendor=0x1002 device=0x73ff subsystem=0x1da2:0xe448 driver=amdgpu drm=card1,renderD128\n"
+    [device] = parsers.parse_sysfs_pci("# comment\n" + line).devices
+    assert device == parsers.SysfsPciDevice("0000:03:00.0", "030000", "1002", "73ff", "1da2:e448", "amdgpu", ("card1", "renderD128"))
+    assert device.display and device.render_node == "renderD128"
+    # Absent fields are left out, not written empty.
+    assert parsers.format_sysfs_pci_line("0000:00:01.0", {"class": "0x060400", "vendor": "0x8086", "device": "0x460d", "driver": None}, []) == (
+        "0000:00:01.0 class=0x060400 vendor=0x8086 device=0x460d\n"
+    )
+
+
+def test_sysfs_pci_keeps_good_lines_and_names_bad_ones():
+    text = "0000:03:00.0 class=0x030000 vendor=0x1002 device=0x73ff\n0000:04:00.0 class=0x03 vendor=0x1002 device=0x1681\nrubbish\n"
+    parsed = parsers.parse_sysfs_pci(text)
+    assert [d.slot for d in parsed.devices] == ["0000:03:00.0"]
+    assert parsed.problems == (("line 2", "class is '0x03', not 6 hex digits"), ("line 3", "not a PCI slot: 'rubbish'"))
+    with pytest.raises(ParseError, match="no device line understood"):
+        parsers.parse_sysfs_pci("rubbish\n")
+    # A PCI bus with no device on it (an ARM board) is an answer.
+    assert parsers.parse_sysfs_pci("").devices == ()
+
+
+@pytest.mark.parametrize(
+    ("path", "slot"),
+    [
+        ("../../devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:00.0/0000:03:00.0/drm/card1", "0000:03:00.0"),
+        ("../../devices/pci0000:00/0000:00:01.0/virtio0/drm/card0", "0000:00:01.0"),
+        ("../../devices/platform/simple-framebuffer.0/drm/card0", None),
+        ("../../devices/platform/gpu/drm/renderD128", None),
+    ],
+)
+def test_the_pci_slot_of_a_drm_node_is_the_last_slot_on_its_path(path, slot):
+    assert parsers.pci_slot_in_path(path) == slot

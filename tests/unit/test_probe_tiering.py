@@ -12,7 +12,18 @@ from pydantic import TypeAdapter
 from reconciler.core.desired.model import TIER_SCORE, Gpu, LabelKey, LabelValue, NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.damping import DEMOTE_AFTER_PASSES, ProbeHistory, damp
-from reconciler.core.probe.parsers import BlockDisk, DriNodes, Encoder, NvidiaGpu, NvidiaReport, PciDisplay, VaDevice, VaInfo
+from reconciler.core.probe.parsers import (
+    BlockDisk,
+    DriNodes,
+    Encoder,
+    NvidiaGpu,
+    NvidiaReport,
+    PciDisplay,
+    SysfsPci,
+    SysfsPciDevice,
+    VaDevice,
+    VaInfo,
+)
 from reconciler.core.probe.raw import ParsedFacts
 from reconciler.core.probe.tiering import (
     LABEL_PREFIX,
@@ -301,3 +312,124 @@ def test_the_effective_tier_drops_only_after_enough_consecutive_lower_passes(obs
             assert all(TIER_SCORE[t] < TIER_SCORE[effective_tiers[n - passes]] for t in window)
         # Damping only ever holds a tier up: never below what this pass saw.
         assert TIER_SCORE[effective_tiers[n]] >= TIER_SCORE[observed[n]]
+
+
+# ---------------------------------------------------------------- sysfs, no lspci
+
+
+def _sysfs_only(devices, dri_nodes, va=None, ffmpeg=FFMPEG, fb=None):
+    """A machine without lspci: GPUs only from sysfs-pci."""
+    values = {"pci_sysfs": SysfsPci(tuple(devices)), "cpu": 8, "memory": 16000, "arch": "x86_64", "hostname": "box"}
+    if dri_nodes is not None:
+        values["dri"] = DriNodes(tuple(dri_nodes), ())
+    if va is not None:
+        values["vainfo"] = va
+    if ffmpeg is not None:
+        values["ffmpeg"] = ffmpeg
+    if fb is not None:
+        values["framebuffer"] = fb
+    return ParsedFacts(values, {"pci": "lspci: not installed"})
+
+
+def _dev(slot, vendor, device, driver=None, drm=(), cls="030000"):
+    return SysfsPciDevice(slot, cls, vendor, device, None, driver, tuple(drm))
+
+
+RX6600_VA = "Mesa Gallium driver 24.2.7 for AMD Radeon RX 6600 (radeonsi, navi23, LLVM 18.1.8, DRM 3.59, 6.11.9)"
+PHOENIX_VA = "Mesa Gallium driver 23.3.3 for AMD Radeon Graphics (radeonsi, gfx1103_r1, LLVM 17.0.6, DRM 3.56, 6.7.0)"
+
+
+def _va(driver):
+    return VaInfo((VaDevice("renderD128", driver, ("VAProfileH264High", "VAProfileHEVCMain")),))
+
+
+def test_without_lspci_a_discrete_radeon_with_encode_is_gpu_vaapi_named_by_va_api():
+    facts = build_node_facts(_sysfs_only([_dev("0000:03:00.0", "1002", "73ff", "amdgpu", ("card1", "renderD128"))], ["renderD128"], _va(RX6600_VA)))
+    [gpu] = facts.hardware.gpus
+    assert (gpu.tier, gpu.integrated, gpu.model, gpu.render_node) == ("gpu_vaapi", False, "AMD Radeon RX 6600", "renderD128")
+    assert facts.labels[f"{LABEL_PREFIX}gpu"] == "amd:rx6600"
+
+
+@pytest.mark.parametrize(
+    ("device", "driver"),
+    [
+        ("15bf", PHOENIX_VA),  # Phoenix by id and by codename
+        ("ffff", PHOENIX_VA),  # an id not in the table: the codename says APU
+        ("15bf", None),  # no vainfo at all: the id says APU
+        ("ffff", "Mesa Gallium driver 24.1.7 for AMD Radeon 780M (radeonsi, gfx1103_r1, LLVM 18, DRM 3.57)"),
+        ("ffff", "Mesa Gallium driver 22.3.6 for AMD Radeon Graphics (renoir, LLVM 15.0.6, DRM 3.49, 6.1.0-17-amd64)"),
+        ("ffff", "Mesa Gallium driver 24.1.3 for AMD Radeon Graphics (radeonsi, raphael_mendocino, LLVM 17.0.6)"),
+    ],
+)
+def test_without_lspci_an_amd_apu_is_gpu_apu(device, driver):
+    va = _va(driver) if driver else None
+    facts = build_node_facts(_sysfs_only([_dev("0000:c4:00.0", "1002", device, "amdgpu", ("card0", "renderD128"))], ["renderD128"], va))
+    [gpu] = facts.hardware.gpus
+    assert gpu.integrated and gpu.tier == "gpu_apu"
+
+
+@pytest.mark.parametrize(
+    "driver",
+    [
+        "Mesa Gallium driver 22.2.0 for AMD Radeon RX 6400 (navi24, LLVM 14.0.6, DRM 3.48, 6.0.6)",
+        "Mesa Gallium driver 18.1.6 for AMD Radeon (TM) RX 480 Graphics (POLARIS10, DRM 3.26.0, 4.18.5, LLVM 6.0.1)",
+        "Mesa Gallium driver 23.0 for AMD Radeon RX Vega (radeonsi, vega10, LLVM 15)",
+        "Mesa Gallium driver 24.0.0 for AMD Radeon RX 6800M (radeonsi, navi22, LLVM 17)",
+    ],
+)
+def test_discrete_radeons_are_not_taken_for_apus(driver):
+    facts = build_node_facts(_sysfs_only([_dev("0000:03:00.0", "1002", "73ff", "amdgpu", ("renderD128",))], ["renderD128"], _va(driver)))
+    assert not facts.hardware.gpus[0].integrated
+
+
+def test_without_lspci_an_intel_igpu_on_the_root_bus_is_gpu_apu_and_arc_is_not():
+    ihd = "Intel iHD driver for Intel(R) Gen Graphics - 23.1.1 ()"
+    igpu = build_node_facts(_sysfs_only([_dev("0000:00:02.0", "8086", "46a6", "i915", ("card0", "renderD128"))], ["renderD128"], _va(ihd)))
+    assert [(g.model, g.integrated, g.tier) for g in igpu.hardware.gpus] == [("Intel GPU [8086:46a6]", True, "gpu_apu")]
+    arc = build_node_facts(_sysfs_only([_dev("0000:03:00.0", "8086", "56a0", "xe", ("card1", "renderD128"))], ["renderD128"], _va(ihd)))
+    assert [(g.integrated, g.tier) for g in arc.hardware.gpus] == [(False, "gpu_vaapi")]
+
+
+def test_sysfs_render_node_must_be_in_dev_dri_and_a_bound_driver_is_named():
+    device = _dev("0000:03:00.0", "1002", "73ff", "amdgpu", ("card1", "renderD128"))
+    facts = build_node_facts(_sysfs_only([device], []))  # a container without /dev/dri/renderD128
+    assert facts.hardware.gpus == []
+    assert facts.missing["gpu 0000:03:00.0"] == "AMD GPU [1002:73ff]: driver amdgpu bound but no render node in /dev/dri"
+
+
+def test_non_display_devices_are_not_gpus():
+    audio = _dev("0000:03:00.1", "1002", "ab28", "snd_hda_intel", cls="040300")
+    facts = build_node_facts(_sysfs_only([audio], ["renderD128"]))
+    assert facts.hardware.gpus == [] and facts.labels[f"{LABEL_PREFIX}gpu"] == "none"
+
+
+def test_render_nodes_by_pci_order_when_nothing_links_them():
+    """No by-path links and no sysfs (a container): one GPU, one render node."""
+    parsed = _parsed([UHD])
+    parsed.values["dri"] = _with_dri(["renderD128"])
+    facts = build_node_facts(parsed)
+    assert [g.render_node for g in facts.hardware.gpus] == ["renderD128"]
+    assert "render nodes matched to GPUs by PCI order (no /dev/dri/by-path)" in facts.limitations.notes
+
+
+def _with_dri(nodes):
+    return DriNodes(tuple(nodes), ())
+
+
+# ---------------------------------------------------------------- framebuffer tier
+
+
+def test_only_a_framebuffer_is_the_framebuffer_tier():
+    facts = build_node_facts(_sysfs_only([], None, ffmpeg=None, fb="1920x1080"))
+    assert facts.tier == "framebuffer"
+    assert build_node_facts(_sysfs_only([], None, ffmpeg=None)).tier == "relay"
+    # ffmpeg or a GPU rank above it.
+    assert build_node_facts(_sysfs_only([], None, fb="1920x1080")).tier == "cpu_ffmpeg"
+
+
+def test_a_virtual_machines_console_framebuffer_is_not_the_framebuffer_tier():
+    cirrus = _dev("0000:00:02.0", "1013", "00b8", "cirrus", ("card0",))
+    facts = build_node_facts(_sysfs_only([cirrus], ["card0"], ffmpeg=None, fb="1024x768"))
+    assert facts.tier == "relay"
+    assert facts.hardware.framebuffer is not None  # the fact stays; only the tier ignores it
+    assert any("emulated display adapter (1013:00b8)" in note for note in facts.limitations.notes)

@@ -49,7 +49,18 @@ class PerRenderNode:
     timeout: float = 10.0
 
 
-Source = Command | File | DriListing | PerRenderNode
+@dataclass(frozen=True)
+class SysfsPci:
+    """Every PCI device of /sys/bus/pci/devices (class, vendor, device,
+    subsystem ids, bound driver) with the DRM nodes of /sys/class/drm that sit
+    on it, one line a device (parsers.format_sysfs_pci_line). Needs no
+    pciutils: Debian does not install lspci everywhere."""
+
+    devices: str = "/sys/bus/pci/devices"
+    drm: str = "/sys/class/drm"
+
+
+Source = Command | File | DriListing | PerRenderNode | SysfsPci
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ FACTS: tuple[Fact, ...] = (
         "host name",
     ),
     Fact("pci", "lspci", (Command(("lspci", "-vmm", "-nn")),), parsers.parse_lspci, "PCI display devices"),
+    Fact("pci_sysfs", "sysfs-pci", (SysfsPci(),), parsers.parse_sysfs_pci, "PCI devices and their DRM nodes from sysfs"),
     Fact(
         "nvidia",
         "nvidia-smi",

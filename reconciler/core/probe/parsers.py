@@ -229,6 +229,151 @@ def parse_lspci(text: str) -> tuple[PciDisplay, ...]:
 
 
 # --------------------------------------------------------------------------
+# sysfs PCI devices (the `sysfs-pci` raw file)
+#
+# One line a PCI device, as the collector writes it from sysfs:
+#
+#   0000:03:00.0 class=0x030000 vendor=0x1002 device=0x73ff subsystem=0x1da2:0xe448 driver=amdgpu drm=card1,renderD128
+#
+# the slot (the name in /sys/bus/pci/devices), then key=value fields: class,
+# vendor and device as the sysfs files print them; subsystem is
+# subsystem_vendor:subsystem_device; driver the name the device's `driver`
+# link points at; drm the /sys/class/drm cards and render nodes whose device
+# path runs through this slot. A field the kernel does not show (no driver
+# bound, no DRM node) is left out. Lines starting with '#' are comments. An
+# empty file is a valid answer: a PCI bus with no device on it.
+
+_SYSFS_HEX = {"class": 6, "vendor": 4, "device": 4}
+_SYSFS_FIELD_ORDER = ("class", "vendor", "device", "subsystem", "driver", "drm")
+_DRM_NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
+_PATH_SLOT_RE = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+_DRIVER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class SysfsPciDevice:
+    slot: str  # 0000:03:00.0
+    class_code: str  # "030000": class, subclass, programming interface
+    vendor_id: str  # "1002"
+    device_id: str  # "73ff"
+    subsystem: str | None = None  # "1da2:e448"
+    driver: str | None = None  # "amdgpu", "i915", "xe", "nvidia", "nouveau", ...
+    drm: tuple[str, ...] = ()  # ("card1", "renderD128")
+
+    @property
+    def display(self) -> bool:
+        return self.class_code.startswith("03")
+
+    @property
+    def render_node(self) -> str | None:
+        return next((n for n in self.drm if n.startswith("renderD")), None)
+
+    @property
+    def bus(self) -> str:
+        return self.slot.split(":")[1]
+
+
+@dataclass(frozen=True)
+class SysfsPci:
+    devices: tuple[SysfsPciDevice, ...]
+    # (line N, reason) for each line that was not understood.
+    problems: tuple[tuple[str, str], ...] = ()
+
+    def displays(self) -> tuple[SysfsPciDevice, ...]:
+        return tuple(d for d in self.devices if d.display)
+
+
+def _drm_key(name: str) -> tuple[int, int]:
+    match = _DRM_NODE_RE.match(name)
+    return (0 if match.group(1) == "card" else 1, int(match.group(2))) if match else (2, 0)
+
+
+def pci_slot_in_path(path: str) -> str | None:
+    """The last PCI slot in a sysfs device path: '../../devices/pci0000:00/
+    0000:00:01.1/0000:03:00.0/drm/card1' -> '0000:03:00.0' (bridges come
+    before the device; a virtio GPU's 'virtio0' after it)."""
+    slots = [part for part in path.split("/") if _PATH_SLOT_RE.match(part)]
+    return normalize_pci_slot(slots[-1]) if slots else None
+
+
+def format_sysfs_pci_line(slot: str, fields: dict[str, str | None], drm: list[str]) -> str:
+    """One device's line, fields in a fixed order, absent ones left out (so a
+    capture is the same text every time)."""
+    values = {key: (value or "").strip() for key, value in fields.items()}
+    nodes = sorted({n for n in drm if _DRM_NODE_RE.match(n)}, key=_drm_key)
+    if nodes:
+        values["drm"] = ",".join(nodes)
+    parts = [slot.strip()]
+    parts.extend(f"{key}={values[key]}" for key in _SYSFS_FIELD_ORDER if values.get(key) and " " not in values[key])
+    return " ".join(parts) + "\n"
+
+
+def _sysfs_hex(value: str | None, digits: int) -> str | None:
+    if value is None:
+        return None
+    text = value.lower().removeprefix("0x")
+    return text if re.match(rf"^[0-9a-f]{{{digits}}}$", text) else None
+
+
+def _parse_sysfs_line(line: str) -> SysfsPciDevice:
+    head, *rest = line.split()
+    slot = normalize_pci_slot(head)
+    if slot is None:
+        raise ParseError(f"not a PCI slot: {head[:40]!r}")
+    fields: dict[str, str] = {}
+    for part in rest:
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ParseError(f"not key=value: {part[:40]!r}")
+        fields.setdefault(key, value)
+    codes: dict[str, str] = {}
+    for key, digits in _SYSFS_HEX.items():
+        code = _sysfs_hex(fields.get(key), digits)
+        if code is None:
+            raise ParseError(f"{key} is {fields.get(key, '(none)')[:20]!r}, not {digits} hex digits")
+        codes[key] = code
+    subsystem = None
+    vendor_part, _, device_part = fields.get("subsystem", "").partition(":")
+    sub_vendor, sub_device = _sysfs_hex(vendor_part, 4), _sysfs_hex(device_part, 4)
+    if sub_vendor and sub_device:
+        subsystem = f"{sub_vendor}:{sub_device}"
+    driver = fields.get("driver")
+    drm = tuple(sorted({n for n in fields.get("drm", "").split(",") if _DRM_NODE_RE.match(n)}, key=_drm_key))
+    return SysfsPciDevice(
+        slot=slot,
+        class_code=codes["class"],
+        vendor_id=codes["vendor"],
+        device_id=codes["device"],
+        subsystem=subsystem,
+        driver=driver if driver and _DRIVER_RE.match(driver) else None,
+        drm=drm,
+    )
+
+
+def parse_sysfs_pci(text: str) -> SysfsPci:
+    devices: list[SysfsPciDevice] = []
+    problems: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            device = _parse_sysfs_line(line)
+        except ParseError as exc:
+            problems.append((f"line {number}", str(exc)))
+            continue
+        if device.slot in seen:
+            problems.append((f"line {number}", f"{device.slot} listed twice"))
+            continue
+        seen.add(device.slot)
+        devices.append(device)
+    if problems and not devices:
+        raise ParseError("no device line understood: " + "; ".join(f"{n}: {r}" for n, r in problems)[:200])
+    return SysfsPci(tuple(devices), tuple(problems))
+
+
+# --------------------------------------------------------------------------
 # nvidia-smi --query-gpu=index,name,memory.total,driver_version,pci.bus_id
 #            --format=csv,noheader,nounits
 

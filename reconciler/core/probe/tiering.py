@@ -10,7 +10,15 @@ Tier rule (the seed's tiers, best first; the node takes its best GPU's tier):
               driver without encode) also lands here: it still computes through
               its render node like an iGPU, it just cannot be trusted to encode.
 - cpu_ffmpeg: no usable GPU, but ffmpeg answers.
+- framebuffer: nothing above, but a usable /dev/fb0 (see `framebuffer_usable`).
 - relay:      nothing above.
+
+GPUs come from `lspci` when it answers, else from sysfs (`sysfs-pci`: PCI
+class 0x03xxxx, vendor and device ids, the bound driver and the DRM nodes on
+the device), so a machine without pciutils still finds its GPUs. sysfs also
+ties each render node to its PCI slot (the kernel's own link), ahead of
+/dev/dri/by-path. Without lspci a GPU's name comes from its VA-API driver
+string ("... for AMD Radeon RX 6600 (radeonsi, navi23, ...)"), else its ids.
 
 A GPU that lspci shows but that cannot be used (an NVIDIA card whose driver
 does not answer, a card with no render node) is not listed under
@@ -42,6 +50,7 @@ from reconciler.core.probe.parsers import (
     NvidiaReport,
     OsRelease,
     PciDisplay,
+    SysfsPci,
     TailscaleStatus,
     VaInfo,
 )
@@ -62,6 +71,33 @@ _AMD_APU_RE = re.compile(
 )
 
 
+# AMD APUs by PCI device id (pci.ids), for a machine without lspci's names:
+# Raven, Picasso, Renoir, Cezanne, Lucienne, Barcelo, Rembrandt, Raphael,
+# Granite Ridge, Mendocino, Van Gogh, Phoenix1, Phoenix2, Strix, Strix Halo, Krackan.
+_AMD_APU_DEVICE_IDS = frozenset(
+    {"15dd", "15d8", "1636", "1638", "164c", "15e7", "1681", "164e", "13c0", "1506", "163f", "15bf", "15c8", "150e", "1586", "1114"}
+)
+
+# What Mesa's radeonsi VA-API driver string says of an APU: its codename
+# (`rembrandt`, `raphael_mendocino`, `gfx1103_r1` for Phoenix/780M, `gfx1150`
+# for Strix) or its marketing name (`Radeon 780M`, `Radeon Vega 8`). Matched
+# as tokens (underscores split them), so `navi23` or `RX Vega 56` never match.
+_AMD_APU_VA_RE = re.compile(
+    r"(?<![a-z0-9])(raven2?|picasso|renoir|cezanne|lucienne|barcelo|rembrandt|raphael|mendocino|vangogh|phoenix\d?|"
+    r"hawk ?point\d?|strix|krackan|gfx90c|gfx1035|gfx1036|gfx1037|gfx1103|gfx115\d|stoney|carrizo|kaveri|kabini|mullins|"
+    r"radeon(?:\(tm\))? \d{3}m|radeon(?:\(tm\))? \d{4}s|radeon vega \d+)(?![a-z0-9])",
+    re.I,
+)
+# "Mesa Gallium driver 24.2.7 for AMD Radeon RX 6600 (radeonsi, navi23, LLVM ...)"
+_MESA_DRIVER_RE = re.compile(r"^Mesa Gallium driver \S+ for (.+?) \(([^()]*)\)")
+_GENERIC_NAMES = {"amd radeon graphics", "amd radeon(tm) graphics", "radeon graphics"}
+
+# Emulated display adapters of virtual machines (QEMU std VGA, Cirrus,
+# virtio-gpu, QXL, VMware SVGA, VirtualBox): their /dev/fb0 is a console
+# nobody looks at.
+_EMULATED_DISPLAY_VENDORS = frozenset({"1234", "1013", "1af4", "1b36", "15ad", "80ee"})
+
+
 # --------------------------------------------------------------------------
 # GPUs
 
@@ -72,22 +108,59 @@ def _marketing_name(device_name: str) -> str:
     return match.group(1).strip() if match else device_name.strip()
 
 
-def is_integrated(device: PciDisplay) -> bool:
+def is_integrated(device: PciDisplay, va_driver: str | None = None) -> bool:
+    """From what the machine says: Intel's iGPU sits on the root bus; an AMD
+    APU is named so by pci.ids (lspci), by its PCI id, or by its VA-API driver
+    string (codename or marketing name)."""
     vendor = _VENDORS.get(device.vendor_id)
     if vendor == "intel":
         # Intel's iGPU always sits on the root bus (00:02.0); Arc cards never do.
         return device.bus == "00"
     if vendor == "amd":
-        return bool(_AMD_APU_RE.search(device.device_name))
+        return bool(
+            _AMD_APU_RE.search(device.device_name) or device.device_id in _AMD_APU_DEVICE_IDS or (va_driver and _AMD_APU_VA_RE.search(va_driver))
+        )
     return False
 
 
-def _render_nodes(displays: list[PciDisplay], dri: DriNodes | None) -> tuple[dict[str, str], list[str]]:
+def va_gpu_name(va_driver: str | None) -> str | None:
+    """The GPU Mesa's VA-API driver names: 'AMD Radeon RX 6600'; a generic
+    'AMD Radeon Graphics' gets its codename: 'AMD Radeon Graphics (gfx1103_r1)'.
+    Intel's iHD names no GPU ('Intel(R) Gen Graphics'): None."""
+    match = _MESA_DRIVER_RE.search(va_driver or "")
+    if match is None:
+        return None
+    name = match.group(1).strip()
+    details = [p.strip() for p in match.group(2).split(",")]
+    codename = next((p for p in details if p and p != "radeonsi" and not re.match(r"^(LLVM|DRM|ACO)\b", p) and " " not in p), None)
+    if name.lower() in _GENERIC_NAMES and codename:
+        return f"{name} ({codename})"
+    return name or None
+
+
+def _pci_displays(parsed: ParsedFacts) -> list[PciDisplay]:
+    """Display devices from lspci, else from sysfs (lspci's names win; a
+    device only sysfs shows is added). Names from sysfs are empty."""
+    pci: tuple[PciDisplay, ...] = parsed.get("pci") or ()
+    sysfs: SysfsPci | None = parsed.get("pci_sysfs")
+    displays = {d.slot: d for d in pci}
+    if sysfs is not None:
+        for device in sysfs.displays():
+            if device.slot not in displays:
+                displays[device.slot] = PciDisplay(device.slot, device.class_code[:4], device.vendor_id, "", device.device_id, "")
+    return sorted(displays.values(), key=lambda d: d.slot)
+
+
+def _render_nodes(displays: list[PciDisplay], dri: DriNodes | None, sysfs: SysfsPci | None) -> tuple[dict[str, str], list[str]]:
     """PCI slot -> render node, and notes on how they were matched."""
     if dri is None:
         return {}, []
-    if dri.render_by_slot:
-        return dict(dri.render_by_slot), []
+    # sysfs's link from the render node to its device is the kernel's own
+    # word; by-path links are udev's. A node /dev/dri does not show (a
+    # container given no access to it) is not usable from here.
+    from_sysfs = {d.slot: node for d in (sysfs.devices if sysfs else ()) if (node := d.render_node) and node in dri.render_nodes}
+    if dri.render_by_slot or from_sysfs:
+        return {**dri.render_by_slot, **from_sysfs}, []
     # No /dev/dri/by-path (some containers): the kernel numbers render nodes
     # in probe order, which follows the PCI order when every display device
     # has one. Anything less would be a guess, so then nothing is matched.
@@ -101,14 +174,15 @@ def _render_nodes(displays: list[PciDisplay], dri: DriNodes | None) -> tuple[dic
 
 def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[str]]:
     """(usable GPUs best first, missing entries, notes)."""
-    pci: tuple[PciDisplay, ...] = parsed.get("pci") or ()
     nvidia: NvidiaReport | None = parsed.get("nvidia")
     dri: DriNodes | None = parsed.get("dri")
     va: VaInfo | None = parsed.get("vainfo")
-    missing: dict[str, str] = {}
+    sysfs: SysfsPci | None = parsed.get("pci_sysfs")
+    drivers = {d.slot: d.driver for d in (sysfs.devices if sysfs else ()) if d.driver}
+    missing: dict[str, str] = {f"pci_sysfs {subject}": reason for subject, reason in (sysfs.problems if sysfs else ())}
 
-    displays = [d for d in pci if d.vendor_id in _VENDORS]
-    render_by_slot, notes = _render_nodes(displays, dri)
+    displays = [d for d in _pci_displays(parsed) if d.vendor_id in _VENDORS]
+    render_by_slot, notes = _render_nodes(displays, dri, sysfs)
     gpus: list[Gpu] = []
     claimed: set[str] = set()
 
@@ -136,17 +210,24 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
         if device.slot in claimed:
             continue
         vendor = _VENDORS[device.vendor_id]
-        model = f"{_VENDOR_DISPLAY[vendor]} {_marketing_name(device.device_name)}"
+        node = render_by_slot.get(device.slot)
+        va_device = va.on(node) if va is not None and node is not None else None
+        va_driver = va_device.driver if va_device else None
+        if device.device_name:
+            model = f"{_VENDOR_DISPLAY[vendor]} {_marketing_name(device.device_name)}"
+        else:
+            # No lspci: the VA-API driver's name for it, else its PCI ids.
+            model = va_gpu_name(va_driver) or f"{_VENDOR_DISPLAY[vendor]} GPU [{device.vendor_id}:{device.device_id}]"
         if vendor == "nvidia":
             why = parsed.missing.get("nvidia", "nvidia-smi does not list it")
             missing[f"gpu {device.slot}"] = f"{model}: no working NVIDIA driver ({why})"
             continue
-        node = render_by_slot.get(device.slot)
         if node is None:
-            missing[f"gpu {device.slot}"] = f"{model}: no render node in /dev/dri (no kernel driver bound)"
+            driver = drivers.get(device.slot)
+            reason = f"driver {driver} bound but no render node in /dev/dri" if driver else "no render node in /dev/dri (no kernel driver bound)"
+            missing[f"gpu {device.slot}"] = f"{model}: {reason}"
             continue
-        integrated = is_integrated(device)
-        va_device = va.on(node) if va is not None else None
+        integrated = is_integrated(device, va_driver)
         encodes = bool(va_device and va_device.encode_profiles)
         tier: Tier = "gpu_vaapi" if encodes and not integrated else "gpu_apu"
         if not integrated and not encodes:
@@ -265,10 +346,32 @@ def usable_hardware_encoders(encoders: Iterable[Encoder], gpus: list[Gpu], va: V
 # Tier, labels, limitations
 
 
-def node_tier(gpus: list[Gpu], ffmpeg_present: bool) -> Tier:
+def node_tier(gpus: list[Gpu], ffmpeg_present: bool, framebuffer: bool = False) -> Tier:
     if gpus:
         return max(gpus, key=lambda g: TIER_SCORE[g.tier]).tier
-    return "cpu_ffmpeg" if ffmpeg_present else "relay"
+    if ffmpeg_present:
+        return "cpu_ffmpeg"
+    return "framebuffer" if framebuffer else "relay"
+
+
+def framebuffer_usable(resolution: str | None, parsed: ParsedFacts) -> tuple[bool, str | None]:
+    """(usable, why not) for the framebuffer tier.
+
+    Usable means /sys/class/graphics/fb0/virtual_size gave a real WIDTH,HEIGHT
+    (parse_fb0 refuses "0,0" and odd text), so the kernel has a framebuffer to
+    draw on: a Pi's or a thin client's panel, efifb/simpledrm on a box whose GPU
+    has no driver. It is not usable when every display device the PCI sources
+    show is a virtual machine's emulated adapter (QEMU VGA, Cirrus, virtio-gpu,
+    QXL, VMware, VirtualBox): that fb0 is a console nobody sees. Without PCI
+    facts (an ARM board with no PCI bus) fb0 is taken at its word.
+    """
+    if resolution is None:
+        return False, None
+    displays = _pci_displays(parsed)
+    if displays and all(d.vendor_id in _EMULATED_DISPLAY_VENDORS for d in displays):
+        slots = ", ".join(f"{d.vendor_id}:{d.device_id or '?'}" for d in displays)
+        return False, f"framebuffer {resolution} belongs to an emulated display adapter ({slots}): not counted as the framebuffer tier"
+    return True, None
 
 
 _LABEL_BAD_RE = re.compile(r"[^a-z0-9_.:-]+")
@@ -398,11 +501,16 @@ def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
     if tailscale is not None and tailscale.relayed is None:
         missing["tailscale_relayed"] = "no active peer connection to judge the path by"
 
-    tier = node_tier(gpus, encoders is not None)
+    fb_usable, fb_note = framebuffer_usable(resolution, parsed)
+    tier = node_tier(gpus, encoders is not None, fb_usable)
+    if fb_note and not gpus and encoders is None:
+        # Only where it decided the tier: elsewhere a better tier wins anyway.
+        gpu_notes.append(fb_note)
     limitations = limitations_for(cores, memory, tier, gpus)
     if gpu_notes:
         limitations = limitations.model_copy(update={"notes": [*limitations.notes, *gpu_notes]})
     os_release: OsRelease | None = parsed.get("os")
+    pci_known = parsed.get("pci") is not None or parsed.get("pci_sysfs") is not None
 
     return NodeFacts(
         tailnet_name=(tailscale.dns_name if tailscale and tailscale.dns_name else None) or hostname or "unknown",
@@ -419,7 +527,7 @@ def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
             framebuffer=framebuffer,
         ),
         tier=tier,
-        labels=build_labels(hostname, tier, arch, gpus, storage_tier_label(storage), tailscale is not None, parsed.get("pci") is not None),
+        labels=build_labels(hostname, tier, arch, gpus, storage_tier_label(storage), tailscale is not None, pci_known),
         limitations=limitations,
         missing=dict(sorted(missing.items())),
         os=(
