@@ -439,7 +439,7 @@ class Applier:
                     f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
                 )
                 return PassResult("rolled-back", actions, good, messages)
-            except ActivationError as again:
+            except (ActivationError, OSError) as again:  # OSError: the rollback's own writes (a full disk)
                 messages.append(f"rollback to generation {good} failed too: {again}")
                 self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
                 return PassResult("failed", actions, number, messages)

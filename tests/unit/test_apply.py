@@ -783,3 +783,31 @@ def test_a_rollback_whose_own_activation_fails_is_reported_failed_not_rolled_bac
     # The failures were one-shot: the next pass converges on what is desired.
     assert fleet.reconcile().ok
     assert_converged(fleet.machine, fleet.root)
+
+
+def test_a_rollback_that_cannot_write_its_files_is_reported_failed(tmp_path: Path) -> None:
+    """The disk fills up between a failed activation and its rollback: the
+    pass reports failed (exit 1) with both reasons instead of crashing."""
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    text = (fleet.desired / "fabric.toml").read_text()
+    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
+    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
+    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    full = {"disk": False}
+
+    def checkpoint(step: str) -> None:
+        if step == "start fabric-socat-lux-nfs.service":
+            full["disk"] = True
+        elif full["disk"] and step.startswith(("write ", "remove ")):
+            raise OSError(28, "No space left on device")
+
+    ports = dataclasses.replace(fleet.ports(), checkpoint=checkpoint)
+    report = run_pass(fleet.options(), ports)
+    assert report.outcome == "failed" and report.exit_status == 1
+    err = "\n".join(report.stderr)
+    assert "activation of generation 2 failed" in err and "rollback to generation 1 failed too" in err and "No space left on device" in err
+    assert fleet.store.good() == 1
+    # Space again: the next pass converges.
+    assert fleet.reconcile().ok
+    assert_converged(fleet.machine, fleet.root)
