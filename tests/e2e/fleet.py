@@ -580,13 +580,7 @@ class Fleet:
                 "500",
                 # Clients over TLS with a certificate of the fleet's CA; once
                 # init-auth enabled auth, its CN is the user a client acts as.
-                "--cert-file",
-                str(self.pki.server_cert),
-                "--key-file",
-                str(self.pki.server_key),
-                "--trusted-ca-file",
-                str(self.pki.ca_file),
-                "--client-cert-auth",
+                *self.pki.server_argv(),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -134,6 +134,20 @@ class TestPki:
         key_path.chmod(0o600)
         return cert_path, key_path
 
+    def server_argv(self) -> list[str]:
+        """etcd's options to serve clients over TLS with this CA's server
+        certificate and to require a client certificate of this CA: once
+        init-auth enabled auth, a client's CN is the user it acts as."""
+        return [
+            "--cert-file",
+            str(self.server_cert),
+            "--key-file",
+            str(self.server_key),
+            "--trusted-ca-file",
+            str(self.ca_file),
+            "--client-cert-auth",
+        ]
+
     def client(self, common_name: str) -> tuple[Path, Path]:
         """The (cert, key) paths of a client certificate with CN=common_name, issued on first use."""
         if common_name not in self._issued:
@@ -232,19 +246,7 @@ class EtcdCluster:
         ] + self._tls_argv()
 
     def _tls_argv(self) -> list[str]:
-        if self.pki is None:
-            return []
-        return [
-            "--cert-file",
-            str(self.pki.server_cert),
-            "--key-file",
-            str(self.pki.server_key),
-            "--trusted-ca-file",
-            str(self.pki.ca_file),
-            # A client must present a certificate of the CA; with auth
-            # enabled its CN is the user it acts as.
-            "--client-cert-auth",
-        ]
+        return [] if self.pki is None else self.pki.server_argv()
 
     def start(self, name: str, state: str = "new") -> None:
         m = self.member(name)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.model import FleetConfig
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.records import NodeRecord
 from reconciler.ports import Clock, Registry
 from tests.plan_keys import SignedFleet, signed_example_fleet
 
@@ -60,3 +63,25 @@ class Store:
             new = f'backend = "sqlite"\npath = "{self.sqlite_path}"'
         (target / "fabric.toml").write_text(text.replace(_EXAMPLE_REGISTRY, new))
         return target
+
+
+# -- small helpers the registry suites share ---------------------------------
+
+
+def record(node: str, tier: str = "cpu_ffmpeg", **kw: object) -> NodeRecord:
+    """A node's heartbeat record (limit 2 unless given)."""
+    limit = kw.pop("max_concurrent_tasks", 2)
+    return NodeRecord(node_id=node, tier=tier, max_concurrent_tasks=limit, **kw)  # type: ignore[arg-type]
+
+
+def status_of(registry: Registry, node: str) -> str | None:
+    return next((s.status for s in registry.node_states() if s.node_id == node), None)
+
+
+def leader_name(registry: Registry) -> str | None:
+    info = registry.leader()
+    return info.candidate if info else None
+
+
+def a_plan() -> FleetPlan:
+    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))

@@ -18,22 +18,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 
 import pytest
 
-from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.records import NodeRecord
-from reconciler.ports import NotLeader, Registry
+from reconciler.ports import NotLeader
 from tests.conftest import REPO
+from tests.integration.registry_store import a_plan, leader_name, record, status_of
 
 pytestmark = pytest.mark.integration
 
 PYTHON = sys.executable
-
-
-def record(node: str, tier: str = "cpu_ffmpeg", **kw) -> NodeRecord:
-    return NodeRecord(node_id=node, tier=tier, max_concurrent_tasks=kw.pop("max_concurrent_tasks", 2), **kw)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -42,19 +36,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.05)
-
-
-def status_of(registry: Registry, node: str) -> str | None:
-    return next((s.status for s in registry.node_states() if s.node_id == node), None)
-
-
-def leader_name(registry: Registry) -> str | None:
-    info = registry.leader()
-    return info.candidate if info else None
-
-
-def a_plan() -> FleetPlan:
-    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))
 
 
 # -- heartbeats and the lifecycle ------------------------------------------------

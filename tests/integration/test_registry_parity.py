@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
-from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.records import NodeRecord, ScalingRecord
+from reconciler.core.live.records import ScalingRecord
 from reconciler.ports import NotLeader, Registry
 from tests.fakes import FakeClock
-from tests.integration.registry_store import Store
+from tests.integration.registry_store import Store, a_plan, leader_name, record, status_of
 
 pytestmark = pytest.mark.integration
 
@@ -97,23 +96,6 @@ def timeline(store: Store) -> Timeline:
     return Timeline(store)
 
 
-def record(node: str, tier: str = "cpu_ffmpeg", **kw) -> NodeRecord:
-    return NodeRecord(node_id=node, tier=tier, max_concurrent_tasks=2, **kw)
-
-
-def status(registry: Registry, node: str) -> str | None:
-    return next((s.status for s in registry.node_states() if s.node_id == node), None)
-
-
-def leader_name(registry: Registry) -> str | None:
-    info = registry.leader()
-    return info.candidate if info else None
-
-
-def a_plan() -> FleetPlan:
-    return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))
-
-
 class Observer:
     """The leader advancing the stored lifecycle, collecting the events."""
 
@@ -163,11 +145,11 @@ def test_ttl_expiry_takes_a_direct_node_offline_before_a_relayed_one(timeline):
     timeline.mark()
     registry.heartbeat(record("lux", "gpu_cuda"))
     registry.heartbeat(record("racknerd", relayed=True))
-    timeline.by(NODE_TIMEOUT_S, lambda: status(registry, "lux") == "offline", "lux offline after its TTL")
+    timeline.by(NODE_TIMEOUT_S, lambda: status_of(registry, "lux") == "offline", "lux offline after its TTL")
     lux = next(n for n in registry.snapshot().nodes if n.node_id == "lux")
     assert (lux.status, lux.tier) == ("offline", "gpu_cuda"), "an offline node keeps its facts"
-    timeline.before(RELAYED_TIMEOUT_S, lambda: status(registry, "racknerd") == "active", "a relayed node outlasts the node timeout")
-    timeline.by(RELAYED_TIMEOUT_S, lambda: status(registry, "racknerd") == "offline", "racknerd offline after its TTL")
+    timeline.before(RELAYED_TIMEOUT_S, lambda: status_of(registry, "racknerd") == "active", "a relayed node outlasts the node timeout")
+    timeline.by(RELAYED_TIMEOUT_S, lambda: status_of(registry, "racknerd") == "offline", "racknerd offline after its TTL")
 
 
 def test_beats_within_the_ttl_keep_a_node_active_past_it(timeline):
@@ -177,11 +159,11 @@ def test_beats_within_the_ttl_keep_a_node_active_past_it(timeline):
     for i in range(8):  # a beat every 0.5 s for 4 s: twice the TTL
         timeline.at(i * 0.5)
         registry.heartbeat(record("lux"), ttl_s=ttl)
-        assert status(registry, "lux") == "active"
+        assert status_of(registry, "lux") == "active"
     timeline.mark()
-    timeline.by(ttl, lambda: status(registry, "lux") == "offline", "offline one TTL after the last beat")
+    timeline.by(ttl, lambda: status_of(registry, "lux") == "offline", "offline one TTL after the last beat")
     registry.heartbeat(record("lux"), ttl_s=ttl)
-    assert status(registry, "lux") == "active", "a beat brings it back"
+    assert status_of(registry, "lux") == "active", "a beat brings it back"
 
 
 # -- leadership: renewals, campaigns, epochs and the fence ---------------------------------
@@ -278,17 +260,17 @@ def test_offline_then_dead_then_forgotten_and_a_dead_node_that_beats_again(timel
     for node in ("a1-arm64", "x86-spill"):
         registry.heartbeat(record(node))
     assert leader.advance() == [("a1-arm64", "active"), ("x86-spill", "active")]
-    timeline.by(NODE_TIMEOUT_S, lambda: status(registry, "a1-arm64") == status(registry, "x86-spill") == "offline", "both offline")
+    timeline.by(NODE_TIMEOUT_S, lambda: status_of(registry, "a1-arm64") == status_of(registry, "x86-spill") == "offline", "both offline")
     assert sorted(leader.advance()) == [("a1-arm64", "offline"), ("x86-spill", "offline")]
     timeline.mark()  # offline since now: dead one drain grace later
-    timeline.before(DRAIN_GRACE_S, lambda: leader.advance() == [] and status(registry, "a1-arm64") == "offline", "offline for the grace")
+    timeline.before(DRAIN_GRACE_S, lambda: leader.advance() == [] and status_of(registry, "a1-arm64") == "offline", "offline for the grace")
     timeline.by(DRAIN_GRACE_S, leader.saw("a1-arm64", "dead"), "dead after the drain grace")
     assert {s.node_id: s.status for s in registry.node_states()} == {"a1-arm64": "dead", "x86-spill": "dead"}
     assert registry.snapshot().nodes == [], "a dead node's facts are dropped"
     timeline.mark()
     registry.heartbeat(record("x86-spill"), ttl_s=LONG_TERM_S)
     assert leader.advance() == [("x86-spill", "active")], "a dead node that beats again is active"
-    timeline.by(DRAIN_GRACE_S, lambda: status(leader.registry, "a1-arm64") is None and leader.saw("a1-arm64", "dead")(), "forgotten")
+    timeline.by(DRAIN_GRACE_S, lambda: status_of(leader.registry, "a1-arm64") is None and leader.saw("a1-arm64", "dead")(), "forgotten")
     assert [e.forget for e in leader.events if e.node_id == "a1-arm64"][-1] is True
     assert {s.node_id: s.status for s in timeline.open().node_states()} == {"x86-spill": "active"}
     assert [n.node_id for n in registry.snapshot().nodes] == ["x86-spill"]
