@@ -173,14 +173,15 @@ def test_one_leader_at_a_time_and_a_stale_leaders_publish_is_refused(store):
 
 def test_renewal_keeps_the_term_and_resigning_frees_it(store):
     a, b = store.open(), store.open()
-    term = a.campaign("lux", 1)
-    for _ in range(4):  # 2 s: twice the TTL, kept alive by renewals
-        time.sleep(0.5)
+    ttl = 3.0
+    term = a.campaign("lux", ttl)
+    for _ in range(6):  # twice the TTL, kept alive by renewals three times per TTL (the leader's own rhythm)
+        time.sleep(ttl / 3)
         assert a.renew(term)
-    assert b.campaign("qfox-1", 1) is None
+    assert b.campaign("qfox-1", ttl) is None
     a.resign(term)
     assert a.leader() is None
-    assert b.campaign("qfox-1", 1) is not None
+    assert b.campaign("qfox-1", ttl) is not None
 
 
 def test_killing_the_leader_process_elects_another_candidate_within_one_ttl(store, tmp_path):
