@@ -215,7 +215,10 @@ def test_the_high_entropy_thresholds() -> None:
 
 def test_environment_rules() -> None:
     # By name, by value, a *_FILE path, a path under a secret-sounding name, a number.
-    assert environment_secret("DB_PASSWORD", "hunter2") == "looks like a secret given inline; give its path as DB_PASSWORD_FILE instead"
+    assert (
+        environment_secret("DB_PASSWORD", "hunter2")
+        == "looks like a secret given inline; put it in a file on the host and give that file's absolute path as DB_PASSWORD_FILE (the unit reads it with LoadCredential=)"
+    )
     assert environment_secret("DB_PASSWORD", 123456) is not None
     assert environment_secret("BROKER", "amqp://u:p@h/") is not None
     assert environment_secret("TOKENIZERS_PARALLELISM", "false") is None
@@ -264,7 +267,10 @@ def test_every_argv_is_checked() -> None:
 def test_agent_environment_is_checked_by_name_and_value() -> None:
     agent: dict[str, object] = {"arch": {"x86_64": {"image": "ghcr.io/x/y:1", "command": ["uv", "run", "saq"]}}}
     [line] = _problems(AgentSettings, {**agent, "environment": {"POSTGRES_DSN": "postgres://app:s3cr3t@db/app"}})
-    assert line == "fabric.toml: environment.POSTGRES_DSN: looks like a secret given inline; give its path as POSTGRES_DSN_FILE instead"
+    assert (
+        line
+        == "fabric.toml: environment.POSTGRES_DSN: looks like a secret given inline; put it in a file on the host and give that file's absolute path as POSTGRES_DSN_FILE (the unit reads it with LoadCredential=)"
+    )
     [line] = _problems(AgentSettings, {**agent, "environment": {"X": "xoxb-1234567890-abcdefghij"}})
     assert line.startswith("fabric.toml: environment.X: the value looks like a Slack token")
 

@@ -202,7 +202,7 @@ def secret_value_kind(value: str) -> str | None:
 
 
 def env_name_reason(name: str) -> str:
-    return f"looks like a secret given inline; give its path as {name}_FILE instead"
+    return f"looks like a secret given inline; put it in a file on the host and give that file's absolute path as {name}_FILE (the unit reads it with LoadCredential=)"
 
 
 def env_value_reason(name: str, kind: str) -> str:
