@@ -1,7 +1,9 @@
 """What both registry backends share: the lifecycle and the snapshot over one consistent read (pure).
 
-A backend reads everything it holds in one transaction (`LiveRead`) and stores
-the leader's lifecycle with one fenced transaction (`_store_lifecycle`); this
+A backend reads everything it holds at one instant (`LiveRead`: sqlite in one
+transaction, etcd in pages at one revision) and stores the leader's lifecycle
+fenced by the term (`_store_lifecycle`: sqlite in one transaction, etcd in
+chunks of bounded size, each fenced, since etcd caps a transaction); this
 mixin turns those into `node_states`, `advance_lifecycle` and `snapshot` with
 the pure `reconciler.core.scheduling.lifecycle.observe`, so both backends follow exactly the
 same rules.
@@ -67,8 +69,9 @@ class LifecycleMixin:
         dead: set[str],
         forgotten: set[str],
     ) -> None:  # pragma: no cover - provided by the backend
-        """In one transaction fenced by `leadership`: store the changed states,
-        drop the facts of dead nodes, delete every record of forgotten ones."""
+        """Fenced by `leadership` (every transaction it takes compares the
+        term; NotLeader when it is over): store the changed states, drop the
+        facts of dead nodes, delete every record of forgotten ones."""
         raise NotImplementedError
 
     def _observe(self, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:

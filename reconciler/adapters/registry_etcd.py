@@ -24,6 +24,19 @@ that needs leadership (publish, lifecycle) is a transaction comparing P/leader
 with the leader's own value, which names its lease: when the lease lapses the
 key is gone and the write is refused (`NotLeader`).
 
+Limits: etcd refuses a transaction of more than --max-txn-ops operations
+(default 128) and any request over --max-request-bytes (default 1.5 MiB). No
+request here grows with the fleet: the lifecycle is written in chunks of at
+most `TXN_CHUNK_OPS` writes and `TXN_CHUNK_BYTES` bytes, each chunk its own
+transaction fenced by the leader key (a deposed leader writes no chunk; a fence
+failing midway raises `NotLeader`, and the chunks already written are states
+this leader computed while it led, which its successor re-reads and advances).
+Only the states that changed are written. The whole registry is read in pages
+of `READ_PAGE_KEYS` keys, every page at the revision of the first, so the read
+is still one consistent instant. The plan is one key whose size grows with the
+nodes only through `ignored_nodes` (names of undeclared nodes); a plan over
+`TXN_CHUNK_BYTES` is refused here with a clear error instead of etcd's.
+
 Lane slots: slot i of a lane is the key .../slot/<i>, created only if absent,
 for i < cap; so however many dispatchers race, at most cap keys exist. A lane
 job starts in one transaction that also compares the job's key with the
@@ -53,7 +66,7 @@ from urllib.parse import urlsplit
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import rpc, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
@@ -79,6 +92,23 @@ T = TypeVar("T")
 _ACCESS = {auth_pb2.Permission.READ: "read", auth_pb2.Permission.WRITE: "write", auth_pb2.Permission.READWRITE: "readwrite"}
 _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
 
+# etcd's defaults, which a fleet's etcd keeps: --max-txn-ops and --max-request-bytes.
+ETCD_MAX_TXN_OPS = 128
+ETCD_MAX_REQUEST_BYTES = 1536 * 1024
+# Writes per lifecycle transaction: etcd's limit, less the one fence compare
+# (etcd counts the longest of the compare/success/failure lists; counting
+# them together keeps us under it whichever way a version counts), less one.
+TXN_CHUNK_OPS = ETCD_MAX_TXN_OPS - 1 - 1
+# Bytes of keys and values per transaction: two thirds of the request limit,
+# leaving room for the fence compare and the protobuf framing of each op.
+TXN_CHUNK_BYTES = ETCD_MAX_REQUEST_BYTES * 2 // 3
+# Keys per page of a full read. gRPC's client refuses a reply over 4 MiB by
+# default (etcd's replies are otherwise unbounded); a page of this many node
+# states (a few KiB each at most, 50 transitions) stays well under it, and the
+# channel accepts up to READ_REPLY_BYTES for a page holding a large plan.
+READ_PAGE_KEYS = 1000
+READ_REPLY_BYTES = 64 * 1024 * 1024
+
 # Errors meaning "this endpoint did not answer": try the next one.
 _UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, asyncio.TimeoutError, OSError)
 
@@ -92,11 +122,53 @@ def _status(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+def lifecycle_chunks(writes: Sequence[tuple[str, bytes, bytes | None]]) -> list[list[tuple[str, bytes, bytes | None]]]:
+    """`writes` (kind, key, value) cut into transactions of at most
+    TXN_CHUNK_OPS writes and TXN_CHUNK_BYTES bytes of keys and values; at
+    least one (maybe empty) chunk. A single write over TXN_CHUNK_BYTES is
+    refused: a node state is a few KiB at most (50 transitions)."""
+    chunks: list[list[tuple[str, bytes, bytes | None]]] = [[]]
+    size = 0
+    for write in writes:
+        kind, key, value = write
+        cost = len(key) + len(value or b"")
+        if cost > TXN_CHUNK_BYTES:
+            raise RegistryError(f"etcd: {key.decode(errors='replace')} would be {cost} bytes, over the {TXN_CHUNK_BYTES}-byte budget of one request")
+        if len(chunks[-1]) >= TXN_CHUNK_OPS or size + cost > TXN_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(write)
+        size += cost
+    return chunks
+
+
+async def _read_prefix(c: aetcd.Client, prefix: bytes) -> list:
+    """Every key under `prefix`, in pages of READ_PAGE_KEYS keys, all read at
+    the revision of the first page: one consistent instant, however many pages."""
+    await c.connect()
+    end = utils.prefix_range_end(prefix)
+    kvs: list = []
+    start, revision = prefix, 0
+    while True:
+        request = rpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE_KEYS, revision=revision)
+        try:
+            reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise aetcd.ConnectionFailedError(exc.details()) from exc
+            raise aetcd.ClientError(exc.details()) from exc
+        revision = revision or reply.header.revision
+        kvs.extend(reply.kvs)
+        if not reply.more or not reply.kvs:
+            return kvs
+        start = reply.kvs[-1].key + b"\0"
+
+
 class _Client(aetcd.Client):
     """aetcd's client with TLS: aetcd 1.0 only opens plaintext channels."""
 
     def __init__(self, host: str, port: int, *, credentials: grpc.ChannelCredentials | None, timeout: float) -> None:
-        super().__init__(host=host, port=port, timeout=timeout)
+        super().__init__(host=host, port=port, timeout=timeout, options={"grpc.max_receive_message_length": READ_REPLY_BYTES})
         self._credentials = credentials
 
     async def connect(self) -> None:
@@ -384,9 +456,16 @@ class EtcdRegistry(LifecycleMixin):
                 epoch = int(current.value) + 1 if current is not None else 1
                 same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
                 stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
+                value = stored.model_dump_json().encode()
+                if len(value) > TXN_CHUNK_BYTES:
+                    # etcd would refuse the request (--max-request-bytes); say what is too big.
+                    raise RegistryError(
+                        f"the plan is {len(value)} bytes, over the {TXN_CHUNK_BYTES}-byte budget of one etcd request "
+                        f"({len(stored.placements)} placements, {len(stored.ignored_nodes)} ignored nodes)"
+                    )
                 ok, replies = await c.transaction(
                     compare=[tx.value(leader_key) == ours, same_epoch],
-                    success=[tx.put(epoch_key, str(epoch).encode()), tx.put(plan_key, stored.model_dump_json().encode())],
+                    success=[tx.put(epoch_key, str(epoch).encode()), tx.put(plan_key, value)],
                     failure=[tx.get(leader_key)],
                 )
                 if ok:
@@ -587,8 +666,8 @@ class EtcdRegistry(LifecycleMixin):
     def _read(self) -> LiveRead:
         base = self._prefix.encode() + b"/"
 
-        async def op(c: _Client):
-            return [(kv.key[len(base) :].decode(), kv.value) for kv in await c.get_prefix(base)]
+        async def op(c: _Client) -> list[tuple[str, bytes]]:
+            return [(kv.key[len(base) :].decode(), kv.value) for kv in await _read_prefix(c, base)]
 
         now = from_epoch_seconds(self._now())
         records: dict[str, NodeRecord] = {}
@@ -641,20 +720,30 @@ class EtcdRegistry(LifecycleMixin):
         )
 
     def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
+        """The changed states and deletions in chunks (`lifecycle_chunks`),
+        each one transaction fenced by the leader key; with nothing to write,
+        one empty fenced transaction (the check that the term still holds).
+        A fence failing at any chunk raises NotLeader and writes no further chunk."""
         leader_key = self._key("leader")
         ours = self._leader_value(leadership.info)
+        writes: list[tuple[str, bytes, bytes | None]] = [
+            ("put", self._key("state", n), s.model_dump_json().encode()) for n, s in sorted(changed.items())
+        ]
+        writes += [("delete", self._key("facts", n), None) for n in sorted(dead | forgotten)]
+        for n in sorted(forgotten):
+            writes += [("delete", self._key("state", n), None), ("delete", self._key("drain", n), None)]
+        chunks = lifecycle_chunks(writes)
 
-        async def op(c: _Client) -> None:
-            tx = c.transactions
-            writes = [tx.put(self._key("state", n), s.model_dump_json().encode()) for n, s in changed.items()]
-            writes += [tx.delete(self._key("facts", n)) for n in dead | forgotten]
-            for n in forgotten:
-                writes += [tx.delete(self._key("state", n)), tx.delete(self._key("drain", n))]
-            ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=writes, failure=[])
-            if not ok:
-                raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+        for number, chunk in enumerate(chunks, 1):
 
-        self._call(op, f"storing {leadership.candidate}'s lifecycle")
+            async def op(c: _Client, chunk: list[tuple[str, bytes, bytes | None]] = chunk) -> None:
+                tx = c.transactions
+                ops = [tx.put(key, value) if kind == "put" else tx.delete(key) for kind, key, value in chunk]
+                ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=ops, failure=[])
+                if not ok:
+                    raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+
+            self._call(op, f"storing {leadership.candidate}'s lifecycle (part {number} of {len(chunks)})")
 
     # -- auth: users, roles and the switch (fabric registry init-auth) ----------------------
     # aetcd 1.0 has no auth API: these call etcd's Auth service on the client's channel.
