@@ -32,6 +32,12 @@ class SeenRequests:
     largest_request: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def reset(self) -> None:
+        """Forget what was seen so far (to measure one phase)."""
+        with self._lock:
+            self.count = self.transactions = self.largest_txn_ops = self.largest_txn_compares_plus_writes = self.largest_request_bytes = 0
+            self.largest_request = ""
+
     def note(self, method: str, request) -> None:
         size = request.ByteSize()
         with self._lock:

@@ -1,0 +1,191 @@
+"""The leader's step at 1,000 and 10,000 heart-beating nodes on a real etcd with default limits.
+
+Run: PYTHONPATH=. /work/main/.venv/bin/python bench/leader_scale [--sizes 1000 10000]
+
+For each size: one etcd member started here with etcd's default limits (no
+--max-txn-ops, no --max-request-bytes: 128 ops per transaction, 1.5 MiB per
+request), stopped by PID at the end. The example fleet's 5 hosts and synthetic
+nodes heartbeat through the registry adapter (16 threads); lux, with a
+throwaway plan key, leads with a real LeaderLoop and the real scheduler.
+Two steps are timed:
+  - first: lux campaigns, every node is new (every state written), plan published
+  - steady: every node beat again since (every state changed, as it does between
+    two steps of a live fleet), the plan is the same (not republished)
+and their parts: read (the whole registry, read twice per step: by the
+lifecycle and by the snapshot), lifecycle write (the fenced chunks),
+schedule, publish, and the rest (observe, signing, renewal, newest plan).
+Also the largest transaction's operation count and the largest request's bytes
+etcd received during the step, and the plan's JSON size. Ratios are against the
+first size in the same run. Nothing is asserted: the goals are printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from reconciler.adapters.clock import SystemClock  # noqa: E402
+from reconciler.adapters.registry_etcd import EtcdRegistry  # noqa: E402
+from reconciler.core.desired.load import load_desired  # noqa: E402
+from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
+from reconciler.core.live.records import NodeRecord  # noqa: E402
+from reconciler.core.scheduling.placement import schedule  # noqa: E402
+from reconciler.engine.leader import LeaderLoop  # noqa: E402
+from tests.harness.etcd import etcd_cluster  # noqa: E402
+from tests.harness.etcd_requests import recording_requests  # noqa: E402
+from tests.plan_keys import signed_example_fleet  # noqa: E402
+
+HOSTS = {
+    "qfox-1": ("gpu_cuda", "x86_64", 4),
+    "a1-arm64": ("cpu_ffmpeg", "aarch64", 2),
+    "x86-spill": ("cpu_ffmpeg", "x86_64", 4),
+    "lux": ("cpu_ffmpeg", "x86_64", 2),
+    "racknerd": ("relay", "x86_64", 1),
+}
+GOAL_STEP_S = 1.0
+GOAL_GROWTH = 12.0
+GOAL_TXN_OPS = 128
+GOAL_REQUEST_BYTES = 1536 * 1024
+PARTS = ("read", "lifecycle write", "schedule", "publish", "rest")
+
+
+class Timed:
+    """Wall time spent in the wrapped callables, by part."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[part] += time.perf_counter() - t
+                self.calls[part] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.spent.clear()
+        self.calls.clear()
+
+
+def run(size: int, desired: Path, signer) -> dict:
+    records = [NodeRecord(node_id=h, tier=tier, arch=arch, max_concurrent_tasks=limit) for h, (tier, arch, limit) in HOSTS.items()]
+    records += [NodeRecord(node_id=f"scale-{i:05d}", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2) for i in range(size - len(HOSTS))]
+    result: dict = {"size": size}
+    with etcd_cluster(members=1) as cluster, recording_requests() as seen:
+        registry = EtcdRegistry(
+            cluster.endpoints,
+            prefix=f"/bench{uuid.uuid4().hex[:8]}",
+            timing=TimingSettings(),
+            flap=FlapSettings(),
+            clock=SystemClock(),
+            op_timeout_s=30,
+        )
+        timed = Timed()
+        registry._read = timed.wrap("read", registry._read)  # type: ignore[method-assign]
+        registry._store_lifecycle = timed.wrap("lifecycle write", registry._store_lifecycle)  # type: ignore[method-assign]
+        registry.publish_plan = timed.wrap("publish", registry.publish_plan)  # type: ignore[method-assign]
+        loop = LeaderLoop(
+            registry=registry,
+            host="lux",
+            load_desired=lambda: load_desired(desired),
+            schedule=timed.wrap("schedule", schedule),
+            lease_ttl_s=120,
+            log=lambda line: None,
+            signer=signer,
+        )
+        try:
+            beat = lambda: list(pool.map(lambda r: registry.heartbeat(r, ttl_s=600), records))  # noqa: E731
+            with ThreadPoolExecutor(16) as pool:
+                t = time.perf_counter()
+                beat()
+                result["beats_s"] = time.perf_counter() - t
+                for name in ("first", "steady"):
+                    if name == "steady":
+                        beat()
+                    timed.reset()
+                    seen.reset()
+                    t = time.perf_counter()
+                    loop.step()
+                    total = time.perf_counter() - t
+                    assert loop.leadership is not None, "lux did not lead"
+                    parts = {p: timed.spent.get(p, 0.0) for p in PARTS[:-1]}
+                    parts["rest"] = total - sum(parts.values())
+                    result[name] = {
+                        "step": total,
+                        "parts": parts,
+                        "reads": timed.calls.get("read", 0),
+                        "txns": seen.transactions,
+                        "requests": seen.count,
+                        "txn_ops": seen.largest_txn_ops,
+                        "request_bytes": seen.largest_request_bytes,
+                        "request_kind": seen.largest_request,
+                    }
+            plan = registry.newest_plan()
+            assert plan is not None
+            result["plan_bytes"] = len(plan.model_dump_json().encode())
+            result["ignored"] = len(plan.ignored_nodes)
+        finally:
+            if loop.leadership is not None:
+                registry.resign(loop.leadership)
+            registry.close()
+    return result
+
+
+def s(seconds: float) -> str:
+    return f"{seconds * 1000:8.1f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        fleet = signed_example_fleet(Path(d))
+        results = [run(size, fleet.desired, fleet.signer("lux")) for size in args.sizes]
+    base = results[0]
+    print("leader step on etcd 1 member, loopback, default limits (128 ops/txn, 1.5 MiB/request)")
+    for r in results:
+        print(
+            f"\n{r['size']} nodes  (heartbeats of all: {r['beats_s']:.1f} s; plan JSON {r['plan_bytes'] / 1024:.1f} KiB, {r['ignored']} ignored nodes)"
+        )
+        for name in ("first", "steady"):
+            x = r[name]
+            ratio = f"  x{x['step'] / base[name]['step']:.1f} vs {base['size']}" if r is not base else ""
+            print(f"  {name:6} step {s(x['step'])}{ratio}")
+            for part in PARTS:
+                extra = f" ({x['reads']} full reads)" if part == "read" else ""
+                print(f"           {part:16} {s(x['parts'][part])}{extra}")
+            print(
+                f"           {x['requests']} requests, {x['txns']} transactions; largest txn {x['txn_ops']} ops; "
+                f"largest request {x['request_bytes'] / 1024:.1f} KiB ({x['request_kind']})"
+            )
+    print("\ngoals")
+    last = results[-1]
+    for name in ("first", "steady"):
+        growth = last[name]["step"] / base[name]["step"]
+        print(
+            f"  {name:6} step at {last['size']}: {last[name]['step']:.2f} s (goal <= {GOAL_STEP_S:g} s); "
+            f"growth {base['size']} -> {last['size']}: x{growth:.1f} (goal <= x{GOAL_GROWTH:g})"
+        )
+    ops = max(r[n]["txn_ops"] for r in results for n in ("first", "steady"))
+    size = max(r[n]["request_bytes"] for r in results for n in ("first", "steady"))
+    print(f"  largest txn: {ops} ops (goal <= {GOAL_TXN_OPS}); largest request: {size / 1024:.1f} KiB (goal <= {GOAL_REQUEST_BYTES // 1024} KiB)")
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()
