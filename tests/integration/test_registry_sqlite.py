@@ -19,7 +19,7 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import NotLeader, RegistryUnavailable
-from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.conftest import EXAMPLE_FLEET, REPO, require_root
 from tests.fakes import FakeClock
 
 pytestmark = pytest.mark.integration
@@ -162,8 +162,7 @@ def test_a_registry_file_others_can_write_is_refused_until_chmod(tmp_path, clock
 
 
 def test_a_registry_file_of_another_user_is_refused(tmp_path, clock):
-    if os.geteuid() != 0:
-        pytest.skip("chown to another user needs root (the suite runs as root)")
+    require_root()  # chown to another user; never a skip: CI runs as root
     path = tmp_path / "registry.sqlite"
     open_sqlite(path, clock).close()
     os.chown(path, 4242, 4242)
