@@ -114,7 +114,7 @@ def _log(message: str) -> None:
 def _keygen(args: argparse.Namespace) -> int:
     if args.out is None:
         raise InvalidInput("fabric leader keygen: --out FILE is required (where the private key goes)")
-    host = args.host or host_name().lower()
+    host = args.host or host_name()
     key_id = args.id or f"{host}-{utc_now():%Y-%m}"
     try:
         # Host and id checked as fabric.toml will check them, before a key exists.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired
 from reconciler.cli.registry_options import add_registry_path
+from reconciler.cli.wiring import host_name
 from reconciler.core.render.artifacts import Layout
 from reconciler.engine.apply import STATE_DIR
 from reconciler.engine.plan_source import PlanAlone, PlanChoice, PlanFile, PlanFromRegistry
@@ -95,10 +95,6 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def this_host_name() -> str:
-    return socket.gethostname().split(".")[0].lower()
-
-
 def plan_choice(args: argparse.Namespace) -> PlanChoice:
     if args.plan_file is not None:
         return PlanFile(args.plan_file)
@@ -110,7 +106,7 @@ def plan_choice(args: argparse.Namespace) -> PlanChoice:
 def pass_options(args: argparse.Namespace) -> PassOptions:
     return PassOptions(
         desired=args.desired,
-        host=args.host or this_host_name(),
+        host=args.host or host_name(),
         root=Path(args.root),
         state_dir=args.state_dir,
         unit_dir=args.unit_dir,

@@ -214,10 +214,11 @@ def bootstrap_programs() -> Programs:
 
 
 def host_name() -> str:
-    """This machine's short host name (the fabric host it is, unless told otherwise)."""
+    """This machine's short host name, lowercased as the desired state names
+    hosts (the fabric host it is, unless told otherwise)."""
     import socket
 
-    return socket.gethostname().split(".")[0]
+    return socket.gethostname().split(".")[0].lower()
 
 
 # --------------------------------------------------------------------------
