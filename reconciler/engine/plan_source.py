@@ -189,8 +189,8 @@ class Offer:
     plan: FleetPlan | None
     notes: tuple[str, ...] = ()
     snapshot: Snapshot | None = None
-    # Why the registry could not be asked (then there is no plan to fence).
-    unreachable: str | None = None
+    # Why the registry gave no answer: unreachable, or it refused this host (then there is no plan to fence).
+    registry_failed: str | None = None
 
 
 def read_registry(
@@ -211,9 +211,9 @@ def read_registry(
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
-        return Offer("registry", None, tuple(notes), unreachable=f"registry refused this host ({exc})")
+        return Offer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
-        return Offer("registry", None, tuple(notes), unreachable=f"registry unreachable ({exc})")
+        return Offer("registry", None, tuple(notes), registry_failed=f"registry unreachable ({exc})")
     finally:
         if registry is not None:
             registry.close()
@@ -224,10 +224,10 @@ def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has
     """The plan this pass renders from: the offer if the fence admits it,
     else the empty plan or (a host that runs a generation) fail static."""
     notes = list(offer.notes)
-    if offer.unreachable is not None:
+    if offer.registry_failed is not None:
         if has_generation:
-            return PlanSource(empty_plan(desired, now), static=f"{offer.unreachable}: running static", notes=tuple(notes))
-        notes.append(f"{offer.unreachable}: no generation yet, rendering host-local units from an empty plan")
+            return PlanSource(empty_plan(desired, now), static=f"{offer.registry_failed}: running static", notes=tuple(notes))
+        notes.append(f"{offer.registry_failed}: no generation yet, rendering host-local units from an empty plan")
         return PlanSource(empty_plan(desired, now), notes=tuple(notes))
     # Only the registry's plans must come from a declared candidate and carry
     # its signature: a plan file or --no-registry's own plan is the operator's choice.
