@@ -38,6 +38,11 @@ WHEELHOUSE = "/var/cache/fabric-wheelhouse"
 SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def run_join(container: SystemdContainer, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """scripts/join.sh inside `container`, installing this checkout from the offline wheelhouse."""
+    return container.run("bash", str(REPO / "scripts" / "join.sh"), "--source", str(REPO), "--wheelhouse", WHEELHOUSE, *args, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def wheelhouse() -> Iterator[Path]:
     """The runtime dependencies pyproject.toml declares, and the build backend
@@ -69,13 +74,8 @@ def joined(wheelhouse: Path) -> Iterator[tuple[SystemdContainer, subprocess.Comp
         shutil.copytree(wheelhouse, container.host_path(WHEELHOUSE))
         started = container.systemctl("start", "caddy.service")
         assert started.returncode == 0, started.stderr
-        result = container.run(
-            "bash",
-            str(REPO / "scripts" / "join.sh"),
-            "--source",
-            str(REPO),
-            "--wheelhouse",
-            WHEELHOUSE,
+        result = run_join(
+            container,
             "--host",
             "racknerd",
             "--interval",
@@ -134,13 +134,8 @@ def test_installed_units_are_what_reconciler_units_renders(joined: tuple[Systemd
 def test_join_twice_changes_nothing(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]], wheelhouse: Path) -> None:
     container, _ = joined
     before = container.read_file("/etc/systemd/system/fabric-reconcile.service")
-    again = container.run(
-        "bash",
-        str(REPO / "scripts" / "join.sh"),
-        "--source",
-        str(REPO),
-        "--wheelhouse",
-        WHEELHOUSE,
+    again = run_join(
+        container,
         "--host",
         "racknerd",
         "--no-first-pass",
@@ -154,13 +149,8 @@ def test_join_twice_changes_nothing(joined: tuple[SystemdContainer, subprocess.C
 def test_bad_setting_stops_before_touching_the_units(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]], wheelhouse: Path) -> None:
     container, _ = joined
     before = container.read_file("/etc/fabric/node.toml")
-    bad = container.run(
-        "bash",
-        str(REPO / "scripts" / "join.sh"),
-        "--source",
-        str(REPO),
-        "--wheelhouse",
-        WHEELHOUSE,
+    bad = run_join(
+        container,
         "--host",
         "racknerd",
         "--desired",
@@ -251,13 +241,8 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
         done = container.run(*argv)
         assert done.returncode == 0, f"{argv}: {done.stderr}"
 
-    rejoin = container.run(
-        "bash",
-        str(REPO / "scripts" / "join.sh"),
-        "--source",
-        str(REPO),
-        "--wheelhouse",
-        WHEELHOUSE,
+    rejoin = run_join(
+        container,
         "--host",
         "racknerd",
         "--git-remote",
@@ -278,13 +263,8 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
 def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
     container, _ = joined
     before = container.read_file("/etc/fabric/node.toml")
-    refused = container.run(
-        "bash",
-        str(REPO / "scripts" / "join.sh"),
-        "--source",
-        str(REPO),
-        "--wheelhouse",
-        WHEELHOUSE,
+    refused = run_join(
+        container,
         "--leader",
         "--no-first-pass",
         timeout=600,
