@@ -25,6 +25,7 @@ from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileRead
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
+    from reconciler.adapters.registry_etcd import EtcdRegistry
     from reconciler.engine.reconcile import PassOptions, PassPorts, ProgramPaths, RollbackOptions
 
 
@@ -46,8 +47,20 @@ def open_registry(
 
         return SqliteRegistry(sqlite_path or settings.path, timing=fleet.timing, flap=fleet.flap, clock=clock)
 
+    return _etcd_registry(fleet, clock, op_timeout_s)
+
+
+def registry_auth(fleet: FleetConfig) -> RegistryAuth:
+    """etcd's users, roles and auth switch, reached with [registry]'s endpoints
+    and certificates (give `fleet` a root identity's cert_file/key_file)."""
+    return _etcd_registry(fleet, system_clock())
+
+
+def _etcd_registry(fleet: FleetConfig, clock: Clock, op_timeout_s: float = 3.0) -> EtcdRegistry:
+    """The etcd cluster of [registry]: its endpoints, prefix and TLS identity."""
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
+    settings = fleet.registry
     return EtcdRegistry(
         list(settings.endpoints),
         prefix=settings.prefix,
@@ -58,24 +71,6 @@ def open_registry(
         cert_file=settings.cert_file,
         key_file=settings.key_file,
         op_timeout_s=op_timeout_s,
-    )
-
-
-def registry_auth(fleet: FleetConfig) -> RegistryAuth:
-    """etcd's users, roles and auth switch, reached with [registry]'s endpoints
-    and certificates (give `fleet` a root identity's cert_file/key_file)."""
-    from reconciler.adapters.registry_etcd import EtcdRegistry
-
-    settings = fleet.registry
-    return EtcdRegistry(
-        list(settings.endpoints),
-        prefix=settings.prefix,
-        timing=fleet.timing,
-        flap=fleet.flap,
-        clock=system_clock(),
-        ca_file=settings.ca_file,
-        cert_file=settings.cert_file,
-        key_file=settings.key_file,
     )
 
 
