@@ -1,20 +1,27 @@
 """What a no-op reconcile pass costs: the pass every host runs every 30 s.
 
-Run: /tmp/venv/bin/python bench/reconcile_noop [--repeats N] [--host NAME]
+Run: .venv/bin/python bench/reconcile_noop [--repeats N] [--host NAME] [--fleet-size N]
 
 Sets up a sandbox root with one `fabric reconcile --no-activate` pass of the
 example fleet (hosts/), then times further passes, which find nothing to do
 (`nothing to do` is checked), each a whole new process as the timer starts it:
 wall time and peak resident memory (ru_maxrss of that child, from wait4).
 Beside it, in the same run, the same figures for `python -c "import reconciler"`
-(the floor: interpreter start-up plus the package) and for a pass that
-replays a saved probe instead of probing this machine live.
+(the floor: interpreter start-up plus the package), for a pass that replays a
+saved probe instead of probing this machine live, and for both over the
+example fleet grown to --fleet-size declared hosts (generated into a temp dir).
+Both fleets are git checkouts, as `fabric pull` keeps the desired state on a host.
+
+The goals of issue 18, checked on the medians of this run:
+  a no-op pass <= 4x the import floor, peak RSS <= 40 MiB;
+  a no-op pass of the big fleet <= 1.3x the same pass of the example fleet.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,35 +64,90 @@ def row(label: str, samples: list[tuple[float, float]]) -> str:
     return f"{label:<44} wall median {statistics.median(walls) * 1000:7.1f} ms  min {min(walls) * 1000:7.1f} ms  peak RSS {peak:6.1f} MiB"
 
 
+def grow_fleet(directory: Path, size: int) -> None:
+    """The example fleet plus compute hosts up to `size` declared hosts, one file each (hosts/ layout)."""
+    shutil.copytree(ROOT / "hosts", directory)
+    sub = directory / "hosts"
+    sub.mkdir()
+    for n in range(size - sum(1 for p in directory.glob("*.toml") if p.name != "fabric.toml")):
+        name = f"bench-{n:05d}"
+        (sub / f"{name}.toml").write_text(
+            f'[host]\nname = "{name}"\nroles = ["compute"]\naddress = "100.64.{n // 250}.{n % 250 + 1}"\n\n[limits]\nmax_concurrent_tasks = 1\n'
+        )
+
+
+def git_checkout(directory: Path) -> None:
+    """Commit `directory` as its own repository: the desired state as `fabric pull` keeps it on a host."""
+    git = ["git", "-C", str(directory), "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "fleet"]):
+        subprocess.run([*git, *argv], check=True)
+
+
+def median(samples: list[tuple[float, float]]) -> float:
+    return statistics.median(w for w, _ in samples)
+
+
+def peak(samples: list[tuple[float, float]]) -> float:
+    return max(m for _, m in samples)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--host", default="racknerd")
+    parser.add_argument("--fleet-size", type=int, default=10_000, help="declared hosts of the big fleet (default 10000)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp:
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         measure([sys.executable, "-c", "import reconciler.cli.reconcile"])  # warm the bytecode cache
-        root = Path(tmp) / "root"
-
-        def pass_argv(sandbox: Path, *extra: str) -> list[str]:
-            return [*FABRIC, "reconcile", "--desired", str(ROOT / "hosts"), "--host", args.host, "--root", str(sandbox), "--no-activate", *extra]
-
-        base = pass_argv(root)
+        example = Path(tmp) / "example-fleet"
+        shutil.copytree(ROOT / "hosts", example)
+        git_checkout(example)
+        big = Path(tmp) / "big-fleet"
+        grow_fleet(big, args.fleet_size)
+        git_checkout(big)
         replay = ["--replay", str(ROOT / "tests" / "golden" / "probe" / "x86_64"), "--plan-file", str(ROOT / "tests" / "golden" / "fleet-plan.json")]
-        measure(base)  # the first pass writes generation 1
-        replay_root = Path(tmp) / "replay-root"
-        replay_base = pass_argv(replay_root, *replay)
-        measure(replay_base)
-        floor, live, replayed = [], [], []
+
+        def pass_argv(desired: Path, sandbox: str, *extra: str) -> list[str]:
+            root = Path(tmp) / sandbox
+            return [*FABRIC, "reconcile", "--desired", str(desired), "--host", args.host, "--root", str(root), "--no-activate", *extra]
+
+        passes = {
+            ("example", "live"): pass_argv(example, "root"),
+            ("example", "replayed"): pass_argv(example, "replay-root", *replay),
+            (f"{args.fleet_size}", "live"): pass_argv(big, "big-root"),
+            (f"{args.fleet_size}", "replayed"): pass_argv(big, "big-replay-root", *replay),
+        }
+        first: dict[tuple[str, str], tuple[float, float]] = {}
+        for which, argv in passes.items():
+            first[which] = measure(argv)  # the first pass writes generation 1 (and the pass memo)
+        floor: list[tuple[float, float]] = []
+        samples: dict[tuple[str, str], list[tuple[float, float]]] = {which: [] for which in passes}
         for _ in range(args.repeats):
             floor.append(measure([sys.executable, "-c", "import reconciler"]))
-            live.append(measure(base, expect_stdout="nothing to do"))
-            replayed.append(measure(replay_base, expect_stdout="nothing to do"))
-        files = sum(1 for p in root.rglob("*") if p.is_file() and "generations" not in p.parts)
-        print(f"no-op pass of host {args.host} of the example fleet ({files} files under the sandbox root), {args.repeats} runs each, this machine:")
+            for which, argv in passes.items():
+                samples[which].append(measure(argv, expect_stdout="nothing to do"))
+        print(f"no-op pass of host {args.host}, {args.repeats} runs each, this machine:")
         print(row('python -c "import reconciler"', floor))
-        print(row("fabric reconcile --no-activate (live probe)", live))
-        print(row("fabric reconcile --no-activate (replayed)", replayed))
+        for (fleet, probe), got in samples.items():
+            print(row(f"{'example fleet (5 hosts)' if fleet == 'example' else fleet + ' hosts'}, {probe}", got))
+        print("first pass of each (full: validate, render, write generation 1):")
+        for (fleet, probe), (wall, rss) in first.items():
+            print(f"  {fleet:>8} {probe:<9} {wall * 1000:7.1f} ms  peak RSS {rss:6.1f} MiB")
+        print("goals (issue 18), medians of this run:")
+        base = median(floor)
+        for (fleet, probe), got in samples.items():
+            if fleet != "example":
+                continue
+            ratio = median(got) / base
+            print(f"  example fleet, {probe:<9} no-op / import floor {ratio:5.2f}x (goal <= 4.00x)    {verdict(ratio <= 4.0)}")
+            print(f"  example fleet, {probe:<9} peak RSS {peak(got):6.1f} MiB (goal <= 40 MiB)        {verdict(peak(got) <= 40.0)}")
+            big_ratio = median(samples[(f"{args.fleet_size}", probe)]) / median(got)
+            print(f"  {args.fleet_size} hosts / 5 hosts, {probe:<9} {big_ratio:5.2f}x (goal <= 1.30x)      {verdict(big_ratio <= 1.3)}")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,23 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.common import add_desired
-from reconciler.cli.registry_options import add_registry_path
+from reconciler.cli.common import add_desired, add_registry_path
 from reconciler.cli.wiring import host_name
-from reconciler.core.render.artifacts import Layout
-from reconciler.engine.apply import STATE_DIR
-from reconciler.engine.plan_source import PlanAlone, PlanChoice, PlanFile, PlanFromRegistry
-from reconciler.engine.reconcile import CADDY_MAIN_CANDIDATES, DEFAULT_PLAN_KEY_FILE, PassOptions, PassReport
+
+if TYPE_CHECKING:
+    from reconciler.engine.plan_source import PlanChoice
+    from reconciler.engine.reconcile import PassOptions, PassReport
+
+# The defaults of the options, written here so that parsing the arguments of
+# a pass imports no engine, model or template (a memoized pass never does);
+# tests/unit/test_pass_memo.py checks each against its home.
+STATE_DIR = "var/lib/fabric"  # reconciler.engine.apply.STATE_DIR
+UNIT_DIR = "etc/systemd/system"  # reconciler.core.render.artifacts.Layout().unit_dir
+DEFAULT_PLAN_KEY_FILE = Path("/etc/fabric/plan-signing.key")  # reconciler.engine.reconcile.DEFAULT_PLAN_KEY_FILE
+CADDY_MAIN_CANDIDATES = ("etc/caddy/Caddyfile", "etc/caddy/caddy_config")  # reconciler.engine.reconcile.CADDY_MAIN_CANDIDATES
 
 # The environment variable naming a candidate's plan signing key file (a *_FILE path, never the key).
 PLAN_KEY_ENV = "FABRIC_PLAN_KEY_FILE"
@@ -66,9 +74,8 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--unit-dir",
         metavar="DIR",
-        default=Layout().unit_dir,
-        help=f"where units go, always under the root, given with or without a leading '/' "
-        f"(default: {Layout().unit_dir}; a NixOS host: /run/systemd/system)",
+        default=UNIT_DIR,
+        help=f"where units go, always under the root, given with or without a leading '/' (default: {UNIT_DIR}; a NixOS host: /run/systemd/system)",
     )
     p.add_argument("--state-dir", metavar="DIR", default=STATE_DIR, help=f"generations and lock, relative to the root (default: {STATE_DIR})")
     p.add_argument("--no-activate", action="store_true", help="write the files but activate nothing (and skip the real checks)")
@@ -96,6 +103,8 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
 
 
 def plan_choice(args: argparse.Namespace) -> PlanChoice:
+    from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry
+
     if args.plan_file is not None:
         return PlanFile(args.plan_file)
     if args.no_registry:
@@ -103,7 +112,9 @@ def plan_choice(args: argparse.Namespace) -> PlanChoice:
     return PlanFromRegistry(args.registry_path)
 
 
-def pass_options(args: argparse.Namespace) -> PassOptions:
+def pass_options(args: argparse.Namespace, *, nft_reload: bool = False) -> PassOptions:
+    from reconciler.engine.reconcile import PassOptions
+
     return PassOptions(
         desired=args.desired,
         host=args.host or host_name(),
@@ -119,6 +130,7 @@ def pass_options(args: argparse.Namespace) -> PassOptions:
         caddy_admin=args.caddy_admin,
         startup_grace=args.startup_grace,
         plan_key_file=args.plan_key_file,
+        nft_reload=nft_reload,
     )
 
 

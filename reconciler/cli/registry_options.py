@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import CommandError, InvalidInput
-from reconciler.cli.common import add_desired, load_or_fail
+from reconciler.cli.common import add_desired, add_registry_path, load_or_fail
 from reconciler.cli.wiring import open_existing_registry, open_registry
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.desired.problems import key_path, problem_from_json_error
@@ -58,18 +57,6 @@ def with_identity(args: argparse.Namespace, fleet: FleetConfig) -> FleetConfig:
         return fleet  # the sqlite registry has no identities: file permissions guard it
     registry = fleet.registry.model_copy(update={"cert_file": str(cert.absolute()), "key_file": str(key.absolute())})
     return fleet.model_copy(update={"registry": registry})
-
-
-def add_registry_path(parser: argparse.ArgumentParser | argparse._ActionsContainer, *, otherwise: str = "[registry]") -> None:
-    """--registry-path FILE: a sqlite registry file whatever [registry] says."""
-    env = os.environ.get("FABRIC_REGISTRY")
-    parser.add_argument(
-        "--registry-path",
-        metavar="FILE",
-        type=Path,
-        default=Path(env) if env else None,
-        help=f"use this sqlite registry file whatever [registry] says (default: $FABRIC_REGISTRY, else {otherwise})",
-    )
 
 
 @contextmanager

@@ -12,21 +12,25 @@ says (tests and the demo run a fleet on one machine without etcd).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reconciler.core.desired.model import FleetConfig, NodeFacts
-from reconciler.core.install.bootstrap import Programs
-from reconciler.core.install.nodeconfig import NodeConfig
-from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, PlanSigner, Registry, RegistryAuth, RegistryUnavailable
+from reconciler.adapters import memo_io
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
     from reconciler.adapters.registry_etcd import EtcdRegistry
+    from reconciler.adapters.systemd_dbus import SystemdDbus
+
+    # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
+    from reconciler.core.desired.model import FleetConfig, NodeFacts
+    from reconciler.core.install.bootstrap import Programs
+    from reconciler.core.install.nodeconfig import NodeConfig
     from reconciler.engine.reconcile import PassOptions, PassPorts, ProgramPaths, RollbackOptions
+    from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, PlanSigner, Registry, RegistryAuth
 
 
 def open_registry(
@@ -77,6 +81,8 @@ def _etcd_registry(fleet: FleetConfig, clock: Clock, op_timeout_s: float = 3.0) 
 def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None = None) -> Registry:
     """`open_registry` for commands that only look: a sqlite registry that is not
     there raises `RegistryUnavailable` instead of being created."""
+    from reconciler.ports import RegistryUnavailable
+
     if sqlite_path is not None or fleet.registry.backend == "sqlite":
         path = Path(sqlite_path or fleet.registry.path)
         if not path.is_file():
@@ -204,6 +210,8 @@ def write_atomic(path: Path, text: str) -> bool:
 def bootstrap_programs() -> Programs:
     """nft and systemctl found on PATH, for the drop-in `fabric bootstrap` writes (they differ between distros)."""
     import shutil
+
+    from reconciler.core.install.bootstrap import Programs
 
     return Programs(nft=shutil.which("nft") or Programs.nft, systemctl=shutil.which("systemctl") or Programs.systemctl)
 
@@ -340,3 +348,88 @@ def _pass_ports(
         if systemd is not None:
             systemd.close()
         audit.close()
+
+
+# --------------------------------------------------------------------------
+# The pass memo (cli/reconcile.py, reconciler.engine.pass_memo): standard
+# library adapters, so that a memoized pass imports no model.
+
+
+def fingerprint(paths: list[Path | str]) -> str:
+    """A stat digest of files and directory trees (reconciler.adapters.memo_io.fingerprint)."""
+    return memo_io.fingerprint(paths)
+
+
+def git_commit(directory: Path) -> str | None:
+    """The commit of a git checkout, read without running git (reconciler.adapters.memo_io.git_commit)."""
+    return memo_io.git_commit(directory)
+
+
+class _MemoFiles:
+    """The memo file and the pass lock, under the state directory."""
+
+    def read(self, path: Path) -> bytes | None:
+        return memo_io.read_under(Path("/"), str(path))
+
+    def write(self, path: Path, data: bytes) -> None:
+        memo_io.write_atomic(path, data)
+
+    def remove(self, path: Path) -> None:
+        memo_io.remove(path)
+
+    def lock(self, lock_file: Path) -> AbstractContextManager[bool]:
+        """The pass lock if free (True), without waiting."""
+        return memo_io.pass_lock(lock_file)
+
+
+memo_files = _MemoFiles()
+
+
+def memo_audit(action: str, outcome: str, **fields: str) -> None:
+    """The memoized pass's one audit line, where a full pass writes its own."""
+    from reconciler.adapters.journal import JournalAudit
+
+    audit = JournalAudit()
+    try:
+        audit.record(action, outcome, **fields)
+    finally:
+        audit.close()
+
+
+class MemoWorld:
+    """The reads a memo is checked against: files under the root, and with
+    activation systemd's unit states and the nftables table."""
+
+    def __init__(self, root: Path, *, activating: bool, systemd_bus: str | None) -> None:
+        self.root = root
+        self.activating = activating
+        self.systemd_bus = systemd_bus
+        self._systemd: SystemdDbus | None = None
+
+    def read(self, path: str) -> bytes | None:
+        return memo_io.read_under(self.root, path)
+
+    def unit_state(self) -> Callable[[str], str] | None:
+        if not self.activating:
+            return None
+
+        def state(unit: str) -> str:
+            if self._systemd is None:
+                from reconciler.adapters.systemd_dbus import SystemdDbus
+
+                self._systemd = SystemdDbus(self.systemd_bus)
+            return self._systemd.active_state(unit)
+
+        return state
+
+    def nft_digest(self) -> Callable[[], str | None] | None:
+        if not self.activating:
+            return None
+        import shutil
+
+        nft = shutil.which("nft") or "/usr/sbin/nft"
+        return lambda: memo_io.nft_table_digest(nft)
+
+    def close(self) -> None:
+        if self._systemd is not None:
+            self._systemd.close()

@@ -283,6 +283,7 @@ class Applier:
         state_dir: str = STATE_DIR,
         checkpoint: Callable[[str], None] = no_checkpoint,
         caddy_main: str = CADDY_MAIN,
+        nft_reload: bool = False,
     ) -> None:
         self.tree = tree
         self.lock = lock
@@ -293,6 +294,9 @@ class Applier:
         self.store = GenerationStore(tree, state_dir)
         self.checkpoint = checkpoint
         self.caddy_main = caddy_main
+        # The table is loaded but not as the last pass left it (flushed,
+        # edited by hand): plan as if it were not loaded, so it is loaded again.
+        self.nft_reload = nft_reload
 
     # ---- reading the old state
 
@@ -352,7 +356,7 @@ class Applier:
             tracked,
             running=running,
             unit_states=self._unit_states(artifacts),
-            nft_table_loaded=self.activators.nftables.table_loaded() if self.activators is not None else None,
+            nft_table_loaded=(not self.nft_reload and self.activators.nftables.table_loaded()) if self.activators is not None else None,
         )
         return actions, unfinished
 

@@ -32,7 +32,7 @@ empty plan, so its host-local units (lanes, port maps, nftables) converge.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -90,6 +90,9 @@ class PlanSource:
     # Why the registry's newest plan was refused as not the leader's (forged,
     # or signed by a key fabric.toml does not list), for the status page.
     refused: str | None = None
+    # The registry's plan epoch, read before its newest plan (None: no registry).
+    # The pass memo keeps it: a later epoch means a new plan, so a full pass.
+    registry_epoch: int | None = None
 
 
 def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
@@ -191,6 +194,7 @@ class Offer:
     snapshot: Snapshot | None = None
     # Why the registry gave no answer: unreachable, or it refused this host (then there is no plan to fence).
     registry_failed: str | None = None
+    registry_epoch: int | None = None
 
 
 def read_registry(
@@ -207,6 +211,9 @@ def read_registry(
             led = lead_once(registry, desired, host, signer)
             if led:
                 notes.append(f"leader step: {led}")
+        # The epoch before the plan: a plan published in between makes the
+        # epoch kept older than the plan, never newer (the next pass is full).
+        epoch = registry.epoch()
         newest = registry.newest_plan()
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
@@ -217,7 +224,7 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
-    return Offer("registry", newest, tuple(notes), snapshot)
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch)
 
 
 def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PlanSource:
@@ -279,4 +286,5 @@ def fleet_plan_for(
         offer = Offer("alone", plan_alone(desired, host, facts, now))
     else:
         offer = read_registry(connect, desired, host, facts, write=write, signer=signer)
-    return admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
+    source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
+    return replace(source, registry_epoch=offer.registry_epoch) if offer.registry_epoch is not None else source

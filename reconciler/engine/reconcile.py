@@ -23,7 +23,7 @@ they happen, so the log shows them in order with the audit records.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -38,7 +38,7 @@ from reconciler.core.render.artifacts import Layout, Rendered, RenderError, rend
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for
+from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for, node_record
 from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, PlanSigner, Registry, RegistryUnavailable
 
 # Where a leader candidate keeps its private plan signing key unless told
@@ -80,6 +80,9 @@ class PassOptions:
     # A leader candidate's private plan key (read only when its pass leads;
     # the wiring builds the signer from it). Never in the desired state.
     plan_key_file: Path = DEFAULT_PLAN_KEY_FILE
+    # The fabric's nftables table differs from what the last pass left (the
+    # pass memo saw it: flushed, edited): load it again even though it exists.
+    nft_reload: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,11 +179,27 @@ class Preview:
 
 
 @dataclass(frozen=True)
+class Converged:
+    """What a pass that left the world as the desired state wants it knows,
+    for the pass memo (reconciler.engine.pass_memo): the files it installed,
+    the units to watch, the heartbeat it sent and the registry epoch it saw."""
+
+    generation: int | None
+    files: tuple[str, ...]
+    units: tuple[str, ...]
+    node_record: str | None  # the heartbeat's record, JSON; None: no registry
+    registry_epoch: int | None
+    # A leader candidate's pass may lead: it is never memoized.
+    may_lead: bool
+
+
+@dataclass(frozen=True)
 class PassReport:
     outcome: Outcome
     stdout: str = ""  # what a person reads: the actions and the closing line, newline-terminated
     stderr: tuple[str, ...] = ()  # one line each: why it failed or stopped
     preview: Preview | None = None  # preview_pass, when it planned
+    converged: Converged | None = None  # run_pass, when the world is as the desired state wants it
 
     @property
     def ok(self) -> bool:
@@ -211,6 +230,7 @@ class _Prepared:
     source: PlanSource
     rendered: Rendered
     probe_history: ProbeHistory
+    facts: NodeFacts  # effective
 
 
 def _now(clock: Clock) -> datetime:
@@ -278,10 +298,10 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:
         ports.note(note)
-    return _Prepared(desired, host, source, rendered, probe_history)
+    return _Prepared(desired, host, source, rendered, probe_history, facts)
 
 
-def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None) -> Applier:
+def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None, *, nft_reload: bool = False) -> Applier:
     return Applier(
         ports.tree,
         ports.lock,
@@ -292,6 +312,7 @@ def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None) -> Applie
         state_dir=_state_dir(state_dir),
         caddy_main=caddy_main_path(ports.tree, caddy_main),
         checkpoint=ports.checkpoint,
+        nft_reload=nft_reload,
     )
 
 
@@ -306,7 +327,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         prepared = _prepare(options, ports, write=True)
     except _BadInput as bad:
         return PassReport("bad-input", stderr=bad.lines)
-    applier = _applier(ports, options.state_dir, options.caddy_main)
+    applier = _applier(ports, options.state_dir, options.caddy_main, nft_reload=options.nft_reload)
     store = applier.store
     # The inputs all checked out: keep the damping history (bad input changes nothing).
     save_probe_history(store.tree, store.state_dir, prepared.probe_history)
@@ -332,7 +353,24 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         records(False, False)
         return PassReport("failed", stderr=(f"fabric reconcile: {exc}",))
     records(result.ok, result.outcome == "rolled-back")
-    return _pass_report(result)
+    report = _pass_report(result)
+    if result.outcome in ("noop", "applied", "written"):
+        report = replace(report, converged=_converged(options, prepared, result.generation))
+    return report
+
+
+def _converged(options: PassOptions, prepared: _Prepared, generation: int | None) -> Converged:
+    artifacts = prepared.rendered.artifacts
+    source = prepared.source
+    uses_registry = isinstance(options.plan, PlanFromRegistry)
+    return Converged(
+        generation=generation,
+        files=tuple(a.path for a in artifacts),
+        units=tuple(a.unit for a in artifacts if a.unit),
+        node_record=node_record(prepared.desired, prepared.host, prepared.facts).model_dump_json() if uses_registry else None,
+        registry_epoch=source.registry_epoch,
+        may_lead=uses_registry and prepared.host in prepared.desired.fleet.fleet.leader_candidates,
+    )
 
 
 def _pass_report(result: PassResult) -> PassReport:

@@ -1,0 +1,130 @@
+"""The reads and writes of a memoized pass (`reconciler.engine.pass_memo`), standard library only.
+
+A memoized pass must cost no more than starting the interpreter a few times
+over, so nothing here imports a model, a template or `reconciler.ports`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def fingerprint(paths: Iterable[Path | str]) -> str:
+    """A digest of what is at `paths` (files, and every file under directories),
+    from names and stat fields: size, mtime, ctime and inode change with any
+    edit, rename or replacement, without reading a byte of the files.
+    Reading the tree's files would make a host's pass grow with the fleet."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"\0{path}\0".encode())
+        _walk(Path(path), "", h)
+    return h.hexdigest()
+
+
+def git_commit(directory: Path | str) -> str | None:
+    """The commit checked out in `directory` when it is the top of a git
+    checkout (what `fabric pull` keeps), read from .git without running git,
+    with the index's stat (git rewrites it whenever it changes the tree);
+    None when it is not a plain checkout (then fingerprint the tree)."""
+    git = Path(directory) / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            try:
+                commit = (git / ref).read_text().strip()
+            except FileNotFoundError:
+                commit = next((line.split()[0] for line in (git / "packed-refs").read_text().splitlines() if line.endswith(f" {ref}")), "")
+        else:
+            commit = head
+        index = os.stat(git / "index")
+    except (OSError, NotADirectoryError):
+        return None
+    if not commit:
+        return None
+    return f"{commit}:{index.st_size}:{index.st_mtime_ns}:{index.st_ctime_ns}:{index.st_ino}"
+
+
+def _walk(path: Path, rel: str, h: hashlib._Hash) -> None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        h.update(f"{rel}:missing:{exc.errno}\n".encode())
+        return
+    if not os.path.isdir(path):
+        h.update(f"{rel}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}\n".encode())
+        return
+    h.update(f"{rel}/:{st.st_mtime_ns}\n".encode())
+    with os.scandir(path) as entries:
+        names = sorted((e.name, e.is_dir(follow_symlinks=True)) for e in entries if not e.name.startswith("."))
+    for name, is_dir in names:
+        child = path / name
+        if is_dir:
+            _walk(child, f"{rel}/{name}", h)
+        else:
+            try:
+                st = os.stat(child)
+            except OSError as exc:
+                h.update(f"{rel}/{name}:missing:{exc.errno}\n".encode())
+                continue
+            h.update(f"{rel}/{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}\n".encode())
+
+
+def read_under(root: Path, path: str) -> bytes | None:
+    try:
+        return (root / path.lstrip("/")).read_bytes()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """Write `target` whole or not at all (a torn memo reads as no memo anyway)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.fabric-tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+
+
+def remove(target: Path) -> None:
+    target.unlink(missing_ok=True)
+
+
+@contextmanager
+def pass_lock(lock_file: Path) -> Iterator[bool]:
+    """The pass lock, if free (True), without waiting; the same lock file as `files.FlockLock`."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def nft_table_digest(nft: str, family: str = "inet", table: str = "fabric") -> str | None:
+    """sha256 of `nft list table` of the fabric's table (a flushed or edited table changes it); None when not loaded."""
+    try:
+        result = subprocess.run([nft, "list", "table", family, table], capture_output=True, timeout=10, env={**os.environ, "LC_ALL": "C"})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    return hashlib.sha256(result.stdout).hexdigest()

@@ -1,0 +1,117 @@
+"""The pass memo: what lets an unchanged pass skip loading, rendering and planning.
+
+Every host runs a pass every 30 s and almost every pass finds nothing to do.
+A pass that ends with the world as the desired state wants it (outcome noop,
+applied or written) leaves a memo in the state directory:
+
+    key           the digest of the pass's inputs: the desired-state tree, the
+                  probe, the plan file or capture, the options, this program's version
+    generation    the generation that was current
+    files         every installed file of that generation and its sha256
+    units         each unit of the generation and its state after the pass (with activation)
+    nft           the sha256 of `nft list table inet fabric` after the pass (with activation)
+    node_record   the heartbeat this host sent (JSON), re-sent as it is
+    epoch         the registry's plan epoch the pass saw (None: no registry)
+
+The next pass computes the key of its own inputs first; when the key is the
+memo's, the memo is younger than MAX_AGE_S and the world has not drifted
+(`drift`: a file edited or removed, a unit no longer in its state, the table
+changed or flushed), the pass builds no model and renders nothing: it sends
+its heartbeat, checks the registry's epoch (a new plan: full pass), writes its
+one audit line and stops. Anything else (no memo, a corrupt one, any input or
+any drift) is a full pass, which repairs the drift and writes a new memo.
+
+This module is pure: the reads go through the callables the caller hands in.
+It imports nothing but the standard library, so the memoized pass pays for
+no model or template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+
+MEMO_FILE = "pass-memo.json"
+MEMO_VERSION = 1
+# A memoized pass still leaves the metrics textfile and the edge's status
+# page as the last full pass wrote them: a full pass at least this often keeps
+# them fresh.
+MAX_AGE_S = 300.0
+# drift's answer when only the table differs: the full pass must load it again
+# (it is still loaded, so the plan alone would not).
+NFT_DRIFT = "the nftables table changed"
+
+
+@dataclass(frozen=True)
+class PassMemo:
+    key: str
+    generation: int | None
+    written_at: float
+    files: Mapping[str, str] = field(default_factory=dict)
+    units: Mapping[str, str] = field(default_factory=dict)
+    nft: str | None = None
+    node_record: str | None = None
+    epoch: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"version": MEMO_VERSION, **asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> PassMemo:
+        """Raises ValueError for anything but a memo of this version."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.pop("version", None) != MEMO_VERSION:
+                raise ValueError("not a pass memo of this version")
+            memo = cls(**data)
+        except (TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a pass memo: {exc}") from None
+        if not isinstance(memo.key, str) or not isinstance(memo.files, dict) or not isinstance(memo.units, dict):
+            raise ValueError("not a pass memo: malformed fields")
+        return memo
+
+
+def inputs_key(parts: Mapping[str, str | None]) -> str:
+    """One digest of the named inputs of a pass."""
+    return hashlib.sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# Reads of the world a memo is checked against.
+ReadFile = Callable[[str], bytes | None]  # a file under the root, None when it is not there
+UnitState = Callable[[str], str]  # a unit's ActiveState
+NftDigest = Callable[[], str | None]  # sha256 of the fabric table's listing, None when it is not loaded
+
+
+def usable(memo: PassMemo | None, key: str, now: float) -> str | None:
+    """Why `memo` cannot stand for this pass (None: it can, if the world has not drifted)."""
+    if memo is None:
+        return "no memo"
+    if memo.key != key:
+        return "the inputs changed"
+    if not 0 <= now - memo.written_at <= MAX_AGE_S:
+        return "the memo is too old"
+    return None
+
+
+def drift(memo: PassMemo, read: ReadFile, unit_state: UnitState | None, nft_digest: NftDigest | None) -> str | None:
+    """The first difference between the world and what the memo's pass left, or None."""
+    for path, digest in memo.files.items():
+        data = read(path)
+        if data is None:
+            return f"{path} is missing"
+        if sha256(data) != digest:
+            return f"{path} was changed"
+    if unit_state is not None:
+        for unit, state in memo.units.items():
+            now = unit_state(unit)
+            if now != state:
+                return f"{unit} is {now}, was {state}"
+    if nft_digest is not None and memo.nft is not None and nft_digest() != memo.nft:
+        return NFT_DRIFT
+    return None

@@ -1,0 +1,315 @@
+"""The pass memo: an unchanged pass does nothing but heartbeat and audit; any change of an input, or drift, makes a full pass.
+
+Whole `fabric reconcile --no-activate` passes through the command line, into
+a sandbox root, with the embedded (sqlite) registry under it or a plan file.
+A memoized pass writes its audit line with `memo: hit`; a full pass does not.
+The drift of units and of the nftables table, which needs real systemd and
+nft, is in tests/integration/test_reconcile_memo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, sha256, usable
+from reconciler.ports import Registry
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+STATE = "var/lib/fabric"
+
+
+class Sandbox:
+    """The example fleet's desired state, a root, and racknerd's passes into it."""
+
+    def __init__(self, tmp_path: Path, host: str = "racknerd") -> None:
+        self.desired = tmp_path / "desired"
+        shutil.copytree(REPO / "hosts", self.desired)
+        self.capture = tmp_path / "capture"
+        shutil.copytree(GOLDEN / "probe" / "x86_64", self.capture)
+        self.root = tmp_path / "root"
+        self.host = host
+
+    def argv(self, *extra: str) -> list[str]:
+        return [
+            "reconcile",
+            "--desired",
+            str(self.desired),
+            "--host",
+            self.host,
+            "--root",
+            str(self.root),
+            "--replay",
+            str(self.capture),
+            "--no-activate",
+            *extra,
+        ]
+
+    @property
+    def memo_file(self) -> Path:
+        return self.root / STATE / MEMO_FILE
+
+    @property
+    def registry_file(self) -> Path:
+        return self.root / "var/lib/fabric/registry.sqlite"
+
+
+def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    from reconciler.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def audit_lines(err: str) -> list[dict[str, str]]:
+    return [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+
+
+def memoized(err: str) -> bool:
+    """The pass was the memo's: one audit line, noop, memo hit."""
+    lines = audit_lines(err)
+    return len(lines) == 1 and lines[0]["action"] == "noop" and lines[0].get("memo") == "hit"
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def open_registry(s: Sandbox) -> Registry:
+    from reconciler.cli.wiring import open_registry
+    from reconciler.core.desired.load import load_desired
+
+    return open_registry(load_desired(s.desired).fleet, sqlite_path=s.registry_file)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    return Sandbox(tmp_path)
+
+
+def test_an_unchanged_pass_is_memoized_and_still_heartbeats_and_audits(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, sandbox.argv())
+    assert code == 0 and "generation 1 written" in out and not memoized(err)
+    code, out, err = run(capsys, sandbox.argv())
+    assert (code, out) == (0, "nothing to do (generation 1)\n")
+    assert memoized(err), err
+    assert f"note: heartbeat: {sandbox.host} tier" in err
+    # The heartbeat really reaches the registry: a registry that lost the
+    # record (here: a new one) has it again after a memoized pass.
+    sandbox.registry_file.unlink()
+    code, out, err = run(capsys, sandbox.argv())
+    assert code == 0 and memoized(err), err
+    registry = open_registry(sandbox)
+    try:
+        assert [state.record.node_id for state in registry.node_states()] == [sandbox.host]
+    finally:
+        registry.close()
+
+
+def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> None:
+    """No pydantic, no template on the memoized path: it is what makes it cheap."""
+    argv = sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json"))
+    script = (
+        "import sys\n"
+        "from reconciler.cli import main\n"
+        f"code = main({argv!r})\n"
+        "heavy = sorted(m for m in ('pydantic', 'jinja2', 'reconciler.core.desired.model', 'reconciler.engine.reconcile') if m in sys.modules)\n"
+        "print('HEAVY', ','.join(heavy))\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+    assert first.returncode == 0, first.stderr
+    assert "HEAVY jinja2,pydantic" in first.stdout  # the full pass renders
+    second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "nothing to do (generation 1)\nHEAVY \n", second.stdout
+    assert memoized(second.stderr)
+
+
+def edit_desired(s: Sandbox) -> None:
+    host_file = s.desired / "racknerd.toml"
+    host_file.write_text(host_file.read_text() + "\n# an operator's comment\n")
+
+
+def edit_other_host(s: Sandbox) -> None:
+    other = s.desired / "qfox-1.toml"
+    other.write_text(other.read_text() + "\n# a comment\n")
+
+
+def change_probe(s: Sandbox) -> None:
+    meminfo = s.capture / "meminfo"
+    meminfo.write_text(meminfo.read_text().replace("MemTotal:", "MemTotal:  ", 1))
+
+
+def new_registry_epoch(s: Sandbox) -> None:
+    """A leader publishes a plan: the registry's epoch moves on."""
+    from reconciler.core.live.models import FleetPlan
+
+    registry = open_registry(s)
+    try:
+        leadership = registry.campaign("lux", 30.0)
+        assert leadership is not None
+        registry.publish_plan(leadership, FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_bytes()))
+        registry.resign(leadership)
+    finally:
+        registry.close()
+
+
+def options_changed(s: Sandbox) -> None:
+    pass  # the pass below adds --unit-dir
+
+
+@pytest.mark.parametrize(
+    ("change", "extra"),
+    [
+        (edit_desired, ()),
+        (edit_other_host, ()),
+        (change_probe, ()),
+        (new_registry_epoch, ()),
+        (options_changed, ("--unit-dir", "/run/systemd/system")),
+    ],
+    ids=["host-file-edited", "another-host-edited", "probe-changed", "new-plan-epoch", "options-changed"],
+)
+def test_a_change_of_any_input_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], change, extra) -> None:  # type: ignore[no-untyped-def]
+    run(capsys, sandbox.argv())
+    code, _, err = run(capsys, sandbox.argv())
+    assert code == 0 and memoized(err)
+    change(sandbox)
+    code, out, err = run(capsys, sandbox.argv(*extra))
+    assert code == 0, err
+    assert not memoized(err), err
+    # ...and the full pass leaves a memo again when it converged.
+    if sandbox.memo_file.exists():
+        code, out, err = run(capsys, sandbox.argv(*extra))
+        assert code == 0 and memoized(err), err
+
+
+def git(directory: Path, *argv: str) -> None:
+    subprocess.run(["git", "-C", str(directory), "-c", "user.name=t", "-c", "user.email=t@localhost", *argv], check=True, capture_output=True)
+
+
+def test_in_a_git_checkout_a_new_commit_or_an_edit_of_the_own_files_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    """The desired state as `fabric pull` keeps it: the commit stands for the tree."""
+    git(sandbox.desired, "init", "-q")
+    git(sandbox.desired, "add", "-A")
+    git(sandbox.desired, "commit", "-q", "-m", "fleet")
+    run(capsys, sandbox.argv())
+    assert memoized(run(capsys, sandbox.argv())[2])
+    edit_other_host(sandbox)
+    git(sandbox.desired, "commit", "-q", "-am", "qfox-1: a comment")
+    assert not memoized(run(capsys, sandbox.argv())[2])
+    assert memoized(run(capsys, sandbox.argv())[2])
+    edit_desired(sandbox)  # not committed: this host's own file is watched by itself
+    assert not memoized(run(capsys, sandbox.argv())[2])
+    fleet_file = sandbox.desired / "fabric.toml"
+    fleet_file.write_text(fleet_file.read_text() + "\n# uncommitted\n")
+    assert not memoized(run(capsys, sandbox.argv())[2])
+
+
+def test_a_new_plan_file_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text((GOLDEN / "fleet-plan.json").read_text())
+    argv = sandbox.argv("--plan-file", str(plan))
+    run(capsys, argv)
+    assert memoized(run(capsys, argv)[2])
+    data = json.loads(plan.read_text())
+    data["epoch"] += 1
+    plan.write_text(json.dumps(data))
+    code, _, err = run(capsys, argv)
+    assert code == 0 and not memoized(err), err
+
+
+def test_a_rendered_file_edited_or_removed_is_repaired_by_the_next_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, sandbox.argv())
+    snippet = sandbox.root / "etc/caddy/fabric.caddy"
+    unit = sandbox.root / "etc/systemd/system/fabric-nftables.service"
+    good = {snippet: snippet.read_bytes(), unit: unit.read_bytes()}
+    snippet.write_text("# edited by hand\n")
+    unit.unlink()
+    code, out, err = run(capsys, sandbox.argv())
+    assert code == 0 and not memoized(err), err
+    assert "drift since the last pass" in err
+    assert "etc/caddy/fabric.caddy" in out and "etc/systemd/system/fabric-nftables.service" in out
+    assert {path: path.read_bytes() for path in good} == good
+    code, out, err = run(capsys, sandbox.argv())
+    assert (code, out) == (0, "nothing to do (generation 1)\n") and memoized(err)
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"version": 999, "key": "x"}', b'{"version": 1, "key": 3}'])
+def test_a_corrupt_or_missing_memo_means_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], content: bytes) -> None:
+    run(capsys, sandbox.argv())
+    sandbox.memo_file.write_bytes(content)
+    code, _, err = run(capsys, sandbox.argv())
+    assert code == 0 and not memoized(err), err
+    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).generation == 1
+    sandbox.memo_file.unlink()
+    code, _, err = run(capsys, sandbox.argv())
+    assert code == 0 and not memoized(err)
+    assert memoized(run(capsys, sandbox.argv())[2])
+
+
+@pytest.mark.parametrize("where", ["fabric.toml", "qfox-1.toml"])
+def test_bad_input_after_a_memoized_pass_is_refused_and_changes_nothing(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    run(capsys, sandbox.argv())
+    assert memoized(run(capsys, sandbox.argv())[2])
+    before = tree(sandbox.root)
+    broken = sandbox.desired / where
+    broken.write_text(broken.read_text() + "\n[this is not = valid\n")
+    code, out, err = run(capsys, sandbox.argv())
+    assert (code, out) == (2, "") and str(broken) in err
+    assert tree(sandbox.root) == before
+
+
+def test_a_leader_candidate_is_never_memoized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its pass may have to lead (nobody leads): it always runs whole."""
+    lux = Sandbox(tmp_path, host="lux")
+    run(capsys, lux.argv())
+    code, _, err = run(capsys, lux.argv())
+    assert code == 0 and not memoized(err), err
+    assert not lux.memo_file.exists()
+
+
+def test_the_memo_is_too_old_after_max_age() -> None:
+    memo = PassMemo(key="k", generation=1, written_at=1000.0)
+    assert usable(memo, "k", 1000.0 + MAX_AGE_S) is None
+    assert usable(memo, "k", 1000.0 + MAX_AGE_S + 1) == "the memo is too old"
+    assert usable(memo, "k", 999.0) == "the memo is too old"  # a clock set back
+    assert usable(memo, "other", 1000.0) == "the inputs changed"
+    assert usable(None, "k", 1000.0) == "no memo"
+
+
+def test_drift_sees_a_stopped_unit_and_a_changed_table() -> None:
+
+    memo = PassMemo(key="k", generation=1, written_at=0.0, files={"a": sha256(b"A")}, units={"u.service": "active"}, nft="n1")
+    assert drift(memo, lambda p: b"A", lambda u: "active", lambda: "n1") is None
+    assert drift(memo, lambda p: b"B", lambda u: "active", lambda: "n1") == "a was changed"
+    assert drift(memo, lambda p: None, lambda u: "active", lambda: "n1") == "a is missing"
+    assert drift(memo, lambda p: b"A", lambda u: "inactive", lambda: "n1") == "u.service is inactive, was active"
+    assert drift(memo, lambda p: b"A", lambda u: "active", lambda: "n2") == NFT_DRIFT
+    assert drift(memo, lambda p: b"A", lambda u: "active", lambda: None) == NFT_DRIFT
+    # Without activation neither systemd nor nft is asked.
+    assert drift(memo, lambda p: b"A", None, None) is None
+
+
+def test_the_light_defaults_of_the_options_agree_with_their_homes() -> None:
+    """cli.pass_options and cli.common spell defaults out so that parsing imports nothing heavy."""
+    from reconciler.cli import common, pass_options
+    from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH
+    from reconciler.core.render.artifacts import Layout
+    from reconciler.engine import apply, reconcile
+
+    assert pass_options.STATE_DIR == apply.STATE_DIR
+    assert pass_options.UNIT_DIR == Layout().unit_dir
+    assert pass_options.DEFAULT_PLAN_KEY_FILE == reconcile.DEFAULT_PLAN_KEY_FILE
+    assert pass_options.CADDY_MAIN_CANDIDATES == reconcile.CADDY_MAIN_CANDIDATES
+    assert common.NODE_CONFIG_PATH == NODE_CONFIG_PATH
