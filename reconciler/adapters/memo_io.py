@@ -83,6 +83,13 @@ def read_under(root: Path, path: str) -> bytes | None:
         return None
 
 
+def read_file(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
 def write_atomic(target: Path, data: bytes) -> None:
     """Write `target` whole or not at all (a torn memo reads as no memo anyway)."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,18 @@ import json
 import shutil
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reconciler.cli.pass_options import CADDY_MAIN_CANDIDATES, add_pass_options, finish, pass_options
 from reconciler.cli.wiring import MemoWorld, fingerprint, git_commit, host_name, memo_audit, memo_files, print_note
-from reconciler.engine.pass_memo import MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, sha256, usable
+from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
+
+# reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
+# (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
+PASS_COUNTERS = "pass-counters.json"
+TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
 
 if TYPE_CHECKING:
     from reconciler.core.desired.model import NodeFacts
@@ -49,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.time()
     host = args.host or host_name()
     args.host = host
     root = Path(args.root)
@@ -58,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     key = inputs_key(_inputs(args, facts))
     world = MemoWorld(root, activating=not args.no_activate, systemd_bus=args.systemd_bus)
     try:
-        verdict = _memoized_pass(args, memo_file, key, world)
+        verdict = _memoized_pass(args, memo_file, key, world, started)
         if verdict == "hit":
             return 0
         options = pass_options(args, nft_reload=verdict == "nft")
@@ -140,7 +147,7 @@ def _desired_digest(desired: Path, host: str) -> str:
     return f"tree {fingerprint([desired])}"
 
 
-def _memoized_pass(args: argparse.Namespace, memo_file: Path, key: str, world: MemoWorld) -> str:
+def _memoized_pass(args: argparse.Namespace, memo_file: Path, key: str, world: MemoWorld, started: float) -> str:
     """'hit' (the pass is done), 'nft' (a full pass that must reload the table) or 'full'."""
     # Read before locking: with no memo (a first pass, or bad input) the pass
     # creates nothing here, not even the lock file.
@@ -165,8 +172,30 @@ def _memoized_pass(args: argparse.Namespace, memo_file: Path, key: str, world: M
         if memo.node_record is not None and not _heartbeat(args, memo):
             return "full"
         memo_audit("noop", "ok", generation=str(memo.generation or ""), memo="hit")
+        _refresh_records(Path(args.root), memo_file.parent, started)
     sys.stdout.write(f"nothing to do (generation {memo.generation})\n" if memo.generation else "nothing to do\n")
     return "hit"
+
+
+def _refresh_records(root: Path, state: Path, started: float) -> None:
+    """This host's pass series (duration, success, last success) and the pass
+    counters, as a full pass would leave them; the fleet's series and the
+    status page wait for the next full pass (PassMemo.max_age_s)."""
+    now = time.time()
+    counters_file = state / PASS_COUNTERS
+    textfile = root / TEXTFILE_PATH
+    try:
+        raw = memo_files.read(counters_file)
+        counters = json.loads(raw) if raw else {}
+        if not isinstance(counters, dict):
+            counters = {}
+        counters["last_success"] = datetime.fromtimestamp(now, UTC).isoformat()
+        memo_files.write(counters_file, json.dumps(counters).encode())
+        text = memo_files.read(textfile)
+        if text is not None:
+            memo_files.write(textfile, refreshed_metrics(text.decode(), duration_s=now - started, now=now).encode())
+    except (OSError, ValueError) as exc:
+        print_note(f"could not write metrics: {exc}")
 
 
 def _heartbeat(args: argparse.Namespace, memo: PassMemo) -> bool:
@@ -228,4 +257,5 @@ def _memo_after(converged: Converged, key: str, root: Path, world: MemoWorld) ->
         nft=nft,
         node_record=converged.node_record,
         epoch=converged.registry_epoch,
+        max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
     )

@@ -369,7 +369,7 @@ class _MemoFiles:
     """The memo file and the pass lock, under the state directory."""
 
     def read(self, path: Path) -> bytes | None:
-        return memo_io.read_under(Path("/"), str(path))
+        return memo_io.read_file(path)
 
     def write(self, path: Path, data: bytes) -> None:
         memo_io.write_atomic(path, data)

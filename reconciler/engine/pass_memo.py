@@ -35,9 +35,12 @@ from dataclasses import asdict, dataclass, field
 
 MEMO_FILE = "pass-memo.json"
 MEMO_VERSION = 1
-# A memoized pass still leaves the metrics textfile and the edge's status
-# page as the last full pass wrote them: a full pass at least this often keeps
-# them fresh.
+# A memoized pass refreshes this host's pass series in the metrics textfile
+# (duration, success, last success) but leaves the fleet's (the edge's status
+# page, the fleet series from the registry's snapshot) as the last full pass
+# wrote them: a full pass at least this often keeps them fresh. A host that
+# shows the fleet (it read a snapshot) does one within the node timeout, so
+# its page is never staler than a node takes to go offline.
 MAX_AGE_S = 300.0
 # drift's answer when only the table differs: the full pass must load it again
 # (it is still loaded, so the plan alone would not).
@@ -54,6 +57,7 @@ class PassMemo:
     nft: str | None = None
     node_record: str | None = None
     epoch: int | None = None
+    max_age_s: float = MAX_AGE_S
 
     def to_json(self) -> str:
         return json.dumps({"version": MEMO_VERSION, **asdict(self)}, sort_keys=True)
@@ -94,7 +98,7 @@ def usable(memo: PassMemo | None, key: str, now: float) -> str | None:
         return "no memo"
     if memo.key != key:
         return "the inputs changed"
-    if not 0 <= now - memo.written_at <= MAX_AGE_S:
+    if not 0 <= now - memo.written_at <= memo.max_age_s:
         return "the memo is too old"
     return None
 
@@ -115,3 +119,23 @@ def drift(memo: PassMemo, read: ReadFile, unit_state: UnitState | None, nft_dige
     if nft_digest is not None and memo.nft is not None and nft_digest() != memo.nft:
         return NFT_DRIFT
     return None
+
+
+# This host's pass series in the metrics textfile (reconciler.core.views.metrics
+# names them; tests/unit/test_pass_memo.py renders the real file and checks).
+DURATION_SERIES = "fabric_reconcile_duration_seconds"
+SUCCESS_SERIES = "fabric_reconcile_success"
+LAST_SUCCESS_SERIES = "fabric_reconcile_last_success_timestamp_seconds"
+
+
+def refreshed_metrics(text: str, *, duration_s: float, now: float) -> str:
+    """The textfile with this host's pass series as a successful pass of
+    `duration_s` ending at `now` leaves them; every other line as it was."""
+    values = {DURATION_SERIES: repr(duration_s), SUCCESS_SERIES: "1", LAST_SUCCESS_SERIES: repr(now)}
+    lines = []
+    for line in text.splitlines(keepends=True):
+        name = line.split(" ", 1)[0]
+        if name in values:
+            line = f"{name} {values[name]}\n"
+        lines.append(line)
+    return "".join(lines)

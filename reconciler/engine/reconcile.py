@@ -191,6 +191,9 @@ class Converged:
     registry_epoch: int | None
     # A leader candidate's pass may lead: it is never memoized.
     may_lead: bool
+    # The pass showed the fleet (an edge's status page and fleet metrics from
+    # the registry's snapshot): how stale that view may grow (the node timeout).
+    fleet_view_max_age_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -370,6 +373,7 @@ def _converged(options: PassOptions, prepared: _Prepared, generation: int | None
         node_record=node_record(prepared.desired, prepared.host, prepared.facts).model_dump_json() if uses_registry else None,
         registry_epoch=source.registry_epoch,
         may_lead=uses_registry and prepared.host in prepared.desired.fleet.fleet.leader_candidates,
+        fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if source.snapshot is not None else None,
     )
 
 

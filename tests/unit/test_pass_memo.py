@@ -313,3 +313,30 @@ def test_the_light_defaults_of_the_options_agree_with_their_homes() -> None:
     assert pass_options.DEFAULT_PLAN_KEY_FILE == reconcile.DEFAULT_PLAN_KEY_FILE
     assert pass_options.CADDY_MAIN_CANDIDATES == reconcile.CADDY_MAIN_CANDIDATES
     assert common.NODE_CONFIG_PATH == NODE_CONFIG_PATH
+    from reconciler.cli import reconcile as cli_reconcile
+    from reconciler.core.views.metrics import TEXTFILE_PATH
+    from reconciler.engine.pass_records import PASS_COUNTERS
+
+    assert cli_reconcile.TEXTFILE_PATH == TEXTFILE_PATH
+    assert cli_reconcile.PASS_COUNTERS == PASS_COUNTERS
+
+
+def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, sandbox.argv())
+    textfile = sandbox.root / "var/lib/node_exporter/textfile/fabric.prom"
+    counters = sandbox.root / STATE / "pass-counters.json"
+    textfile.write_text(textfile.read_text().replace("fabric_reconcile_success 1\n", "fabric_reconcile_success 0\n"))
+    stale = textfile.read_text()
+    counters.write_text(json.dumps({"rollbacks_total": 2, "last_success": "2000-01-01T00:00:00+00:00"}))
+    code, _, err = run(capsys, sandbox.argv())
+    assert code == 0 and memoized(err), err
+    fresh = textfile.read_text()
+    changed = {a.split(" ")[0] for a, b in zip(stale.splitlines(), fresh.splitlines(), strict=True) if a != b}
+    assert changed == {"fabric_reconcile_duration_seconds", "fabric_reconcile_success", "fabric_reconcile_last_success_timestamp_seconds"}
+    assert "fabric_reconcile_success 1\n" in fresh
+    last = float(next(line for line in fresh.splitlines() if line.startswith("fabric_reconcile_last_success_timestamp_seconds ")).split()[1])
+    assert last > 1_700_000_000
+    kept = json.loads(counters.read_text())
+    assert kept["rollbacks_total"] == 2 and kept["last_success"] > "2000-01-01T00:00:00+00:00"
+    # racknerd, the edge, shows the fleet: its memo lasts no longer than the node timeout.
+    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).max_age_s == 90.0
