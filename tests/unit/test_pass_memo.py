@@ -229,18 +229,26 @@ def test_a_new_plan_file_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.Capt
     assert code == 0 and not memoized(err), err
 
 
-def test_a_rendered_file_edited_or_removed_is_repaired_by_the_next_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("path", "how"),
+    [("etc/caddy/fabric.caddy", "edit"), ("etc/systemd/system/fabric-nftables.service", "edit"), ("etc/fabric/fabric.nft", "remove")],
+)
+def test_a_rendered_file_edited_or_removed_is_repaired_by_the_next_pass(
+    sandbox: Sandbox, capsys: pytest.CaptureFixture[str], path: str, how: str
+) -> None:
     run(capsys, sandbox.argv())
-    snippet = sandbox.root / "etc/caddy/fabric.caddy"
-    unit = sandbox.root / "etc/systemd/system/fabric-nftables.service"
-    good = {snippet: snippet.read_bytes(), unit: unit.read_bytes()}
-    snippet.write_text("# edited by hand\n")
-    unit.unlink()
+    assert memoized(run(capsys, sandbox.argv())[2])
+    rendered = sandbox.root / path
+    good = rendered.read_bytes()
+    if how == "edit":
+        rendered.write_bytes(good + b"# edited by hand\n")
+    else:
+        rendered.unlink()
     code, out, err = run(capsys, sandbox.argv())
     assert code == 0 and not memoized(err), err
-    assert "drift since the last pass" in err
-    assert "etc/caddy/fabric.caddy" in out and "etc/systemd/system/fabric-nftables.service" in out
-    assert {path: path.read_bytes() for path in good} == good
+    assert f"drift since the last pass: {path} {'was changed' if how == 'edit' else 'is missing'}" in err
+    assert f"  {path}\n" in out
+    assert rendered.read_bytes() == good
     code, out, err = run(capsys, sandbox.argv())
     assert (code, out) == (0, "nothing to do (generation 1)\n") and memoized(err)
 
