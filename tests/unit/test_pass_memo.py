@@ -91,6 +91,16 @@ def open_registry(s: Sandbox) -> Registry:
     return open_registry(load_desired(s.desired).fleet, sqlite_path=s.registry_file)
 
 
+@pytest.fixture(autouse=True)
+def audit_on_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit lines as JSON on stderr, where these tests read them, even on a machine with journald."""
+    from reconciler.adapters.journal import JournalAudit
+
+    defaults = JournalAudit.__init__.__defaults__
+    assert defaults is not None
+    monkeypatch.setattr(JournalAudit.__init__, "__defaults__", ("/nonexistent/journal/socket", *defaults[1:]))
+
+
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Sandbox:
     return Sandbox(tmp_path)
