@@ -9,8 +9,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -101,6 +102,30 @@ def write_atomic(target: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, target)
+
+
+def rewrite_head(target: Path, edit: Callable[[str], str], head_bytes: int = 64 * 1024) -> bool:
+    """Replace `target` atomically with its first lines (up to `head_bytes`)
+    passed through `edit` and the rest copied as it is, in constant memory:
+    an edge's metrics textfile holds the whole fleet's series, and a memoized
+    pass only refreshes the few at its top. False when there is no `target`."""
+    try:
+        source = open(target, "rb")  # noqa: SIM115 (closed below, after the copy)
+    except FileNotFoundError:
+        return False
+    with source:
+        head = source.read(head_bytes)
+        cut = head.rfind(b"\n") + 1 if len(head) == head_bytes else len(head)
+        source.seek(cut)
+        tmp = target.parent / f".{target.name}.fabric-tmp-{os.getpid()}"
+        with open(tmp, "wb") as out:
+            out.write(edit(head[:cut].decode("utf-8")).encode("utf-8"))
+            shutil.copyfileobj(source, out, 256 * 1024)
+            out.flush()
+            os.fsync(out.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
+    return True
 
 
 def remove(target: Path) -> None:

@@ -191,9 +191,8 @@ def _refresh_records(root: Path, state: Path, started: float) -> None:
             counters = {}
         counters["last_success"] = datetime.fromtimestamp(now, UTC).isoformat()
         memo_files.write(counters_file, json.dumps(counters).encode())
-        text = memo_files.read(textfile)
-        if text is not None:
-            memo_files.write(textfile, refreshed_metrics(text.decode(), duration_s=now - started, now=now).encode())
+        # This host's pass series come first; the fleet's below them are copied as they are.
+        memo_files.rewrite_head(textfile, lambda head: refreshed_metrics(head, duration_s=now - started, now=now))
     except (OSError, ValueError) as exc:
         print_note(f"could not write metrics: {exc}")
 

@@ -377,6 +377,10 @@ class _MemoFiles:
     def remove(self, path: Path) -> None:
         memo_io.remove(path)
 
+    def rewrite_head(self, path: Path, edit: Callable[[str], str]) -> bool:
+        """`path` with its first lines edited, the rest copied (memo_io.rewrite_head)."""
+        return memo_io.rewrite_head(path, edit)
+
     def lock(self, lock_file: Path) -> AbstractContextManager[bool]:
         """The pass lock if free (True), without waiting."""
         return memo_io.pass_lock(lock_file)

@@ -132,10 +132,15 @@ def refreshed_metrics(text: str, *, duration_s: float, now: float) -> str:
     """The textfile with this host's pass series as a successful pass of
     `duration_s` ending at `now` leaves them; every other line as it was."""
     values = {DURATION_SERIES: repr(duration_s), SUCCESS_SERIES: "1", LAST_SUCCESS_SERIES: repr(now)}
-    lines = []
-    for line in text.splitlines(keepends=True):
-        name = line.split(" ", 1)[0]
-        if name in values:
-            line = f"{name} {values[name]}\n"
-        lines.append(line)
-    return "".join(lines)
+    for name, value in values.items():
+        if text.startswith(f"{name} "):
+            start = 0
+        else:
+            found = text.find(f"\n{name} ")
+            if found < 0:
+                continue  # not there: nothing to refresh
+            start = found + 1
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        text = f"{text[:start]}{name} {value}{text[end:]}"
+    return text
