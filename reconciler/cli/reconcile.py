@@ -76,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
             if facts is not None:
                 probed = facts
                 ports.probe = lambda _host, _replay: probed  # probed once, above
+            step = ports.checkpoint
+
+            def checkpoint(name: str) -> None:
+                # Before the pass's first change: a pass killed from here on
+                # must leave no memo, or the next could vouch for a half-done world.
+                memo_files.remove(memo_file)
+                step(name)
+
+            ports.checkpoint = checkpoint
             report = run_pass(options, ports)
         if report.converged is not None and not report.converged.may_lead:
             memo = _memo_after(report.converged, key, root, world)

@@ -358,3 +358,38 @@ def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(s
     assert kept["rollbacks_total"] == 2 and kept["last_success"] > "2000-01-01T00:00:00+00:00"
     # racknerd, the edge, shows the fleet: its memo lasts no longer than the node timeout.
     assert PassMemo.from_json(sandbox.memo_file.read_bytes()).max_age_s == 90.0
+
+
+def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
+    sandbox: Sandbox, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass killed half-way must leave no memo that vouches for the half-done world."""
+    run(capsys, sandbox.argv())
+    assert sandbox.memo_file.exists()
+    edit_desired(sandbox)
+    edit = sandbox.desired / "fabric.toml"
+    edit.write_text(edit.read_text().replace("listen_port = 2222", "listen_port = 2223"))
+    from reconciler.cli import wiring
+
+    seen: list[bool] = []
+    real = wiring.real_pass_ports
+
+    def killed_at_the_first_change(options):  # type: ignore[no-untyped-def]
+        with real(options) as ports:
+
+            def kill(step: str) -> None:
+                seen.append(sandbox.memo_file.exists())
+                raise KeyboardInterrupt
+
+            ports.checkpoint = kill
+            yield ports
+
+    from contextlib import contextmanager
+
+    monkeypatch.setattr(wiring, "real_pass_ports", contextmanager(killed_at_the_first_change))
+    with pytest.raises(KeyboardInterrupt):
+        from reconciler.cli import build_parser
+        from reconciler.cli.reconcile import run as reconcile_run
+
+        reconcile_run(build_parser("reconcile").parse_args(sandbox.argv()))
+    assert seen == [False]
