@@ -74,10 +74,11 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 _NOT_COPIED = shutil.ignore_patterns(".venv", ".git", "sandbox", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis")
 
 # Runs as PID 1 of the new PID namespace, inside the new mount namespace, and
-# finally execs systemd in the chroot. $1 is the host work directory.
+# finally execs systemd in the new root. $1 is the host work directory, $3
+# "pivot_root" or "chroot" (how systemd is put into that root).
 _BOOT_SCRIPT = r"""
 set -eu
-work=$1; hostname=$2
+work=$1; hostname=$2; enter=$3
 root=$work/root
 mount -t tmpfs -o mode=755 fabric-harness "$root"
 mkdir -p "$root/upper" "$root/work" "$root/merged"
@@ -103,6 +104,21 @@ Wants=dbus.socket dbus.service
 TARGET
 # systemd sets the hostname from /etc/hostname at boot.
 echo "$hostname" > "$m/etc/hostname"
+if [ "$enter" = pivot_root ]; then
+    # The overlay becomes the root of the mount namespace, so the kernel lets
+    # processes inside create user namespaces (it refuses a chrooted one).
+    mkdir -p "$m/.harness-old-root"
+    cd "$m"
+    pivot_root . .harness-old-root
+    umount -l /.harness-old-root
+    rmdir /.harness-old-root
+    # Shared, as systemd makes / on a host (it skips that in a container):
+    # LoadCredential= mounts the credentials in a child namespace, and rootless
+    # podman wants its mounts to propagate. The peer groups are new ones, so
+    # nothing propagates to the host.
+    mount --make-rshared /
+    exec env -i container=fabric-harness /lib/systemd/systemd --system --unit=fabric-harness.target
+fi
 exec chroot "$m" env -i container=fabric-harness /lib/systemd/systemd --system --unit=fabric-harness.target
 """
 
@@ -200,8 +216,14 @@ def systemd_container(
     private_network: bool = False,
     boot_timeout: float = 20.0,
     shutdown_timeout: float = 10.0,
+    user_namespaces: bool = False,
 ) -> Iterator[SystemdContainer]:
-    """Boot systemd as PID 1 with a system bus; always shut it down and clean up."""
+    """Boot systemd as PID 1 with a system bus; always shut it down and clean up.
+
+    `user_namespaces=True` enters the new root with pivot_root instead of
+    chroot (the kernel refuses to create a user namespace, as rootless podman
+    does, for a process whose root is not its mount namespace's root) and makes
+    it a shared mount, as on a host (LoadCredential= needs that)."""
     work = Path(tempfile.mkdtemp(prefix="fabric-systemd-"))
     (work / "root").mkdir()
     (work / "bus").mkdir()
@@ -235,6 +257,7 @@ def systemd_container(
                     "boot",
                     str(work),
                     hostname,
+                    "pivot_root" if user_namespaces else "chroot",
                 ],
                 stdin=subprocess.PIPE,
                 stdout=log,

@@ -196,7 +196,11 @@ def test_secrets_reach_units_only_as_paths() -> None:
     a1 = files(state, "a1-arm64")
     agent = unit(a1, "fabric-agent-a1-arm64.service")
     assert 'Environment="PHAZE_AGENT_TOKEN_FILE=/run/secrets/phaze/agent_token"' in agent
-    assert '"--volume=/run/secrets/phaze/agent_token:/run/secrets/phaze/agent_token:ro"' in agent
+    # The agent's dynamic user cannot read root's file: systemd hands it over
+    # as a credential, and the container sees it at the path the variable names.
+    assert "LoadCredential=phaze_agent_token_file:/run/secrets/phaze/agent_token" in agent
+    assert "--volume=%d/phaze_agent_token_file:/run/secrets/phaze/agent_token:ro" in agent
+    assert "/run/secrets/phaze/agent_token:/run/secrets" not in agent
     braid = unit(a1, "fabric-agent-braid.service")
     assert "LoadCredential=api_token:/run/secrets/braid/api_token" in braid
     assert 'Environment="API_TOKEN_FILE=/run/credentials/fabric/api_token"' in braid

@@ -294,41 +294,80 @@ def _service_workload(desired: DesiredState, service: Service, arch: str | None,
 CONTAINER_CREDENTIALS = "/run/credentials/fabric"
 
 
-def _agent_unit(w: _Workload, layout: Layout, templates: Path | None) -> str:
+def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: list[str]) -> str:
     unit = f"fabric-agent-{w.id}.service"
     environment = [systemd_env(k, v) for k, v in w.environment]
     credentials = [f"{name}:{path}" for name, path in w.credentials]
     exec_extra: list[str] = []
+    podman: dict[str, object] = {}
     if w.image is not None:
+        # Rootless podman as the unit's dynamic user: its home (image storage)
+        # and runtime directory belong to that user, and it can read nothing
+        # of root's, so every host path the container gets comes through
+        # systemd (credentials, state directories).
+        home = f"/var/lib/{unit.removesuffix('.service')}"
+        runtime_dir = f"/run/{unit.removesuffix('.service')}"
+        state_directories = [home.removeprefix("/var/lib/")]
+        podman_cmd = f"{systemd_quote(layout.podman)} --cgroup-manager=cgroupfs"
+        cidfile = f"--cidfile={runtime_dir}/ctr-id"
         # Values travel as the unit's Environment= and are handed on by name
         # (--env=NAME), so they never appear in the container's argv.
         for name, _ in w.credentials:
             environment.append(systemd_env(credential_env_name(name), f"{CONTAINER_CREDENTIALS}/{name}"))
         args = [
-            systemd_quote(layout.podman),
+            podman_cmd,
             "run",
-            "--cidfile=%t/%n.ctr-id",
-            "--cgroups=no-conmon",
+            cidfile,
+            f"--conmon-pidfile={runtime_dir}/conmon.pid",
+            # conmon and the container in sub-cgroups of the unit's (Delegate=yes).
+            "--cgroups=split",
             "--rm",
-            "--sdnotify=conmon",
             "--replace",
             "--detach",
             systemd_quote(f"--name={unit.removesuffix('.service')}"),
             "--network=host",
+            # The unit's sandbox overmounts parts of /proc (ProtectKernelTunables=
+            # and friends) and forbids sethostname(), so the kernel refuses a
+            # fresh proc mount and a hostname: the container shares the unit's
+            # PID and UTS namespaces (it sees only its own user's processes).
+            "--pid=host",
+            "--uts=host",
         ]
         names = [k for k, _ in w.environment] + [credential_env_name(n) for n, _ in w.credentials]
         args += [systemd_quote(f"--env={name}") for name in sorted(names)]
-        args += [systemd_quote(f"--volume={p}:{p}:ro") for p in w.bind_paths]
-        args += [systemd_quote(f"--volume={p}:{p}") for p in w.writable_paths]
+        for path in w.bind_paths:
+            # A *_FILE secret: systemd copies it into %d (the unit's credentials
+            # directory, readable by the unit's user only) and the container sees
+            # it at its own path, so the variable keeps its value. Unquoted, as
+            # %d must stay a specifier: `name` is a lower-cased variable name and
+            # an AbsPath has no blank, quote, '$' or '\\' (model.py).
+            name = next(k.lower() for k, v in w.environment if v == path and k.endswith("_FILE"))
+            credentials.append(f"{name}:{path}")
+            args.append(f"--volume=%d/{name}:{path.replace('%', '%%')}:ro")
+        for path in w.writable_paths:
+            # A lane's scratch_dir: a state directory of the unit, so systemd makes
+            # it the dynamic user's. Under /var/lib it stays where it is named.
+            if path.startswith("/var/lib/"):
+                host_path = path
+            else:
+                host_path = f"{home}/volumes{path}"
+                notes.append(f"{w.what} {w.id}: {path} is not under /var/lib, so its agent keeps it in {host_path} (the container sees {path})")
+            state_directories.append(host_path.removeprefix("/var/lib/"))
+            args.append(systemd_quote(f"--volume={host_path}:{path}"))
         if w.credentials:
             # %d is the unit's credentials directory (LoadCredential=).
             args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
         args.append(systemd_quote(w.image))
         args += [systemd_quote(a) for a in w.command]
         exec_extra = [
-            f"ExecStop={systemd_quote(layout.podman)} stop --ignore --time=20 --cidfile=%t/%n.ctr-id",
-            f"ExecStopPost={systemd_quote(layout.podman)} rm --force --ignore --cidfile=%t/%n.ctr-id",
+            f"ExecStop={podman_cmd} stop --ignore --time=20 {cidfile}",
+            f"ExecStopPost={podman_cmd} rm --force --ignore {cidfile}",
         ]
+        podman = {
+            "home": home,
+            "runtime_dir": runtime_dir,
+            "state_directories": [d.replace("%", "%%") for d in state_directories],
+        }
     else:
         # The service runs as a dynamic user, who cannot read root's secret
         # files: every *_FILE path is handed over as a credential instead
@@ -353,6 +392,9 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None) -> str:
         source=w.source,
         description=systemd_text(w.description),
         podman=w.image is not None,
+        home=podman.get("home"),
+        runtime_dir=podman.get("runtime_dir"),
+        state_directories=podman.get("state_directories"),
         gpu=w.gpu,
         environment=environment,
         credentials=credentials,
@@ -433,7 +475,7 @@ def render(
                 f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}"
             )
         seen[w.id] = w.what
-        artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates), 0o644, "unit"))
+        artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates, notes), 0o644, "unit"))
 
     # Port maps of this host: one socat unit each.
     tcp_ports: set[int] = set()

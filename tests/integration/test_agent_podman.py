@@ -1,0 +1,281 @@
+"""The agent unit, confined and run for real.
+
+- Exposure: `systemd-analyze security --offline=true` rates every unit the
+  example fleet renders (lane agents and placed services, podman or direct,
+  and the port maps' socat units) at most 4.0, "OK".
+- Real podman: a lane agent unit rendered by the real render code (the
+  fleet's image replaced by one built here, since nothing can be pulled) runs
+  its container with the host's podman inside a systemd container (systemd as
+  PID 1, tests/harness/systemd.py), rootless as the unit's dynamic user; the
+  container reads its *_FILE secret and writes its scratch directory; stopping
+  the unit removes the container.
+
+The image: a static busybox and a small script, imported with `podman
+import` into a throw-away storage and saved as an OCI archive, which the unit
+names as its image (`oci-archive:PATH`, a transport podman reads locally).
+One of its files is owned by group 42 (shadow, as in every Debian image): the
+unit's single-ID user namespace must still unpack it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import struct
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.artifacts import render
+from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
+from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.harness.waiting import wait_until
+
+HOSTS = ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"]
+GOLDEN_PLAN = REPO / "tests" / "golden" / "fleet-plan.json"
+MAX_EXPOSURE = 4.0
+
+LANE = "x86-spill"
+UNIT = f"fabric-agent-{LANE}.service"
+IMAGE_ARCHIVE = "/srv/fabric-test/agent-image.tar"
+SCRATCH = "/var/lib/phaze/scratch"
+TOKEN = "token-for-the-agent\n"
+
+# The agent in the image: proves it got its secret and its writable scratch
+# directory, then idles like a worker waiting for jobs.
+AGENT_SCRIPT = """#!/bin/sh
+cat "$PHAZE_AGENT_TOKEN_FILE" > "$PHAZE_CLOUD_SCRATCH_DIR/token-seen"
+echo "$PHAZE_AGENT_QUEUE" > "$PHAZE_CLOUD_SCRATCH_DIR/queue-seen"
+exec sleep 2147483647
+"""
+
+
+def facts(host: str) -> NodeFacts:
+    arch = "aarch64" if host == "a1-arm64" else "x86_64"
+    return NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg")  # type: ignore[arg-type]
+
+
+def plan() -> FleetPlan:
+    return FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())
+
+
+def exposure(unit_file: Path) -> float:
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit_file)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", result.stdout)
+    assert found, f"no exposure figure for {unit_file.name}: {result.stdout[-500:]}{result.stderr[-500:]}"
+    return float(found.group(1))
+
+
+def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
+    require("systemd-analyze")
+    desired = load_desired(EXAMPLE_FLEET)
+    figures: dict[str, float] = {}
+    for host in HOSTS:
+        for artifact in render(desired, host, facts(host), plan()).artifacts:
+            if artifact.unit is None or not artifact.unit.startswith(("fabric-agent-", "fabric-socat-")):
+                continue
+            unit_file = tmp_path / host / artifact.unit
+            unit_file.parent.mkdir(parents=True, exist_ok=True)
+            unit_file.write_text(artifact.content)
+            figures[f"{host}/{artifact.unit}"] = exposure(unit_file)
+    print("\n".join(f"exposure {value:.1f}  {name}" for name, value in sorted(figures.items())))
+    # The podman agents are among them (the point of this test).
+    assert f"x86-spill/{UNIT}" in figures and "a1-arm64/fabric-agent-braid.service" in figures
+    too_exposed = {name: value for name, value in figures.items() if value > MAX_EXPOSURE}
+    assert not too_exposed, f"units rated above {MAX_EXPOSURE}: {too_exposed}"
+
+
+# --------------------------------------------------------------------------
+# The image
+
+
+def is_static_elf(path: Path) -> bool:
+    """No PT_INTERP program header: the binary needs no loader or libraries."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:  # 64-bit ELF only
+        return False
+    endian = "<" if data[5] == 1 else ">"
+    (phoff,) = struct.unpack_from(endian + "Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from(endian + "HH", data, 0x36)
+    types = [struct.unpack_from(endian + "I", data, phoff + i * phentsize)[0] for i in range(phnum)]
+    return 3 not in types  # PT_INTERP
+
+
+def rootfs_tarball(tmp_path: Path) -> Path:
+    busybox = shutil.which("busybox")
+    assert busybox is not None
+    if not is_static_elf(Path(busybox)):
+        pytest.fail(f"{busybox} is not statically linked: the image needs busybox-static (scripts/_env.sh installs it)")
+    tarball = tmp_path / "rootfs.tar"
+
+    def owned(info: tarfile.TarInfo, gid: int = 0) -> tarfile.TarInfo:
+        info.uid, info.gid, info.uname, info.gname = 0, gid, "", ""
+        return info
+
+    with tarfile.open(tarball, "w") as tar:
+        for directory in ("bin", "etc", "tmp", "proc", "sys", "dev", "run", "var", "var/lib", "var/lib/phaze"):
+            info = owned(tarfile.TarInfo(directory))
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if directory == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(busybox, "bin/busybox", filter=owned)
+        for applet in ("sh", "sleep", "cat", "echo", "id"):
+            info = owned(tarfile.TarInfo(f"bin/{applet}"))
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+        for name, text, mode, gid in (
+            ("bin/fabric-test-agent", AGENT_SCRIPT, 0o755, 0),
+            ("etc/gshadow", "root:*::\n", 0o640, 42),
+        ):
+            info = owned(tarfile.TarInfo(name), gid)
+            data = text.encode()
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+    return tarball
+
+
+def build_image_archive(tmp_path: Path) -> Path:
+    """`podman import` into a storage of this test only, saved as an OCI archive."""
+    # Not under tmp_path: podman refuses a runroot path longer than 50 characters.
+    storage = Path(tempfile.mkdtemp(prefix="fabric-image-"))
+    podman = [
+        "podman",
+        f"--root={storage}/root",
+        f"--runroot={storage}/run",
+        f"--tmpdir={storage}/tmp",
+        "--storage-driver=vfs",
+        "--events-backend=none",
+    ]
+    archive = tmp_path / "agent-image.tar"
+    name = "localhost/fabric-test-agent:1"
+    try:
+        for argv in (
+            [*podman, "import", "--change", "CMD=/bin/fabric-test-agent", str(rootfs_tarball(tmp_path)), name],
+            [*podman, "save", "--format=oci-archive", f"--output={archive}", name],
+        ):
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    return archive
+
+
+def desired_with_local_image(tmp_path: Path) -> DesiredState:
+    """The example fleet, its x86_64 agent image replaced by the archive built here."""
+    desired = tmp_path / "desired"
+    shutil.copytree(EXAMPLE_FLEET, desired)
+    fleet = desired / "fabric.toml"
+    text = fleet.read_text()
+    old = 'image = "ghcr.io/researchstack/phaze:2026.11"\ncommand = ["uv", "run", "saq", "phaze.tasks.agent_worker.settings"]'
+    assert old in text
+    fleet.write_text(text.replace(old, f'image = "oci-archive:{IMAGE_ARCHIVE}"\ncommand = ["/bin/fabric-test-agent"]'))
+    return load_desired(desired)
+
+
+# --------------------------------------------------------------------------
+# Running it
+
+
+@pytest.fixture(scope="module")
+def container() -> Iterator[SystemdContainer]:
+    require_root()
+    require("unshare", "nsenter", "pivot_root", "podman", "conmon", "crun", "catatonit", "busybox", "setpriv")
+    # pivot_root, not chroot: the kernel lets no chrooted process make the
+    # user namespace rootless podman needs.
+    with systemd_container(user_namespaces=True) as booted:
+        yield booted
+
+
+def as_unit_user(container: SystemdContainer, uid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run podman as the unit's dynamic user, on the unit's storage."""
+    return container.run(
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "env",
+        f"HOME=/var/lib/fabric-agent-{LANE}",
+        f"XDG_RUNTIME_DIR=/run/fabric-agent-{LANE}",
+        "podman",
+        "--cgroup-manager=cgroupfs",
+        *argv,
+    )
+
+
+def unit_property(container: SystemdContainer, name: str) -> str:
+    return container.systemctl("show", f"--property={name}", "--value", UNIT).stdout.strip()
+
+
+def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContainer, tmp_path: Path) -> None:
+    archive = build_image_archive(tmp_path)
+    artifacts = render(desired_with_local_image(tmp_path), LANE, facts(LANE), plan()).artifacts
+    text = next(a.content for a in artifacts if a.unit == UNIT)
+    assert f'"oci-archive:{IMAGE_ARCHIVE}"' in text and "DynamicUser=yes" in text
+    unit_file = tmp_path / UNIT
+    unit_file.write_text(text)
+    assert exposure(unit_file) <= MAX_EXPOSURE
+
+    container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
+    # The secrets as a host keeps them: root's, mode 0600, in a 0700 directory.
+    secrets = container.host_path("/run/secrets/phaze")
+    secrets.mkdir(parents=True, mode=0o700)
+    for name in ("agent_token", "push_key", "queue_url"):
+        container.write_file(f"/run/secrets/phaze/{name}", TOKEN if name == "agent_token" else f"{name}\n", mode=0o600)
+
+    container.write_file(f"/etc/systemd/system/{UNIT}", text)
+    assert container.systemctl("daemon-reload").returncode == 0
+    started = container.systemctl("start", UNIT, timeout=120)
+    assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
+    wait_until(lambda: unit_property(container, "ActiveState") == "active", timeout=30, what=f"{UNIT} active")
+
+    # Rootless: the unit's user owns its storage and is not root.
+    uid = int(container.run("stat", "-c", "%u", f"/var/lib/private/fabric-agent-{LANE}").stdout)
+    assert uid != 0
+    last: list[str] = []
+
+    def container_state() -> bool:
+        inspected = as_unit_user(container, uid, "container", "inspect", "--format", "{{.State.Status}}", f"fabric-agent-{LANE}")
+        last[:] = [inspected.stdout + inspected.stderr]
+        return inspected.stdout.strip() == "running"
+
+    try:
+        wait_until(container_state, timeout=30, what="podman to list the agent's container as running")
+    except AssertionError as timeout:
+        raise AssertionError(f"{timeout}; podman said: {last}") from None
+    # The agent read its secret (a credential of the unit, at the path its
+    # variable names) and wrote its scratch directory.
+    seen = wait_until(lambda: container.run("cat", f"{SCRATCH}/token-seen").stdout, timeout=30, what="the agent's record of its token")
+    assert seen == TOKEN
+    assert container.run("cat", f"{SCRATCH}/queue-seen").stdout == f"phaze-agent-{LANE}\n"
+    # Its processes run as the unit's user, never as root.
+    payload = container.run("pgrep", "-f", "sleep 2147483647").stdout.split()
+    assert payload, "the agent's process is not running"
+    owners = {container.run("ps", "-o", "uid=", "-p", pid).stdout.strip() for pid in payload}
+    assert owners == {str(uid)}
+
+    stopped = container.systemctl("stop", UNIT, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    # A clean stop (the SIGTERM exit of the agent is a success), the container gone.
+    assert unit_property(container, "ActiveState") == "inactive", container.journal("-u", UNIT)
+    assert not container.run("pgrep", "-f", "sleep 2147483647").stdout.strip()
+    # podman's runtime directory went with the unit, so its storage says it:
+    # no container left (the images stay for the next start).
+    storage = container.host_path(f"/var/lib/private/fabric-agent-{LANE}/.local/share/containers/storage")
+    listings = list(storage.glob("*-containers/containers.json"))
+    assert listings, f"no container storage under {storage}"
+    assert all(json.loads(listing.read_text()) == [] for listing in listings)
+    assert list(storage.glob("*-images/images.json"))
