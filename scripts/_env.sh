@@ -8,8 +8,11 @@ VENV="${FABRIC_VENV:-$ROOT/.venv}"
 # Debian packages: nft, socat, caddy, etcd, systemd-nspawn/dbus for systemd as
 # PID 1 in a container, iproute2 for namespaces, nix for evaluating the module,
 # chromium (status page), prometheus (promtool) and prometheus-node-exporter
-# (the metrics textfile), pciutils (lspci for the hardware probe).
-DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin python3-venv git chromium prometheus prometheus-node-exporter pciutils curl)
+# (the metrics textfile), pciutils (lspci for the hardware probe), podman with
+# crun and catatonit (its rootless pause process; named, as they are only
+# alternatives or recommends) for the agent units, busybox-static for the image
+# tests/integration/test_agent_podman.py builds.
+DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin python3-venv git chromium prometheus prometheus-node-exporter pciutils curl podman crun catatonit busybox-static)
 
 install_debian_packages() {
   local missing=()

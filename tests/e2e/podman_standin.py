@@ -1,53 +1,46 @@
 #!/usr/bin/python3
 """A stand-in for /usr/bin/podman inside the e2e fleet's containers (never on the host).
 
-The lane agents the fabric renders are the seed's phaze images, run by podman
-(`podman run --detach --sdnotify=conmon ...`: podman exits, conmon stays as the
-unit's main process and tells systemd it is ready). This machine has neither
-podman nor the images, so tests/e2e/fleet.py installs this script as
-/usr/bin/podman in each container: `run` leaves an idle process that reports
-READY=1 with itself as MAINPID, exactly the protocol the rendered unit
-(Type=notify, NotifyAccess=all) expects; `stop` and `rm` have nothing to do
-(systemd stops the unit's cgroup). The lane units therefore start, stay up and
-stop as they would with the real agent; what runs inside is not the agent.
+The lane agents the fabric renders are the seed's phaze images, run by
+rootless podman (`podman run --detach --conmon-pidfile=PATH ...`: podman exits
+once the container runs, and conmon, whose PID it wrote to PATH, stays as the
+unit's main process; the unit is Type=forking with PIDFile=PATH). The e2e
+fleet cannot pull those images, so tests/e2e/fleet.py installs this script as
+/usr/bin/podman in each container: `run` leaves an idle process, writes its
+PID where `--conmon-pidfile=` says and exits, exactly the protocol the rendered
+unit expects; `stop` and `rm` have nothing to do (systemd stops the unit's
+cgroup). The lane units therefore start, stay up and stop as they would with
+the real agent; what runs inside is not the agent. Real podman runs the same
+unit in tests/integration/test_agent_podman.py.
 """
 
 import os
-import socket
 import sys
-import time
-
-
-def notify(message: str) -> None:
-    address = os.environ.get("NOTIFY_SOCKET", "")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(message.encode(), address)
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "run":
+    if "run" not in argv:
         return 0  # stop, rm: the unit's cgroup is stopped by systemd
+    pidfile = next((a.split("=", 1)[1] for a in argv if a.startswith("--conmon-pidfile=")), None)
+    if pidfile is None:
+        print("podman stand-in: run without --conmon-pidfile=", file=sys.stderr)
+        return 125
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:
         os.close(read_end)
         os.setsid()
-        # The notifying process stays alive (it becomes the idle main process),
-        # so systemd can always tell which unit the message came from.
-        notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=stand-in for {argv[-1]}")
-        os.write(write_end, b"x")
-        os.close(write_end)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
+        os.close(write_end)  # the parent's read returns: this process is set up
         os.execvp("sleep", ["sleep", "infinity"])
     os.close(write_end)
     os.read(read_end, 1)
-    time.sleep(0.2)  # let systemd take MAINPID before `podman run` exits
+    # Written before `run` exits, as podman does: systemd reads it then.
+    with open(pidfile + ".tmp", "w") as out:
+        out.write(f"{child}\n")
+    os.rename(pidfile + ".tmp", pidfile)
     return 0
 
 

@@ -358,3 +358,19 @@ def test_the_snippet_replaces_an_exact_or_glob_import_in_the_main_caddyfile() ->
     # A main file that does not import the snippet: the snippet alone is the config.
     assert complete_caddy_config("other.example {\n}\n", "etc/caddy/fabric.caddy", snippet) == snippet
     assert complete_caddy_config("import /etc/caddy/other*.caddy\n", "etc/caddy/fabric.caddy", snippet) == snippet
+
+
+def test_podman_agent_scratch_dir_is_a_state_directory_of_its_unit(tmp_path: Path) -> None:
+    # Under /var/lib it stays where it is named (systemd gives it to the unit's
+    # dynamic user); elsewhere the unit keeps it in its own state directory,
+    # the container still sees the named path, and the operator is told.
+    arm = unit(files(example(), "a1-arm64"), "fabric-agent-a1-arm64.service")
+    assert "StateDirectory=fabric-agent-a1-arm64 phaze/scratch\n" in arm
+    assert '"--volume=/var/lib/phaze/scratch:/var/lib/phaze/scratch"' in arm
+    state = edited(tmp_path, 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"', 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"')
+    rendered = render(state, "x86-spill", facts("x86-spill"), golden_plan())
+    x86 = next(a.content for a in rendered.artifacts if a.unit == "fabric-agent-x86-spill.service")
+    assert "StateDirectory=fabric-agent-x86-spill fabric-agent-x86-spill/volumes/srv/scratch\n" in x86
+    assert '"--volume=/var/lib/fabric-agent-x86-spill/volumes/srv/scratch:/srv/scratch"' in x86
+    assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/srv/scratch"' in x86
+    assert any("/srv/scratch is not under /var/lib" in note and "x86-spill" in note for note in rendered.notes)
