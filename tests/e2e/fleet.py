@@ -145,7 +145,14 @@ SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.conf"
 # The example fleet's braid service reads this credential (LoadCredential=):
 # a unit whose credential file is missing does not start.
-SECRET_FILES = {"/run/secrets/braid/api_token": "e2e-not-a-real-token\n"}
+# Every secret a unit names: systemd refuses to start a unit whose
+# LoadCredential= file is missing (the lane agents hand theirs over that way).
+SECRET_FILES = {
+    "/run/secrets/braid/api_token": "e2e-not-a-real-token\n",
+    "/run/secrets/phaze/agent_token": "e2e-not-a-real-token\n",
+    "/run/secrets/phaze/push_key": "e2e-not-a-real-key\n",
+    "/run/secrets/phaze/queue_url": "postgresql://e2e@/phaze\n",
+}
 
 # The edge operator's main Caddyfile: the pass inlines its snippet at the
 # import line and keeps these global options. The example's domain is public,

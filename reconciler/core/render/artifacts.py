@@ -299,7 +299,7 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
     environment = [systemd_env(k, v) for k, v in w.environment]
     credentials = [f"{name}:{path}" for name, path in w.credentials]
     exec_extra: list[str] = []
-    podman: dict[str, object] = {}
+    rootless: dict[str, object] = {}  # the podman unit's own paths, for the template
     if w.image is not None:
         # Rootless podman as the unit's dynamic user: its home (image storage)
         # and runtime directory belong to that user, and it can read nothing
@@ -363,9 +363,10 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
             f"ExecStop={podman_cmd} stop --ignore --time=20 {cidfile}",
             f"ExecStopPost={podman_cmd} rm --force --ignore {cidfile}",
         ]
-        podman = {
+        rootless = {
             "home": home,
             "runtime_dir": runtime_dir,
+            "runtime_directory": runtime_dir.removeprefix("/run/"),
             "state_directories": [d.replace("%", "%%") for d in state_directories],
         }
     else:
@@ -392,9 +393,10 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
         source=w.source,
         description=systemd_text(w.description),
         podman=w.image is not None,
-        home=podman.get("home"),
-        runtime_dir=podman.get("runtime_dir"),
-        state_directories=podman.get("state_directories"),
+        home=rootless.get("home"),
+        runtime_dir=rootless.get("runtime_dir"),
+        runtime_directory=rootless.get("runtime_directory"),
+        state_directories=rootless.get("state_directories"),
         gpu=w.gpu,
         environment=environment,
         credentials=credentials,
