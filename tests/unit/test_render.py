@@ -367,7 +367,9 @@ def test_podman_agent_scratch_dir_is_a_state_directory_of_its_unit(tmp_path: Pat
     arm = unit(files(example(), "a1-arm64"), "fabric-agent-a1-arm64.service")
     assert "StateDirectory=fabric-agent-a1-arm64 phaze/scratch\n" in arm
     assert '"--volume=/var/lib/phaze/scratch:/var/lib/phaze/scratch"' in arm
-    state = edited(tmp_path, 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"', 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"')
+    state = edited(
+        tmp_path, 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"', 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"'
+    )
     rendered = render(state, "x86-spill", facts("x86-spill"), golden_plan())
     x86 = next(a.content for a in rendered.artifacts if a.unit == "fabric-agent-x86-spill.service")
     assert "StateDirectory=fabric-agent-x86-spill fabric-agent-x86-spill/volumes/srv/scratch\n" in x86
