@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from reconciler.core.render.artifacts import Layout, render  # noqa: E402
+from tests.harness.agent_image import build_agent_image_archive  # noqa: E402
 from tests.harness.systemd import SystemdContainer, systemd_container  # noqa: E402
 from tests.integration import test_agent_podman as agent  # noqa: E402
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     repeats = parser.parse_args().repeats
     work = Path(tempfile.mkdtemp(prefix="fabric-bench-agent-"))
-    archive = agent.build_image_archive(work)
+    archive = build_agent_image_archive(work)
     desired = agent.desired_with_local_image(work)
     real = next(a.content for a in render(desired, agent.LANE, agent.facts(agent.LANE), agent.plan()).artifacts if a.unit == agent.UNIT)
     standin = next(

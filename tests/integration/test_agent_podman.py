@@ -10,23 +10,16 @@
   container reads its *_FILE secret and writes its scratch directory; stopping
   the unit removes the container.
 
-The image: a static busybox and a small script, imported with `podman
-import` into a throw-away storage and saved as an OCI archive, which the unit
-names as its image (`oci-archive:PATH`, a transport podman reads locally).
-One of its files is owned by group 42 (shadow, as in every Debian image): the
-unit's single-ID user namespace must still unpack it.
+The image is built here (tests/harness/agent_image.py: a static busybox and
+an agent script, `podman import`, saved as an OCI archive the unit names).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
-import struct
 import subprocess
-import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +30,7 @@ from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import render
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
+from tests.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, build_agent_image_archive
 from tests.harness.systemd import SystemdContainer, systemd_container
 from tests.harness.waiting import wait_until
 
@@ -49,14 +43,6 @@ UNIT = f"fabric-agent-{LANE}.service"
 IMAGE_ARCHIVE = "/srv/fabric-test/agent-image.tar"
 SCRATCH = "/var/lib/phaze/scratch"
 TOKEN = "token-for-the-agent\n"
-
-# The agent in the image: proves it got its secret and its writable scratch
-# directory, then idles like a worker waiting for jobs.
-AGENT_SCRIPT = """#!/bin/sh
-cat "$PHAZE_AGENT_TOKEN_FILE" > "$PHAZE_CLOUD_SCRATCH_DIR/token-seen"
-echo "$PHAZE_AGENT_QUEUE" > "$PHAZE_CLOUD_SCRATCH_DIR/queue-seen"
-exec sleep 2147483647
-"""
 
 
 def facts(host: str) -> NodeFacts:
@@ -99,80 +85,6 @@ def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
     assert not too_exposed, f"units rated above {MAX_EXPOSURE}: {too_exposed}"
 
 
-# --------------------------------------------------------------------------
-# The image
-
-
-def is_static_elf(path: Path) -> bool:
-    """No PT_INTERP program header: the binary needs no loader or libraries."""
-    data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2:  # 64-bit ELF only
-        return False
-    endian = "<" if data[5] == 1 else ">"
-    (phoff,) = struct.unpack_from(endian + "Q", data, 0x20)
-    phentsize, phnum = struct.unpack_from(endian + "HH", data, 0x36)
-    types = [struct.unpack_from(endian + "I", data, phoff + i * phentsize)[0] for i in range(phnum)]
-    return 3 not in types  # PT_INTERP
-
-
-def rootfs_tarball(tmp_path: Path) -> Path:
-    busybox = shutil.which("busybox")
-    assert busybox is not None
-    if not is_static_elf(Path(busybox)):
-        pytest.fail(f"{busybox} is not statically linked: the image needs busybox-static (scripts/_env.sh installs it)")
-    tarball = tmp_path / "rootfs.tar"
-
-    def owned(info: tarfile.TarInfo, gid: int = 0) -> tarfile.TarInfo:
-        info.uid, info.gid, info.uname, info.gname = 0, gid, "", ""
-        return info
-
-    with tarfile.open(tarball, "w") as tar:
-        for directory in ("bin", "etc", "tmp", "proc", "sys", "dev", "run", "var", "var/lib", "var/lib/phaze"):
-            info = owned(tarfile.TarInfo(directory))
-            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if directory == "tmp" else 0o755
-            tar.addfile(info)
-        tar.add(busybox, "bin/busybox", filter=owned)
-        for applet in ("sh", "sleep", "cat", "echo", "id"):
-            info = owned(tarfile.TarInfo(f"bin/{applet}"))
-            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(info)
-        for name, text, mode, gid in (
-            ("bin/fabric-test-agent", AGENT_SCRIPT, 0o755, 0),
-            ("etc/gshadow", "root:*::\n", 0o640, 42),
-        ):
-            info = owned(tarfile.TarInfo(name), gid)
-            data = text.encode()
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
-    return tarball
-
-
-def build_image_archive(tmp_path: Path) -> Path:
-    """`podman import` into a storage of this test only, saved as an OCI archive."""
-    # Not under tmp_path: podman refuses a runroot path longer than 50 characters.
-    storage = Path(tempfile.mkdtemp(prefix="fabric-image-"))
-    podman = [
-        "podman",
-        f"--root={storage}/root",
-        f"--runroot={storage}/run",
-        f"--tmpdir={storage}/tmp",
-        "--storage-driver=vfs",
-        "--events-backend=none",
-    ]
-    archive = tmp_path / "agent-image.tar"
-    name = "localhost/fabric-test-agent:1"
-    try:
-        for argv in (
-            [*podman, "import", "--change", "CMD=/bin/fabric-test-agent", str(rootfs_tarball(tmp_path)), name],
-            [*podman, "save", "--format=oci-archive", f"--output={archive}", name],
-        ):
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-            assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    return archive
-
-
 def desired_with_local_image(tmp_path: Path) -> DesiredState:
     """The example fleet, its x86_64 agent image replaced by the archive built here."""
     desired = tmp_path / "desired"
@@ -181,7 +93,7 @@ def desired_with_local_image(tmp_path: Path) -> DesiredState:
     text = fleet.read_text()
     old = 'image = "ghcr.io/researchstack/phaze:2026.11"\ncommand = ["uv", "run", "saq", "phaze.tasks.agent_worker.settings"]'
     assert old in text
-    fleet.write_text(text.replace(old, f'image = "oci-archive:{IMAGE_ARCHIVE}"\ncommand = ["/bin/fabric-test-agent"]'))
+    fleet.write_text(text.replace(old, f'image = "oci-archive:{IMAGE_ARCHIVE}"\ncommand = {json.dumps(AGENT_COMMAND)}'))
     return load_desired(desired)
 
 
@@ -220,7 +132,7 @@ def unit_property(container: SystemdContainer, name: str) -> str:
 
 
 def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContainer, tmp_path: Path) -> None:
-    archive = build_image_archive(tmp_path)
+    archive = build_agent_image_archive(tmp_path)
     artifacts = render(desired_with_local_image(tmp_path), LANE, facts(LANE), plan()).artifacts
     text = next(a.content for a in artifacts if a.unit == UNIT)
     assert f'"oci-archive:{IMAGE_ARCHIVE}"' in text and "DynamicUser=yes" in text
@@ -262,7 +174,7 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert seen == TOKEN
     assert container.run("cat", f"{SCRATCH}/queue-seen").stdout == f"phaze-agent-{LANE}\n"
     # Its processes run as the unit's user, never as root.
-    payload = container.run("pgrep", "-f", "sleep 2147483647").stdout.split()
+    payload = container.run("pgrep", "-f", AGENT_IDLE).stdout.split()
     assert payload, "the agent's process is not running"
     owners = {container.run("ps", "-o", "uid=", "-p", pid).stdout.strip() for pid in payload}
     assert owners == {str(uid)}
@@ -271,7 +183,7 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert stopped.returncode == 0, stopped.stderr
     # A clean stop (the SIGTERM exit of the agent is a success), the container gone.
     assert unit_property(container, "ActiveState") == "inactive", container.journal("-u", UNIT)
-    assert not container.run("pgrep", "-f", "sleep 2147483647").stdout.strip()
+    assert not container.run("pgrep", "-f", AGENT_IDLE).stdout.strip()
     # podman's runtime directory went with the unit, so its storage says it:
     # no container left (the images stay for the next start).
     storage = container.host_path(f"/var/lib/private/fabric-agent-{LANE}/.local/share/containers/storage")
