@@ -18,6 +18,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,11 +46,7 @@ def timed(container: SystemdContainer, *args: str) -> float:
     return elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
-    repeats = parser.parse_args().repeats
-    work = Path(tempfile.mkdtemp(prefix="fabric-bench-agent-"))
+def measure(work: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
     archive = build_agent_image_archive(work)
     desired = agent.desired_with_local_image(work)
     real = next(a.content for a in render(desired, agent.LANE, agent.facts(agent.LANE), agent.plan()).artifacts if a.unit == agent.UNIT)
@@ -75,6 +72,18 @@ def main() -> None:
                 starts.append(timed(container, "start", unit))
                 stops.append(timed(container, "stop", unit))
             results[label] = {"start": starts, "stop": stops}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    work = Path(tempfile.mkdtemp(prefix="fabric-bench-agent-"))
+    try:
+        results = measure(work, repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(f"lane agent unit x86-spill, {repeats} start/stop cycles each, in one systemd container")
     for label, phases in results.items():
         for phase, values in phases.items():
