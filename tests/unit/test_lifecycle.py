@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,8 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import DrainRequest, NodeRecord
-from reconciler.core.scheduling.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node
+from reconciler.core.scheduling import lifecycle
+from reconciler.core.scheduling.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node, stored_state, with_facts
 
 T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 TIMING = TimingSettings()  # 30 s beats, 90 s timeout, 45 s relayed beats, 300 s drain grace
@@ -393,3 +395,62 @@ def test_fencing_refuses_a_plan_from_a_host_that_is_not_a_leader_candidate():
 
 def test_no_plan_is_not_accepted():
     assert not accept_plan(3, None).accepted
+
+
+# -- what a registry stores, and the shortcut for a node that only beat --------
+
+ACTIONS = st.lists(
+    st.tuples(st.integers(1, 400), st.sampled_from(["a", "b", "c"]), st.sampled_from(["beat", "beat", "beat", "silent", "drain", "undrain"])),
+    min_size=1,
+    max_size=40,
+)
+
+
+def play(actions, *, stored_form: bool) -> list:
+    """Every tick's states and events over `actions`. With `stored_form` the
+    states are kept as the etcd registry keeps them (`stored_state`) and
+    restored from the facts before each tick (`with_facts`), as its read does."""
+    fleet = Fleet()
+    seen = []
+    t = 0
+    for gap, node, action in actions:
+        t += gap
+        if action == "beat":
+            fleet.beat(node, t)
+        elif action == "drain":
+            fleet.drain(node, t, grace=gap % 3 * 100)
+        elif action == "undrain" and node in fleet.drains:
+            fleet.undrain(node)
+        if stored_form:
+            fleet.states = {n: with_facts(stored_state(s), fleet.records.get(n)) for n, s in fleet.states.items()}
+        events = fleet.tick(t)
+        seen.append((dict(fleet.states), [str(e) for e in events]))
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(ACTIONS)
+def test_a_state_stored_without_its_facts_comes_back_whole(actions):
+    """The etcd registry stores a state without its record and an up node's
+    last_seen (so a beat alone rewrites nothing); restored from the facts, the
+    lifecycle goes exactly as with the whole state kept."""
+    assert play(actions, stored_form=True) == play(actions, stored_form=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ACTIONS)
+def test_the_shortcut_for_a_node_that_only_beat_decides_as_the_general_path(actions):
+    with patch.object(lifecycle, "_settled", lambda state: False):
+        general = play(actions, stored_form=False)
+    assert play(actions, stored_form=False) == general
+
+
+def test_a_beat_alone_changes_no_stored_state():
+    fleet = Fleet()
+    fleet.beat("lux", 0)
+    fleet.tick(0)
+    before = stored_state(fleet.states["lux"])
+    fleet.beat("lux", 30)
+    fleet.tick(30)
+    assert fleet.states["lux"].last_seen == at(30)
+    assert stored_state(fleet.states["lux"]) == before

@@ -113,12 +113,16 @@ def _fmt(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
+# NodeState's fields, looked up once (pydantic's model_fields is a property).
+_FIELDS: tuple[str, ...] = tuple(NodeState.model_fields)
+
+
 class _Node:
     """A mutable working copy of one NodeState during `observe`."""
 
     def __init__(self, state: NodeState) -> None:
         # Shallow: nested records stay models.
-        self.values: dict[str, Any] = {name: getattr(state, name) for name in NodeState.model_fields}
+        self.values: dict[str, Any] = {name: getattr(state, name) for name in _FIELDS}
         self.values["transitions"] = list(state.transitions)
         self.values["toggles"] = list(state.toggles)
         self.events: list[LifecycleEvent] = []
@@ -137,10 +141,14 @@ class _Node:
         self.record_transition(now, status, reason)
 
     def freeze(self) -> NodeState:
-        values = {k: v for k, v in self.values.items() if k in NodeState.model_fields}
+        values = {k: self.values[k] for k in _FIELDS}
         values["transitions"] = tuple(values["transitions"])
         values["toggles"] = tuple(values["toggles"])
-        return NodeState.model_validate(values)
+        # Every value is already of its field's type (from a validated state,
+        # a validated record or request, or a UTC `now` computed here), so the
+        # state is built without validating it again: observe runs over every
+        # node on every leader step.
+        return NodeState.model_construct(**values)
 
 
 def observe(
@@ -185,6 +193,13 @@ def observe(
                 went = _expiry(record) or now
                 node = _Node(NodeState(node_id=node_id, status="offline", since=went, record=record))
                 node.record_transition(now, "offline", f"no heartbeat since {stamp(record.beat_at, absent='never')}")
+        elif is_alive and drain is None and _settled(previous):
+            # The common case, by far: an active node beat again and nothing
+            # else happened. Its state moves only by its record and last_seen
+            # (what the general path below would do, without its copies).
+            assert record is not None
+            out[node_id] = _beat_again(previous, record)
+            continue
         else:
             node = _Node(previous)
 
@@ -202,6 +217,20 @@ def observe(
         out[node_id] = node.freeze()
         events.extend(node.events)
     return out, events
+
+
+def _settled(state: NodeState) -> bool:
+    """Active, never drained, not held off, no toggles to age: while it stays
+    alive and undrained, `_liveness`, `_drain` and `_flap` leave it as it is."""
+    return state.status == "active" and state.drain is None and not state.drained and not state.toggles and state.held_off_until is None
+
+
+def _beat_again(state: NodeState, record: NodeRecord) -> NodeState:
+    """A settled, alive node's state with its newest record."""
+    last_seen = utc(record.beat_at) if record.beat_at is not None else state.last_seen
+    if (state.record is record or state.record == record) and state.last_seen == last_seen:
+        return state
+    return state.model_copy(update={"record": record, "last_seen": last_seen})
 
 
 def _expiry(record: NodeRecord) -> datetime | None:
@@ -280,12 +309,39 @@ def _flap(node: _Node, now: datetime, flap: FlapSettings) -> None:
         )
 
 
+def stored_state(state: NodeState) -> NodeState:
+    """What a registry that keeps each node's facts beside its state needs to
+    store of `state` (`with_facts` puts the rest back): the lifecycle's own
+    memory, without the node's record (its facts are that record) and, while
+    the node is up, without `last_seen` (then the beat_at of that record). So a
+    heartbeat alone changes no stored state: the leader rewrites only the
+    states whose lifecycle moved, not every state on every step."""
+    record = state.record
+    update: dict[str, Any] = {"record": None}
+    if state.status in UP and record is not None and record.beat_at is not None and state.last_seen == utc(record.beat_at):
+        update["last_seen"] = None
+    return state.model_copy(update=update)
+
+
+def with_facts(stored: NodeState, record: NodeRecord | None) -> NodeState:
+    """`stored` (a `stored_state`) with the node's newest record: the state
+    again. An up node's `last_seen` is that record's beat; a beat newer than the
+    state the leader stored (it came after the leader's step) makes it newer
+    too, as `observe` would have made it had the leader stepped after it."""
+    update: dict[str, Any] = {"record": record}
+    if stored.status in UP and stored.last_seen is None and record is not None and record.beat_at is not None:
+        update["last_seen"] = utc(record.beat_at)
+    return stored.model_copy(update=update)
+
+
 def snapshot_node(state: NodeState) -> SnapshotNode | None:
     """The scheduler's view of one node, or None when nothing is known of its facts."""
     record = state.record
     if record is None:
         return None
-    return SnapshotNode(
+    # Built without validating again: every value comes from a validated
+    # state or record (the leader builds one per node per step).
+    return SnapshotNode.model_construct(
         node_id=state.node_id,
         tier=record.tier,
         status=state.status,
