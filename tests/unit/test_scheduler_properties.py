@@ -3,6 +3,8 @@
 - The indexed placer makes exactly the decision of the naive reference that
   scans every node (bench/scheduler/reference.py), so its heaps implement the
   rules and not something close to them.
+- A deferral's reason is the one a fresh scan gives over the loads of that
+  moment (`explain_deferral`), however placements, keeps and deferrals interleave.
 - No node is ever given work past its max_concurrent_tasks.
 - A placement is never below its floor, and `fallback` says exactly whether
   it is below min_tier.
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig
 from reconciler.core.live.models import Placement, Snapshot, SnapshotNode
-from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, accepts_new_work, schedule
+from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, accepts_new_work, explain_deferral, schedule
 
 _REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "scheduler" / "reference.py"
 _spec = importlib.util.spec_from_file_location("scheduler_reference", _REFERENCE)
@@ -88,6 +90,31 @@ def test_indexed_placer_decides_exactly_like_the_full_scan(nodes, work, strategy
         expected = naive.place(request, avoid)
         got = (outcome.node, outcome.tier, outcome.fallback) if isinstance(outcome, Choice) else None
         assert got == expected
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=nodes_strategy(),
+    shapes=st.lists(requests_strategy(), min_size=1, max_size=3),
+    work=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 2), st.sets(st.sampled_from(NAMES[:6]), max_size=2), st.sampled_from(NAMES[:6])),
+        min_size=1,
+        max_size=40,
+    ),
+    strategy=strategies,
+)
+def test_a_deferral_says_what_a_fresh_scan_says(nodes, shapes, work, strategy):
+    """Few shapes, so the same one is deferred again after placements, keeps
+    and other exclusions (what the deferral cache must get right)."""
+    placer = Placer(nodes, NOW, strategy)
+    for action, shape, exclude, kept_on in work:
+        request = shapes[shape % len(shapes)]
+        if action == 0:
+            placer.keep(kept_on, request)
+            continue
+        outcome = placer.place(request, exclude=exclude)
+        if isinstance(outcome, NoChoice):
+            assert outcome == explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
 
 
 @FAST

@@ -314,7 +314,11 @@ class Placer:
                     heapq.heapreplace(other, entry)
             elif entry is not None:
                 heapq.heappush(other, entry)
-        self._deferral_cache.clear()
+        # The deferral cache stays valid: a deferral's reason depends on loads
+        # only through the nodes it calls full, and a full node is never
+        # taken (a node of the request's range and constraint that was not
+        # full would have been chosen instead of deferring). Clearing it here
+        # made every deferral after a placement a scan of the whole fleet.
 
     def _tier_steps(self, request: Request) -> list[tuple[list[Tier], bool]]:
         """Satisfying tiers as one group, then each fallback tier on its own."""
