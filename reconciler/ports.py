@@ -310,6 +310,17 @@ class PermissionDenied(RegistryError):
     Retrying does not help: the certificate or `fabric registry init-auth` must change."""
 
 
+@dataclass(frozen=True)
+class LeaderView:
+    """What one leader step reads from the registry (`Registry.lead`): the
+    lifecycle events just stored, the snapshot of the states just stored, and
+    the newest plan as it was at that read."""
+
+    events: list[LifecycleEvent]
+    snapshot: Snapshot
+    plan: FleetPlan | None
+
+
 class Registry(Protocol):
     # -- nodes ------------------------------------------------------------
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
@@ -326,6 +337,13 @@ class Registry(Protocol):
     def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
         """Leader only: compute the lifecycle as of now and store it (states,
         garbage collection). Raises NotLeader if `leadership` is over."""
+        ...
+
+    def lead(self, leadership: Leadership, lanes: Sequence[str] = ()) -> LeaderView:
+        """Leader only: `advance_lifecycle`, then `snapshot(lanes)` of the
+        states it stored, and the newest plan, all from one read of the
+        registry (the leader's step reads the whole registry once).
+        Raises NotLeader if `leadership` is over."""
         ...
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest: ...

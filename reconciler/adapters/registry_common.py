@@ -4,7 +4,8 @@ A backend reads everything it holds at one instant (`LiveRead`: sqlite in one
 transaction, etcd in pages at one revision) and stores the leader's lifecycle
 fenced by the term (`_store_lifecycle`: sqlite in one transaction, etcd in
 chunks of bounded size, each fenced, since etcd caps a transaction); this
-mixin turns those into `node_states`, `advance_lifecycle` and `snapshot` with
+mixin turns those into `node_states`, `advance_lifecycle`, `snapshot` and the
+leader's `lead` (both of the latter over one read) with
 the pure `reconciler.core.scheduling.lifecycle.observe`, so both backends follow exactly the
 same rules.
 """
@@ -19,6 +20,7 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
 from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node
+from reconciler.ports import LeaderView
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,7 @@ class LifecycleMixin:
         states, _ = self._observe(self._read())
         return [states[k] for k in sorted(states)]
 
-    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
-        read = self._read()
+    def _advance(self, leadership: Leadership, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:
         states, events = self._observe(read)
         changed = {k: v for k, v in states.items() if read.states.get(k) != v}
         dead = {k for k, v in states.items() if v.status == "dead" and k in read.records}
@@ -90,25 +91,41 @@ class LifecycleMixin:
         # Stored even when nothing changed: the fenced write is also the check
         # that `leadership` still holds.
         self._store_lifecycle(leadership, changed, dead, forgotten)
+        return states, events
+
+    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
+        _, events = self._advance(leadership, self._read())
         return events
+
+    def lead(self, leadership: Leadership, lanes: Sequence[str] = ()) -> LeaderView:
+        # One read serves both halves: the states just stored are the ones the
+        # snapshot shows (what `snapshot()` would compute from a read taken now,
+        # less whatever changed in between, which the next step sees).
+        read = self._read()
+        states, events = self._advance(leadership, read)
+        return LeaderView(events=events, snapshot=_snapshot(read, states, lanes), plan=read.plan)
 
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()
         states, _ = self._observe(read)
-        nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
-        lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
-        return Snapshot(
-            now=read.now,
-            nodes=nodes,
-            lanes=[
-                SnapshotLane(
-                    id=lane,
-                    available=read.lane_available.get(lane, True),
-                    in_flight=read.lane_in_flight.get(lane, 0),
-                )
-                for lane in lane_ids
-            ],
-            placements=list(read.plan.placements) if read.plan else [],
-            leader=read.leader.candidate if read.leader else None,
-            epoch=read.epoch,
-        )
+        return _snapshot(read, states, lanes)
+
+
+def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]) -> Snapshot:
+    nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
+    lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
+    return Snapshot(
+        now=read.now,
+        nodes=nodes,
+        lanes=[
+            SnapshotLane(
+                id=lane,
+                available=read.lane_available.get(lane, True),
+                in_flight=read.lane_in_flight.get(lane, 0),
+            )
+            for lane in lane_ids
+        ],
+        placements=list(read.plan.placements) if read.plan else [],
+        leader=read.leader.candidate if read.leader else None,
+        epoch=read.epoch,
+    )

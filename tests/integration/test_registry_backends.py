@@ -72,6 +72,34 @@ def test_the_leader_stores_the_lifecycle_with_reasons(store):
     assert [e.transition.status for e in registry.advance_lifecycle(leadership)] == ["active"]
 
 
+def test_the_leaders_step_reads_the_registry_once(store):
+    """`lead` advances the lifecycle and takes the snapshot over one read: the
+    snapshot shows the states just stored, and the newest plan comes with it."""
+    registry = store.open()
+    leadership = registry.campaign("lux", 30)
+    registry.heartbeat(record("a1-arm64"), ttl_s=30)
+    registry.heartbeat(record("qfox-1", "gpu_cuda"), ttl_s=30)
+    published = registry.publish_plan(leadership, a_plan())
+    reads = 0
+    read = registry._read
+
+    def counted():
+        nonlocal reads
+        reads += 1
+        return read()
+
+    registry._read = counted
+    view = registry.lead(leadership, lanes=["gpu"])
+    assert reads == 1
+    assert sorted((e.node_id, e.transition.status) for e in view.events) == [("a1-arm64", "active"), ("qfox-1", "active")]
+    assert view.plan is not None and view.plan.epoch == published.epoch
+    assert [(n.node_id, n.status, n.tier) for n in view.snapshot.nodes] == [("a1-arm64", "active", "cpu_ffmpeg"), ("qfox-1", "active", "gpu_cuda")]
+    assert [lane.id for lane in view.snapshot.lanes] == ["gpu"]
+    registry._read = read
+    assert view.snapshot.nodes == registry.snapshot().nodes, "what another reader sees of the stored states"
+    assert registry.lead(leadership).events == [], "nothing changed, nothing to store"
+
+
 def test_several_processes_heart_beating_at_once(store):
     """Four real processes beat every 50 ms into the same store; one is killed
     and turns offline while the others stay active."""
