@@ -7,6 +7,9 @@ Keys under the configured prefix P (default "/fabric"):
     P/facts/<host>          the same record without a lease (last known facts,
                             so an offline node still shows with its tier)
     P/state/<host>          NodeState JSON (the lifecycle; written by the leader)
+                            without what P/facts/<host> holds: the record, and
+                            an up node's last_seen (`stored_state`); a beat
+                            alone does not change it
     P/drain/<host>          DrainRequest JSON (present = drained)
     P/leader                LeaderInfo JSON under the leader's lease
     P/epoch                 the epoch counter (decimal)
@@ -31,9 +34,11 @@ most `TXN_CHUNK_OPS` writes and `TXN_CHUNK_BYTES` bytes, each chunk its own
 transaction fenced by the leader key (a deposed leader writes no chunk; a fence
 failing midway raises `NotLeader`, and the chunks already written are states
 this leader computed while it led, which its successor re-reads and advances).
-Only the states that changed are written. The whole registry is read in pages
-of `READ_PAGE_KEYS` keys, every page at the revision of the first, so the read
-is still one consistent instant. The plan is one key whose size grows with the
+Only the states that changed are written, `TXN_IN_FLIGHT` chunks at a time.
+The registry is read in pages of `READ_PAGE_KEYS` keys, every page at the
+revision of the first, so the read is still one consistent instant; it skips
+the lane jobs and takes only the keys of the live heartbeats (their values are
+the facts, read beside them), and parses a value it read or wrote before only once. The plan is one key whose size grows with the
 nodes only through `ignored_nodes` (names of undeclared nodes); a plan over
 `TXN_CHUNK_BYTES` is refused here with a clear error instead of etcd's.
 
@@ -83,11 +88,12 @@ from reconciler.core.live.records import (
     SlotClaim,
     check_node_id,
 )
-from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout
+from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds, utc
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")
+M = TypeVar("M", NodeRecord, NodeState)
 
 _ACCESS = {auth_pb2.Permission.READ: "read", auth_pb2.Permission.WRITE: "write", auth_pb2.Permission.READWRITE: "readwrite"}
 _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
@@ -107,6 +113,8 @@ TXN_CHUNK_BYTES = ETCD_MAX_REQUEST_BYTES * 2 // 3
 # states (a few KiB each at most, 50 transitions) stays well under it, and the
 # channel accepts up to READ_REPLY_BYTES for a page holding a large plan.
 READ_PAGE_KEYS = 1000
+# Lifecycle transactions sent at once (each within the limits above).
+TXN_IN_FLIGHT = 8
 READ_REPLY_BYTES = 64 * 1024 * 1024
 
 # Errors meaning "this endpoint did not answer": try the next one.
@@ -142,15 +150,14 @@ def lifecycle_chunks(writes: Sequence[tuple[str, bytes, bytes | None]]) -> list[
     return chunks
 
 
-async def _read_prefix(c: aetcd.Client, prefix: bytes) -> list:
-    """Every key under `prefix`, in pages of READ_PAGE_KEYS keys, all read at
-    the revision of the first page: one consistent instant, however many pages."""
+async def _read_range(c: aetcd.Client, start: bytes, end: bytes, revision: int, *, keys_only: bool = False) -> tuple[list, int]:
+    """Every key in [start, end) in pages of READ_PAGE_KEYS keys, all read at
+    `revision` (0: the revision of the first page, returned): one consistent
+    instant, however many pages."""
     await c.connect()
-    end = utils.prefix_range_end(prefix)
     kvs: list = []
-    start, revision = prefix, 0
     while True:
-        request = rpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE_KEYS, revision=revision)
+        request = rpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE_KEYS, revision=revision, keys_only=keys_only)
         try:
             reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
         except grpc.aio.AioRpcError as exc:
@@ -160,8 +167,27 @@ async def _read_prefix(c: aetcd.Client, prefix: bytes) -> list:
         revision = revision or reply.header.revision
         kvs.extend(reply.kvs)
         if not reply.more or not reply.kvs:
-            return kvs
+            return kvs, revision
         start = reply.kvs[-1].key + b"\0"
+
+
+async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+    """What `EtcdRegistry._read` needs under `base` (the prefix with its
+    slash), at one revision: every key and value except the lane jobs (the
+    read has no use for them, and a queue may be long), and the keys only of
+    the live heartbeats (base + "nodes/"): a beat writes the same value to
+    facts/, which is read whole, so only which beats are alive is news.
+    Returns (key, value) pairs with `base` cut off, and the live node ids."""
+    jobs, nodes = base + b"jobs/", base + b"nodes/"
+    jobs_end, nodes_end = utils.prefix_range_end(jobs), utils.prefix_range_end(nodes)
+    # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < nodes < plan, scaling, state.
+    before_jobs, revision = await _read_range(c, base, jobs, 0)
+    between, _ = await _read_range(c, jobs_end, nodes, revision)
+    beats, _ = await _read_range(c, nodes, nodes_end, revision, keys_only=True)
+    after, _ = await _read_range(c, nodes_end, utils.prefix_range_end(base), revision)
+    cut = len(base)
+    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, after) for kv in kvs]
+    return pairs, [kv.key[len(nodes) :] for kv in beats]
 
 
 class _Client(aetcd.Client):
@@ -217,6 +243,10 @@ class EtcdRegistry(LifecycleMixin):
         self._changed = threading.Event()
         self._watch_task: asyncio.Task | None = None
         self._closed = False
+        # Values of the last read (and the states this leader wrote since) by
+        # their bytes, parsed: see `_parsed`.
+        self._record_memo: dict[bytes, NodeRecord] = {}
+        self._state_memo: dict[bytes, NodeState] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-etcd", daemon=True)
         self._thread.start()
@@ -663,33 +693,49 @@ class EtcdRegistry(LifecycleMixin):
 
     # -- reading it all, and the leader's lifecycle -----------------------------------------
 
+    def _parsed(self, memo: dict[bytes, M], seen: dict[bytes, M], value: bytes, model: type[M]) -> M:
+        """`value` parsed as `model`, parsed once: the same bytes in the last
+        read (or just written by this leader) give the same model."""
+        parsed = seen.get(value)
+        if parsed is None:
+            parsed = memo.get(value)
+            if parsed is None:
+                parsed = model.model_validate_json(value)
+            seen[value] = parsed
+        return parsed
+
     def _read(self) -> LiveRead:
         base = self._prefix.encode() + b"/"
 
-        async def op(c: _Client) -> list[tuple[str, bytes]]:
-            return [(kv.key[len(base) :].decode(), kv.value) for kv in await _read_prefix(c, base)]
+        async def op(c: _Client) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+            return await _read_live(c, base)
 
         now = from_epoch_seconds(self._now())
-        records: dict[str, NodeRecord] = {}
-        live: dict[str, NodeRecord] = {}
-        states: dict[str, NodeState] = {}
+        facts: dict[str, NodeRecord] = {}
+        stored: dict[str, NodeState] = {}
         drains: dict[str, DrainRequest] = {}
         available: dict[str, bool] = {}
         in_flight: dict[str, int] = {}
         plan = leader = None
         epoch = 0
         concurrency: dict[str, int] = {}
-        for key, value in self._call(op, "reading the live state"):
+        # Between two leader steps most values are the same bytes: the states
+        # this leader wrote, the facts of silent nodes. They are parsed once.
+        seen_records: dict[bytes, NodeRecord] = {}
+        seen_states: dict[bytes, NodeState] = {}
+        pairs, beats = self._call(op, "reading the live state")
+        for raw, value in pairs:
+            key = raw.decode()
             parts = key.split("/")
             kind = parts[0]
-            if kind in ("nodes", "facts") and len(parts) == 2:
-                record = NodeRecord.model_validate_json(value)
+            if kind == "facts" and len(parts) == 2:
+                record = self._parsed(self._record_memo, seen_records, value, NodeRecord)
                 # A host may write only its own keys; a record naming another
                 # host under them is not believed.
                 if record.node_id == parts[1]:
-                    (live if kind == "nodes" else records)[parts[1]] = record
+                    facts[parts[1]] = record
             elif kind == "state" and len(parts) == 2:
-                states[parts[1]] = NodeState.model_validate_json(value)
+                stored[parts[1]] = self._parsed(self._state_memo, seen_states, value, NodeState)
             elif kind == "drain" and len(parts) == 2:
                 drains[parts[1]] = DrainRequest.model_validate_json(value)
             elif kind == "lanes" and len(parts) == 4 and parts[2] == "slot":
@@ -704,11 +750,23 @@ class EtcdRegistry(LifecycleMixin):
                 epoch = int(value)
             elif key == "scaling":
                 concurrency = dict(ScalingRecord.model_validate_json(value).concurrency)
-        records.update(live)  # a live beat is the newest record
+        self._record_memo, self._state_memo = seen_records, seen_states
+        alive = {node.decode() for node in beats if b"/" not in node}
+        # A beat writes nodes/ and facts/ in one transaction with the same
+        # value, so the facts are the live record. Only when the leader
+        # dropped a dead node's facts as it beat again is a live beat without
+        # facts: its record is read from its beat.
+        missing = sorted(alive - set(facts))
+        if missing:
+            for node, record in zip(missing, self._beats_of(missing), strict=True):
+                if record is not None and record.node_id == node:
+                    facts[node] = record
+        # A state is stored without what the facts hold (`stored_state`).
+        states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
         return LiveRead(
             now=now,
-            records=records,
-            alive=frozenset(live),
+            records=facts,
+            alive=frozenset(alive),
             states=states,
             drains=drains,
             lane_available=available,
@@ -719,31 +777,60 @@ class EtcdRegistry(LifecycleMixin):
             concurrency=concurrency,
         )
 
+    def _beats_of(self, nodes: Sequence[str]) -> list[NodeRecord | None]:
+        keys = [self._key("nodes", n) for n in nodes]
+
+        async def op(c: _Client) -> list[NodeRecord | None]:
+            found = [await c.get(key) for key in keys]
+            return [NodeRecord.model_validate_json(kv.value) if kv is not None else None for kv in found]
+
+        return self._call(op, "reading live beats")
+
     def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
         """The changed states and deletions in chunks (`lifecycle_chunks`),
         each one transaction fenced by the leader key; with nothing to write,
         one empty fenced transaction (the check that the term still holds).
-        A fence failing at any chunk raises NotLeader and writes no further chunk."""
+        A fence failing at any chunk raises NotLeader and no chunk is sent
+        after it (those already in flight beside it are fenced each)."""
         leader_key = self._key("leader")
         ours = self._leader_value(leadership.info)
         writes: list[tuple[str, bytes, bytes | None]] = [
-            ("put", self._key("state", n), s.model_dump_json().encode()) for n, s in sorted(changed.items())
+            ("put", self._key("state", n), stored_state(s).model_dump_json().encode()) for n, s in sorted(changed.items())
         ]
         writes += [("delete", self._key("facts", n), None) for n in sorted(dead | forgotten)]
         for n in sorted(forgotten):
             writes += [("delete", self._key("state", n), None), ("delete", self._key("drain", n), None)]
         chunks = lifecycle_chunks(writes)
+        over = f"{leadership.candidate}'s term of epoch {leadership.epoch} is over"
 
-        for number, chunk in enumerate(chunks, 1):
-
-            async def op(c: _Client, chunk: list[tuple[str, bytes, bytes | None]] = chunk) -> None:
+        async def store(c: _Client, chunk: list[tuple[str, bytes, bytes | None]], fence_held: asyncio.Event) -> None:
+            if fence_held.is_set():
                 tx = c.transactions
                 ops = [tx.put(key, value) if kind == "put" else tx.delete(key) for kind, key, value in chunk]
                 ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=ops, failure=[])
                 if not ok:
-                    raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+                    fence_held.clear()
 
-            self._call(op, f"storing {leadership.candidate}'s lifecycle (part {number} of {len(chunks)})")
+        async def op(c: _Client) -> None:
+            # Up to TXN_IN_FLIGHT chunks at once: etcd commits concurrent
+            # requests together, so 10,000 states take a few commits, not 80.
+            # Each chunk is still its own fenced transaction; once a fence
+            # fails no chunk is sent any more.
+            fence_held = asyncio.Event()
+            fence_held.set()
+            pending = list(chunks)
+            while pending and fence_held.is_set():
+                batch, pending = pending[:TXN_IN_FLIGHT], pending[TXN_IN_FLIGHT:]
+                await asyncio.gather(*(store(c, chunk, fence_held) for chunk in batch))
+            if not fence_held.is_set():
+                raise NotLeader(over)
+
+        self._call(op, f"storing {leadership.candidate}'s lifecycle ({len(chunks)} transactions)")
+        # The next read finds these bytes again: it need not parse them.
+        for kind, _key, value in writes:
+            if kind == "put" and value is not None:
+                name = _key.decode().rsplit("/", 1)[1]
+                self._state_memo[value] = stored_state(changed[name])
 
     # -- auth: users, roles and the switch (fabric registry init-auth) ----------------------
     # aetcd 1.0 has no auth API: these call etcd's Auth service on the client's channel.
