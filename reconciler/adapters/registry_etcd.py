@@ -794,8 +794,10 @@ class EtcdRegistry(LifecycleMixin):
         after it (those already in flight beside it are fenced each)."""
         leader_key = self._key("leader")
         ours = self._leader_value(leadership.info)
+        # What a state's key holds: the state without what its facts hold.
+        forms = {n: stored_state(s) for n, s in changed.items()}
         writes: list[tuple[str, bytes, bytes | None]] = [
-            ("put", self._key("state", n), stored_state(s).model_dump_json().encode()) for n, s in sorted(changed.items())
+            ("put", self._key("state", n), form.model_dump_json().encode()) for n, form in sorted(forms.items())
         ]
         writes += [("delete", self._key("facts", n), None) for n in sorted(dead | forgotten)]
         for n in sorted(forgotten):
@@ -830,7 +832,7 @@ class EtcdRegistry(LifecycleMixin):
         for kind, _key, value in writes:
             if kind == "put" and value is not None:
                 name = _key.decode().rsplit("/", 1)[1]
-                self._state_memo[value] = stored_state(changed[name])
+                self._state_memo[value] = forms[name]
 
     # -- auth: users, roles and the switch (fabric registry init-auth) ----------------------
     # aetcd 1.0 has no auth API: these call etcd's Auth service on the client's channel.
