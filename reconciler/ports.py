@@ -8,8 +8,10 @@ real adapters are chosen and wired in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from reconciler.core.live.records import (
@@ -455,3 +457,64 @@ class RegistryAuth(Protocol):
     def apply_auth_step(self, step: AuthStep) -> None: ...
 
     def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------
+# The pass memo (reconciler.engine.memoized_pass). Their adapters
+# (reconciler.adapters.memo_io) use the standard library only: a memoized
+# pass imports no model, and the engine names these Protocols for types only.
+
+
+class MemoStore(Protocol):
+    """Small files of the pass (the memo, the pass counters, the metrics
+    textfile) by absolute path, and the pass lock."""
+
+    def read(self, path: Path) -> bytes | None:
+        """The file's bytes, None when it is not there."""
+        ...
+
+    def write(self, path: Path, data: bytes) -> None:
+        """Replace the file whole or not at all."""
+        ...
+
+    def remove(self, path: Path) -> None:
+        """Gone afterwards (no error when it was not there)."""
+        ...
+
+    def rewrite_head(self, path: Path, edit: Callable[[str], str]) -> bool:
+        """Replace the file with its first lines passed through `edit` and the
+        rest copied as it is (an edge's textfile holds the whole fleet's series);
+        False when there is no file."""
+        ...
+
+    def lock(self, lock_file: Path) -> AbstractContextManager[bool]:
+        """The pass lock (the same file as PassLock) if free (True), without waiting."""
+        ...
+
+
+class PassWorld(Protocol):
+    """What the pass memo is checked against and its inputs key computed from."""
+
+    def read(self, path: str) -> bytes | None:
+        """A file under the root, None when it is not there."""
+        ...
+
+    def unit_state(self) -> Callable[[str], str] | None:
+        """A unit's ActiveState by name; None without activation (nothing to ask)."""
+        ...
+
+    def nft_digest(self) -> Callable[[], str | None] | None:
+        """sha256 of the fabric table's listing (None: not loaded); None without activation."""
+        ...
+
+    def fingerprint(self, paths: Sequence[Path | str]) -> str:
+        """A digest of files and directory trees from names and stat alone."""
+        ...
+
+    def git_commit(self, directory: Path) -> str | None:
+        """The commit checked out at the top of `directory` and its index's stat; None: not a checkout."""
+        ...
+
+    def which(self, program: str) -> str | None:
+        """Where `program` is on PATH."""
+        ...

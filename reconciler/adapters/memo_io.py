@@ -1,7 +1,8 @@
 """The reads and writes of a memoized pass (`reconciler.engine.pass_memo`), standard library only.
 
 A memoized pass must cost no more than starting the interpreter a few times
-over, so nothing here imports a model, a template or `reconciler.ports`.
+over, so nothing here imports a model, a template or `reconciler.ports` (the
+classes at the end implement its MemoStore, PassWorld and Audit structurally).
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reconciler.adapters.journal import JournalAudit
+    from reconciler.adapters.systemd_dbus import SystemdDbus
 
 
 def fingerprint(paths: Iterable[Path | str]) -> str:
@@ -160,3 +166,89 @@ def nft_table_digest(nft: str, family: str = "inet", table: str = "fabric") -> s
     if result.returncode != 0:
         return None
     return hashlib.sha256(result.stdout).hexdigest()
+
+
+class MemoFiles:
+    """reconciler.ports.MemoStore: the memo, the pass counters, the textfile and the pass lock."""
+
+    def read(self, path: Path) -> bytes | None:
+        return read_file(path)
+
+    def write(self, path: Path, data: bytes) -> None:
+        write_atomic(path, data)
+
+    def remove(self, path: Path) -> None:
+        remove(path)
+
+    def rewrite_head(self, path: Path, edit: Callable[[str], str]) -> bool:
+        return rewrite_head(path, edit)
+
+    def lock(self, lock_file: Path) -> AbstractContextManager[bool]:
+        return pass_lock(lock_file)
+
+
+class MemoWorld:
+    """reconciler.ports.PassWorld: files under the root, and with activation
+    systemd's unit states (D-Bus, connected when first asked) and the
+    nftables table; stat fingerprints, git commits and PATH."""
+
+    def __init__(self, root: Path, *, activating: bool, systemd_bus: str | None) -> None:
+        self.root = root
+        self.activating = activating
+        self.systemd_bus = systemd_bus
+        self._systemd: SystemdDbus | None = None
+
+    def read(self, path: str) -> bytes | None:
+        return read_under(self.root, path)
+
+    def unit_state(self) -> Callable[[str], str] | None:
+        if not self.activating:
+            return None
+
+        def state(unit: str) -> str:
+            if self._systemd is None:
+                from reconciler.adapters.systemd_dbus import SystemdDbus
+
+                self._systemd = SystemdDbus(self.systemd_bus)
+            return self._systemd.active_state(unit)
+
+        return state
+
+    def nft_digest(self) -> Callable[[], str | None] | None:
+        if not self.activating:
+            return None
+        nft = shutil.which("nft") or "/usr/sbin/nft"
+        return lambda: nft_table_digest(nft)
+
+    def fingerprint(self, paths: Sequence[Path | str]) -> str:
+        return fingerprint(paths)
+
+    def git_commit(self, directory: Path) -> str | None:
+        return git_commit(directory)
+
+    def which(self, program: str) -> str | None:
+        return shutil.which(program)
+
+    def close(self) -> None:
+        if self._systemd is not None:
+            self._systemd.close()
+
+
+class OneLineAudit:
+    """reconciler.ports.Audit for the memoized pass's one audit line: the
+    journal (adapters.journal.JournalAudit) opened when a line is written, so
+    a full pass, which audits through its own, opens nothing here."""
+
+    def __init__(self) -> None:
+        self._journal: JournalAudit | None = None
+
+    def record(self, action: str, outcome: str, **fields: str) -> None:
+        if self._journal is None:
+            from reconciler.adapters.journal import JournalAudit
+
+            self._journal = JournalAudit()
+        self._journal.record(action, outcome, **fields)
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()

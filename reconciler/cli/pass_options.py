@@ -18,17 +18,13 @@ from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, add_registry_path
 from reconciler.cli.wiring import host_name
 
-if TYPE_CHECKING:
-    from reconciler.engine.plan_source import PlanChoice
-    from reconciler.engine.reconcile import PassOptions, PassReport
+# The defaults live with PassOptions, in a module light enough that parsing
+# the arguments of a pass imports no model or template (a memoized pass never does).
+from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, DEFAULT_PLAN_KEY_FILE, STATE_DIR, UNIT_DIR
 
-# The defaults of the options, written here so that parsing the arguments of
-# a pass imports no engine, model or template (a memoized pass never does);
-# tests/unit/test_pass_memo.py checks each against its home.
-STATE_DIR = "var/lib/fabric"  # reconciler.engine.apply.STATE_DIR
-UNIT_DIR = "etc/systemd/system"  # reconciler.core.render.artifacts.Layout().unit_dir
-DEFAULT_PLAN_KEY_FILE = Path("/etc/fabric/plan-signing.key")  # reconciler.engine.reconcile.DEFAULT_PLAN_KEY_FILE
-CADDY_MAIN_CANDIDATES = ("etc/caddy/Caddyfile", "etc/caddy/caddy_config")  # reconciler.engine.reconcile.CADDY_MAIN_CANDIDATES
+if TYPE_CHECKING:
+    from reconciler.engine.pass_options import PassOptions, PlanChoice
+    from reconciler.engine.reconcile import PassReport
 
 # The environment variable naming a candidate's plan signing key file (a *_FILE path, never the key).
 PLAN_KEY_ENV = "FABRIC_PLAN_KEY_FILE"
@@ -103,7 +99,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
 
 
 def plan_choice(args: argparse.Namespace) -> PlanChoice:
-    from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry
+    from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
 
     if args.plan_file is not None:
         return PlanFile(args.plan_file)
@@ -112,8 +108,8 @@ def plan_choice(args: argparse.Namespace) -> PlanChoice:
     return PlanFromRegistry(args.registry_path)
 
 
-def pass_options(args: argparse.Namespace, *, nft_reload: bool = False) -> PassOptions:
-    from reconciler.engine.reconcile import PassOptions
+def pass_options(args: argparse.Namespace) -> PassOptions:
+    from reconciler.engine.pass_options import PassOptions
 
     return PassOptions(
         desired=args.desired,
@@ -130,7 +126,6 @@ def pass_options(args: argparse.Namespace, *, nft_reload: bool = False) -> PassO
         caddy_admin=args.caddy_admin,
         startup_grace=args.startup_grace,
         plan_key_file=args.plan_key_file,
-        nft_reload=nft_reload,
     )
 
 

@@ -13,23 +13,22 @@ says (tests and the demo run a fleet on one machine without etcd).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from reconciler.adapters import memo_io
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
     from reconciler.adapters.registry_etcd import EtcdRegistry
-    from reconciler.adapters.systemd_dbus import SystemdDbus
 
     # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
     from reconciler.core.desired.model import FleetConfig, NodeFacts
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
-    from reconciler.engine.reconcile import PassOptions, PassPorts, ProgramPaths, RollbackOptions
+    from reconciler.engine.memoized_pass import MemoPorts
+    from reconciler.engine.pass_options import PassOptions
+    from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
     from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, PlanSigner, Registry, RegistryAuth
 
 
@@ -258,16 +257,22 @@ def print_note(note: str) -> None:
     print(f"note: {note}", file=sys.stderr)
 
 
-@contextmanager
-def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
-    """The ports of `fabric reconcile` and `fabric plan`; the D-Bus connection is closed on leaving."""
-    from reconciler.engine.plan_source import PlanFromRegistry
+def registry_opener(options: PassOptions) -> Callable[[FleetConfig], Registry]:
+    """Opens the registry of a pass: [registry] as configured, or the sqlite
+    file of --registry-path (or of [registry] under a sandbox root)."""
+    from reconciler.engine.pass_options import PlanFromRegistry
 
     sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
 
     def connect(fleet: FleetConfig) -> Registry:
         return open_registry(fleet, sqlite_path=registry_path(sqlite_path, options.root, fleet))
 
+    return connect
+
+
+@contextmanager
+def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
+    """The ports of `fabric reconcile` and `fabric plan`; the D-Bus connection is closed on leaving."""
     with _pass_ports(
         options.root,
         options.state_dir,
@@ -277,7 +282,7 @@ def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
         caddy_admin=options.caddy_admin,
         startup_grace=options.startup_grace,
     ) as ports:
-        ports.open_registry = connect
+        ports.open_registry = registry_opener(options)
         ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 
@@ -351,89 +356,28 @@ def _pass_ports(
 
 
 # --------------------------------------------------------------------------
-# The pass memo (cli/reconcile.py, reconciler.engine.pass_memo): standard
-# library adapters, so that a memoized pass imports no model.
+# The pass memo's ports (reconciler.engine.memoized_pass): standard library
+# adapters, so that a memoized pass imports no model.
 
 
-def fingerprint(paths: list[Path | str]) -> str:
-    """A stat digest of files and directory trees (reconciler.adapters.memo_io.fingerprint)."""
-    return memo_io.fingerprint(paths)
+@contextmanager
+def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
+    """The memo's ports of `fabric reconcile`; the D-Bus connection and the journal are closed on leaving."""
+    from reconciler.adapters import memo_io
+    from reconciler.engine.memoized_pass import MemoPorts
 
-
-def git_commit(directory: Path) -> str | None:
-    """The commit of a git checkout, read without running git (reconciler.adapters.memo_io.git_commit)."""
-    return memo_io.git_commit(directory)
-
-
-class _MemoFiles:
-    """The memo file and the pass lock, under the state directory."""
-
-    def read(self, path: Path) -> bytes | None:
-        return memo_io.read_file(path)
-
-    def write(self, path: Path, data: bytes) -> None:
-        memo_io.write_atomic(path, data)
-
-    def remove(self, path: Path) -> None:
-        memo_io.remove(path)
-
-    def rewrite_head(self, path: Path, edit: Callable[[str], str]) -> bool:
-        """`path` with its first lines edited, the rest copied (memo_io.rewrite_head)."""
-        return memo_io.rewrite_head(path, edit)
-
-    def lock(self, lock_file: Path) -> AbstractContextManager[bool]:
-        """The pass lock if free (True), without waiting."""
-        return memo_io.pass_lock(lock_file)
-
-
-memo_files = _MemoFiles()
-
-
-def memo_audit(action: str, outcome: str, **fields: str) -> None:
-    """The memoized pass's one audit line, where a full pass writes its own."""
-    from reconciler.adapters.journal import JournalAudit
-
-    audit = JournalAudit()
+    world = memo_io.MemoWorld(options.root, activating=not options.no_activate, systemd_bus=options.systemd_bus)
+    audit = memo_io.OneLineAudit()
     try:
-        audit.record(action, outcome, **fields)
+        yield MemoPorts(
+            store=memo_io.MemoFiles(),
+            world=world,
+            audit=audit,
+            clock=system_clock(),
+            probe=probe_facts,
+            open_registry=registry_opener(options),
+            note=print_note,
+        )
     finally:
+        world.close()
         audit.close()
-
-
-class MemoWorld:
-    """The reads a memo is checked against: files under the root, and with
-    activation systemd's unit states and the nftables table."""
-
-    def __init__(self, root: Path, *, activating: bool, systemd_bus: str | None) -> None:
-        self.root = root
-        self.activating = activating
-        self.systemd_bus = systemd_bus
-        self._systemd: SystemdDbus | None = None
-
-    def read(self, path: str) -> bytes | None:
-        return memo_io.read_under(self.root, path)
-
-    def unit_state(self) -> Callable[[str], str] | None:
-        if not self.activating:
-            return None
-
-        def state(unit: str) -> str:
-            if self._systemd is None:
-                from reconciler.adapters.systemd_dbus import SystemdDbus
-
-                self._systemd = SystemdDbus(self.systemd_bus)
-            return self._systemd.active_state(unit)
-
-        return state
-
-    def nft_digest(self) -> Callable[[], str | None] | None:
-        if not self.activating:
-            return None
-        import shutil
-
-        nft = shutil.which("nft") or "/usr/sbin/nft"
-        return lambda: memo_io.nft_table_digest(nft)
-
-    def close(self) -> None:
-        if self._systemd is not None:
-            self._systemd.close()

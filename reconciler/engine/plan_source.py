@@ -47,33 +47,10 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
 from reconciler.ports import PermissionDenied, PlanSigner, Registry, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
-
-
-@dataclass(frozen=True)
-class PlanFile:
-    """--plan-file: render from this saved FleetPlan; the registry is not touched."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class PlanAlone:
-    """--no-registry: the scheduler over this host alone."""
-
-
-@dataclass(frozen=True)
-class PlanFromRegistry:
-    """The registry (the normal case). `sqlite_path` is --registry-path: the
-    wiring's registry connector opens that sqlite file whatever [registry]
-    says; the pass itself only ever sees the connector."""
-
-    sqlite_path: Path | None = None
-
-
-PlanChoice = PlanFile | PlanAlone | PlanFromRegistry
 
 
 @dataclass(frozen=True)

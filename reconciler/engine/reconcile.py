@@ -37,52 +37,16 @@ from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
+from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.engine.plan_source import PlanChoice, PlanFromRegistry, PlanSource, effective_facts, fleet_plan_for, node_record
+from reconciler.engine.plan_source import PlanSource, effective_facts, fleet_plan_for, node_record
 from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, PlanSigner, Registry, RegistryUnavailable
-
-# Where a leader candidate keeps its private plan signing key unless told
-# otherwise (--plan-key-file, $FABRIC_PLAN_KEY_FILE): root's, mode 0600.
-DEFAULT_PLAN_KEY_FILE = Path("/etc/fabric/plan-signing.key")
 
 # The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
 CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
 
 # --------------------------------------------------------------------------
 # Options
-
-
-@dataclass(frozen=True)
-class PassOptions:
-    """A pass's options, parsed and typed (`fabric reconcile` and `fabric plan`).
-
-    The pass reads the desired state, host, replay, plan, state and unit
-    directories and the main Caddyfile; the wiring reads the rest (where
-    the root is, whether to check and activate, how to reach systemd and
-    Caddy, the registry's sqlite path)."""
-
-    desired: Path
-    host: str
-    root: Path = Path("/")
-    state_dir: str = STATE_DIR
-    unit_dir: str = Layout().unit_dir
-    # A saved probe capture (fabric probe --capture) instead of probing.
-    replay: str | None = None
-    plan: PlanChoice = PlanFromRegistry()
-    no_activate: bool = False
-    # With no_activate: still run systemd-analyze, nft -c and caddy validate.
-    validate: bool = False
-    # The edge's main Caddyfile, relative to the root; None: the first of CADDY_MAIN_CANDIDATES that exists.
-    caddy_main: str | None = None
-    systemd_bus: str | None = None
-    caddy_admin: str = "localhost:2019"
-    startup_grace: float = 1.0
-    # A leader candidate's private plan key (read only when its pass leads;
-    # the wiring builds the signer from it). Never in the desired state.
-    plan_key_file: Path = DEFAULT_PLAN_KEY_FILE
-    # The fabric's nftables table differs from what the last pass left (the
-    # pass memo saw it: flushed, edited): load it again even though it exists.
-    nft_reload: bool = False
 
 
 @dataclass(frozen=True)

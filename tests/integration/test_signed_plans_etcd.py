@@ -33,7 +33,7 @@ from reconciler.core.live.signing import canonical_plan, with_signature
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.apply import GenerationStore
 from reconciler.engine.leader import LeaderLoop
-from reconciler.engine.plan_source import PlanFromRegistry
+from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions, PassReport, run_pass
 from tests.conftest import REPO
 from tests.integration.registry_store import Store

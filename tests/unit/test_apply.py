@@ -28,7 +28,7 @@ from reconciler.core.desired.model import NodeFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier, GenerationStore, Validators, list_generations
-from reconciler.engine.plan_source import PlanFile
+from reconciler.engine.pass_options import PlanFile
 from reconciler.engine.reconcile import PassOptions, PassPorts, PassReport, preview_pass, run_pass
 from reconciler.ports import ActivationError, LockBusy
 

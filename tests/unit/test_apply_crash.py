@@ -32,7 +32,7 @@ from collections.abc import Callable  # noqa: E402
 
 from reconciler.adapters.files import LocalTree  # noqa: E402
 from reconciler.engine.apply import GenerationStore, no_checkpoint  # noqa: E402
-from reconciler.engine.plan_source import PlanFile  # noqa: E402
+from reconciler.engine.pass_options import PlanFile  # noqa: E402
 from reconciler.engine.reconcile import run_pass  # noqa: E402
 from tests.unit.test_apply import (  # noqa: E402
     GOLDEN,

@@ -320,23 +320,21 @@ def test_drift_sees_a_stopped_unit_and_a_changed_table() -> None:
 
 
 def test_the_light_defaults_of_the_options_agree_with_their_homes() -> None:
-    """cli.pass_options and cli.common spell defaults out so that parsing imports nothing heavy."""
-    from reconciler.cli import common, pass_options
+    """engine.pass_options, engine.memoized_pass and cli.common spell defaults out so that parsing and a memoized pass import nothing heavy."""
+    from reconciler.cli import common
     from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH
     from reconciler.core.render.artifacts import Layout
-    from reconciler.engine import apply, reconcile
+    from reconciler.engine import apply, memoized_pass, pass_options, reconcile
 
     assert pass_options.STATE_DIR == apply.STATE_DIR
     assert pass_options.UNIT_DIR == Layout().unit_dir
-    assert pass_options.DEFAULT_PLAN_KEY_FILE == reconcile.DEFAULT_PLAN_KEY_FILE
     assert pass_options.CADDY_MAIN_CANDIDATES == reconcile.CADDY_MAIN_CANDIDATES
     assert common.NODE_CONFIG_PATH == NODE_CONFIG_PATH
-    from reconciler.cli import reconcile as cli_reconcile
     from reconciler.core.views.metrics import TEXTFILE_PATH
     from reconciler.engine.pass_records import PASS_COUNTERS
 
-    assert cli_reconcile.TEXTFILE_PATH == TEXTFILE_PATH
-    assert cli_reconcile.PASS_COUNTERS == PASS_COUNTERS
+    assert memoized_pass.TEXTFILE_PATH == TEXTFILE_PATH
+    assert memoized_pass.PASS_COUNTERS == PASS_COUNTERS
 
 
 def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,8 @@ from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine import plan_source
-from reconciler.engine.plan_source import PlanAlone, PlanFile, PlanFromRegistry, effective_facts, fleet_plan_for, node_record
+from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
+from reconciler.engine.plan_source import effective_facts, fleet_plan_for, node_record
 from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet

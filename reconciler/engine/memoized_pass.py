@@ -1,0 +1,303 @@
+"""A pass with the pass memo in front (`fabric reconcile`).
+
+    outcome = run_memoized_pass(options, memo_ports, full_pass_ports)
+
+    1 the inputs key: options, this program's version, the programs on PATH,
+      the desired state (git commit or stat), the main Caddyfile, the capture
+      or plan file (stat), the live probe's facts (MemoPorts.probe, once)
+    2 the memo the last converged pass left (pass_memo.usable), under the pass
+      lock: has the world drifted (pass_memo.drift)? A changed table only: a
+      full pass that reloads it (PassOptions.nft_reload)
+    3 a hit: re-send the memo's heartbeat and check the registry's epoch (a new
+      plan: full pass), one audit line, this host's pass series refreshed
+      (pass_memo.refreshed_metrics); the outcome is a MemoHit
+    4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
+      ports `full_pass_ports` gives), which drops the memo before its first
+      change and leaves a new one when it converges; the outcome is its PassReport
+
+Everything outside the process goes through MemoPorts (Protocols of
+reconciler.ports, named for types only). This module imports, at run time,
+only the standard library and reconciler.engine.pass_memo: the models,
+templates and the rest of the engine are imported by the full pass alone.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import reconciler
+from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
+from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
+
+if TYPE_CHECKING:
+    from reconciler.core.desired.model import FleetConfig, NodeFacts
+    from reconciler.engine.reconcile import Converged, PassPorts, PassReport
+    from reconciler.ports import Audit, Clock, MemoStore, PassWorld, Registry
+
+# reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
+# (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
+PASS_COUNTERS = "pass-counters.json"
+TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
+# The programs the rendered units name (reconciler.cli.wiring.program_paths finds them the same way).
+PROGRAMS = ("socat", "podman", "nft")
+
+
+def _ignore(note: str) -> None:
+    pass
+
+
+@dataclass
+class MemoPorts:
+    """What the memo's side of a pass reaches outside the process."""
+
+    store: MemoStore  # the memo, the pass counters, the textfile, the pass lock
+    world: PassWorld  # what the memo is checked against; stat fingerprints, git commit, PATH
+    audit: Audit  # the memoized pass's one audit line
+    clock: Clock
+    # This machine's facts, probed live (a replay is fingerprinted, not probed here).
+    probe: Callable[[str, str | None], NodeFacts]
+    # Opens the registry fabric.toml's [registry] names, for the memo's heartbeat (closed after).
+    open_registry: Callable[[FleetConfig], Registry]
+    note: Callable[[str], None] = _ignore
+
+
+@dataclass(frozen=True)
+class MemoHit:
+    """The pass memo stood for the pass: nothing to do, heartbeat sent, audited."""
+
+    generation: int | None
+
+    @property
+    def stdout(self) -> str:
+        return f"nothing to do (generation {self.generation})\n" if self.generation else "nothing to do\n"
+
+
+Verdict = Literal["hit", "nft", "full"]
+
+
+def run_memoized_pass(
+    options: PassOptions,
+    ports: MemoPorts,
+    full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
+) -> MemoHit | PassReport:
+    started = ports.clock.now()
+    memo_file = options.root / options.state_dir.strip("/") / MEMO_FILE
+    facts = None if options.replay else ports.probe(options.host, None)
+    key = inputs_key(pass_inputs(options, facts, ports.world))
+    verdict, memo = _memoized(options, ports, memo_file, key, started)
+    if verdict == "hit" and memo is not None:
+        return MemoHit(memo.generation)
+    return _full_pass(options, ports, full_pass_ports, memo_file, key, facts, nft_reload=verdict == "nft")
+
+
+def pass_inputs(options: PassOptions, facts: NodeFacts | None, world: PassWorld) -> dict[str, str | None]:
+    """What a pass's outcome depends on, each as a digest or a plain value.
+    The desired-state tree is fingerprinted from stat alone (its size must not
+    make every host's pass slower); the live probe by its parsed facts (the
+    raw outputs hold counters that change every second)."""
+    root = options.root
+    plan = options.plan
+    plan_file = plan.path if isinstance(plan, PlanFile) else None
+    registry_path = plan.sqlite_path if isinstance(plan, PlanFromRegistry) else None
+    described = {
+        "desired": str(Path(options.desired).absolute()),
+        "host": options.host,
+        "root": str(root.absolute()),
+        "state_dir": options.state_dir.strip("/"),
+        "unit_dir": options.unit_dir.strip("/"),
+        "replay": options.replay,
+        "plan_file": str(plan_file) if plan_file else None,
+        "no_registry": isinstance(plan, PlanAlone),
+        "registry_path": str(registry_path) if registry_path else None,
+        "no_activate": options.no_activate,
+        "validate": options.validate,
+        "caddy_main": options.caddy_main,
+        "caddy_admin": options.caddy_admin,
+        "systemd_bus": options.systemd_bus,
+    }
+    caddy_mains = [options.caddy_main] if options.caddy_main else list(CADDY_MAIN_CANDIDATES)
+    return {
+        "version": reconciler.__version__,
+        "options": json.dumps(described, sort_keys=True),
+        "programs": json.dumps([world.which(p) for p in PROGRAMS]),
+        "desired": desired_digest(Path(options.desired), options.host, world),
+        "caddy_main": world.fingerprint([root / c.strip("/") for c in caddy_mains]),
+        "replay": world.fingerprint([options.replay]) if options.replay else None,
+        "plan_file": world.fingerprint([plan_file]) if plan_file else None,
+        "probe": sha256(facts.model_dump_json().encode()) if facts is not None else None,
+    }
+
+
+def desired_digest(desired: Path, host: str, world: PassWorld) -> str:
+    """The desired state's identity. A git checkout (what `fabric pull` keeps):
+    its commit, plus fabric.toml and this host's file by stat, so a host's
+    pass costs the same in a fleet of five or ten thousand; an uncommitted
+    edit of another host's file is seen by the next full pass (at the latest
+    after pass_memo.MAX_AGE_S). Any other directory: every file by stat."""
+    commit = world.git_commit(desired)
+    own: list[Path | str] = [desired / "fabric.toml", desired / f"{host}.toml", desired / "hosts" / f"{host}.toml"]
+    if commit is not None:
+        return f"git {commit} {world.fingerprint(own)}"
+    return f"tree {world.fingerprint([desired])}"
+
+
+def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str, started: float) -> tuple[Verdict, PassMemo | None]:
+    """'hit' (the pass is done, and the memo that stood for it), 'nft' (a full
+    pass that must reload the table) or 'full'."""
+    # Read before locking: with no memo (a first pass, or bad input) the pass
+    # creates nothing here, not even the lock file.
+    raw = ports.store.read(memo_file)
+    try:
+        memo = PassMemo.from_json(raw) if raw is not None else None
+    except ValueError:
+        memo = None  # corrupt: a full pass writes a good one
+    if memo is None or usable(memo, key, ports.clock.now()) is not None:
+        return "full", None
+    with ports.store.lock(memo_file.parent / "lock") as free:
+        if not free:
+            return "full", None  # another pass runs: the full pass reports it busy
+        world = ports.world
+        try:
+            drifted = drift(memo, world.read, world.unit_state(), world.nft_digest())
+        except Exception as exc:  # systemd cannot be asked: the full pass says why
+            ports.note(f"pass memo: cannot check the world ({exc}); full pass")
+            return "full", None
+        if drifted is not None:
+            ports.note(f"drift since the last pass: {drifted}; full pass")
+            return ("nft" if drifted == NFT_DRIFT else "full"), None
+        if memo.node_record is not None and not _heartbeat(options, ports, memo):
+            return "full", None
+        ports.audit.record("noop", "ok", generation=str(memo.generation or ""), memo="hit")
+        _refresh_records(options, ports, memo_file.parent, started)
+    return "hit", memo
+
+
+def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
+    """Re-send the memo's heartbeat; False (a full pass) when the registry
+    cannot take it or its plan epoch moved on."""
+    from reconciler.core.desired.model import FleetConfig
+    from reconciler.core.live.records import NodeRecord
+    from reconciler.ports import RegistryError
+
+    assert memo.node_record is not None
+    try:
+        raw = ports.store.read(Path(options.desired) / "fabric.toml")
+        if raw is None:
+            return False
+        fleet = FleetConfig.model_validate(tomllib.loads(raw.decode("utf-8")))
+        record = NodeRecord.model_validate_json(memo.node_record)
+    except (OSError, ValueError):  # unreadable or bad input: the full pass names it
+        return False
+    try:
+        registry = ports.open_registry(fleet)
+        try:
+            stored = registry.heartbeat(record)
+            ports.note(f"heartbeat: {record.node_id} tier {stored.tier}, alive for {stored.timeout_s:g} s")
+            epoch = registry.epoch()
+        finally:
+            registry.close()
+    except RegistryError:
+        return False
+    if epoch != memo.epoch:
+        ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
+        return False
+    return True
+
+
+def _refresh_records(options: PassOptions, ports: MemoPorts, state: Path, started: float) -> None:
+    """This host's pass series (duration, success, last success) and the pass
+    counters, as a full pass would leave them; the fleet's series and the
+    status page wait for the next full pass (PassMemo.max_age_s)."""
+    now = ports.clock.now()
+    counters_file = state / PASS_COUNTERS
+    try:
+        raw = ports.store.read(counters_file)
+        counters = json.loads(raw) if raw else {}
+        if not isinstance(counters, dict):
+            counters = {}
+        counters["last_success"] = datetime.fromtimestamp(now, UTC).isoformat()
+        ports.store.write(counters_file, json.dumps(counters).encode())
+        # This host's pass series come first; the fleet's below them are copied as they are.
+        ports.store.rewrite_head(options.root / TEXTFILE_PATH, lambda head: refreshed_metrics(head, duration_s=now - started, now=now))
+    except (OSError, ValueError) as exc:
+        ports.note(f"could not write metrics: {exc}")
+
+
+def _full_pass(
+    options: PassOptions,
+    ports: MemoPorts,
+    full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
+    memo_file: Path,
+    key: str,
+    facts: NodeFacts | None,
+    *,
+    nft_reload: bool,
+) -> PassReport:
+    """The whole pass; the memo is dropped before its first change and written anew when it converges."""
+    from dataclasses import replace
+
+    from reconciler.engine.reconcile import run_pass
+
+    options = replace(options, nft_reload=nft_reload)
+    with full_pass_ports(options) as pass_ports:
+        if facts is not None:
+            probed = facts
+            pass_ports.probe = lambda _host, _replay: probed  # probed once, for the key
+        step = pass_ports.checkpoint
+
+        def checkpoint(name: str) -> None:
+            # Before the pass's first change: a pass killed from here on
+            # must leave no memo, or the next could vouch for a half-done world.
+            ports.store.remove(memo_file)
+            step(name)
+
+        pass_ports.checkpoint = checkpoint
+        report = run_pass(options, pass_ports)
+    if report.converged is not None and not report.converged.may_lead:
+        memo = memo_after(report.converged, key, ports.world, ports.clock.now())
+        if memo is not None:
+            ports.store.write(memo_file, memo.to_json().encode())
+        else:
+            ports.store.remove(memo_file)
+    elif report.outcome not in ("bad-input", "busy"):
+        # Not converged (failed, rolled back, static): the next pass is full.
+        ports.store.remove(memo_file)
+    return report
+
+
+def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> PassMemo | None:
+    """The memo of a pass that converged: the world as it left it (None: it cannot be read now)."""
+    files = {}
+    for path in converged.files:
+        data = world.read(path)
+        if data is None:
+            return None
+        files[path] = sha256(data)
+    units: dict[str, str] = {}
+    nft = None
+    unit_state, nft_digest = world.unit_state(), world.nft_digest()
+    try:
+        if unit_state is not None:
+            units = {unit: unit_state(unit) for unit in converged.units}
+        if nft_digest is not None:
+            nft = nft_digest()
+    except Exception:  # systemd cannot be asked now: no memo, the next pass is full
+        return None
+    return PassMemo(
+        key=key,
+        generation=converged.generation,
+        written_at=now,
+        files=files,
+        units=units,
+        nft=nft,
+        node_record=converged.node_record,
+        epoch=converged.registry_epoch,
+        max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
+    )
