@@ -56,10 +56,10 @@ import pytest
 
 from reconciler.adapters.files import LocalTree
 from reconciler.engine.apply import GenerationStore
-from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.conftest import REPO
+from tests.harness.systemd import SystemdContainer
 from tests.harness.waiting import wait_until
-from tests.integration.test_reconcile_activation import DESIRED, QFOX_ADDRESS, SITE, _copy_dependencies, echo_through
+from tests.integration.edge_host import DESIRED, FLEET_PLAN, QFOX_ADDRESS, QFOX_ECHO_UNIT, echo_through, edge_container, reconcile_argv
 
 pytestmark = pytest.mark.integration
 
@@ -118,20 +118,12 @@ ExecStart=/usr/bin/python3 {REPO}/tests/harness/held_requests_proxy.py {PROXY_PO
 
 @pytest.fixture(scope="module")
 def edge() -> Iterator[SystemdContainer]:
-    require_root()
-    require("unshare", "nsenter", "chroot", "python3", "nft", "socat", "caddy", "ip", "flock")
-    with systemd_container(hostname="racknerd", private_network=True) as container:
-        _copy_dependencies(container)
-        for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
-            container.write_file(f"{DESIRED}/{toml.name}", toml.read_text())
-        container.write_file(PLAN, (REPO / "tests" / "golden" / "fleet-plan.json").read_text())
+    with edge_container("flock") as container:
+        container.write_file(PLAN, FLEET_PLAN.read_text())
         for argv in (("ip", "link", "set", "lo", "up"), ("ip", "addr", "add", f"{QFOX_ADDRESS}/32", "dev", "lo")):
             done = container.run(*argv)
             assert done.returncode == 0, done.stderr
-        container.write_file(
-            "/etc/systemd/system/qfox-echo.service",
-            f"[Service]\nExecStart=/usr/bin/socat TCP-LISTEN:22,bind={QFOX_ADDRESS},fork,reuseaddr EXEC:/bin/cat\n",
-        )
+        container.write_file("/etc/systemd/system/qfox-echo.service", QFOX_ECHO_UNIT)
         container.write_file("/etc/caddy/Caddyfile", f"{{\n\tadmin {CADDY_ADMIN}\n\tauto_https off\n}}\n")
         container.write_file("/usr/local/sbin/nft", NFT_WRAPPER, mode=0o755)
         container.write_file(f"/etc/systemd/system/{QFOX_SSH}.d/50-crash-gate.conf", START_GATE)
@@ -179,23 +171,7 @@ class RunningPass:
                 "-r",
                 "-w",
                 "--",
-                "env",
-                f"PYTHONPATH={SITE}:{REPO}",
-                "PYTHONDONTWRITEBYTECODE=1",
-                "python3",
-                "-m",
-                "reconciler",
-                "reconcile",
-                "--desired",
-                DESIRED,
-                "--host",
-                "racknerd",
-                "--replay",
-                str(REPO / "tests" / "golden" / "probe" / "x86_64"),
-                "--plan-file",
-                PLAN,
-                "--caddy-admin",
-                CADDY_ADMIN,
+                *reconcile_argv(PLAN, "--caddy-admin", CADDY_ADMIN),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -350,6 +326,19 @@ def assert_after_kill(container: SystemdContainer, old: int) -> int:
     return new
 
 
+def next_pass_converges(edge: SystemdContainer, new: int, *steps: tuple[str, dict[str, str]]) -> PassRun:
+    """The pass after the kill, unhindered: it retries the interrupted steps
+    (each recorded ok for generation `new`), activates `new`, and leaves the
+    world converged on it."""
+    again = run_pass(edge)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"generation {new} is active" in again.stdout, again.stdout
+    for action, fields in (*steps, ("activate", {})):
+        assert again.recorded(action, "ok", generation=str(new), **fields), (action, fields)
+    assert_converged(edge, new)
+    return again
+
+
 def assert_converged(container: SystemdContainer, number: int) -> None:
     """Generation `number` is current and good, on disk, loaded and running."""
     generations = store(container)
@@ -438,13 +427,7 @@ def test_pass_killed_inside_an_nft_load_then_the_next_pass_converges(edge: Syste
     else:
         assert after_orphan == old_table
 
-    again = run_pass(edge)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"generation {new} is active" in again.stdout, again.stdout
-    assert again.recorded("nft-load", "ok", generation=str(new))
-    assert again.recorded("restart", "ok", unit=QFOX_SSH, generation=str(new))
-    assert again.recorded("activate", "ok", generation=str(new))
-    assert_converged(edge, new)
+    next_pass_converges(edge, new, ("nft-load", {}), ("restart", {"unit": QFOX_SSH}))
     assert listen_port_of(edge) == port
     if orphan == "lands":
         assert nft_table(edge) == after_orphan
@@ -480,12 +463,7 @@ def test_pass_killed_inside_a_caddy_load_then_the_next_pass_converges(edge: Syst
     else:
         assert after_orphan == old_config
 
-    again = run_pass(edge)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"generation {new} is active" in again.stdout, again.stdout
-    assert again.recorded("caddy-load", "ok", generation=str(new))
-    assert again.recorded("activate", "ok", generation=str(new))
-    assert_converged(edge, new)
+    next_pass_converges(edge, new, ("caddy-load", {}))
     converged = caddy_config(edge)
     assert converged is not None and address in json.dumps(converged)
     if orphan == "lands":

@@ -17,59 +17,27 @@ visible there), exactly as fabric-reconcile.service would run them:
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
-import annotated_types
-import dbus_fast
-import jinja2
-import markupsafe
-import pydantic
-import pydantic_core
 import pytest
-import typing_extensions
-import typing_inspection
 
-from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.conftest import REPO
+from tests.harness.systemd import SystemdContainer
 from tests.harness.waiting import wait_until
+from tests.integration.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile_argv
 
 pytestmark = pytest.mark.integration
-
-SITE = "/opt/fabric-test/site"
-DESIRED = "/var/lib/fabric/desired"
-QFOX_ADDRESS = "100.88.57.96"
-
-
-def _copy_dependencies(container: SystemdContainer) -> None:
-    """The reconciler's runtime dependencies, from this venv into the container
-    (its /tmp, where the venv lives, is the container's own)."""
-    target = container.host_path(SITE)
-    target.mkdir(parents=True)
-    for module in (pydantic, pydantic_core, jinja2, markupsafe, dbus_fast, annotated_types, typing_inspection):
-        source = Path(module.__file__).parent  # type: ignore[arg-type]
-        shutil.copytree(source, target / source.name)
-    shutil.copy(typing_extensions.__file__, target)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def edge() -> Iterator[SystemdContainer]:
-    require_root()
-    require("unshare", "nsenter", "chroot", "python3", "nft", "socat", "caddy", "ip")
-    with systemd_container(hostname="racknerd", private_network=True) as container:
-        _copy_dependencies(container)
-        for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
-            container.write_file(f"{DESIRED}/{toml.name}", toml.read_text())
+    with edge_container() as container:
         # qfox-1, as far as this edge can tell: its address on the container's
         # loopback, an echo server on its port 22.
         done = container.run("ip", "addr", "add", f"{QFOX_ADDRESS}/32", "dev", "lo")
         assert done.returncode == 0, done.stderr
-        container.write_file(
-            "/etc/systemd/system/qfox-echo.service",
-            f"[Service]\nExecStart=/usr/bin/socat TCP-LISTEN:22,bind={QFOX_ADDRESS},fork,reuseaddr EXEC:/bin/cat\n",
-        )
+        container.write_file("/etc/systemd/system/qfox-echo.service", QFOX_ECHO_UNIT)
         # Something else on this edge already uses port 2300.
         container.write_file("/etc/systemd/system/squatter.service", "[Service]\nExecStart=/usr/bin/socat TCP-LISTEN:2300,reuseaddr EXEC:/bin/cat\n")
         container.write_file("/etc/caddy/Caddyfile", "{\n\tadmin localhost:2019\n\tauto_https off\n}\n")
@@ -81,33 +49,7 @@ def edge() -> Iterator[SystemdContainer]:
 
 
 def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
-    return container.run(
-        "env",
-        f"PYTHONPATH={SITE}:{REPO}",
-        "PYTHONDONTWRITEBYTECODE=1",
-        "python3",
-        "-m",
-        "reconciler",
-        "reconcile",
-        "--desired",
-        DESIRED,
-        "--host",
-        "racknerd",
-        "--replay",
-        str(REPO / "tests" / "golden" / "probe" / "x86_64"),
-        "--plan-file",
-        str(REPO / "tests" / "golden" / "fleet-plan.json"),
-        timeout=300,
-    )
-
-
-def invocation(container: SystemdContainer, unit: str) -> str:
-    return container.systemctl("show", unit, "-p", "InvocationID", "--value").stdout.strip()
-
-
-def echo_through(container: SystemdContainer, port: int) -> str:
-    done = container.run("socat", "-T", "2", "-", f"TCP:127.0.0.1:{port}", input="ping\n", timeout=30)
-    return done.stdout.strip()
+    return container.run(*reconcile_argv(), timeout=300)
 
 
 def edit_fleet(container: SystemdContainer, old: str, new: str) -> None:

@@ -3,7 +3,7 @@ changes, and the world's drift (a rendered file edited, a unit stopped, the
 table flushed) makes the next pass a full one that repairs it.
 
 The edge host "racknerd" of the example fleet in a systemd container, as in
-test_reconcile_activation.py (whose container set-up and pass this reuses).
+test_reconcile_activation.py (tests/integration/edge_host.py, and its pass).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import EXAMPLE_FLEET, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.harness.systemd import SystemdContainer
 from tests.harness.waiting import wait_until
-from tests.integration.test_reconcile_activation import DESIRED, _copy_dependencies, invocation, reconcile
+from tests.integration.edge_host import edge_container, invocation
+from tests.integration.test_reconcile_activation import reconcile
 
 pytestmark = pytest.mark.integration
 
@@ -27,12 +27,7 @@ DROP_RULE = "tcp dport { 2222, 4445 } drop"
 
 @pytest.fixture(scope="module")
 def edge() -> Iterator[SystemdContainer]:
-    require_root()
-    require("unshare", "nsenter", "chroot", "python3", "nft", "socat", "caddy", "ip")
-    with systemd_container(hostname="racknerd", private_network=True) as container:
-        _copy_dependencies(container)
-        for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
-            container.write_file(f"{DESIRED}/{toml.name}", toml.read_text())
+    with edge_container() as container:
         container.write_file("/etc/caddy/Caddyfile", "{\n\tadmin localhost:2019\n\tauto_https off\n}\n")
         assert container.systemctl("daemon-reload").returncode == 0
         assert container.systemctl("start", "caddy.service").returncode == 0
