@@ -10,6 +10,17 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# How many times slower than configured a loaded 2-core machine may be (CI runs
+# beside a CPU-heavy process and other suites) before a wait counts as broken.
+SLOWDOWN = 5.0
+
+
+def deadline_for(configured_s: float, *, at_least: float = 10.0) -> float:
+    """A timeout for something the configuration says happens within
+    `configured_s` (a TTL, a pass interval, a node timeout): that timing scaled
+    generously, never under `at_least` (a process must start, a store answer)."""
+    return max(at_least, SLOWDOWN * configured_s)
+
 
 def wait_until(probe: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
     """Call `probe` until it returns something truthy and return that; fail after `timeout`.

@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.test_wheel import runtime_requirements
 from tests.integration.test_wheel import wheelhouse as make_wheelhouse
 
@@ -36,6 +36,9 @@ pytestmark = pytest.mark.integration
 PREFIX = "/opt/fabric"
 WHEELHOUSE = "/var/cache/fabric-wheelhouse"
 SEARCH_PATH = f"{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# join.sh's timer: a pass every 30 s (its default --interval) plus up to 5 s of
+# randomized delay (node.toml's default). A pass queued by the timer starts within this.
+TIMER_PERIOD_S = 30 + 5
 
 
 def run_join(container: SystemdContainer, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -211,16 +214,11 @@ def test_bootstrap_after_join_opens_the_distro_ruleset_and_is_idempotent(joined:
     forward = container.run("nft", "list", "chain", "inet", "filter", "forward").stdout
     assert forward.count("fabric-tailscale-fix") == 2  # iifname and oifname rules, once each
     # The drop-in queues the table's reload (--no-block): wait for that job.
-    assert _eventually(lambda: container.run("nft", "list", "table", "inet", "fabric").returncode == 0)
-
-
-def _eventually(check, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return check()
+    wait_until(
+        lambda: container.run("nft", "list", "table", "inet", "fabric").returncode == 0,
+        timeout=30,
+        what="the queued reload of nftables-load.service to load table inet fabric",
+    )
 
 
 def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
@@ -254,11 +252,24 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
     assert rejoin.returncode == 0, f"{rejoin.stdout}\n{rejoin.stderr}\n{journal}"
     service = container.read_file("/etc/systemd/system/fabric-reconcile.service")
     assert f"ExecStartPre={PREFIX}/bin/fabric pull --config /etc/fabric/node.toml" in service
-    # The plain directory became a checkout of the remote (the old one kept aside).
-    head = container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip()
-    assert head == container.run("git", "-C", remote, "rev-parse", "main").stdout.strip()
+    # The plain directory becomes a checkout of the remote (the old one kept
+    # aside) in the first pass under the new unit. That is join.sh's own pass
+    # unless the timer (every 30 s since the first join) was running a pass of
+    # the old unit when join.sh started its own: `systemctl start` then joins
+    # that run (a oneshot's start job merges) and returns before any pull;
+    # the timer's next pass pulls. Wait for the checkout, not for a moment.
+    remote_main = container.run("git", "-C", remote, "rev-parse", "main").stdout.strip()
+
+    def checked_out() -> str:
+        return container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip()
+
+    wait_until(lambda: checked_out() == remote_main, timeout=deadline_for(TIMER_PERIOD_S), what=f"the checkout at the remote's main {remote_main}")
     assert container.host_path("/var/lib/fabric/desired.before-git/fabric.toml").exists()
-    assert "pull: now at" in journal
+    wait_until(
+        lambda: "pull: now at" in container.journal("-u", "fabric-reconcile.service", "-o", "cat"),
+        timeout=deadline_for(TIMER_PERIOD_S),
+        what="the pull's line in the pass's journal",
+    )
 
 
 def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:

@@ -4,7 +4,6 @@ unreachable cluster, and a TLS member with client certificates."""
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -20,8 +19,13 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.ports import RegistryUnavailable
 from tests.conftest import require
 from tests.harness.etcd import EtcdCluster, etcd_cluster, free_port
+from tests.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
+
+# A record's or a term's TTL that must outlast the few calls a test makes
+# after setting it, on a loaded machine and while a client fails over.
+SHORT_TTL_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +50,6 @@ def a_plan() -> FleetPlan:
     return FleetPlan(epoch=0, leader="whoever", created=datetime.now(UTC))
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-
-
 def status_of(registry: EtcdRegistry, node: str) -> str | None:
     return next((s.status for s in registry.node_states() if s.node_id == node), None)
 
@@ -72,14 +68,14 @@ def test_stopping_one_of_three_members_keeps_the_registry_working(cluster):
 
         # Reads, beats, fenced writes, claims and the watch all still work.
         registry.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
-        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"), ttl_s=1)
+        registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"), ttl_s=SHORT_TTL_S)
         assert registry.renew(term)
         after = registry.publish_plan(term, a_plan())
         assert after.epoch > before.epoch
         assert registry.claim_slot("a1-arm64", 2, holder="d") is not None
         assert {s.node_id: s.status for s in registry.node_states()} == {"qfox-1": "active", "lux": "active"}
         # A record still expires by its lease on the two-member quorum, and the watch sees it.
-        wait_until(lambda: status_of(registry, "lux") == "offline", 10, "lux offline on the remaining members")
+        wait_until(lambda: status_of(registry, "lux") == "offline", timeout=deadline_for(SHORT_TTL_S), what="lux offline on the remaining members")
         assert registry.leader().candidate == "lux"
         # A second client given only the stopped member and one live one also works.
         other = open_etcd([cluster.member("m0").client_url, cluster.member("m2").client_url], prefix=registry._prefix)
@@ -98,10 +94,10 @@ def test_a_leader_elected_on_three_members_fails_over_after_its_lease(cluster):
     a = open_etcd(cluster.endpoints)
     b = open_etcd(list(reversed(cluster.endpoints)), prefix=a._prefix)
     try:
-        old = a.campaign("lux", 1)
-        assert b.campaign("qfox-1", 1) is None
+        old = a.campaign("lux", SHORT_TTL_S)
+        assert b.campaign("qfox-1", SHORT_TTL_S) is None
         b.wait_for_change(0)
-        assert b.wait_for_change(10), "the leader key's expiry wakes the follower"
+        assert b.wait_for_change(deadline_for(SHORT_TTL_S)), "the leader key's expiry wakes the follower"
         new = b.campaign("qfox-1", 5)
         assert new is not None and new.epoch > old.epoch
     finally:
@@ -189,7 +185,7 @@ def test_tls_with_client_certificates(tmp_path):
             key_file=str(tmp_path / "client.key"),
         )
         try:
-            wait_until(lambda: _answers(registry), 20, "the TLS member answers")
+            wait_until(lambda: _answers(registry), timeout=30, what="the TLS member answers")
             registry.heartbeat(NodeRecord(node_id="lux", tier="relay"), ttl_s=30)
             assert [s.node_id for s in registry.node_states()] == ["lux"]
         finally:
