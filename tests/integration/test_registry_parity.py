@@ -36,6 +36,10 @@ CONFIG = {
     "flap": {"window_s": 60, "toggles": 3, "hold_off_s": HOLD_OFF_S},
 }
 LONG_TERM_S = 120  # a leader's term that outlasts the test
+# A TTL renewed (or a record re-beaten) every third of it, the leader's own
+# rhythm: on etcd's real time a beat or renewal may come late by two thirds of
+# a TTL on a loaded machine before the term or record lapses.
+CADENCE_TTL_S = 3
 SLACK_S = 5.0
 
 
@@ -154,10 +158,10 @@ def test_ttl_expiry_takes_a_direct_node_offline_before_a_relayed_one(timeline):
 
 def test_beats_within_the_ttl_keep_a_node_active_past_it(timeline):
     registry = timeline.open()
-    ttl = 2
+    ttl = CADENCE_TTL_S
     timeline.mark()
-    for i in range(8):  # a beat every 0.5 s for 4 s: twice the TTL
-        timeline.at(i * 0.5)
+    for i in range(7):  # a beat every third of the TTL for twice the TTL
+        timeline.at(i * ttl / 3)
         registry.heartbeat(record("lux"), ttl_s=ttl)
         assert status_of(registry, "lux") == "active"
     timeline.mark()
@@ -171,12 +175,12 @@ def test_beats_within_the_ttl_keep_a_node_active_past_it(timeline):
 
 def test_renewal_before_the_lapse_keeps_the_term_and_after_it_fails(timeline):
     a, b = timeline.open(), timeline.open()
-    ttl = 2
+    ttl = CADENCE_TTL_S
     term = a.campaign("lux", ttl)
     assert term is not None
     timeline.mark()
-    for i in range(1, 7):  # renewed every 0.5 s for 3 s: past the first TTL
-        timeline.at(i * 0.5)
+    for i in range(1, 5):  # renewed every third of the TTL, past the first TTL
+        timeline.at(i * ttl / 3)
         assert a.renew(term), f"renewal {i} within the term"
         assert leader_name(b) == "lux"
     assert b.campaign("qfox-1", ttl) is None
