@@ -59,6 +59,7 @@ from tests.e2e.fleet import (
     running_fleet,
     wait_for,
 )
+from tests.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,8 +69,9 @@ HOSTS = ("lux", "qfox-1", "racknerd", "a1-arm64", "x86-spill")
 CONVERGE_S = 120.0
 REACT_S = 60.0
 # The leader steps three times per lease TTL (timing.heartbeat_s) and a step
-# that finds a plan it cannot verify publishes at once: a few TTLs at most.
-LEADER_STEP_S = 5.0 * SETTINGS.heartbeat_s
+# that finds a plan it cannot verify publishes at once: a few TTLs at most,
+# scaled for a loaded machine (five containers and two leaders on two cores).
+LEADER_STEP_S = deadline_for(3.0 * SETTINGS.heartbeat_s)
 IDENTITY_PROBE = Path(__file__).resolve().parent / "identity_probe.py"
 UNSIGNED = "is not signed, and fabric.toml lists plan keys: running static"
 HEARTBEAT_GRACE_S = 30.0
