@@ -16,7 +16,8 @@ tests.e2e.fleet`).
 The topology
 ------------
 A Linux bridge on the host (`fab<id>`) carries a /24 inside Tailscale's
-100.64.0.0/10 (default 100.64.250.0/24). It stands in for the tailnet: the
+100.64.0.0/10 (100.64.250.0/24, or the next free /24 below it while another
+fleet on this machine holds that one). It stands in for the tailnet: the
 nftables rules the fabric renders admit service ports from 100.64.0.0/10 only,
 so the hosts must sit on tailnet addresses for the edge to reach them (10.250
 addresses would be dropped by the very rules under test). On it:
@@ -84,6 +85,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -119,6 +122,10 @@ HOST_OCTETS: dict[str, int] = {"lux": 10, "qfox-1": 11, "racknerd": 2, "a1-arm64
 ETCD_OCTET = 5
 CLIENT_OCTET = 100
 THIS_HOST_OCTET = 254
+# Held while a fleet picks its /24 and puts its bridge address on it, so two
+# fleets brought up at once (several test runs on one machine) never pick the same.
+SUBNET_LOCK = Path("/run/fabric-e2e-subnet.lock")
+SUBNETS_TRIED = 50
 ETCD_CLIENT_PORT = 2379
 
 DESIRED_DIR = "/var/lib/fabric/desired"
@@ -177,7 +184,8 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class FleetSettings:
-    # First three octets of the bridge's /24 (inside 100.64.0.0/10, see above).
+    # First three octets of the bridge's /24 (inside 100.64.0.0/10, see above);
+    # Fleet.up() takes the next free one below it when this machine has it already.
     subnet: str = "100.64.250"
     # fabric-reconcile.timer's interval on every host (node.toml [timer]).
     pass_interval: str = "1s"
@@ -324,6 +332,23 @@ def _run(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.Co
     return done
 
 
+def _free_subnet(preferred: str) -> str:
+    """`preferred` or the next /24 below it that no address on this host lies
+    in (another fleet's bridge); call it holding SUBNET_LOCK."""
+    return free_subnet(preferred, _run("ip", "-4", "-o", "addr", "show").stdout)
+
+
+def free_subnet(preferred: str, addresses: str) -> str:
+    """`preferred` (three octets) or the next /24 below it in which no address
+    of `addresses` (what `ip -4 -o addr show` prints) lies."""
+    used = {word.split("/")[0].rsplit(".", 1)[0] for word in addresses.split() if "/" in word}
+    first, second, third = preferred.split(".")
+    for candidate in (f"{first}.{second}.{int(third) - n}" for n in range(SUBNETS_TRIED) if int(third) - n >= 0):
+        if candidate not in used:
+            return candidate
+    raise RuntimeError(f"no free /24 from {preferred} down: {sorted(used)}")
+
+
 def _process_is(pid: int, needle: str) -> bool:
     """Whether PID still runs a program whose command line contains `needle`
     (a recorded PID is only signalled while it is still ours)."""
@@ -457,9 +482,10 @@ class Fleet:
         # bring back its nodes, plans and epochs).
         shutil.rmtree(self.work / "etcd", ignore_errors=True)
         try:
+            self._make_bridge()
+            self._save_state(subnet=self.settings.subnet)
             self._make_identities()
             self._write_desired()
-            self._make_bridge()
             self._make_namespace("etcd", ETCD_OCTET)
             self._make_namespace("client", CLIENT_OCTET)
             self.start_etcd()
@@ -522,9 +548,15 @@ class Fleet:
         self.progress(f"etcd auth: {done.stdout.strip().splitlines()[-1]}")
 
     def _make_bridge(self) -> None:
+        """The bridge, on the settings' /24 or, when another fleet on this
+        machine routes that one already, the next free /24 below it (the
+        settings change to it: addresses, certificates and desired state follow)."""
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self._stack.callback(_run, "ip", "link", "del", self.bridge, check=False)
-        _run("ip", "addr", "add", f"{self.settings.address(THIS_HOST_OCTET)}/24", "dev", self.bridge)
+        with open(SUBNET_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.settings = dataclasses.replace(self.settings, subnet=_free_subnet(self.settings.subnet))
+            _run("ip", "addr", "add", f"{self.settings.address(THIS_HOST_OCTET)}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         self.progress(f"bridge {self.bridge}: {self.settings.subnet}.0/24")
 

@@ -169,7 +169,7 @@ def test_topology(fleet: Fleet, desired: DesiredState) -> None:
         assert container.systemctl("is-active", "fabric-reconcile.timer").stdout.strip() == "active", host
         leader_unit = container.systemctl("is-active", "fabric-leader.service").stdout.strip()
         assert leader_unit == ("active" if host in desired.fleet.fleet.leader_candidates else "inactive"), host
-        assert container.run("ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3] == f"{SETTINGS.host_address(host)}/24"
+        assert container.run("ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3] == f"{fleet.settings.host_address(host)}/24"
         # Its own etcd identity at the fleet-wide paths (CN = its name, key
         # 0600); a plan signing key only on a candidate, and only its own.
         cert = x509.load_pem_x509_certificate(container.host_path(ETCD_CERT_FILE).read_bytes())
