@@ -640,7 +640,7 @@ class Fleet:
                 return False
 
         context = self.pki.ssl_context(ROOT)
-        wait_for(healthy, timeout=20, what="etcd /health")
+        wait_for(healthy, timeout=60, what="etcd /health")  # a bound only: etcd starts slowly on a loaded machine
         self.progress(f"etcd healthy at {address}:{ETCD_CLIENT_PORT} (pid {self._etcd.pid})")
 
     def stop_etcd(self) -> None:
