@@ -36,10 +36,6 @@ SLEEP_ALLOWED: dict[tuple[str, str], str] = {
     # time); beating and renewing at that rhythm is the behaviour under test,
     # and what follows asserts on the registry, never on the time.
     ("tests/integration/test_registry_parity.py", "at"): "a cadence of beats and renewals on real time",
-    # A stand-in for `podman run` (owned by the agent/podman work, issue 15 item 5,
-    # which replaces it with a real podman): it lingers so systemd reads
-    # MAINPID from a live sender. Not a wait of a test; goes with the stand-in.
-    ("tests/e2e/podman_standin.py", "main"): "the podman stand-in lingers for systemd's MAINPID",
 }
 
 SLEEPS = {("time", "sleep"), ("asyncio", "sleep")}
