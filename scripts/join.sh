@@ -251,6 +251,14 @@ if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
 # The units, rendered by the reconciler itself (reconciler/core/install/units.py).
 
 echo "==> units"
+# A pass of the old units may be running (the timer fired): let it end before
+# the units change. Otherwise the first pass below merges into that run (a
+# oneshot's start job does) and its result is reported for a pass of the old
+# unit, without the new unit's ExecStartPre.
+systemctl stop fabric-reconcile.timer 2>/dev/null || true
+while [ "$(systemctl show -P ActiveState fabric-reconcile.service 2>/dev/null)" = activating ]; do
+  sleep 0.2
+done
 units_args=(--config "$CONFIG" --fabric-bin "$FABRIC"
   --search-path "$PREFIX/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 "$FABRIC" units "${units_args[@]}" "${leader_flag[@]}" --write "$SYSTEMD_DIR"

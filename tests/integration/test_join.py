@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import deadline_for, wait_until
+from tests.harness.waiting import wait_until
 from tests.integration.test_wheel import runtime_requirements
 from tests.integration.test_wheel import wheelhouse as make_wheelhouse
 
@@ -240,36 +241,48 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
         done = container.run(*argv)
         assert done.returncode == 0, f"{argv}: {done.stderr}"
 
-    rejoin = run_join(
-        container,
-        "--host",
-        "racknerd",
-        "--git-remote",
-        remote,
-        timeout=600,
-    )
+    # A timer pass of the old unit is running when join.sh starts (held by a
+    # runtime drop-in until the test lets it go): join.sh must let it end
+    # before it changes the units, so that its own first pass runs the new
+    # unit, pull included, instead of merging into the old run.
+    def timer_state() -> str:
+        return container.systemctl("show", "-P", "ActiveState", "fabric-reconcile.timer").stdout.strip()
+
+    hold = "/run/fabric-test-hold"
+    drop_in = "/run/systemd/system/fabric-reconcile.service.d/50-hold.conf"
+    container.write_file(hold, "")
+    container.write_file(drop_in, f"[Service]\nExecStartPre=/bin/sh -c 'while [ -e {hold} ]; do sleep 0.05; done'\n")
+    assert container.systemctl("daemon-reload").returncode == 0
+    assert container.systemctl("start", "--no-block", "fabric-reconcile.service").returncode == 0
+    try:
+        wait_until(
+            lambda: container.systemctl("show", "-P", "ActiveState", "fabric-reconcile.service").stdout.strip() == "activating", what="the held pass"
+        )
+        rejoining: list[subprocess.CompletedProcess[str]] = []
+        joiner = threading.Thread(target=lambda: rejoining.append(run_join(container, "--host", "racknerd", "--git-remote", remote, timeout=600)))
+        joiner.start()
+        # join.sh stops the timer, then waits for the running pass.
+        wait_until(lambda: timer_state() == "inactive" or not joiner.is_alive(), timeout=120, what="join.sh to stop the timer")
+        container.remove_file(hold)
+        joiner.join(timeout=600)
+        assert not joiner.is_alive() and rejoining, "join.sh did not finish"
+    finally:
+        if container.host_path(hold).exists():
+            container.remove_file(hold)
+        container.remove_file(drop_in)
+        container.systemctl("daemon-reload")
+    rejoin = rejoining[0]
     journal = container.journal("-u", "fabric-reconcile.service", "-n", "30", "-o", "cat")
     assert rejoin.returncode == 0, f"{rejoin.stdout}\n{rejoin.stderr}\n{journal}"
     service = container.read_file("/etc/systemd/system/fabric-reconcile.service")
     assert f"ExecStartPre={PREFIX}/bin/fabric pull --config /etc/fabric/node.toml" in service
-    # The plain directory becomes a checkout of the remote (the old one kept
-    # aside) in the first pass under the new unit. That is join.sh's own pass
-    # unless the timer (every 30 s since the first join) was running a pass of
-    # the old unit when join.sh started its own: `systemctl start` then joins
-    # that run (a oneshot's start job merges) and returns before any pull;
-    # the timer's next pass pulls. Wait for the checkout, not for a moment.
+    # join.sh's own first pass ran the new unit: the plain directory is now a
+    # checkout of the remote (the old one kept aside), and the pull said so.
     remote_main = container.run("git", "-C", remote, "rev-parse", "main").stdout.strip()
-
-    def checked_out() -> str:
-        return container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip()
-
-    wait_until(lambda: checked_out() == remote_main, timeout=deadline_for(TIMER_PERIOD_S), what=f"the checkout at the remote's main {remote_main}")
+    assert container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip() == remote_main
+    assert "pull: now at" in container.journal("-u", "fabric-reconcile.service", "-o", "cat")
+    assert timer_state() == "active"
     assert container.host_path("/var/lib/fabric/desired.before-git/fabric.toml").exists()
-    wait_until(
-        lambda: "pull: now at" in container.journal("-u", "fabric-reconcile.service", "-o", "cat"),
-        timeout=deadline_for(TIMER_PERIOD_S),
-        what="the pull's line in the pass's journal",
-    )
 
 
 def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
