@@ -6,7 +6,7 @@ import os
 import subprocess
 from collections.abc import Sequence
 
-from reconciler.ports import CommandResult
+from reconciler.core.command_result import CommandResult
 
 
 class SubprocessRunner:

@@ -15,21 +15,11 @@ import tempfile
 from pathlib import Path
 
 from reconciler.adapters.files import fsync_dir
+from reconciler.adapters.local_files import LocalFiles
 from reconciler.core.probe.facts import ERRORS_FILE, RAW_NAMES
 from reconciler.ports import CaptureError
 
-
-class LocalFiles:
-    def read_text(self, path: str) -> str:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            # sysfs and procfs files are small; the cap guards a wrong path.
-            return handle.read(4 * 1024 * 1024)
-
-    def list_dir(self, path: str) -> list[str]:
-        return sorted(os.listdir(path))
-
-    def read_link(self, path: str) -> str:
-        return os.readlink(path)
+__all__ = ["CaptureDirectory", "LocalFiles"]
 
 
 class CaptureDirectory:

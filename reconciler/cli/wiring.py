@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from reconciler.core.desired.model import FleetConfig, NodeFacts
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
+    from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.memoized_pass import MemoPorts
     from reconciler.engine.pass_options import PassOptions
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
@@ -116,7 +117,7 @@ def command_runner() -> CommandRunner:
 
 def local_files() -> FileReader:
     """This machine's /proc, /sys and /dev/dri, for the probe."""
-    from reconciler.adapters.probe_io import LocalFiles
+    from reconciler.adapters.local_files import LocalFiles
 
     return LocalFiles()
 
@@ -140,6 +141,14 @@ def probe_facts(host: str | None, replay: str | None) -> NodeFacts:
     else:
         capture = collect_live(command_runner(), local_files())
     return facts_from_capture(capture, host=host)
+
+
+def probe_live() -> RawCapture:
+    """This machine's raw probe outputs (the memoized pass's probe): the
+    adapters and parsers it needs import no model."""
+    from reconciler.engine.probe import collect_live
+
+    return collect_live(command_runner(), local_files())
 
 
 @contextmanager
@@ -374,7 +383,7 @@ def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
             world=world,
             audit=audit,
             clock=system_clock(),
-            probe=probe_facts,
+            probe=probe_live,
             open_registry=registry_opener(options),
             note=print_note,
         )

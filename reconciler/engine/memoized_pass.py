@@ -4,7 +4,8 @@
 
     1 the inputs key: options, this program's version, the programs on PATH,
       the desired state (git commit or stat), the main Caddyfile, the capture
-      or plan file (stat), the live probe's facts (MemoPorts.probe, once)
+      or plan file (stat), the live probe's parsed facts (MemoPorts.probe, once;
+      core.probe.facts_key: no model, NodeFacts are built by the full pass alone)
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: has the world drifted (pass_memo.drift)? A changed table only: a
       full pass that reloads it (PassOptions.nft_reload)
@@ -17,7 +18,8 @@
 
 Everything outside the process goes through MemoPorts (Protocols of
 reconciler.ports, named for types only). This module imports, at run time,
-only the standard library and reconciler.engine.pass_memo: the models,
+only the standard library, reconciler.engine.pass_memo and the probe's
+parsers (reconciler.core.probe: raw, facts, parsers): the models,
 templates and the rest of the engine are imported by the full pass alone.
 """
 
@@ -33,11 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import reconciler
+from reconciler.core.probe.raw import facts_key, parse_capture
 from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
 
 if TYPE_CHECKING:
-    from reconciler.core.desired.model import FleetConfig, NodeFacts
+    from reconciler.core.desired.model import FleetConfig
+    from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.reconcile import Converged, PassPorts, PassReport
     from reconciler.ports import Audit, Clock, MemoStore, PassWorld, Registry
 
@@ -61,8 +65,8 @@ class MemoPorts:
     world: PassWorld  # what the memo is checked against; stat fingerprints, git commit, PATH
     audit: Audit  # the memoized pass's one audit line
     clock: Clock
-    # This machine's facts, probed live (a replay is fingerprinted, not probed here).
-    probe: Callable[[str, str | None], NodeFacts]
+    # This machine's raw probe outputs, collected live (a replay is fingerprinted, not probed here).
+    probe: Callable[[], RawCapture]
     # Opens the registry fabric.toml's [registry] names, for the memo's heartbeat (closed after).
     open_registry: Callable[[FleetConfig], Registry]
     note: Callable[[str], None] = _ignore
@@ -89,19 +93,20 @@ def run_memoized_pass(
 ) -> MemoHit | PassReport:
     started = ports.clock.now()
     memo_file = options.root / options.state_dir.strip("/") / MEMO_FILE
-    facts = None if options.replay else ports.probe(options.host, None)
-    key = inputs_key(pass_inputs(options, facts, ports.world))
+    capture = None if options.replay else ports.probe()
+    key = inputs_key(pass_inputs(options, capture, ports.world))
     verdict, memo = _memoized(options, ports, memo_file, key, started)
     if verdict == "hit" and memo is not None:
         return MemoHit(memo.generation)
-    return _full_pass(options, ports, full_pass_ports, memo_file, key, facts, nft_reload=verdict == "nft")
+    return _full_pass(options, ports, full_pass_ports, memo_file, key, capture, nft_reload=verdict == "nft")
 
 
-def pass_inputs(options: PassOptions, facts: NodeFacts | None, world: PassWorld) -> dict[str, str | None]:
+def pass_inputs(options: PassOptions, capture: RawCapture | None, world: PassWorld) -> dict[str, str | None]:
     """What a pass's outcome depends on, each as a digest or a plain value.
     The desired-state tree is fingerprinted from stat alone (its size must not
-    make every host's pass slower); the live probe by its parsed facts (the
-    raw outputs hold counters that change every second)."""
+    make every host's pass slower); the live probe by its parsed facts, what
+    NodeFacts are built from (the raw outputs hold counters that change every
+    second; building NodeFacts would import the models)."""
     root = options.root
     plan = options.plan
     plan_file = plan.path if isinstance(plan, PlanFile) else None
@@ -131,7 +136,7 @@ def pass_inputs(options: PassOptions, facts: NodeFacts | None, world: PassWorld)
         "caddy_main": world.fingerprint([root / c.strip("/") for c in caddy_mains]),
         "replay": world.fingerprint([options.replay]) if options.replay else None,
         "plan_file": world.fingerprint([plan_file]) if plan_file else None,
-        "probe": sha256(facts.model_dump_json().encode()) if facts is not None else None,
+        "probe": sha256(facts_key(parse_capture(capture)).encode()) if capture is not None else None,
     }
 
 
@@ -236,20 +241,22 @@ def _full_pass(
     full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
     memo_file: Path,
     key: str,
-    facts: NodeFacts | None,
+    capture: RawCapture | None,
     *,
     nft_reload: bool,
 ) -> PassReport:
     """The whole pass; the memo is dropped before its first change and written anew when it converges."""
     from dataclasses import replace
 
+    from reconciler.core.probe import facts_from_capture
     from reconciler.engine.reconcile import run_pass
 
     options = replace(options, nft_reload=nft_reload)
     with full_pass_ports(options) as pass_ports:
-        if facts is not None:
-            probed = facts
-            pass_ports.probe = lambda _host, _replay: probed  # probed once, for the key
+        if capture is not None:
+            # Probed once, for the key; the facts of what the key was made of.
+            probed = facts_from_capture(capture, host=options.host)
+            pass_ports.probe = lambda _host, _replay: probed
         step = pass_ports.checkpoint
 
         def checkpoint(name: str) -> None:

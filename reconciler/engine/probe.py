@@ -8,10 +8,15 @@ reason in `RawCapture.errors`; nothing here raises for a bad machine.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, PerRenderNode, Source, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, format_sysfs_pci_line, parse_dri, pci_slot_in_path
 from reconciler.core.probe.raw import RawCapture
-from reconciler.ports import CommandRunner, FileReader
+
+if TYPE_CHECKING:
+    # Types only: a memoized pass probes live through this module and must not import the ports' models.
+    from reconciler.ports import CommandRunner, FileReader
 
 
 def _oserror(path: str, exc: OSError) -> str:

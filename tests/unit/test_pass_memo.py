@@ -146,6 +146,30 @@ def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> 
     assert memoized(second.stderr)
 
 
+def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> None:
+    """The live probe's key is made of the parsed raw outputs, not of NodeFacts:
+    a hit that probes this machine live imports no model either. With a plan
+    file: the registry's heartbeat (NodeRecord) still needs the models."""
+    argv = [a for a in sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json")) if a not in ("--replay", str(sandbox.capture))]
+    assert "--replay" not in argv
+    script = (
+        "import sys\n"
+        "from reconciler.cli import main\n"
+        f"code = main({argv!r})\n"
+        "heavy = sorted(m for m in ('pydantic', 'jinja2', 'reconciler.core.desired.model', 'reconciler.core.probe.tiering', 'reconciler.ports', 'reconciler.engine.reconcile') if m in sys.modules)\n"
+        "print('HEAVY', ','.join(heavy))\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+    assert first.returncode == 0, first.stderr
+    assert "pydantic" in first.stdout and "reconciler.core.desired.model" in first.stdout  # the full pass builds NodeFacts
+    second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "nothing to do (generation 1)\nHEAVY \n", second.stdout
+    assert memoized(second.stderr)
+
+
 def edit_desired(s: Sandbox) -> None:
     host_file = s.desired / "racknerd.toml"
     host_file.write_text(host_file.read_text() + "\n# an operator's comment\n")

@@ -8,7 +8,8 @@ into `ParsedFacts` the same way for both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from reconciler.core.probe.facts import FACTS, Fact
@@ -58,3 +59,30 @@ def parse_capture(capture: RawCapture, facts: tuple[Fact, ...] = FACTS) -> Parse
             # it); this is the last guard, and it says it is a bug.
             missing[fact.name] = f"{fact.raw}: parser bug ({type(exc).__name__}: {str(exc)[:120]})"
     return ParsedFacts(values, missing)
+
+
+def facts_key(parsed: ParsedFacts) -> str:
+    """The parsed facts as one canonical text: equal for two probes of an
+    unchanged machine, different when anything NodeFacts is built from
+    differs (tiering.build_node_facts reads nothing but `parsed` and the host).
+
+    The parsers already keep only what does not change by itself (the total
+    of /proc/meminfo, not what is free; the CPU count, not their MHz; the
+    tailnet name, not its traffic), so the raw outputs' per-second counters
+    never reach this text, while a GPU, a memory size, a CPU count or a
+    tailnet name that changes does. The pass memo keys a live probe on it
+    without importing the models that NodeFacts needs."""
+    return json.dumps({"values": _plain(parsed.values), "missing": parsed.missing}, sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    """A parsed value as JSON: dataclasses by field name, tuples as lists."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)  # no parser returns another type today; a probe must never take the pass down
