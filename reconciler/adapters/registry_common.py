@@ -19,7 +19,7 @@ from datetime import datetime
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
-from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node
+from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node, updated
 from reconciler.ports import LeaderView
 
 
@@ -52,7 +52,7 @@ def with_override(node: SnapshotNode, override: int | None) -> SnapshotNode:
     if override is None:
         return node
     highest = max(node.max_concurrent_tasks, node.max_concurrent_ceiling or 0)
-    return node.model_copy(update={"max_concurrent_tasks": max(0, min(override, highest))})
+    return updated(node, {"max_concurrent_tasks": max(0, min(override, highest))})
 
 
 class LifecycleMixin:

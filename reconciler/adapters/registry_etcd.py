@@ -114,7 +114,7 @@ TXN_CHUNK_BYTES = ETCD_MAX_REQUEST_BYTES * 2 // 3
 # channel accepts up to READ_REPLY_BYTES for a page holding a large plan.
 READ_PAGE_KEYS = 1000
 # Lifecycle transactions sent at once (each within the limits above).
-TXN_IN_FLIGHT = 8
+TXN_IN_FLIGHT = 16
 READ_REPLY_BYTES = 64 * 1024 * 1024
 
 # Errors meaning "this endpoint did not answer": try the next one.
@@ -814,16 +814,22 @@ class EtcdRegistry(LifecycleMixin):
                     fence_held.clear()
 
         async def op(c: _Client) -> None:
-            # Up to TXN_IN_FLIGHT chunks at once: etcd commits concurrent
-            # requests together, so 10,000 states take a few commits, not 80.
-            # Each chunk is still its own fenced transaction; once a fence
-            # fails no chunk is sent any more.
+            # Up to TXN_IN_FLIGHT chunks at once, a new one sent as soon as
+            # one is answered (not in lockstep batches): etcd commits
+            # concurrent requests together, so 10,000 states take a few
+            # commits, not 80. Each chunk is still its own fenced transaction;
+            # once a fence fails no chunk is sent any more.
             fence_held = asyncio.Event()
             fence_held.set()
-            pending = list(chunks)
-            while pending and fence_held.is_set():
-                batch, pending = pending[:TXN_IN_FLIGHT], pending[TXN_IN_FLIGHT:]
-                await asyncio.gather(*(store(c, chunk, fence_held) for chunk in batch))
+            pending = iter(chunks)
+
+            async def sender() -> None:
+                for chunk in pending:
+                    if not fence_held.is_set():
+                        return
+                    await store(c, chunk, fence_held)
+
+            await asyncio.gather(*(sender() for _ in range(min(TXN_IN_FLIGHT, len(chunks)))))
             if not fence_held.is_set():
                 raise NotLeader(over)
 

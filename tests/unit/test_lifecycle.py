@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.fencing import accept_plan
-from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.models import FleetPlan, SnapshotNode
 from reconciler.core.live.records import DrainRequest, NodeRecord
 from reconciler.core.scheduling import lifecycle
-from reconciler.core.scheduling.lifecycle import HISTORY, alive_at, heartbeat_timeout, observe, snapshot_node, stored_state, with_facts
+from reconciler.core.scheduling.lifecycle import HISTORY, NodeState, alive_at, heartbeat_timeout, observe, snapshot_node, stored_state, with_facts
 
 T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 TIMING = TimingSettings()  # 30 s beats, 90 s timeout, 45 s relayed beats, 300 s drain grace
@@ -454,3 +454,41 @@ def test_a_beat_alone_changes_no_stored_state():
     fleet.tick(30)
     assert fleet.states["lux"].last_seen == at(30)
     assert stored_state(fleet.states["lux"]) == before
+
+
+def _revalidated(model):
+    """`model` parsed again from its own fields, with every validation."""
+    return type(model).model_validate(model.model_dump())
+
+
+def test_states_and_snapshot_nodes_built_without_validation_equal_validated_ones():
+    """observe, with_facts, stored_state and snapshot_node build their models
+    unvalidated (`trusted`, `updated`): each must be exactly what validating
+    the same fields gives (types included: a tuple stays a tuple)."""
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0, tier="gpu_cuda")
+    fleet.beat("x86-spill", 0)
+    fleet.tick(0)
+    fleet.beat("qfox-1", 30, tier="gpu_cuda")
+    fleet.tick(200)  # x86-spill new to nothing, silent: offline; qfox-1 beat again
+    fleet.beat("lux", 200)
+    fleet.tick(200)  # lux new and alive
+    for state in fleet.states.values():
+        assert _revalidated(state) == state
+        stored = stored_state(state)
+        assert _revalidated(stored) == stored
+        back = with_facts(stored, state.record)
+        assert _revalidated(back) == back == state
+        node = snapshot_node(state)
+        assert node is not None and _revalidated(node) == node
+
+
+def test_a_model_built_unvalidated_must_name_every_field():
+    node = snapshot_node(NodeState(node_id="qfox-1", status="active", since=T0, record=NodeRecord(node_id="qfox-1", tier="gpu_cuda")))
+    assert node is not None
+    values = dict(node.__dict__)
+    del values["labels"]
+    with pytest.raises(ValueError, match="labels"):
+        lifecycle.trusted(SnapshotNode, values)
+    with pytest.raises(ValueError, match="colour"):
+        lifecycle.trusted(SnapshotNode, {**node.__dict__, "colour": "red"})

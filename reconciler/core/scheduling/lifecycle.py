@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -116,6 +116,37 @@ def _fmt(seconds: float) -> str:
 # NodeState's fields, looked up once (pydantic's model_fields is a property).
 _FIELDS: tuple[str, ...] = tuple(NodeState.model_fields)
 
+_Model = TypeVar("_Model", bound=BaseModel)
+_FIELD_SETS: dict[type[BaseModel], frozenset[str]] = {}
+
+
+def trusted(cls: type[_Model], values: dict[str, Any]) -> _Model:
+    """A `cls` holding `values` (a new dict of every one of its fields, each
+    already of its field's type), built without validating: the leader builds
+    a state and a snapshot node per node per step, and pydantic's
+    `model_construct` (which also fills defaults) or `model_copy` cost several
+    times more. A missing or unknown field is refused (ValueError), so a field
+    added to the model later cannot be left out silently."""
+    fields = _FIELD_SETS.get(cls)
+    if fields is None:
+        fields = _FIELD_SETS[cls] = frozenset(cls.model_fields)
+    if values.keys() != fields:
+        raise ValueError(f"{cls.__name__} built without {sorted(fields - values.keys())} / with unknown {sorted(values.keys() - fields)}")
+    model = cls.__new__(cls)
+    object.__setattr__(model, "__dict__", values)
+    object.__setattr__(model, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(model, "__pydantic_extra__", None)
+    object.__setattr__(model, "__pydantic_private__", None)
+    return model
+
+
+def updated(model: _Model, update: dict[str, Any]) -> _Model:
+    """`model` with the fields in `update` replaced (values of their fields'
+    types, not validated): `model_copy(update=...)` without its deep machinery."""
+    values = dict(model.__dict__)
+    values.update(update)
+    return trusted(type(model), values)
+
 
 class _Node:
     """A mutable working copy of one NodeState during `observe`."""
@@ -148,7 +179,7 @@ class _Node:
         # a validated record or request, or a UTC `now` computed here), so the
         # state is built without validating it again: observe runs over every
         # node on every leader step.
-        return NodeState.model_construct(**values)
+        return trusted(NodeState, values)
 
 
 def observe(
@@ -185,13 +216,13 @@ def observe(
             if record is None:
                 continue
             if is_alive:
-                node = _Node(NodeState(node_id=node_id, status="active", since=now, record=record))
+                node = _Node(_new_state(node_id, "active", now, record))
                 node.record_transition(now, "active", "first heartbeat")
             else:
                 # Seen by the registry but never by the lifecycle, and already
                 # silent: it went offline when its last beat expired.
                 went = _expiry(record) or now
-                node = _Node(NodeState(node_id=node_id, status="offline", since=went, record=record))
+                node = _Node(_new_state(node_id, "offline", went, record))
                 node.record_transition(now, "offline", f"no heartbeat since {stamp(record.beat_at, absent='never')}")
         elif is_alive and drain is None and _settled(previous):
             # The common case, by far: an active node beat again and nothing
@@ -219,6 +250,27 @@ def observe(
     return out, events
 
 
+def _new_state(node_id: str, status: NodeStatus, since: datetime, record: NodeRecord) -> NodeState:
+    """The state of a node new to the lifecycle (every other field at its
+    default), built without validating: `node_id` and `record` come from a
+    validated record, `since` is a UTC time computed here."""
+    return trusted(
+        NodeState,
+        {
+            "node_id": node_id,
+            "status": status,
+            "since": since,
+            "record": record,
+            "last_seen": None,
+            "toggles": (),
+            "held_off_until": None,
+            "drain": None,
+            "drained": False,
+            "transitions": (),
+        },
+    )
+
+
 def _settled(state: NodeState) -> bool:
     """Active, never drained, not held off, no toggles to age: while it stays
     alive and undrained, `_liveness`, `_drain` and `_flap` leave it as it is."""
@@ -230,7 +282,7 @@ def _beat_again(state: NodeState, record: NodeRecord) -> NodeState:
     last_seen = utc(record.beat_at) if record.beat_at is not None else state.last_seen
     if (state.record is record or state.record == record) and state.last_seen == last_seen:
         return state
-    return state.model_copy(update={"record": record, "last_seen": last_seen})
+    return updated(state, {"record": record, "last_seen": last_seen})
 
 
 def _expiry(record: NodeRecord) -> datetime | None:
@@ -320,7 +372,7 @@ def stored_state(state: NodeState) -> NodeState:
     update: dict[str, Any] = {"record": None}
     if state.status in UP and record is not None and record.beat_at is not None and state.last_seen == utc(record.beat_at):
         update["last_seen"] = None
-    return state.model_copy(update=update)
+    return updated(state, update)
 
 
 def with_facts(stored: NodeState, record: NodeRecord | None) -> NodeState:
@@ -331,7 +383,7 @@ def with_facts(stored: NodeState, record: NodeRecord | None) -> NodeState:
     update: dict[str, Any] = {"record": record}
     if stored.status in UP and stored.last_seen is None and record is not None and record.beat_at is not None:
         update["last_seen"] = utc(record.beat_at)
-    return stored.model_copy(update=update)
+    return updated(stored, update)
 
 
 def snapshot_node(state: NodeState) -> SnapshotNode | None:
@@ -341,16 +393,19 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
         return None
     # Built without validating again: every value comes from a validated
     # state or record (the leader builds one per node per step).
-    return SnapshotNode.model_construct(
-        node_id=state.node_id,
-        tier=record.tier,
-        status=state.status,
-        in_flight=record.in_flight,
-        max_concurrent_tasks=record.max_concurrent_tasks,
-        arch=record.arch,
-        labels=dict(record.labels),
-        drained=state.drained,
-        held_off_until=state.held_off_until,
-        last_seen=state.last_seen,
-        max_concurrent_ceiling=record.max_concurrent_ceiling,
+    return trusted(
+        SnapshotNode,
+        {
+            "node_id": state.node_id,
+            "tier": record.tier,
+            "status": state.status,
+            "in_flight": record.in_flight,
+            "max_concurrent_tasks": record.max_concurrent_tasks,
+            "arch": record.arch,
+            "labels": dict(record.labels),
+            "drained": state.drained,
+            "held_off_until": state.held_off_until,
+            "last_seen": state.last_seen,
+            "max_concurrent_ceiling": record.max_concurrent_ceiling,
+        },
     )
