@@ -44,7 +44,7 @@ from reconciler.core.live.records import (
     SlotClaim,
     check_node_id,
 )
-from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout
+from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, RegistryUnavailable
 
@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     record TEXT NOT NULL,          -- NodeRecord JSON (facts + beat_at + timeout_s)
     expires_at REAL NOT NULL       -- beat + timeout: silent past this = offline
 );
+-- NodeState JSON without what nodes.record holds (`stored_state`): a beat alone rewrites none
 CREATE TABLE IF NOT EXISTS node_states (node_id TEXT PRIMARY KEY, state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS drains (node_id TEXT PRIMARY KEY, request TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS leader (
@@ -427,7 +428,7 @@ class SqliteRegistry(LifecycleMixin):
         moment = from_epoch_seconds(now)
         with self._tx(write=False) as db:
             records = {node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")}
-            states = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
+            stored = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
             drains = {node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")}
             lanes = {lane: bool(a) for lane, a in db.execute("SELECT lane, available FROM lanes")}
             in_flight = self._lane_in_flight(db, now)
@@ -435,6 +436,9 @@ class SqliteRegistry(LifecycleMixin):
             leader = self._current_leader(db, now)
             epoch = self._meta(db, EPOCH)
             concurrency = dict(self._scaling(db).concurrency)
+        # A state is stored without what the node's record holds
+        # (`stored_state`), so a beat alone rewrites no state.
+        states = {node_id: with_facts(state, records.get(node_id)) for node_id, state in stored.items()}
         return LiveRead(
             now=moment,
             records=records,
@@ -456,7 +460,7 @@ class SqliteRegistry(LifecycleMixin):
             for node_id, state in changed.items():
                 db.execute(
                     "INSERT INTO node_states (node_id, state) VALUES (?, ?) ON CONFLICT(node_id) DO UPDATE SET state = excluded.state",
-                    (node_id, state.model_dump_json()),
+                    (node_id, stored_state(state).model_dump_json()),
                 )
             # Only a beat that is still expired is dropped: a node that beat
             # again since the read keeps its fresh record.
