@@ -445,6 +445,14 @@ def test_the_shortcut_for_a_node_that_only_beat_decides_as_the_general_path(acti
     assert play(actions, stored_form=False) == general
 
 
+@settings(max_examples=150, deadline=None)
+@given(ACTIONS)
+def test_the_shortcut_for_a_node_that_joins_decides_as_the_general_path(actions):
+    with patch.object(lifecycle, "_joins_undrained", lambda is_alive, drain: False):
+        general = play(actions, stored_form=False)
+    assert play(actions, stored_form=False) == general
+
+
 def test_a_beat_alone_changes_no_stored_state():
     fleet = Fleet()
     fleet.beat("lux", 0)

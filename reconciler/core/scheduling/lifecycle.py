@@ -205,6 +205,7 @@ def observe(
     grace = timedelta(seconds=timing.drain_grace_s)
     out: dict[str, NodeState] = {}
     events: list[LifecycleEvent] = []
+    joined: Transition | None = None
 
     for node_id in sorted(set(states) | set(records)):
         record = records.get(node_id)
@@ -214,6 +215,18 @@ def observe(
 
         if previous is None:
             if record is None:
+                continue
+            if _joins_undrained(is_alive, drain):
+                # The common case of a fleet new to this leader: a node's
+                # first heartbeat, no drain. It is active from now on, and
+                # `_liveness`, `_drain` and `_flap` would leave it so; one
+                # transition (frozen, the same for each) serves every node
+                # joining at `now`.
+                if joined is None:
+                    joined = Transition(at=now, status="active", reason="first heartbeat")
+                last_seen = utc(record.beat_at) if record.beat_at is not None else None
+                out[node_id] = trusted(NodeState, _new_values(node_id, "active", now, record, last_seen=last_seen, transitions=(joined,)))
+                events.append(LifecycleEvent(node_id, joined))
                 continue
             if is_alive:
                 node = _Node(_new_state(node_id, "active", now, record))
@@ -250,25 +263,40 @@ def observe(
     return out, events
 
 
+def _new_values(
+    node_id: str,
+    status: NodeStatus,
+    since: datetime,
+    record: NodeRecord,
+    *,
+    last_seen: datetime | None = None,
+    transitions: tuple[Transition, ...] = (),
+) -> dict[str, Any]:
+    """The fields of a node new to the lifecycle (every other one at its
+    default), for building it without validating: `node_id` and `record` come
+    from a validated record, the times are UTC times computed here."""
+    return {
+        "node_id": node_id,
+        "status": status,
+        "since": since,
+        "record": record,
+        "last_seen": last_seen,
+        "toggles": (),
+        "held_off_until": None,
+        "drain": None,
+        "drained": False,
+        "transitions": transitions,
+    }
+
+
 def _new_state(node_id: str, status: NodeStatus, since: datetime, record: NodeRecord) -> NodeState:
-    """The state of a node new to the lifecycle (every other field at its
-    default), built without validating: `node_id` and `record` come from a
-    validated record, `since` is a UTC time computed here."""
-    return trusted(
-        NodeState,
-        {
-            "node_id": node_id,
-            "status": status,
-            "since": since,
-            "record": record,
-            "last_seen": None,
-            "toggles": (),
-            "held_off_until": None,
-            "drain": None,
-            "drained": False,
-            "transitions": (),
-        },
-    )
+    return trusted(NodeState, _new_values(node_id, status, since, record))
+
+
+def _joins_undrained(is_alive: bool, drain: DrainRequest | None) -> bool:
+    """A node new to the lifecycle takes the shortcut in `observe` (a name of
+    its own so a test can turn the shortcut off and compare)."""
+    return is_alive and drain is None
 
 
 def _settled(state: NodeState) -> bool:
