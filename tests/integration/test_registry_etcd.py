@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.registry_etcd import EtcdRegistry
+from reconciler.adapters.registry_etcd import TXN_CHUNK_OPS, TXN_IN_FLIGHT, EtcdRegistry
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
-from reconciler.ports import RegistryUnavailable
+from reconciler.core.scheduling.lifecycle import NodeState
+from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import require
 from tests.harness.etcd import EtcdCluster, etcd_cluster, free_port
+from tests.harness.etcd_requests import recording_requests
 from tests.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
@@ -232,5 +234,29 @@ def test_heartbeat_lease_ttl_is_the_node_timeout_and_longer_for_relayed_nodes(cl
         assert (lux_ttl, racknerd_ttl) == (90, 135)
         registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"))
         assert registry._call(lambda c: granted(c, "lux"))[0] == lux_lease, "a live node keeps its lease"
+    finally:
+        registry.close()
+
+
+def test_a_deposed_leader_sends_no_lifecycle_chunk_after_its_fence_failed(cluster: EtcdCluster) -> None:
+    """The lifecycle goes in chunks, TXN_IN_FLIGHT at a time: once a fence
+    fails (the term is over), no further chunk is sent and nothing is stored."""
+    registry = open_etcd(cluster.endpoints)
+    try:
+        leadership = registry.campaign("lux", 30)
+        assert leadership is not None
+        registry.resign(leadership)
+        now = datetime.now(UTC)
+        many = TXN_CHUNK_OPS * TXN_IN_FLIGHT * 3
+        states = {f"n{i:05d}": NodeState(node_id=f"n{i:05d}", status="active", since=now) for i in range(many)}
+        with recording_requests() as seen:
+            fenced = open_etcd(cluster.endpoints, prefix=registry._prefix)
+            try:
+                with pytest.raises(NotLeader):
+                    fenced._store_lifecycle(leadership, states, set(), set())
+            finally:
+                fenced.close()
+        assert 0 < seen.transactions <= TXN_IN_FLIGHT, seen
+        assert registry._read().states == {}
     finally:
         registry.close()
