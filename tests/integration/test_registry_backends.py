@@ -120,7 +120,7 @@ def test_an_offline_node_shows_its_last_beat_and_a_beat_alone_rewrites_no_state(
     assert written == [set()], "a beat alone rewrites no state"
     node = next(n for n in registry.snapshot().nodes if n.node_id == "a1-arm64")
     assert node.in_flight == 1 and node.last_seen == last.beat_at, "the newest beat shows"
-    wait_until(lambda: status_of(registry, "a1-arm64") == "offline", 10, "a1-arm64 offline")
+    wait_until(lambda: status_of(registry, "a1-arm64") == "offline", timeout=deadline_for(SHORT_TTL_S), what="a1-arm64 offline")
     registry.advance_lifecycle(leadership)
     state = next(s for s in store.open().node_states() if s.node_id == "a1-arm64")
     assert state.status == "offline" and state.last_seen == last.beat_at
