@@ -42,20 +42,13 @@ from reconciler.adapters.clock import SystemClock  # noqa: E402
 from reconciler.adapters.registry_etcd import EtcdRegistry  # noqa: E402
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
-from reconciler.core.live.records import NodeRecord  # noqa: E402
 from reconciler.core.scheduling.placement import schedule  # noqa: E402
 from reconciler.engine.leader import LeaderLoop  # noqa: E402
 from tests.harness.etcd import etcd_cluster  # noqa: E402
 from tests.harness.etcd_requests import recording_requests  # noqa: E402
+from tests.integration.registry_store import EXAMPLE_HOSTS, scale_fleet_records  # noqa: E402
 from tests.plan_keys import signed_example_fleet  # noqa: E402
 
-HOSTS = {
-    "qfox-1": ("gpu_cuda", "x86_64", 4),
-    "a1-arm64": ("cpu_ffmpeg", "aarch64", 2),
-    "x86-spill": ("cpu_ffmpeg", "x86_64", 4),
-    "lux": ("cpu_ffmpeg", "x86_64", 2),
-    "racknerd": ("relay", "x86_64", 1),
-}
 GOAL_STEP_S = 1.0
 GOAL_GROWTH = 12.0
 GOAL_TXN_OPS = 128
@@ -87,8 +80,7 @@ class Timed:
 
 
 def run(size: int, desired: Path, signer) -> dict:
-    records = [NodeRecord(node_id=h, tier=tier, arch=arch, max_concurrent_tasks=limit) for h, (tier, arch, limit) in HOSTS.items()]
-    records += [NodeRecord(node_id=f"scale-{i:05d}", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2) for i in range(size - len(HOSTS))]
+    records = scale_fleet_records([f"scale-{i:05d}" for i in range(size - len(EXAMPLE_HOSTS))])
     result: dict = {"size": size}
     with etcd_cluster(members=1) as cluster, recording_requests() as seen:
         registry = EtcdRegistry(

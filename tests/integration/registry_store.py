@@ -74,6 +74,23 @@ def record(node: str, tier: str = "cpu_ffmpeg", **kw: object) -> NodeRecord:
     return NodeRecord(node_id=node, tier=tier, max_concurrent_tasks=limit, **kw)  # type: ignore[arg-type]
 
 
+# The example fleet's hosts as the scale tests and bench/leader_scale beat
+# them: (tier, arch, max_concurrent_tasks).
+EXAMPLE_HOSTS = {
+    "qfox-1": ("gpu_cuda", "x86_64", 4),
+    "a1-arm64": ("cpu_ffmpeg", "aarch64", 2),
+    "x86-spill": ("cpu_ffmpeg", "x86_64", 4),
+    "lux": ("cpu_ffmpeg", "x86_64", 2),
+    "racknerd": ("relay", "x86_64", 1),
+}
+
+
+def scale_fleet_records(others: list[str]) -> list[NodeRecord]:
+    """The example fleet's hosts, then `others` as small x86 ffmpeg nodes (limit 2)."""
+    records = [NodeRecord(node_id=h, tier=tier, arch=arch, max_concurrent_tasks=limit) for h, (tier, arch, limit) in EXAMPLE_HOSTS.items()]
+    return records + [NodeRecord(node_id=n, tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2) for n in others]
+
+
 def status_of(registry: Registry, node: str) -> str | None:
     return next((s.status for s in registry.node_states() if s.node_id == node), None)
 

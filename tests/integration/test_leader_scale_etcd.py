@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import load_desired
-from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from tests.harness.etcd import EtcdCluster
 from tests.harness.etcd_requests import recording_requests
 from tests.harness.waiting import wait_until
-from tests.integration.registry_store import Store
+from tests.integration.registry_store import EXAMPLE_HOSTS, Store, scale_fleet_records
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +36,6 @@ SHORT_TTL_S = 2  # etcd grants at least its minimum TTL (1.5 s with the harness'
 LONG_TTL_S = 600
 ETCD_MAX_TXN_OPS = 128
 ETCD_MAX_REQUEST_BYTES = 1536 * 1024
-
-HOSTS = {
-    "qfox-1": ("gpu_cuda", "x86_64", 4),
-    "a1-arm64": ("cpu_ffmpeg", "aarch64", 2),
-    "x86-spill": ("cpu_ffmpeg", "x86_64", 4),
-    "lux": ("cpu_ffmpeg", "x86_64", 2),
-    "racknerd": ("relay", "x86_64", 1),
-}
 
 
 def test_etcd_runs_with_default_limits(etcd: EtcdCluster) -> None:
@@ -56,7 +47,7 @@ def test_one_step_leads_a_thousand_nodes_within_etcd_limits(etcd: EtcdCluster, t
     store = Store("etcd", {"backend": "etcd", "endpoints": etcd.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None)
     desired = store.desired_dir(tmp_path)
     assert store.signed is not None
-    others = [f"scale-{i:04d}" for i in range(NODES - len(HOSTS))]
+    others = [f"scale-{i:04d}" for i in range(NODES - len(EXAMPLE_HOSTS))]
     lapsing = set(others[:LAPSING])
     logs: list[str] = []
     with recording_requests() as seen:
@@ -71,8 +62,7 @@ def test_one_step_leads_a_thousand_nodes_within_etcd_limits(etcd: EtcdCluster, t
             signer=store.signed.signer("lux"),
         )
         try:
-            records = [NodeRecord(node_id=h, tier=tier, arch=arch, max_concurrent_tasks=limit) for h, (tier, arch, limit) in HOSTS.items()]
-            records += [NodeRecord(node_id=n, tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2) for n in others]
+            records = scale_fleet_records(others)
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda r: registry.heartbeat(r, ttl_s=LONG_TTL_S), records))
 
@@ -82,7 +72,7 @@ def test_one_step_leads_a_thousand_nodes_within_etcd_limits(etcd: EtcdCluster, t
             assert not [line for line in logs if "unreachable" in line or "not published" in line], logs
             plan = registry.newest_plan()
             assert plan is not None and plan.leader == "lux" and plan.signature is not None, logs
-            assert plan.placements and {p.node for p in plan.placements} <= set(HOSTS), plan.placements
+            assert plan.placements and {p.node for p in plan.placements} <= set(EXAMPLE_HOSTS), plan.placements
             assert sorted(plan.ignored_nodes) == others
             joined = [line for line in logs if ": active: first heartbeat" in line]
             assert len(joined) == NODES, logs[:5]
