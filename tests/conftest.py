@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,16 @@ def pytest_report_header(config: pytest.Config) -> str:
     return (
         f"hypothesis profile {settings.get_current_profile_name()!r} (CI={'true' if IN_CI else 'unset'}): {how}, "
         f"deadline={settings.default.deadline}, print_blob={settings.default.print_blob}"
+    )
+
+
+def fabric_validate(desired: Path) -> subprocess.CompletedProcess[str]:
+    """`fabric validate --desired DESIRED` as a user runs it: its own process."""
+    return subprocess.run(
+        [sys.executable, "-m", "reconciler", "validate", "--desired", str(desired)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

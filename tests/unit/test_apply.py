@@ -344,6 +344,15 @@ def test_changing_a_port_map_restarts_exactly_that_unit(tmp_path: Path) -> None:
     assert_converged(fleet.machine, fleet.root)
 
 
+def rename_lux_smb_to_a_failing_lux_nfs(fleet: Fleet) -> None:
+    """The next generation renames port map lux-smb to lux-nfs (stop one unit,
+    start another), and starting lux-nfs fails."""
+    text = (fleet.desired / "fabric.toml").read_text()
+    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
+    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
+    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+
+
 def test_removed_port_map_is_stopped_and_removed(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     assert fleet.reconcile().ok
@@ -409,10 +418,7 @@ def test_failed_activation_rolls_back_to_the_previous_generation(tmp_path: Path)
     # Generation 2 changes one port map, removes another and adds a third;
     # starting the new one fails.
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
-    text = (fleet.desired / "fabric.toml").read_text()
-    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
-    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
-    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    rename_lux_smb_to_a_failing_lux_nfs(fleet)
     report = fleet.reconcile()
     assert report.outcome == "rolled-back" and report.exit_status == 1
     err = "\n".join(report.stderr)
@@ -766,10 +772,7 @@ def test_a_rollback_whose_own_activation_fails_is_reported_failed_not_rolled_bac
     assert fleet.reconcile().ok
     # Generation 2 renames lux-smb to lux-nfs: lux-smb is stopped, starting
     # lux-nfs fails, and the rollback's start of lux-smb fails as well.
-    text = (fleet.desired / "fabric.toml").read_text()
-    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
-    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
-    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    rename_lux_smb_to_a_failing_lux_nfs(fleet)
     fleet.machine.fail["start fabric-socat-lux-smb.service"] = "Job for fabric-socat-lux-smb.service failed"
     report = fleet.reconcile()
     assert report.outcome == "failed" and report.exit_status == 1
@@ -790,10 +793,7 @@ def test_a_rollback_that_cannot_write_its_files_is_reported_failed(tmp_path: Pat
     pass reports failed (exit 1) with both reasons instead of crashing."""
     fleet = Fleet(tmp_path)
     assert fleet.reconcile().ok
-    text = (fleet.desired / "fabric.toml").read_text()
-    block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
-    fleet.edit_fleet(block, block.replace("lux-smb", "lux-nfs").replace("4445", "2049").replace("445", "2049"))
-    fleet.machine.fail["start fabric-socat-lux-nfs.service"] = "Job for fabric-socat-lux-nfs.service failed"
+    rename_lux_smb_to_a_failing_lux_nfs(fleet)
     full = {"disk": False}
 
     def checkpoint(step: str) -> None:

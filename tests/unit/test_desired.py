@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from reconciler.core.desired.load import DesiredStateError, load_desired, summary
 from reconciler.core.desired.model import IMPLICIT_LOCAL_LANE, FleetConfig, Lane, tier_score
-from tests.conftest import EXAMPLE_FLEET
+from tests.conftest import EXAMPLE_FLEET, fabric_validate
 
 MINIMAL_FLEET = """
 [fleet]
@@ -53,12 +51,7 @@ def test_example_fleet_is_valid_and_matches_the_seeds() -> None:
 
 
 def test_validate_cli_on_example_fleet_prints_one_line_summary() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "reconciler", "validate", "--desired", str(EXAMPLE_FLEET)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = fabric_validate(EXAMPLE_FLEET)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") == 1
     assert "valid: fleet 'researchstack', 5 hosts, 3 lanes, 4 services, 2 port maps, registry sqlite" in proc.stdout
@@ -121,12 +114,7 @@ def test_validate_exit_2_and_nothing_on_stdout_for_a_bad_state(tmp_path: Path) -
     desired = tmp_path / "d"
     shutil.copytree(EXAMPLE_FLEET, desired)
     (desired / "racknerd.toml").write_text("[host]\nname = 'racknerd'\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "reconciler", "validate", "--desired", str(desired)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = fabric_validate(desired)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip() == f"{desired}/racknerd.toml: host.address: required key is missing"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLE_FLEET
+from tests.conftest import EXAMPLE_FLEET, fabric_validate
 
 CORPUS = Path(__file__).resolve().parent.parent / "fixtures" / "bad_desired"
 CASES = sorted(CORPUS.glob("*.toml"))
@@ -44,12 +42,7 @@ def test_bad_desired_state_is_rejected_with_its_message(case: Path, tmp_path: Pa
     (desired / target).write_text("\n".join(case.read_text().splitlines()[2:]) + "\n")
     before = _tree_hash(desired)
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "reconciler", "validate", "--desired", str(desired)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = fabric_validate(desired)
 
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""

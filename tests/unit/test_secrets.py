@@ -4,8 +4,6 @@ refused with the key path, and never repeated in a message."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from reconciler.core.desired.secrets import (
     secret_value_kind,
     shannon_entropy,
 )
-from tests.conftest import EXAMPLE_FLEET
+from tests.conftest import EXAMPLE_FLEET, fabric_validate
 
 HEX64 = "0d2f3481aaa4a74428205dd6e85a5cd520789ab067a41714b4c8246c09a9f571"
 GITHUB_BODY = "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"  # 36 characters, as GitHub issues them
@@ -345,12 +343,7 @@ def test_fabric_validate_never_prints_a_secret(tmp_path: Path) -> None:
     with pytest.raises(DesiredStateError):
         load_desired(desired)
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "reconciler", "validate", "--desired", str(desired)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = fabric_validate(desired)
 
     assert proc.returncode == 2
     assert proc.stdout == ""
