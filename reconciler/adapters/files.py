@@ -1,9 +1,9 @@
 """FileTree and PassLock over the local file system, under a root directory.
 
-Every write is atomic and durable: a temp file in the same directory, fsync,
-rename over the target, fsync the directory. So a crash (SIGKILL, power loss)
-at any instant leaves the old file or the new one, never half of one, and a
-rename that returned is on disk.
+Every write is atomic and durable (install_files.replace_file; renames and
+removals fsync their directory too). So a crash (SIGKILL, power loss) at any
+instant leaves the old file or the new one, never half of one, and a rename
+that returned is on disk.
 """
 
 from __future__ import annotations
@@ -14,16 +14,8 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
+from reconciler.adapters.install_files import fsync_dir, replace_file
 from reconciler.ports import LockBusy
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalTree:
@@ -65,22 +57,7 @@ class LocalTree:
     def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         target = self.path(path)
         self._make_dirs(target.parent)
-        tmp = target.parent / f".{target.name}.fabric-tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-        try:
-            os.fchmod(fd, mode)  # the umask must not weaken or widen it
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
+        replace_file(target, data, mode)
 
     def remove(self, path: str) -> None:
         target = self.path(path)

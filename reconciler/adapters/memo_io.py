@@ -17,6 +17,8 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reconciler.adapters.install_files import replace_file
+
 if TYPE_CHECKING:
     from reconciler.adapters.journal import JournalAudit
     from reconciler.adapters.systemd_dbus import SystemdDbus
@@ -97,19 +99,6 @@ def read_file(path: Path) -> bytes | None:
         return None
 
 
-def write_atomic(target: Path, data: bytes) -> None:
-    """Write `target` whole or not at all (a torn memo reads as no memo anyway)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.fabric-tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
-
-
 def rewrite_head(target: Path, edit: Callable[[str], str], head_bytes: int = 64 * 1024) -> bool:
     """Replace `target` atomically with its first lines (up to `head_bytes`)
     passed through `edit` and the rest copied as it is, in constant memory:
@@ -175,7 +164,8 @@ class MemoFiles:
         return read_file(path)
 
     def write(self, path: Path, data: bytes) -> None:
-        write_atomic(path, data)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, data)
 
     def remove(self, path: Path) -> None:
         remove(path)
