@@ -52,6 +52,9 @@ class SnapshotNode(_Live):
     last_seen: datetime | None = None
     # Highest concurrency vertical scaling may raise this node to.
     max_concurrent_ceiling: int | None = None
+    # From the node's record (NodeRecord.units, NodeRecord.lowered_limits).
+    units: dict[str, str] = {}
+    lowered_limits: list[str] = []
 
     @property
     def utilization(self) -> float:
@@ -91,6 +94,12 @@ class LaneView(_Live):
     cap: int
     in_flight: int
     available: bool
+    # Why the lane takes no job now, when it does not: offline
+    # ("host x86-spill offline since 04:01:12") or full.
+    reason: str | None = None
+    # Which account is full when the lane has no free slot: its own cap, or
+    # its push host's capacity (services and lane jobs draw from one account).
+    full: Literal["cap", "host"] | None = None
 
 
 class Snapshot(_Live):

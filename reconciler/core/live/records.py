@@ -48,7 +48,16 @@ class NodeRecord(_Record):
     labels: dict[str, str] = {}
     max_concurrent_tasks: int = Field(default=1, ge=0)
     max_concurrent_ceiling: int | None = None
+    # Measured by the node's pass: the placed service units active here plus
+    # the lane jobs running on lanes whose agent runs here (one account).
     in_flight: int = Field(default=0, ge=0)
+    # The ActiveState of each fabric unit of the node's current generation
+    # when it beat ("fabric-agent-a1-arm64.service": "failed"); lane health
+    # reads its agent unit's here. Empty when the pass does not activate.
+    units: dict[str, str] = {}
+    # A declared limit the probe lowered, one sentence each
+    # ("max_concurrent_tasks 4 lowered to 2 by the probe"); shown, not acted on.
+    lowered_limits: list[str] = []
     # True when the node's Tailscale path to the fleet is relayed (DERP): it
     # gets the longer relayed heartbeat timeout.
     relayed: bool = False

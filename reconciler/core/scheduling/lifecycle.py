@@ -435,5 +435,7 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
             "held_off_until": state.held_off_until,
             "last_seen": state.last_seen,
             "max_concurrent_ceiling": record.max_concurrent_ceiling,
+            "units": record.units,
+            "lowered_limits": record.lowered_limits,
         },
     )
