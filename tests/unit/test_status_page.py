@@ -5,6 +5,8 @@ tests/integration/test_status_page.py serves it through Caddy into Chromium.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 from datetime import UTC, datetime
 
@@ -13,7 +15,7 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Deferred, FleetPlan, Snapshot, SnapshotLane
-from reconciler.core.render.status_site import caddy_site, status_site_address
+from reconciler.core.render.status_site import caddy_site, content_security_policy, status_site_address
 from reconciler.core.views.page import render_status_page
 from tests.conftest import EXAMPLE_FLEET, REPO
 
@@ -34,12 +36,22 @@ def page(desired) -> str:
 
 
 def test_the_page_is_self_contained(page):
-    # No script, no stylesheet link, no image, no URL anywhere: nothing to fetch.
-    assert not re.search(r"<(script|link|img|iframe|object|embed)\b", page, re.I)
+    # No stylesheet link, no image, no URL anywhere: nothing to fetch.
+    assert not re.search(r"<(link|img|iframe|object|embed)\b", page, re.I)
     assert not re.search(r"\b(src|href)\s*=", page, re.I)
     assert "://" not in page
     assert "@import" not in page and "url(" not in page
     assert page.count("<style>") == 1
+    # One inline script (the age counter), nothing else.
+    assert len(re.findall(r"<script\b", page, re.I)) == 1
+
+
+def test_the_sites_csp_allows_the_pages_one_script_by_its_hash_and_nothing_else(page, desired):
+    (script,) = re.findall(r"<script>(.*?)</script>", page, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+
+    assert content_security_policy() == f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
+    assert f'\t\tContent-Security-Policy "{content_security_policy()}"' in caddy_site(desired)
 
 
 def test_the_page_is_ready_for_a_phone_and_refreshes_every_heartbeat(page, desired):

@@ -7,10 +7,30 @@ part of the edge's Caddy snippet, serves that directory.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+from functools import cache
+
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.templating import environment as template_environment
 
 STATUS_ROOT = "/var/lib/fabric/status"
 STATUS_FILE = "index.html"
+# The page's one inline script (it counts the page's age), included verbatim
+# by templates/status.html.j2: the CSP allows it by its hash, and nothing else.
+AGE_SCRIPT_TEMPLATE = "_status_age.js.j2"
+
+
+@cache
+def age_script_hash() -> str:
+    """`'sha256-…'`: the CSP source of the page's script, as the page includes it."""
+    text = template_environment("html").get_template(AGE_SCRIPT_TEMPLATE).render()
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def content_security_policy() -> str:
+    """Nothing from anywhere; the page's inline style, and its one script by hash."""
+    return f"default-src 'none'; style-src 'unsafe-inline'; script-src {age_script_hash()}"
 
 
 def status_site_address(desired: DesiredState) -> str:
@@ -24,7 +44,7 @@ def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str |
     `address` defaults to `status.<domain>` (Caddy then gets it a certificate);
     `bind` limits the listener to one address (the edge's public one, say).
     Read-only static files; `no-store` so a phone never shows a stale pass,
-    and a strict CSP that the page (no script, inline CSS only) satisfies.
+    and a strict CSP that the page (inline CSS, its one hashed script) satisfies.
     """
     lines = [f"{address or status_site_address(desired)} {{"]
     if bind:
@@ -34,7 +54,7 @@ def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str |
         "\tfile_server",
         "\theader {",
         '\t\tCache-Control "no-store"',
-        "\t\tContent-Security-Policy \"default-src 'none'; style-src 'unsafe-inline'\"",
+        f'\t\tContent-Security-Policy "{content_security_policy()}"',
         '\t\tX-Content-Type-Options "nosniff"',
         "\t}",
         "}",

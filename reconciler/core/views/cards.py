@@ -9,18 +9,28 @@ read the same `FleetStatus`, so every surface says the same thing.
 The lane cards use multi-compute.md's "Reading the lanes" vocabulary on purpose,
 word for word: `COMPUTE · a1-arm64  RANK 10  1/2`, sorted rank-ascending (the
 first card is the lane the scheduler tries first), and a lane whose probe failed
-shows a greyed glyph and the word `offline` on that card alone.
+shows a greyed glyph and the word `offline` on that card alone, with its
+reason. The cards are the lane views dispatch decides on
+(`reconciler.core.scheduling.lanes.lane_views`), so a card says what dispatch
+sees: offline and why, or full and which account is (the lane's cap or its
+host's capacity).
+
+Each node shows its load as its record reports it (`in_flight/max N%`) and, as
+a note, each declared limit the probe lowered. The timeline
+(`reconciler.core.views.timeline`) lists what happened lately, newest first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.live.models import FleetPlan, LaneView, Snapshot, SnapshotNode
+from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
+from reconciler.core.views.timeline import FleetHistory, TimelineEvent, timeline
 
 # Glyphs of a lane card. The offline one is drawn greyed (dim ANSI in a
 # terminal, a grey card on the page); without colour the word `offline` says it.
@@ -43,6 +53,12 @@ class LaneCard:
     cap: int
     in_flight: int
     available: bool
+    # Why the lane takes no job now (offline, or full), in the lane view's words.
+    reason: str | None = None
+    # Which account is full when the lane has no free slot: its cap, or its host's capacity.
+    full: Literal["cap", "host"] | None = None
+    # The host its agent runs on (None: the local lane).
+    push_host: str | None = None
 
     @property
     def glyph(self) -> str:
@@ -59,10 +75,37 @@ class LaneCard:
         return f"{self.in_flight}/{self.cap}"
 
     @property
+    def state(self) -> str:
+        """`online`, `offline`, or `full` (online, no free slot)."""
+        if not self.available:
+            return "offline"
+        return "full" if self.full is not None else "online"
+
+    @property
+    def full_account(self) -> str | None:
+        """Which account is full, said: `lane cap 2/2` or `host a1-arm64 at capacity`."""
+        if self.full == "cap":
+            return f"lane cap {self.capacity}"
+        if self.full == "host":
+            return f"host {self.push_host} at capacity" if self.push_host else "host at capacity"
+        return None
+
+    @property
+    def state_line(self) -> str:
+        """`offline: host x86-spill offline since 04:01:12`, `full: lane cap 2/2`, `online`."""
+        if not self.available:
+            return f"offline: {self.reason}" if self.reason else "offline"
+        account = self.full_account
+        if account is None:
+            return "online"
+        return f"full: {account}" + (f" ({self.reason})" if self.reason else "")
+
+    @property
     def text(self) -> str:
-        """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`."""
+        """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`,
+        then `offline` or `full` with the reason when the lane takes no job."""
         line = f"{self.title}  RANK {self.rank}  {self.capacity}"
-        return line if self.available else f"{line}  offline"
+        return line if self.state == "online" else f"{line}  {self.state_line}"
 
 
 @dataclass(frozen=True)
@@ -84,6 +127,8 @@ class NodeRow:
     # False for a node the registry reports but git does not declare: the
     # scheduler gives it no work (a registry writer cannot add a target).
     declared: bool = True
+    # Each declared limit the probe lowered, one sentence each (the node's record).
+    lowered_limits: tuple[str, ...] = ()
 
     @property
     def utilization(self) -> float:
@@ -110,8 +155,8 @@ class NodeRow:
         return f"{format_duration(self.last_seen_ago_s)} ago"
 
     @property
-    def note(self) -> str:
-        """Held off (flapping) and/or draining, else empty."""
+    def status_note(self) -> str:
+        """Held off (flapping) and/or draining, or not declared, else empty."""
         notes = []
         if self.held_off_for_s is not None:
             notes.append(f"held off {format_duration(self.held_off_for_s)}")
@@ -120,6 +165,11 @@ class NodeRow:
         if not self.declared:
             notes.append("not declared: ignored")
         return ", ".join(notes)
+
+    @property
+    def note(self) -> str:
+        """The status note, then each declared limit the probe lowered."""
+        return ", ".join(n for n in (self.status_note, *self.lowered_limits) if n)
 
 
 @dataclass(frozen=True)
@@ -174,6 +224,13 @@ class FleetStatus:
     plan_refused: str | None = None
     # Port maps open beyond the tailnet (their allow_from); empty: tailnet only.
     exposure: tuple[ExposureRow, ...] = ()
+    # Recent events, newest first; `timeline_known` False when no registry
+    # history was read (a saved snapshot): unknown, not "nothing happened".
+    timeline: tuple[TimelineEvent, ...] = ()
+    timeline_known: bool = False
+    # Seconds between two passes (timing.heartbeat_s: each pass beats once):
+    # how often the page is rewritten, so how often it reloads itself.
+    pass_interval_s: int = 30
 
     @property
     def headline(self) -> str:
@@ -185,22 +242,32 @@ class FleetStatus:
 # Building the view
 
 
-def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime, *, plan_refused: str | None = None) -> FleetStatus:
+def fleet_status(
+    desired: DesiredState,
+    snapshot: Snapshot,
+    plan: FleetPlan | None,
+    now: datetime,
+    *,
+    plan_refused: str | None = None,
+    history: FleetHistory | None = None,
+) -> FleetStatus:
     """Fold desired state, live snapshot and (optionally) the plan into one view.
 
     Lanes come from the desired state (the only source of what lanes exist:
     a lane the registry reports but git does not declare is not shown). Their
-    in-flight count and availability come from the snapshot, which is never
-    older than the plan (a published plan's lane view is a copy of the
-    snapshot it was made from, possibly minutes ago); the plan's view fills in
-    a lane the snapshot does not mention, and a lane neither mentions has the
-    snapshot's defaults (online, nothing in flight), as the scheduler assumes.
+    state (in flight, available, why not, which account is full) is the lane
+    view dispatch reads (`lane_views` of the snapshot), which is never older
+    than the plan (a published plan's lane view is a copy of the snapshot it
+    was made from, possibly minutes ago); the plan's view fills in a lane the
+    snapshot does not mention, and a lane neither mentions has the lane
+    view's defaults (online, nothing in flight), as the scheduler assumes.
 
     The leader is the registry's current one (the plan's when the snapshot
     names none); the epoch is the plan's, else the snapshot's.
 
     `plan_refused` says why the registry's newest plan is not shown (hosts
     refuse it: `reconciler.engine.status.live_status` leaves it out).
+    `history` is what the registry remembers, for the timeline (None: unknown).
     """
     now = utc(now)
     return FleetStatus(
@@ -216,6 +283,9 @@ def fleet_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | No
         inadmissible=_deferred(plan, inadmissible=True),
         plan_refused=plan_refused,
         exposure=exposure(desired),
+        timeline=timeline(history, plan) if history is not None else (),
+        timeline_known=history is not None,
+        pass_interval_s=int(desired.fleet.timing.heartbeat_s),
     )
 
 
@@ -230,12 +300,28 @@ def exposure(desired: DesiredState) -> tuple[ExposureRow, ...]:
 
 
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
-    observed = {lane.id: (lane.available, lane.in_flight) for lane in plan.lanes} if plan is not None else {}
-    observed.update({lane.id: (lane.available, lane.in_flight) for lane in snapshot.lanes})
+    views: dict[str, LaneView] = {view.id: view for view in lane_views(desired, snapshot)}
+    # A lane the snapshot does not mention: the plan's copy, when it has one.
+    mentioned = {lane.id for lane in snapshot.lanes}
+    for view in plan.lanes if plan is not None else ():
+        if view.id in views and view.id not in mentioned:
+            views[view.id] = view
     cards = []
     for lane in desired.lanes:
-        available, in_flight = observed.get(lane.id, (True, 0))
-        cards.append(LaneCard(id=lane.id, kind=lane.kind, rank=lane.rank, cap=lane.cap, in_flight=in_flight, available=available))
+        view = views[lane.id]
+        cards.append(
+            LaneCard(
+                id=lane.id,
+                kind=lane.kind,
+                rank=lane.rank,
+                cap=lane.cap,
+                in_flight=view.in_flight,
+                available=view.available,
+                reason=view.reason,
+                full=view.full,
+                push_host=lane.push_host,
+            )
+        )
     # multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
     return tuple(sorted(cards, key=lambda c: (c.rank, c.in_flight / c.cap, c.id)))
 
@@ -284,6 +370,7 @@ def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime, *, d
         draining=node.drained or node.status == "draining",
         services=services,
         declared=declared,
+        lowered_limits=tuple(node.lowered_limits),
     )
 
 
@@ -315,6 +402,12 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m {secs}s"
     return f"{secs}s"
+
+
+def event_time(at: datetime, now: datetime) -> str:
+    """`18:29:40` on the day of `now` (UTC), else `2026-11-28 18:29:40`."""
+    at = utc(at)
+    return at.strftime("%H:%M:%S") if at.date() == utc(now).date() else at.strftime("%Y-%m-%d %H:%M:%S")
 
 
 # --------------------------------------------------------------------------
@@ -350,6 +443,11 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
         else:
             width = max(len(r.label) for r in rows)
             out += [f"  {r.label.ljust(width)}  {r.reason}" for r in rows]
+    if status.timeline_known:
+        out += ["", "RECENT · newest first, times in UTC"]
+        if not status.timeline:
+            out.append("  (nothing recorded)")
+        out += [f"  {event_time(e.at, status.now)}  {e.title}" + (f"  {e.detail}" if e.detail else "") for e in status.timeline]
     out += ["", f"EXPOSURE · port maps open beyond the tailnet ({len(status.exposure)})"]
     if not status.exposure:
         out.append("  (none: every port map is reachable from the tailnet only)")
@@ -399,6 +497,9 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
                 "cap": c.cap,
                 "in_flight": c.in_flight,
                 "available": c.available,
+                "state": c.state,
+                "reason": c.reason,
+                "full": c.full,
                 "card": c.text,
             }
             for c in status.lanes
@@ -415,6 +516,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
                 "held_off_until": when(n.held_off_until) if n.held_off_for_s is not None else None,
                 "draining": n.draining,
                 "declared": n.declared,
+                "lowered_limits": list(n.lowered_limits),
                 "services": list(n.services),
             }
             for n in status.nodes
@@ -433,4 +535,8 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
             }
             for e in status.exposure
         ],
+        # Newest first; null when no registry history was read (a saved snapshot).
+        "timeline": [{"at": when(e.at), "kind": e.kind, "subject": e.subject, "title": e.title, "detail": e.detail} for e in status.timeline]
+        if status.timeline_known
+        else None,
     }
