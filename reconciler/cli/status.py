@@ -123,7 +123,7 @@ def load_json_model(path: Path, model: type[Model]) -> Model:
 
 
 def frame(inputs: StatusInputs, *, as_json: bool, color: bool) -> str:
-    status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now, plan_refused=inputs.plan_refused)
+    status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now, plan_refused=inputs.plan_refused, history=inputs.history)
     if as_json:
         return json.dumps(status_document(status), ensure_ascii=False) + "\n"
     return render_text(status, color=color)

@@ -20,6 +20,7 @@ from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
 from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from reconciler.core.views.page import render_status_page
+from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.plan_source import PlanSource
 from reconciler.ports import FileTree
 
@@ -61,16 +62,32 @@ def write_pass_records(
     source: PlanSource,
     outcome: PassOutcome,
     now: datetime,
+    history: FleetHistory | None = None,
 ) -> str | None:
-    """Write them; a note for the log when they cannot be written (the pass still counts)."""
+    """Write them; a note for the log when they cannot be written (the pass still counts).
+    `history`: the registry's memory, for the status page's timeline."""
     try:
-        _write(tree, state_dir, desired, host, source, outcome, now)
+        _write(tree, state_dir, desired, host, source, outcome, now, history)
     except OSError as exc:
         return f"could not write metrics or the status page: {exc}"
     return None
 
 
-def _write(tree: FileTree, state_dir: str, desired: DesiredState, host: str, source: PlanSource, outcome: PassOutcome, now: datetime) -> None:
+def shows_fleet(desired: DesiredState, host: str, source: PlanSource) -> bool:
+    """This pass writes the fleet's status page: an edge host that read the fleet's snapshot."""
+    return source.snapshot is not None and "edge" in desired.hosts[host].host.roles
+
+
+def _write(
+    tree: FileTree,
+    state_dir: str,
+    desired: DesiredState,
+    host: str,
+    source: PlanSource,
+    outcome: PassOutcome,
+    now: datetime,
+    history: FleetHistory | None,
+) -> None:
     counters_path = f"{state_dir}/{PASS_COUNTERS}"
     raw = tree.read(counters_path)
     try:
@@ -94,6 +111,7 @@ def _write(tree: FileTree, state_dir: str, desired: DesiredState, host: str, sou
         TEXTFILE_PATH,
         render_metrics(stats, desired=desired if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
     )
-    if snapshot is not None and "edge" in desired.hosts[host].host.roles:
-        page = render_status_page(desired, snapshot, source.plan if source.plan.leader else None, now, plan_refused=source.refused)
+    if snapshot is not None and shows_fleet(desired, host, source):
+        plan = source.plan if source.plan.leader else None
+        page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=history)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

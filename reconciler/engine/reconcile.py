@@ -38,8 +38,9 @@ from reconciler.core.render.artifacts import Layout, Rendered, RenderError, rend
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
-from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
+from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
 from reconciler.engine.plan_source import PlanSource, effective_facts, fleet_plan_for, node_record
+from reconciler.engine.status import pass_history
 from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, PlanSigner, Registry, RegistryUnavailable
 
 # The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
@@ -301,7 +302,15 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
 
     def records(succeeded: bool, rolled_back: bool) -> None:
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
-        note = write_pass_records(store.tree, store.state_dir, prepared.desired, prepared.host, prepared.source, outcome, _now(ports.clock))
+        history = None
+        if shows_fleet(prepared.desired, prepared.host, prepared.source):
+            # The status page's timeline: what the registry remembers (node transitions, leader, hook runs).
+            history, missing = pass_history(lambda: ports.open_registry(prepared.desired.fleet))
+            if missing is not None:
+                ports.note(missing)
+        note = write_pass_records(
+            store.tree, store.state_dir, prepared.desired, prepared.host, prepared.source, outcome, _now(ports.clock), history=history
+        )
         if note is not None:
             ports.note(note)
 

@@ -1,7 +1,8 @@
 """What `fabric status` shows, gathered: the desired state, a snapshot, its plan, and the instant it is shown as of.
 
 Two sources: the live registry (its snapshot now, every declared lane
-included, and the newest published plan), or a saved snapshot shown as of the
+included, the newest published plan, and what it remembers for the timeline:
+`fleet_history`), or a saved snapshot shown as of the
 instant it was taken, with a saved plan or the plan the scheduler makes for it
 (a what-if). A live plan that hosts would refuse is left out and the reason
 kept (`plan_refused`); a saved plan is the operator's what-if, not checked.
@@ -11,6 +12,7 @@ Talks to the registry only through its Protocol;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -18,7 +20,8 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.fencing import authorship_problem
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
-from reconciler.ports import Registry
+from reconciler.core.views.timeline import FleetHistory
+from reconciler.ports import Registry, RegistryError
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,31 @@ class StatusInputs:
     # Why the registry's newest plan was left out: hosts refuse it (forged,
     # not from a candidate, or signed by a key fabric.toml does not list).
     plan_refused: str | None = None
+    # What the registry remembers, for the timeline (None: a saved snapshot).
+    history: FleetHistory | None = None
+
+
+def fleet_history(registry: Registry) -> FleetHistory:
+    """What the registry remembers of the fleet's recent past: every node's
+    lifecycle transitions, who leads since when, and the leader's scaling
+    record (the cloud hook runs). Reads only."""
+    return FleetHistory(nodes=tuple(registry.node_states()), leader=registry.leader(), scaling=registry.scaling_record())
+
+
+def pass_history(connect: Callable[[], Registry]) -> tuple[FleetHistory | None, str | None]:
+    """`fleet_history` for the page a pass writes (the edge, after it read
+    the fleet's snapshot), from a connection of its own; without it when the
+    registry cannot be read now, and a note saying so."""
+    try:
+        registry = connect()
+    except RegistryError as exc:
+        return None, f"status page without its timeline: {exc}"
+    try:
+        return fleet_history(registry), None
+    except RegistryError as exc:
+        return None, f"status page without its timeline: {exc}"
+    finally:
+        registry.close()
 
 
 def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
@@ -37,6 +65,7 @@ def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
     # Every declared lane, so a lane nobody reported yet still gets a card.
     snapshot = registry.snapshot([lane.id for lane in desired.lanes])
     plan = registry.newest_plan()
+    history = fleet_history(registry)
     # The same check as every host's fence: a plan they refuse is not the fleet's.
     refused = None
     if plan is not None:
@@ -44,8 +73,8 @@ def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
     if refused is not None:
         # The snapshot's placements are that plan's: left out with it.
         snapshot = snapshot.model_copy(update={"placements": []})
-        return StatusInputs(desired=desired, snapshot=snapshot, plan=None, now=snapshot.now, plan_refused=refused)
-    return StatusInputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now)
+        return StatusInputs(desired=desired, snapshot=snapshot, plan=None, now=snapshot.now, plan_refused=refused, history=history)
+    return StatusInputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now, history=history)
 
 
 def saved_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None = None) -> StatusInputs:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import pytest
 
 from reconciler.adapters.files import LocalTree
 from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.views.metrics import format_value
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_source import PlanSource, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.harness.waiting import wait_until
+from tests.integration.registry_store import status_of
 
 STATE_DIR = "var/lib/fabric"
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -92,3 +99,42 @@ def test_records_that_cannot_be_written_are_a_note_not_a_failure(tmp_path: Path)
     note = write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0)
     assert note is not None and note.startswith("could not write metrics or the status page: ")
     assert write_pass_records(LocalTree(tmp_path / "elsewhere"), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0) is None
+
+
+def test_the_edges_pass_puts_the_registrys_history_on_its_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A whole `fabric reconcile` of racknerd (the edge): its page's timeline is
+    what the registry remembers, read by the pass, the node loss on top."""
+    from reconciler.cli import main
+    from reconciler.cli.wiring import open_registry
+
+    desired = tmp_path / "desired"
+    shutil.copytree(REPO / "hosts", desired)
+    root = tmp_path / "root"
+    registry_file = tmp_path / "registry.sqlite"
+    registry = open_registry(STATE.fleet, sqlite_path=registry_file)
+    try:
+        for host in ("lux", "racknerd"):
+            registry.heartbeat(NodeRecord(node_id=host, tier="cpu_ffmpeg", max_concurrent_tasks=2, in_flight=1))
+        # a1-arm64's beat lapses within a second.
+        registry.heartbeat(NodeRecord(node_id="a1-arm64", tier="cpu_ffmpeg", max_concurrent_tasks=2), ttl_s=1.0)
+        # The leader (lux) stores the joins, then, once the beat has lapsed, the loss.
+        leadership = registry.campaign("lux", ttl_s=600)
+        assert leadership is not None
+        joined = registry.advance_lifecycle(leadership)
+        assert {(e.node_id, e.transition.status) for e in joined} == {("lux", "active"), ("racknerd", "active"), ("a1-arm64", "active")}
+        wait_until(lambda: status_of(registry, "a1-arm64") == "offline", what="a1-arm64 offline")
+        registry.advance_lifecycle(leadership)
+    finally:
+        registry.close()
+    argv = ["reconcile", "--desired", str(desired), "--host", "racknerd", "--root", str(root)]
+    argv += ["--replay", str(REPO / "tests/golden/probe/x86_64"), "--no-activate", "--registry-path", str(registry_file)]
+
+    code = main(argv)
+    capsys.readouterr()
+
+    assert code == 0
+    page = (root / "var/lib/fabric/status/index.html").read_text()
+    kinds = re.findall(r'<li class="[a-z_]+" data-kind="([a-z_]+)"><time [^>]*>[^<]*</time> <span class="what">([^<]+)</span>', page)
+    assert kinds[0] == ("node_lost", "a1-arm64 lost")
+    assert ("node_joined", "lux joined") in kinds
+    assert "no registry history" not in page
