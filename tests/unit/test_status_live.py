@@ -296,15 +296,17 @@ def test_the_lowered_limit_follows_the_status_note(desired):
 
 def test_the_page_reloads_every_pass_interval_of_the_desired_state(desired):
     slower = desired.model_copy(
-        update={"fleet": desired.fleet.model_copy(update={"timing": desired.fleet.timing.model_copy(update={"heartbeat_s": 45})})}
+        update={"fleet": desired.fleet.model_copy(update={"timing": desired.fleet.timing.model_copy(update={"heartbeat_s": 40})})}
     )
 
     page = render_status_page(slower, Snapshot(now=T0), None, T0)
 
-    assert fleet_status(slower, Snapshot(now=T0), None, T0).pass_interval_s == 45
-    assert '<meta http-equiv="refresh" content="45">' in page
-    assert "refreshes every 45 s" in page
-    assert 'data-pass-interval-s="45"' in page
+    assert fleet_status(slower, Snapshot(now=T0), None, T0).pass_interval_s == 40
+    assert '<meta http-equiv="refresh" content="40">' in page
+    assert "refreshes every 40 s" in page
+    # Stale once older than a memoized edge may leave it (node timeout) plus one reload.
+    assert fleet_status(slower, Snapshot(now=T0), None, T0).stale_after_s == 90 + 40
+    assert 'data-stale-after-s="130"' in page
 
 
 def test_the_page_says_when_it_was_generated_without_script(desired):

@@ -231,6 +231,10 @@ class FleetStatus:
     # Seconds between two passes (timing.heartbeat_s: each pass beats once):
     # how often the page is rewritten, so how often it reloads itself.
     pass_interval_s: int = 30
+    # A page older than this is stale: the edge rewrites it on every full
+    # pass, and a memoized pass still makes a full one within the node
+    # timeout (reconciler.engine.memoized_pass), then one interval to reload.
+    stale_after_s: int = 120
 
     @property
     def headline(self) -> str:
@@ -286,6 +290,7 @@ def fleet_status(
         timeline=timeline(history, plan) if history is not None else (),
         timeline_known=history is not None,
         pass_interval_s=int(desired.fleet.timing.heartbeat_s),
+        stale_after_s=int(desired.fleet.timing.node_timeout_s + desired.fleet.timing.heartbeat_s),
     )
 
 

@@ -10,7 +10,8 @@ phone on a flaky link and leaks nothing to third parties. It reloads itself
 every pass interval (a meta refresh: the pass rewrites it that often) and says
 when it was generated; one tiny inline script (templates/_status_age.js.j2,
 allowed by its hash in the site's CSP, nothing else is) counts its age in
-seconds by the reader's clock and marks it stale after three pass intervals.
+seconds by the reader's clock and marks it stale once no full pass can
+explain its age (`FleetStatus.stale_after_s`).
 """
 
 from __future__ import annotations
