@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from reconciler.core.desired.lane_rules import lane_rules
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
 from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
 
@@ -189,7 +190,7 @@ def fleet_rules(
     backends = fleet.backends
     problems += _duplicates(file, "backends", "id", [b.id for b in backends])
     problems += _duplicates(file, "backends", "agent_ref", [b.agent_ref for b in backends])
-    problems += _duplicates(file, "backends", "push_host", [b.push_host for b in backends])
+    problems += lane_rules(file, fleet)
     for i, b in enumerate(backends):
         if b.kind == "compute":
             if b.push_host not in hosts:

@@ -82,6 +82,10 @@ _LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.:-]{0,61}[A-Za-z0-9
 _ARG_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")
 _IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$")
 _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
+# A systemd service unit name (systemd.unit(5): at most 255 characters of
+# ASCII letters, digits, ':', '-', '_', '.', '\\' and '@'; no '\\' here, it
+# would need escaping in every text the name lands in).
+_SERVICE_UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.@-]{0,246}\.service$")
 
 
 def _name(value: str) -> str:
@@ -146,7 +150,16 @@ def _env_name(value: str) -> str:
     return value
 
 
+def _service_unit(value: str) -> str:
+    if not _SERVICE_UNIT_RE.match(value):
+        raise ValueError(f"{value!r} is not a service unit name (letters, digits, ':', '-', '_', '.', '@', ending in '.service')")
+    if value.startswith("fabric-"):
+        raise ValueError(f"{value!r} is one of the fabric's own units (fabric-*), not a unit of phaze's")
+    return value
+
+
 Name = Annotated[str, AfterValidator(_name)]
+ServiceUnit = Annotated[str, AfterValidator(_service_unit)]
 HostName = Annotated[str, AfterValidator(_hostname)]
 AbsPath = Annotated[str, AfterValidator(_abs_path)]
 Arg = Annotated[str, AfterValidator(_arg)]
@@ -303,6 +316,15 @@ class ArchAgent(Strict):
     command: NonEmptyArgv
 
 
+DEFAULT_TOKEN_DIR = "/run/secrets/phaze/agents"
+# Variables of a compute agent that the fabric sets per lane, and from what.
+PER_AGENT_VARIABLES = {
+    "PHAZE_AGENT_QUEUE": "the lane's agent_ref (queue_prefix + agent_ref)",
+    "PHAZE_AGENT_TOKEN_FILE": "the lane's token_file (default agent.token_dir/<agent_ref>/token)",
+    "PHAZE_CLOUD_SCRATCH_DIR": "the lane's scratch_dir",
+}
+
+
 class AgentSettings(Strict):
     """The compute agent of multi-compute.md, run once per compute lane.
 
@@ -314,7 +336,21 @@ class AgentSettings(Strict):
 
     arch: dict[Arch, ArchAgent] = Field(min_length=1)
     queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = "phaze-agent-"
+    # Each agent's token file is <token_dir>/<agent_ref>/token unless its lane
+    # names one (`token_file`): phaze's worker checks the token's agent id
+    # against its queue, so agents never share a token.
+    token_dir: AbsPath = DEFAULT_TOKEN_DIR
     environment: Environment = {}
+
+    @model_validator(mode="after")
+    def _per_agent_variables(self) -> AgentSettings:
+        # The environment is every agent's; these differ per agent, so the
+        # renderer sets them from the lane (a shared value would give two
+        # agents one queue, one token or one scratch dir).
+        for key, where in PER_AGENT_VARIABLES.items():
+            if key in self.environment:
+                raise FieldProblem(f"environment.{key}", f"differs per agent: the fabric sets it from {where}")
+        return self
 
     @model_validator(mode="after")
     def _image_command_swap(self) -> AgentSettings:
@@ -341,8 +377,12 @@ class Lane(Strict):
     push_host: Name | None = None
     scratch_dir: AbsPath | None = None
     ssh_user: Name | None = None
-    # Must equal <queue_prefix><agent_ref> when given; derived otherwise.
+    # A compute lane: must equal <queue_prefix><agent_ref> when given; derived
+    # otherwise. The local lane: the queue of the file server's own processing
+    # (phaze's, no agent of the fabric's), LOCAL_QUEUE unless given.
     queue: Name | None = None
+    # A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).
+    token_file: AbsPath | None = None
 
     @model_validator(mode="after")
     def _compute_fields(self) -> Lane:
@@ -351,13 +391,48 @@ class Lane(Strict):
                 if getattr(self, key) is None:
                     raise FieldProblem(key, "required for a compute lane")
         else:
-            for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "queue"):
+            for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file"):
                 if getattr(self, key) is not None:
-                    raise FieldProblem(key, "not allowed on a local lane")
+                    raise FieldProblem(key, "not allowed on a local lane (phaze's own processing on the file server, no agent)")
         return self
 
 
+# The local lane's queue unless `queue` names another: phaze's own processing
+# on the file server consumes it.
+LOCAL_QUEUE = "phaze-local"
 IMPLICIT_LOCAL_LANE = Lane(kind="local", id="local", rank=99, cap=1)
+# Where phaze's control plane reads its lanes (PHAZE_BACKENDS_CONFIG_FILE's default).
+PHAZE_BACKENDS_FILE = "/etc/phaze/backends.toml"
+# The keys of a lane phaze's backends.toml has (configuration.md's field table).
+PHAZE_BACKEND_FIELDS = ("kind", "id", "rank", "cap", "agent_ref", "push_host", "scratch_dir", "ssh_user")
+
+
+def agent_token_file(agent: AgentSettings | None, lane: Lane) -> str | None:
+    """A compute lane's agent token file: its own `token_file`, else
+    <agent.token_dir>/<agent_ref>/token; None for the local lane (no agent)."""
+    if lane.kind != "compute":
+        return None
+    if lane.token_file is not None:
+        return lane.token_file
+    token_dir = agent.token_dir if agent is not None else DEFAULT_TOKEN_DIR
+    return f"{token_dir}/{lane.agent_ref}/token"
+
+
+def _unique_units(values: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise ValueError(f"{value} is listed twice (control_units[{seen[value]}] and control_units[{i}])")
+        seen[value] = i
+    return values
+
+
+class PhazeSettings(Strict):
+    """phaze's control plane on the host with the 'control' role."""
+
+    # Its units: they read backends.toml at startup only, so a pass that
+    # changes the file restarts those that run.
+    control_units: Annotated[list[ServiceUnit], AfterValidator(_unique_units)] = []
 
 
 class Route(Strict):
@@ -489,6 +564,7 @@ class FleetConfig(Strict):
     scheduler: SchedulerSettings = SchedulerSettings()
     scaling: ScalingSettings = ScalingSettings()
     agent: AgentSettings | None = None
+    phaze: PhazeSettings = PhazeSettings()
     backends: list[Lane] = []
     services: list[Service] = []
     port_maps: list[PortMap] = []
@@ -593,9 +669,18 @@ class DesiredState(BaseModel):
         return sorted(n for n, h in self.hosts.items() if role in h.host.roles)
 
     def queue_for(self, lane: Lane) -> str | None:
-        if lane.kind != "compute" or self.fleet.agent is None:
+        """The queue a lane's jobs go to: a compute lane's agent queue, the
+        local lane's own (LOCAL_QUEUE by default); None for a compute lane
+        without an [agent] table."""
+        if lane.kind == "local":
+            return lane.queue or LOCAL_QUEUE
+        if self.fleet.agent is None:
             return lane.queue
         return lane.queue or f"{self.fleet.agent.queue_prefix}{lane.agent_ref}"
+
+    def token_file_for(self, lane: Lane) -> str | None:
+        """A compute lane's agent token file; None for the local lane (no agent)."""
+        return agent_token_file(self.fleet.agent, lane)
 
 
 # --------------------------------------------------------------------------
