@@ -7,7 +7,8 @@ fakes. Only one pass runs at a time (PassLock).
 On-disk protocol (under the state directory, default <root>/var/lib/fabric):
 
     generations/<n>/manifest.json   number, time, host, epoch, every artifact's
-                                    path, kind, mode and sha256
+                                    path, kind, mode and sha256 (and the units
+                                    it restarts, `Artifact.restarts`)
     generations/<n>/files/<path>    the artifact's bytes
     current                         the generation the host is converging to
     good                            the last generation that was fully activated
@@ -84,6 +85,8 @@ class ManifestEntry:
     kind: str
     mode: int
     sha256: str
+    # Artifact.restarts: kept so a rollback or a removal restarts them too.
+    restarts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,16 @@ class Manifest:
         """One hash over every path and content hash: equal digests, equal generations."""
         h = hashlib.sha256()
         for e in sorted(self.entries, key=lambda e: e.path):
-            h.update(f"{e.path}\0{e.kind}\0{e.mode:o}\0{e.sha256}\n".encode())
+            # Entries without restarts hash as before they existed.
+            restarts = "".join(f"\0{unit}" for unit in e.restarts)
+            h.update(f"{e.path}\0{e.kind}\0{e.mode:o}\0{e.sha256}{restarts}\n".encode())
         return h.hexdigest()
 
     def kinds(self) -> dict[str, str]:
         return {e.path: e.kind for e in self.entries}
+
+    def restarts(self) -> dict[str, tuple[str, ...]]:
+        return {e.path: e.restarts for e in self.entries if e.restarts}
 
     def to_json(self) -> str:
         return (
@@ -115,7 +123,13 @@ class Manifest:
                     "epoch": self.epoch,
                     "digest": self.digest,
                     "artifacts": [
-                        {"path": e.path, "kind": e.kind, "mode": f"{e.mode:04o}", "sha256": e.sha256}
+                        {
+                            "path": e.path,
+                            "kind": e.kind,
+                            "mode": f"{e.mode:04o}",
+                            "sha256": e.sha256,
+                            **({"restarts": list(e.restarts)} if e.restarts else {}),
+                        }
                         for e in sorted(self.entries, key=lambda e: e.path)
                     ],
                 },
@@ -132,12 +146,14 @@ class Manifest:
             created=str(data["created"]),
             host=str(data["host"]),
             epoch=data.get("epoch"),
-            entries=tuple(ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"]) for a in data["artifacts"]),
+            entries=tuple(
+                ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"], tuple(a.get("restarts", ()))) for a in data["artifacts"]
+            ),
         )
 
 
 def manifest_for(number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact]) -> Manifest:
-    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256) for a in artifacts))
+    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256, a.restarts) for a in artifacts))
 
 
 class GenerationStore:
@@ -198,7 +214,7 @@ class GenerationStore:
             data = self.tree.read(f"{self.dir}/{number}/files/{e.path}")
             if data is None:
                 raise ActivationError(f"generation {number}: {e.path} is missing from {self.dir}/{number}/files")
-            out.append(Artifact(e.path, data.decode("utf-8"), e.mode, e.kind))  # type: ignore[arg-type]
+            out.append(Artifact(e.path, data.decode("utf-8"), e.mode, e.kind, e.restarts))  # type: ignore[arg-type]
         return out
 
     def sweep_staging(self) -> list[str]:
@@ -335,10 +351,25 @@ class Applier:
                 tracked.update(manifest.kinds())
         return tracked
 
+    def _tracked_restarts(self) -> dict[str, tuple[str, ...]]:
+        restarts: dict[str, tuple[str, ...]] = {}
+        for number in (self.store.good(), self.store.current()):
+            manifest = self.store.manifest(number)
+            if manifest is not None:
+                restarts.update(manifest.restarts())
+        return restarts
+
     def _unit_states(self, artifacts: Iterable[Artifact]) -> dict[str, str] | None:
         if self.activators is None:
             return None
         return {a.unit: self.activators.systemd.active_state(a.unit) for a in artifacts if a.unit}
+
+    def _dependent_states(self, artifacts: Iterable[Artifact], tracked_restarts: Mapping[str, Sequence[str]]) -> dict[str, str] | None:
+        """ActiveState of the units files name in `restarts` (not rendered here)."""
+        if self.activators is None:
+            return None
+        units = {u for a in artifacts for u in a.restarts} | {u for us in tracked_restarts.values() for u in us}
+        return {u: self.activators.systemd.active_state(u) for u in sorted(units)}
 
     def compute_actions(self, artifacts: Sequence[Artifact]) -> tuple[HostActions, bool]:
         """The actions of a pass over `artifacts`, and whether the last activation
@@ -350,6 +381,7 @@ class Applier:
         running: Mapping[str, bytes] | None = None
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
+        tracked_restarts = self._tracked_restarts()
         actions = plan_actions(
             artifacts,
             installed,
@@ -357,6 +389,8 @@ class Applier:
             running=running,
             unit_states=self._unit_states(artifacts),
             nft_table_loaded=(not self.nft_reload and self.activators.nftables.table_loaded()) if self.activators is not None else None,
+            tracked_restarts=tracked_restarts,
+            dependent_states=self._dependent_states(artifacts, tracked_restarts),
         )
         return actions, unfinished
 
@@ -525,7 +559,15 @@ class Applier:
         installed = self._installed([*(a.path for a in old), *tracked])
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
-        actions = plan_actions(old, installed, tracked, running=running)
+        tracked_restarts = self._tracked_restarts()
+        actions = plan_actions(
+            old,
+            installed,
+            tracked,
+            running=running,
+            tracked_restarts=tracked_restarts,
+            dependent_states=self._dependent_states(old, tracked_restarts),
+        )
         self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)
         by_path = {a.path: a for a in old}
         self._install(actions, by_path, target)

@@ -80,11 +80,24 @@ class FakeMachine:
     def daemon_reload(self) -> None:
         self._call("daemon-reload")
         unit_dir = self.root / UNIT_DIR
-        self.state["loaded"] = (
-            {p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")}
-            if unit_dir.is_dir()
-            else {}
-        )
+        # Units installed by others (phaze's, `install_foreign`) stay loaded.
+        foreign = {u: h for u, h in self.state["loaded"].items() if not u.startswith("fabric-")}
+        self.state["loaded"] = {
+            **foreign,
+            **(
+                {p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")}
+                if unit_dir.is_dir()
+                else {}
+            ),
+        }
+        self._save()
+
+    def install_foreign(self, unit: str, *, active: bool) -> None:
+        """A unit the fabric does not render (phaze's control plane), loaded, running or not."""
+        self.state["loaded"][unit] = f"foreign {unit}"
+        if active:
+            self.state["running"][unit] = self.state["loaded"][unit]
+            self.state["active"].append(unit)
         self._save()
 
     def _run_unit(self, action: str, unit: str) -> None:

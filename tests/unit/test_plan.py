@@ -131,3 +131,41 @@ def test_plan_text_tenses() -> None:
     assert plan.text(files_done=True, activation_done=True).startswith("wrote the following files:")
     assert "restarted the following units" in plan.text(files_done=True, activation_done=True)
     assert HostActions().text() == "nothing to do\n"
+
+
+BACKENDS = "etc/phaze/backends.toml"
+PHAZE = ("phaze-api.service", "phaze-worker.service")
+
+
+def backends(text: str) -> Artifact:
+    return Artifact(BACKENDS, text, 0o644, "file", restarts=PHAZE)
+
+
+def test_a_changed_file_restarts_the_units_that_read_it_at_startup() -> None:
+    # phaze's control plane is not rendered by the fabric; a change of the
+    # file it reads at startup restarts it, as a changed unit file would.
+    old, new = '[[backends]]\nid = "a"\ncap = 1\n', '[[backends]]\nid = "a"\ncap = 2\n'
+    tracked = {BACKENDS: "file"}
+    plan = plan_actions([backends(new)], {BACKENDS: old.encode()}, tracked)
+    assert plan.write == (BACKENDS,) and plan.restart == PHAZE
+    assert plan.reasons["phaze-api.service"] == f"{BACKENDS} changed"
+    assert not plan.daemon_reload and plan.start == ()
+    assert plan.text() == (
+        f"would write the following files:\n  {BACKENDS}\nwould restart the following units:\n  phaze-api.service\n  phaze-worker.service\n"
+    )
+    # Unchanged: nothing. Written for the first time: restarted too (they
+    # started without it).
+    assert plan_actions([backends(new)], {BACKENDS: new.encode()}, tracked).empty
+    assert plan_actions([backends(new)], {}, {}).restart == PHAZE
+    # Written but not activated by a killed pass: what ran decides.
+    assert plan_actions([backends(new)], {BACKENDS: new.encode()}, tracked, running={BACKENDS: old.encode()}).restart == PHAZE
+    # A unit known not to run reads the file when it starts: left alone.
+    states = {"phaze-api.service": "active", "phaze-worker.service": "inactive"}
+    assert plan_actions([backends(new)], {BACKENDS: old.encode()}, tracked, dependent_states=states).restart == ("phaze-api.service",)
+
+
+def test_a_removed_file_restarts_the_units_its_generation_named() -> None:
+    tracked = {BACKENDS: "file"}
+    plan = plan_actions([], {BACKENDS: b"[[backends]]\n"}, tracked, tracked_restarts={BACKENDS: PHAZE})
+    assert plan.remove == (BACKENDS,) and plan.restart == PHAZE
+    assert plan.reasons["phaze-worker.service"] == f"{BACKENDS} removed"

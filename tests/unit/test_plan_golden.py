@@ -104,3 +104,68 @@ def test_plan_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     fleet = Fleet(tmp_path, "racknerd")
     assert fabric_plan_cli(fleet, capsys) == fabric_plan(fleet)
     assert list(fleet.root.iterdir()) == []
+
+
+PHAZE_UNITS = ["phaze-api.service", "phaze-worker.service"]
+X86_CAP = 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n'
+
+
+def phaze_control_plane(tmp_path: Path, *, worker_running: bool = True) -> Fleet:
+    """lux after its first pass, with phaze's control plane (not rendered by
+    the fabric) installed and running."""
+    fleet = Fleet(tmp_path, "lux")
+    fleet.machine.install_foreign("phaze-api.service", active=True)
+    fleet.machine.install_foreign("phaze-worker.service", active=worker_running)
+    assert fleet.reconcile().ok
+    fleet.machine.forget_calls()
+    return fleet
+
+
+def test_changing_the_lanes_restarts_phazes_control_plane(tmp_path: Path) -> None:
+    fleet = phaze_control_plane(tmp_path)
+    # The first pass wrote backends.toml: phaze, started without it, was restarted then.
+    first = (fleet.root / "etc/phaze/backends.toml").read_text()
+    assert 'id = "x86-spill"\nrank = 20\ncap = 4\n' in first
+    fleet.edit_fleet("rank = 20\ncap = 4\n", "rank = 20\ncap = 6\n")
+    assert_golden(fabric_plan(fleet), "lux-lanes-changed.txt")
+    assert fleet.reconcile().ok
+    assert fleet.machine.calls == [("restart", unit) for unit in PHAZE_UNITS]
+    assert 'id = "x86-spill"\nrank = 20\ncap = 6\n' in (fleet.root / "etc/phaze/backends.toml").read_text()
+    restarted = [e for e in fleet.audit.records if e["action"] == "restart"]
+    assert {e["unit"]: e["reason"] for e in restarted} == {unit: "etc/phaze/backends.toml changed" for unit in PHAZE_UNITS}
+    # A change that leaves the file alone restarts nothing of phaze's.
+    fleet.machine.forget_calls()
+    fleet.edit_fleet('description = "FLAC audio FFT: any tier can do it"', 'description = "FLAC audio FFT"')
+    assert fleet.reconcile().ok
+    assert not [c for c in fleet.machine.calls if c[1].startswith("phaze-")]
+
+
+def test_a_stopped_control_unit_is_not_started_by_a_change_of_the_lanes(tmp_path: Path) -> None:
+    fleet = phaze_control_plane(tmp_path, worker_running=False)
+    fleet.edit_fleet("rank = 20\ncap = 4\n", "rank = 20\ncap = 6\n")
+    assert fleet.reconcile().ok
+    assert fleet.machine.calls == [("restart", "phaze-api.service")]
+
+
+def test_a_rolled_back_generation_restarts_phaze_with_its_own_lanes(tmp_path: Path) -> None:
+    fleet = phaze_control_plane(tmp_path)
+    before = (fleet.root / "etc/phaze/backends.toml").read_text()
+    fleet.edit_fleet("rank = 20\ncap = 4\n", "rank = 20\ncap = 6\n")
+    fleet.machine.fail["restart phaze-worker.service"] = "phaze-worker failed to start"
+    report = fleet.reconcile()
+    assert report.outcome == "rolled-back", report.stderr
+    # The old file is back, and phaze read it again.
+    assert (fleet.root / "etc/phaze/backends.toml").read_text() == before
+    assert fleet.machine.calls == [("restart", unit) for unit in [*PHAZE_UNITS, *PHAZE_UNITS]]
+
+
+def test_lanes_leaving_the_desired_state_remove_backends_toml_and_restart_phaze(tmp_path: Path) -> None:
+    fleet = phaze_control_plane(tmp_path)
+    text = (fleet.desired / "fabric.toml").read_text()
+    fleet.edit_fleet(text[text.index("# --- Tier 1") : text.index("# Services exercising")], "")
+    plan = fabric_plan(fleet)
+    assert "would remove the following files:\n  etc/phaze/backends.toml\n" in plan
+    assert "would restart the following units:\n  phaze-api.service\n  phaze-worker.service\n" in plan
+    assert fleet.reconcile().ok
+    assert not (fleet.root / "etc/phaze/backends.toml").exists()
+    assert [c for c in fleet.machine.calls if c[1].startswith("phaze-")] == [("restart", unit) for unit in PHAZE_UNITS]

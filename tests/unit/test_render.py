@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
 from jinja2 import PackageLoader, StrictUndefined, UndefinedError
 
-from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
@@ -184,23 +185,138 @@ def test_agent_image_and_command_swap_per_architecture() -> None:
     assert "phaze:2026.11-arm64" not in swapped
 
 
-def test_local_lane_runs_on_the_control_host_only() -> None:
+def test_no_agent_runs_the_local_lane() -> None:
+    # The local lane is phaze's own processing on the file server: no host
+    # renders an agent for it, the control host included.
     for host in HOSTS:
-        has = "etc/systemd/system/fabric-agent-local.service" in files(example(), host)
-        assert has == (host == "lux")
-    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-local"' in unit(files(example(), "lux"), "fabric-agent-local.service")
+        assert not any("fabric-agent-local" in path for path in files(example(), host))
+    lux_units = {path for path in files(example(), "lux") if path.startswith("etc/systemd/system/")}
+    assert lux_units == {"etc/systemd/system/fabric-nftables.service"}
+
+
+def test_the_local_lanes_queue_is_named_by_the_desired_state(tmp_path: Path) -> None:
+    state = example()
+    assert state.queue_for(state.lanes[-1]) == "phaze-local"
+    default = edited(tmp_path, 'cap = 1\nqueue = "phaze-local"\n', "cap = 1\n")
+    assert default.lanes[-1].queue is None and default.queue_for(default.lanes[-1]) == "phaze-local"
+    own = edited(tmp_path / "own", 'queue = "phaze-local"', 'queue = "fileserver-analysis"')
+    assert own.queue_for(own.lanes[-1]) == "fileserver-analysis"
+
+
+BACKEND_KEYS = ("kind", "id", "rank", "cap", "agent_ref", "push_host", "scratch_dir", "ssh_user")
+
+
+def test_the_control_host_gets_phazes_backends_toml_equal_to_the_declared_lanes() -> None:
+    state = example()
+    rendered = {a.path: a for a in render(state, "lux", facts("lux"), golden_plan()).artifacts}
+    backends = rendered["etc/phaze/backends.toml"]
+    # Exactly the declared [[backends]], in phaze's field names, only the keys
+    # set (multi-compute.md's worked file), never the fabric's queue or token_file.
+    assert tomllib.loads(backends.content) == {
+        "backends": [
+            {
+                "kind": "compute",
+                "id": "a1-arm64",
+                "rank": 10,
+                "cap": 2,
+                "agent_ref": "a1-arm64",
+                "push_host": "a1-arm64",
+                "scratch_dir": "/var/lib/phaze/scratch",
+                "ssh_user": "phaze",
+            },
+            {
+                "kind": "compute",
+                "id": "x86-spill",
+                "rank": 20,
+                "cap": 4,
+                "agent_ref": "x86-spill",
+                "push_host": "x86-spill",
+                "scratch_dir": "/var/lib/phaze/scratch",
+                "ssh_user": "phaze",
+            },
+            {"kind": "local", "id": "local", "rank": 99, "cap": 1},
+        ]
+    }
+    assert tomllib.loads(backends.content)["backends"] == [
+        lane.model_dump(include=set(BACKEND_KEYS), exclude_none=True) for lane in state.fleet.backends
+    ]
+    assert backends.kind == "file" and backends.mode == 0o644
+    # A change of it restarts phaze's control plane (it reads the file at startup only).
+    assert backends.restarts == ("phaze-api.service", "phaze-worker.service")
+    for host in HOSTS:
+        assert ("etc/phaze/backends.toml" in files(state, host)) == (host == "lux")
+
+
+def test_without_declared_lanes_there_is_no_backends_toml(tmp_path: Path) -> None:
+    # phaze's own default (no file: one local backend) is the fabric's implicit lane.
+    text = (REPO / "hosts" / "fabric.toml").read_text()
+    declared = text[text.index("# --- Tier 1") : text.index("# Services exercising")]
+    state = edited(tmp_path, declared, "")
+    assert not state.fleet.backends
+    assert "etc/phaze/backends.toml" not in files(state, "lux")
+
+
+def co_located(tmp_path: Path, *, token_file: str | None = None) -> DesiredState:
+    """The example fleet with a second agent on a1-arm64: its own agent_ref, scratch dir and (optionally) token file."""
+    second = (
+        "[[backends]]\n"
+        'kind = "compute"\n'
+        'id = "a1-arm64-b"\n'
+        "rank = 15\n"
+        "cap = 1\n"
+        'agent_ref = "a1-arm64-b"\n'
+        'push_host = "a1-arm64"\n'
+        'scratch_dir = "/var/lib/phaze/scratch-b"\n' + (f'token_file = "{token_file}"\n' if token_file else "") + "\n"
+    )
+    return edited(tmp_path, "# --- Tier 2: paid/trial x86", second + "# --- Tier 2: paid/trial x86")
+
+
+def test_co_located_agents_each_get_their_own_unit_queue_scratch_dir_and_token(tmp_path: Path) -> None:
+    state = co_located(tmp_path)
+    a1 = files(state, "a1-arm64")
+    first, second = unit(a1, "fabric-agent-a1-arm64.service"), unit(a1, "fabric-agent-a1-arm64-b.service")
+    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-a1-arm64"' in first
+    assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-a1-arm64-b"' in second
+    assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/var/lib/phaze/scratch"' in first
+    assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/var/lib/phaze/scratch-b"' in second
+    assert "StateDirectory=fabric-agent-a1-arm64 phaze/scratch\n" in first
+    assert "StateDirectory=fabric-agent-a1-arm64-b phaze/scratch-b\n" in second
+    # Each its own token, by default under agent.token_dir/<agent_ref>/, as a credential.
+    for text, ref in ((first, "a1-arm64"), (second, "a1-arm64-b")):
+        token = f"/run/secrets/phaze/agents/{ref}/token"
+        assert f'Environment="PHAZE_AGENT_TOKEN_FILE={token}"' in text
+        assert f"LoadCredential=phaze_agent_token_file:{token}\n" in text
+        assert f"--volume=%d/phaze_agent_token_file:{token}:ro" in text
+        assert f'"--name=fabric-agent-{ref}"' in text
+    assert "scratch-b" not in first and "agents/a1-arm64-b" not in first
+    # phaze's control plane sees both lanes.
+    lanes = tomllib.loads(files(state, "lux")["etc/phaze/backends.toml"])["backends"]
+    assert [(b["id"], b["push_host"], b["scratch_dir"]) for b in lanes if b["kind"] == "compute"] == [
+        ("a1-arm64", "a1-arm64", "/var/lib/phaze/scratch"),
+        ("a1-arm64-b", "a1-arm64", "/var/lib/phaze/scratch-b"),
+        ("x86-spill", "x86-spill", "/var/lib/phaze/scratch"),
+    ]
+
+
+def test_a_lane_may_name_its_own_token_file(tmp_path: Path) -> None:
+    state = co_located(tmp_path, token_file="/run/keys/phaze-b.token")
+    second = unit(files(state, "a1-arm64"), "fabric-agent-a1-arm64-b.service")
+    assert 'Environment="PHAZE_AGENT_TOKEN_FILE=/run/keys/phaze-b.token"' in second
+    assert "LoadCredential=phaze_agent_token_file:/run/keys/phaze-b.token\n" in second
+    assert "/run/secrets/phaze/agents" not in second
 
 
 def test_secrets_reach_units_only_as_paths() -> None:
     state = example()
     a1 = files(state, "a1-arm64")
     agent = unit(a1, "fabric-agent-a1-arm64.service")
-    assert 'Environment="PHAZE_AGENT_TOKEN_FILE=/run/secrets/phaze/agent_token"' in agent
+    token = "/run/secrets/phaze/agents/a1-arm64/token"
+    assert f'Environment="PHAZE_AGENT_TOKEN_FILE={token}"' in agent
     # The agent's dynamic user cannot read root's file: systemd hands it over
     # as a credential, and the container sees it at the path the variable names.
-    assert "LoadCredential=phaze_agent_token_file:/run/secrets/phaze/agent_token" in agent
-    assert "--volume=%d/phaze_agent_token_file:/run/secrets/phaze/agent_token:ro" in agent
-    assert "/run/secrets/phaze/agent_token:/run/secrets" not in agent
+    assert f"LoadCredential=phaze_agent_token_file:{token}" in agent
+    assert f"--volume=%d/phaze_agent_token_file:{token}:ro" in agent
+    assert f"{token}:/run/secrets" not in agent
     braid = unit(a1, "fabric-agent-braid.service")
     assert "LoadCredential=api_token:/run/secrets/braid/api_token" in braid
     assert 'Environment="API_TOKEN_FILE=/run/credentials/fabric/api_token"' in braid
@@ -256,7 +372,14 @@ def test_plan_entries_the_desired_state_does_not_know_are_ignored() -> None:
 def test_unknown_host_and_unit_name_collisions_are_errors(tmp_path: Path) -> None:
     with pytest.raises(RenderError, match="'nosuch' is not declared"):
         render(example(), "nosuch", facts("nosuch"), golden_plan())
-    state = edited(tmp_path, 'id = "braid"', 'id = "a1-arm64"')
+    # A lane and a service of one id would share fabric-agent-<id>.service: the
+    # desired state refuses it (wherever the service is placed) ...
+    with pytest.raises(DesiredStateError, match="backends\\[0\\].id: 'a1-arm64' is also the id of services\\[3\\]"):
+        edited(tmp_path, 'id = "braid"', 'id = "a1-arm64"')
+    # ... and render refuses a state built around that validation.
+    state = example()
+    services = [s.model_copy(update={"id": "a1-arm64"}) if s.id == "braid" else s for s in state.fleet.services]
+    state = state.model_copy(update={"fleet": state.fleet.model_copy(update={"services": services})})
     plan = golden_plan(placements=[p.model_copy(update={"service": "a1-arm64"}) if p.service == "braid" else p for p in golden_plan().placements])
     with pytest.raises(RenderError, match="fabric-agent-a1-arm64.service would run both"):
         render(state, "a1-arm64", facts("a1-arm64"), plan)

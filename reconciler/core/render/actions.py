@@ -15,6 +15,13 @@ Two views of the old state go in, because they can differ:
 
 The fabric touches only what it created: removals come only from `tracked`
 (the paths in its own manifests), never from scanning a directory.
+
+One kind of unit it restarts without rendering it: a unit an artifact names in
+`restarts` (phaze's control plane, which reads backends.toml at startup only).
+When that file differs from what ran (written, changed, or removed), those
+units are restarted like a unit whose own file changed, and listed under
+"restart" with the file as the reason; one known not to run (`unit_states`)
+(`dependent_states`) is left alone, as it reads the file when it starts.
 """
 
 from __future__ import annotations
@@ -232,6 +239,8 @@ def plan_actions(
     running: Mapping[str, bytes] | None = None,
     unit_states: Mapping[str, str] | None = None,
     nft_table_loaded: bool | None = None,
+    tracked_restarts: Mapping[str, Sequence[str]] | None = None,
+    dependent_states: Mapping[str, str] | None = None,
 ) -> HostActions:
     """Compare `desired` with the old state; see the module docstring.
 
@@ -240,6 +249,10 @@ def plan_actions(
     running:     path -> bytes last activated (default: `installed`).
     unit_states: unit -> ActiveState, when systemd can be asked; a desired unit
                  that is not running (after a reboot, or a failed start) is started.
+    tracked_restarts: path -> `restarts` of a tracked file, for one that leaves
+                 the plan.
+    dependent_states: unit -> ActiveState of the units in `restarts`, when
+                 systemd can be asked; one not running is not restarted.
     """
     running = installed if running is None else running
     desired_by_path = {a.path: a for a in desired}
@@ -278,6 +291,25 @@ def plan_actions(
         elif unit_states is not None and unit_states.get(unit, "inactive") not in ACTIVE_STATES:
             start.append(unit)
             reasons[unit] = f"not running ({unit_states.get(unit, 'inactive')})"
+
+    # Units the fabric does not render that read a file at startup: restart
+    # them when the file differs from what ran, unless known not to run.
+    dependents: dict[str, str] = {}
+    for path, artifact in sorted(desired_by_path.items()):
+        if artifact.restarts and running.get(path) != artifact.data:
+            for unit in artifact.restarts:
+                dependents.setdefault(unit, f"{path} changed")
+    for path in gone:
+        if path in running:
+            for unit in (tracked_restarts or {}).get(path, ()):
+                dependents.setdefault(unit, f"{path} removed")
+    for unit, reason in dependents.items():
+        if unit in restart or unit in start or unit in stop:
+            continue
+        if dependent_states is not None and dependent_states.get(unit, "inactive") not in ACTIVE_STATES:
+            continue
+        restart.append(unit)
+        reasons[unit] = reason
 
     # systemd must re-read unit files whenever one it loaded differs from the
     # desired one: written now, removed now, or written by a killed pass that

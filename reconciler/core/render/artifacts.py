@@ -13,9 +13,13 @@ What a host gets:
   port map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
   the k3s node-label drop-in;
 - one `fabric-socat-<name>.service` per port map declared on the host;
-- one `fabric-agent-<id>.service` per lane it runs (a compute lane on its
-  push_host, the local lane on the control host) and per service the plan
-  places on it;
+- one `fabric-agent-<id>.service` per compute lane pushed to it (several
+  lanes may share a push_host: each agent has its own unit, queue, token file
+  and scratch dir) and per service the plan places on it; the local lane is
+  phaze's own processing on the file server, so no agent runs it;
+- a host with the 'control' role: phaze's `/etc/phaze/backends.toml`, the
+  declared lanes in phaze's field names, which restarts phaze's control-plane
+  units (`[phaze] control_units`) when it changes;
 - an edge host: the Caddy site snippet, one site per routed service.
 
 Trust: the plan comes from the registry, which may be written by any host. A
@@ -29,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import ipaddress
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ from typing import Literal
 
 from reconciler.core.desired.model import (
     _LABEL_KEY_RE,
+    PHAZE_BACKEND_FIELDS,
+    PHAZE_BACKENDS_FILE,
     DesiredState,
     HostConfig,
     Lane,
@@ -74,6 +81,7 @@ class Layout:
     nft_file: str = "etc/fabric/fabric.nft"
     caddy_file: str = "etc/caddy/fabric.caddy"
     k3s_dropin: str = "etc/rancher/k3s/config.yaml.d/50-fabric-labels.yaml"
+    phaze_backends: str = PHAZE_BACKENDS_FILE.lstrip("/")
     socat: str = "/usr/bin/socat"
     podman: str = "/usr/bin/podman"
     nft: str = "/usr/sbin/nft"
@@ -88,6 +96,10 @@ class Artifact:
     content: str
     mode: int
     kind: ArtifactKind
+    # Units the fabric does not render that read this file at startup only
+    # (phaze's control plane and backends.toml): a change of the file restarts
+    # those of them that run, as a changed unit file restarts its unit.
+    restarts: tuple[str, ...] = ()
 
     @property
     def data(self) -> bytes:
@@ -131,6 +143,11 @@ def systemd_env(name: str, value: str) -> str:
     """One Environment= assignment, quoted (systemd.exec(5) Environment=)."""
     escaped = f"{name}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
     return f'"{escaped}"'
+
+
+def toml_string(value: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's (backslash, quote, \\uXXXX)."""
+    return json.dumps(value)
 
 
 def caddy_address(address: str, port: int) -> str:
@@ -227,14 +244,9 @@ def _fleet_file_name(desired: DesiredState) -> str:
 
 
 def _lanes_here(desired: DesiredState, host_name: str) -> list[Lane]:
-    control = desired.hosts_with_role("control")
-    here = []
-    for lane in desired.lanes:
-        if lane.kind == "compute" and lane.push_host == host_name:
-            here.append(lane)
-        elif lane.kind == "local" and control and control[0] == host_name:
-            here.append(lane)
-    return here
+    """The compute lanes whose agents run here. The local lane is phaze's own
+    processing on the file server: no agent of the fabric's runs it."""
+    return [lane for lane in desired.lanes if lane.kind == "compute" and lane.push_host == host_name]
 
 
 def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
@@ -246,26 +258,30 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
         notes.append(f"lane {lane.id}: no agent image for architecture {arch or 'unknown'} (agent.arch has {', '.join(sorted(agent.arch))})")
         return None
     spec = agent.arch[arch]
-    # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>; the
-    # local lane has no agent_ref and consumes <prefix><lane id>.
-    queue = desired.queue_for(lane) or f"{agent.queue_prefix}{lane.id}"
-    env = {"PHAZE_AGENT_QUEUE": queue, **agent.environment}
-    writable: tuple[str, ...] = ()
-    if lane.scratch_dir:
-        env["PHAZE_CLOUD_SCRATCH_DIR"] = lane.scratch_dir
-        writable = (lane.scratch_dir,)
+    # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>, and the
+    # worker checks its token's agent id against it: queue, token file and
+    # scratch dir are the lane's own (the model refuses them in agent.environment).
+    queue = desired.queue_for(lane)
+    token_file = desired.token_file_for(lane)
+    assert queue is not None and token_file is not None and lane.scratch_dir is not None  # a compute lane, [agent] present
+    env = {
+        **agent.environment,
+        "PHAZE_AGENT_QUEUE": queue,
+        "PHAZE_AGENT_TOKEN_FILE": token_file,
+        "PHAZE_CLOUD_SCRATCH_DIR": lane.scratch_dir,
+    }
     return _Workload(
         id=lane.id,
         what="lane",
         source=f"{_fleet_file_name(desired)} backends[{lane.id}] + agent.arch.{arch}",
-        description=f"{lane.kind} agent, rank {lane.rank}, cap {lane.cap}",
+        description=f"compute agent {lane.agent_ref}, rank {lane.rank}, cap {lane.cap}",
         gpu=False,
         image=spec.image,
         command=tuple(spec.command),
         environment=tuple(sorted(env.items())),
         credentials=(),
         bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
-        writable_paths=writable,
+        writable_paths=(lane.scratch_dir,),
     )
 
 
@@ -403,6 +419,22 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
         exec_start=" ".join(args),
         exec_extra=exec_extra,
     )
+
+
+def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None) -> Artifact:
+    """/etc/phaze/backends.toml: exactly the declared [[backends]], with the
+    keys phaze knows that are set (not the fabric's own `queue`, `token_file`).
+    No secrets are in it; phaze's control-plane units read it at startup."""
+    backends = []
+    for lane in desired.fleet.backends:
+        fields = []
+        for key in PHAZE_BACKEND_FIELDS:
+            value = getattr(lane, key)
+            if value is not None:
+                fields.append((key, str(value) if isinstance(value, int) else toml_string(value)))
+        backends.append(fields)
+    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends)
+    return Artifact(layout.phaze_backends, text, 0o644, "file", restarts=tuple(desired.fleet.phaze.control_units))
 
 
 _K8S_LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
@@ -560,6 +592,10 @@ def render(
                 "caddy",
             )
         )
+
+    # phaze's control plane reads its lanes from backends.toml.
+    if "control" in host.host.roles and desired.fleet.backends:
+        artifacts.append(phaze_backends(desired, layout, templates))
 
     # k3s node labels from the probe (and the host file).
     labels = _labels(host, facts, notes)
