@@ -113,6 +113,7 @@ let
       "-/etc/fabric"
       "-/etc/caddy"
       "-/etc/rancher/k3s"
+      "-/etc/phaze"
       "-/var/lib/node_exporter/textfile"
     ];
     StateDirectory = "fabric";
@@ -374,6 +375,7 @@ in
         systemd.tmpfiles.rules = [
           "d /etc/fabric 0755 root root -"
           "d /etc/rancher/k3s/config.yaml.d 0755 root root -"
+          "d /etc/phaze 0755 root root -"
           "d /var/lib/node_exporter/textfile 0755 root root -"
         ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
 

@@ -59,8 +59,10 @@ def measure(work: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
         container.host_path(agent.IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
         container.host_path(agent.IMAGE_ARCHIVE).write_bytes(archive.read_bytes())
         container.host_path("/run/secrets/phaze").mkdir(parents=True, mode=0o700)
-        for name in ("agent_token", "push_key", "queue_url"):
+        for name in ("push_key", "queue_url"):
             container.write_file(f"/run/secrets/phaze/{name}", "bench\n", mode=0o600)
+        container.host_path(f"/run/secrets/phaze/agents/{agent.LANE}").mkdir(parents=True, mode=0o700)
+        container.write_file(f"/run/secrets/phaze/agents/{agent.LANE}/token", "bench\n", mode=0o600)
         container.write_file(STANDIN, (ROOT / "tests" / "e2e" / "podman_standin.py").read_text(), mode=0o755)
         container.write_file(f"/etc/systemd/system/{agent.UNIT}", real)
         container.write_file(f"/etc/systemd/system/{STANDIN_UNIT}", standin.replace(f"fabric-agent-{agent.LANE}", "fabric-agent-standin"))

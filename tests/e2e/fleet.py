@@ -156,7 +156,9 @@ REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.co
 # LoadCredential= file is missing (the lane agents hand theirs over that way).
 SECRET_FILES = {
     "/run/secrets/braid/api_token": "e2e-not-a-real-token\n",
-    "/run/secrets/phaze/agent_token": "e2e-not-a-real-token\n",
+    # Each agent's own token (agent.token_dir/<agent_ref>/token).
+    "/run/secrets/phaze/agents/a1-arm64/token": "e2e-not-a-real-token\n",
+    "/run/secrets/phaze/agents/x86-spill/token": "e2e-not-a-real-token\n",
     "/run/secrets/phaze/push_key": "e2e-not-a-real-key\n",
     "/run/secrets/phaze/queue_url": "postgresql://e2e@/phaze\n",
 }
@@ -964,13 +966,9 @@ def placed(plan: FleetPlan) -> dict[str, list[str]]:
 
 
 def lanes_on(desired: DesiredState, host: str) -> set[str]:
-    """The lane agents a host runs: compute lanes pushed to it, the local lane on the control host."""
-    control = desired.hosts_with_role("control")
-    return {
-        lane.id
-        for lane in desired.lanes
-        if (lane.kind == "compute" and lane.push_host == host) or (lane.kind == "local" and control and control[0] == host)
-    }
+    """The lane agents a host runs: the compute lanes pushed to it (the local
+    lane is phaze's own processing, no agent)."""
+    return {lane.id for lane in desired.lanes if lane.kind == "compute" and lane.push_host == host}
 
 
 def expected_units(desired: DesiredState, plan: FleetPlan, host: str) -> set[str]:

@@ -145,8 +145,11 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     # The secrets as a host keeps them: root's, mode 0600, in a 0700 directory.
     secrets = container.host_path("/run/secrets/phaze")
     secrets.mkdir(parents=True, mode=0o700)
-    for name in ("agent_token", "push_key", "queue_url"):
-        container.write_file(f"/run/secrets/phaze/{name}", TOKEN if name == "agent_token" else f"{name}\n", mode=0o600)
+    for name in ("push_key", "queue_url"):
+        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    # The agent's own token, under agent.token_dir/<agent_ref>/.
+    container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700)
+    container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
 
     container.write_file(f"/etc/systemd/system/{UNIT}", text)
     assert container.systemctl("daemon-reload").returncode == 0

@@ -43,7 +43,8 @@ LEADER_RESTART_SEC = "5s"
 # (CAP_NET_ADMIN) and probes hardware, so the limits are on what it can reach:
 # - ProtectSystem=strict: the whole tree read-only except what a pass
 #   writes: the unit directories, /etc/fabric (the nft file), /etc/caddy (the
-#   site snippet), the k3s drop-in directory, node_exporter's textfile
+#   site snippet), the k3s drop-in directory, /etc/phaze (phaze's
+#   backends.toml on the control host), node_exporter's textfile
 #   directory (the pass's metrics) and its state directory. The '-' prefix
 #   makes a missing directory (no k3s here) not an error.
 # - no PrivateDevices: the probe must see /dev/dri and /dev/nvidia* or a GPU
@@ -61,6 +62,7 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
         "-/etc/fabric",
         "-/etc/caddy",
         "-/etc/rancher/k3s",
+        "-/etc/phaze",
         "-/var/lib/node_exporter/textfile",
     ),
     "StateDirectory": "fabric",
@@ -86,9 +88,10 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
 
 # Directories a pass writes into that must exist before it runs (under
 # ProtectSystem=strict a missing one cannot be created): the nft file, the k3s
-# label drop-in, the metrics textfile. Both installers create them (the module
-# with tmpfiles rules, join.sh with mkdir); /etc/caddy comes with Caddy.
-PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d", "/var/lib/node_exporter/textfile")
+# label drop-in, phaze's backends.toml (control host), the metrics textfile.
+# Both installers create them (the module with tmpfiles rules, join.sh with
+# mkdir); /etc/caddy comes with Caddy.
+PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d", "/etc/phaze", "/var/lib/node_exporter/textfile")
 
 # The pass's HOME: `caddy validate` needs one to find its own CA (local_certs,
 # internal names), and a service gets none from systemd.
