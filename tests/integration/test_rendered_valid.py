@@ -121,6 +121,51 @@ def test_rendered_units_pass_systemd_analyze_verify(tmp_path: Path, host: str) -
     verifier.verify(paths)
 
 
+CO_LOCATED_LANE = """[[backends]]
+kind = "compute"
+id = "a1-arm64-b"
+rank = 15
+cap = 1
+agent_ref = "a1-arm64-b"
+push_host = "a1-arm64"
+scratch_dir = "/var/lib/phaze/scratch-b"
+token_file = "/run/keys/phaze-b.token"
+
+"""
+
+
+def test_co_located_agent_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    """Two agents on a1-arm64 (the second with its own token_file): both
+    units, with their own credentials, state directories and container names,
+    pass the real check."""
+    require_root()
+    require("systemd-analyze", "unshare", "mount")
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    for f in EXAMPLE_FLEET.glob("*.toml"):
+        (desired / f.name).write_text(f.read_text())
+    fleet = desired / "fabric.toml"
+    text = fleet.read_text()
+    assert "# --- Tier 2" in text
+    fleet.write_text(text.replace("# --- Tier 2", CO_LOCATED_LANE + "# --- Tier 2", 1))
+    facts = NodeFacts(node_id="a1-arm64", k3s_hostname="a1-arm64", hardware=Hardware(arch="aarch64"), tier="cpu_ffmpeg")
+    artifacts = list(render(load_desired(desired), "a1-arm64", facts, FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())).artifacts)
+    agents = sorted(a.unit for a in artifacts if a.unit and a.unit.startswith("fabric-agent-a1-arm64"))
+    assert agents == ["fabric-agent-a1-arm64-b.service", "fabric-agent-a1-arm64.service"]
+    paths = write_units(tmp_path / "generation", [a for a in artifacts if a.unit in agents])
+    missing = sorted(p for p in executables(artifacts) if not Path(p).exists())
+    SystemdAnalyzeVerifier(PrefixRunner(stub_programs_prefix(tmp_path / "stubs", missing))).verify(paths)
+    # The check sees these units: one broken setting in the second fails it.
+    second = Path(next(p for p in paths if p.endswith("fabric-agent-a1-arm64-b.service")))
+    second.write_text(
+        second.read_text().replace(
+            "LoadCredential=phaze_agent_token_file:/run/keys/phaze-b.token", "LoadCredential=phaze_agent_token_file:relative/token"
+        )
+    )
+    with pytest.raises(ActivationError, match="fabric-agent-a1-arm64-b.service"):
+        SystemdAnalyzeVerifier(PrefixRunner(stub_programs_prefix(tmp_path / "stubs2", missing))).verify(paths)
+
+
 def test_verify_rejects_a_broken_rendered_unit(tmp_path: Path) -> None:
     require_root()
     require("systemd-analyze", "unshare", "mount")
