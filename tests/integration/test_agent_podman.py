@@ -8,7 +8,8 @@
   its container with the host's podman inside a systemd container (systemd as
   PID 1, tests/harness/systemd.py), rootless as the unit's dynamic user; the
   container reads its *_FILE secret and writes its scratch directory; stopping
-  the unit removes the container.
+  the unit removes the container. Two co-located agents (two lanes on one
+  host) run side by side, each with its own queue, token and scratch dir.
 
 The image is built here (tests/harness/agent_image.py: a static busybox and
 an agent script, `podman import`, saved as an OCI archive the unit names).
@@ -194,3 +195,53 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert listings, f"no container storage under {storage}"
     assert all(json.loads(listing.read_text()) == [] for listing in listings)
     assert list(storage.glob("*-images/images.json"))
+
+
+SECOND = "x86-spill-b"
+SECOND_SCRATCH = "/var/lib/phaze/scratch-b"
+
+
+def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_dir(container: SystemdContainer, tmp_path: Path) -> None:
+    """multi-compute.md's co-located agents: a second lane on x86-spill (its
+    own agent_ref, scratch dir and token), both units rendered by the real
+    render code and run with real podman side by side; each agent sees only
+    its own queue, token and scratch dir."""
+    archive = build_agent_image_archive(tmp_path)
+    desired_with_local_image(tmp_path)  # writes tmp_path/desired
+    fleet = tmp_path / "desired" / "fabric.toml"
+    text = fleet.read_text()
+    second = (
+        f'[[backends]]\nkind = "compute"\nid = "{SECOND}"\nrank = 25\ncap = 1\nagent_ref = "{SECOND}"\n'
+        f'push_host = "{LANE}"\nscratch_dir = "{SECOND_SCRATCH}"\n\n'
+    )
+    fleet.write_text(text.replace("# --- Final catch", second + "# --- Final catch", 1))
+    state = load_desired(tmp_path / "desired")
+    units = {a.unit: a.content for a in render(state, LANE, facts(LANE), plan()).artifacts if a.unit and a.unit.startswith("fabric-agent-x86")}
+    assert sorted(units) == sorted([UNIT, f"fabric-agent-{SECOND}.service"])
+
+    container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
+    container.host_path("/run/secrets/phaze").mkdir(parents=True, mode=0o700, exist_ok=True)
+    for name in ("push_key", "queue_url"):
+        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    tokens = {LANE: "token-of-x86-spill\n", SECOND: "token-of-x86-spill-b\n"}
+    for ref, token in tokens.items():
+        container.host_path(f"/run/secrets/phaze/agents/{ref}").mkdir(parents=True, mode=0o700, exist_ok=True)
+        container.write_file(f"/run/secrets/phaze/agents/{ref}/token", token, mode=0o600)
+    for unit, text in units.items():
+        container.write_file(f"/etc/systemd/system/{unit}", text)
+    assert container.systemctl("daemon-reload").returncode == 0
+    try:
+        for unit in units:
+            started = container.systemctl("start", unit, timeout=120)
+            assert started.returncode == 0, started.stderr + container.journal("-u", unit)
+        for ref, scratch in ((LANE, SCRATCH), (SECOND, SECOND_SCRATCH)):
+            seen = wait_until(lambda s=scratch: container.run("cat", f"{s}/token-seen").stdout, timeout=30, what=f"{ref}'s record of its token")
+            assert seen == tokens[ref]
+            assert container.run("cat", f"{scratch}/queue-seen").stdout == f"phaze-agent-{ref}\n"
+        # Two containers of their own, both running.
+        for unit in units:
+            assert container.systemctl("is-active", unit).stdout.strip() == "active", container.journal("-u", unit)
+    finally:
+        for unit in units:
+            container.systemctl("stop", unit, timeout=120)
