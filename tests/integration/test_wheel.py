@@ -268,11 +268,15 @@ def test_passes_of_the_example_fleet_render_every_artifact(installed: tuple[Path
     page = (wheel_root / "racknerd" / "var" / "lib" / "fabric" / "status" / "index.html").read_text()
     assert page.startswith("<!doctype html>") and "fabric status" in page
 
-    for host in ("lux", "qfox-1"):
-        units = [p for p in _files(wheel_root / host / "etc") if p.startswith("systemd/system/fabric-agent-")]
-        assert units, f"{host}: no agent unit rendered"
-        agent = (wheel_root / host / "etc" / units[0]).read_text()
-        assert "\n[Service]\n" in agent and "\n[Install]\nWantedBy=multi-user.target\n" in agent
+    # phaze's lanes on the control host (a template of their own).
+    backends = _files(wheel_root / "lux" / "etc")["phaze/backends.toml"].decode()
+    assert backends.startswith("# Written by fabric-reconcile") and 'id = "x86-spill"' in backends
+    # The agent template on qfox-1, where services are placed (lux runs no agent:
+    # its local lane is phaze's own).
+    units = [p for p in _files(wheel_root / "qfox-1" / "etc") if p.startswith("systemd/system/fabric-agent-")]
+    assert units, "qfox-1: no agent unit rendered"
+    agent = (wheel_root / "qfox-1" / "etc" / units[0]).read_text()
+    assert "\n[Service]\n" in agent and "\n[Install]\nWantedBy=multi-user.target\n" in agent
 
     for host in PASSES:
         assert _files(wheel_root / host / "etc") == _files(checkout_root / host / "etc"), host
