@@ -20,7 +20,7 @@ One kind of unit it restarts without rendering it: a unit an artifact names in
 `restarts` (phaze's control plane, which reads backends.toml at startup only).
 When that file differs from what ran (written, changed, or removed), those
 units are restarted like a unit whose own file changed, and listed under
-"restart" with the file as the reason; one known not to run (`unit_states`)
+"restart" with the file as the reason; one known not to run
 (`dependent_states`) is left alone, as it reads the file when it starts.
 """
 
