@@ -12,6 +12,10 @@ saved probe instead of probing this machine live, for a live one with a
 plan file (no registry, so no heartbeat), and for the first two over the
 example fleet grown to --fleet-size declared hosts (generated into a temp dir).
 Both fleets are git checkouts, as `fabric pull` keeps the desired state on a host.
+Then a FULL pass (the pass memo dropped before each run, so the pass loads,
+renders and compares everything, as after a new plan or drift) of --host and of
+--full-host (a host that neither leads nor serves the edge) over both fleets,
+at a desired-state commit an earlier pass has already seen.
 
 The goals of issue 18, checked on the medians of this run:
   a no-op pass <= 4x the import floor, peak RSS <= 40 MiB;
@@ -97,11 +101,28 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def full_passes(args: argparse.Namespace, tmp: str, example: Path, big: Path) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Wall and peak RSS of full passes (the memo removed before each), per (host, fleet)."""
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for host in dict.fromkeys((args.host, args.full_host)):
+        for fleet, desired in (("example", example), (f"{args.fleet_size}", big)):
+            root = Path(tmp) / f"full-{host}-{fleet}"
+            argv = [*FABRIC, "reconcile", "--desired", str(desired), "--host", host, "--root", str(root), "--no-activate"]
+            memo = root / "var/lib/fabric/pass-memo.json"
+            measure(argv)  # generation 1, and the commit seen
+            got = samples.setdefault((host, fleet), [])
+            for _ in range(args.repeats):
+                memo.unlink(missing_ok=True)
+                got.append(measure(argv, expect_stdout="nothing to do"))
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--host", default="racknerd")
     parser.add_argument("--fleet-size", type=int, default=10_000, help="declared hosts of the big fleet (default 10000)")
+    parser.add_argument("--full-host", default="x86-spill", help="a host that neither leads nor serves the edge, for the full pass")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp:
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
@@ -155,6 +176,16 @@ def main() -> None:
         print("first pass of each (full: validate, render, write generation 1):")
         for (fleet, probe), (wall, rss) in first.items():
             print(f"  {fleet:>8} {probe:<9} {wall * 1000:7.1f} ms  peak RSS {rss:6.1f} MiB")
+        full_samples = full_passes(args, tmp, example, big)
+        print(f"full pass (pass memo dropped), live, {args.repeats} runs each, commit already seen:")
+        for (host, fleet), got in full_samples.items():
+            print(row(f"{host}, {'example fleet (5 hosts)' if fleet == 'example' else fleet + ' hosts'}", got))
+        for host in dict.fromkeys(h for h, _ in full_samples):
+            small, grown = full_samples[(host, "example")], full_samples[(host, f"{args.fleet_size}")]
+            print(
+                f"  {host}: full pass {args.fleet_size} hosts / 5 hosts wall {median(grown) / median(small):5.2f}x, "
+                f"peak RSS {peak(grown) / peak(small):5.2f}x ({peak(grown):.1f} / {peak(small):.1f} MiB)"
+            )
         print("goals (issue 18), medians of this run:")
         base = median(floor)
         for (fleet, probe), got in samples.items():
