@@ -324,6 +324,7 @@ def _pass_ports(
 ) -> Iterator[PassPorts]:
     from reconciler.adapters.files import FlockLock, LocalTree
     from reconciler.adapters.journal import JournalAudit
+    from reconciler.adapters.memo_io import git_commit
     from reconciler.engine.apply import Activators, Validators
     from reconciler.engine.reconcile import PassPorts
 
@@ -356,6 +357,7 @@ def _pass_ports(
             activators=activators,
             programs=program_paths(),
             note=print_note,
+            desired_commit=git_commit,
         )
     finally:
         # The D-Bus connection's event loop dies with a task pending unless closed.

@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
 from reconciler.core.desired.problems import ProblemsError
 from reconciler.core.probe.damping import ProbeHistory
@@ -37,6 +37,7 @@ from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
+from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
 from reconciler.engine.plan_source import PlanSource, effective_facts, fleet_plan_for, node_record
@@ -92,6 +93,10 @@ def _ignore(note: str) -> None:
     pass
 
 
+def _no_commit(directory: Path) -> str | None:
+    return None
+
+
 @dataclass
 class PassPorts:
     """Everything a pass, `fabric plan` and `fabric rollback` reach outside the process."""
@@ -112,6 +117,10 @@ class PassPorts:
     checkpoint: Callable[[str], None] = no_checkpoint
     # A note for the log, as it happens (the command line prints `note: ...` on stderr).
     note: Callable[[str], None] = _ignore
+    # The key of the commit a desired-state directory is checked out at (None:
+    # not a git checkout); the whole tree is validated once per key
+    # (reconciler.engine.desired_load), every pass without one.
+    desired_commit: Callable[[Path], str | None] = _no_commit
 
 
 # --------------------------------------------------------------------------
@@ -194,6 +203,7 @@ class _BadInput(Exception):
 @dataclass(frozen=True)
 class _Prepared:
     desired: DesiredState
+    loaded: LoadedDesired  # how it was loaded (the verdict to record)
     host: str
     source: PlanSource
     rendered: Rendered
@@ -221,18 +231,26 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
 
     `write=False` (fabric plan) reads the registry's plan but sends no
     heartbeat and takes no leader step."""
+    state_dir = _state_dir(options.state_dir)
+    host = options.host
+    desired_dir = Path(options.desired)
     try:
-        desired = load_desired(options.desired)
+        loaded = load_for_pass(
+            desired_dir,
+            host,
+            commit=ports.desired_commit(desired_dir),
+            verdict=read_verdict(ports.tree, state_dir),
+            may_lead=isinstance(options.plan, PlanFromRegistry),
+        )
     except DesiredStateError as exc:
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
-    host = options.host
+    desired = loaded.desired
     if host not in desired.hosts:
         raise _BadInput(f"{desired.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(desired.hosts))}); use --host NAME")
     try:
         observed = ports.probe(host, options.replay)
     except CaptureError as exc:  # a bad --replay directory
         raise _BadInput(f"fabric: probe: {exc}") from None
-    state_dir = _state_dir(options.state_dir)
     damped, probe_history = damped_facts(ports.tree, state_dir, desired, observed, _now(ports.clock))
     facts = effective_facts(desired, host, damped)
     identity = tailnet_name_note(desired, host, facts)
@@ -256,6 +274,10 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
         )
     except ProblemsError as exc:
         raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
+    try:
+        desired = with_plan_hosts(loaded, source.plan)
+    except DesiredStateError as exc:
+        raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     for note in source.notes:
         ports.note(note)
     programs = ports.programs
@@ -266,7 +288,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:
         ports.note(note)
-    return _Prepared(desired, host, source, rendered, probe_history, facts)
+    return _Prepared(desired, loaded, host, source, rendered, probe_history, facts)
 
 
 def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None, *, nft_reload: bool = False) -> Applier:
@@ -297,8 +319,10 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         return PassReport("bad-input", stderr=bad.lines)
     applier = _applier(ports, options.state_dir, options.caddy_main, nft_reload=options.nft_reload)
     store = applier.store
-    # The inputs all checked out: keep the damping history (bad input changes nothing).
+    # The inputs all checked out: keep the damping history and the whole
+    # tree's verdict at this commit (bad input changes nothing).
     save_probe_history(store.tree, store.state_dir, prepared.probe_history)
+    record_verdict(store.tree, store.state_dir, prepared.loaded)
 
     def records(succeeded: bool, rolled_back: bool) -> None:
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))

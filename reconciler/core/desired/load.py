@@ -61,14 +61,8 @@ def host_files(directory: Path) -> list[Path]:
     return sorted(files)
 
 
-def load_desired(
-    directory: Path | str,
-    read_text: Callable[[Path], str] = lambda p: p.read_text(encoding="utf-8"),
-) -> DesiredState:
-    """Load and validate DIR; raise DesiredStateError with every problem."""
-    directory = Path(directory)
-    problems: list[Problem] = []
-    fleet_path = directory / FLEET_FILE
+def _read_fleet(fleet_path: Path, read_text: Callable[[Path], str]) -> tuple[FleetConfig | None, list[Problem]]:
+    """fabric.toml, validated on its own; raises DesiredStateError when it cannot be read at all."""
     fleet_name = str(fleet_path)
     try:
         fleet_text = read_text(fleet_path)
@@ -76,13 +70,41 @@ def load_desired(
         raise DesiredStateError([Problem(fleet_name, "(file)", "not found: a desired-state directory needs fabric.toml")]) from None
     except OSError as exc:
         raise DesiredStateError([Problem(fleet_name, "(file)", f"cannot read: {exc.strerror or exc}")]) from None
+    data, problems = _parse_toml(fleet_name, fleet_text)
+    if data is None:
+        return None, problems
+    return _validate(fleet_name, FleetConfig, data)
 
-    fleet: FleetConfig | None = None
-    data, errs = _parse_toml(fleet_name, fleet_text)
-    problems += errs
-    if data is not None:
-        fleet, errs = _validate(fleet_name, FleetConfig, data)
-        problems += errs
+
+def _read_host(path: Path, read_text: Callable[[Path], str]) -> tuple[HostConfig | None, list[Problem]]:
+    """One host file, validated on its own (None: it is broken)."""
+    name = str(path)
+    try:
+        text = read_text(path)
+    except OSError as exc:
+        return None, [Problem(name, "(file)", f"cannot read: {exc.strerror or exc}")]
+    data, problems = _parse_toml(name, text)
+    if data is None:
+        return None, problems
+    return _validate(name, HostConfig, data)
+
+
+def _misnamed(path: Path, host: HostConfig) -> Problem | None:
+    if host.host.name == path.stem:
+        return None
+    return Problem(str(path), "host.name", f"{host.host.name!r} does not match the file name {path.stem!r}")
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def load_desired(directory: Path | str, read_text: Callable[[Path], str] = _read_text) -> DesiredState:
+    """Load and validate DIR; raise DesiredStateError with every problem."""
+    directory = Path(directory)
+    fleet_path = directory / FLEET_FILE
+    fleet_name = str(fleet_path)
+    fleet, problems = _read_fleet(fleet_path, read_text)
 
     hosts: dict[str, HostConfig] = {}
     host_sources: dict[str, str] = {}
@@ -91,23 +113,14 @@ def load_desired(
     broken_hosts: set[str] = set()
     for path in host_files(directory):
         name = str(path)
-        try:
-            text = read_text(path)
-        except OSError as exc:
-            problems.append(Problem(name, "(file)", f"cannot read: {exc.strerror or exc}"))
-            broken_hosts.add(path.stem)
-            continue
-        data, errs = _parse_toml(name, text)
+        host, errs = _read_host(path, read_text)
         problems += errs
-        host = None
-        if data is not None:
-            host, errs = _validate(name, HostConfig, data)
-            problems += errs
         if host is None:
             broken_hosts.add(path.stem)
             continue
-        if host.host.name != path.stem:
-            problems.append(Problem(name, "host.name", f"{host.host.name!r} does not match the file name {path.stem!r}"))
+        misnamed = _misnamed(path, host)
+        if misnamed is not None:
+            problems.append(misnamed)
             continue
         if host.host.name in hosts:
             problems.append(Problem(name, "host.name", f"duplicate host {host.host.name!r} (also in {host_sources[host.host.name]})"))
@@ -117,6 +130,54 @@ def load_desired(
 
     if fleet is not None:
         problems += fleet_rules(fleet_name, fleet, hosts, host_sources, broken_hosts)
+    if problems:
+        raise DesiredStateError(problems)
+    assert fleet is not None
+    return DesiredState(fleet=fleet, hosts=hosts, fleet_file=fleet_name)
+
+
+def host_file(directory: Path, name: str, exists: Callable[[Path], bool] = Path.is_file) -> Path | None:
+    """Where host `name`'s file is (DIR/<name>.toml, else DIR/hosts/<name>.toml); None: not declared."""
+    if name == Path(FLEET_FILE).stem:
+        return None
+    for path in (directory / f"{name}.toml", directory / "hosts" / f"{name}.toml"):
+        if exists(path):
+            return path
+    return None
+
+
+def load_hosts_of(
+    directory: Path | str,
+    names: Collection[str],
+    read_text: Callable[[Path], str] = _read_text,
+    exists: Callable[[Path], bool] = Path.is_file,
+    *,
+    fleet: FleetConfig | None = None,
+    loaded: dict[str, HostConfig] | None = None,
+) -> DesiredState:
+    """fabric.toml and the files of the hosts `names`, each validated on its
+    own; a name without a file is not declared and left out. For a tree whose
+    whole was validated (load_desired) at the same commit: the rules that span
+    files are not checked again, so a host's pass reads a few files however
+    large the fleet. `fleet` and `loaded` (already validated) are not read again.
+    Raises DesiredStateError with every problem of the files it reads."""
+    directory = Path(directory)
+    fleet_name = str(directory / FLEET_FILE)
+    problems: list[Problem] = []
+    if fleet is None:
+        fleet, problems = _read_fleet(directory / FLEET_FILE, read_text)
+    hosts = dict(loaded or {})
+    for name in sorted(set(names) - set(hosts)):
+        path = host_file(directory, name, exists)
+        if path is None:
+            continue
+        host, errs = _read_host(path, read_text)
+        problems += errs
+        misnamed = _misnamed(path, host) if host is not None else None
+        if misnamed is not None:
+            problems.append(misnamed)
+        elif host is not None:
+            hosts[name] = host
     if problems:
         raise DesiredStateError(problems)
     assert fleet is not None
