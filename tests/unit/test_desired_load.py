@@ -217,7 +217,7 @@ def test_the_port_maps_targets_and_the_plans_hosts_are_read(desired: Path) -> No
     assert [p.file for p in caught.value.problems] == [str(desired / "a1-arm64.toml")]
 
 
-@pytest.mark.parametrize("host", ["a1-arm64", "x86-spill", "qfox-1"])
+@pytest.mark.parametrize("host", ["a1-arm64", "x86-spill", "qfox-1", "lux"])
 def test_what_a_host_reads_renders_what_the_whole_tree_renders(desired: Path, host: str) -> None:
     facts = facts_from_capture(load_capture(host), host=host)
     plan = plan_from_file(GOLDEN / "fleet-plan.json")
@@ -231,3 +231,18 @@ def test_a_whole_load_is_not_completed_again(desired: Path) -> None:
     whole = load_desired(desired)
     loaded = LoadedDesired(whole, desired, partial=False, validated="c1")
     assert with_plan_hosts(loaded, plan_from_file(GOLDEN / "fleet-plan.json")) is whole
+
+
+def test_a_second_control_host_reading_only_its_files_does_not_take_the_local_lane(desired: Path) -> None:
+    """The local lane runs on the first control host: a host must know every
+    control host (the verdict names them), not only itself."""
+    spill = desired / "x86-spill.toml"
+    spill.write_text(spill.read_text().replace('roles = ["compute"]', 'roles = ["compute", "control"]'))
+    whole = load_desired(desired)
+    assert whole.hosts_with_role("control") == ["lux", "x86-spill"]
+    plan = plan_from_file(GOLDEN / "fleet-plan.json")
+    facts = facts_from_capture(load_capture("x86-spill"), host="x86-spill")
+    loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict_at(desired, "c1", ["lux", "x86-spill"]), may_lead=False)
+    rendered = render(with_plan_hosts(loaded, plan), "x86-spill", facts, plan)
+    assert rendered == render(whole, "x86-spill", facts, plan)
+    assert not any("fabric-agent-local" in a.path for a in rendered.artifacts)
