@@ -322,9 +322,11 @@ def _pass_ports(
     caddy_admin: str,
     startup_grace: float,
 ) -> Iterator[PassPorts]:
+    from reconciler.adapters.compiled_templates import CompiledTemplates, cache_directory
     from reconciler.adapters.files import FlockLock, LocalTree
     from reconciler.adapters.journal import JournalAudit
     from reconciler.adapters.memo_io import git_commit
+    from reconciler.core.templating import keep_compiled_templates
     from reconciler.engine.apply import Activators, Validators
     from reconciler.engine.reconcile import PassPorts
 
@@ -346,6 +348,8 @@ def _pass_ports(
             systemd = SystemdDbus(systemd_bus, startup_grace=startup_grace)
             activators = Activators(systemd, nft, caddy)
     audit = JournalAudit()
+    compiled = CompiledTemplates(cache_directory(root, state_dir))
+    keep_compiled_templates(compiled)
     try:
         yield PassPorts(
             tree=LocalTree(root),
@@ -358,8 +362,10 @@ def _pass_ports(
             programs=program_paths(),
             note=print_note,
             desired_commit=git_commit,
+            keep_caches=compiled.keep,
         )
     finally:
+        keep_compiled_templates(None)
         # The D-Bus connection's event loop dies with a task pending unless closed.
         if systemd is not None:
             systemd.close()

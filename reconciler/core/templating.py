@@ -25,6 +25,19 @@ TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 
 Kind = Literal["text", "html"]
 
+# Where the package's templates are kept compiled between processes (set by
+# the command line's wiring: a directory in the state directory). Parsing and
+# compiling them is most of a render's cost in a pass that is a new process.
+_compiled: jinja2.BytecodeCache | None = None
+
+
+def keep_compiled_templates(cache: jinja2.BytecodeCache | None) -> None:
+    """Load the package's templates through `cache` from now on (None: compile them every process).
+    Jinja keys each entry by the template's name and source checksum, so an edited template is compiled anew."""
+    global _compiled
+    _compiled = cache
+    environment.cache_clear()
+
 
 @cache
 def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Environment:
@@ -43,9 +56,12 @@ def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Env
     render edited copies).
     """
     loader: jinja2.BaseLoader = jinja2.PackageLoader("reconciler", "templates") if directory is None else jinja2.FileSystemLoader(directory)
+    # Edited copies (tests) are compiled every time; only the package's are kept.
+    compiled = _compiled if directory is None else None
     if kind == "html":
         return jinja2.Environment(
             loader=loader,
+            bytecode_cache=compiled,
             undefined=jinja2.StrictUndefined,
             autoescape=True,
             trim_blocks=True,
@@ -54,6 +70,7 @@ def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Env
         )
     return jinja2.Environment(
         loader=loader,
+        bytecode_cache=compiled,
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,

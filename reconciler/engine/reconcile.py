@@ -97,6 +97,10 @@ def _no_commit(directory: Path) -> str | None:
     return None
 
 
+def _keep_nothing() -> None:
+    pass
+
+
 @dataclass
 class PassPorts:
     """Everything a pass, `fabric plan` and `fabric rollback` reach outside the process."""
@@ -121,6 +125,9 @@ class PassPorts:
     # not a git checkout); the whole tree is validated once per key
     # (reconciler.engine.desired_load), every pass without one.
     desired_commit: Callable[[Path], str | None] = _no_commit
+    # Keeps what the pass cached for the next one (the compiled templates);
+    # called only once its inputs all checked out, so bad input leaves nothing.
+    keep_caches: Callable[[], None] = _keep_nothing
 
 
 # --------------------------------------------------------------------------
@@ -337,6 +344,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         )
         if note is not None:
             ports.note(note)
+        ports.keep_caches()  # after the status page: its template too
 
     static = prepared.source.static
     if static is not None:
