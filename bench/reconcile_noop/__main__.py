@@ -15,7 +15,8 @@ Both fleets are git checkouts, as `fabric pull` keeps the desired state on a hos
 Then a FULL pass (the pass memo dropped before each run, so the pass loads,
 renders and compares everything, as after a new plan or drift) of --host and of
 --full-host (a host that neither leads nor serves the edge) over both fleets,
-at a desired-state commit an earlier pass has already seen.
+at a desired-state commit an earlier pass has already seen, and over the
+example fleet once more with the compiled templates dropped before each run.
 
 The goals of issue 18, checked on the medians of this run:
   a no-op pass <= 4x the import floor, peak RSS <= 40 MiB;
@@ -102,18 +103,24 @@ def verdict(ok: bool) -> str:
 
 
 def full_passes(args: argparse.Namespace, tmp: str, example: Path, big: Path) -> dict[tuple[str, str], list[tuple[float, float]]]:
-    """Wall and peak RSS of full passes (the memo removed before each), per (host, fleet)."""
-    samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    """Wall and peak RSS of full passes (the memo removed before each), per
+    (host, fleet); "example, compiling" also removes the templates the passes
+    keep compiled in the state directory, so each pass compiles them anew."""
+    cases: dict[tuple[str, str], tuple[list[str], Path, bool]] = {}
     for host in dict.fromkeys((args.host, args.full_host)):
-        for fleet, desired in (("example", example), (f"{args.fleet_size}", big)):
-            root = Path(tmp) / f"full-{host}-{fleet}"
+        for fleet, desired, compiling in (("example", example, False), ("example, compiling", example, True), (f"{args.fleet_size}", big, False)):
+            root = Path(tmp) / f"full-{host}-{fleet.replace(', ', '-')}"
             argv = [*FABRIC, "reconcile", "--desired", str(desired), "--host", host, "--root", str(root), "--no-activate"]
-            memo = root / "var/lib/fabric/pass-memo.json"
             measure(argv)  # generation 1, and the commit seen
-            got = samples.setdefault((host, fleet), [])
-            for _ in range(args.repeats):
-                memo.unlink(missing_ok=True)
-                got.append(measure(argv, expect_stdout="nothing to do"))
+            cases[(host, fleet)] = (argv, root, compiling)
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {which: [] for which in cases}
+    for _ in range(args.repeats):  # interleaved, so a busy moment of the machine falls on every case
+        for which, (argv, root, compiling) in cases.items():
+            state = root / "var/lib/fabric"
+            (state / "pass-memo.json").unlink(missing_ok=True)
+            if compiling:
+                shutil.rmtree(state / "templates-compiled", ignore_errors=True)
+            samples[which].append(measure(argv, expect_stdout="nothing to do"))
     return samples
 
 
@@ -179,12 +186,15 @@ def main() -> None:
         full_samples = full_passes(args, tmp, example, big)
         print(f"full pass (pass memo dropped), live, {args.repeats} runs each, commit already seen:")
         for (host, fleet), got in full_samples.items():
-            print(row(f"{host}, {'example fleet (5 hosts)' if fleet == 'example' else fleet + ' hosts'}", got))
+            label = fleet + " hosts" if fleet[0].isdigit() else fleet.replace("example", "example fleet (5 hosts)")
+            print(row(f"{host}, {label}", got))
         for host in dict.fromkeys(h for h, _ in full_samples):
             small, grown = full_samples[(host, "example")], full_samples[(host, f"{args.fleet_size}")]
+            compiling = full_samples[(host, "example, compiling")]
             print(
                 f"  {host}: full pass {args.fleet_size} hosts / 5 hosts wall {median(grown) / median(small):5.2f}x, "
-                f"peak RSS {peak(grown) / peak(small):5.2f}x ({peak(grown):.1f} / {peak(small):.1f} MiB)"
+                f"peak RSS {peak(grown) / peak(small):5.2f}x ({peak(grown):.1f} / {peak(small):.1f} MiB); "
+                f"compiled templates kept / compiled anew {median(small) / median(compiling):5.2f}x"
             )
         print("goals (issue 18), medians of this run:")
         base = median(floor)
