@@ -11,10 +11,9 @@ verdict is kept in the state directory under the commit's key
 (adapters.memo_io.git_commit: the commit and the stat of git's index, so a
 checkout moved to another commit, or re-checked-out, is a new key). At a
 commit with a verdict, a host that neither may lead nor serves the edge reads
-fabric.toml, its own host file, the files of the control hosts (the local
-lane runs on the first of them), of its port maps' targets and of the hosts
-its plan places services on, each validated on its own: its pass then costs
-the same in a fleet of five or of ten thousand hosts.
+fabric.toml, its own host file, the files of its port maps' targets and of
+the hosts its plan places services on, each validated on its own: its pass
+then costs the same in a fleet of five or of ten thousand hosts.
 
 A leader candidate (its pass may take the leader step, which schedules over
 every host) and the edge (its status page lists every declared host) load the
@@ -40,7 +39,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.ports import FileTree
 
-# In the state directory: {"directory": ..., "commit": ..., "control": [...]}.
+# In the state directory: {"directory": ..., "commit": ...}, the last whole tree found valid.
 VERDICT_FILE = "desired-verdict.json"
 
 
@@ -54,28 +53,22 @@ class LoadedDesired:
     validated: str | None
 
 
-def _verdict_control(raw: bytes | None, directory: Path, commit: str) -> list[str] | None:
-    """The control hosts the whole tree's verdict at `commit` names; None: no verdict for it."""
+def _validated(raw: bytes | None, directory: Path, commit: str) -> bool:
+    """Whether the whole tree of `directory` was found valid at `commit`."""
     if raw is None:
-        return None
+        return False
     try:
         verdict = json.loads(raw)
     except ValueError:
-        return None
-    if not isinstance(verdict, dict) or verdict.get("commit") != commit or verdict.get("directory") != str(directory.absolute()):
-        return None
-    control = verdict.get("control")
-    if not isinstance(control, list) or not all(isinstance(name, str) for name in control):
-        return None
-    return control
+        return False
+    return isinstance(verdict, dict) and verdict.get("commit") == commit and verdict.get("directory") == str(directory.absolute())
 
 
 def load_for_pass(directory: Path, host: str, *, commit: str | None, verdict: bytes | None, may_lead: bool) -> LoadedDesired:
     """The desired state this pass needs; raises DesiredStateError (every problem of what it read)."""
-    control = _verdict_control(verdict, directory, commit) if commit is not None else None
-    if control is None:
+    if commit is None or not _validated(verdict, directory, commit):
         return LoadedDesired(load_desired(directory), directory, partial=False, validated=commit)
-    first = load_hosts_of(directory, [host, *control])
+    first = load_hosts_of(directory, [host])
     own = first.hosts.get(host)
     if own is None or "edge" in own.host.roles or (may_lead and host in first.fleet.fleet.leader_candidates):
         # Not declared (the whole tree's message lists the hosts), the edge, or a pass that may lead.
@@ -101,11 +94,7 @@ def record_verdict(tree: FileTree, state_dir: str, loaded: LoadedDesired) -> Non
     """Keep the verdict on the whole tree this pass validated (it was valid), keyed by its commit."""
     if loaded.validated is None:
         return
-    verdict = {
-        "directory": str(loaded.directory.absolute()),
-        "commit": loaded.validated,
-        "control": loaded.desired.hosts_with_role("control"),
-    }
+    verdict = {"directory": str(loaded.directory.absolute()), "commit": loaded.validated}
     tree.write(f"{state_dir}/{VERDICT_FILE}", json.dumps(verdict).encode())
 
 

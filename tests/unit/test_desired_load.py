@@ -47,8 +47,8 @@ def break_file(path: Path) -> None:
     path.write_text(path.read_text() + BROKEN)
 
 
-def verdict_at(directory: Path, commit: str, control: list[str]) -> bytes:
-    return json.dumps({"directory": str(directory.absolute()), "commit": commit, "control": control}).encode()
+def verdict_at(directory: Path, commit: str) -> bytes:
+    return json.dumps({"directory": str(directory.absolute()), "commit": commit}).encode()
 
 
 # --------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_the_verdict_is_recorded_under_the_commit_and_a_new_commit_records_its_o
     argv = pass_argv(desired, root, "x86-spill")
     assert run(capsys, argv)[0] == 0
     first = json.loads((root / STATE / VERDICT_FILE).read_text())
-    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired), "control": ["lux"]}
+    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired)}
     (desired / "qfox-1.toml").write_text((desired / "qfox-1.toml").read_text() + "# a comment\n")
     commit_all(desired, "qfox-1: a comment")
     assert run(capsys, argv)[0] == 0
@@ -169,19 +169,19 @@ def test_bad_input_at_a_new_commit_records_no_verdict(desired: Path, tmp_path: P
 
 def test_a_verdict_at_the_commit_reads_only_the_files_the_pass_needs(desired: Path) -> None:
     break_file(desired / "qfox-1.toml")
-    loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict_at(desired, "c1", ["lux"]), may_lead=True)
+    loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict_at(desired, "c1"), may_lead=True)
     assert loaded.partial and loaded.validated is None
-    # Its own file and the control host's (the local lane runs there).
-    assert sorted(loaded.desired.hosts) == ["lux", "x86-spill"]
+    # Its own file: x86-spill has no port maps, and no plan was read yet.
+    assert sorted(loaded.desired.hosts) == ["x86-spill"]
 
 
 def test_another_commit_or_directory_or_no_commit_validates_the_whole_tree(desired: Path, tmp_path: Path) -> None:
     broken = desired / "qfox-1.toml"
     break_file(broken)
     for commit, verdict in [
-        ("c2", verdict_at(desired, "c1", ["lux"])),  # another commit
-        ("c1", verdict_at(tmp_path / "elsewhere", "c1", ["lux"])),  # another directory
-        (None, verdict_at(desired, "c1", ["lux"])),  # not a git checkout: every pass
+        ("c2", verdict_at(desired, "c1")),  # another commit
+        ("c1", verdict_at(tmp_path / "elsewhere", "c1")),  # another directory
+        (None, verdict_at(desired, "c1")),  # not a git checkout: every pass
         ("c1", None),
         ("c1", b"{not json"),
     ]:
@@ -192,7 +192,7 @@ def test_another_commit_or_directory_or_no_commit_validates_the_whole_tree(desir
 
 def test_a_leader_candidate_that_may_lead_and_the_edge_load_every_file(desired: Path) -> None:
     everyone = sorted(load_desired(desired).hosts)
-    verdict = verdict_at(desired, "c1", ["lux"])
+    verdict = verdict_at(desired, "c1")
     for host in ("lux", "qfox-1", "racknerd"):  # two candidates, the edge
         loaded = load_for_pass(desired, host, commit="c1", verdict=verdict, may_lead=True)
         assert not loaded.partial and sorted(loaded.desired.hosts) == everyone, host
@@ -203,7 +203,7 @@ def test_a_leader_candidate_that_may_lead_and_the_edge_load_every_file(desired: 
 def test_the_port_maps_targets_and_the_plans_hosts_are_read(desired: Path) -> None:
     """racknerd's port maps reach qfox-1 and lux; a plan placing a service
     on a1-arm64 makes x86-spill read a1-arm64's file (render checks every placement)."""
-    verdict = verdict_at(desired, "c1", ["lux"])
+    verdict = verdict_at(desired, "c1")
     fleet = (desired / "fabric.toml").read_text()
     (desired / "fabric.toml").write_text(fleet.replace('host = "racknerd"', 'host = "x86-spill"'))
     loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict, may_lead=False)
@@ -222,7 +222,7 @@ def test_what_a_host_reads_renders_what_the_whole_tree_renders(desired: Path, ho
     facts = facts_from_capture(load_capture(host), host=host)
     plan = plan_from_file(GOLDEN / "fleet-plan.json")
     whole = load_desired(desired)
-    loaded = load_for_pass(desired, host, commit="c1", verdict=verdict_at(desired, "c1", whole.hosts_with_role("control")), may_lead=False)
+    loaded = load_for_pass(desired, host, commit="c1", verdict=verdict_at(desired, "c1"), may_lead=False)
     assert loaded.partial
     assert render(with_plan_hosts(loaded, plan), host, facts, plan) == render(whole, host, facts, plan)
 
@@ -231,18 +231,3 @@ def test_a_whole_load_is_not_completed_again(desired: Path) -> None:
     whole = load_desired(desired)
     loaded = LoadedDesired(whole, desired, partial=False, validated="c1")
     assert with_plan_hosts(loaded, plan_from_file(GOLDEN / "fleet-plan.json")) is whole
-
-
-def test_a_second_control_host_reading_only_its_files_does_not_take_the_local_lane(desired: Path) -> None:
-    """The local lane runs on the first control host: a host must know every
-    control host (the verdict names them), not only itself."""
-    spill = desired / "x86-spill.toml"
-    spill.write_text(spill.read_text().replace('roles = ["compute"]', 'roles = ["compute", "control"]'))
-    whole = load_desired(desired)
-    assert whole.hosts_with_role("control") == ["lux", "x86-spill"]
-    plan = plan_from_file(GOLDEN / "fleet-plan.json")
-    facts = facts_from_capture(load_capture("x86-spill"), host="x86-spill")
-    loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict_at(desired, "c1", ["lux", "x86-spill"]), may_lead=False)
-    rendered = render(with_plan_hosts(loaded, plan), "x86-spill", facts, plan)
-    assert rendered == render(whole, "x86-spill", facts, plan)
-    assert not any("fabric-agent-local" in a.path for a in rendered.artifacts)
