@@ -34,12 +34,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import reconciler
 from reconciler.core.desired.load import load_desired, load_hosts_of
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.ports import FileTree
 
-# In the state directory: {"directory": ..., "commit": ...}, the last whole tree found valid.
+# In the state directory: {"directory": ..., "commit": ..., "version": ...}, the last
+# whole tree found valid, and by which version of the rules: an upgraded
+# reconciler (new or stricter rules) validates the whole tree again.
 VERDICT_FILE = "desired-verdict.json"
 
 
@@ -61,7 +64,12 @@ def _validated(raw: bytes | None, directory: Path, commit: str) -> bool:
         verdict = json.loads(raw)
     except ValueError:
         return False
-    return isinstance(verdict, dict) and verdict.get("commit") == commit and verdict.get("directory") == str(directory.absolute())
+    return (
+        isinstance(verdict, dict)
+        and verdict.get("commit") == commit
+        and verdict.get("directory") == str(directory.absolute())
+        and verdict.get("version") == reconciler.__version__
+    )
 
 
 def load_for_pass(directory: Path, host: str, *, commit: str | None, verdict: bytes | None, may_lead: bool) -> LoadedDesired:
@@ -94,7 +102,7 @@ def record_verdict(tree: FileTree, state_dir: str, loaded: LoadedDesired) -> Non
     """Keep the verdict on the whole tree this pass validated (it was valid), keyed by its commit."""
     if loaded.validated is None:
         return
-    verdict = {"directory": str(loaded.directory.absolute()), "commit": loaded.validated}
+    verdict = {"directory": str(loaded.directory.absolute()), "commit": loaded.validated, "version": reconciler.__version__}
     tree.write(f"{state_dir}/{VERDICT_FILE}", json.dumps(verdict).encode())
 
 

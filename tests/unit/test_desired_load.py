@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import reconciler
 from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.probe import facts_from_capture
 from reconciler.core.render.artifacts import render
@@ -47,8 +48,8 @@ def break_file(path: Path) -> None:
     path.write_text(path.read_text() + BROKEN)
 
 
-def verdict_at(directory: Path, commit: str) -> bytes:
-    return json.dumps({"directory": str(directory.absolute()), "commit": commit}).encode()
+def verdict_at(directory: Path, commit: str, version: str = reconciler.__version__) -> bytes:
+    return json.dumps({"directory": str(directory.absolute()), "commit": commit, "version": version}).encode()
 
 
 # --------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_the_verdict_is_recorded_under_the_commit_and_a_new_commit_records_its_o
     argv = pass_argv(desired, root, "x86-spill")
     assert run(capsys, argv)[0] == 0
     first = json.loads((root / STATE / VERDICT_FILE).read_text())
-    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired)}
+    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired), "version": reconciler.__version__}
     (desired / "qfox-1.toml").write_text((desired / "qfox-1.toml").read_text() + "# a comment\n")
     commit_all(desired, "qfox-1: a comment")
     assert run(capsys, argv)[0] == 0
@@ -182,6 +183,7 @@ def test_another_commit_or_directory_or_no_commit_validates_the_whole_tree(desir
         ("c2", verdict_at(desired, "c1")),  # another commit
         ("c1", verdict_at(tmp_path / "elsewhere", "c1")),  # another directory
         (None, verdict_at(desired, "c1")),  # not a git checkout: every pass
+        ("c1", verdict_at(desired, "c1", version="0.0.1-older")),  # another version of the rules
         ("c1", None),
         ("c1", b"{not json"),
     ]:
