@@ -9,8 +9,10 @@
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: has the world drifted (pass_memo.drift)? A changed table only: a
       full pass that reloads it (PassOptions.nft_reload)
-    3 a hit: re-send the memo's heartbeat and check the registry's epoch (a new
-      plan: full pass), one audit line, this host's pass series refreshed
+    3 a hit: re-send the memo's heartbeat (its in_flight with the lane jobs of
+      the lanes whose agent runs here read afresh from the registry: they change
+      without any drift) and check the registry's epoch (a new plan: full
+      pass), one audit line, this host's pass series refreshed
       (pass_memo.refreshed_metrics); the outcome is a MemoHit
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
       ports `full_pass_ports` gives), which drops the memo before its first
@@ -188,6 +190,8 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     """Re-send the memo's heartbeat; False (a full pass) when the registry
     cannot take it or its plan epoch moved on."""
     from reconciler.core.desired.model import FleetConfig
+    from reconciler.core.live.host_limits import lowered_note
+    from reconciler.core.live.host_load import HostLoad, lane_jobs_running
     from reconciler.core.live.records import NodeRecord
     from reconciler.ports import RegistryError
 
@@ -200,11 +204,19 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
         record = NodeRecord.model_validate_json(memo.node_record)
     except (OSError, ValueError):  # unreadable or bad input: the full pass names it
         return False
+    lowered = lowered_note(record.lowered_limits)
+    if lowered is not None:
+        ports.note(lowered)
     try:
         registry = ports.open_registry(fleet)
         try:
+            if memo.lanes_here:
+                # The unit states are the memo's (no drift), so the services
+                # are; the lane jobs are read now.
+                lane_jobs = lane_jobs_running(memo.lanes_here, registry.lane_in_flight())
+                record = record.model_copy(update={"in_flight": HostLoad(memo.load_services, lane_jobs).in_flight})
             stored = registry.heartbeat(record)
-            ports.note(f"heartbeat: {record.node_id} tier {stored.tier}, alive for {stored.timeout_s:g} s")
+            ports.note(stored.heartbeat_note())
             epoch = registry.epoch()
         finally:
             registry.close()
@@ -305,6 +317,8 @@ def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> 
         units=units,
         nft=nft,
         node_record=converged.node_record,
+        load_services=converged.load_services,
+        lanes_here=converged.lanes_here,
         epoch=converged.registry_epoch,
         max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
     )

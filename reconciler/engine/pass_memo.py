@@ -10,7 +10,12 @@ applied or written) leaves a memo in the state directory:
     files         every installed file of that generation and its sha256
     units         each unit of the generation and its state after the pass (with activation)
     nft           the sha256 of `nft list table inet fabric` after the pass (with activation)
-    node_record   the heartbeat this host sent (JSON), re-sent as it is
+    node_record   the heartbeat this host sent after activation (JSON), re-sent
+                  with the lane jobs counted afresh
+    load_services the placed service units running (the rest of in_flight
+                  but the lane jobs: the drift check keeps it true)
+    lanes_here    the lanes whose agent runs here: their jobs start and end
+                  without any drift, so each memoized pass reads them
     epoch         the registry's plan epoch the pass saw (None: no registry)
 
 The next pass computes the key of its own inputs first; when the key is the
@@ -30,11 +35,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 1
+MEMO_VERSION = 2
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -56,6 +61,8 @@ class PassMemo:
     units: Mapping[str, str] = field(default_factory=dict)
     nft: str | None = None
     node_record: str | None = None
+    load_services: int = 0
+    lanes_here: Sequence[str] = ()
     epoch: int | None = None
     max_age_s: float = MAX_AGE_S
 
@@ -72,7 +79,14 @@ class PassMemo:
             memo = cls(**data)
         except (TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a pass memo: {exc}") from None
-        if not isinstance(memo.key, str) or not isinstance(memo.files, dict) or not isinstance(memo.units, dict):
+        if (
+            not isinstance(memo.key, str)
+            or not isinstance(memo.files, dict)
+            or not isinstance(memo.units, dict)
+            or not isinstance(memo.load_services, int)
+            or not isinstance(memo.lanes_here, list | tuple)
+            or not all(isinstance(lane, str) for lane in memo.lanes_here)
+        ):
             raise ValueError("not a pass memo: malformed fields")
         return memo
 

@@ -42,6 +42,8 @@ from pydantic import ValidationError
 from reconciler.core.desired.model import TIER_SCORE, DesiredState, NodeFacts
 from reconciler.core.desired.problems import Problem, ProblemsError, problems_from_validation
 from reconciler.core.live.fencing import accept_plan
+from reconciler.core.live.host_limits import effective_limits
+from reconciler.core.live.host_load import HostLoad, host_load
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
@@ -70,6 +72,8 @@ class PlanSource:
     # The registry's plan epoch, read before its newest plan (None: no registry).
     # The pass memo keeps it: a later epoch means a new plan, so a full pass.
     registry_epoch: int | None = None
+    # The record this pass's heartbeat sent before activation (None: none sent).
+    heartbeat: NodeRecord | None = None
 
 
 def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
@@ -87,17 +91,53 @@ def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeF
     return facts.model_copy(update={"tier": override, "labels": labels, "limitations": facts.limitations.model_copy(update={"notes": notes})})
 
 
-def node_record(desired: DesiredState, host: str, facts: NodeFacts) -> NodeRecord:
+@dataclass(frozen=True)
+class UnitsSeen:
+    """This host's fabric units as a pass reads them (reconcile.py, through the systemd port)."""
+
+    placed: tuple[str, ...]  # the placed service units of the generation that runs
+    # Every fabric unit of that generation and its ActiveState; None when the
+    # pass does not activate (--no-activate: systemd is not asked).
+    states: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a pass measured of this host for its heartbeat."""
+
+    load: HostLoad
+    units: dict[str, str]
+    lanes: tuple[str, ...]  # the lanes whose agent runs here (a memoized pass re-reads their jobs)
+
+
+def lanes_here(desired: DesiredState, host: str) -> tuple[str, ...]:
+    return tuple(lane.id for lane in desired.lanes_on(host))
+
+
+def measure(desired: DesiredState, host: str, seen: UnitsSeen, registry: Registry) -> Measured:
+    """The host's load from its units and, for the lanes whose agent runs
+    here, the lane queue (asked only when there is such a lane)."""
+    lanes = lanes_here(desired, host)
+    lane_in_flight = registry.lane_in_flight() if lanes else {}
+    return Measured(host_load(seen.placed, seen.states, lanes, lane_in_flight), dict(seen.states or {}), lanes)
+
+
+def node_record(desired: DesiredState, host: str, facts: NodeFacts, measured: Measured | None = None) -> NodeRecord:
     """What this host reports: its (effective) facts with the host file's
-    limits and declared labels (the operator's win), so services can be
-    constrained to labels an operator declared."""
+    limits bounded by the probe (core.live.host_limits), its declared labels
+    (the operator's win, so services can be constrained to labels an operator
+    declared) and, when measured, its load and unit states."""
     declared = desired.hosts[host]
+    limits = effective_limits(declared, facts.limitations)
     return NodeRecord.from_facts(
         host,
         facts,
-        max_concurrent_tasks=declared.limits.max_concurrent_tasks,
-        max_concurrent_ceiling=declared.limits.max_concurrent_ceiling,
+        max_concurrent_tasks=limits.max_concurrent_tasks,
+        max_concurrent_ceiling=limits.max_concurrent_ceiling,
         labels={**facts.labels, **declared.labels},
+        in_flight=measured.load.in_flight if measured is not None else 0,
+        units=measured.units if measured is not None else None,
+        lowered_limits=list(limits.lowered),
     )
 
 
@@ -172,19 +212,34 @@ class Offer:
     # Why the registry gave no answer: unreachable, or it refused this host (then there is no plan to fence).
     registry_failed: str | None = None
     registry_epoch: int | None = None
+    heartbeat: NodeRecord | None = None
 
 
 def read_registry(
-    connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, *, write: bool, signer: PlanSigner | None = None
+    connect: Callable[[], Registry],
+    desired: DesiredState,
+    host: str,
+    facts: NodeFacts,
+    *,
+    write: bool,
+    signer: PlanSigner | None = None,
+    units_now: Callable[[], UnitsSeen] | None = None,
 ) -> Offer:
-    """Connect, heartbeat (when `write`), maybe lead, then the newest plan."""
+    """Connect, heartbeat (when `write`), maybe lead, then the newest plan.
+
+    The heartbeat's load is measured from `units_now` (the generation that
+    runs as the pass starts); the pass beats again after activation
+    (`beat_after_activation`)."""
     notes: list[str] = []
     registry: Registry | None = None
+    sent: NodeRecord | None = None
     try:
         registry = connect()
         if write:
-            stored = registry.heartbeat(node_record(desired, host, facts))
-            notes.append(f"heartbeat: {host} tier {stored.tier}, alive for {stored.timeout_s:g} s")
+            measured = measure(desired, host, units_now(), registry) if units_now is not None else None
+            sent = node_record(desired, host, facts, measured)
+            stored = registry.heartbeat(sent)
+            notes.append(stored.heartbeat_note())
             led = lead_once(registry, desired, host, signer)
             if led:
                 notes.append(f"leader step: {led}")
@@ -201,7 +256,29 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch)
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent)
+
+
+def beat_after_activation(
+    connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, seen: UnitsSeen, sent: NodeRecord
+) -> tuple[Measured, NodeRecord, str | None]:
+    """The heartbeat again, with the load measured after activation: the
+    measurement, the record the registry now holds from this pass, and a note.
+
+    Sent only when it differs from the pass's first beat (`sent`): a pass
+    that changed nothing (and no lane job started or ended) writes once.
+    Raises RegistryError when the registry cannot be reached."""
+    registry = connect()
+    try:
+        measured = measure(desired, host, seen, registry)
+        record = node_record(desired, host, facts, measured)
+        if record == sent:
+            return measured, record, None
+        stored = registry.heartbeat(record)
+    finally:
+        registry.close()
+    load = measured.load
+    return measured, record, f"after activation, {stored.heartbeat_note()} ({load.services} services, {load.lane_jobs} lane jobs)"
 
 
 def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PlanSource:
@@ -251,6 +328,7 @@ def fleet_plan_for(
     now: datetime,
     write: bool,
     signer: PlanSigner | None = None,
+    units_now: Callable[[], UnitsSeen] | None = None,
 ) -> PlanSource:
     """The pass's fleet plan from `choice`, through the fence.
 
@@ -262,6 +340,6 @@ def fleet_plan_for(
     elif isinstance(choice, PlanAlone):
         offer = Offer("alone", plan_alone(desired, host, facts, now))
     else:
-        offer = read_registry(connect, desired, host, facts, write=write, signer=signer)
+        offer = read_registry(connect, desired, host, facts, write=write, signer=signer, units_now=units_now)
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
-    return replace(source, registry_epoch=offer.registry_epoch) if offer.registry_epoch is not None else source
+    return replace(source, registry_epoch=offer.registry_epoch, heartbeat=offer.heartbeat) if offer.registry_epoch is not None else source

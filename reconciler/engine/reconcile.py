@@ -11,7 +11,16 @@ A pass:
     3 the fleet plan (plan_source: a file, this host alone, or the registry),
       through the one epoch fence; fail static when it must
     4 render -> plan -> new generation -> validate -> install -> activate (Applier)
-    5 the pass records (metrics, the edge's status page)
+    5 the heartbeat again, with the load measured after activation
+    6 the pass records (metrics, the edge's status page)
+
+The heartbeat: step 3 beats before anything is activated, because a leader
+candidate's one-shot leader step must see this host's record, and a host
+must stay alive however long its activation takes. Its load describes the
+generation that runs as the pass starts. Step 5 measures again once
+activation is over (units started or stopped, a rollback) and beats only if
+that changed the record, so what the registry keeps, and what the memo
+re-sends, is the host after this pass.
 
 Everything outside the process goes through `PassPorts`; `reconciler.cli.wiring`
 builds the real ones and tests build fakes. The report is a value: what to
@@ -31,18 +40,32 @@ from typing import Literal
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
 from reconciler.core.desired.problems import ProblemsError
+from reconciler.core.live.host_limits import effective_limits, lowered_note
+from reconciler.core.live.host_load import service_units
 from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
-from reconciler.core.render.artifacts import Layout, Rendered, RenderError, render
+from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agent_unit, render
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
-from reconciler.engine.plan_source import PlanSource, effective_facts, fleet_plan_for, node_record
+from reconciler.engine.plan_source import Measured, PlanSource, UnitsSeen, beat_after_activation, effective_facts, fleet_plan_for, node_record
 from reconciler.engine.status import pass_history
-from reconciler.ports import ActivationError, Audit, CaptureError, Clock, FileTree, LockBusy, PassLock, PlanSigner, Registry, RegistryUnavailable
+from reconciler.ports import (
+    ActivationError,
+    Audit,
+    CaptureError,
+    Clock,
+    FileTree,
+    LockBusy,
+    PassLock,
+    PlanSigner,
+    Registry,
+    RegistryError,
+    RegistryUnavailable,
+)
 
 # The operator's main Caddyfile: Debian's package, then NixOS's services.caddy.
 CADDY_MAIN_CANDIDATES = (CADDY_MAIN, "etc/caddy/caddy_config")
@@ -175,6 +198,10 @@ class Converged:
     # The pass showed the fleet (an edge's status page and fleet metrics from
     # the registry's snapshot): how stale that view may grow (the node timeout).
     fleet_view_max_age_s: float | None = None
+    # The heartbeat's load apart from the lane jobs (running service units),
+    # and the lanes whose jobs a memoized pass reads afresh.
+    load_services: int = 0
+    lanes_here: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +290,9 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     identity = tailnet_name_note(desired, host, facts)
     if identity is not None:
         ports.note(identity)
+    lowered = lowered_note(effective_limits(desired.hosts[host], facts.limitations).lowered)
+    if lowered is not None:
+        ports.note(lowered)
     store = GenerationStore(ports.tree, state_dir)
     current = store.current()
     manifest = store.manifest(current)
@@ -278,6 +308,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
             now=_now(ports.clock),
             write=write,
             signer=ports.plan_signer,
+            units_now=lambda: units_seen(ports, store, desired),
         )
     except ProblemsError as exc:
         raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
@@ -296,6 +327,24 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     for note in rendered.notes:
         ports.note(note)
     return _Prepared(desired, loaded, host, source, rendered, probe_history, facts)
+
+
+def units_seen(ports: PassPorts, store: GenerationStore, desired: DesiredState) -> UnitsSeen:
+    """The units of the generation that runs now and, when the pass
+    activates, their ActiveState as systemd reports it."""
+    manifest = store.manifest(store.current())
+    units = [e.path.rsplit("/", 1)[-1] for e in manifest.entries if e.kind == "unit"] if manifest is not None else []
+    placed = service_units(units, (agent_unit(s.id) for s in desired.fleet.services))
+    if ports.activators is None:
+        return UnitsSeen(placed, None)
+    systemd = ports.activators.systemd
+    try:
+        return UnitsSeen(placed, {unit: systemd.active_state(unit) for unit in units})
+    except ActivationError as exc:
+        # systemd cannot be asked: no unit is known to run (the activation
+        # that follows fails and says why).
+        ports.note(f"cannot read the units' states for the heartbeat ({exc})")
+        return UnitsSeen(placed, {})
 
 
 def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None, *, nft_reload: bool = False) -> Applier:
@@ -358,27 +407,59 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     except LockBusy as exc:
         return PassReport("busy", stderr=(f"fabric reconcile: {exc}",))
     except ActivationError as exc:
+        _beat_after_activation(ports, prepared, store)
         records(False, False)
         return PassReport("failed", stderr=(f"fabric reconcile: {exc}",))
+    beat = _beat_after_activation(ports, prepared, store)
     records(result.ok, result.outcome == "rolled-back")
     report = _pass_report(result)
     if result.outcome in ("noop", "applied", "written"):
-        report = replace(report, converged=_converged(options, prepared, result.generation))
+        report = replace(report, converged=_converged(options, prepared, result.generation, beat))
     return report
 
 
-def _converged(options: PassOptions, prepared: _Prepared, generation: int | None) -> Converged:
+def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: GenerationStore) -> tuple[Measured, str] | None:
+    """Beat again with the load after activation (see the module docstring):
+    what was measured and the record's JSON, or None when this pass sent no
+    heartbeat or the registry is gone now (the next pass beats)."""
+    first = prepared.source.heartbeat
+    if first is None:
+        return None
+    desired = prepared.desired
+    try:
+        measured, record, note = beat_after_activation(
+            lambda: ports.open_registry(desired.fleet), desired, prepared.host, prepared.facts, units_seen(ports, store, desired), first
+        )
+    except RegistryError as exc:
+        ports.note(f"heartbeat after activation: registry unreachable ({exc}); the next pass beats")
+        return None
+    if note is not None:
+        ports.note(note)
+    return measured, record.model_dump_json()
+
+
+def _converged(options: PassOptions, prepared: _Prepared, generation: int | None, beat: tuple[Measured, str] | None) -> Converged:
     artifacts = prepared.rendered.artifacts
     source = prepared.source
     uses_registry = isinstance(options.plan, PlanFromRegistry)
+    measured, record = beat if beat is not None else (None, None)
+    if record is None and uses_registry:
+        # No beat after activation (the registry could not be reached): the
+        # memo keeps the first beat's record, or the unmeasured one, with no
+        # epoch, so once the registry answers the memoized pass turns into a
+        # full one, which measures again.
+        first = source.heartbeat or node_record(prepared.desired, prepared.host, prepared.facts)
+        record = first.model_dump_json()
     return Converged(
         generation=generation,
         files=tuple(a.path for a in artifacts),
         units=tuple(a.unit for a in artifacts if a.unit),
-        node_record=node_record(prepared.desired, prepared.host, prepared.facts).model_dump_json() if uses_registry else None,
-        registry_epoch=source.registry_epoch,
+        node_record=record if uses_registry else None,
+        registry_epoch=source.registry_epoch if beat is not None else None,
         may_lead=uses_registry and prepared.host in prepared.desired.fleet.fleet.leader_candidates,
         fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if source.snapshot is not None else None,
+        load_services=measured.load.services if measured is not None else 0,
+        lanes_here=measured.lanes if measured is not None else (),
     )
 
 

@@ -125,6 +125,42 @@ def test_an_unchanged_pass_is_memoized_and_still_heartbeats_and_audits(sandbox: 
         registry.close()
 
 
+def reported_in_flight(s: Sandbox) -> int:
+    registry = open_registry(s)
+    try:
+        (state,) = [state for state in registry.node_states() if state.record.node_id == s.host]
+        return state.record.in_flight
+    finally:
+        registry.close()
+
+
+def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lane jobs start and end without any drift: each memoized heartbeat reads them afresh."""
+    spill = Sandbox(tmp_path, host="x86-spill")
+    code, _, err = run(capsys, spill.argv())
+    assert code == 0 and not memoized(err), err
+    assert reported_in_flight(spill) == 0
+    registry = open_registry(spill)
+    try:
+        registry.enqueue_jobs(["job-1", "job-2"])
+        assert registry.start_job("job-1", "x86-spill", 4) is not None
+        assert registry.start_job("job-2", "a1-arm64", 2) is not None  # another host's lane
+    finally:
+        registry.close()
+    code, _, err = run(capsys, spill.argv())
+    assert code == 0 and memoized(err), err
+    assert "note: heartbeat: x86-spill tier relay, in_flight 1, alive for 90 s" in err
+    assert reported_in_flight(spill) == 1
+    registry = open_registry(spill)
+    try:
+        registry.finish_job("job-1")
+    finally:
+        registry.close()
+    code, _, err = run(capsys, spill.argv())
+    assert code == 0 and memoized(err), err
+    assert reported_in_flight(spill) == 0
+
+
 def two_passes_noting_imports(argv: list[str], heavy: tuple[str, ...]) -> tuple[str, str]:
     """Two `fabric reconcile` processes in a row (the first full, the second
     memoized); each prints `HEAVY` and which of `heavy` it imported."""

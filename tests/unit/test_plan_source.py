@@ -194,7 +194,9 @@ def test_a_tier_pin_in_the_host_file_lowers_the_tier_and_its_label(state) -> Non
 
 def test_the_record_carries_declared_limits_lowered_tier_and_declared_labels(state) -> None:
     record = node_record(state, "qfox-1", facts("qfox-1"))
-    assert (record.tier, record.max_concurrent_tasks, record.max_concurrent_ceiling) == ("gpu_cuda", 4, 6)
+    # qfox-1 declares 4/6; its probe says 5/5, which bounds the ceiling.
+    assert (record.tier, record.max_concurrent_tasks, record.max_concurrent_ceiling) == ("gpu_cuda", 4, 5)
+    assert record.lowered_limits == ["max_concurrent_ceiling 6 lowered to 5 by the probe"]
     # The host file's role label wins over the probe's auto-detected one.
     assert facts("qfox-1").labels["topology.researchstack.io/role"] == "auto:qfox-1"
     assert record.labels["topology.researchstack.io/role"] == "foxtop"
@@ -222,3 +224,15 @@ def test_every_plan_source_passes_the_one_fence_exactly_once(connect, registry, 
     # Only the registry's plans must be signed by a leader candidate.
     saved.write_text(FleetPlan(epoch=3, leader="racknerd", created=NOW).model_dump_json())
     assert source(connect, state, "lux", applied=3, has_generation=True, choice=PlanFile(saved)).static is None
+
+
+def test_the_example_fleets_declared_limits_bounded_by_each_hosts_probe(state) -> None:
+    """What the example fleet's hosts report, each from its fixture probe."""
+    got = {host: node_record(state, host, facts(host)) for host in sorted(state.hosts)}
+    assert {host: (r.max_concurrent_tasks, r.max_concurrent_ceiling, r.lowered_limits) for host, r in got.items()} == {
+        "a1-arm64": (1, 2, ["max_concurrent_tasks 2 lowered to 1 by the probe"]),
+        "lux": (2, 12, []),
+        "qfox-1": (4, 5, ["max_concurrent_ceiling 6 lowered to 5 by the probe"]),
+        "racknerd": (1, 1, []),
+        "x86-spill": (2, 3, ["max_concurrent_tasks 4 lowered to 2 by the probe", "max_concurrent_ceiling 8 lowered to 3 by the probe"]),
+    }

@@ -608,6 +608,10 @@ class HostOverrides(Strict):
     # tier is a ceiling, so a typo cannot send CUDA work to a CPU box).
     tier: Tier | None = None
     arch: Arch | None = None
+    # Let [limits] stand above what the probe measured (a host whose probe
+    # undercounts it). Without it the effective limits are the smaller of the
+    # declared and the probed (reconciler.core.live.host_limits).
+    limits_above_probe: bool = False
 
 
 class HostSettings(Strict):
@@ -667,6 +671,17 @@ class DesiredState(BaseModel):
 
     def hosts_with_role(self, role: str) -> list[str]:
         return sorted(n for n, h in self.hosts.items() if role in h.host.roles)
+
+    def lanes_on(self, host: str) -> list[Lane]:
+        """The lanes whose jobs run on `host`: a compute lane's on its push
+        host (its agent), the local lane's on the (first) control host
+        (phaze's own processing there; no fabric agent runs it)."""
+        control = self.hosts_with_role("control")
+        return [
+            lane
+            for lane in self.lanes
+            if (lane.kind == "compute" and lane.push_host == host) or (lane.kind == "local" and bool(control) and control[0] == host)
+        ]
 
     def queue_for(self, lane: Lane) -> str | None:
         """The queue a lane's jobs go to: a compute lane's agent queue, the

@@ -38,6 +38,7 @@ from typing import Literal
 
 from reconciler.core.desired.model import DesiredState, NodeFacts
 from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.render.artifacts import needs_nftables_fix
 
@@ -189,11 +190,13 @@ def plan_bootstrap(
 
     # 3. Register
     if not observed.registered:
+        limits = effective_limits(host_config, facts.limitations)
         record = NodeRecord.from_facts(
             host,
             facts,
-            max_concurrent_tasks=host_config.limits.max_concurrent_tasks,
-            max_concurrent_ceiling=host_config.limits.max_concurrent_ceiling,
+            max_concurrent_tasks=limits.max_concurrent_tasks,
+            max_concurrent_ceiling=limits.max_concurrent_ceiling,
+            lowered_limits=list(limits.lowered),
         )
         steps.append(Step("register", "the registry does not know this node", record=record))
 

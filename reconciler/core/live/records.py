@@ -69,6 +69,11 @@ class NodeRecord(_Record):
     # The timeout the beat was stored with: silent this long = offline.
     timeout_s: float | None = None
 
+    def heartbeat_note(self) -> str:
+        """The pass's note on a beat stored as this record."""
+        timeout = f", alive for {self.timeout_s:g} s" if self.timeout_s is not None else ""
+        return f"heartbeat: {self.node_id} tier {self.tier}, in_flight {self.in_flight}{timeout}"
+
     @classmethod
     def from_facts(
         cls,
@@ -80,12 +85,15 @@ class NodeRecord(_Record):
         max_concurrent_tasks: int | None = None,
         max_concurrent_ceiling: int | None = None,
         labels: dict[str, str] | None = None,
+        units: dict[str, str] | None = None,
+        lowered_limits: list[str] | None = None,
     ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
         `tier`, the limits and the labels are the caller's effective values
-        when the host file adds to or overrides them (a tier pin, declared
-        limits, declared labels); by default the probe's.
+        when the host file adds to or overrides them (a tier pin, the limits
+        bounded by the probe, declared labels); by default the probe's.
+        `in_flight` and `units` are what the pass measured.
         """
         limits = facts.limitations
         return cls(
@@ -96,6 +104,8 @@ class NodeRecord(_Record):
             max_concurrent_tasks=max_concurrent_tasks if max_concurrent_tasks is not None else limits.max_concurrent_tasks,
             max_concurrent_ceiling=(max_concurrent_ceiling if max_concurrent_ceiling is not None else limits.max_concurrent_ceiling),
             in_flight=in_flight,
+            units=dict(units or {}),
+            lowered_limits=list(lowered_limits or []),
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,

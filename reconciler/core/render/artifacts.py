@@ -249,6 +249,11 @@ def _lanes_here(desired: DesiredState, host_name: str) -> list[Lane]:
     return [lane for lane in desired.lanes if lane.kind == "compute" and lane.push_host == host_name]
 
 
+def agent_unit(workload_id: str) -> str:
+    """The unit of a lane's agent or a placed service: fabric-agent-<id>.service."""
+    return f"fabric-agent-{workload_id}.service"
+
+
 def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
     agent = desired.fleet.agent
     if agent is None:
@@ -311,7 +316,7 @@ CONTAINER_CREDENTIALS = "/run/credentials/fabric"
 
 
 def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: list[str]) -> str:
-    unit = f"fabric-agent-{w.id}.service"
+    unit = agent_unit(w.id)
     environment = [systemd_env(k, v) for k, v in w.environment]
     credentials = [f"{name}:{path}" for name, path in w.credentials]
     exec_extra: list[str] = []
@@ -509,7 +514,7 @@ def render(
                 f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}"
             )
         seen[w.id] = w.what
-        artifacts.append(Artifact(layout.unit_path(f"fabric-agent-{w.id}.service"), _agent_unit(w, layout, templates, notes), 0o644, "unit"))
+        artifacts.append(Artifact(layout.unit_path(agent_unit(w.id)), _agent_unit(w, layout, templates, notes), 0o644, "unit"))
 
     # Port maps of this host: one socat unit each.
     tcp_ports: set[int] = set()
