@@ -113,3 +113,18 @@ def test_limits_above_probe_is_validated_like_the_other_override_keys(tmp_path) 
         with pytest.raises(ProblemsError) as caught:
             load_desired(desired)
         assert any(str(p).startswith(f"{spill}: {said}") for p in caught.value.problems), caught.value.problems
+
+
+def test_the_lanes_whose_agent_runs_on_a_host() -> None:
+    """A compute lane's agent on its push host, the local lane's on the control host (as render places them)."""
+    from reconciler.core.desired.load import load_desired
+    from tests.conftest import EXAMPLE_FLEET
+
+    desired = load_desired(EXAMPLE_FLEET)
+    assert {host: [lane.id for lane in desired.lanes_on(host)] for host in sorted(desired.hosts)} == {
+        "a1-arm64": ["a1-arm64"],
+        "lux": ["local"],
+        "qfox-1": [],
+        "racknerd": [],
+        "x86-spill": ["x86-spill"],
+    }
