@@ -303,3 +303,18 @@ def test_cli_dry_run_of_an_arch_gpu_desktop_plans_the_nftables_fix(tmp_path: Pat
     assert f"would write_file {NFT_FIX_FILE}: tailnet accepts for the distro ruleset" in out
     assert f"would write_file {NFT_FIX_DROPIN}: re-apply the fix after nftables.service reloads" in out
     assert list(root.iterdir()) == []
+
+
+def test_the_registration_carries_the_limits_bounded_by_the_probe() -> None:
+    """x86-spill's host file declares 4/8; a probe of 2/3 bounds them, as every pass's heartbeat does."""
+    from reconciler.core.desired.model import Limitations
+
+    probe = facts().model_copy(update={"limitations": Limitations(max_concurrent_tasks=2, max_concurrent_ceiling=3)})
+    plan = plan_bootstrap(node=NODE, desired=STATE, host="x86-spill", facts=probe, observed=FakeNode().observe("x86-spill", NODE))
+    (register,) = [s for s in plan.steps if s.kind == "register"]
+    assert register.record is not None
+    assert (register.record.max_concurrent_tasks, register.record.max_concurrent_ceiling) == (2, 3)
+    assert register.record.lowered_limits == [
+        "max_concurrent_tasks 4 lowered to 2 by the probe",
+        "max_concurrent_ceiling 8 lowered to 3 by the probe",
+    ]
