@@ -10,7 +10,7 @@
       lock: has the world drifted (pass_memo.drift)? A changed table only: a
       full pass that reloads it (PassOptions.nft_reload)
     3 a hit: re-send the memo's heartbeat (its in_flight with the lane jobs of
-      the lanes whose agent runs here read afresh from the registry: they change
+      the lanes whose jobs run here read afresh from the registry: they change
       without any drift) and check the registry's epoch (a new plan: full
       pass), one audit line, this host's pass series refreshed
       (pass_memo.refreshed_metrics); the outcome is a MemoHit

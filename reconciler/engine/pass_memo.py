@@ -14,7 +14,7 @@ applied or written) leaves a memo in the state directory:
                   with the lane jobs counted afresh
     load_services the placed service units running (the rest of in_flight
                   but the lane jobs: the drift check keeps it true)
-    lanes_here    the lanes whose agent runs here: their jobs start and end
+    lanes_here    the lanes whose jobs run here: their jobs start and end
                   without any drift, so each memoized pass reads them
     epoch         the registry's plan epoch the pass saw (None: no registry)
 

@@ -107,7 +107,7 @@ class Measured:
 
     load: HostLoad
     units: dict[str, str]
-    lanes: tuple[str, ...]  # the lanes whose agent runs here (a memoized pass re-reads their jobs)
+    lanes: tuple[str, ...]  # the lanes whose jobs run here (a memoized pass re-reads them)
 
 
 def lanes_here(desired: DesiredState, host: str) -> tuple[str, ...]:
@@ -115,7 +115,7 @@ def lanes_here(desired: DesiredState, host: str) -> tuple[str, ...]:
 
 
 def measure(desired: DesiredState, host: str, seen: UnitsSeen, registry: Registry) -> Measured:
-    """The host's load from its units and, for the lanes whose agent runs
+    """The host's load from its units and, for the lanes whose jobs run
     here, the lane queue (asked only when there is such a lane)."""
     lanes = lanes_here(desired, host)
     lane_in_flight = registry.lane_in_flight() if lanes else {}

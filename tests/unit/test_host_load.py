@@ -115,8 +115,8 @@ def test_limits_above_probe_is_validated_like_the_other_override_keys(tmp_path) 
         assert any(str(p).startswith(f"{spill}: {said}") for p in caught.value.problems), caught.value.problems
 
 
-def test_the_lanes_whose_agent_runs_on_a_host() -> None:
-    """A compute lane's agent on its push host, the local lane's on the control host (as render places them)."""
+def test_the_lanes_whose_jobs_run_on_a_host() -> None:
+    """A compute lane's on its push host (its agent), the local lane's on the control host (phaze's own processing)."""
     from reconciler.core.desired.load import load_desired
     from tests.conftest import EXAMPLE_FLEET
 

@@ -1,7 +1,8 @@
 """How busy a host is, as its heartbeat reports it (`NodeRecord.in_flight`): pure.
 
 One account of the machine: the placed service units running on the host
-plus the lane jobs running on the lanes whose agent runs there, plus the
+plus the lane jobs running on the lanes whose jobs run there (a compute
+lane's agent on its push host, the local lane on the control host), plus the
 tasks other engines report (none yet). The engine reads the unit states and
 the lane queue through its ports and hands them in; nothing here asks.
 
@@ -25,7 +26,7 @@ class HostLoad:
     """What runs on one host, by who runs it; `in_flight` is their sum."""
 
     services: int  # placed service units running here
-    lane_jobs: int  # jobs running on the lanes whose agent runs here
+    lane_jobs: int  # jobs running on the lanes whose jobs run here
     # Tasks other engines run here (the Ray issue): none reports yet. This is
     # the one place their count joins the account.
     engine_tasks: int = 0
@@ -52,7 +53,7 @@ def services_running(placed_units: Iterable[str], unit_states: Mapping[str, str]
 
 
 def lane_jobs_running(lanes_here: Iterable[str], lane_in_flight: Mapping[str, int]) -> int:
-    """The jobs running on the lanes whose agent runs on this host (the lane queue's claimed slots)."""
+    """The jobs running on the lanes whose jobs run on this host (the lane queue's claimed slots)."""
     return sum(max(0, lane_in_flight.get(lane, 0)) for lane in set(lanes_here))
 
 

@@ -49,7 +49,7 @@ class NodeRecord(_Record):
     max_concurrent_tasks: int = Field(default=1, ge=0)
     max_concurrent_ceiling: int | None = None
     # Measured by the node's pass: the placed service units active here plus
-    # the lane jobs running on lanes whose agent runs here (one account).
+    # the lane jobs running on the lanes whose jobs run here (one account).
     in_flight: int = Field(default=0, ge=0)
     # The ActiveState of each fabric unit of the node's current generation
     # when it beat ("fabric-agent-a1-arm64.service": "failed"); lane health
