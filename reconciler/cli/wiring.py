@@ -246,7 +246,7 @@ def registry_path(sqlite_path: Path | None, root: Path, fleet: FleetConfig) -> P
 
 
 def program_paths() -> ProgramPaths:
-    """socat, podman and nft found on PATH: on NixOS they live in the store
+    """socat, podman, nft and systemd-tmpfiles found on PATH: on NixOS they live in the store
     (the module puts them on the pass's PATH), on Debian in /usr/bin."""
     import shutil
 
@@ -257,6 +257,7 @@ def program_paths() -> ProgramPaths:
         socat=shutil.which("socat") or default.socat,
         podman=shutil.which("podman") or default.podman,
         nft=shutil.which("nft") or default.nft,
+        systemd_tmpfiles=shutil.which("systemd-tmpfiles") or default.systemd_tmpfiles,
     )
 
 

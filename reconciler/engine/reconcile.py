@@ -106,6 +106,7 @@ class ProgramPaths:
     socat: str = Layout().socat
     podman: str = Layout().podman
     nft: str = Layout().nft
+    systemd_tmpfiles: str = Layout().systemd_tmpfiles
 
 
 def _no_registry(fleet: FleetConfig) -> Registry:
@@ -319,7 +320,13 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     for note in source.notes:
         ports.note(note)
     programs = ports.programs
-    layout = Layout(unit_dir=options.unit_dir.strip("/"), socat=programs.socat, podman=programs.podman, nft=programs.nft)
+    layout = Layout(
+        unit_dir=options.unit_dir.strip("/"),
+        socat=programs.socat,
+        podman=programs.podman,
+        nft=programs.nft,
+        systemd_tmpfiles=programs.systemd_tmpfiles,
+    )
     try:
         rendered = render(desired, host, facts, source.plan, layout=layout)
     except RenderError as exc:

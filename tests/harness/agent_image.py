@@ -9,7 +9,9 @@ it. Used by tests/integration/test_agent_podman.py and bench/agent_start.
 
 The agent proves it got its secret and its writable scratch directory (it
 copies $PHAZE_AGENT_TOKEN_FILE and $PHAZE_AGENT_QUEUE into
-$PHAZE_CLOUD_SCRATCH_DIR), then idles like a worker waiting for jobs.
+$PHAZE_CLOUD_SCRATCH_DIR), then idles like a worker waiting for jobs,
+answering every file pushed into the scratch dir as <name>.in with
+<name>.out ("analysed" and the file's text).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ AGENT_COMMAND = ["/bin/fabric-test-agent"]
 AGENT_SCRIPT = """#!/bin/sh
 cat "$PHAZE_AGENT_TOKEN_FILE" > "$PHAZE_CLOUD_SCRATCH_DIR/token-seen"
 echo "$PHAZE_AGENT_QUEUE" > "$PHAZE_CLOUD_SCRATCH_DIR/queue-seen"
+# A job: every file pushed as <name>.in is read and answered with <name>.out.
+(
+  while :; do
+    for pushed in "$PHAZE_CLOUD_SCRATCH_DIR"/*.in; do
+      [ -f "$pushed" ] && [ ! -e "${pushed%.in}.out" ] && { echo analysed; cat "$pushed"; } > "${pushed%.in}.out"
+    done
+    sleep 1
+  done
+) &
 exec sleep 2147483647
 """
 # What the agent's process looks like (pgrep -f).

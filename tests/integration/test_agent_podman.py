@@ -10,6 +10,10 @@
   container reads its *_FILE secret and writes its scratch directory; stopping
   the unit removes the container. Two co-located agents (two lanes on one
   host) run side by side, each with its own queue, token and scratch dir.
+- phaze's push: a file rsync'ed as the lane's ssh_user into its scratch_dir
+  on the host (under /var/lib or not) is read by the agent, whose answer
+  appears beside it at the real path; the agent cannot write a directory of
+  that user's group outside its scratch dir.
 
 The image is built here (tests/harness/agent_image.py: a static busybox and
 an agent script, `podman import`, saved as an OCI archive the unit names).
@@ -44,6 +48,7 @@ UNIT = f"fabric-agent-{LANE}.service"
 IMAGE_ARCHIVE = "/srv/fabric-test/agent-image.tar"
 SCRATCH = "/var/lib/phaze/scratch"
 TOKEN = "token-for-the-agent\n"
+PUSHER = "phaze"  # the example fleet's ssh_user
 
 
 def facts(host: str) -> NodeFacts:
@@ -109,7 +114,36 @@ def container() -> Iterator[SystemdContainer]:
     # pivot_root, not chroot: the kernel lets no chrooted process make the
     # user namespace rootless podman needs.
     with systemd_container(user_namespaces=True) as booted:
+        # phaze's push user (the lanes' ssh_user), with its own group, as on a
+        # host phaze pushes to.
+        added = booted.run("useradd", "--system", "--user-group", "--no-create-home", PUSHER)
+        assert added.returncode == 0, added.stderr
         yield booted
+
+
+def as_pusher(container: SystemdContainer, *argv: str) -> subprocess.CompletedProcess[str]:
+    return container.run("setpriv", f"--reuid={PUSHER}", f"--regid={PUSHER}", "--init-groups", *argv)
+
+
+def push_and_wait_for_the_answer(container: SystemdContainer, scratch: str, job: str) -> None:
+    """What phaze does: rsync -a a file into the lane's scratch_dir on the
+    host, logged in as ssh_user; the agent reads it (the file is 0640, so
+    only through its group) and writes its answer beside it, at the real path,
+    which phaze can read and remove."""
+    text = f"audio of {job}\n"
+    outbox = f"/srv/phaze-outbox/{job}"
+    assert container.run("mkdir", "-p", outbox).returncode == 0
+    container.write_file(f"{outbox}/{job}.in", text, mode=0o640)
+    assert container.run("chown", "-R", f"{PUSHER}:{PUSHER}", "/srv/phaze-outbox").returncode == 0
+    pushed = as_pusher(container, "rsync", "-a", f"{outbox}/{job}.in", f"{scratch}/")
+    assert pushed.returncode == 0, pushed.stderr
+    answer = wait_until(
+        lambda: as_pusher(container, "cat", f"{scratch}/{job}.out").stdout == f"analysed\n{text}",
+        timeout=30,
+        what=f"the agent's answer to {job} at {scratch}/{job}.out, readable by {PUSHER}",
+    )
+    assert answer
+    assert as_pusher(container, "rm", f"{scratch}/{job}.in", f"{scratch}/{job}.out").returncode == 0
 
 
 def as_unit_user(container: SystemdContainer, uid: int, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -182,6 +216,9 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert payload, "the agent's process is not running"
     owners = {container.run("ps", "-o", "uid=", "-p", pid).stdout.strip() for pid in payload}
     assert owners == {str(uid)}
+    # A scratch dir under /var/lib is the pusher's real directory too, not a
+    # state directory behind /var/lib/private (where phaze cannot reach).
+    push_and_wait_for_the_answer(container, SCRATCH, "inside")
 
     stopped = container.systemctl("stop", UNIT, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
@@ -212,7 +249,7 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
     text = fleet.read_text()
     second = (
         f'[[backends]]\nkind = "compute"\nid = "{SECOND}"\nrank = 25\ncap = 1\nagent_ref = "{SECOND}"\n'
-        f'push_host = "{LANE}"\nscratch_dir = "{SECOND_SCRATCH}"\n\n'
+        f'push_host = "{LANE}"\nscratch_dir = "{SECOND_SCRATCH}"\nssh_user = "{PUSHER}"\n\n'
     )
     fleet.write_text(text.replace("# --- Final catch", second + "# --- Final catch", 1))
     state = load_desired(tmp_path / "desired")
@@ -245,3 +282,63 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
     finally:
         for unit in units:
             container.systemctl("stop", unit, timeout=120)
+
+
+OUTSIDE_SCRATCH = "/srv/phaze/scratch"
+
+
+def test_agent_reads_what_phaze_pushes_to_a_scratch_dir_outside_var_lib(container: SystemdContainer, tmp_path: Path) -> None:
+    """issue 12's bug: a scratch_dir outside /var/lib was kept under the
+    unit's state directory, so phaze's push landed where the container never
+    looked. Now the container sees the declared path itself."""
+    archive = build_agent_image_archive(tmp_path)
+    desired_with_local_image(tmp_path)  # writes tmp_path/desired
+    fleet = tmp_path / "desired" / "fabric.toml"
+    text = fleet.read_text()
+    old = f'push_host = "{LANE}"\nscratch_dir = "{SCRATCH}"'
+    assert old in text
+    fleet.write_text(text.replace(old, f'push_host = "{LANE}"\nscratch_dir = "{OUTSIDE_SCRATCH}"'))
+    rendered = render(load_desired(tmp_path / "desired"), LANE, facts(LANE), plan())
+    unit_text = next(a.content for a in rendered.artifacts if a.unit == UNIT)
+    unit_file = tmp_path / UNIT
+    unit_file.write_text(unit_text)
+    assert exposure(unit_file) <= MAX_EXPOSURE
+
+    container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
+    container.host_path("/run/secrets/phaze").mkdir(parents=True, mode=0o700, exist_ok=True)
+    for name in ("push_key", "queue_url"):
+        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700, exist_ok=True)
+    container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
+    container.write_file(f"/etc/systemd/system/{UNIT}", unit_text)
+    assert container.systemctl("daemon-reload").returncode == 0
+    try:
+        started = container.systemctl("start", UNIT, timeout=120)
+        assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
+        seen = wait_until(lambda: container.run("cat", f"{OUTSIDE_SCRATCH}/token-seen").stdout, timeout=30, what="the agent's record of its token")
+        assert seen == TOKEN
+        # The directory is the pusher's, with its group, setgid, at its real path.
+        assert container.run("stat", "-c", "%U:%G %a %F", OUTSIDE_SCRATCH).stdout.strip() == f"{PUSHER}:{PUSHER} 2770 directory"
+        push_and_wait_for_the_answer(container, OUTSIDE_SCRATCH, "outside")
+        # The group opens the scratch dir only: another directory of the
+        # pusher's group is read-only in the unit's namespace (ProtectSystem=
+        # strict; ReadWritePaths= names the scratch dir alone).
+        other = "/srv/phaze/other"
+        assert container.run("install", "-d", "-o", PUSHER, "-g", PUSHER, "-m", "2770", other).returncode == 0
+        main_pid = unit_property(container, "MainPID")
+        uid = container.run("ps", "-o", "uid=", "-p", main_pid).stdout.strip()
+        gid = container.run("getent", "group", PUSHER).stdout.split(":")[2]
+
+        def touch_as_the_agent(path: str) -> subprocess.CompletedProcess[str]:
+            return container.run(
+                "nsenter", "-t", main_pid, "-m", "--", "setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={gid}", "touch", path
+            )
+
+        assert touch_as_the_agent(f"{OUTSIDE_SCRATCH}/written-by-the-agent").returncode == 0
+        refused = touch_as_the_agent(f"{other}/written-by-the-agent")
+        assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused
+        # Nothing was kept under the unit's state directory.
+        assert not container.host_path(f"/var/lib/private/fabric-agent-{LANE}/volumes").exists()
+    finally:
+        container.systemctl("stop", UNIT, timeout=120)

@@ -103,8 +103,8 @@ def executables(artifacts: list[Artifact]) -> set[str]:
     found = set()
     for a in artifacts:
         for line in a.content.splitlines():
-            if line.startswith(("ExecStart=", "ExecStop=", "ExecStopPost=", "ExecReload=")):
-                first = line.split("=", 1)[1].split()[0].strip('"')
+            if line.startswith(("ExecStartPre=", "ExecStart=", "ExecStop=", "ExecStopPost=", "ExecReload=")):
+                first = line.split("=", 1)[1].split()[0].lstrip("+-").strip('"')
                 found.add(first)
     return found
 
@@ -129,6 +129,7 @@ cap = 1
 agent_ref = "a1-arm64-b"
 push_host = "a1-arm64"
 scratch_dir = "/var/lib/phaze/scratch-b"
+ssh_user = "phaze"
 token_file = "/run/keys/phaze-b.token"
 
 """
@@ -163,6 +164,34 @@ def test_co_located_agent_units_pass_systemd_analyze_verify(tmp_path: Path) -> N
         )
     )
     with pytest.raises(ActivationError, match="fabric-agent-a1-arm64-b.service"):
+        SystemdAnalyzeVerifier(PrefixRunner(stub_programs_prefix(tmp_path / "stubs2", missing))).verify(paths)
+
+
+def test_agent_unit_with_a_scratch_dir_outside_var_lib_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """x86-spill's scratch_dir moved to /srv/scratch: the unit that creates it
+    (systemd-tmpfiles from StandardInputText=), joins its group and writes
+    it passes the real check, and a broken path in those lines fails it."""
+    require_root()
+    require("systemd-analyze", "unshare", "mount")
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    for f in EXAMPLE_FLEET.glob("*.toml"):
+        (desired / f.name).write_text(f.read_text())
+    fleet = desired / "fabric.toml"
+    text = fleet.read_text()
+    old = 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"'
+    assert old in text
+    fleet.write_text(text.replace(old, 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"'))
+    facts = NodeFacts(node_id="x86-spill", k3s_hostname="x86-spill", hardware=Hardware(arch="x86_64"), tier="cpu_ffmpeg")
+    artifacts = list(render(load_desired(desired), "x86-spill", facts, FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())).artifacts)
+    agent = next(a for a in artifacts if a.unit == "fabric-agent-x86-spill.service")
+    assert "ReadWritePaths=-/srv/scratch\n" in agent.content
+    paths = write_units(tmp_path / "generation", [agent])
+    missing = sorted(p for p in executables([agent]) if not Path(p).exists())
+    SystemdAnalyzeVerifier(PrefixRunner(stub_programs_prefix(tmp_path / "stubs", missing))).verify(paths)
+    # The check reads these lines: a relative scratch path fails it.
+    Path(paths[0]).write_text(agent.content.replace("ReadWritePaths=-/srv/scratch", "ReadWritePaths=-srv/scratch"))
+    with pytest.raises(ActivationError, match="fabric-agent-x86-spill.service"):
         SystemdAnalyzeVerifier(PrefixRunner(stub_programs_prefix(tmp_path / "stubs2", missing))).verify(paths)
 
 

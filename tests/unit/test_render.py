@@ -266,7 +266,8 @@ def co_located(tmp_path: Path, *, token_file: str | None = None) -> DesiredState
         "cap = 1\n"
         'agent_ref = "a1-arm64-b"\n'
         'push_host = "a1-arm64"\n'
-        'scratch_dir = "/var/lib/phaze/scratch-b"\n' + (f'token_file = "{token_file}"\n' if token_file else "") + "\n"
+        'scratch_dir = "/var/lib/phaze/scratch-b"\n'
+        'ssh_user = "phaze"\n' + (f'token_file = "{token_file}"\n' if token_file else "") + "\n"
     )
     return edited(tmp_path, "# --- Tier 2: paid/trial x86", second + "# --- Tier 2: paid/trial x86")
 
@@ -279,8 +280,8 @@ def test_co_located_agents_each_get_their_own_unit_queue_scratch_dir_and_token(t
     assert 'Environment="PHAZE_AGENT_QUEUE=phaze-agent-a1-arm64-b"' in second
     assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/var/lib/phaze/scratch"' in first
     assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/var/lib/phaze/scratch-b"' in second
-    assert "StateDirectory=fabric-agent-a1-arm64 phaze/scratch\n" in first
-    assert "StateDirectory=fabric-agent-a1-arm64-b phaze/scratch-b\n" in second
+    assert "ReadWritePaths=-/var/lib/phaze/scratch\n" in first
+    assert "ReadWritePaths=-/var/lib/phaze/scratch-b\n" in second
     # Each its own token, by default under agent.token_dir/<agent_ref>/, as a credential.
     for text, ref in ((first, "a1-arm64"), (second, "a1-arm64-b")):
         token = f"/run/secrets/phaze/agents/{ref}/token"
@@ -483,19 +484,52 @@ def test_the_snippet_replaces_an_exact_or_glob_import_in_the_main_caddyfile() ->
     assert complete_caddy_config("import /etc/caddy/other*.caddy\n", "etc/caddy/fabric.caddy", snippet) == snippet
 
 
-def test_podman_agent_scratch_dir_is_a_state_directory_of_its_unit(tmp_path: Path) -> None:
-    # Under /var/lib it stays where it is named (systemd gives it to the unit's
-    # dynamic user); elsewhere the unit keeps it in its own state directory,
-    # the container still sees the named path, and the operator is told.
-    arm = unit(files(example(), "a1-arm64"), "fabric-agent-a1-arm64.service")
-    assert "StateDirectory=fabric-agent-a1-arm64 phaze/scratch\n" in arm
-    assert '"--volume=/var/lib/phaze/scratch:/var/lib/phaze/scratch"' in arm
+def assert_scratch_dir_is_the_pushers_at_its_real_path(text: str, scratch: str, state_directory: str) -> None:
+    """phaze pushes as the lane's ssh_user ("phaze") into scratch_dir on the
+    host, and the container reads the same directory at the same path."""
+    # The directory itself: the pusher's, 2770 with the pusher's group, made
+    # (or set right) before every start by systemd-tmpfiles as root.
+    assert f"StandardInputText=d {scratch} 2770 phaze phaze -\n" in text
+    assert 'ExecStartPre=+"/usr/bin/systemd-tmpfiles" --create -\n' in text
+    # The agent gets in through that group, kept into the container.
+    assert "SupplementaryGroups=phaze\n" in text
+    assert "--group-add=keep-groups" in text
+    # Writable for it: that directory, and otherwise only its own state.
+    assert re.findall(r"^ReadWritePaths=.*$", text, re.M) == [f"ReadWritePaths=-{scratch}"]
+    assert re.findall(r"^StateDirectory=.*$", text, re.M) == [f"StateDirectory={state_directory}"]
+    assert f'"--volume={scratch}:{scratch}"' in text
+    assert f'Environment="PHAZE_CLOUD_SCRATCH_DIR={scratch}"' in text
+    assert "/volumes" not in text and "/var/lib/private" not in text
+
+
+def test_podman_agent_scratch_dir_under_var_lib_is_the_pushers_directory(tmp_path: Path) -> None:
+    # Not a StateDirectory=: with DynamicUser=yes that would live in
+    # /var/lib/private (0700 root), where phaze's push cannot reach.
+    rendered = render(example(), "a1-arm64", facts("a1-arm64"), golden_plan())
+    arm = next(a.content for a in rendered.artifacts if a.unit == "fabric-agent-a1-arm64.service")
+    assert_scratch_dir_is_the_pushers_at_its_real_path(arm, "/var/lib/phaze/scratch", "fabric-agent-a1-arm64")
+    assert "DynamicUser=yes\n" in arm
+
+
+def test_podman_agent_scratch_dir_outside_var_lib_is_seen_at_its_real_path(tmp_path: Path) -> None:
+    # issue 12: it was kept in /var/lib/fabric-agent-<id>/volumes/..., where
+    # phaze's push never arrives.
     state = edited(
         tmp_path, 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"', 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"'
     )
     rendered = render(state, "x86-spill", facts("x86-spill"), golden_plan())
     x86 = next(a.content for a in rendered.artifacts if a.unit == "fabric-agent-x86-spill.service")
-    assert "StateDirectory=fabric-agent-x86-spill fabric-agent-x86-spill/volumes/srv/scratch\n" in x86
-    assert '"--volume=/var/lib/fabric-agent-x86-spill/volumes/srv/scratch:/srv/scratch"' in x86
-    assert 'Environment="PHAZE_CLOUD_SCRATCH_DIR=/srv/scratch"' in x86
-    assert any("/srv/scratch is not under /var/lib" in note and "x86-spill" in note for note in rendered.notes)
+    assert_scratch_dir_is_the_pushers_at_its_real_path(x86, "/srv/scratch", "fabric-agent-x86-spill")
+    assert not any("/srv/scratch" in note for note in rendered.notes)
+
+
+def test_agent_of_a_lane_without_ssh_user_is_refused(tmp_path: Path) -> None:
+    # Its scratch dir must be given to the user phaze pushes as, which the
+    # fabric cannot know without ssh_user.
+    state = edited(
+        tmp_path,
+        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n',
+        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\n',
+    )
+    with pytest.raises(RenderError, match=r"fabric\.toml: backends\[x86-spill\]\.ssh_user: missing"):
+        render(state, "x86-spill", facts("x86-spill"), golden_plan())

@@ -85,6 +85,7 @@ class Layout:
     socat: str = "/usr/bin/socat"
     podman: str = "/usr/bin/podman"
     nft: str = "/usr/sbin/nft"
+    systemd_tmpfiles: str = "/usr/bin/systemd-tmpfiles"
 
     def unit_path(self, unit: str) -> str:
         return f"{self.unit_dir.strip('/')}/{unit}"
@@ -235,7 +236,9 @@ class _Workload:
     environment: tuple[tuple[str, str], ...]
     credentials: tuple[tuple[str, str], ...]
     bind_paths: tuple[str, ...]  # host paths a container gets read-only (the *_FILE secrets)
-    writable_paths: tuple[str, ...]  # host paths a container gets read-write (a lane's scratch_dir)
+    # A lane's scratch_dir and its lane's ssh_user (who pushes into it); the
+    # only host path a container gets read-write. None for a service.
+    scratch: tuple[str, str] | None
 
 
 def _fleet_file_name(desired: DesiredState) -> str:
@@ -268,6 +271,13 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
     # scratch dir are the lane's own (the model refuses them in agent.environment).
     queue = desired.queue_for(lane)
     token_file = desired.token_file_for(lane)
+    if lane.ssh_user is None:
+        # phaze falls back to its file server's user, which the desired state
+        # does not name: the scratch dir could not be given to the pusher.
+        raise RenderError(
+            f"{desired.fleet_file}: backends[{lane.id}].ssh_user: missing; the agent of lane {lane.id} runs on {lane.push_host}"
+            f" and its scratch_dir {lane.scratch_dir} must belong to the user phaze pushes as"
+        )
     assert queue is not None and token_file is not None and lane.scratch_dir is not None  # a compute lane, [agent] present
     env = {
         **agent.environment,
@@ -286,7 +296,7 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
         environment=tuple(sorted(env.items())),
         credentials=(),
         bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
-        writable_paths=(lane.scratch_dir,),
+        scratch=(lane.scratch_dir, lane.ssh_user),
     )
 
 
@@ -308,7 +318,7 @@ def _service_workload(desired: DesiredState, service: Service, arch: str | None,
         environment=tuple(sorted(env.items())),
         credentials=tuple(sorted(service.credentials.items())),
         bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
-        writable_paths=(),
+        scratch=None,
     )
 
 
@@ -321,11 +331,12 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
     credentials = [f"{name}:{path}" for name, path in w.credentials]
     exec_extra: list[str] = []
     rootless: dict[str, object] = {}  # the podman unit's own paths, for the template
+    scratch: dict[str, str] | None = None  # a lane's scratch_dir, for the template
     if w.image is not None:
         # Rootless podman as the unit's dynamic user: its home (image storage)
         # and runtime directory belong to that user, and it can read nothing
         # of root's, so every host path the container gets comes through
-        # systemd (credentials, state directories).
+        # systemd (credentials, state directories, the scratch dir's group).
         home = f"/var/lib/{unit.removesuffix('.service')}"
         runtime_dir = f"/run/{unit.removesuffix('.service')}"
         state_directories = [home.removeprefix("/var/lib/")]
@@ -365,16 +376,35 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
             name = next(k.lower() for k, v in w.environment if v == path and k.endswith("_FILE"))
             credentials.append(f"{name}:{path}")
             args.append(f"--volume=%d/{name}:{path.replace('%', '%%')}:ro")
-        for path in w.writable_paths:
-            # A lane's scratch_dir: a state directory of the unit, so systemd makes
-            # it the dynamic user's. Under /var/lib it stays where it is named.
-            if path.startswith("/var/lib/"):
-                host_path = path
-            else:
-                host_path = f"{home}/volumes{path}"
-                notes.append(f"{w.what} {w.id}: {path} is not under /var/lib, so its agent keeps it in {host_path} (the container sees {path})")
-            state_directories.append(host_path.removeprefix("/var/lib/"))
-            args.append(systemd_quote(f"--volume={host_path}:{path}"))
+        if w.scratch is not None:
+            # A lane's scratch_dir, at its real path on the host: phaze's rsync
+            # logs in as the lane's ssh_user and writes there, and the container
+            # sees the same directory at the same path. It cannot be a
+            # StateDirectory= of this unit: with DynamicUser=yes systemd keeps
+            # those in /var/lib/private (0700 root, so no login user reaches
+            # them) and makes them the dynamic user's, and a path outside
+            # /var/lib cannot be one at all (systemd.exec, DynamicUser=).
+            # So the directory is the pusher's, 2770 with the pusher's group
+            # (the setgid bit gives pushed files and the agent's outputs that
+            # group even when rsync keeps none), created or set right before
+            # every start by systemd-tmpfiles from a rule this unit carries
+            # (StandardInputText=, read as "-"; "+": it runs as root, outside
+            # the sandbox). The agent gets in as a member of that group
+            # (SupplementaryGroups=, kept into the container by crun:
+            # --group-add=keep-groups) and writes only there: ReadWritePaths=
+            # lifts ProtectSystem=strict for this directory alone. The dynamic
+            # user stays (no account to create on the host); its outputs
+            # outlive its UID, which systemd recycles, but a recycled UID
+            # outside the group cannot enter a 2770 directory to reach them.
+            path, pusher = w.scratch
+            scratch = {
+                "path": path.replace("%", "%%"),
+                "group": pusher,
+                "tmpfiles_rule": f"d {path} 2770 {pusher} {pusher} -".replace("%", "%%").replace("\\", "\\\\"),
+                "tmpfiles": systemd_quote(layout.systemd_tmpfiles),
+            }
+            args.append("--group-add=keep-groups")
+            args.append(systemd_quote(f"--volume={path}:{path}"))
         if w.credentials:
             # %d is the unit's credentials directory (LoadCredential=).
             args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
@@ -418,6 +448,7 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
         runtime_dir=rootless.get("runtime_dir"),
         runtime_directory=rootless.get("runtime_directory"),
         state_directories=rootless.get("state_directories"),
+        scratch=scratch,
         gpu=w.gpu,
         environment=environment,
         credentials=credentials,
