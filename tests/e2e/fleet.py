@@ -764,6 +764,9 @@ class Fleet:
             self._check(container, "mkdir", "-p", directory)
         for path, text in SECRET_FILES.items():
             container.write_file(path, text, mode=0o600)
+        # The lanes' ssh_user, as on a host phaze pushes to: a lane agent's
+        # unit gives its scratch dir to that user and joins its group.
+        self._check(container, "useradd", "--system", "--user-group", "--no-create-home", "phaze")
         # This host's own etcd identity at the fleet-wide paths; a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None
