@@ -491,9 +491,8 @@ def assert_scratch_dir_is_the_pushers_at_its_real_path(text: str, scratch: str, 
     # (or set right) before every start by systemd-tmpfiles as root.
     assert f"StandardInputText=d {scratch} 2770 phaze phaze -\n" in text
     assert 'ExecStartPre=+"/usr/bin/systemd-tmpfiles" --create -\n' in text
-    # The agent gets in through that group, kept into the container.
+    # The agent gets in through that group.
     assert "SupplementaryGroups=phaze\n" in text
-    assert "--group-add=keep-groups" in text
     # Writable for it: that directory, and otherwise only its own state.
     assert re.findall(r"^ReadWritePaths=.*$", text, re.M) == [f"ReadWritePaths=-{scratch}"]
     assert re.findall(r"^StateDirectory=.*$", text, re.M) == [f"StateDirectory={state_directory}"]

@@ -390,20 +390,23 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
             # every start by systemd-tmpfiles from a rule this unit carries
             # (StandardInputText=, read as "-"; "+": it runs as root, outside
             # the sandbox). The agent gets in as a member of that group
-            # (SupplementaryGroups=, kept into the container by crun:
-            # --group-add=keep-groups) and writes only there: ReadWritePaths=
-            # lifts ProtectSystem=strict for this directory alone. The dynamic
-            # user stays (no account to create on the host); its outputs
-            # outlive its UID, which systemd recycles, but a recycled UID
-            # outside the group cannot enter a 2770 directory to reach them.
+            # (SupplementaryGroups=; the container keeps it: podman, with no
+            # subgid range, writes its single-ID gid_map itself, so the kernel
+            # denies setgroups() in that namespace, user_namespaces(7)) and
+            # writes only there: ReadWritePaths= lifts ProtectSystem=strict for
+            # this directory alone. The dynamic user stays (a fixed User= would
+            # need an account the pass cannot create: it writes files and units
+            # only); its outputs outlive its UID, which systemd recycles, but a
+            # recycled UID outside the group cannot enter a 2770 directory.
             path, pusher = w.scratch
             scratch = {
                 "path": path.replace("%", "%%"),
                 "group": pusher,
-                "tmpfiles_rule": f"d {path} 2770 {pusher} {pusher} -".replace("%", "%%").replace("\\", "\\\\"),
+                # StandardInputText= resolves specifiers and C escapes; a Name
+                # and an AbsPath have no blank or '\\' (model.py), only '%' to double.
+                "tmpfiles_rule": f"d {path} 2770 {pusher} {pusher} -".replace("%", "%%"),
                 "tmpfiles": systemd_quote(layout.systemd_tmpfiles),
             }
-            args.append("--group-add=keep-groups")
             args.append(systemd_quote(f"--volume={path}:{path}"))
         if w.credentials:
             # %d is the unit's credentials directory (LoadCredential=).
