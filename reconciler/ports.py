@@ -370,10 +370,6 @@ class Registry(Protocol):
         """Claimed slots per lane."""
         ...
 
-    def report_lane(self, lane: str, available: bool) -> None:
-        """Record a lane's probe result (offline lanes take no new work)."""
-        ...
-
     # -- the lane job queue (fed by the job system; see reconciler.cli.lane) ----
     def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
         """Add each job as waiting (enqueued now, no attempts); a job already

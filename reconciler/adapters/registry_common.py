@@ -34,7 +34,6 @@ class LiveRead:
     alive: frozenset[str] = frozenset()
     states: dict[str, NodeState] = field(default_factory=dict)
     drains: dict[str, DrainRequest] = field(default_factory=dict)
-    lane_available: dict[str, bool] = field(default_factory=dict)
     lane_in_flight: dict[str, int] = field(default_factory=dict)
     plan: FleetPlan | None = None
     leader: LeaderInfo | None = None
@@ -113,14 +112,13 @@ class LifecycleMixin:
 
 def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]) -> Snapshot:
     nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
-    lane_ids = sorted(set(lanes) | set(read.lane_available) | set(read.lane_in_flight))
+    lane_ids = sorted(set(lanes) | set(read.lane_in_flight))
     return Snapshot(
         now=read.now,
         nodes=nodes,
         lanes=[
             SnapshotLane(
                 id=lane,
-                available=read.lane_available.get(lane, True),
                 in_flight=read.lane_in_flight.get(lane, 0),
             )
             for lane in lane_ids

@@ -15,7 +15,6 @@ Keys under the configured prefix P (default "/fabric"):
     P/epoch                 the epoch counter (decimal)
     P/plan                  the newest FleetPlan JSON
     P/lanes/<lane>/slot/<i> a SlotClaim JSON for each claimed slot i < cap
-    P/lanes/<lane>/available  "true" / "false"
     P/jobs/<job>            QueuedJob JSON (a lane job: id, enqueue time,
                             attempts, and its SlotClaim while it runs)
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
@@ -565,14 +564,6 @@ class EtcdRegistry(LifecycleMixin):
     def lane_in_flight(self) -> dict[str, int]:
         return dict(self._read().lane_in_flight)
 
-    def report_lane(self, lane: str, available: bool) -> None:
-        key = self._key("lanes", check_node_id(lane), "available")
-
-        async def op(c: _Client) -> None:
-            await c.put(key, b"true" if available else b"false")
-
-        self._call(op, f"the report of lane {lane}")
-
     # -- the lane job queue -------------------------------------------------------------
 
     def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
@@ -714,7 +705,6 @@ class EtcdRegistry(LifecycleMixin):
         facts: dict[str, NodeRecord] = {}
         stored: dict[str, NodeState] = {}
         drains: dict[str, DrainRequest] = {}
-        available: dict[str, bool] = {}
         in_flight: dict[str, int] = {}
         plan = leader = None
         epoch = 0
@@ -740,8 +730,6 @@ class EtcdRegistry(LifecycleMixin):
                 drains[parts[1]] = DrainRequest.model_validate_json(value)
             elif kind == "lanes" and len(parts) == 4 and parts[2] == "slot":
                 in_flight[parts[1]] = in_flight.get(parts[1], 0) + 1
-            elif kind == "lanes" and len(parts) == 3 and parts[2] == "available":
-                available[parts[1]] = value == b"true"
             elif key == "plan":
                 plan = FleetPlan.model_validate_json(value)
             elif key == "leader":
@@ -769,7 +757,6 @@ class EtcdRegistry(LifecycleMixin):
             alive=frozenset(alive),
             states=states,
             drains=drains,
-            lane_available=available,
             lane_in_flight=in_flight,
             plan=plan,
             leader=leader,

@@ -73,7 +73,6 @@ CREATE TABLE IF NOT EXISTS slots (
     expires_at REAL,               -- NULL: held until released
     PRIMARY KEY (lane, slot)
 );
-CREATE TABLE IF NOT EXISTS lanes (lane TEXT PRIMARY KEY, available INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- enqueue order (ties of enqueued_at)
     job_id TEXT NOT NULL UNIQUE,
@@ -414,13 +413,6 @@ class SqliteRegistry(LifecycleMixin):
         with self._tx(write=False) as db:
             return self._lane_in_flight(db, self._now())
 
-    def report_lane(self, lane: str, available: bool) -> None:
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO lanes (lane, available) VALUES (?, ?) ON CONFLICT(lane) DO UPDATE SET available = excluded.available",
-                (lane, int(available)),
-            )
-
     # -- reading it all, and the leader's lifecycle ----------------------------------
 
     def _read(self) -> LiveRead:
@@ -430,7 +422,6 @@ class SqliteRegistry(LifecycleMixin):
             records = {node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")}
             stored = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
             drains = {node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")}
-            lanes = {lane: bool(a) for lane, a in db.execute("SELECT lane, available FROM lanes")}
             in_flight = self._lane_in_flight(db, now)
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
             leader = self._current_leader(db, now)
@@ -445,7 +436,6 @@ class SqliteRegistry(LifecycleMixin):
             alive=frozenset(alive_at(records, moment)),
             states=states,
             drains=drains,
-            lane_available=lanes,
             lane_in_flight=in_flight,
             plan=FleetPlan.model_validate_json(row[0]) if row else None,
             leader=leader[0] if leader else None,

@@ -135,7 +135,10 @@ def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> None
     scaling = status.scaling
     print(f"queue depth {document['queue_depth']} (waiting lane jobs + replicas deferred for capacity)")
     for v in status.lanes:
-        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}{'' if v.available else '  OFFLINE'}")
+        state = "" if v.available else f"  OFFLINE: {v.reason}"
+        if v.available and v.full:
+            state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
+        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}{state}")
     for j in status.running:
         if j.claim is not None:
             print(f"running {j.job_id} in {j.claim.lane} slot {j.claim.slot} since {stamp(j.claim.claimed_at, now)}")

@@ -7,8 +7,8 @@ placements (with fallbacks), deferred replicas with their reasons, the lanes
 in dispatch order and any snapshot node that is not a declared host. With
 `--snapshot FILE` the snapshot is a saved one (`fabric registry export`, or
 hand-written: `{"now", "nodes": [{"node_id", "tier", "status", "in_flight",
-"max_concurrent_tasks", "arch", "labels"}], "lanes": [{"id", "available",
-"in_flight"}]}`); without it, the live registry's. Nothing is published: the
+"max_concurrent_tasks", "arch", "labels", "units"}], "lanes": [{"id",
+"in_flight"}]}`: a lane's health is its agent host's); without it, the live registry's. Nothing is published: the
 leader does that. `--json` prints the FleetPlan JSON.
 
 Exit status: 0 a plan was made (deferred work included); 1 the registry could
@@ -63,7 +63,9 @@ def render_plan(plan: FleetPlan, desired: DesiredState) -> str:
         lines.append("  none")
     lines.append("lanes (dispatch order):")
     for lane in plan.lanes:
-        state = "online" if lane.available else "offline"
+        state = "online" if lane.available else f"offline: {lane.reason}"
+        if lane.available and lane.full:
+            state = f"online, full: {'lane cap' if lane.full == 'cap' else f'host {lane.host} at capacity'}"
         lines.append(f"  {lane.kind:<7}  {lane.id:<{max(len(x.id) for x in plan.lanes)}}  rank {lane.rank:<3}  {lane.in_flight}/{lane.cap}  {state}")
     if plan.ignored_nodes:
         lines.append(f"ignored nodes (not declared hosts): {', '.join(plan.ignored_nodes)}")

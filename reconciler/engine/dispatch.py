@@ -14,8 +14,12 @@ The job system (phaze's control plane) feeds the registry's queue
 A lost race (the slot or the job taken by another dispatcher between the read
 and the transaction) re-reads the lanes and decides again; a job another
 dispatcher started is reported as such. Lanes come from the desired state
-(kind, rank, cap) and the registry (available, claimed slots: plain
-`claim_slot` holders share the same caps).
+(kind, rank, cap) and the registry's snapshot (`lanes.lane_views`: each lane's
+health from its agent host's node and agent unit, its claimed slots, and its
+host's capacity left beside the services placed there; plain `claim_slot`
+holders share the same caps). The lane's cap is taken atomically by
+`start_job`; the host's capacity is read with the snapshot, so two dispatchers
+racing for the last host slot can both win it until the next read.
 
 Also here: `run_dispatcher` (`fabric lane dispatch`'s loop), `finish_job`
 (`fabric lane done/fail`) and `lane_status` (`fabric lane status`).
@@ -33,7 +37,7 @@ from datetime import datetime
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
 from reconciler.core.live.records import QueuedJob, ScalingRecord
-from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key, take_slot
 from reconciler.core.timestamps import utc
 from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry, RegistryError, RegistryUnavailable
@@ -91,6 +95,11 @@ def current_lanes(registry: Registry, desired: DesiredState) -> tuple[dict[str, 
     return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
 
 
+def _started(views: dict[str, LaneView], lane: str) -> dict[str, LaneView]:
+    """The views after a job started in `lane` (its host's capacity shrinks for every lane on it)."""
+    return {view.id: view for view in take_slot(list(views.values()), lane)}
+
+
 def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring)."""
     settings = desired.fleet.scheduler
@@ -110,8 +119,7 @@ def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEve
                 break
             claim = registry.start_job(job.job_id, decision.lane, caps[decision.lane])
             if claim is not None:
-                lane = views[decision.lane]
-                views[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+                views = _started(views, decision.lane)
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=claim.lane, slot=claim.slot)
                 break
             again = next((j for j in registry.lane_jobs() if j.job_id == job.job_id), None)
@@ -136,8 +144,7 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
         wanted = job_view(job, now)
         decision = choose_lane(sorted(current.values(), key=sort_key), wanted, settings)
         if decision.lane is not None:
-            lane = current[decision.lane]
-            current[decision.lane] = lane.model_copy(update={"in_flight": lane.in_flight + 1})
+            current = _started(current, decision.lane)
         out[job.job_id] = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=decision.lane, hold=decision.hold)
     return out
 

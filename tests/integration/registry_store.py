@@ -91,6 +91,21 @@ def scale_fleet_records(others: list[str]) -> list[NodeRecord]:
     return records + [NodeRecord(node_id=n, tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2) for n in others]
 
 
+def example_record(host: str, **changes: object) -> NodeRecord:
+    """`host`'s heartbeat as the example fleet's (tier, arch, limit of EXAMPLE_HOSTS)."""
+    tier, arch, limit = EXAMPLE_HOSTS[host]
+    values: dict = {"node_id": host, "tier": tier, "arch": arch, "max_concurrent_tasks": limit, **changes}
+    return NodeRecord(**values)
+
+
+def beat_example_fleet(registry: Registry, ttl_s: float | None = 86_400, hosts: list[str] | None = None) -> None:
+    """A heartbeat from every example host (or `hosts`): their lanes come
+    online (a lane is as healthy as its agent host). The long TTL keeps them
+    alive while a test moves its clock by hand; None: the fleet's node timeout."""
+    for host in hosts or list(EXAMPLE_HOSTS):
+        registry.heartbeat(example_record(host), ttl_s)
+
+
 def status_of(registry: Registry, node: str) -> str | None:
     return next((s.status for s in registry.node_states() if s.node_id == node), None)
 

@@ -27,6 +27,7 @@ from reconciler.engine.dispatch import dispatch_pass, finish_job, lane_status, r
 from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import T0, FakeClock
+from tests.integration.registry_store import beat_example_fleet, example_record
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +122,7 @@ def test_the_snapshot_reports_the_concurrency_override_within_the_ceiling(store)
 
 def test_jobs_fill_the_cheapest_lane_then_spill_and_reach_local_only_through_the_gates(store, desired):
     registry = store.open()
+    beat_example_fleet(registry)
     jobs = [f"job-{i}" for i in range(8)]
     registry.enqueue_jobs(jobs)
     store.clock.advance(1)
@@ -154,9 +156,9 @@ def test_jobs_fill_the_cheapest_lane_then_spill_and_reach_local_only_through_the
     assert events["spent"].hold == "cloud_attempts_exhausted" and events["spent"].attempts == 3
     assert registry.lane_in_flight()["x86-spill"] == 3, "the spent job did not take the free cloud slot"
 
-    # An offline lane stalls nobody: with x86-spill offline and a slot free
-    # on a1-arm64, a fresh job goes there.
-    registry.report_lane("x86-spill", False)
+    # An offline lane stalls nobody: with x86-spill's agent failed and a slot
+    # free on a1-arm64, a fresh job goes there.
+    registry.heartbeat(example_record("x86-spill", units={"fabric-agent-x86-spill.service": "failed"}), 86_400)
     assert registry.finish_job("job-1") is not None
     registry.enqueue_jobs(["fresh"])
     assert outcome(dispatch_pass(registry, desired)) == {"fresh": "a1-arm64", "spent": "hold:cloud_attempts_exhausted"}
@@ -183,6 +185,7 @@ def test_a_failed_job_waits_again_with_one_more_attempt_only_after_a_cloud_lane(
 
 def test_lane_status_shows_what_a_pass_would_do_to_each_waiting_job_now(store, desired):
     registry = store.open()
+    beat_example_fleet(registry)
     registry.enqueue_jobs([f"job-{i}" for i in range(8)])
     assert registry.start_job("job-0", "a1-arm64", 2) is not None
     store.clock.advance(1)
@@ -223,6 +226,7 @@ class OutageFirst:
 
 def test_the_dispatcher_outlives_a_registry_outage_and_stops_when_asked(store, desired):
     registry = store.open()
+    beat_example_fleet(registry)
     registry.enqueue_jobs(["j1"])
     stop = threading.Event()
     events, logs = [], []
@@ -242,11 +246,12 @@ def test_the_dispatcher_outlives_a_registry_outage_and_stops_when_asked(store, d
 def test_racing_dispatcher_processes_never_put_more_than_its_cap_in_a_lane(store, tmp_path, desired):
     """Three real `fabric lane dispatch` processes loop over the same queue
     while this test finishes whatever runs; a1-arm64 (cap 2) is the only lane
-    that takes work (x86-spill offline, local gated), and at no observation
+    that takes work (x86-spill's agent failed, local gated), and at no observation
     does it hold more than two jobs. Every job is started exactly once."""
     desired_dir = store.desired_dir(tmp_path)
     registry = store.open(clock=_RealClock())
-    registry.report_lane("x86-spill", False)
+    beat_example_fleet(registry)
+    registry.heartbeat(example_record("x86-spill", units={"fabric-agent-x86-spill.service": "failed"}), 86_400)
     jobs = [f"race-{i:02d}" for i in range(12)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FABRIC_REGISTRY", None)

@@ -376,8 +376,7 @@ def test_a_timed_claim_lapses_when_its_dispatcher_never_releases(store):
 
 def test_snapshot_has_every_declared_lane_and_the_plan(store):
     registry = store.open()
-    registry.heartbeat(record("qfox-1", "gpu_cuda", in_flight=1), ttl_s=30)
-    registry.report_lane("x86-spill", False)
+    registry.heartbeat(record("qfox-1", "gpu_cuda", in_flight=1, units={"fabric-agent-lupine.service": "failed"}), ttl_s=30)
     registry.claim_slot("a1-arm64", 2, holder="d")
     term = registry.campaign("lux", 30)
     from reconciler.core.live.models import Placement
@@ -385,15 +384,13 @@ def test_snapshot_has_every_declared_lane_and_the_plan(store):
     plan = a_plan().model_copy(update={"placements": [Placement(service="lupine", replica=0, node="qfox-1", tier="gpu_cuda")]})
     registry.publish_plan(term, plan)
     snap = registry.snapshot(lanes=["a1-arm64", "x86-spill", "local"])
-    assert [(lane.id, lane.available, lane.in_flight) for lane in snap.lanes] == [
-        ("a1-arm64", True, 1),
-        ("local", True, 0),
-        ("x86-spill", False, 0),
-    ]
+    assert [(lane.id, lane.in_flight) for lane in snap.lanes] == [("a1-arm64", 1), ("local", 0), ("x86-spill", 0)]
     assert snap.leader == "lux" and snap.epoch == registry.epoch()
     assert [(p.service, p.node) for p in snap.placements] == [("lupine", "qfox-1")]
     (node,) = snap.nodes
     assert (node.node_id, node.in_flight, node.max_concurrent_tasks, node.utilization) == ("qfox-1", 1, 2, 0.5)
+    # The units' states the host beat with reach the snapshot (lane health reads them).
+    assert node.units == {"fabric-agent-lupine.service": "failed"}
     # The export format is what `fabric schedule --snapshot` reads back.
     from reconciler.core.live.models import Snapshot
 

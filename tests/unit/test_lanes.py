@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import SchedulerSettings
-from reconciler.core.live.models import LaneView, Snapshot, SnapshotLane
+from reconciler.core.live.models import LaneView, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.scheduling.lanes import LaneDecision, LaneJob, choose_lane, eligible_lanes, lane_views, sort_key
 from tests.conftest import EXAMPLE_FLEET
 
@@ -133,16 +133,12 @@ def test_dispatching_a_queue_fills_by_rank_then_holds():
 
 def test_lane_views_join_declared_lanes_with_the_snapshot():
     desired = load_desired(EXAMPLE_FLEET)
-    snap = Snapshot(
-        lanes=[
-            SnapshotLane(id="x86-spill", available=False, in_flight=3),
-            SnapshotLane(id="not-declared", in_flight=9),
-        ]
-    )
+    hosts = [SnapshotNode(node_id=h, tier="cpu_ffmpeg", max_concurrent_tasks=4) for h in ("a1-arm64", "x86-spill", "lux")]
+    snap = Snapshot(nodes=hosts, lanes=[SnapshotLane(id="x86-spill", in_flight=3), SnapshotLane(id="not-declared", in_flight=9)])
     views = lane_views(desired, snap)
     assert [(v.id, v.kind, v.rank, v.cap, v.in_flight, v.available) for v in views] == [
-        ("a1-arm64", "compute", 10, 2, 0, True),  # missing from the snapshot: available, idle
-        ("x86-spill", "compute", 20, 4, 3, False),
+        ("a1-arm64", "compute", 10, 2, 0, True),  # missing from the snapshot's lanes: idle
+        ("x86-spill", "compute", 20, 4, 3, True),
         ("local", "local", 99, 1, 0, True),
     ]
 

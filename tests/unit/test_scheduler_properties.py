@@ -10,6 +10,8 @@
   it is below min_tier.
 - A whole plan accounts for every replica once, and kept placements plus new
   ones respect every node's limit.
+- Services placed on a host plus the lane jobs of its lanes (running, and
+  started by the dispatcher over the plan's lane view) never exceed its limit.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig
-from reconciler.core.live.models import Placement, Snapshot, SnapshotNode
+from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig, Lane, SchedulerSettings
+from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
+from reconciler.core.scheduling.lanes import LaneJob, agent_host, choose_lane, take_slot
 from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, accepts_new_work, explain_deferral, schedule
 
 _REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "scheduler" / "reference.py"
@@ -33,6 +36,7 @@ _spec.loader.exec_module(reference)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 NAMES = [f"n{i}" for i in range(12)]
+SETTINGS_LANES = SchedulerSettings(local_spill_after_s=900, cloud_attempts=3)
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Few tiers per fleet make ties and fallbacks between them common.
@@ -196,3 +200,96 @@ def test_plans_respect_limits_and_floors_and_account_for_every_replica(nodes, se
         assert kept_on[node_id] <= limit
         if new_on[node_id]:
             assert max(by_id[node_id].in_flight, kept_on[node_id]) + new_on[node_id] <= limit
+
+
+# --------------------------------------------------------------------------
+# One account of capacity: services placed + lane jobs on a host
+
+
+@st.composite
+def lanes_strategy(draw):
+    """Compute lanes pushed to random hosts and the local lane (on n0, the
+    first control host of `_desired`), each with the jobs running on it."""
+    lanes, running = [], {}
+    for i in range(draw(st.integers(0, 3))):
+        cap = draw(st.integers(1, 4))
+        lane_id = f"lane{i}"
+        lanes.append(
+            {
+                "kind": "compute",
+                "id": lane_id,
+                "rank": draw(st.sampled_from([10, 20])),
+                "cap": cap,
+                "agent_ref": lane_id,
+                "push_host": draw(st.sampled_from(NAMES[:4])),
+                "scratch_dir": "/var/lib/scratch",
+            }
+        )
+        running[lane_id] = draw(st.integers(0, cap))
+    cap = draw(st.integers(1, 2))
+    lanes.append({"kind": "local", "id": "local", "rank": 99, "cap": cap})
+    running["local"] = draw(st.integers(0, cap))
+    return lanes, running
+
+
+@FAST
+@given(
+    nodes=nodes_strategy(min_size=1),
+    services=services_strategy(),
+    lanes=lanes_strategy(),
+    existing=st.lists(st.tuples(st.sampled_from([f"svc{i}" for i in range(5)]), st.integers(0, 4), st.sampled_from(NAMES)), max_size=8),
+    waited=st.sampled_from([0, 5000]),
+)
+def test_services_and_lane_jobs_on_a_host_never_exceed_its_limit(nodes, services, lanes, existing, waited):
+    """The scheduler places services beside the lane jobs running, then the
+    dispatcher starts jobs until it holds: on every host whose running lane
+    jobs alone fit its limit, services placed + lane jobs <= the limit; and
+    a node's reported in_flight (which counts its lane jobs) is never added
+    to them, so a host is never refused work it has room for by that count."""
+    declared, running = lanes
+    state = _desired(services, NAMES)
+    state = state.model_copy(update={"fleet": state.fleet.model_copy(update={"backends": [Lane.model_validate(b) for b in declared]})})
+    old = [Placement(service=s, replica=r, node=n, tier="relay") for s, r, n in existing]
+    snap = Snapshot(now=NOW, nodes=nodes, placements=old, lanes=[SnapshotLane(id=k, in_flight=v) for k, v in running.items()])
+    plan = schedule(snap, state)
+    by_id = {n.node_id: n for n in nodes}
+    host_of = {lane.id: agent_host(state, lane) for lane in state.lanes}
+
+    def lane_jobs(jobs: dict[str, int]) -> Counter:
+        out: Counter = Counter()
+        for lane_id, count in jobs.items():
+            out[host_of[lane_id]] += count
+        return out
+
+    placed = Counter(p.node for p in plan.placements)
+    before = lane_jobs(running)
+    for node_id, count in placed.items():
+        if before[node_id] <= by_id[node_id].max_concurrent_tasks:
+            assert count + before[node_id] <= by_id[node_id].max_concurrent_tasks
+
+    # The dispatcher over the plan's lane view: start jobs until it holds.
+    views = plan.lanes
+    after = dict(running)
+    for _ in range(20):
+        decision = choose_lane(views, LaneJob(waited_s=waited), SETTINGS_LANES)
+        if decision.lane is None:
+            break
+        after[decision.lane] += 1
+        views = take_slot(views, decision.lane)
+    else:
+        raise AssertionError("the lanes never filled")
+    jobs = lane_jobs(after)
+    for node_id, node in by_id.items():
+        started = jobs[node_id] - before[node_id]
+        if started:
+            # A job started on a host only while its one account had room.
+            assert max(node.in_flight, placed[node_id] + jobs[node_id]) <= node.max_concurrent_tasks
+            assert accepts_lane_work(node)
+    for lane_id, count in after.items():
+        cap = next(lane.cap for lane in state.lanes if lane.id == lane_id)
+        assert count <= max(cap, running[lane_id])
+
+
+def accepts_lane_work(node: SnapshotNode) -> bool:
+    held = node.held_off_until is not None and node.held_off_until > NOW
+    return node.status == "active" and not node.drained and not held

@@ -58,7 +58,7 @@ def test_json_is_one_document_for_scripts(capsys):
     assert code == EXIT_OK
     assert [lane["card"] for lane in doc["lanes"]] == [
         "COMPUTE · a1-arm64  RANK 10  1/2",
-        "COMPUTE · x86-spill  RANK 20  0/4  offline",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
         "LOCAL · local  RANK 99  0/1",
     ]
     assert (doc["leader"], doc["epoch"]) == ("lux", 7)
@@ -227,7 +227,6 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     try:
         registry.heartbeat(NodeRecord(node_id="a1-arm64", tier="cpu_ffmpeg", arch="aarch64", max_concurrent_tasks=2))
         registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=2))
-        registry.report_lane("x86-spill", False)
         leadership = registry.campaign("lux", ttl_s=60)
         assert leadership is not None
         plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired, leader="lux", epoch=registry.epoch() + 1)
@@ -241,9 +240,11 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     assert (code, err) == (EXIT_OK, "")
     assert [lane["card"] for lane in doc["lanes"]] == [
         "COMPUTE · a1-arm64  RANK 10  0/2",
-        "COMPUTE · x86-spill  RANK 20  0/4  offline",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
         "LOCAL · local  RANK 99  0/1",
     ]
+    offline = next(lane for lane in doc["lanes"] if lane["id"] == "x86-spill")
+    assert (offline["available"], offline["reason"]) == (False, "host x86-spill not reporting")
     assert {n["node"]: n["status"] for n in doc["nodes"]} == {
         "a1-arm64": "active",
         "lux": "active",

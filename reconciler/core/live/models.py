@@ -64,9 +64,10 @@ class SnapshotNode(_Live):
 
 
 class SnapshotLane(_Live):
+    """A lane as the registry sees it: its claimed slots. Its health is its
+    agent host's (reconciler.core.scheduling.lanes.lane_views)."""
+
     id: str
-    # False when the lane's probe failed this poll: that lane alone is offline.
-    available: bool = True
     in_flight: int = Field(default=0, ge=0)
 
 
@@ -94,12 +95,17 @@ class LaneView(_Live):
     cap: int
     in_flight: int
     available: bool
-    # Why the lane takes no job now, when it does not: offline
-    # ("host x86-spill offline since 04:01:12") or full.
+    # Why the lane is offline ("host x86-spill offline since 04:01:12"); a
+    # full lane says which account in `full`.
     reason: str | None = None
     # Which account is full when the lane has no free slot: its own cap, or
     # its push host's capacity (services and lane jobs draw from one account).
     full: Literal["cap", "host"] | None = None
+    # The host its jobs run on (a compute lane's push host, the local lane's
+    # control host) and that host's capacity left for new work (services and
+    # lane jobs, one account); None when the host is not reporting.
+    host: str | None = None
+    host_free: int | None = None
 
 
 class Snapshot(_Live):

@@ -54,6 +54,7 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
+from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
 from reconciler.core.templating import environment as template_environment
 
@@ -544,9 +545,7 @@ def render(
     seen: dict[str, str] = {}
     for w in workloads:
         if w.id in seen:
-            raise RenderError(
-                f"fabric-agent-{w.id}.service would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}"
-            )
+            raise RenderError(f"{agent_unit(w.id)} would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}")
         seen[w.id] = w.what
         artifacts.append(Artifact(layout.unit_path(agent_unit(w.id)), _agent_unit(w, layout, templates, notes), 0o644, "unit"))
 

@@ -1,19 +1,62 @@
-"""Lane dispatch (multi-compute.md): which lane takes the next job.
+"""Lane health and lane dispatch (multi-compute.md): which lanes may take work, which lane takes the next job.
 
-Pure: lanes and a job's age and attempts in, a `LaneDecision` out. Nothing is
-sent anywhere; the caller carries the decision out.
+Pure: the desired state and a snapshot in, `LaneView`s out (`lane_views`);
+lanes and a job's age and attempts in, a `LaneDecision` out (`choose_lane`).
+Nothing is sent anywhere; the caller carries the decision out. Every reader of
+a lane's state (`fabric dispatch --lane`, `fabric lane status`, `fabric status`
+and its page and metrics, the leader's plan, the lane dispatcher) reads the
+views `lane_views` makes, so they all say the same thing.
 
-Lanes come from the desired state (kind, rank, cap: `DesiredState.lanes`) and
-the live view from the snapshot (available, in_flight); a declared lane that is
-missing from the snapshot counts as available with nothing in flight, and a
+Lanes come from the desired state (kind, rank, cap: `DesiredState.lanes`); a
 snapshot lane that is not declared is ignored.
 
+Health: where a lane's jobs run (`lane_host`)
+    a compute lane's on its `push_host`, by its agent, the unit
+    `agent_unit(lane.id)` (the name the renderer gives it); the local lane's
+    on the control host (the first host with role "control"), by phaze's own
+    processing there: no agent of the fabric's runs it.
+
+A lane is online when all of these hold (`offline_reason`, checked in this
+order; the first that fails is the lane's `reason`):
+    1. it has a host: a local lane in a fleet without a control host has
+       none ("no host has role control");
+    2. that host's node is in the snapshot: a host that never beat, or whose
+       facts were dropped when it was declared dead, is "not reporting";
+    3. the node is active: not offline, dead or draining (drained or not),
+       and not held off (flapping) at the snapshot's `now`;
+    4. a compute lane's agent unit is active there: the node's heartbeat
+       carries the ActiveState of each of its fabric units
+       (`SnapshotNode.units`); an explicit state other than active (or
+       reloading, which is active) is down ("fabric-agent-a1-arm64.service
+       failed"). A node whose `units` is empty (a pass that does not
+       activate) or lacks the unit says nothing about it: not down;
+    5. (the lane broker's worker heartbeat goes here, as check 5 of
+       `offline_reason`, once the broker reports it.)
+
+One account of capacity, per host (`host_load`, also the scheduler's in
+reconciler.core.scheduling.placement):
+    Services placed on a host and lane jobs running on the lanes hosted there
+    (`lane_host`) draw from the host's one `max_concurrent_tasks`.
+        lane jobs(host)  = the registry's claimed slots of those lanes now
+                           (`SnapshotLane.in_flight`)
+        host load        = max(reported in_flight,
+                               services placed on it + lane jobs(host))
+    A node's reported `in_flight` already counts the lane jobs of its lanes
+    (and the services active there) as measured when it beat, so lane jobs
+    are never added to it: the two are two measurements of one account, and
+    the larger (the more recent claim, or work the plan does not know) wins.
+    Never in_flight + lane jobs: that counts every lane job twice.
+    A lane's free slots = min(cap - in_flight, max_concurrent_tasks - host
+    load), 0 when offline; `LaneView.full` says which one ran out ("cap"
+    first when both did). A lane whose host is not reporting has no host
+    account (it is offline anyway).
+
 Which lanes may take a job (`eligible_lanes`):
-    compute lane  available, in_flight < cap, and the job's cloud attempts are
-                  below `scheduler.cloud_attempts` (a job whose cloud attempts
-                  are spent only goes local).
-    local lane    available, in_flight < cap, and at least one of
-                  - no compute lane is available (every one offline, or none
+    compute lane  online, a free slot, and the job's cloud attempts are below
+                  `scheduler.cloud_attempts` (a job whose cloud attempts are
+                  spent only goes local).
+    local lane    online, a free slot, and at least one of
+                  - no compute lane is online (every one offline, or none
                     declared): immediately;
                   - the job has waited >= `scheduler.local_spill_after_s`;
                   - its cloud attempts >= `scheduler.cloud_attempts`.
@@ -25,7 +68,7 @@ A hold always carries the reason, chosen by what would release the job:
     cloud_attempts_exhausted  the job's cloud attempts are spent, so only a
                               local lane may take it, and none has a free slot
                               (full or offline, or no local lane declared).
-    local_spill_not_reached   every available compute lane is full and a
+    local_spill_not_reached   every online compute lane is full and a
                               local lane has a free slot, but the job has not
                               waited `local_spill_after_s` yet: time will
                               release it.
@@ -36,12 +79,18 @@ A hold always carries the reason, chosen by what would release the job:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from fractions import Fraction
 
-from reconciler.core.desired.model import DesiredState, SchedulerSettings
-from reconciler.core.live.models import HoldReason, LaneView, Snapshot, SnapshotLane
+from reconciler.core.desired.model import DesiredState, Lane, SchedulerSettings
+from reconciler.core.live.models import HoldReason, LaneView, Placement, Snapshot, SnapshotNode
+from reconciler.core.timestamps import utc
+
+# The ActiveStates of a unit that runs (systemd: "reloading" is an active unit reloading).
+RUNNING_STATES = frozenset({"active", "reloading"})
 
 
 @dataclass(frozen=True)
@@ -61,25 +110,132 @@ class LaneJob:
     attempts: int = 0
 
 
-def lane_views(desired: DesiredState, snapshot: Snapshot) -> list[LaneView]:
-    """Declared lanes with their live state, in sort-key order."""
-    live: dict[str, SnapshotLane] = {}
+def agent_unit(workload_id: str) -> str:
+    """The unit that runs a lane's agent (or a placed service) on its host:
+    `fabric-agent-a1-arm64.service`. The renderer names the units it writes
+    with this, and lane health looks the agent's state up by it."""
+    return f"fabric-agent-{workload_id}.service"
+
+
+def lane_host(desired: DesiredState, lane: Lane) -> str | None:
+    """The host `lane`'s jobs run on: a compute lane's push host (its agent
+    runs there), the local lane's control host (the first host with role
+    control); None when the fleet has no control host for a local lane."""
+    if lane.kind == "compute":
+        return lane.push_host
+    control = desired.hosts_with_role("control")
+    return control[0] if control else None
+
+
+def _clock_time(moment: datetime) -> str:
+    return utc(moment).strftime("%H:%M:%S")
+
+
+def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now: datetime) -> str | None:
+    """Why `lane` (its jobs on `host`, whose node is `node`) is offline at
+    `now`, or None when it is online (the checks of the module docstring)."""
+    if host is None:
+        return "no host has role control to run the local lane"
+    if node is None:
+        return f"host {host} not reporting"
+    if node.status in ("offline", "dead"):
+        since = f" since {_clock_time(node.last_seen)}" if node.last_seen is not None else ""
+        return f"host {host} {node.status}{since}"
+    if node.drained:
+        return f"host {host} drained"
+    if node.status != "active":
+        return f"host {host} {node.status}"
+    if node.held_off_until is not None and utc(node.held_off_until) > utc(now):
+        return f"host {host} held off until {_clock_time(node.held_off_until)} (flapping)"
+    if lane.kind == "compute":
+        unit = agent_unit(lane.id)
+        state = node.units.get(unit)
+        if state is not None and state not in RUNNING_STATES:
+            return f"{unit} {state}"
+        # The broker's worker heartbeat of this lane's agent: checked here once reported.
+    return None
+
+
+def lane_jobs_by_host(desired: DesiredState, in_flight: Mapping[str, int]) -> Counter[str]:
+    """Lane jobs running per host: each declared lane's jobs (`in_flight`,
+    lane id -> claimed slots) counted on its agent host."""
+    jobs: Counter[str] = Counter()
+    for lane in desired.lanes:
+        host = lane_host(desired, lane)
+        if host is not None and in_flight.get(lane.id, 0):
+            jobs[host] += in_flight[lane.id]
+    return jobs
+
+
+def host_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
+    """The host's one account (module docstring): the node's reported
+    in_flight, which already counts its lane jobs, or the services placed on
+    it plus the lane jobs claimed on its lanes now, whichever is larger."""
+    return max(node.in_flight, services + lane_jobs)
+
+
+def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[Placement] | None = None) -> list[LaneView]:
+    """Every declared lane with its health and capacity at `snapshot.now`, in
+    sort-key order. `placements` are the services placed (default: the
+    snapshot's, the plan in force); the leader passes the plan it makes."""
+    # The first record of a node or lane wins (as in the scheduler).
+    nodes: dict[str, SnapshotNode] = {}
+    for seen_node in snapshot.nodes:
+        nodes.setdefault(seen_node.node_id, seen_node)
+    in_flight: dict[str, int] = {}
     for seen_lane in snapshot.lanes:
-        live.setdefault(seen_lane.id, seen_lane)
+        in_flight.setdefault(seen_lane.id, seen_lane.in_flight)
+    jobs = lane_jobs_by_host(desired, in_flight)
+    services = Counter(p.node for p in (snapshot.placements if placements is None else placements))
     views = []
     for lane in desired.lanes:
-        seen = live.get(lane.id)
+        host = lane_host(desired, lane)
+        node = nodes.get(host) if host is not None else None
+        reason = offline_reason(lane, host, node, snapshot.now)
+        host_free = None
+        if node is not None and host is not None:
+            host_free = max(0, node.max_concurrent_tasks - host_load(node, services[host], jobs[host]))
         views.append(
-            LaneView(
-                id=lane.id,
-                kind=lane.kind,
-                rank=lane.rank,
-                cap=lane.cap,
-                in_flight=seen.in_flight if seen else 0,
-                available=seen.available if seen else True,
+            _view(
+                LaneView(
+                    id=lane.id,
+                    kind=lane.kind,
+                    rank=lane.rank,
+                    cap=lane.cap,
+                    in_flight=in_flight.get(lane.id, 0),
+                    available=reason is None,
+                    reason=reason,
+                    host=host,
+                    host_free=host_free,
+                )
             )
         )
     return sorted(views, key=sort_key)
+
+
+def _view(view: LaneView) -> LaneView:
+    """`view` with `full` set from its counts (a full lane's reason is that account)."""
+    full = None
+    if view.in_flight >= view.cap:
+        full = "cap"
+    elif view.host_free is not None and view.host_free <= 0:
+        full = "host"
+    return view.model_copy(update={"full": full})
+
+
+def take_slot(views: Sequence[LaneView], lane_id: str) -> list[LaneView]:
+    """The views after one more job started in `lane_id`: that lane has one
+    more in flight and every lane on the same host one slot less of it."""
+    chosen = next(v for v in views if v.id == lane_id)
+    out = []
+    for view in views:
+        update: dict[str, int] = {}
+        if view.id == lane_id:
+            update["in_flight"] = view.in_flight + 1
+        if view.host is not None and view.host == chosen.host and view.host_free is not None:
+            update["host_free"] = max(0, view.host_free - 1)
+        out.append(_view(view.model_copy(update=update)) if update else view)
+    return out
 
 
 def sort_key(lane: LaneView) -> tuple[int, Fraction, str]:
@@ -87,8 +243,19 @@ def sort_key(lane: LaneView) -> tuple[int, Fraction, str]:
     return (lane.rank, Fraction(lane.in_flight, lane.cap), lane.id)
 
 
+def free_slots(lane: LaneView) -> int:
+    """Slots a job may take now: none when offline, else the smaller of the
+    lane's cap left and its host's capacity left."""
+    if not lane.available:
+        return 0
+    left = lane.cap - lane.in_flight
+    if lane.host_free is not None:
+        left = min(left, lane.host_free)
+    return max(0, left)
+
+
 def has_free_slot(lane: LaneView) -> bool:
-    return lane.available and lane.in_flight < lane.cap
+    return free_slots(lane) > 0
 
 
 def eligible_lanes(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSettings) -> list[LaneView]:

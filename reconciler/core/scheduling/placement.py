@@ -28,11 +28,24 @@ Choosing
     and the required arch and labels (e.g. CUDA-only work in a fleet without
     CUDA) - waiting for capacity would not help.
 
-Load
-    A node's load starts at max(reported in_flight, placements kept on it):
-    `in_flight` includes work the node already runs, and a kept placement the
-    node has not applied yet still holds its slot. Every new placement adds one.
-    A node never receives work that would take it past max_concurrent_tasks.
+Load: one account of capacity per host
+    Services placed on a host and lane jobs running on the lanes whose agent
+    runs there (reconciler.core.scheduling.lanes: a compute lane's push host,
+    the local lane's control host) draw from the same max_concurrent_tasks.
+    A node's load starts at
+        max(reported in_flight, placements kept on it + lane jobs on it)
+    `in_flight` is what the node measured when it beat: its active services
+    plus the lane jobs of its lanes, so lane jobs are never added to it (that
+    would count each twice); the other term is the registry's account now (a
+    kept placement the node has not applied yet still holds its slot, and a
+    lane job claimed since the beat holds one too). Every new placement adds
+    one. A node never receives work that would take it past
+    max_concurrent_tasks, and a placement is kept only while the kept ones
+    plus its lane jobs fit: running lane jobs cannot be moved by the
+    scheduler, a service can. So services placed + lane jobs <= the limit on
+    every node whose lane jobs alone fit it. Lane dispatch reads the same
+    account the other way round (`lanes.lane_views`: a lane's free slots are
+    the smaller of its cap left and its host's capacity left).
 
 Existing placements (`snapshot.placements`)
     stay where they are while still feasible: the node is in the snapshot,
@@ -69,14 +82,14 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
-from reconciler.core.scheduling.lanes import lane_views
+from reconciler.core.scheduling.lanes import host_load, lane_jobs_by_host, lane_views
 from reconciler.core.timestamps import utc, utc_stamp
 
 Strategy = Literal["highest_tier", "best_fit"]
@@ -194,15 +207,24 @@ class Placer:
     sequence of `place` calls is a burst dispatched against one snapshot.
     """
 
-    def __init__(self, nodes: Iterable[SnapshotNode], now: datetime, strategy: Strategy = "highest_tier") -> None:
+    def __init__(
+        self,
+        nodes: Iterable[SnapshotNode],
+        now: datetime,
+        strategy: Strategy = "highest_tier",
+        lane_jobs: Mapping[str, int] | None = None,
+    ) -> None:
+        """`lane_jobs`: lane jobs running per host (`lanes.lane_jobs_by_host`),
+        drawn from the same capacity as the services (module docstring)."""
         self.now = utc(now)
         self.strategy: Strategy = strategy
         self.nodes: dict[str, SnapshotNode] = {}
         for node in nodes:
             self.nodes.setdefault(node.node_id, node)  # the first record of a node wins
+        self.lane_jobs: dict[str, int] = {n: jobs for n, jobs in (lane_jobs or {}).items() if jobs}
         accepting = sorted(n.node_id for n in self.nodes.values() if accepts_new_work(n, self.now))
         self._ranked: list[_Slot] = [
-            _Slot(self.nodes[node_id], self.nodes[node_id].in_flight, self.nodes[node_id].max_concurrent_tasks, rank)
+            _Slot(self.nodes[node_id], self._account(node_id, 0), self.nodes[node_id].max_concurrent_tasks, rank)
             for rank, node_id in enumerate(accepting)
         ]
         self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
@@ -216,12 +238,17 @@ class Placer:
     # ------------------------------------------------------------------
     # Loads
 
+    def _account(self, node_id: str, kept: int) -> int:
+        """The node's load with `kept` placements kept on it (module docstring):
+        its reported in_flight already counts its lane jobs, so they are added
+        to the registry's side only."""
+        return host_load(self.nodes[node_id], kept, self.lane_jobs.get(node_id, 0))
+
     def load(self, node_id: str) -> int:
         slot = self.slots.get(node_id)
         if slot is not None:
             return slot.load
-        node = self.nodes[node_id]
-        return max(node.in_flight, self._kept[node_id])
+        return self._account(node_id, self._kept[node_id])
 
     def keep(self, node_id: str, request: Request) -> bool:
         """Keep a placement already in force on `node_id` if still feasible."""
@@ -230,14 +257,15 @@ class Placer:
             return False
         if TIER_SCORE[node.tier] < TIER_SCORE[request.floor] or not request.matches(node):
             return False
-        if self._kept[node_id] >= node.max_concurrent_tasks:
+        # The lane jobs running there hold their slots: a kept service must fit beside them.
+        if self._kept[node_id] + self.lane_jobs.get(node_id, 0) >= node.max_concurrent_tasks:
             return False
         self._kept[node_id] += 1
         slot = self.slots.get(node_id)
         if slot is not None:
             # In flight already counts work the node applied; the kept
             # placement holds its slot whether applied yet or not.
-            self._set_load(slot, max(slot.node.in_flight, self._kept[node_id]))
+            self._set_load(slot, self._account(node_id, self._kept[node_id]))
         return True
 
     def _set_load(self, slot: _Slot, load: int) -> None:
@@ -465,7 +493,8 @@ def schedule_with_placer(
     declared = set(desired.hosts)
     nodes = [n for n in snapshot.nodes if n.node_id in declared]
     ignored = sorted({n.node_id for n in snapshot.nodes if n.node_id not in declared})
-    placer = Placer(nodes, snapshot.now, desired.fleet.scheduler.strategy)
+    lane_jobs = lane_jobs_by_host(desired, {lane.id: lane.in_flight for lane in snapshot.lanes})
+    placer = Placer(nodes, snapshot.now, desired.fleet.scheduler.strategy, lane_jobs)
     services = {s.id: s for s in desired.fleet.services}
 
     # 1. Keep what is in force and still feasible, before anything new claims
@@ -505,13 +534,15 @@ def schedule_with_placer(
             else:
                 deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
 
+    placements.sort(key=lambda p: (p.service, p.replica))
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,
         leader=leader or snapshot.leader or "what-if",
         created=utc(snapshot.now),
-        placements=sorted(placements, key=lambda p: (p.service, p.replica)),
+        placements=placements,
         deferred=sorted(deferred, key=lambda d: (d.service, d.replica)),
-        lanes=lane_views(desired, snapshot),
+        # The lanes beside the services this plan places (one account per host).
+        lanes=lane_views(desired, snapshot, placements),
         ignored_nodes=ignored,
     )
     return placer, plan

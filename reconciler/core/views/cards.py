@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import FleetPlan, LaneView, Snapshot, SnapshotNode
+from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
 from reconciler.core.views.timeline import FleetHistory, TimelineEvent, timeline
@@ -260,11 +260,9 @@ def fleet_status(
     Lanes come from the desired state (the only source of what lanes exist:
     a lane the registry reports but git does not declare is not shown). Their
     state (in flight, available, why not, which account is full) is the lane
-    view dispatch reads (`lane_views` of the snapshot), which is never older
-    than the plan (a published plan's lane view is a copy of the snapshot it
-    was made from, possibly minutes ago); the plan's view fills in a lane the
-    snapshot does not mention, and a lane neither mentions has the lane
-    view's defaults (online, nothing in flight), as the scheduler assumes.
+    view dispatch reads (`lane_views` of the snapshot, beside the services the
+    plan places): the snapshot is never older than the plan, whose own lane
+    view was made from a snapshot possibly minutes ago.
 
     The leader is the registry's current one (the plan's when the snapshot
     names none); the epoch is the plan's, else the snapshot's.
@@ -305,30 +303,24 @@ def exposure(desired: DesiredState) -> tuple[ExposureRow, ...]:
 
 
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
-    views: dict[str, LaneView] = {view.id: view for view in lane_views(desired, snapshot)}
-    # A lane the snapshot does not mention: the plan's copy, when it has one.
-    mentioned = {lane.id for lane in snapshot.lanes}
-    for view in plan.lanes if plan is not None else ():
-        if view.id in views and view.id not in mentioned:
-            views[view.id] = view
-    cards = []
-    for lane in desired.lanes:
-        view = views[lane.id]
-        cards.append(
-            LaneCard(
-                id=lane.id,
-                kind=lane.kind,
-                rank=lane.rank,
-                cap=lane.cap,
-                in_flight=view.in_flight,
-                available=view.available,
-                reason=view.reason,
-                full=view.full,
-                push_host=lane.push_host,
-            )
+    """The lane views every reader shares (`lane_views`), beside the services the plan places."""
+    placements = plan.placements if plan is not None else None
+    push_hosts = {lane.id: lane.push_host for lane in desired.lanes}
+    # lane_views gives multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
+    return tuple(
+        LaneCard(
+            id=v.id,
+            kind=v.kind,
+            rank=v.rank,
+            cap=v.cap,
+            in_flight=v.in_flight,
+            available=v.available,
+            reason=v.reason,
+            full=v.full,
+            push_host=push_hosts[v.id],
         )
-    # multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
-    return tuple(sorted(cards, key=lambda c: (c.rank, c.in_flight / c.cap, c.id)))
+        for v in lane_views(desired, snapshot, placements)
+    )
 
 
 def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, now: datetime) -> tuple[NodeRow, ...]:

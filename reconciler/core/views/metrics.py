@@ -193,7 +193,7 @@ def fleet_families(status: FleetStatus) -> list[Family]:
     lane_in_flight = Family("fabric_lane_in_flight", "gauge", "Jobs in flight on a lane.")
     lane_cap = Family("fabric_lane_cap", "gauge", "Most jobs a lane takes at once.")
     lane_rank = Family("fabric_lane_rank", "gauge", "A lane's rank: lowest is dispatched first.")
-    lane_up = Family("fabric_lane_up", "gauge", "1 if the lane's probe succeeded this poll, 0 if it is offline.")
+    lane_up = Family("fabric_lane_up", "gauge", "1 if the lane is online (its agent host active, its agent unit not down), 0 if it is offline.")
     for card in status.lanes:
         labels = {"lane": card.id, "kind": card.kind}
         lane_in_flight.add(card.in_flight, **labels)
