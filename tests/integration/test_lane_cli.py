@@ -8,7 +8,10 @@ import sqlite3
 import pytest
 
 from reconciler.cli import main
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.load import load_desired
 from tests.conftest import EXAMPLE_FLEET
+from tests.integration.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +19,12 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def lane(tmp_path, capsys):
     registry = tmp_path / "registry.sqlite"
+    # Every example host beats (a lane is as healthy as its agent host).
+    store = open_registry(load_desired(EXAMPLE_FLEET).fleet, sqlite_path=registry)
+    try:
+        beat_example_fleet(store)
+    finally:
+        store.close()
 
     def run(*argv: str) -> tuple[int, str, str]:
         status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry)])

@@ -246,8 +246,8 @@ def test_lanes_in_flight_cap_and_up(fleet_text):
     assert f["fabric_lane_rank"].value(lane="local", kind="local") == 99
     assert {labels: v for labels, v in f["fabric_lane_up"].samples.items()} == {
         (("kind", "compute"), ("lane", "a1-arm64")): 1,
-        (("kind", "compute"), ("lane", "x86-spill")): 0,
-        (("kind", "local"), ("lane", "local")): 1,
+        (("kind", "compute"), ("lane", "x86-spill")): 0,  # its host held off
+        (("kind", "local"), ("lane", "local")): 0,  # its control host lux drained
     }
 
 

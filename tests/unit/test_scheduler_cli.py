@@ -43,7 +43,8 @@ def offline(node_id):
 
 
 def test_schedule_json_is_the_fleet_plan(tmp_path, capsys):
-    snap = write_snapshot(tmp_path, nodes=offline("qfox-1"), lanes=[{"id": "a1-arm64", "available": False, "in_flight": 0}])
+    nodes = [dict(n, units={"fabric-agent-a1-arm64.service": "failed"}) if n["node_id"] == "a1-arm64" else n for n in offline("qfox-1")]
+    snap = write_snapshot(tmp_path, nodes=nodes, lanes=[{"id": "a1-arm64", "in_flight": 0}])
     code, out, err = fabric(capsys, "schedule", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(snap), "--json")
     assert (code, err) == (0, "")
     plan = FleetPlan.model_validate_json(out)
@@ -55,7 +56,11 @@ def test_schedule_json_is_the_fleet_plan(tmp_path, capsys):
     [deferred] = plan.deferred
     assert (deferred.service, deferred.inadmissible) == ("lupine", False)
     assert "qfox-1 offline" in deferred.reason
-    assert [(lane.id, lane.available) for lane in plan.lanes] == [("a1-arm64", False), ("x86-spill", True), ("local", True)]
+    assert [(lane.id, lane.available, lane.reason) for lane in plan.lanes] == [
+        ("a1-arm64", False, "fabric-agent-a1-arm64.service failed"),
+        ("x86-spill", True, None),
+        ("local", True, None),
+    ]
     assert plan.created.isoformat() == "2026-11-29T18:00:00+00:00"
 
 
@@ -219,7 +224,7 @@ def test_dispatch_text(tmp_path, capsys):
 
 LANE_TABLE = [
     ("cheapest lane", [], [], {"backend": "a1-arm64", "hold": None}),
-    ("a1 offline: x86", [{"id": "a1-arm64", "available": False}], [], {"backend": "x86-spill", "hold": None}),
+    ("a1 offline: x86", ["a1-arm64"], [], {"backend": "x86-spill", "hold": None}),
     (
         "cloud full: hold",
         [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}],
@@ -234,7 +239,7 @@ LANE_TABLE = [
     ),
     (
         "cloud offline: local at once",
-        [{"id": "a1-arm64", "available": False}, {"id": "x86-spill", "available": False}],
+        ["a1-arm64", "x86-spill"],
         [],
         {"backend": "local", "hold": None},
     ),
@@ -251,7 +256,10 @@ LANE_TABLE = [
 
 @pytest.mark.parametrize("lanes, args, expected", [r[1:] for r in LANE_TABLE], ids=[r[0] for r in LANE_TABLE])
 def test_dispatch_lane(tmp_path, capsys, lanes, args, expected):
-    snap = write_snapshot(tmp_path, lanes=lanes)
+    """`lanes`: jobs running per lane, or the hosts that are offline (their lanes with them)."""
+    down = [host for host in lanes if isinstance(host, str)]
+    nodes = [dict(n, status="offline") if n["node_id"] in down else n for n in NODES]
+    snap = write_snapshot(tmp_path, nodes=nodes, lanes=[lane for lane in lanes if isinstance(lane, dict)])
     code, out, err = fabric(capsys, "dispatch", "--lane", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(snap), *args, "--json")
     assert (code, err) == (0, "")
     assert json.loads(out) == expected

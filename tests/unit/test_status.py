@@ -1,8 +1,10 @@
 """fabric status's view: lane cards in multi-compute.md's words, nodes, deferred work.
 
 The seed's three lanes (hosts/fabric.toml): a1-arm64 rank 10 cap 2, x86-spill
-rank 20 cap 4, local rank 99 cap 1. The fixture snapshot has x86-spill's probe
-failing (offline) and one job on a1-arm64.
+rank 20 cap 4, local rank 99 cap 1. A lane is as healthy as its agent host
+(reconciler.core.scheduling.lanes): in the fixture snapshot x86-spill's host is
+held off (flapping) and lux, the control host the local lane follows, is
+drained, so both lanes are offline; a1-arm64 runs one job.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ def lanes_block(text: str) -> list[str]:
     return lines[start : lines.index("", start)]
 
 
+def hosts_up(*changes: tuple[str, dict]) -> list[SnapshotNode]:
+    """The lanes' agent hosts, active (limit 8), with `changes` per host."""
+    changed = dict(changes)
+    return [
+        SnapshotNode(node_id=h, tier="cpu_ffmpeg", max_concurrent_tasks=8, last_seen=NOW, **changed.get(h, {}))
+        for h in ("a1-arm64", "x86-spill", "lux")
+    ]
+
+
 def with_backends(desired: DesiredState, backends: list) -> DesiredState:
     return desired.model_copy(update={"fleet": desired.fleet.model_copy(update={"backends": backends})})
 
@@ -62,14 +73,15 @@ def test_seed_lanes_read_as_multi_compute_describes_them_with_one_offline(desire
 
     assert lanes_block(text) == [
         "● COMPUTE · a1-arm64  RANK 10  1/2",
-        "○ COMPUTE · x86-spill  RANK 20  0/4  offline",
-        "● LOCAL · local  RANK 99  0/1",
+        "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
+        "○ LOCAL · local  RANK 99  0/1  offline: host lux drained",
     ]
 
 
 def test_every_lane_online_shows_no_offline_word(desired):
     snapshot = Snapshot(
         now=NOW,
+        nodes=hosts_up(),
         lanes=[
             SnapshotLane(id="a1-arm64", in_flight=2),
             SnapshotLane(id="x86-spill", in_flight=3),
@@ -85,13 +97,14 @@ def test_every_lane_online_shows_no_offline_word(desired):
     ]
 
 
-def test_a_failed_probe_greys_that_card_alone(desired):
-    snapshot = Snapshot(now=NOW, lanes=[SnapshotLane(id="a1-arm64", available=False, in_flight=1)])
+def test_an_offline_lane_greys_that_card_alone_with_its_reason(desired):
+    failed = ("a1-arm64", {"units": {"fabric-agent-a1-arm64.service": "failed"}})
+    snapshot = Snapshot(now=NOW, nodes=hosts_up(failed), lanes=[SnapshotLane(id="a1-arm64", in_flight=1)])
     cards = fleet_status(desired, snapshot, None, NOW).lanes
 
     assert [(c.id, c.available) for c in cards] == [("a1-arm64", False), ("x86-spill", True), ("local", True)]
     lines = [lane_card_line(c, color=True) for c in cards]
-    assert lines[0] == "\x1b[90m○ COMPUTE · a1-arm64  RANK 10  1/2  offline\x1b[0m"
+    assert lines[0] == "\x1b[90m○ COMPUTE · a1-arm64  RANK 10  1/2  offline: fabric-agent-a1-arm64.service failed\x1b[0m"
     # The other cards carry neither the grey nor the word.
     assert lines[1:] == ["● COMPUTE · x86-spill  RANK 20  0/4", "● LOCAL · local  RANK 99  0/1"]
 
@@ -100,7 +113,7 @@ def test_without_colour_there_is_no_escape_sequence(desired, snapshot, plan):
     text = render_text(fleet_status(desired, snapshot, plan, NOW), color=False)
 
     assert "\x1b" not in text
-    assert "○ COMPUTE · x86-spill  RANK 20  0/4  offline" in text
+    assert "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)" in text
 
 
 def test_cards_are_sorted_rank_ascending_whatever_the_declaration_order(desired, snapshot):
@@ -113,7 +126,7 @@ def test_cards_are_sorted_rank_ascending_whatever_the_declaration_order(desired,
 
 def test_equal_ranks_order_by_utilization_then_id(desired):
     lanes = [b.model_copy(update={"rank": 10}) for b in desired.fleet.backends[:2]]
-    snapshot = Snapshot(now=NOW, lanes=[SnapshotLane(id="a1-arm64", in_flight=2), SnapshotLane(id="x86-spill", in_flight=1)])
+    snapshot = Snapshot(now=NOW, nodes=hosts_up(), lanes=[SnapshotLane(id="a1-arm64", in_flight=2), SnapshotLane(id="x86-spill", in_flight=1)])
 
     cards = fleet_status(with_backends(desired, lanes), snapshot, None, NOW).lanes
 
@@ -122,28 +135,36 @@ def test_equal_ranks_order_by_utilization_then_id(desired):
 
 
 def test_no_backends_declared_means_the_implicit_local_lane(desired):
-    cards = fleet_status(with_backends(desired, []), Snapshot(now=NOW), None, NOW).lanes
+    cards = fleet_status(with_backends(desired, []), Snapshot(now=NOW, nodes=hosts_up()), None, NOW).lanes
 
     assert [c.text for c in cards] == ["LOCAL · local  RANK 99  0/1"]
 
 
 def test_the_snapshot_is_fresher_than_the_plans_lane_view(desired, snapshot, plan):
-    # The plan was made when x86-spill's probe failed; it answers again now.
-    now_online = snapshot.model_copy(update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]})
+    # The plan was made while x86-spill was held off and lux drained; both are back now.
+    back = [n.model_copy(update={"held_off_until": None, "drained": False}) for n in snapshot.nodes]
+    now_online = snapshot.model_copy(update={"nodes": back})
 
     cards = fleet_status(desired, now_online, plan, NOW).lanes
 
     assert [c.available for c in cards] == [True, True, True]
 
 
-def test_the_plans_lane_view_fills_in_lanes_the_snapshot_does_not_mention(desired, plan):
+def test_a_lane_whose_host_does_not_report_is_offline_whatever_the_plan_said(desired, plan):
     cards = fleet_status(desired, Snapshot(now=NOW), plan, NOW).lanes
 
     assert [c.text for c in cards] == [
-        "COMPUTE · a1-arm64  RANK 10  1/2",
-        "COMPUTE · x86-spill  RANK 20  0/4  offline",
-        "LOCAL · local  RANK 99  0/1",
+        "COMPUTE · a1-arm64  RANK 10  0/2  offline: host a1-arm64 not reporting",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
+        "LOCAL · local  RANK 99  0/1  offline: host lux not reporting",
     ]
+
+
+def test_a_lane_full_by_its_hosts_capacity_says_so(desired, snapshot, plan):
+    # a1-arm64 (limit 2) runs braid#0 and one lane job: its host is full, its cap (2) is not.
+    a1 = next(c for c in fleet_status(desired, snapshot, plan, NOW).lanes if c.id == "a1-arm64")
+
+    assert (a1.available, a1.full, a1.reason) == (True, "host", "full: host a1-arm64 has no capacity left")
 
 
 def test_only_declared_lanes_are_shown(desired):
@@ -262,8 +283,8 @@ def test_whole_text_of_the_fixture(desired, snapshot, plan):
         "",
         "LANES",
         "● COMPUTE · a1-arm64  RANK 10  1/2",
-        "○ COMPUTE · x86-spill  RANK 20  0/4  offline",
-        "● LOCAL · local  RANK 99  0/1",
+        "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
+        "○ LOCAL · local  RANK 99  0/1  offline: host lux drained",
         "",
         "NODES",
         "NODE       TIER        STATUS         LOAD      LAST SEEN  NOTE             SERVICES",
@@ -280,10 +301,10 @@ def test_json_document_carries_cards_nodes_and_the_split(desired, snapshot, plan
     doc = json.loads(json.dumps(status_document(fleet_status(desired, snapshot, plan, NOW))))
 
     assert (doc["version"], doc["leader"], doc["epoch"]) == (1, "lux", 7)
-    assert [(lane["id"], lane["available"], lane["card"]) for lane in doc["lanes"]] == [
-        ("a1-arm64", True, "COMPUTE · a1-arm64  RANK 10  1/2"),
-        ("x86-spill", False, "COMPUTE · x86-spill  RANK 20  0/4  offline"),
-        ("local", True, "LOCAL · local  RANK 99  0/1"),
+    assert [(lane["id"], lane["available"], lane["full"], lane["card"]) for lane in doc["lanes"]] == [
+        ("a1-arm64", True, "host", "COMPUTE · a1-arm64  RANK 10  1/2"),
+        ("x86-spill", False, None, "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)"),
+        ("local", False, None, "LOCAL · local  RANK 99  0/1  offline: host lux drained"),
     ]
     x86 = next(n for n in doc["nodes"] if n["node"] == "x86-spill")
     assert x86["held_off_until"] == "2026-11-29T18:38:20+00:00"

@@ -29,7 +29,10 @@ def test_saved_snapshot_shows_cards_nodes_and_the_schedulers_plan(capsys):
     code, out, err = fabric_status(capsys, "--snapshot", str(SNAPSHOT))
 
     assert (code, err) == (EXIT_OK, "")
-    assert "● COMPUTE · a1-arm64  RANK 10  1/2\n○ COMPUTE · x86-spill  RANK 20  0/4  offline\n● LOCAL · local  RANK 99  0/1\n" in out
+    assert (
+        "● COMPUTE · a1-arm64  RANK 10  1/2\n○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)\n○ LOCAL · local  RANK 99  0/1  offline: host lux drained\n"
+        in out
+    )
     # The scheduler ran over the snapshot: its deferrals are shown, split.
     assert "DEFERRED · waiting for capacity (1)\n  flac-fft#1  " in out
     assert "DEFERRED · inadmissible (1)\n  lupine#0  " in out
@@ -58,8 +61,8 @@ def test_json_is_one_document_for_scripts(capsys):
     assert code == EXIT_OK
     assert [lane["card"] for lane in doc["lanes"]] == [
         "COMPUTE · a1-arm64  RANK 10  1/2",
-        "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
-        "LOCAL · local  RANK 99  0/1",
+        "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
+        "LOCAL · local  RANK 99  0/1  offline: host lux drained",
     ]
     assert (doc["leader"], doc["epoch"]) == ("lux", 7)
 
@@ -178,9 +181,10 @@ def test_watch_without_plan_follows_the_snapshot(capsys, tmp_path, monkeypatch):
     snapshot.write_text(SNAPSHOT.read_text())
 
     def lane_comes_back() -> None:
+        # x86-spill's hold-off is lifted: its lane is back.
         doc = json.loads(snapshot.read_text())
-        for lane in doc["lanes"]:
-            lane["available"] = True
+        for node in doc["nodes"]:
+            node.pop("held_off_until", None)
         snapshot.write_text(json.dumps(doc))
 
     monkeypatch.setattr(time, "sleep", Interrupt(frames=2, between=lane_comes_back))
@@ -189,7 +193,7 @@ def test_watch_without_plan_follows_the_snapshot(capsys, tmp_path, monkeypatch):
 
     first, second = out.split("\n\nresearchstack")
     assert code == EXIT_OK
-    assert "○ COMPUTE · x86-spill  RANK 20  0/4  offline" in first
+    assert "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)" in first
     assert "● COMPUTE · x86-spill  RANK 20  0/4\n" in second
 
 
@@ -286,8 +290,9 @@ def test_on_a_terminal_the_offline_card_is_greyed(monkeypatch):
     code = main(["status", "--desired", str(EXAMPLE_FLEET), "--snapshot", str(SNAPSHOT)])
 
     assert code == EXIT_OK
-    assert "\x1b[90m○ COMPUTE · x86-spill  RANK 20  0/4  offline\x1b[0m\n" in terminal.getvalue()
-    assert terminal.getvalue().count("\x1b[90m") == 1
+    assert "\x1b[90m○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)\x1b[0m\n" in terminal.getvalue()
+    assert "\x1b[90m○ LOCAL · local  RANK 99  0/1  offline: host lux drained\x1b[0m\n" in terminal.getvalue()
+    assert terminal.getvalue().count("\x1b[90m") == 2
 
 
 def test_no_color_keeps_a_terminal_plain(monkeypatch):
