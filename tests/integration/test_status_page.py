@@ -212,10 +212,10 @@ def test_chromium_on_a_phone_sees_the_cards_nodes_and_deferred_work(status_site,
     assert [(c["lane"], c["text"]) for c in page.cards] == [
         ("a1-arm64", "● COMPUTE · a1-arm64 RANK 10 1/2 online"),
         ("x86-spill", "○ COMPUTE · x86-spill RANK 20 0/4 offline"),
-        ("local", "● LOCAL · local RANK 99 0/1 online"),
+        ("local", "○ LOCAL · local RANK 99 0/1 offline"),
     ]
-    # Greyed: the offline card alone.
-    assert [c["lane"] for c in page.cards if "offline" in c["class"].split()] == ["x86-spill"]
+    # Greyed: the offline cards alone (x86-spill's host held off, lux, the local lane's control host, drained).
+    assert [c["lane"] for c in page.cards if "offline" in c["class"].split()] == ["x86-spill", "local"]
     assert page.leader == "leader lux · plan epoch 7"
     assert page.nodes["x86-spill"][:6] == ["x86-spill", "cpu_ffmpeg", "active", "1/4 25%", "5s ago", "held off 8m 20s"]
     assert page.nodes["lux"][5] == "draining"
@@ -237,8 +237,8 @@ def test_caddy_serves_the_newest_pass_with_no_store(status_site, fixture_inputs)
     status_site.publish(render_status_page(status_site.desired, snapshot, plan, snapshot.now))
     headers, first = status_site.get()
 
-    # Next pass: x86-spill's probe answers again.
-    back = snapshot.model_copy(update={"lanes": [lane.model_copy(update={"available": True}) for lane in snapshot.lanes]})
+    # Next pass: x86-spill's hold-off is over and lux undrained: their lanes are back.
+    back = snapshot.model_copy(update={"nodes": [n.model_copy(update={"held_off_until": None, "drained": False}) for n in snapshot.nodes]})
     status_site.publish(render_status_page(status_site.desired, back, plan, back.now))
     _, second = status_site.get()
 
@@ -246,7 +246,7 @@ def test_caddy_serves_the_newest_pass_with_no_store(status_site, fixture_inputs)
     assert headers["Content-Security-Policy"] == content_security_policy()
     assert headers["Content-Security-Policy"].startswith("default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-")
     assert headers["Content-Type"].startswith("text/html")
-    assert [c["class"] for c in read(first).cards] == ["card", "card offline", "card"]
+    assert [c["class"] for c in read(first).cards] == ["card", "card offline", "card offline"]
     assert [c["class"] for c in read(second).cards] == ["card", "card", "card"]
 
 
