@@ -206,10 +206,13 @@ def test_the_scheduler_counts_lane_jobs_against_the_host():
 
 
 def test_a_kept_service_moves_when_lane_jobs_fill_its_host():
-    services = [s.id for s in DESIRED.fleet.services if not s.min_tier.startswith("gpu")][:2]
-    old = [Placement(service=s, replica=0, node="x86-spill", tier="cpu_ffmpeg") for s in services]
-    plan = schedule(snapshot({"x86-spill": {"arch": "x86_64"}}, lanes={"x86-spill": 3}, placements=old), DESIRED)
-    assert sum(p.node == "x86-spill" for p in plan.placements) == 1
+    # Three services in force on x86-spill (limit 4) while its lane runs two
+    # jobs: two services stay (in (service, replica) order), the third moves.
+    old = [Placement(service=s, replica=0, node="x86-spill", tier="cpu_ffmpeg") for s in ("braid", "flac-fft", "vaapi-encode")]
+    plan = schedule(snapshot({"x86-spill": {"arch": "x86_64"}}, lanes={"x86-spill": 2}, placements=old), DESIRED)
+    on_x86 = sorted(p.service for p in plan.placements if p.node == "x86-spill")
+    assert on_x86 == ["braid", "flac-fft"]
+    assert any(p.service == "vaapi-encode" for p in plan.placements)
 
 
 def test_a_started_job_shrinks_its_hosts_capacity_for_every_lane_there():
