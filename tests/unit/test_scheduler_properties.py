@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig, Lane, SchedulerSettings
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
-from reconciler.core.scheduling.lanes import LaneJob, agent_host, choose_lane, take_slot
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_host, take_slot
 from reconciler.core.scheduling.placement import Choice, NoChoice, Placer, Request, accepts_new_work, explain_deferral, schedule
 
 _REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "scheduler" / "reference.py"
@@ -273,7 +273,7 @@ def test_services_and_lane_jobs_on_a_host_never_exceed_its_limit(nodes, services
     snap = Snapshot(now=NOW, nodes=nodes, placements=old, lanes=[SnapshotLane(id=k, in_flight=v) for k, v in running.items()])
     plan = schedule(snap, state)
     by_id = {n.node_id: n for n in nodes}
-    host_of = {lane.id: agent_host(state, lane) for lane in state.lanes}
+    host_of = {lane.id: lane_host(state, lane) for lane in state.lanes}
 
     def lane_jobs(jobs: dict[str, int]) -> Counter:
         out: Counter = Counter()

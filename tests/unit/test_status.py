@@ -72,7 +72,7 @@ def test_seed_lanes_read_as_multi_compute_describes_them_with_one_offline(desire
     text = render_text(fleet_status(desired, snapshot, plan, NOW))
 
     assert lanes_block(text) == [
-        "● COMPUTE · a1-arm64  RANK 10  1/2",
+        "● COMPUTE · a1-arm64  RANK 10  1/2  full: host a1-arm64 at capacity",
         "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
         "○ LOCAL · local  RANK 99  0/1  offline: host lux drained",
     ]
@@ -91,7 +91,7 @@ def test_every_lane_online_shows_no_offline_word(desired):
     text = render_text(fleet_status(desired, snapshot, None, NOW))
 
     assert lanes_block(text) == [
-        "● COMPUTE · a1-arm64  RANK 10  2/2",
+        "● COMPUTE · a1-arm64  RANK 10  2/2  full: lane cap 2/2",
         "● COMPUTE · x86-spill  RANK 20  3/4",
         "● LOCAL · local  RANK 99  0/1",
     ]
@@ -131,7 +131,7 @@ def test_equal_ranks_order_by_utilization_then_id(desired):
     cards = fleet_status(with_backends(desired, lanes), snapshot, None, NOW).lanes
 
     # x86-spill at 1/4 is less loaded than a1-arm64 at 2/2: it is tried first.
-    assert [c.text for c in cards] == ["COMPUTE · x86-spill  RANK 10  1/4", "COMPUTE · a1-arm64  RANK 10  2/2"]
+    assert [c.text for c in cards] == ["COMPUTE · x86-spill  RANK 10  1/4", "COMPUTE · a1-arm64  RANK 10  2/2  full: lane cap 2/2"]
 
 
 def test_no_backends_declared_means_the_implicit_local_lane(desired):
@@ -164,7 +164,7 @@ def test_a_lane_full_by_its_hosts_capacity_says_so(desired, snapshot, plan):
     # a1-arm64 (limit 2) runs braid#0 and one lane job: its host is full, its cap (2) is not.
     a1 = next(c for c in fleet_status(desired, snapshot, plan, NOW).lanes if c.id == "a1-arm64")
 
-    assert (a1.available, a1.full, a1.reason) == (True, "host", "full: host a1-arm64 has no capacity left")
+    assert (a1.available, a1.full, a1.reason, a1.state_line) == (True, "host", None, "full: host a1-arm64 at capacity")
 
 
 def test_only_declared_lanes_are_shown(desired):
@@ -282,7 +282,7 @@ def test_whole_text_of_the_fixture(desired, snapshot, plan):
         "researchstack · leader lux · plan epoch 7 · 2026-11-29 18:30:00 UTC",
         "",
         "LANES",
-        "● COMPUTE · a1-arm64  RANK 10  1/2",
+        "● COMPUTE · a1-arm64  RANK 10  1/2  full: host a1-arm64 at capacity",
         "○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
         "○ LOCAL · local  RANK 99  0/1  offline: host lux drained",
         "",
@@ -302,7 +302,7 @@ def test_json_document_carries_cards_nodes_and_the_split(desired, snapshot, plan
 
     assert (doc["version"], doc["leader"], doc["epoch"]) == (1, "lux", 7)
     assert [(lane["id"], lane["available"], lane["full"], lane["card"]) for lane in doc["lanes"]] == [
-        ("a1-arm64", True, "host", "COMPUTE · a1-arm64  RANK 10  1/2"),
+        ("a1-arm64", True, "host", "COMPUTE · a1-arm64  RANK 10  1/2  full: host a1-arm64 at capacity"),
         ("x86-spill", False, None, "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)"),
         ("local", False, None, "LOCAL · local  RANK 99  0/1  offline: host lux drained"),
     ]

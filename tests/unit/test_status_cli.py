@@ -30,7 +30,7 @@ def test_saved_snapshot_shows_cards_nodes_and_the_schedulers_plan(capsys):
 
     assert (code, err) == (EXIT_OK, "")
     assert (
-        "● COMPUTE · a1-arm64  RANK 10  1/2\n○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)\n○ LOCAL · local  RANK 99  0/1  offline: host lux drained\n"
+        "● COMPUTE · a1-arm64  RANK 10  1/2  full: host a1-arm64 at capacity\n○ COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)\n○ LOCAL · local  RANK 99  0/1  offline: host lux drained\n"
         in out
     )
     # The scheduler ran over the snapshot: its deferrals are shown, split.
@@ -60,7 +60,7 @@ def test_json_is_one_document_for_scripts(capsys):
     doc = json.loads(out)
     assert code == EXIT_OK
     assert [lane["card"] for lane in doc["lanes"]] == [
-        "COMPUTE · a1-arm64  RANK 10  1/2",
+        "COMPUTE · a1-arm64  RANK 10  1/2  full: host a1-arm64 at capacity",
         "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill held off until 18:38:20 (flapping)",
         "LOCAL · local  RANK 99  0/1  offline: host lux drained",
     ]
@@ -243,9 +243,10 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     doc = json.loads(out)
     assert (code, err) == (EXIT_OK, "")
     assert [lane["card"] for lane in doc["lanes"]] == [
-        "COMPUTE · a1-arm64  RANK 10  0/2",
+        # The plan fills a1-arm64 and lux (limit 2 each) with services: no room left for their lanes.
+        "COMPUTE · a1-arm64  RANK 10  0/2  full: host a1-arm64 at capacity",
         "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
-        "LOCAL · local  RANK 99  0/1",
+        "LOCAL · local  RANK 99  0/1  full: host lux at capacity",
     ]
     offline = next(lane for lane in doc["lanes"] if lane["id"] == "x86-spill")
     assert (offline["available"], offline["reason"]) == (False, "host x86-spill not reporting")

@@ -57,7 +57,8 @@ class LaneCard:
     reason: str | None = None
     # Which account is full when the lane has no free slot: its cap, or its host's capacity.
     full: Literal["cap", "host"] | None = None
-    # The host its agent runs on (None: the local lane).
+    # The host its jobs run on (the lane view's `host`: a compute lane's push
+    # host, the local lane's control host; None when there is none).
     push_host: str | None = None
 
     @property
@@ -305,7 +306,6 @@ def exposure(desired: DesiredState) -> tuple[ExposureRow, ...]:
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
     """The lane views every reader shares (`lane_views`), beside the services the plan places."""
     placements = plan.placements if plan is not None else None
-    push_hosts = {lane.id: lane.push_host for lane in desired.lanes}
     # lane_views gives multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
     return tuple(
         LaneCard(
@@ -317,7 +317,7 @@ def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | Non
             available=v.available,
             reason=v.reason,
             full=v.full,
-            push_host=push_hosts[v.id],
+            push_host=v.host,
         )
         for v in lane_views(desired, snapshot, placements)
     )
