@@ -33,8 +33,6 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.render.status_site import STATUS_FILE, caddy_site, content_security_policy, status_site_address
 from reconciler.core.scheduling.placement import schedule
-from reconciler.core.timestamps import utc_stamp
-from reconciler.core.views import cards
 from reconciler.core.views.page import render_status_page
 from reconciler.engine.status import fleet_history
 from tests.conftest import EXAMPLE_FLEET, REPO, require
@@ -258,7 +256,7 @@ LOAD = {"qfox-1": 3, "a1-arm64": 1, "x86-spill": 1, "lux": 0, "racknerd": 1}
 LOWERED = "max_concurrent_tasks 4 lowered to 2 by the probe"
 
 
-def test_chromium_after_a_node_loss_sees_real_load_the_lanes_reason_and_the_event(status_site, tmp_path, monkeypatch):
+def test_chromium_after_a_node_loss_sees_real_load_the_lanes_reason_and_the_event(status_site, tmp_path):
     desired = status_site.desired
     # Near the reader's clock, so the page's own age counter reads a few seconds.
     clock = FakeClock(start=time.time() - desired.fleet.timing.node_timeout_s - 20)
@@ -285,24 +283,15 @@ def test_chromium_after_a_node_loss_sees_real_load_the_lanes_reason_and_the_even
         clock.advance(desired.fleet.timing.node_timeout_s + 10)
         beat(*(h for h in EXAMPLE_HOSTS if h != "a1-arm64"))
         registry.advance_lifecycle(leadership)
-        registry.report_lane("a1-arm64", False)
         snapshot = registry.snapshot(lanes)
         history = fleet_history(registry)
     finally:
         registry.close()
     (lost,) = [s for s in history.nodes if s.node_id == "a1-arm64"]
     assert lost.status == "offline"
-    # The lane's reason is lanes.py's to give (issue 11, lane health, on
-    # another branch); until it does, the view dispatch reads gets it here.
-    reason = f"host a1-arm64 offline since {utc_stamp(lost.since)}"
-    real_lane_views = cards.lane_views
-
-    def lane_views_with_reason(desired_state, seen):
-        return [
-            v.model_copy(update={"reason": reason}) if v.id == "a1-arm64" and not v.available else v for v in real_lane_views(desired_state, seen)
-        ]
-
-    monkeypatch.setattr(cards, "lane_views", lane_views_with_reason)
+    # The lane's reason, from its host's state (reconciler.core.scheduling.lanes): silent since its last beat.
+    assert lost.last_seen is not None
+    reason = f"host a1-arm64 offline since {lost.last_seen.strftime('%H:%M:%S')}"
     status_site.publish(render_status_page(desired, snapshot, plan, snapshot.now, history=history))
 
     size = f"--window-size={DESKTOP[0]},{DESKTOP[1]}"

@@ -202,14 +202,14 @@ def test_an_event_of_another_day_shows_its_date(desired):
 
 
 def hand_built(views: list[LaneView]):
-    def lane_views(desired: DesiredState, snapshot: Snapshot) -> list[LaneView]:
+    def lane_views(desired: DesiredState, snapshot: Snapshot, placements=None) -> list[LaneView]:
         return views
 
     return lane_views
 
 
 SPILL_OFFLINE = LaneView(id="x86-spill", kind="compute", rank=20, cap=4, in_flight=0, available=False, reason="host x86-spill offline since 04:01:12")
-ARM_HOST_FULL = LaneView(id="a1-arm64", kind="compute", rank=10, cap=2, in_flight=1, available=True, full="host")
+ARM_HOST_FULL = LaneView(id="a1-arm64", kind="compute", rank=10, cap=2, in_flight=1, available=True, full="host", host="a1-arm64")
 LOCAL_CAP_FULL = LaneView(id="local", kind="local", rank=99, cap=1, in_flight=1, available=True, full="cap")
 
 
@@ -250,14 +250,16 @@ def test_the_page_greys_the_offline_lane_alone_with_its_reason_and_marks_the_ful
 
 
 def test_lane_cards_are_the_lane_view_dispatch_reads(desired):
-    # Without a hand-built view: lane_views of the snapshot (report_lane's offline lane).
-    snapshot = Snapshot(now=T0, lanes=[SnapshotLane(id="x86-spill", available=False)])
+    # Without a hand-built view: lane_views of the snapshot (x86-spill's host offline).
+    hosts = [SnapshotNode(node_id=h, tier="cpu_ffmpeg", max_concurrent_tasks=4, last_seen=T0) for h in ("a1-arm64", "lux")]
+    spill = SnapshotNode(node_id="x86-spill", tier="cpu_ffmpeg", status="offline", last_seen=T0)
+    snapshot = Snapshot(now=T0, nodes=[*hosts, spill], lanes=[SnapshotLane(id="x86-spill")])
     plan = FleetPlan(epoch=1, leader="lux", created=T0, lanes=[SPILL_OFFLINE.model_copy(update={"available": True, "reason": None})])
 
-    (spill,) = [c for c in fleet_status(desired, snapshot, plan, T0).lanes if c.id == "x86-spill"]
+    (card,) = [c for c in fleet_status(desired, snapshot, plan, T0).lanes if c.id == "x86-spill"]
 
-    # The snapshot mentions the lane: its view wins over the plan's older copy.
-    assert (spill.available, spill.state) == (False, "offline")
+    # The snapshot's view wins over the plan's older copy.
+    assert (card.available, card.state, card.reason) == (False, "offline", f"host x86-spill offline since {T0.strftime('%H:%M:%S')}")
 
 
 # --------------------------------------------------------------------------
