@@ -439,17 +439,24 @@ def lane(fleet: Fleet, *args: str) -> list[dict]:
 
 
 def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired: DesiredState) -> None:
-    caps = {backend.id: backend.cap for backend in desired.lanes}
+    # A lane takes jobs while its cap and its host's capacity beside the
+    # services placed there both have room (one account per host).
+    views = {v["id"]: v for v in lane(fleet, "status")[0]["lanes"]}
+    room = {i: min(v["cap"] - v["in_flight"], v["cap"] if v["host_free"] is None else v["host_free"]) for i, v in views.items()}
+    assert all(v["available"] for v in views.values()) and room["a1-arm64"] > 0 and room["local"] > 0, views
+    caps = {i: views[i]["in_flight"] + room[i] for i in views}
     gate = desired.fleet.scheduler.local_spill_after_s
-    jobs = [f"burst-{n}" for n in range(sum(caps.values()) + 2)]
+    cloud = room["a1-arm64"] + room["x86-spill"]
+    jobs = [f"burst-{n}" for n in range(cloud + room["local"] + 1)]
     # The job system enqueues a burst at once; nothing finishes meanwhile.
     lane(fleet, "enqueue", *jobs)
     events = {e["job"]: e for e in lane(fleet, "dispatch", "--once")}
     started = [(job, events[job]["backend"]) for job in jobs if events[job]["backend"]]
-    # Rank first: a1-arm64 fills to its cap, then x86-spill spills over ...
-    assert started == [(j, "a1-arm64") for j in jobs[:2]] + [(j, "x86-spill") for j in jobs[2:6]], events
+    # Rank first: a1-arm64 fills to its room, then x86-spill spills over ...
+    a1 = room["a1-arm64"]
+    assert started == [(j, "a1-arm64") for j in jobs[:a1]] + [(j, "x86-spill") for j in jobs[a1:cloud]], events
     # ... and local is not reached yet: the rest wait, each with its reason.
-    assert {events[j]["hold"] for j in jobs[6:]} == {"local_spill_not_reached"}, events
+    assert {events[j]["hold"] for j in jobs[cloud:]} == {"local_spill_not_reached"}, events
 
     # Local takes one job (its cap) once that job has waited past the gate.
     def local_started() -> dict | None:
@@ -459,16 +466,19 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
         return None
 
     spilled = wait_for(local_started, timeout=gate + REACT_S, what="a job spilling to local", interval=0.5)
-    assert spilled["job"] == jobs[6] and spilled["waited_s"] >= gate, spilled
+    assert spilled["job"] == jobs[cloud] and spilled["waited_s"] >= gate, spilled
+    local_jobs = [e["job"] for e in [spilled] + [e for e in lane(fleet, "dispatch", "--once") if e["backend"] == "local"]]
+    assert local_jobs == jobs[cloud : cloud + room["local"]], local_jobs
     # Every lane full now: the last job holds for a free slot.
-    (last,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[7]]
+    (last,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[-1]]
     assert last["backend"] is None and last["hold"] == "no_free_slots", last
     status = lane(fleet, "status")[0]
     assert {v["id"]: v["in_flight"] for v in status["lanes"]} == caps, status["lanes"]
+    assert all(v["full"] is not None for v in status["lanes"]), status["lanes"]
 
     # A job that finishes frees its slot; the held one takes it, in rank order again.
     lane(fleet, "done", jobs[0])
-    (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[7]]
+    (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[-1]]
     assert moved["backend"] == "a1-arm64", moved
 
     # Drain the rest: finish what runs, dispatch what waits, until the queue is empty.
