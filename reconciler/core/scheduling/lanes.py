@@ -158,7 +158,7 @@ def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now:
 
 def lane_jobs_by_host(desired: DesiredState, in_flight: Mapping[str, int]) -> Counter[str]:
     """Lane jobs running per host: each declared lane's jobs (`in_flight`,
-    lane id -> claimed slots) counted on its agent host."""
+    lane id -> claimed slots) counted on its host (`lane_host`)."""
     jobs: Counter[str] = Counter()
     for lane in desired.lanes:
         host = lane_host(desired, lane)
@@ -214,7 +214,8 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
 
 
 def _view(view: LaneView) -> LaneView:
-    """`view` with `full` set from its counts (a full lane's reason is that account)."""
+    """`view` with `full` set from its counts: which account a full lane ran
+    out of (its `reason` stays None: it is online)."""
     full = None
     if view.in_flight >= view.cap:
         full = "cap"
