@@ -208,9 +208,10 @@ def test_chromium_on_a_phone_sees_the_cards_nodes_and_deferred_work(status_site,
     page = read(dom)
 
     assert [(c["lane"], c["text"]) for c in page.cards] == [
-        ("a1-arm64", "● COMPUTE · a1-arm64 RANK 10 1/2 online"),
-        ("x86-spill", "○ COMPUTE · x86-spill RANK 20 0/4 offline"),
-        ("local", "○ LOCAL · local RANK 99 0/1 offline"),
+        # braid#0 and one lane job fill a1-arm64's limit of 2.
+        ("a1-arm64", "● COMPUTE · a1-arm64 RANK 10 1/2 full: host a1-arm64 at capacity"),
+        ("x86-spill", "○ COMPUTE · x86-spill RANK 20 0/4 offline host x86-spill held off until 18:38:20 (flapping)"),
+        ("local", "○ LOCAL · local RANK 99 0/1 offline host lux drained"),
     ]
     # Greyed: the offline cards alone (x86-spill's host held off, lux, the local lane's control host, drained).
     assert [c["lane"] for c in page.cards if "offline" in c["class"].split()] == ["x86-spill", "local"]
@@ -244,8 +245,8 @@ def test_caddy_serves_the_newest_pass_with_no_store(status_site, fixture_inputs)
     assert headers["Content-Security-Policy"] == content_security_policy()
     assert headers["Content-Security-Policy"].startswith("default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-")
     assert headers["Content-Type"].startswith("text/html")
-    assert [c["class"] for c in read(first).cards] == ["card", "card offline", "card offline"]
-    assert [c["class"] for c in read(second).cards] == ["card", "card", "card"]
+    assert [c["class"] for c in read(first).cards] == ["card full", "card offline", "card offline"]
+    assert [c["class"] for c in read(second).cards] == ["card full", "card", "card"]
 
 
 # -- after a node loss -------------------------------------------------------
