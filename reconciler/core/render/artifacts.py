@@ -54,7 +54,7 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
-from reconciler.core.scheduling.lanes import agent_unit
+from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
 from reconciler.core.templating import environment as template_environment
 
@@ -251,11 +251,6 @@ def _lanes_here(desired: DesiredState, host_name: str) -> list[Lane]:
     """The compute lanes whose agents run here. The local lane is phaze's own
     processing on the file server: no agent of the fabric's runs it."""
     return [lane for lane in desired.lanes if lane.kind == "compute" and lane.push_host == host_name]
-
-
-def agent_unit(workload_id: str) -> str:
-    """The unit of a lane's agent or a placed service: fabric-agent-<id>.service."""
-    return f"fabric-agent-{workload_id}.service"
 
 
 def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
