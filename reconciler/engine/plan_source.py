@@ -136,6 +136,7 @@ def node_record(desired: DesiredState, host: str, facts: NodeFacts, measured: Me
         max_concurrent_ceiling=limits.max_concurrent_ceiling,
         labels={**facts.labels, **declared.labels},
         in_flight=measured.load.in_flight if measured is not None else 0,
+        services_running=measured.load.services if measured is not None else None,
         units=measured.units if measured is not None else None,
         lowered_limits=list(limits.lowered),
     )

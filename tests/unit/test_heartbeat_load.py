@@ -81,10 +81,11 @@ def test_the_pass_beats_again_after_activation_with_the_units_it_started(tmp_pat
     assert report.outcome == "applied", report
     before, after = fleet.registry.beats
     # Before activation nothing of the fabric ran: only the lane's jobs.
-    assert (before.in_flight, before.units) == (3, {})
+    assert (before.in_flight, before.services_running, before.units) == (3, 0, {})
     # After it: flac-fft's unit runs (1) plus the three jobs of lane x86-spill
     # (a1-arm64's two run elsewhere); every unit of the generation is reported.
-    assert after.in_flight == 4
+    # Which part of it is the services: the scheduler counts its own placements instead.
+    assert (after.in_flight, after.services_running) == (4, 1)
     assert after.units == {SERVICE: "active", AGENT: "active", "fabric-nftables.service": "active"}
     assert "after activation, heartbeat: x86-spill tier relay, in_flight 4, alive for 90 s (1 services, 3 lane jobs)" in fleet.notes
     # The memo stands for this pass with the record after activation.

@@ -228,3 +228,33 @@ def test_a_started_job_shrinks_its_hosts_capacity_for_every_lane_there():
     after = take_slot(take_slot(views, "a"), "a")
     assert [(v.id, v.in_flight, v.host_free, v.full) for v in after] == [("a", 2, 0, "host"), ("b", 0, 0, "host"), ("c", 0, 2, None)]
     assert choose_lane(after, LaneJob(), SETTINGS).lane == "c"
+
+
+def test_a_leader_without_a_plan_in_force_does_not_count_a_hosts_own_services_twice():
+    """After a forged plan a new leader schedules with no placements in force:
+    qfox-1 (limit 4) runs its four services and says so (services_running).
+    Those are the scheduler's own placements, counted as it places them, so
+    the plan is the one it makes for an idle qfox-1; without that split the
+    record's in_flight alone fills qfox-1 and its work would move off it."""
+    cuda = {"tier": "gpu_cuda", "arch": "x86_64"}
+    idle = schedule(snapshot({"qfox-1": cuda}), DESIRED)
+    busy = schedule(snapshot({"qfox-1": {**cuda, "in_flight": 4, "services_running": 4}}), DESIRED)
+    placed = sorted((p.service, p.node) for p in busy.placements)
+    assert placed == sorted((p.service, p.node) for p in idle.placements)
+    assert ("lupine", "qfox-1") in placed
+    # Unsaid (a hand-written record): the reported in_flight is work the
+    # scheduler does not know, and qfox-1 takes nothing more.
+    unsaid = schedule(snapshot({"qfox-1": {**cuda, "in_flight": 4}}), DESIRED)
+    assert "qfox-1" not in {p.node for p in unsaid.placements}
+
+
+def test_the_rest_of_a_hosts_in_flight_is_its_lane_jobs_and_other_work():
+    # x86-spill (limit 4) runs one service and two lane jobs: 3 in flight. Its
+    # lane's room is the limit less the two jobs and the services placed
+    # there, not less the running service a second time.
+    node = {"x86-spill": {"in_flight": 3, "services_running": 1}}
+    placed = [Placement(service="braid", replica=0, node="x86-spill", tier="cpu_ffmpeg")]
+    seen = view(snapshot(node, lanes={"x86-spill": 2}, placements=placed), "x86-spill")
+    assert seen.host_free == 1
+    # The lane jobs measured at the beat still count when the registry's claims lag.
+    assert view(snapshot(node, lanes={}, placements=placed), "x86-spill").host_free == 1

@@ -55,6 +55,7 @@ class SnapshotNode(_Live):
     # From the node's record (NodeRecord.units, NodeRecord.lowered_limits).
     units: dict[str, str] = {}
     lowered_limits: list[str] = []
+    services_running: int | None = Field(default=None, ge=0)
 
     @property
     def utilization(self) -> float:

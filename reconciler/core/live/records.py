@@ -58,6 +58,12 @@ class NodeRecord(_Record):
     # A declared limit the probe lowered, one sentence each
     # ("max_concurrent_tasks 4 lowered to 2 by the probe"); shown, not acted on.
     lowered_limits: list[str] = []
+    # The part of in_flight that is the placed service units running here
+    # (None: not said, e.g. a hand-written record). The scheduler counts the
+    # services it places itself, so it must not count these again: a leader
+    # with no plan in force would otherwise see a host's own services as
+    # foreign load and move them off it.
+    services_running: int | None = Field(default=None, ge=0)
     # True when the node's Tailscale path to the fleet is relayed (DERP): it
     # gets the longer relayed heartbeat timeout.
     relayed: bool = False
@@ -87,6 +93,7 @@ class NodeRecord(_Record):
         labels: dict[str, str] | None = None,
         units: dict[str, str] | None = None,
         lowered_limits: list[str] | None = None,
+        services_running: int | None = None,
     ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
@@ -106,6 +113,7 @@ class NodeRecord(_Record):
             in_flight=in_flight,
             units=dict(units or {}),
             lowered_limits=list(lowered_limits or []),
+            services_running=services_running,
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,

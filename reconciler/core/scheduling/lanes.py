@@ -33,19 +33,27 @@ order; the first that fails is the lane's `reason`):
     5. (the lane broker's worker heartbeat goes here, as check 5 of
        `offline_reason`, once the broker reports it.)
 
-One account of capacity, per host (`host_load`, also the scheduler's in
+One account of capacity, per host (`account_load`, also the scheduler's in
 reconciler.core.scheduling.placement):
     Services placed on a host and lane jobs running on the lanes hosted there
     (`lane_host`) draw from the host's one `max_concurrent_tasks`.
         lane jobs(host)  = the registry's claimed slots of those lanes now
                            (`SnapshotLane.in_flight`)
-        host load        = max(reported in_flight,
+        host load        = services placed on it
+                           + max(reported in_flight - its services running,
+                                 lane jobs(host))
+                           when the node says which part of its in_flight is
+                           its services (`services_running`), else
+                         = max(reported in_flight,
                                services placed on it + lane jobs(host))
     A node's reported `in_flight` already counts the lane jobs of its lanes
     (and the services active there) as measured when it beat, so lane jobs
     are never added to it: the two are two measurements of one account, and
     the larger (the more recent claim, or work the plan does not know) wins.
-    Never in_flight + lane jobs: that counts every lane job twice.
+    Never in_flight + lane jobs: that counts every lane job twice. The
+    services running are not counted either when the node names them: the
+    scheduler counts the services it places (a leader with no plan in force
+    must not see a host's own services as foreign load and move them off).
     A lane's free slots = min(cap - in_flight, max_concurrent_tasks - host
     load), 0 when offline; `LaneView.full` says which one ran out ("cap"
     first when both did). A lane whose host is not reporting has no host
@@ -167,11 +175,15 @@ def lane_jobs_by_host(desired: DesiredState, in_flight: Mapping[str, int]) -> Co
     return jobs
 
 
-def host_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
-    """The host's one account (module docstring): the node's reported
-    in_flight, which already counts its lane jobs, or the services placed on
-    it plus the lane jobs claimed on its lanes now, whichever is larger."""
-    return max(node.in_flight, services + lane_jobs)
+def account_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
+    """The host's one account (module docstring) with `services` placed on it."""
+    if node.services_running is None:
+        return max(node.in_flight, services + lane_jobs)
+    # The node said which part of in_flight is its services: the scheduler
+    # counts the services it places instead, and the rest (lane jobs, other
+    # engines' tasks) as measured or as claimed since, whichever is larger.
+    others = max(0, node.in_flight - node.services_running)
+    return services + max(others, lane_jobs)
 
 
 def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[Placement] | None = None) -> list[LaneView]:
@@ -194,7 +206,7 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
         reason = offline_reason(lane, host, node, snapshot.now)
         host_free = None
         if node is not None and host is not None:
-            host_free = max(0, node.max_concurrent_tasks - host_load(node, services[host], jobs[host]))
+            host_free = max(0, node.max_concurrent_tasks - account_load(node, services[host], jobs[host]))
         views.append(
             _view(
                 LaneView(

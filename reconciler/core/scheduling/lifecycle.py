@@ -437,5 +437,6 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
             "max_concurrent_ceiling": record.max_concurrent_ceiling,
             "units": record.units,
             "lowered_limits": record.lowered_limits,
+            "services_running": record.services_running,
         },
     )

@@ -33,12 +33,19 @@ Load: one account of capacity per host
     runs there (reconciler.core.scheduling.lanes: a compute lane's push host,
     the local lane's control host) draw from the same max_concurrent_tasks.
     A node's load starts at
+        placements kept on it + max(reported in_flight - services running,
+                                    lane jobs on it)
+    when its record says which part of in_flight is its services running
+    (`services_running`), else at
         max(reported in_flight, placements kept on it + lane jobs on it)
-    `in_flight` is what the node measured when it beat: its active services
-    plus the lane jobs of its lanes, so lane jobs are never added to it (that
-    would count each twice); the other term is the registry's account now (a
-    kept placement the node has not applied yet still holds its slot, and a
-    lane job claimed since the beat holds one too). Every new placement adds
+    (`lanes.account_load`). `in_flight` is what the node measured when it
+    beat: its active services plus the lane jobs of its lanes, so lane jobs
+    are never added to it (that would count each twice); the services it runs
+    are the scheduler's own placements, counted as placements (a leader with
+    no plan in force, after a forged one, must not take a host's own services
+    for foreign load). The registry's account is the other term: a kept
+    placement the node has not applied yet still holds its slot, and a lane
+    job claimed since the beat holds one too. Every new placement adds
     one. A node never receives work that would take it past
     max_concurrent_tasks, and a placement is kept only while the kept ones
     plus its lane jobs fit: running lane jobs cannot be moved by the
@@ -89,7 +96,7 @@ from typing import Literal
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
-from reconciler.core.scheduling.lanes import host_load, lane_jobs_by_host, lane_views
+from reconciler.core.scheduling.lanes import account_load, lane_jobs_by_host, lane_views
 from reconciler.core.timestamps import utc, utc_stamp
 
 Strategy = Literal["highest_tier", "best_fit"]
@@ -242,7 +249,7 @@ class Placer:
         """The node's load with `kept` placements kept on it (module docstring):
         its reported in_flight already counts its lane jobs, so they are added
         to the registry's side only."""
-        return host_load(self.nodes[node_id], kept, self.lane_jobs.get(node_id, 0))
+        return account_load(self.nodes[node_id], kept, self.lane_jobs.get(node_id, 0))
 
     def load(self, node_id: str) -> int:
         slot = self.slots.get(node_id)
