@@ -1,8 +1,10 @@
 # services.fabric: the fabric reconciler on a NixOS host.
 #
 # Every host runs fabric-reconcile.timer: one pass every `interval` (load the
-# desired state, probe, heartbeat, render, activate, audit to the journal).
-# Leader candidates also run fabric-leader.service.
+# desired state, probe, heartbeat, render, activate, audit to the journal),
+# and fabric-watch.service, which starts that pass as soon as the registry
+# changes for this host (a new plan, its drain, its node state); the timer
+# stays the backstop. Leader candidates also run fabric-leader.service.
 #
 # The unit values here mirror reconciler/core/install/units.py, which scripts/join.sh
 # installs on hosts without NixOS; tests/unit/test_nix_module.py evaluates this
@@ -103,7 +105,19 @@ let
       nodeSettings.node.host
     ];
 
-  # Shared by the pass and the leader; reasons in reconciler/core/install/units.py (HARDENING).
+  watchArgv =
+    [
+      fabric
+      "watch"
+      "--desired"
+      nodeSettings.node.desired
+    ]
+    ++ lib.optionals (nodeSettings.node ? host) [
+      "--host"
+      nodeSettings.node.host
+    ];
+
+  # Shared by the pass, the leader and the watcher; reasons in reconciler/core/install/units.py (HARDENING).
   # No PrivateDevices: the probe must see /dev/dri and /dev/nvidia*.
   hardening = {
     ProtectSystem = "strict";
@@ -350,6 +364,24 @@ in
             // lib.optionalAttrs (nodeSettings ? source) {
               ExecStartPre = lib.concatStringsSep " " pullArgv;
             };
+        };
+
+        # Starts fabric-reconcile.service over D-Bus when the registry changes
+        # for this host (reconciler/core/install/units.py watch_service).
+        systemd.services.fabric-watch = {
+          description = "fabric: start a reconcile pass as soon as the registry changes for this host";
+          wantedBy = [ "multi-user.target" ];
+          wants = [ "network-online.target" ];
+          after = [ "network-online.target" ];
+          path = runtimePath;
+          environment = passEnvironment;
+          serviceConfig = hardening // {
+            Type = "simple";
+            SyslogIdentifier = "fabric-watch";
+            Restart = "on-failure";
+            RestartSec = "5s";
+            ExecStart = lib.concatStringsSep " " watchArgv;
+          };
         };
 
         systemd.timers.fabric-reconcile = {

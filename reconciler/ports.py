@@ -28,6 +28,7 @@ from reconciler.core.live.records import (
 if TYPE_CHECKING:
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, Snapshot
+    from reconciler.core.live.watching import EntryVersion
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
 
 
@@ -69,6 +70,20 @@ class Systemd(Protocol):
 
     def active_state(self, unit: str) -> str:
         """'active', 'inactive', 'failed', ... ('inactive' for an unknown unit)."""
+        ...
+
+
+class PassStarter(Protocol):
+    """fabric-reconcile.service as `fabric watch` starts it (systemd over D-Bus).
+    Both raise ActivationError when systemd cannot be reached or refuses."""
+
+    def pass_running(self) -> bool:
+        """Whether a pass runs now (the unit is activating or deactivating)."""
+        ...
+
+    def start_pass(self) -> None:
+        """Queue a start of the unit (StartUnit, mode "replace") and return
+        once systemd took the job, without waiting for the pass to end."""
         ...
 
 
@@ -411,6 +426,15 @@ class Registry(Protocol):
     def wait_for_change(self, timeout_s: float) -> bool:
         """Block until a node joins or goes silent, a drain changes or the
         leader changes, or `timeout_s` passes. True if something changed."""
+        ...
+
+    def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
+        """`fabric watch`: the entries that concern `host` (the newest plan,
+        its drain request, its node state) that may have changed, with their
+        versions now (`reconciler.core.live.watching`). The first call, and the
+        first after a failure, reports all three (the baseline); later calls
+        block until one changes or `timeout_s` passes (etcd: a watch on those
+        keys; sqlite: one read after `timeout_s`). Raises RegistryUnavailable."""
         ...
 
     def close(self) -> None: ...

@@ -5,9 +5,10 @@
 # and prints it, installs the reconciler into a virtual environment (default
 # /opt/fabric) with pip, as a wheel built from a source checkout (or a wheel
 # built elsewhere), writes /etc/fabric/node.toml, installs
-# fabric-reconcile.service/.timer (and fabric-leader.service on a leader
-# candidate) exactly as `fabric units` renders them -- the same definitions the
-# NixOS module declares -- enables the timer and runs a first pass.
+# fabric-reconcile.service/.timer, fabric-watch.service (and
+# fabric-leader.service on a leader candidate) exactly as `fabric units`
+# renders them -- the same definitions the NixOS module declares -- enables
+# the timer and the watcher and runs a first pass.
 #
 #   scripts/join.sh --source /path/to/fabric --host racknerd \
 #       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /root/.ssh/fleet
@@ -264,6 +265,9 @@ units_args=(--config "$CONFIG" --fabric-bin "$FABRIC"
 "$FABRIC" units "${units_args[@]}" "${leader_flag[@]}" --write "$SYSTEMD_DIR"
 systemctl daemon-reload
 systemctl enable --now fabric-reconcile.timer
+# Restarted so that it runs the program and unit just installed.
+systemctl enable fabric-watch.service
+systemctl restart fabric-watch.service
 if [ "$LEADER" = 1 ]; then
   systemctl enable --now fabric-leader.service
 fi

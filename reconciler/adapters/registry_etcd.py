@@ -87,6 +87,7 @@ from reconciler.core.live.records import (
     SlotClaim,
     check_node_id,
 )
+from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds, utc
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
@@ -189,6 +190,36 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     return pairs, [kv.key[len(nodes) :] for kv in beats]
 
 
+class _HostFollow:
+    """What the watch of one host's entries reported and not yet handed over
+    (filled on the loop thread, taken by `EtcdRegistry.watch_host`)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.task: asyncio.Task | None = None
+        self._ready = threading.Condition()
+        self._changes: list[EntryVersion] = []
+        self._failure: str | None = None
+
+    def put(self, changes: list[EntryVersion]) -> None:
+        with self._ready:
+            self._changes.extend(changes)
+            self._ready.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self._ready:
+            self._failure = reason
+            self._ready.notify_all()
+
+    def take(self, timeout_s: float) -> tuple[list[EntryVersion], str | None]:
+        """The changes so far (waiting up to `timeout_s` for one), or none and
+        why the watch ended."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._changes or self._failure is not None, timeout_s)
+            changes, self._changes = self._changes, []
+            return changes, (self._failure if not changes else None)
+
+
 class _Client(aetcd.Client):
     """aetcd's client with TLS: aetcd 1.0 only opens plaintext channels."""
 
@@ -241,6 +272,8 @@ class EtcdRegistry(LifecycleMixin):
         self._client: _Client | None = None
         self._changed = threading.Event()
         self._watch_task: asyncio.Task | None = None
+        # watch_host's watch of one host's entries (fabric watch).
+        self._host_follow: _HostFollow | None = None
         self._closed = False
         # Values of the last read (and the states this leader wrote since) by
         # their bytes, parsed: see `_parsed`.
@@ -321,12 +354,14 @@ class EtcdRegistry(LifecycleMixin):
             return
 
         async def shutdown() -> None:
-            if self._watch_task is not None:
-                self._watch_task.cancel()
-                try:
-                    await self._watch_task
-                except BaseException:
-                    pass
+            follow = self._host_follow.task if self._host_follow is not None else None
+            for task in (self._watch_task, follow):
+                if task is not None:
+                    task.cancel()
+                    try:
+                        await task
+                    except BaseException:
+                        pass
             await self._drop_client()
 
         try:
@@ -950,3 +985,76 @@ class EtcdRegistry(LifecycleMixin):
         changed = self._changed.wait(timeout_s)
         self._changed.clear()
         return changed
+
+    # -- fabric watch -----------------------------------------------------------------------
+
+    def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
+        """Served by a watch of the keys P/plan, P/drain/<host> and
+        P/state/<host> on the loop thread, started on the first call from a
+        read of the three at one revision (the baseline) and watching from the
+        next revision, so nothing falls between the two. A version is the
+        key's mod_revision. When the watch ends (the endpoint went away), the
+        next call raises RegistryUnavailable and the one after starts again
+        from a new read, through the next endpoint that answers."""
+        check_node_id(host)
+        if self._closed:
+            raise RegistryError("registry is closed")
+        follow = self._host_follow
+        if follow is None or follow.host != host:
+            if follow is not None and follow.task is not None:
+                self._loop.call_soon_threadsafe(follow.task.cancel)
+            follow = self._host_follow = _HostFollow(host)
+
+            async def start() -> asyncio.Task:
+                return asyncio.get_running_loop().create_task(self._follow_host(follow))
+
+            follow.task = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=5)
+        changes, failure = follow.take(timeout_s)
+        if failure is not None:
+            self._host_follow = None
+            raise RegistryUnavailable(f"etcd: watching {host}'s entries: {failure}")
+        return changes
+
+    async def _follow_host(self, follow: _HostFollow) -> None:
+        keys = {
+            self._key("plan"): (PLAN, ""),
+            self._key("drain", follow.host): (DRAIN, follow.host),
+            self._key("state", follow.host): (STATE, follow.host),
+        }
+        watches: list = []
+        client: _Client | None = None
+        try:
+
+            async def read(c: _Client) -> tuple[dict[bytes, str], int, _Client]:
+                revision = 0
+                found: dict[bytes, str] = {}
+                for key in keys:
+                    kvs, revision = await _read_range(c, key, key + b"\0", revision)
+                    found[key] = str(kvs[0].mod_revision) if kvs else ""
+                return found, revision, c
+
+            found, revision, client = await self._with_failover(read)
+            for key in keys:
+                watches.append(await client.watch(key, start_revision=revision + 1))
+            follow.put([EntryVersion(kind, node, found[key]) for key, (kind, node) in keys.items()])
+
+            async def pump(key: bytes, watch) -> None:
+                kind, node = keys[key]
+                async for event in watch:
+                    follow.put([EntryVersion(kind, node, "" if event.kind == "DELETE" else str(event.kv.mod_revision))])
+                raise aetcd.ConnectionFailedError("the watch ended")
+
+            await asyncio.gather(*(pump(key, watch) for key, watch in zip(keys, watches, strict=True)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            follow.fail(str(exc) or type(exc).__name__)
+            if client is not None and self._client is client:  # not already switched by an operation
+                await self._drop_client()
+                self._current = (self._current + 1) % len(self._endpoints)
+        finally:
+            for watch in watches:
+                try:
+                    await asyncio.wait_for(watch.cancel(), 1)
+                except BaseException:
+                    pass

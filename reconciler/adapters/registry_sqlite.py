@@ -44,6 +44,7 @@ from reconciler.core.live.records import (
     SlotClaim,
     check_node_id,
 )
+from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, RegistryUnavailable
@@ -129,6 +130,8 @@ class SqliteRegistry(LifecycleMixin):
         # wait_for_change: the change counter and the next expiry it last saw.
         self._seen_changes: int | None = None
         self._next_expiry: float | None = None
+        # watch_host: the host whose baseline was reported (None: none yet).
+        self._watched_host: str | None = None
         try:
             self._create_private()
             refused = untrusted_file(self.path)
@@ -489,3 +492,24 @@ class SqliteRegistry(LifecycleMixin):
             if remaining <= 0:
                 return False
             time.sleep(min(POLL_S, remaining))
+
+    # -- fabric watch ---------------------------------------------------------------
+
+    def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
+        """A cheap poll: three primary-key reads in one read transaction, after
+        waiting `timeout_s` (at once the first time, for the baseline). The
+        plan's version is its epoch; a drain request's or node state's, its
+        stored JSON (it holds the request time, the state's transitions)."""
+        check_node_id(host)
+        if self._watched_host == host:
+            time.sleep(timeout_s)
+        with self._tx(write=False) as db:
+            plan = db.execute("SELECT epoch FROM plan WHERE id = 1").fetchone()
+            drain = db.execute("SELECT request FROM drains WHERE node_id = ?", (host,)).fetchone()
+            state = db.execute("SELECT state FROM node_states WHERE node_id = ?", (host,)).fetchone()
+        self._watched_host = host
+        return [
+            EntryVersion(PLAN, "", str(plan[0]) if plan else ""),
+            EntryVersion(DRAIN, host, drain[0] if drain else ""),
+            EntryVersion(STATE, host, state[0] if state else ""),
+        ]

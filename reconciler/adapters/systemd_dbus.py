@@ -61,8 +61,13 @@ class SystemdDbus:
         settle_timeout: float = 30.0,
         settle_poll_interval: float = 0.02,
         startup_grace: float = 0.0,
+        follow_jobs: bool = True,
     ) -> None:
         self._bus_address = bus_address
+        # Without it no JobRemoved signal is subscribed to or kept: for a
+        # long-running client that only queues jobs (`enqueue_start`) and reads
+        # states, which would otherwise keep every job of the host it is sent.
+        self._follow_jobs = follow_jobs
         self._job_timeout = job_timeout
         self._settle_timeout = settle_timeout
         self._settle_poll_interval = settle_poll_interval
@@ -103,6 +108,22 @@ class SystemdDbus:
 
         An unknown unit reads as inactive with LoadState "not-found"."""
         return self._run(self._unit_properties(unit))
+
+    def enqueue_start(self, unit: str) -> str:
+        """StartUnit with mode "replace", returning the job's object path as
+        soon as systemd queued it (the job is not waited for). Of a oneshot
+        service whose start job is running, systemd merges the new job into it:
+        no second run follows."""
+
+        async def call() -> str:
+            bus = await self._connected()
+            try:
+                reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "StartUnit", "ss", [unit, "replace"], what="start")
+            except _DbusCallError as exc:
+                raise ActivationError(f"start {unit}: {exc.text or exc.name}") from exc
+            return str(reply.body[0])
+
+        return self._run(call())
 
     def close(self) -> None:
         if self._loop is None:
@@ -145,9 +166,11 @@ class SystemdDbus:
         except Exception as exc:  # connection refused, no socket, auth failure
             where = self._bus_address or "the system bus"
             raise ActivationError(f"cannot connect to systemd on {where}: {exc}") from exc
-        bus.add_message_handler(self._on_message)
         self._bus = bus
         self._disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
+        if not self._follow_jobs:
+            return bus
+        bus.add_message_handler(self._on_message)
         self._finished_jobs.clear()
         self._job_waiters.clear()
         # systemd only emits JobRemoved once some client has subscribed, and the bus
@@ -183,6 +206,8 @@ class SystemdDbus:
             raise ActivationError(f"{what}: {exc.text or exc.name}") from exc
 
     async def _unit_job(self, method: str, verb: str, unit: str) -> None:
+        if not self._follow_jobs:
+            raise ActivationError(f"{verb} {unit}: this systemd client does not follow jobs (follow_jobs=False)")
         bus = await self._connected()
         try:
             reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, method, "ss", [unit, "replace"], what=verb)
@@ -311,3 +336,21 @@ def _describe(properties: dict[str, Any]) -> str:
         if properties["ExecMainStatus"]:
             text += f", exit status {properties['ExecMainStatus']}"
     return text
+
+
+class UnitPassStarter:
+    """`reconciler.ports.PassStarter`: fabric-reconcile.service (or `unit`)
+    over one D-Bus connection, reopened after systemd or the bus restarted."""
+
+    def __init__(self, unit: str, bus_address: str | None = None) -> None:
+        self.unit = unit
+        self._systemd = SystemdDbus(bus_address, follow_jobs=False)
+
+    def pass_running(self) -> bool:
+        return self._systemd.active_state(self.unit) in TRANSITIONAL_STATES
+
+    def start_pass(self) -> None:
+        self._systemd.enqueue_start(self.unit)
+
+    def close(self) -> None:
+        self._systemd.close()

@@ -62,6 +62,7 @@ COMMANDS = {
     "schedule": "schedule",
     "dispatch": "dispatch",
     "lane": "lane",
+    "watch": "watch",
 }
 
 

@@ -30,7 +30,18 @@ if TYPE_CHECKING:
     from reconciler.engine.memoized_pass import MemoPorts
     from reconciler.engine.pass_options import PassOptions
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
-    from reconciler.ports import Audit, CaptureStore, Clock, CommandRunner, FileReader, FileTree, PlanSigner, Registry, RegistryAuth
+    from reconciler.ports import (
+        Audit,
+        CaptureStore,
+        Clock,
+        CommandRunner,
+        FileReader,
+        FileTree,
+        PassStarter,
+        PlanSigner,
+        Registry,
+        RegistryAuth,
+    )
 
 
 def open_registry(
@@ -163,6 +174,19 @@ def leader_ports() -> Iterator[tuple[CommandRunner, Audit | None]]:
         yield command_runner(), journal if journal.to_journal else None
     finally:
         journal.close()
+
+
+@contextmanager
+def pass_starter(unit: str, systemd_bus: str | None) -> Iterator[PassStarter]:
+    """`fabric watch`'s way to start a pass: `unit` over D-Bus (the system bus
+    unless `systemd_bus`); the connection is closed on leaving."""
+    from reconciler.adapters.systemd_dbus import UnitPassStarter
+
+    starter = UnitPassStarter(unit, systemd_bus)
+    try:
+        yield starter
+    finally:
+        starter.close()
 
 
 def plan_signer(key_file: Path) -> PlanSigner:

@@ -86,6 +86,7 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     assert [u.name for u in host_units(install, leader_candidate=True)] == [
         "fabric-reconcile.service",
         "fabric-reconcile.timer",
+        "fabric-watch.service",
         "fabric-leader.service",
     ]
 
@@ -105,10 +106,10 @@ def test_units_cli_json_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert units["fabric-reconcile.service"]["Service"]["ExecStartPre"] == [f"/opt/fabric/bin/fabric pull --config {config}"]
     out = tmp_path / "units"
     assert main([*args, "--write", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["fabric-reconcile.service", "fabric-reconcile.timer"]
+    assert sorted(p.name for p in out.iterdir()) == ["fabric-reconcile.service", "fabric-reconcile.timer", "fabric-watch.service"]
     capsys.readouterr()
     assert main([*args, "--write", str(out)]) == 0
-    assert capsys.readouterr().out.count("unchanged") == 2
+    assert capsys.readouterr().out.count("unchanged") == 3
 
 
 def test_units_cli_bad_config_is_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from reconciler.core.install.units import (
     leader_service,
     reconcile_service,
     reconcile_timer,
+    watch_service,
 )
 from tests.conftest import REPO, require
 
@@ -164,6 +165,16 @@ def test_leader_service_only_on_candidates_and_matches_python() -> None:
     nix_leader = result["services"]["fabric-leader"]
     python_leader = leader_service(python_install(result)).values("Service")
     assert normalized(nix_leader["serviceConfig"]) | nix_environment(nix_leader) == python_leader
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_watch_service_on_every_host_matches_python(name: str) -> None:
+    user, flags = CONFIGS[name]
+    result = evaluate(user, **flags)
+    nix_watch = result["services"]["fabric-watch"]
+    python_watch = watch_service(python_install(result))
+    assert normalized(nix_watch["serviceConfig"]) | nix_environment(nix_watch) == python_watch.values("Service")
+    assert nix_watch["wantedBy"] == [python_watch.values("Install")["WantedBy"]]
 
 
 def test_hardening_is_shared_and_complete() -> None:

@@ -1,7 +1,9 @@
 """The fabric's own systemd units, defined once for both install paths.
 
 Pure. `fabric-reconcile.service` (one pass, then exit), `fabric-reconcile.timer`
-(on boot, then every interval) and, on leader candidates, `fabric-leader.service`.
+(on boot, then every interval), `fabric-watch.service` (starts a pass as soon
+as the registry changes for this host) and, on leader candidates,
+`fabric-leader.service`.
 `scripts/join.sh` installs exactly what `fabric units --write DIR` renders from
 here; the NixOS module (modules/fabric.nix) declares the same values in Nix,
 and tests/unit/test_nix_module.py evaluates the module and compares its command,
@@ -21,6 +23,7 @@ from reconciler.core.install.nodeconfig import NodeConfig
 RECONCILE_SERVICE = "fabric-reconcile.service"
 RECONCILE_TIMER = "fabric-reconcile.timer"
 LEADER_SERVICE = "fabric-leader.service"
+WATCH_SERVICE = "fabric-watch.service"
 
 # The journal identifier of every pass: `journalctl -t fabric-reconcile` shows
 # the pass's output and the audit entries together.
@@ -38,7 +41,13 @@ PASS_TIMEOUT = "10min"
 LEADER_SUBCOMMAND = ("leader", "run")
 LEADER_RESTART_SEC = "5s"
 
-# Hardening shared by the reconcile pass and the leader. A pass runs as root
+# The watcher follows the registry for as long as it runs; it exits only on
+# a failure a retry would not mend (the registry refused its identity), and
+# systemd brings it back after a pause; the timer's passes go on meanwhile.
+WATCH_SUBCOMMAND = ("watch",)
+WATCH_RESTART_SEC = "5s"
+
+# Hardening shared by the reconcile pass, the leader and the watcher. A pass runs as root
 # because it manages units (D-Bus to systemd), loads nft tables
 # (CAP_NET_ADMIN) and probes hardware, so the limits are on what it can reach:
 # - ProtectSystem=strict: the whole tree read-only except what a pass
@@ -173,6 +182,15 @@ def leader_argv(install: Install) -> list[str]:
     return [install.fabric_bin, *LEADER_SUBCOMMAND, "--desired", node.desired, "--host", node.host]
 
 
+def watch_argv(install: Install) -> list[str]:
+    """`fabric watch --desired DIR [--host NAME]` (its registry is the pass's)."""
+    node = install.node.node
+    argv = [install.fabric_bin, *WATCH_SUBCOMMAND, "--desired", node.desired]
+    if node.host is not None:
+        argv += ["--host", node.host]
+    return argv
+
+
 def _environment(install: Install) -> list[tuple[str, str]]:
     env = [("Environment", f"PATH={install.search_path}")] if install.search_path else []
     if install.node.node.registry_path is not None:
@@ -252,6 +270,30 @@ def leader_service(install: Install) -> UnitFile:
     )
 
 
+def watch_service(install: Install) -> UnitFile:
+    service: list[tuple[str, str]] = [
+        ("Type", "simple"),
+        ("SyslogIdentifier", "fabric-watch"),
+        ("Restart", "on-failure"),
+        ("RestartSec", WATCH_RESTART_SEC),
+        *_environment(install),
+        ("ExecStart", " ".join(watch_argv(install))),
+    ]
+    service += _hardening()
+    return UnitFile(
+        WATCH_SERVICE,
+        {
+            "Unit": [
+                ("Description", "fabric: start a reconcile pass as soon as the registry changes for this host"),
+                ("Wants", "network-online.target"),
+                ("After", "network-online.target"),
+            ],
+            "Service": service,
+            "Install": [("WantedBy", "multi-user.target")],
+        },
+    )
+
+
 def _hardening() -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for key, value in HARDENING.items():
@@ -264,7 +306,7 @@ def _hardening() -> list[tuple[str, str]]:
 
 def host_units(install: Install, *, leader_candidate: bool) -> list[UnitFile]:
     """Every unit this host needs from the fabric itself (not the rendered ones)."""
-    units = [reconcile_service(install), reconcile_timer(install)]
+    units = [reconcile_service(install), reconcile_timer(install), watch_service(install)]
     if leader_candidate:
         units.append(leader_service(install))
     return units

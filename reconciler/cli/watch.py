@@ -1,0 +1,94 @@
+"""fabric watch: start a pass as soon as the registry says something changed for this host (fabric-watch.service).
+
+`fabric watch [--host NAME] [--desired DIR] [--registry-path FILE]` runs until
+SIGTERM/SIGINT (`reconciler.engine.watch`): it follows the newest plan and
+this host's drain request and node state (etcd: a watch on those keys;
+sqlite: a read every --poll-interval) and starts fabric-reconcile.service
+over D-Bus (StartUnit, mode "replace") when one changed: --window after the
+first change of a burst, never while a pass runs (it waits for that pass to
+end). An unreachable registry or systemd is retried, doubling the wait up to
+--retry-max; fabric-reconcile.timer goes on passing meanwhile.
+
+Exit 2: bad options or desired state; exit 1: the registry refused this
+identity (a retry would not help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from reconciler.cli import EXIT_OK, InvalidInput
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry
+from reconciler.cli.wiring import host_name, pass_starter, system_clock
+from reconciler.core.install.units import RECONCILE_SERVICE
+from reconciler.core.live.records import check_node_id
+from reconciler.core.live.watching import WatchTimings
+from reconciler.engine.watch import Watcher
+
+DEFAULTS = WatchTimings()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 3600] seconds")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("watch", help="start a reconcile pass as soon as the registry changes for this host (fabric-watch.service)")
+    add_registry_options(p)
+    p.add_argument("--host", metavar="NAME", help="this host's name (default: this machine's)")
+    p.add_argument("--unit", default=RECONCILE_SERVICE, help=f"the unit to start (default: {RECONCILE_SERVICE})")
+    p.add_argument(
+        "--systemd-bus",
+        metavar="ADDRESS",
+        default=os.environ.get("FABRIC_SYSTEMD_BUS"),
+        help="D-Bus address of the systemd to start it through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
+    )
+    p.add_argument(
+        "--window", type=_seconds, default=DEFAULTS.window_s, metavar="S", help=f"changes this close start one pass (default {DEFAULTS.window_s:g})"
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=_seconds,
+        default=DEFAULTS.poll_s,
+        metavar="S",
+        help=f"how often a sqlite registry is read and a running pass looked at (default {DEFAULTS.poll_s:g})",
+    )
+    p.add_argument(
+        "--retry-max",
+        type=_seconds,
+        default=DEFAULTS.retry_max_s,
+        metavar="S",
+        help=f"longest wait between tries of an unreachable registry or systemd (default {DEFAULTS.retry_max_s:g})",
+    )
+    p.set_defaults(func=run)
+
+
+def _log(message: str) -> None:
+    print(f"fabric-watch: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    host = args.host or host_name()
+    try:
+        check_node_id(host)
+    except ValueError as exc:
+        raise InvalidInput(f"fabric watch: --host: {exc}") from None
+    timings = WatchTimings(
+        window_s=args.window, poll_s=args.poll_interval, retry_min_s=min(DEFAULTS.retry_min_s, args.retry_max), retry_max_s=args.retry_max
+    )
+    with desired_and_registry(args) as (_, registry), pass_starter(args.unit, args.systemd_bus) as starter:
+        watcher = Watcher(registry, starter, system_clock(), host, timings=timings, log=_log)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: watcher.stop())
+        _log(f"watching the plan and {host}'s entries; starting {args.unit} on a change")
+        watcher.run()
+    return EXIT_OK

@@ -1,0 +1,153 @@
+"""What `fabric watch` reacts to, and when it starts a pass (pure).
+
+The watcher (`reconciler.engine.watch`, fabric-watch.service) follows a few
+registry entries through `Registry.watch_host` and starts
+fabric-reconcile.service when one that concerns this host changed, so a new
+plan is acted on within about a second instead of at the next timer tick. The
+timer stays the backstop: anything the watcher misses (it was down, the
+registry was unreachable, a change it does not follow) is seen by the next
+timer pass anyway.
+
+The entries followed (`EntryVersion`): the newest plan (every host, since
+every new epoch may move this host's placements or the edge's upstreams),
+and this host's drain request and node state. A version is opaque: it
+changes whenever the entry does ("" when the entry is absent). The first
+version of an entry the watcher sees is the baseline, not a change: a
+watcher that (re)starts does not start a pass for what the last pass may
+already have applied. A backend reports every followed entry again after
+(re)connecting, so a change made while it was away is still one change.
+
+Starting (`decide`): a burst of changes (the leader writes a node state and
+publishes a plan in one step) starts one pass, `window_s` after the first
+change of the burst; later changes do not push the start back, so a steady
+stream of changes still starts a pass every window. No pass is started while
+one runs: systemd merges a StartUnit into the start job of a oneshot that is
+already running (no second run is queued), and that pass may have read the
+registry before the change; so the changes stay pending and the next pass
+starts when it has finished. The pass's own lock (flock in the state
+directory) remains what guarantees one pass at a time: the timer or an
+operator may start one at any moment.
+
+An unreachable registry or systemd is retried after `retry_delay`, doubling
+from `retry_min_s` up to `retry_max_s`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Entry = Literal["plan", "drain", "state"]
+
+PLAN: Entry = "plan"
+DRAIN: Entry = "drain"
+STATE: Entry = "state"
+
+
+@dataclass(frozen=True)
+class EntryVersion:
+    """One followed registry entry as the backend saw it."""
+
+    entry: Entry
+    # Whose drain request or node state; "" for the plan (the fleet's one).
+    node_id: str
+    # Changes whenever the entry does; "" when the entry is absent.
+    version: str
+
+    def describe(self) -> str:
+        what = "the plan" if self.entry == PLAN else f"{self.node_id}'s {'drain request' if self.entry == DRAIN else 'node state'}"
+        return f"{what} ({self.version or 'absent'})"
+
+
+@dataclass(frozen=True)
+class WatchTimings:
+    """The watcher's timings, in seconds (`fabric watch` options)."""
+
+    # Changes within this long of the first one start one pass.
+    window_s: float = 0.2
+    # How often the sqlite registry is read, and a running pass looked at.
+    poll_s: float = 0.5
+    # Retries of an unreachable registry or systemd: from this, doubling ...
+    retry_min_s: float = 0.5
+    # ... up to this.
+    retry_max_s: float = 30.0
+
+    def problems(self) -> list[str]:
+        """Why these timings cannot work ([] when they can)."""
+        out = [f"{name} must be more than 0 (got {value:g})" for name, value in self._named() if not value > 0]
+        if self.retry_min_s > self.retry_max_s:
+            out.append(f"retry_min_s ({self.retry_min_s:g}) must not be more than retry_max_s ({self.retry_max_s:g})")
+        return out
+
+    def _named(self) -> list[tuple[str, float]]:
+        return [("window_s", self.window_s), ("poll_s", self.poll_s), ("retry_min_s", self.retry_min_s), ("retry_max_s", self.retry_max_s)]
+
+
+@dataclass(frozen=True)
+class WatchState:
+    """What the watcher has seen and not yet acted on."""
+
+    # (entry, node_id) -> the version last seen.
+    seen: Mapping[tuple[Entry, str], str] = field(default_factory=dict)
+    # When the first change not yet handed to a pass was seen (None: none).
+    pending_since: float | None = None
+    # The changes not yet handed to a pass, for the log.
+    pending: tuple[EntryVersion, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Start a pass now, or look again within `wake_in_s` (None: only when something changes)."""
+
+    start: bool
+    wake_in_s: float | None = None
+
+
+def concerns(change: EntryVersion, host: str) -> bool:
+    """Whether a change of this entry is this host's business: the plan is
+    every host's, a drain request or node state only its own node's."""
+    return change.entry == PLAN or change.node_id == host
+
+
+def observe(state: WatchState, entries: Iterable[EntryVersion], host: str, now: float) -> WatchState:
+    """`state` after the backend reported `entries` at `now`: an entry that
+    concerns this host and whose version differs from the one seen before is a
+    pending change; the first version seen of an entry is only the baseline."""
+    seen = dict(state.seen)
+    changed: list[EntryVersion] = []
+    for entry in entries:
+        if not concerns(entry, host):
+            continue
+        key = (entry.entry, entry.node_id)
+        if key in seen and seen[key] != entry.version:
+            changed.append(entry)
+        seen[key] = entry.version
+    if not changed:
+        return WatchState(seen=seen, pending_since=state.pending_since, pending=state.pending)
+    since = state.pending_since if state.pending_since is not None else now
+    return WatchState(seen=seen, pending_since=since, pending=(*state.pending, *changed))
+
+
+def decide(state: WatchState, now: float, pass_running: bool, timings: WatchTimings) -> Decision:
+    """Whether to start a pass now. Nothing pending: no. A pass running: not
+    yet, look again in `poll_s`. Else once `window_s` has passed since the
+    first pending change (or at once when the clock went back past it)."""
+    if state.pending_since is None:
+        return Decision(start=False)
+    if pass_running:
+        return Decision(start=False, wake_in_s=timings.poll_s)
+    due = state.pending_since + timings.window_s
+    if now >= due or now < state.pending_since:
+        return Decision(start=True)
+    return Decision(start=False, wake_in_s=due - now)
+
+
+def started(state: WatchState) -> WatchState:
+    """`state` once a pass was started for its pending changes."""
+    return WatchState(seen=state.seen)
+
+
+def retry_delay(failures: int, timings: WatchTimings) -> float:
+    """The wait before the next try after `failures` failures in a row (>= 1)."""
+    return float(min(timings.retry_max_s, timings.retry_min_s * 2 ** max(0, min(failures - 1, 60))))
