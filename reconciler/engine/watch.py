@@ -64,6 +64,8 @@ class Watcher:
             entries = self.registry.watch_host(self.host, timeout)
         except RegistryUnavailable as exc:
             return self._failed(f"registry unreachable: {exc}")
+        if entries and not self.state.seen:
+            self.log(f"following {', '.join(entry.describe() for entry in entries)}")
         self.state = observe(self.state, entries, self.host, self.clock.now())
         if self.state.pending_since is None:
             self._recovered()

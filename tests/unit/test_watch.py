@@ -175,7 +175,10 @@ def test_the_loop_starts_one_pass_for_a_burst_at_the_end_of_its_window() -> None
     assert starter.starts == [T0 + 0.2]
     # While the burst is pending the registry is waited on only until the window ends.
     assert registry.timeouts[:4] == [0.5, 0.5, pytest.approx(0.2), pytest.approx(0.2)]
-    assert log == ["started a pass of lux: lux's node state (s2), the plan (8) changed"]
+    assert log == [
+        "following the plan (7), lux's drain request (absent), lux's node state (s1)",
+        "started a pass of lux: lux's node state (s2), the plan (8) changed",
+    ]
 
 
 def test_the_loop_waits_for_a_running_pass_then_starts_one() -> None:
@@ -197,8 +200,8 @@ def test_an_unreachable_registry_is_retried_with_backoff_then_followed_again() -
     w.step()
     w.step()
     assert w.failures == 0 and len(starter.starts) == 1
-    assert log[0].startswith("registry unreachable: no etcd endpoint answers") and log[1] == "working again after 3 failed tries"
-    assert len(log) == 3  # the outage said once, not at every try
+    assert log[1].startswith("registry unreachable: no etcd endpoint answers") and log[2] == "working again after 3 failed tries"
+    assert len(log) == 4  # the outage said once, not at every try
 
 
 def test_systemd_unreachable_keeps_the_change_pending_and_retries() -> None:
@@ -209,7 +212,7 @@ def test_systemd_unreachable_keeps_the_change_pending_and_retries() -> None:
     assert w.state.pending_since is not None
     w.step()
     assert len(starter.starts) == 1 and w.state.pending_since is None
-    assert log[0].startswith("cannot start a pass: cannot connect to systemd")
+    assert log[1].startswith("cannot start a pass: cannot connect to systemd")
 
 
 def test_run_pauses_after_a_failure_and_ends_on_stop() -> None:

@@ -1,0 +1,123 @@
+"""fabric-watch.service for real: systemd as PID 1 in a container runs the
+unit as `fabric units` renders it (hardening and all), and a plan published
+in the registry starts fabric-reconcile.service over D-Bus. No timer is
+installed: only the watcher can have started the pass.
+
+The edge host "racknerd" of the example fleet with the embedded sqlite
+registry in /var/lib/fabric; the test publishes plans into that file from
+outside, as a leader would. The pass the watcher starts is the rendered
+fabric-reconcile.service; whether it succeeds does not matter here, only
+that systemd started it (a new InvocationID).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from reconciler.core.install.nodeconfig import NodeConfig, NodeSection
+from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Install, host_units
+from reconciler.core.live.watching import WatchTimings
+from tests.conftest import REPO
+from tests.harness.systemd import SystemdContainer
+from tests.harness.waiting import deadline_for, wait_until
+from tests.integration.edge_host import DESIRED, SITE, edge_container, invocation
+
+pytestmark = pytest.mark.integration
+
+FABRIC = "/usr/local/bin/fabric"
+REGISTRY = "/var/lib/fabric/registry.sqlite"
+# The unit's own timings: fabric watch's defaults.
+TIMINGS = WatchTimings()
+
+
+@pytest.fixture(scope="module")
+def edge() -> Iterator[SystemdContainer]:
+    with edge_container() as container:
+        # The `fabric` program as an installed one would be: the package from
+        # the checkout, its dependencies copied in by edge_container.
+        container.write_file(
+            FABRIC,
+            f'#!/bin/sh\nexport PYTHONPATH={SITE}:{REPO} PYTHONDONTWRITEBYTECODE=1\nexec python3 -m reconciler "$@"\n',
+            mode=0o755,
+        )
+        node = NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY))
+        install = Install(fabric_bin=FABRIC, node=node, search_path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        for unit in host_units(install, leader_candidate=False):
+            if unit.name in (WATCH_SERVICE, RECONCILE_SERVICE):
+                container.write_file(f"/etc/systemd/system/{unit.name}", unit.text())
+        assert container.systemctl("daemon-reload").returncode == 0
+        started = container.systemctl("start", WATCH_SERVICE)
+        assert started.returncode == 0, started.stderr
+        yield container
+
+
+# Run inside the container: sqlite resolves the symbolic link /proc/PID/root
+# of a path from outside, so the file is written from within, as the leader
+# of a single-host fleet would.
+PUBLISH = f"""
+from datetime import UTC, datetime
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.models import FleetPlan
+
+registry = SqliteRegistry("{REGISTRY}", timing=TimingSettings(), flap=FlapSettings(), clock=SystemClock())
+term = registry.campaign("lux", 5)
+assert term is not None, "someone leads"
+print(registry.publish_plan(term, FleetPlan(epoch=0, leader="lux", created=datetime.now(UTC))).epoch)
+registry.resign(term)
+"""
+
+
+def publish_plan(container: SystemdContainer) -> int:
+    """A new plan in the host's registry file, as a leader publishes one."""
+    done = container.run("env", f"PYTHONPATH={SITE}:{REPO}", "PYTHONDONTWRITEBYTECODE=1", "python3", "-c", PUBLISH)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def watcher_state(container: SystemdContainer) -> str:
+    return container.systemctl("show", WATCH_SERVICE, "-p", "ActiveState", "--value").stdout.strip()
+
+
+def watcher_said(container: SystemdContainer, text: str) -> bool:
+    return text in container.journal("-u", WATCH_SERVICE, "-o", "cat")
+
+
+def test_a_published_plan_starts_the_reconcile_service(edge: SystemdContainer) -> None:
+    # The watcher's first read of the registry is its baseline.
+    wait_until(lambda: watcher_said(edge, "fabric-watch: following the plan"), timeout=deadline_for(TIMINGS.poll_s), what="the watcher's baseline")
+    assert watcher_state(edge) == "active"
+    assert invocation(edge, RECONCILE_SERVICE) == ""
+
+    epoch = publish_plan(edge)
+    first = wait_until(
+        lambda: invocation(edge, RECONCILE_SERVICE), timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s), what="a pass started for the plan"
+    )
+    wait_until(
+        lambda: watcher_said(edge, f"started a pass of racknerd: the plan ({epoch}) changed"),
+        timeout=deadline_for(TIMINGS.poll_s),
+        what="the start in the journal",
+    )
+
+    # Once that pass has ended, the next plan starts exactly one more.
+    wait_until(
+        lambda: edge.systemctl("show", RECONCILE_SERVICE, "-p", "ActiveState", "--value").stdout.strip() in ("inactive", "failed"),
+        timeout=300,
+        what="the first pass to end",
+    )
+    epoch = publish_plan(edge)
+    second = wait_until(
+        lambda: (i := invocation(edge, RECONCILE_SERVICE)) != first and i,
+        timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s),
+        what="a pass started for the new plan",
+    )
+    assert second != first
+    wait_until(
+        lambda: watcher_said(edge, f"started a pass of racknerd: the plan ({epoch}) changed"),
+        timeout=deadline_for(TIMINGS.poll_s),
+        what="the start in the journal",
+    )
+    assert watcher_state(edge) == "active"

@@ -1,0 +1,138 @@
+"""`fabric watch`'s loop over real registries (a sqlite file and a real etcd,
+the `store` fixture), with a fake start port: a published plan starts one
+pass within the configured timings, a burst starts one, another host's
+entries start none, and an etcd that goes away is retried until it is back."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from reconciler.adapters.clock import SystemClock
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.model import FleetConfig
+from reconciler.core.live.watching import WatchTimings
+from reconciler.engine.watch import Watcher
+from reconciler.ports import Clock, Registry
+from tests.conftest import require
+from tests.fakes import FakeClock
+from tests.harness.etcd import etcd_cluster
+from tests.harness.waiting import deadline_for, wait_until
+from tests.integration.registry_store import Store, a_plan, record
+
+pytestmark = pytest.mark.integration
+
+HOST = "lux"
+TIMINGS = WatchTimings(window_s=0.2, poll_s=0.25, retry_min_s=0.1, retry_max_s=0.5)
+
+
+class RecordingStarter:
+    """The `PassStarter` port: records each start; no pass ever runs."""
+
+    def __init__(self) -> None:
+        self.starts: list[str] = []
+
+    def pass_running(self) -> bool:
+        return False
+
+    def start_pass(self) -> None:
+        self.starts.append("start")
+
+
+@contextmanager
+def running(registry: Registry, clock: Clock | None = None) -> Iterator[tuple[Watcher, RecordingStarter, list[str]]]:
+    starter = RecordingStarter()
+    log: list[str] = []
+    watcher = Watcher(registry, starter, clock or SystemClock(), HOST, timings=TIMINGS, log=log.append)
+    thread = threading.Thread(target=watcher.run, name="fabric-watch-test", daemon=True)
+    thread.start()
+    try:
+        # The first answer is the baseline: nothing before it is a change.
+        wait_until(lambda: watcher.state.seen, timeout=deadline_for(TIMINGS.poll_s), what="the watcher's baseline")
+        yield watcher, starter, log
+    finally:
+        watcher.stop()
+        thread.join(timeout=deadline_for(TIMINGS.poll_s))
+        assert not thread.is_alive()
+
+
+def test_a_published_plan_starts_a_pass_within_the_window(store: Store) -> None:
+    registry = store.open()
+    with running(store.open()) as (_, starter, log):
+        term = registry.campaign("qfox-1", 30)
+        assert term is not None
+        registry.publish_plan(term, a_plan())
+        wait_until(lambda: starter.starts, timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s, at_least=3), what="a start after the plan")
+        assert len(starter.starts) == 1
+        assert log[-1].startswith("started a pass of lux: the plan (")
+
+
+def test_another_hosts_entries_start_nothing_this_hosts_drain_does(store: Store) -> None:
+    registry = store.open()
+    with running(store.open()) as (watcher, starter, log):
+        registry.set_drain("qfox-1", reason="not lux")
+        registry.set_drain(HOST, reason="maintenance")
+        wait_until(lambda: starter.starts, timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s, at_least=3), what="a start after lux's drain")
+        assert len(log) == 2 and log[1].startswith("started a pass of lux: lux's drain request (") and "qfox-1" not in log[1]
+        assert len(starter.starts) == 1
+
+
+def test_a_burst_of_changes_starts_one_pass(store: Store) -> None:
+    """The watcher's clock stands still (a FakeClock): the window cannot end
+    while the burst is written, however slow the machine; once the watcher
+    has seen every change, moving the clock past the window starts one pass."""
+    registry = store.open()
+    clock = FakeClock()
+    with running(store.open(), clock) as (watcher, starter, log):
+        registry.heartbeat(record(HOST))
+        term = registry.campaign("qfox-1", 30)
+        assert term is not None
+        registry.advance_lifecycle(term)  # lux's node state, written by the leader
+        registry.publish_plan(term, a_plan())
+        registry.set_drain(HOST)
+        registry.publish_plan(term, a_plan())
+        kinds = lambda: {change.entry for change in watcher.state.pending}  # noqa: E731
+        wait_until(
+            lambda: kinds() == {"plan", "drain", "state"}, timeout=deadline_for(TIMINGS.poll_s, at_least=3), what="every change of the burst seen"
+        )
+        assert starter.starts == []
+        clock.advance(TIMINGS.window_s)
+        wait_until(lambda: starter.starts, timeout=deadline_for(TIMINGS.poll_s, at_least=3), what="the burst's start")
+        assert len(starter.starts) == 1 and len(log) == 2
+
+
+def test_an_etcd_that_goes_away_is_retried_and_followed_again_when_back() -> None:
+    require("etcd")
+    with etcd_cluster(members=1) as cluster:
+        fleet = FleetConfig.model_validate(
+            {
+                "fleet": {"domain": "t.example", "leader_candidates": ["qfox-1"]},
+                "registry": {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"},
+            }
+        )
+        writer, followed = open_registry(fleet, op_timeout_s=1.0), open_registry(fleet, op_timeout_s=1.0)
+        try:
+            with running(followed) as (watcher, starter, log):
+                cluster.stop("m0")
+                wait_until(lambda: watcher.failures >= 2, timeout=deadline_for(TIMINGS.retry_max_s * 4), what="the watcher retrying")
+                assert log[1].startswith("registry unreachable: etcd: ")
+                assert starter.starts == []
+                cluster.start("m0", state="existing")
+                cluster.wait_healthy()
+                term = writer.campaign("qfox-1", 30)
+                assert term is not None
+                writer.publish_plan(term, a_plan())
+                wait_until(
+                    lambda: starter.starts,
+                    timeout=deadline_for(TIMINGS.retry_max_s + TIMINGS.window_s + TIMINGS.poll_s),
+                    what="a start after the plan",
+                )
+                assert len(starter.starts) == 1
+                assert any(line.startswith("working again after") for line in log)
+        finally:
+            writer.close()
+            followed.close()
