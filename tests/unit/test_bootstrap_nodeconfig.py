@@ -13,7 +13,7 @@ from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.cli import main
 from reconciler.core.install.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
-from reconciler.core.install.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer
+from reconciler.core.install.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer, watch_service
 from tests.conftest import require
 
 
@@ -134,3 +134,23 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         path.write_text(unit.text())
         paths.append(str(path))
     SystemdAnalyzeVerifier(SubprocessRunner()).verify(paths)
+
+
+def test_watch_service_restarts_on_failure_hardened_like_the_pass(tmp_path: Path) -> None:
+    """fabric-watch.service: `fabric watch` with the pass's desired state,
+    host and registry, the pass's hardening, brought back only after a
+    failure; `systemd-analyze verify` knows every key of it."""
+    require("systemd-analyze")
+    node = parse_node_config('[node]\nhost = "lux"\nregistry_path = "/var/lib/fabric/registry.sqlite"\n')
+    fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
+    unit = watch_service(Install(fabric_bin=fabric_bin, node=node))
+    service = unit.values("Service")
+    assert service["ExecStart"] == f"{fabric_bin} watch --desired /var/lib/fabric/desired --host lux"
+    assert service["Type"] == "simple" and service["Restart"] == "on-failure"
+    assert service["Environment"] == ("FABRIC_REGISTRY=/var/lib/fabric/registry.sqlite", "HOME=/var/lib/fabric")
+    for key, value in HARDENING.items():
+        assert service[key] == value, key
+    assert unit.values("Install")["WantedBy"] == "multi-user.target"
+    path = tmp_path / unit.name
+    path.write_text(unit.text())
+    SystemdAnalyzeVerifier(SubprocessRunner()).verify([str(path)])

@@ -109,12 +109,6 @@ def test_retries_double_up_to_the_most() -> None:
     assert retry_delay(10_000, TIMINGS) == 30.0
 
 
-def test_timings_that_cannot_work_are_named() -> None:
-    assert WatchTimings().problems() == []
-    problems = WatchTimings(window_s=0, retry_min_s=60, retry_max_s=30).problems()
-    assert problems == ["window_s must be more than 0 (got 0)", "retry_min_s (60) must not be more than retry_max_s (30)"]
-
-
 # -- the loop over fakes -----------------------------------------------------------------
 
 
@@ -228,3 +222,20 @@ def test_run_pauses_after_a_failure_and_ends_on_stop() -> None:
     w.pause = pause
     w.run()
     assert w.stopped and pauses == [0.5, 1.0] and len(registry.timeouts) == 3
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def test_watch_refuses_a_bad_host_name_or_desired_state_with_exit_2(tmp_path, capsys) -> None:
+    from reconciler.cli import main
+    from tests.conftest import EXAMPLE_FLEET
+
+    assert main(["watch", "--desired", str(EXAMPLE_FLEET), "--host", "Not A Host"]) == 2
+    assert "fabric watch: --host: 'Not A Host' is not a fabric host name" in capsys.readouterr().err
+    (tmp_path / "fabric.toml").write_text("[fleet]\ndomain = 3\n")
+    assert main(["watch", "--desired", str(tmp_path), "--host", "lux"]) == 2
+    assert f"{tmp_path / 'fabric.toml'}: fleet.domain:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["watch", "--window", "0"])
+    assert exited.value.code == 2

@@ -73,16 +73,6 @@ class WatchTimings:
     # ... up to this.
     retry_max_s: float = 30.0
 
-    def problems(self) -> list[str]:
-        """Why these timings cannot work ([] when they can)."""
-        out = [f"{name} must be more than 0 (got {value:g})" for name, value in self._named() if not value > 0]
-        if self.retry_min_s > self.retry_max_s:
-            out.append(f"retry_min_s ({self.retry_min_s:g}) must not be more than retry_max_s ({self.retry_max_s:g})")
-        return out
-
-    def _named(self) -> list[tuple[str, float]]:
-        return [("window_s", self.window_s), ("poll_s", self.poll_s), ("retry_min_s", self.retry_min_s), ("retry_max_s", self.retry_max_s)]
-
 
 @dataclass(frozen=True)
 class WatchState:
