@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from reconciler.adapters.systemd_dbus import UnitPassStarter
 from reconciler.core.install.nodeconfig import NodeConfig, NodeSection
 from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Install, host_units
 from reconciler.core.live.watching import WatchTimings
@@ -121,3 +122,29 @@ def test_a_published_plan_starts_the_reconcile_service(edge: SystemdContainer) -
         what="the start in the journal",
     )
     assert watcher_state(edge) == "active"
+
+
+SLOW_PASS = "slow-pass.service"
+RUNS = "/var/lib/slow-pass.runs"
+
+
+def test_a_start_while_a_pass_runs_is_merged_into_it(edge: SystemdContainer) -> None:
+    """Why the watcher waits for a running pass instead of starting one: of a
+    oneshot whose start job runs, systemd merges a second StartUnit into that
+    job (no second run follows), and that run may have read the registry
+    before the change. The start port over real D-Bus sees the pass running."""
+    edge.write_file(f"/etc/systemd/system/{SLOW_PASS}", f"[Service]\nType=oneshot\nExecStart=/bin/sh -c 'echo run >> {RUNS}; sleep 2'\n")
+    assert edge.systemctl("daemon-reload").returncode == 0
+    starter = UnitPassStarter(SLOW_PASS, edge.bus_address)
+    try:
+        assert not starter.pass_running()
+        starter.start_pass()
+        wait_until(starter.pass_running, what="the slow pass running")
+        starter.start_pass()  # merged into the running job
+        assert starter.pass_running()
+        # No job left for the unit: nothing more will run without a new start.
+        wait_until(lambda: SLOW_PASS not in edge.systemctl("list-jobs", "--no-legend").stdout, timeout=deadline_for(2), what="the job to end")
+        assert not starter.pass_running()
+        assert edge.read_file(RUNS).splitlines() == ["run"]
+    finally:
+        starter.close()
