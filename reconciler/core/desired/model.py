@@ -169,6 +169,7 @@ LabelValue = Annotated[str, AfterValidator(_label_value)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[int, Field(ge=1, le=86_400)]
+Milliseconds = Annotated[int, Field(ge=1, le=600_000)]
 # An argv element is judged by value (`core.desired.secrets`) before anything
 # else, so no message quotes it: a secret on a command line shows in ps and in
 # the unit file.
@@ -251,6 +252,52 @@ class TimingSettings(Strict):
         if relayed:
             return max(self.node_timeout_s, self.relayed_heartbeat_s * self.missed_beats)
         return self.node_timeout_s
+
+
+class EdgeSettings(Strict):
+    """How the edge's Caddy moves traffic between a service's upstreams
+    (rendered into every `reverse_proxy` block, templates/fabric.caddy.j2).
+
+    In milliseconds: these are a second or so, and the whole seconds of
+    `[timing]` are too coarse for them. The template says what each does in
+    Caddy; the comments here say why each default is what it is.
+    """
+
+    # lb_try_duration: how long a request may wait for an upstream that
+    # answers. 5 s covers a move: the edge routes to a replacement whose
+    # service is still starting (a process start, a second or two) or to a
+    # host that vanished (one dial_timeout_ms, then another upstream).
+    retry_window_ms: Milliseconds = 5000
+    # lb_try_interval: the pause before a failed attempt is tried again. It
+    # is the delay a request pays when it hit a dead upstream, and how late
+    # a waiting request sees an upstream come back; 100 ms keeps both small,
+    # and 10 tries a second per waiting request cost nothing (while every
+    # upstream is left out, a try is a lookup, not a dial).
+    retry_interval_ms: Milliseconds = 100
+    # fail_duration: how long an upstream that failed a request is left out.
+    # 1 s: a dead upstream delays one request a second by retry_interval_ms,
+    # and an upstream back from the dead is tried within a second (the goal
+    # of issue 14), with no active health check to wait for.
+    fail_memory_ms: Milliseconds = 1000
+    # transport dial_timeout: how long a connection to an upstream may take
+    # before the attempt counts as failed. 1 s is twice the slowest tailnet
+    # round trip (a DERP relay adds 200-500 ms, see relayed_heartbeat_s);
+    # Caddy's default of 3 s would hold each request that long per vanished host.
+    dial_timeout_ms: Milliseconds = 1000
+
+    @model_validator(mode="after")
+    def _coherent(self) -> EdgeSettings:
+        if self.retry_interval_ms >= self.retry_window_ms:
+            raise FieldProblem(
+                "retry_interval_ms",
+                f"{self.retry_interval_ms} is not shorter than retry_window_ms ({self.retry_window_ms}): no request would be tried twice",
+            )
+        if self.dial_timeout_ms >= self.retry_window_ms:
+            raise FieldProblem(
+                "dial_timeout_ms",
+                f"{self.dial_timeout_ms} is not shorter than retry_window_ms ({self.retry_window_ms}): a request to an unreachable upstream could not be tried elsewhere",
+            )
+        return self
 
 
 class FlapSettings(Strict):
@@ -438,6 +485,9 @@ class PhazeSettings(Strict):
 class Route(Strict):
     host: HostName
     path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/"
+    # Not rendered since the edge dropped Caddy's active health checks (they
+    # held a new upstream out until their next probe; see fabric.caddy.j2);
+    # kept so that fleet files which set it stay valid.
     health_path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/healthz"
 
 
@@ -560,6 +610,7 @@ class FleetConfig(Strict):
     fleet: FleetSettings
     timing: TimingSettings = TimingSettings()
     flap: FlapSettings = FlapSettings()
+    edge: EdgeSettings = EdgeSettings()
     registry: RegistrySettings = RegistrySettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     scaling: ScalingSettings = ScalingSettings()
