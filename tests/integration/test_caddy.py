@@ -16,7 +16,9 @@ import pytest
 from reconciler.adapters.caddy import CaddyAdmin
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import EdgeSettings
 from reconciler.core.render.artifacts import TEMPLATES_DIR
+from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.ports import ActivationError
 from tests.conftest import EXAMPLE_FLEET, require, require_root
@@ -136,7 +138,7 @@ def test_missing_caddy_program_is_an_activation_error() -> None:
 
 def test_rendered_edge_snippet_passes_validate(tmp_path) -> None:
     """templates/fabric.caddy.j2 as the renderer fills it: a routed service with
-    health-checked upstreams and one with nowhere to run yet."""
+    retried, passively checked upstreams and one with nowhere to run yet."""
     require("caddy")
     environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)), undefined=jinja2.StrictUndefined)
     snippet = environment.get_template("fabric.caddy.j2").render(
@@ -146,11 +148,11 @@ def test_rendered_edge_snippet_passes_validate(tmp_path) -> None:
                 "service": "braid",
                 "host": "braid.researchstack.info",
                 "path": "/",
-                "health_path": "/healthz",
                 "upstreams": ["100.88.57.96:8080", "100.101.7.21:8080"],
             },
-            {"service": "api", "host": "api.researchstack.info", "path": "/v1/", "health_path": "/healthz", "upstreams": []},
+            {"service": "api", "host": "api.researchstack.info", "path": "/v1/", "upstreams": []},
         ],
+        proxy=proxy_timings(EdgeSettings()),
         status_site=status_caddy_site(load_desired(EXAMPLE_FLEET)),
     )
     runner = SubprocessRunner({"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")})

@@ -17,7 +17,7 @@ import pytest
 from jinja2 import PackageLoader, StrictUndefined, UndefinedError
 
 from reconciler.core.desired.load import DesiredStateError, load_desired
-from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts, OperatingSystem
+from reconciler.core.desired.model import DesiredState, EdgeSettings, Hardware, NodeFacts, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
 from reconciler.core.templating import environment as template_environment
@@ -102,13 +102,27 @@ def test_rendered_texts_match_golden_files(host: str) -> None:
     assert on_disk == rendered
 
 
-def test_edge_routes_every_service_to_where_it_is_placed_with_health_checks() -> None:
+def test_edge_routes_every_service_to_where_it_is_placed_with_retries_and_passive_checks() -> None:
     caddy = files(example(), "racknerd")["etc/caddy/fabric.caddy"]
     fft = caddy[caddy.index("fft.researchstack.info {") :]
     # Two replicas: qfox-1 and x86-spill, addresses from their host files.
     assert "reverse_proxy 100.88.57.96:8703 100.101.7.22:8703 {" in fft
-    assert "health_uri /healthz" in fft and "health_interval" in fft
+    # [edge]'s defaults; no active health check (it held new upstreams out).
+    assert "lb_try_duration 5s\n\t\tlb_try_interval 100ms\n\t\tfail_duration 1s\n\t\tmax_fails 1\n" in fft
+    assert "\t\t\tdial_timeout 1s\n" in fft
+    assert not [line for line in caddy.splitlines() if line.lstrip().startswith("health_")]
     assert "encode.researchstack.info {\n\treverse_proxy 100.88.57.96:8702 {" in caddy
+
+
+def test_edge_takes_its_retry_and_failure_timings_from_the_edge_settings() -> None:
+    state = example()
+    edge = EdgeSettings(retry_window_ms=8000, retry_interval_ms=250, fail_memory_ms=1500, dial_timeout_ms=2000)
+    state = state.model_copy(update={"fleet": state.fleet.model_copy(update={"edge": edge})})
+    caddy = files(state, "racknerd")["etc/caddy/fabric.caddy"]
+    for site in ("braid", "encode", "fft"):
+        block = caddy[caddy.index(f"{site}.researchstack.info {{") :].split("\n}\n")[0]
+        assert "lb_try_duration 8s\n\t\tlb_try_interval 250ms\n\t\tfail_duration 1500ms\n" in block
+        assert "dial_timeout 2s\n" in block
 
 
 def test_a_routed_service_without_placement_answers_503() -> None:

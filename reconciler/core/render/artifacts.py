@@ -53,6 +53,7 @@ from reconciler.core.desired.model import (
     Service,
 )
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
@@ -613,14 +614,20 @@ def render(
                     "service": service.id,
                     "host": service.route.host,
                     "path": service.route.path,
-                    "health_path": service.route.health_path,
                     "upstreams": upstreams,
                 }
             )
         artifacts.append(
             Artifact(
                 layout.caddy_file,
-                _template("fabric.caddy.j2", templates, host=host_name, sites=sites, status_site=status_caddy_site(desired)),
+                _template(
+                    "fabric.caddy.j2",
+                    templates,
+                    host=host_name,
+                    sites=sites,
+                    proxy=proxy_timings(desired.fleet.edge),
+                    status_site=status_caddy_site(desired),
+                ),
                 0o644,
                 "caddy",
             )
