@@ -444,7 +444,12 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     views = {v["id"]: v for v in lane(fleet, "status")[0]["lanes"]}
     room = {i: min(v["cap"] - v["in_flight"], v["cap"] if v["host_free"] is None else v["host_free"]) for i, v in views.items()}
     said = {i: (v["available"], v["reason"], v["in_flight"], v["host_free"]) for i, v in views.items()}
-    assert all(v["available"] for v in views.values()) and room["a1-arm64"] > 0, said
+    assert all(v["available"] for v in views.values()), said
+    # a1-arm64's probe bounds it to one task: when a service placed there
+    # holds it, its lane has no room and says its host is full, and the
+    # burst starts on x86-spill (the next rank) at once.
+    if room["a1-arm64"] == 0:
+        assert views["a1-arm64"]["full"] == "host", said
     caps = {i: views[i]["in_flight"] + room[i] for i in views}
     gate = desired.fleet.scheduler.local_spill_after_s
     cloud = room["a1-arm64"] + room["x86-spill"]
