@@ -220,7 +220,8 @@ class ScalingStep:
             state = ScalingState()
         depth = queue_depth(self.registry.lane_jobs(), plan)
         now = snapshot.now
-        decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now)
+        lane_hosts = {host for host in desired.hosts if desired.lanes_on(host)}
+        decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now, lane_hosts=lane_hosts)
         carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now)
         if not _same(carried.record, record):
             self.registry.store_scaling(leadership, carried.record)  # the fence: NotLeader stops here

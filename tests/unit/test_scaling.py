@@ -33,8 +33,9 @@ class Leader:
         self.settings = settings
         self.state = ScalingState()
 
-    def at(self, seconds, nodes, queue_depth=0):
-        decision = decide_scaling(Snapshot(now=T0, nodes=nodes), queue_depth, self.settings, self.state, T0 + timedelta(seconds=seconds))
+    def at(self, seconds, nodes, queue_depth=0, lane_hosts=None):
+        at = T0 + timedelta(seconds=seconds)
+        decision = decide_scaling(Snapshot(now=T0, nodes=nodes), queue_depth, self.settings, self.state, at, lane_hosts=lane_hosts)
         self.state = decision.state
         return decision.actions
 
@@ -107,6 +108,31 @@ def test_only_nodes_that_take_work_count_as_idle_capacity(unusable):
     leader = Leader()
     leader.at(0, [unusable], queue_depth=20)
     assert [a.kind for a in leader.at(30, [unusable], queue_depth=20)] == ["run_cloud_hook", "run_cloud_hook"]
+
+
+def test_only_an_idle_lane_host_or_a_scaled_down_node_is_idle_capacity_for_queued_work():
+    """Queued work is lane jobs (they run only on the lane hosts) and replicas
+    deferred for capacity (an idle node at its own limit would have them
+    already). An idle relay with no lane cannot take any of it: counted as
+    idle capacity it would hold every burst off the cloud hooks for good."""
+    relay = node("racknerd", tier="relay", in_flight=0, limit=1)
+    busy_lane_host = node("x86-spill", in_flight=2, limit=2)
+    leader = Leader()
+    leader.at(0, [relay, busy_lane_host], queue_depth=20)
+    actions = leader.at(30, [relay, busy_lane_host], queue_depth=20, lane_hosts={"x86-spill", "lux"})
+    assert kinds(actions) == [("run_cloud_hook", "batch"), ("run_cloud_hook", "wasm")]
+
+    idle_lane_host = node("lux", in_flight=0, limit=2)
+    leader = Leader()
+    leader.at(0, [relay, idle_lane_host], queue_depth=20)
+    assert kinds(leader.at(30, [relay, idle_lane_host], queue_depth=20, lane_hosts={"lux"})) == [("activate_idle", "lux")]
+
+    # A scaled-down group is capacity again once activated, lane or not.
+    leader = Leader()
+    leader.at(0, [relay])
+    assert kinds(leader.at(900, [relay])) == [("scale_down", "racknerd")]
+    leader.at(1000, [relay], queue_depth=20)
+    assert kinds(leader.at(1030, [relay], queue_depth=20, lane_hosts=set())) == [("activate_idle", "racknerd")]
 
 
 def test_without_idle_capacity_the_cloud_hooks_run_once_per_tier_per_interval():

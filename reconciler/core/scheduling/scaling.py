@@ -12,9 +12,15 @@ restarts the window. All thresholds come from `[scaling]`:
 Burst (horizontal)
     queue depth > queue_high continuously for burst_window_s ->
     1. idle capacity first: every node that takes new work (active, not
-       drained, not held off, limit > 0) and has nothing in flight gets
-       `activate_idle` (its worker group is brought back up); a node is not
-       re-activated within group_interval_s;
+       drained, not held off, limit > 0), has nothing in flight and could
+       take the queued work gets `activate_idle` (its worker group is brought
+       back up); a node is not re-activated within group_interval_s. Queued
+       work is lane jobs, which run only on `lane_hosts` (the hosts a lane's
+       jobs run on), and replicas deferred for capacity, which an idle node
+       with its own limit would already have been given: so only an idle
+       lane host or a scaled-down node (activation restores its limit) is
+       idle capacity. An idle relay with no lane is not, or it would stand
+       between every burst and the cloud hooks for good;
     2. only when there is no idle capacity: each configured cloud hook
        (`scaling.cloud_hooks`, tier -> argv, best tier first) gets
        `run_cloud_hook`, at most one new worker group per tier per
@@ -40,6 +46,7 @@ Scale down
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -114,8 +121,10 @@ def decide_scaling(
     settings: ScalingSettings,
     state: ScalingState,
     now: datetime | None = None,
+    lane_hosts: Collection[str] | None = None,
 ) -> ScalingDecision:
-    """The scaling actions for this pass and the state to keep for the next."""
+    """The scaling actions for this pass and the state to keep for the next.
+    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work)."""
     now = utc(now if now is not None else snapshot.now)
     interval = timedelta(seconds=settings.group_interval_s)
     running: dict[str, SnapshotNode] = {}
@@ -172,7 +181,11 @@ def decide_scaling(
         scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
     if scale_out_reasons:
         why = "; ".join(scale_out_reasons)
-        idle = sorted(node_id for node_id, node in running.items() if node.in_flight == 0 and accepts_new_work(node, now))
+        idle = sorted(
+            node_id
+            for node_id, node in running.items()
+            if node.in_flight == 0 and accepts_new_work(node, now) and (lane_hosts is None or node_id in lane_hosts or node_id in state.scaled_down)
+        )
         if idle:
             for node_id in idle:
                 last = last_activation_at.get(node_id)
