@@ -248,7 +248,7 @@ def test_a_leader_without_a_plan_in_force_does_not_count_a_hosts_own_services_tw
     assert "qfox-1" not in {p.node for p in unsaid.placements}
 
 
-def test_the_rest_of_a_hosts_in_flight_is_its_lane_jobs_and_other_work():
+def test_the_rest_of_a_hosts_in_flight_is_its_lane_jobs_counted_by_the_claims_now():
     # x86-spill (limit 4) runs one service and two lane jobs: 3 in flight. Its
     # lane's room is the limit less the two jobs and the services placed
     # there, not less the running service a second time.
@@ -256,5 +256,6 @@ def test_the_rest_of_a_hosts_in_flight_is_its_lane_jobs_and_other_work():
     placed = [Placement(service="braid", replica=0, node="x86-spill", tier="cpu_ffmpeg")]
     seen = view(snapshot(node, lanes={"x86-spill": 2}, placements=placed), "x86-spill")
     assert seen.host_free == 1
-    # The lane jobs measured at the beat still count when the registry's claims lag.
-    assert view(snapshot(node, lanes={}, placements=placed), "x86-spill").host_free == 1
+    # Both jobs finished since the beat: their slots are free at once, not at
+    # the host's next pass (the node read its lane jobs from these claims).
+    assert view(snapshot(node, lanes={}, placements=placed), "x86-spill").host_free == 3

@@ -39,11 +39,11 @@ reconciler.core.scheduling.placement):
     (`lane_host`) draw from the host's one `max_concurrent_tasks`.
         lane jobs(host)  = the registry's claimed slots of those lanes now
                            (`SnapshotLane.in_flight`)
-        host load        = services placed on it
-                           + max(reported in_flight - its services running,
-                                 lane jobs(host))
+        host load        = services placed on it + lane jobs(host)
                            when the node says which part of its in_flight is
-                           its services (`services_running`), else
+                           its services (`services_running`): the rest is
+                           the lane jobs it read from the claims when it
+                           beat, and the claims now are newer; else
                          = max(reported in_flight,
                                services placed on it + lane jobs(host))
     A node's reported `in_flight` already counts the lane jobs of its lanes
@@ -180,10 +180,12 @@ def account_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
     if node.services_running is None:
         return max(node.in_flight, services + lane_jobs)
     # The node said which part of in_flight is its services: the scheduler
-    # counts the services it places instead, and the rest (lane jobs, other
-    # engines' tasks) as measured or as claimed since, whichever is larger.
-    others = max(0, node.in_flight - node.services_running)
-    return services + max(others, lane_jobs)
+    # counts the services it places instead. The rest of in_flight is the
+    # jobs on its lanes, which the node read from the registry's claims when
+    # it beat: the claims now are newer, so a slot freed since is free at
+    # once. (Other engines' tasks join here, from a field of their own, once
+    # an engine reports them: none does yet.)
+    return services + lane_jobs
 
 
 def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[Placement] | None = None) -> list[LaneView]:

@@ -33,10 +33,10 @@ Load: one account of capacity per host
     runs there (reconciler.core.scheduling.lanes: a compute lane's push host,
     the local lane's control host) draw from the same max_concurrent_tasks.
     A node's load starts at
-        placements kept on it + max(reported in_flight - services running,
-                                    lane jobs on it)
+        placements kept on it + lane jobs on it (the registry's claims now)
     when its record says which part of in_flight is its services running
-    (`services_running`), else at
+    (`services_running`; the rest is the lane jobs it read from the claims
+    when it beat, older than the claims now), else at
         max(reported in_flight, placements kept on it + lane jobs on it)
     (`lanes.account_load`). `in_flight` is what the node measured when it
     beat: its active services plus the lane jobs of its lanes, so lane jobs
