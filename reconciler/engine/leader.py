@@ -44,6 +44,7 @@ from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
+from reconciler.core.scheduling.placement import running_placements
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import Audit, CommandRunner, NotLeader, PlanSigner, PlanSigningError, Registry, RegistryUnavailable
 
@@ -208,11 +209,14 @@ class LeaderLoop:
         # its placements are not the ones in force: the scheduler keeps work
         # where it is, and a forger must not choose where that is. What hosts
         # run is this leader's last verified plan (they refused the forgery),
-        # so the schedule keeps those placements: a forgery moves nothing.
+        # so the schedule keeps those placements: a forgery moves nothing. A
+        # leader without a verified plan of its own (new to the term) keeps
+        # what the hosts report running instead (their heartbeats' units).
         untrusted = newest is not None and bool(keys) and verify_plan(newest, keys) is not None
         if untrusted:
             in_force = self.published if self.published is not None and verify_plan(self.published, keys) is None else None
-            snapshot = snapshot.model_copy(update={"placements": list(in_force.placements) if in_force is not None else []})
+            kept = list(in_force.placements) if in_force is not None else running_placements(self.desired, snapshot)
+            snapshot = snapshot.model_copy(update={"placements": kept})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)

@@ -483,10 +483,11 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     assert {v["id"]: v["in_flight"] for v in status["lanes"]} == caps, status["lanes"]
     assert all(v["full"] is not None for v in status["lanes"]), status["lanes"]
 
-    # A job that finishes frees its slot; the held one takes it, in rank order again.
+    # A job that finishes frees its slot (a1-arm64's, or x86-spill's when
+    # a1-arm64 had no room); the held one takes it: the only free slot.
     lane(fleet, "done", jobs[0])
     (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[-1]]
-    assert moved["backend"] == "a1-arm64", moved
+    assert moved["backend"] == started[0][1], (moved, started)
 
     # Drain the rest: finish what runs, dispatch what waits, until the queue is empty.
     def drained() -> bool:

@@ -21,6 +21,7 @@ from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan, Placement
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.signing import canonical_plan, verify_plan, with_signature
+from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.leader import LeaderLoop
@@ -348,3 +349,45 @@ def test_a_forgery_that_changes_nothing_moves_nothing(registry, desired, fleet) 
     assert healed is not None and verify_plan(healed, desired.fleet.plan_keys) is None
     assert {(p.service, p.replica): p.node for p in healed.placements} == where
     leader.step_and_resign()
+
+
+def test_a_new_leader_facing_a_forgery_keeps_what_the_hosts_report_running(registry, desired, fleet) -> None:
+    """A leader new to its term has no verified plan of its own: it keeps
+    what the hosts' heartbeats say they run (their units), not what a fresh
+    schedule would prefer, and not nothing (then every host's own services
+    would look like foreign load and move)."""
+    registry.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=4), ttl_s=300)
+    first = loop(registry, desired, "lux", fleet.signer("lux"), [])
+    first.step()
+    genuine = registry.newest_plan()
+    assert genuine is not None and genuine.placements
+    where = {(p.service, p.replica): p.node for p in genuine.placements}
+    # The hosts run it and say so; the CUDA desktop joins (a fresh schedule would prefer it).
+    heartbeat_example_hosts(registry)
+    running = {agent_unit(p.service): "active" for p in genuine.placements if p.node == "x86-spill"}
+    registry.heartbeat(
+        NodeRecord(
+            node_id="x86-spill",
+            tier="cpu_ffmpeg",
+            arch="x86_64",
+            max_concurrent_tasks=4,
+            in_flight=len(running),
+            services_running=len(running),
+            units=running,
+        ),
+        ttl_s=300,
+    )
+    fresh = schedule(registry.snapshot([lane.id for lane in desired.lanes]).model_copy(update={"placements": []}), desired, leader="lux", epoch=0)
+    assert {(p.service, p.replica): p.node for p in fresh.placements} != where, "the scenario needs a fresh schedule to differ"
+    # A forgery, then a new leader (lux's loop restarted: nothing published of its own).
+    assert first.leadership is not None
+    registry.publish_plan(first.leadership, genuine.model_copy(update={"signature": None}))
+    registry.resign(first.leadership)
+    second = loop(registry, desired, "lux", fleet.signer("lux"), [])
+    second.step()
+    healed = registry.newest_plan()
+    assert healed is not None and verify_plan(healed, desired.fleet.plan_keys) is None
+    # Everything that ran stays where it runs (deferred work may take the new capacity).
+    healed_where = {(p.service, p.replica): p.node for p in healed.placements}
+    assert {key: healed_where.get(key) for key in where} == where
+    second.step_and_resign()

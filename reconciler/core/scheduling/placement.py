@@ -95,8 +95,9 @@ from datetime import datetime
 from typing import Literal
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
+from reconciler.core.live.host_load import RUNNING_STATES
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
-from reconciler.core.scheduling.lanes import account_load, lane_jobs_by_host, lane_views
+from reconciler.core.scheduling.lanes import account_load, agent_unit, lane_jobs_by_host, lane_views
 from reconciler.core.timestamps import utc, utc_stamp
 
 Strategy = Literal["highest_tier", "best_fit"]
@@ -474,6 +475,22 @@ def _placement_order(services: Sequence[Service]) -> list[Service]:
     indexed = list(enumerate(services))
     indexed.sort(key=lambda p: (-TIER_SCORE[p[1].min_tier], -TIER_SCORE[p[1].floor], p[0]))
     return [s for _, s in indexed]
+
+
+def running_placements(desired: DesiredState, snapshot: Snapshot) -> list[Placement]:
+    """The placements the hosts report running: each declared service's unit
+    that a declared node's heartbeat (`SnapshotNode.units`) says is active or
+    reloading, replicas numbered by node id, at most the service's replicas.
+    What a leader keeps in force when it has no verified plan of its own (the
+    newest is forged): the hosts refused the forgery and run what they ran."""
+    declared = set(desired.hosts)
+    nodes = sorted((n for n in snapshot.nodes if n.node_id in declared and n.units), key=lambda n: n.node_id)
+    running: list[Placement] = []
+    for service in desired.fleet.services:
+        unit = agent_unit(service.id)
+        on = [n for n in nodes if n.units.get(unit) in RUNNING_STATES][: service.replicas]
+        running += [Placement(service=service.id, replica=i, node=n.node_id, tier=n.tier) for i, n in enumerate(on)]
+    return running
 
 
 def schedule(
