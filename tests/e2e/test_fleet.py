@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import TIER_SCORE, DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.signing import verify_plan
-from tests.conftest import require, require_root
+from tests.e2e.conftest import SETTINGS
 from tests.e2e.fleet import (
     DESIRED_DIR,
     ETCD_CERT_FILE,
@@ -47,7 +43,6 @@ from tests.e2e.fleet import (
     PLAN_KEY_FILE,
     ROOT,
     Fleet,
-    FleetSettings,
     converged,
     edge_reaches,
     expected_units,
@@ -56,14 +51,12 @@ from tests.e2e.fleet import (
     placed,
     routed_services,
     running_agents,
-    running_fleet,
     wait_for,
 )
 from tests.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 
-SETTINGS = FleetSettings()
 HOSTS = ("lux", "qfox-1", "racknerd", "a1-arm64", "x86-spill")
 # Bounds of the polls (a broken run fails after these; a working one is far faster).
 CONVERGE_S = 120.0
@@ -82,23 +75,6 @@ _seen: dict[str, bool] = {}
 
 # --------------------------------------------------------------------------
 # Fixtures and what the tests read
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    require_root()
-    require("unshare", "nsenter", "chroot", "ip", "etcd", "caddy", "curl", "nft", "socat", "systemd-analyze")
-    work = Path(tempfile.mkdtemp(prefix="fabric-e2e-"))
-    try:
-        with running_fleet(work, SETTINGS, progress=lambda message: print(f"[fleet] {message}", flush=True)) as running:
-            yield running
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def desired(fleet: Fleet) -> DesiredState:
-    return load_desired(fleet.desired_dir)
 
 
 def heartbeats_arrive(fleet: Fleet) -> None:

@@ -1,0 +1,39 @@
+"""The fleet the e2e scenario modules share: one fleet per module (module scope).
+
+Moved here from test_fleet.py so test_fleet_live.py runs on the same harness;
+its behaviour is unchanged (tests/e2e/fleet.py's running_fleet with the
+default FleetSettings, torn down when the module's last test ends).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from tests.conftest import require, require_root
+from tests.e2e.fleet import Fleet, FleetSettings, running_fleet
+
+SETTINGS = FleetSettings()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    require_root()
+    require("unshare", "nsenter", "chroot", "ip", "etcd", "caddy", "curl", "nft", "socat", "systemd-analyze")
+    work = Path(tempfile.mkdtemp(prefix="fabric-e2e-"))
+    try:
+        with running_fleet(work, SETTINGS, progress=lambda message: print(f"[fleet] {message}", flush=True)) as running:
+            yield running
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def desired(fleet: Fleet) -> DesiredState:
+    return load_desired(fleet.desired_dir)
