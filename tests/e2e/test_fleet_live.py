@@ -1,0 +1,290 @@
+"""The live loop end to end (issue 11's fleet Done-when): real load, lane health, one account.
+
+The same harness as test_fleet.py (tests/e2e/fleet.py; the module-scoped
+fleet of tests/e2e/conftest.py: its own five systemd containers and etcd).
+Each test leaves the fleet converged, every lane online and the lane queue
+empty for the next.
+
+    measured load    qfox-1's heartbeat: in_flight = services_running = the
+                     placed service units its systemd says are active, and
+                     `units` names them active
+    one account      a1-arm64's lane filled: services placed there plus its
+                     lane's jobs never exceed the host's limit, its card says
+                     which account is full, and its own heartbeat counts both
+    lane health      a1-arm64's host stops beating -> its lane offline with the
+                     reason within node timeout + a leader step, the next job
+                     goes to x86-spill; x86-spill stops too -> the next job
+                     goes local at once (no spill-gate wait); both back -> online
+
+A host "stops" as in test_flapping_node_is_held_off: its fabric-reconcile.timer
+is stopped (no more passes, so no more heartbeats; its agents keep running, as
+on a machine whose uplink died) and started again afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan
+from tests.e2e.conftest import SETTINGS
+from tests.e2e.fleet import DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
+from tests.e2e.test_fleet import HOSTS, lane, wait_converged
+from tests.harness.waiting import deadline_for
+
+pytestmark = pytest.mark.e2e
+
+# A heartbeat is one pass; a changed unit or lane shows in the next beat.
+BEAT_S = deadline_for(SETTINGS.heartbeat_s + 1.0)
+# The leader steps three times per lease TTL (timing.heartbeat_s).
+LEADER_STEP_S = SETTINGS.heartbeat_s / 3.0
+# A silent host is offline after node_timeout_s; its lane follows within a
+# leader step (the bound is scaled for a loaded two-core machine).
+OFFLINE_S = deadline_for(SETTINGS.node_timeout_s + LEADER_STEP_S)
+BACK_S = deadline_for(SETTINGS.node_timeout_s)
+CLOCK = re.compile(r"\d\d:\d\d:\d\d")
+
+
+# --------------------------------------------------------------------------
+# What the tests read
+
+
+def node_records(fleet: Fleet) -> dict[str, dict]:
+    """`fabric nodes --json`: node id -> its lifecycle state (the record inside)."""
+    done = fleet.fabric("nodes", "--json")
+    assert done.returncode == 0, done.stderr
+    return {n["node_id"]: n for n in json.loads(done.stdout)["nodes"]}
+
+
+def lane_cards(fleet: Fleet) -> dict[str, dict]:
+    """`fabric lane status --json`'s lanes by id."""
+    return {v["id"]: v for v in lane(fleet, "status")[0]["lanes"]}
+
+
+def next_lane(fleet: Fleet, waited_s: float = 0.0) -> dict:
+    """`fabric dispatch --lane --json`: where a lane job would go now."""
+    done = fleet.fabric("dispatch", "--lane", "--waited-s", str(waited_s), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def active_units(fleet: Fleet, host: str, units: set[str]) -> set[str]:
+    """The units of `units` that `host`'s systemd says are active."""
+    container = fleet.container(host)
+    return {u for u in units if container.systemctl("is-active", u).stdout.strip() == "active"}
+
+
+def placed_units(plan: FleetPlan, host: str) -> set[str]:
+    return {f"fabric-agent-{p.service}.service" for p in plan.placements if p.node == host}
+
+
+def drain_lane_queue(fleet: Fleet) -> None:
+    """Finish every running lane job and dispatch the waiting ones until the queue is empty."""
+
+    def drained() -> bool:
+        status = lane(fleet, "status")[0]
+        for running in status["running"]:
+            lane(fleet, "done", running["job"])
+        if status["waiting"]:
+            lane(fleet, "dispatch", "--once")
+        return not status["running"] and not status["waiting"]
+
+    wait_for(drained, timeout=deadline_for(SETTINGS.local_spill_after_s + BEAT_S), what="the lane queue to drain", interval=0.2)
+
+
+@contextmanager
+def declared_tasks(fleet: Fleet, host: str, tasks: int) -> Iterator[None]:
+    """`host`'s host file declares max_concurrent_tasks = `tasks` (every
+    host's desired state and this client's, as a pull would bring it); the
+    original file is put back afterwards and `host` reports its old limit again."""
+    name = f"{host}.toml"
+    original = (fleet.desired_dir / name).read_text()
+    data = tomllib.loads(original)
+    before = data["limits"]["max_concurrent_tasks"]
+    data["limits"]["max_concurrent_tasks"] = tasks
+
+    def write(text: str) -> None:
+        for directory in (fleet.desired_dir, fleet.client_desired_dir):
+            (directory / name).write_text(text)
+        for running in (h for h in HOSTS if fleet.hosts[h].running):
+            fleet.container(running).write_file(f"{DESIRED_DIR}/{name}", text)
+
+    write(toml_text(data))
+    try:
+        wait_for(
+            lambda: node_records(fleet)[host]["record"]["max_concurrent_tasks"] == tasks,
+            timeout=BEAT_S,
+            what=f"{host} to report limit {tasks}",
+            interval=0.5,
+        )
+        yield
+    finally:
+        write(original)
+        wait_for(
+            lambda: node_records(fleet)[host]["record"]["max_concurrent_tasks"] == before,
+            timeout=BEAT_S,
+            what=f"{host} to report limit {before}",
+            interval=0.5,
+        )
+
+
+@pytest.fixture
+def empty_lane_queue(fleet: Fleet) -> Iterator[None]:
+    """The lane queue empty before and after the test (other tests share the fleet)."""
+    drain_lane_queue(fleet)
+    yield
+    drain_lane_queue(fleet)
+
+
+# --------------------------------------------------------------------------
+# 1. Measured load
+
+
+def test_qfox1_reports_the_services_it_runs(fleet: Fleet, desired: DesiredState) -> None:
+    plan = wait_converged(fleet, desired)
+    host = "qfox-1"
+    units = placed_units(plan, host)
+    assert units, f"the plan places nothing on {host}: {plan.placements}"
+    # No lane's jobs run on qfox-1, so its load is its services alone.
+    assert not lanes_on(desired, host) and host not in desired.hosts_with_role("control")
+    seen: dict[str, object] = {}
+
+    def reports_what_runs() -> bool:
+        running = active_units(fleet, host, units)
+        record = node_records(fleet)[host]["record"]
+        seen.update(running=sorted(running), in_flight=record["in_flight"], services_running=record["services_running"], units=record["units"])
+        return (
+            running == units
+            and record["in_flight"] == len(running)
+            and record["services_running"] == len(running)
+            and all(record["units"].get(u) == "active" for u in running)
+        )
+
+    wait_for(reports_what_runs, timeout=BEAT_S, what=f"{host}'s heartbeat to report the services its systemd runs", interval=0.5)
+    assert seen["in_flight"] == len(units) == seen["services_running"], seen
+    # `fabric nodes` shows the same load as utilization of the host's limit.
+    state = node_records(fleet)[host]
+    assert state["utilization"] == state["record"]["in_flight"] / state["record"]["max_concurrent_tasks"], state
+
+
+# --------------------------------------------------------------------------
+# 2. One account of capacity on a real host
+
+
+def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: DesiredState, empty_lane_queue: None) -> None:
+    host = "a1-arm64"
+    plan = wait_converged(fleet, desired)
+    record = node_records(fleet)[host]["record"]
+    limit = record["max_concurrent_tasks"]
+    # The host file declares 2; the replayed probe of the A1 allows 1, and
+    # the probe's bound wins (no overrides.limits_above_probe), saying so.
+    declared = desired.hosts[host].limits.max_concurrent_tasks
+    assert declared is not None and 1 <= limit <= declared, record
+    if limit < declared:
+        assert any(f"max_concurrent_tasks {declared} lowered to {limit}" in note for note in record["lowered_limits"]), record
+    services = len(placed_units(plan, host))
+    card = lane_cards(fleet)[host]
+    assert card["in_flight"] == 0 and card["host_free"] == limit - services, card
+    room = min(card["cap"], limit - services)
+    assert room > 0, f"{host}'s services fill its limit: {card}"
+
+    # More jobs than a1-arm64 could ever take: it fills, the rest go elsewhere or wait.
+    jobs = [f"fill-{n}" for n in range(limit + 1)]
+    lane(fleet, "enqueue", *jobs)
+    events = {e["job"]: e for e in lane(fleet, "dispatch", "--once")}
+    on_a1 = [j for j in jobs if events[j]["backend"] == host]
+    assert on_a1 == jobs[:room], events
+
+    card = lane_cards(fleet)[host]
+    assert card["in_flight"] == room and card["host_free"] == 0, card
+    assert services + card["in_flight"] <= limit, (services, card)
+    # Its card says which account ran out: the host's when its limit (services
+    # and jobs) runs out before the lane's cap, else the lane's own cap.
+    assert card["full"] == ("host" if room < card["cap"] else "cap"), card
+    assert next_lane(fleet)["backend"] != host
+
+    # The host's own heartbeat counts both: the services its systemd runs
+    # plus the jobs on its lane, within its limit; the leader's plan places
+    # no more services there than the limit leaves beside the jobs.
+    units = placed_units(plan, host)
+    seen: dict[str, object] = {}
+
+    def measured_both() -> bool:
+        running = active_units(fleet, host, units)
+        record = node_records(fleet)[host]["record"]
+        seen.update(running=sorted(running), record_in_flight=record["in_flight"], services_running=record["services_running"])
+        return record["services_running"] == len(running) and record["in_flight"] == len(running) + room
+
+    wait_for(measured_both, timeout=BEAT_S, what=f"{host}'s heartbeat to count its services and its lane's jobs", interval=0.5)
+    assert seen["record_in_flight"] <= limit, seen
+    with fleet.registry() as registry:
+        newest = registry.newest_plan()
+    assert newest is not None
+    assert sum(1 for p in newest.placements if p.node == host) + lane_cards(fleet)[host]["in_flight"] <= limit, newest.placements
+
+
+# --------------------------------------------------------------------------
+# 3. Lane health from the hosts' heartbeats
+
+
+def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(fleet: Fleet, desired: DesiredState, empty_lane_queue: None) -> None:
+    plan = wait_converged(fleet, desired)
+    control = desired.hosts_with_role("control")[0]
+    # The local lane runs on the control host (lux), whose services fill the
+    # 2 its host file declares: one account leaves the local lane no slot.
+    # Declared one higher (its probe allows 6) it has room for one job.
+    services = sum(1 for p in plan.placements if p.node == control)
+    with declared_tasks(fleet, control, services + 1):
+        stopped = lane_hosts_go_silent(fleet, desired)
+
+    def online() -> bool:
+        cards = lane_cards(fleet)
+        return all(cards[h]["available"] and cards[h]["reason"] is None for h in stopped)
+
+    wait_for(online, timeout=BACK_S, what=f"lanes {', '.join(stopped)} online again", interval=0.5)
+    assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
+    wait_converged(fleet, desired, HOSTS)
+
+
+def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState) -> list[str]:
+    """a1-arm64's host, then x86-spill's, stop beating: the next job goes to
+    the next lane each time; both are beating again when this returns (their
+    names returned)."""
+    wait_for(lambda: lane_cards(fleet)["local"]["host_free"], timeout=BEAT_S, what="room for the local lane on its host", interval=0.5)
+    cards = lane_cards(fleet)
+    assert all(v["available"] and v["reason"] is None for v in cards.values()), cards
+    assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
+    gate = desired.fleet.scheduler.local_spill_after_s
+    stopped: list[str] = []
+    try:
+        for host, then in (("a1-arm64", "x86-spill"), ("x86-spill", "local")):
+            fleet.container(host).systemctl("stop", "fabric-reconcile.timer")
+            stopped.append(host)
+
+            def offline(host: str = host) -> dict | None:
+                card = lane_cards(fleet)[host]
+                return card if not card["available"] else None
+
+            card = wait_for(offline, timeout=OFFLINE_S, what=f"lane {host} offline", interval=0.5)
+            # The reason names the host and when it was last heard from.
+            last_seen = node_records(fleet)[host]["last_seen"]
+            assert card["reason"] == f"host {host} offline since {last_seen[11:19]}", (card, last_seen)
+            assert CLOCK.fullmatch(card["reason"].rsplit(" ", 1)[1]), card
+            assert next_lane(fleet) == {"backend": then, "hold": None}, lane_cards(fleet)
+
+        # Every cloud lane offline: a job just enqueued goes local at once,
+        # through the real queue, without waiting for the spill gate.
+        lane(fleet, "enqueue", "live-local")
+        (event,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == "live-local"]
+        assert event["backend"] == "local" and event["waited_s"] < gate, event
+        lane(fleet, "done", "live-local")
+    finally:
+        for host in stopped:
+            fleet.container(host).systemctl("start", "fabric-reconcile.timer")
+    return stopped
