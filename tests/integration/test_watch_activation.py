@@ -12,6 +12,7 @@ that systemd started it (a new InvocationID).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -36,11 +37,14 @@ TIMINGS = WatchTimings()
 @pytest.fixture(scope="module")
 def edge() -> Iterator[SystemdContainer]:
     with edge_container() as container:
-        # The `fabric` program as an installed one would be: the package from
-        # the checkout, its dependencies copied in by edge_container.
+        # The `fabric` program as an installed one would be: the package
+        # copied beside its dependencies (edge_container copies those). Not
+        # run from the checkout: the rendered units have PrivateTmp=, and a
+        # checkout under /tmp (CI's clone) is out of their sight.
+        shutil.copytree(REPO / "reconciler", container.host_path(SITE) / "reconciler", ignore=shutil.ignore_patterns("__pycache__"))
         container.write_file(
             FABRIC,
-            f'#!/bin/sh\nexport PYTHONPATH={SITE}:{REPO} PYTHONDONTWRITEBYTECODE=1\nexec python3 -m reconciler "$@"\n',
+            f'#!/bin/sh\nexport PYTHONPATH={SITE} PYTHONDONTWRITEBYTECODE=1\nexec python3 -m reconciler "$@"\n',
             mode=0o755,
         )
         node = NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY))
