@@ -94,11 +94,9 @@ from datetime import datetime
 from fractions import Fraction
 
 from reconciler.core.desired.model import DesiredState, Lane, SchedulerSettings
+from reconciler.core.live.host_load import RUNNING_STATES
 from reconciler.core.live.models import HoldReason, LaneView, Placement, Snapshot, SnapshotNode
 from reconciler.core.timestamps import utc
-
-# The ActiveStates of a unit that runs (systemd: "reloading" is an active unit reloading).
-RUNNING_STATES = frozenset({"active", "reloading"})
 
 
 @dataclass(frozen=True)
