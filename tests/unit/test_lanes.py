@@ -197,3 +197,28 @@ def test_choice_is_the_minimum_sort_key_among_eligible_lanes(views, waited, atte
             assert decision.hold == "local_spill_not_reached"
         else:
             assert decision.hold == "no_free_slots"
+
+
+ROUTED = SchedulerSettings(local_spill_after_s=900, cloud_attempts=3, cloud_route_threshold_s=600)
+ROUTE_TABLE = [
+    # (id, lanes, duration_s, lane, hold)
+    ("a short job goes local at once, cloud slots free or not", lanes(), 599.9, "local", None),
+    ("a job at the threshold may go to the cloud", lanes(), 600, "a1-arm64", None),
+    ("a job of unknown duration may go to the cloud", lanes(), None, "a1-arm64", None),
+    ("a short job never spills to the cloud when local is full", lanes(local=FULL_LOCAL), 30, None, "no_free_slots"),
+    ("a short job waits for a local lane that is offline", lanes(local=OFF), 30, None, "no_free_slots"),
+    ("a long job still waits for the spill gate", lanes(a1=FULL_A1, x86=FULL_X86), 3600, None, "local_spill_not_reached"),
+]
+
+
+@pytest.mark.parametrize("views, duration, lane, hold", [r[1:] for r in ROUTE_TABLE], ids=[r[0] for r in ROUTE_TABLE])
+def test_the_cloud_route_threshold_keeps_short_jobs_local(views, duration, lane, hold):
+    assert choose_lane(views, LaneJob(duration_s=duration), ROUTED) == LaneDecision(lane=lane, hold=hold)
+
+
+def test_without_a_threshold_every_job_may_go_to_the_cloud():
+    assert choose_lane(lanes(), LaneJob(duration_s=1), SETTINGS) == LaneDecision(lane="a1-arm64", hold=None)
+
+
+def test_a_short_job_is_never_eligible_for_a_compute_lane():
+    assert [v.id for v in eligible_lanes(lanes(), LaneJob(duration_s=10), ROUTED)] == ["local"]

@@ -335,6 +335,10 @@ class SchedulerSettings(Strict):
     local_spill_after_s: Seconds = 900
     # ...or once this many cloud attempts failed.
     cloud_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+    # phaze's PHAZE_CLOUD_ROUTE_THRESHOLD_SEC: a lane job whose duration is
+    # below this many seconds goes to the local lane only. 0: every job may go
+    # to the cloud.
+    cloud_route_threshold_s: Annotated[int, Field(ge=0, le=86_400)] = 0
 
 
 class ScalingSettings(Strict):

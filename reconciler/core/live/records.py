@@ -184,6 +184,9 @@ class QueuedJob(_Record):
     job_id: NodeId
     enqueued_at: datetime
     attempts: int = Field(default=0, ge=0)
+    # The media duration the job system gave, in seconds (None: not given);
+    # below `scheduler.cloud_route_threshold_s` the job goes local only.
+    duration_s: float | None = Field(default=None, ge=0)
     claim: SlotClaim | None = None
 
     @property

@@ -60,12 +60,17 @@ reconciler.core.scheduling.placement):
     account (it is offline anyway).
 
 Which lanes may take a job (`eligible_lanes`):
-    compute lane  online, a free slot, and the job's cloud attempts are below
+    compute lane  online, a free slot, the job's cloud attempts are below
                   `scheduler.cloud_attempts` (a job whose cloud attempts are
-                  spent only goes local).
+                  spent only goes local), and the job is not short: a job
+                  whose duration is known and below
+                  `scheduler.cloud_route_threshold_s` never goes to the
+                  cloud (phaze's PHAZE_CLOUD_ROUTE_THRESHOLD_SEC: pushing a
+                  short file out costs more than processing it at home).
     local lane    online, a free slot, and at least one of
                   - no compute lane is online (every one offline, or none
                     declared): immediately;
+                  - the job is short (above): immediately;
                   - the job has waited >= `scheduler.local_spill_after_s`;
                   - its cloud attempts >= `scheduler.cloud_attempts`.
     The choice is the minimum of (rank, in_flight/cap, id) among them, so the
@@ -114,6 +119,13 @@ class LaneJob:
 
     waited_s: float = 0.0
     attempts: int = 0
+    # The job's media duration in seconds, None when the job system did not
+    # say (such a job may go anywhere).
+    duration_s: float | None = None
+
+    def short(self, settings: SchedulerSettings) -> bool:
+        """Below the cloud route threshold: local lanes only."""
+        return self.duration_s is not None and self.duration_s < settings.cloud_route_threshold_s
 
 
 def agent_unit(workload_id: str) -> str:
@@ -274,15 +286,16 @@ def has_free_slot(lane: LaneView) -> bool:
 def eligible_lanes(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSettings) -> list[LaneView]:
     """The lanes that may take `job` now (see the module docstring)."""
     attempts_spent = job.attempts >= settings.cloud_attempts
+    short = job.short(settings)
     every_compute_offline = not any(lane.available for lane in lanes if lane.kind != "local")
-    local_open = every_compute_offline or attempts_spent or job.waited_s >= settings.local_spill_after_s
+    local_open = every_compute_offline or attempts_spent or short or job.waited_s >= settings.local_spill_after_s
     out = []
     for lane in lanes:
         if not has_free_slot(lane):
             continue
         if lane.kind == "local" and local_open:
             out.append(lane)
-        elif lane.kind != "local" and not attempts_spent:
+        elif lane.kind != "local" and not attempts_spent and not short:
             out.append(lane)
     return out
 
