@@ -25,6 +25,11 @@ from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, NodeFacts
 from reconciler.core.live.host_limits import EffectiveLimits
 from reconciler.core.probe.tiering import LABEL_PREFIX, OS_RESERVE_MIB
 
+# The units a pass renders for the fabric's Ray cluster: the head on the
+# `[ray]` head host, a worker on each joining host.
+RAY_HEAD_UNIT = "fabric-ray-head.service"
+RAY_WORKER_UNIT = "fabric-ray-worker.service"
+
 TIER_RESOURCE_PREFIX = "tier_"
 HOST_LABEL = f"{LABEL_PREFIX}host"
 ARCH_LABEL = f"{LABEL_PREFIX}arch"
