@@ -87,9 +87,7 @@ class DispatchEvent:
 
 
 def job_view(job: QueuedJob, now: datetime) -> LaneJob:
-    return LaneJob(
-        waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s
-    )
+    return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
 
 
 def current_lanes(registry: Registry, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:

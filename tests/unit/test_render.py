@@ -536,13 +536,13 @@ def test_podman_agent_scratch_dir_outside_var_lib_is_seen_at_its_real_path(tmp_p
     assert not any("/srv/scratch" in note for note in rendered.notes)
 
 
-def test_agent_of_a_lane_without_ssh_user_is_refused(tmp_path: Path) -> None:
+def test_a_compute_lane_without_ssh_user_is_refused_when_the_desired_state_loads(tmp_path: Path) -> None:
     # Its scratch dir must be given to the user phaze pushes as, which the
-    # fabric cannot know without ssh_user.
-    state = edited(
-        tmp_path,
-        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n',
-        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\n',
-    )
-    with pytest.raises(RenderError, match=r"fabric\.toml: backends\[x86-spill\]\.ssh_user: missing"):
-        render(state, "x86-spill", facts("x86-spill"), golden_plan())
+    # fabric cannot know without ssh_user: `fabric validate` says so, before
+    # any host renders.
+    with pytest.raises(DesiredStateError, match=r"fabric\.toml: backends\[\d+\]\.ssh_user: required for a compute lane"):
+        edited(
+            tmp_path,
+            'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n',
+            'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\n',
+        )

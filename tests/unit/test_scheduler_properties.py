@@ -223,6 +223,7 @@ def lanes_strategy(draw):
                 "agent_ref": lane_id,
                 "push_host": draw(st.sampled_from(NAMES[:4])),
                 "scratch_dir": "/var/lib/scratch",
+                "ssh_user": "phaze",
             }
         )
         running[lane_id] = draw(st.integers(0, cap))

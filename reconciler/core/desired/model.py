@@ -441,6 +441,11 @@ class Lane(Strict):
             for key in ("agent_ref", "push_host", "scratch_dir"):
                 if getattr(self, key) is None:
                     raise FieldProblem(key, "required for a compute lane")
+            if self.ssh_user is None:
+                # phaze would fall back to its file server's user, which the
+                # desired state does not name: the fabric gives the agent's
+                # scratch dir to the user phaze pushes as, so it must know it.
+                raise FieldProblem("ssh_user", "required for a compute lane: its scratch_dir belongs to the user phaze pushes as")
         else:
             for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file"):
                 if getattr(self, key) is not None:

@@ -268,14 +268,8 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
     # scratch dir are the lane's own (the model refuses them in agent.environment).
     queue = desired.queue_for(lane)
     token_file = desired.token_file_for(lane)
-    if lane.ssh_user is None:
-        # phaze falls back to its file server's user, which the desired state
-        # does not name: the scratch dir could not be given to the pusher.
-        raise RenderError(
-            f"{desired.fleet_file}: backends[{lane.id}].ssh_user: missing; the agent of lane {lane.id} runs on {lane.push_host}"
-            f" and its scratch_dir {lane.scratch_dir} must belong to the user phaze pushes as"
-        )
-    assert queue is not None and token_file is not None and lane.scratch_dir is not None  # a compute lane, [agent] present
+    # A compute lane, [agent] present; ssh_user is required by the model.
+    assert queue is not None and token_file is not None and lane.scratch_dir is not None and lane.ssh_user is not None
     env = {
         **agent.environment,
         "PHAZE_AGENT_QUEUE": queue,
