@@ -270,7 +270,7 @@ def registry_path(sqlite_path: Path | None, root: Path, fleet: FleetConfig) -> P
 
 
 def program_paths() -> ProgramPaths:
-    """socat, podman, nft and systemd-tmpfiles found on PATH: on NixOS they live in the store
+    """socat, podman, nft, systemd-tmpfiles and ray found on PATH: on NixOS they live in the store
     (the module puts them on the pass's PATH), on Debian in /usr/bin."""
     import shutil
 
@@ -282,6 +282,8 @@ def program_paths() -> ProgramPaths:
         podman=shutil.which("podman") or default.podman,
         nft=shutil.which("nft") or default.nft,
         systemd_tmpfiles=shutil.which("systemd-tmpfiles") or default.systemd_tmpfiles,
+        # [ray] command, when set, wins over this (reconciler.core.render.ray_units).
+        ray=shutil.which("ray") or default.ray,
     )
 
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 PASS_COUNTERS = "pass-counters.json"
 TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
 # The programs the rendered units name (reconciler.cli.wiring.program_paths finds them the same way).
-PROGRAMS = ("socat", "podman", "nft")
+PROGRAMS = ("socat", "podman", "nft", "ray")
 
 
 def _ignore(note: str) -> None:

@@ -47,6 +47,8 @@ from reconciler.core.live.host_load import HostLoad, host_load
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
+from reconciler.core.render.ray_units import ray_role
+from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
@@ -72,6 +74,10 @@ class PlanSource:
     # The registry's plan epoch, read before its newest plan (None: no registry).
     # The pass memo keeps it: a later epoch means a new plan, so a full pass.
     registry_epoch: int | None = None
+    # This host's lifecycle as the registry holds it (drained, held off), read
+    # only when the host runs a Ray node: a node that takes no new work is
+    # rendered closed to new Ray tasks (reconciler.core.render.ray_units).
+    own_state: NodeState | None = None
     # The record this pass's heartbeat sent before activation (None: none sent).
     heartbeat: NodeRecord | None = None
 
@@ -214,6 +220,7 @@ class Offer:
     registry_failed: str | None = None
     registry_epoch: int | None = None
     heartbeat: NodeRecord | None = None
+    own_state: NodeState | None = None
 
 
 def read_registry(
@@ -250,6 +257,7 @@ def read_registry(
         newest = registry.newest_plan()
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
+        own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
         return Offer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
@@ -257,7 +265,7 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent)
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state)
 
 
 def beat_after_activation(
@@ -343,4 +351,6 @@ def fleet_plan_for(
     else:
         offer = read_registry(connect, desired, host, facts, write=write, signer=signer, units_now=units_now)
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
-    return replace(source, registry_epoch=offer.registry_epoch, heartbeat=offer.heartbeat) if offer.registry_epoch is not None else source
+    if offer.registry_epoch is None:
+        return source
+    return replace(source, registry_epoch=offer.registry_epoch, heartbeat=offer.heartbeat, own_state=offer.own_state)

@@ -107,6 +107,7 @@ class ProgramPaths:
     podman: str = Layout().podman
     nft: str = Layout().nft
     systemd_tmpfiles: str = Layout().systemd_tmpfiles
+    ray: str = Layout().ray
 
 
 def _no_registry(fleet: FleetConfig) -> Registry:
@@ -326,9 +327,10 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
         podman=programs.podman,
         nft=programs.nft,
         systemd_tmpfiles=programs.systemd_tmpfiles,
+        ray=programs.ray,
     )
     try:
-        rendered = render(desired, host, facts, source.plan, layout=layout)
+        rendered = render(desired, host, facts, source.plan, layout=layout, ray_closed=closed_reason(source.own_state, _now(ports.clock)))
     except RenderError as exc:
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:

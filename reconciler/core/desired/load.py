@@ -299,6 +299,21 @@ def fleet_rules(
         if m.target_host == m.host and m.target_port == m.listen_port:
             problems.append(Problem(file, f"port_maps[{i}].target_port", "a port map onto itself would loop"))
 
+    # The Ray cluster: declared hosts, and a head port no other listener of the head takes.
+    ray = fleet.ray
+    if ray is not None:
+        if ray.head not in hosts:
+            unknown_host("ray.head", ray.head)
+        for i, name in enumerate(ray.workers):
+            if name not in hosts:
+                unknown_host(f"ray.workers[{i}]", name)
+        head_ports = {s.port: f"service {s.id}'s port" for s in services if s.port}
+        head_ports.update({m.listen_port: f"port map {m.name}'s listen_port" for m in fleet.port_maps if m.host == ray.head and m.protocol == "tcp"})
+        ray_ports = {"port": ray.port, **({"dashboard_port": ray.dashboard_port} if ray.dashboard else {})}
+        for key, port in ray_ports.items():
+            if port in head_ports:
+                problems.append(Problem(file, f"ray.{key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})"))
+
     # Hosts: addresses are unique.
     addresses: dict[str, str] = {}
     for name in sorted(hosts):

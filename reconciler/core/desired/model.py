@@ -613,6 +613,55 @@ class PlanKey(Strict):
         return base64.b64decode(self.public_key)
 
 
+def _unique_hosts(values: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise ValueError(f"{value} is listed twice (workers[{seen[value]}] and workers[{i}])")
+        seen[value] = i
+    return values
+
+
+# Ray's own default GCS port (`ray start --head`) and dashboard port.
+RAY_DEFAULT_PORT = 6379
+RAY_DEFAULT_DASHBOARD_PORT = 8265
+
+
+class RaySettings(Strict):
+    """The fabric's Ray cluster: a pass renders fabric-ray-head.service on
+    `head` and fabric-ray-worker.service on each of `workers`, each node
+    offering what its probe and limits allow (reconciler.core.render.ray_node).
+    The hosts are checked against the declared ones when the files are loaded."""
+
+    head: Name
+    # The head's GCS port, where the workers join (tailnet only: the head's
+    # nftables opens it to the tailnet and drops it from elsewhere).
+    port: Port = RAY_DEFAULT_PORT
+    # The hosts whose worker joins the head. The head is a Ray node itself
+    # (with its own resources), so it is not listed here.
+    workers: Annotated[list[Name], AfterValidator(_unique_hosts)] = []
+    # The `ray` program the units run (a virtualenv's bin/ray, a Nix store
+    # path); None: the one on the pass's PATH (the NixOS module's
+    # services.fabric.ray.package puts it there), else /usr/bin/ray.
+    command: AbsPath | None = None
+    # Ray's dashboard on the head: off unless asked for (it listens on the
+    # tailnet address and has no authentication).
+    dashboard: bool = False
+    dashboard_port: Port = RAY_DEFAULT_DASHBOARD_PORT
+
+    @model_validator(mode="after")
+    def _head_is_no_worker(self) -> RaySettings:
+        if self.head in self.workers:
+            raise FieldProblem("workers", f"{self.head!r} is the head: it is a Ray node already and cannot also join as a worker")
+        if self.dashboard and self.dashboard_port == self.port:
+            raise FieldProblem("dashboard_port", f"{self.dashboard_port} is the head's port")
+        return self
+
+    def hosts(self) -> tuple[str, ...]:
+        """Every host that runs a Ray node: the head, then the workers."""
+        return (self.head, *self.workers)
+
+
 class FleetConfig(Strict):
     """The whole of fabric.toml."""
 
@@ -631,6 +680,8 @@ class FleetConfig(Strict):
     # Leader candidates' public keys: when any are listed, hosts apply only
     # registry plans signed by a key of the candidate the plan names.
     plan_keys: list[PlanKey] = []
+    # The fabric's Ray cluster (optional): no [ray], no Ray units.
+    ray: RaySettings | None = None
 
 
 # --------------------------------------------------------------------------

@@ -20,7 +20,10 @@ What a host gets:
 - a host with the 'control' role: phaze's `/etc/phaze/backends.toml`, the
   declared lanes in phaze's field names, which restarts phaze's control-plane
   units (`[phaze] control_units`) when it changes;
-- an edge host: the Caddy site snippet, one site per routed service.
+- an edge host: the Caddy site snippet, one site per routed service;
+- with a `[ray]` table: `fabric-ray-head.service` on its head and
+  `fabric-ray-worker.service` on each of its workers (`ray_units`), the
+  head's port (and dashboard's) tailnet only in its nftables.
 
 Trust: the plan comes from the registry, which may be written by any host. A
 placement naming a service or host the desired state does not know is ignored
@@ -54,6 +57,7 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
+from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_unit
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
@@ -88,6 +92,7 @@ class Layout:
     podman: str = "/usr/bin/podman"
     nft: str = "/usr/sbin/nft"
     systemd_tmpfiles: str = "/usr/bin/systemd-tmpfiles"
+    ray: str = DEFAULT_RAY_COMMAND
 
     def unit_path(self, unit: str) -> str:
         return f"{self.unit_dir.strip('/')}/{unit}"
@@ -451,6 +456,21 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
     )
 
 
+def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Path | None) -> str:
+    return _template(
+        "ray.service.j2",
+        templates,
+        role=ray.role,
+        host=ray.spec.host,
+        tier=ray.spec.tier,
+        closed=systemd_text(ray.closed) if ray.closed is not None else None,
+        source=f"{_fleet_file_name(desired)} ray",
+        gpu=ray.spec.num_gpus > 0,
+        state_directory=ray.state_directory,
+        exec_start=" ".join(systemd_quote(a) for a in ray.argv),
+    )
+
+
 def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None) -> Artifact:
     """/etc/phaze/backends.toml: exactly the declared [[backends]], with the
     keys phaze knows that are set (not the fabric's own `queue`, `token_file`).
@@ -496,11 +516,14 @@ def render(
     *,
     layout: Layout = Layout(),
     templates: Path | None = None,
+    ray_closed: str | None = None,
 ) -> Rendered:
     """Every artifact of `host_name`; raise RenderError if it cannot be done.
 
     The templates come from the package; `templates` renders from that
-    directory instead (tests render edited copies)."""
+    directory instead (tests render edited copies). `ray_closed`: why this
+    host takes no new work (drained, held off; `ray_units.closed_reason`),
+    so its Ray node offers nothing new."""
     host = desired.hosts.get(host_name)
     if host is None:
         known = ", ".join(sorted(desired.hosts)) or "none"
@@ -567,6 +590,18 @@ def render(
         if pm.allow_from:
             openings.append(nft_opening(pm))
             notes.append(exposure_note(pm))
+
+    # The Ray node of this host, if [ray] names it.
+    ray = ray_unit(desired, host_name, facts, layout.ray, ray_closed)
+    if ray is not None:
+        artifacts.append(Artifact(layout.unit_path(ray.unit), _ray_unit_text(ray, desired, templates), 0o644, "unit"))
+        if ray.closed is not None:
+            notes.append(f"{ray.unit}: closed to new Ray tasks ({ray.closed}): no CPUs, GPUs or tiers offered")
+        if ray.role == "head" and desired.fleet.ray is not None:
+            # Ray's GCS and dashboard have no authentication: tailnet only.
+            tcp_ports.add(desired.fleet.ray.port)
+            if desired.fleet.ray.dashboard:
+                tcp_ports.add(desired.fleet.ray.dashboard_port)
 
     # nftables: the ports of the services running here and of the port maps.
     for service_id in placed_here:

@@ -14,11 +14,15 @@ and anything that builds a Ray node for that host (tests replaying a probe):
 - `memory_bytes`: the probe's memory less the OS reserve, or None when unknown.
 - `labels`: the node's `topology.researchstack.io/...` labels from the probe,
   plus its host name and architecture, so a driver can find the Ray node that
-  is a given fabric host.
+  is a given fabric host. Ray 2.60 takes label values in Kubernetes' syntax
+  only (ray/_private/label_utils.py refuses `ray start` otherwise), so a ':'
+  of the probe's values ("nvidia:rtx4070") becomes '-', as for k3s, and a
+  value that is still not valid is left out.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, NodeFacts
@@ -33,6 +37,16 @@ RAY_WORKER_UNIT = "fabric-ray-worker.service"
 TIER_RESOURCE_PREFIX = "tier_"
 HOST_LABEL = f"{LABEL_PREFIX}host"
 ARCH_LABEL = f"{LABEL_PREFIX}arch"
+
+
+# Kubernetes' label value syntax, which Ray enforces for node labels.
+_RAY_LABEL_VALUE_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def ray_label_value(value: str) -> str | None:
+    """`value` as Ray takes it (':' -> '-'), or None when Ray would refuse it."""
+    value = value.replace(":", "-")
+    return value if _RAY_LABEL_VALUE_RE.match(value) else None
 
 
 def tier_resource(tier: str) -> str:
@@ -62,7 +76,7 @@ class RayNodeSpec:
 def ray_node_spec(host: str, facts: NodeFacts, limits: EffectiveLimits) -> RayNodeSpec:
     slots = limits.max_concurrent_tasks
     memory_mib = facts.hardware.memory_mib
-    labels = {key: value for key, value in facts.labels.items() if key.startswith(LABEL_PREFIX)}
+    labels = {key: ray_label_value(value) for key, value in facts.labels.items() if key.startswith(LABEL_PREFIX)}
     labels[HOST_LABEL] = host
     if facts.hardware.arch:
         labels[ARCH_LABEL] = facts.hardware.arch
@@ -73,5 +87,5 @@ def ray_node_spec(host: str, facts: NodeFacts, limits: EffectiveLimits) -> RayNo
         num_gpus=len(facts.hardware.gpus),
         memory_bytes=max(0, memory_mib - OS_RESERVE_MIB) * 1024 * 1024 if memory_mib else None,
         resources={tier_resource(t): float(slots) for t in offered_tiers(facts.tier)},
-        labels=dict(sorted(labels.items())),
+        labels={key: value for key, value in sorted(labels.items()) if value is not None},
     )
