@@ -48,8 +48,8 @@ from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
 from reconciler.core.render.ray_units import ray_role
-from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.lanes import lane_views
+from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
 from reconciler.ports import PermissionDenied, PlanSigner, Registry, RegistryError

@@ -46,6 +46,7 @@ from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agent_unit, render
+from reconciler.core.render.ray_units import closed_reason
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts

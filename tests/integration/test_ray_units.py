@@ -179,7 +179,9 @@ def test_a_rendered_ray_worker_activated_by_systemd_joins_the_rendered_head(ray_
         # What the unit rendered is what the head knows of the node.
         assert node["NodeManagerAddress"] == worker_address
         spec_line = next(line for line in worker.content.splitlines() if line.startswith("ExecStart="))
-        resources = json.loads(next(w for w in spec_line.split('" "') if w.startswith("--resources=")).removeprefix("--resources=").replace('\\"', '"'))
+        resources = json.loads(
+            next(w for w in spec_line.split('" "') if w.startswith("--resources=")).removeprefix("--resources=").replace('\\"', '"')
+        )
         assert resources["tier_gpu_cuda"] == 4.0
         for name, amount in resources.items():
             assert node["Resources"][name] == amount

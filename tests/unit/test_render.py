@@ -205,7 +205,8 @@ def test_no_agent_runs_the_local_lane() -> None:
     for host in HOSTS:
         assert not any("fabric-agent-local" in path for path in files(example(), host))
     lux_units = {path for path in files(example(), "lux") if path.startswith("etc/systemd/system/")}
-    assert lux_units == {"etc/systemd/system/fabric-nftables.service"}
+    # (lux's other unit is the example fleet's Ray head.)
+    assert lux_units == {"etc/systemd/system/fabric-nftables.service", "etc/systemd/system/fabric-ray-head.service"}
 
 
 def test_the_local_lanes_queue_is_named_by_the_desired_state(tmp_path: Path) -> None:

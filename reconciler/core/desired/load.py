@@ -310,9 +310,9 @@ def fleet_rules(
         head_ports = {s.port: f"service {s.id}'s port" for s in services if s.port}
         head_ports.update({m.listen_port: f"port map {m.name}'s listen_port" for m in fleet.port_maps if m.host == ray.head and m.protocol == "tcp"})
         ray_ports = {"port": ray.port, **({"dashboard_port": ray.dashboard_port} if ray.dashboard else {})}
-        for key, port in ray_ports.items():
+        for ray_key, port in ray_ports.items():
             if port in head_ports:
-                problems.append(Problem(file, f"ray.{key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})"))
+                problems.append(Problem(file, f"ray.{ray_key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})"))
 
     # Hosts: addresses are unique.
     addresses: dict[str, str] = {}
