@@ -14,6 +14,8 @@ from pathlib import Path
 
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import LeaderInfo, NodeRecord
+from reconciler.core.render.ray_node import RAY_WORKER_UNIT
+from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
 from tests.unit.test_apply import GOLDEN, Fleet
@@ -31,6 +33,7 @@ class RecordingRegistry:
         self.plan = FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_bytes())
         self.reachable = True
         self.lane_reads = 0
+        self.states: list[NodeState] = []
 
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
         if not self.reachable:
@@ -53,6 +56,10 @@ class RecordingRegistry:
 
     def snapshot(self, lanes: object = ()) -> Snapshot:
         return Snapshot(now=datetime(2026, 11, 30, tzinfo=UTC))
+
+    def node_states(self) -> list[NodeState]:
+        """What the lifecycle knows (x86-spill runs a Ray worker, so its pass asks)."""
+        return list(self.states)
 
     def close(self) -> None:
         pass
@@ -86,7 +93,7 @@ def test_the_pass_beats_again_after_activation_with_the_units_it_started(tmp_pat
     # (a1-arm64's two run elsewhere); every unit of the generation is reported.
     # Which part of it is the services: the scheduler counts its own placements instead.
     assert (after.in_flight, after.services_running) == (4, 1)
-    assert after.units == {SERVICE: "active", AGENT: "active", "fabric-nftables.service": "active"}
+    assert after.units == {SERVICE: "active", AGENT: "active", "fabric-nftables.service": "active", RAY_WORKER_UNIT: "active"}
     assert "after activation, heartbeat: x86-spill tier relay, in_flight 4, alive for 90 s (1 services, 3 lane jobs)" in fleet.notes
     # The memo stands for this pass with the record after activation.
     assert report.converged is not None and report.converged.node_record == after.model_dump_json()
@@ -161,3 +168,17 @@ def test_a_registry_lost_after_the_first_beat_leaves_a_memo_that_cannot_stand_fo
     assert any(n.startswith("heartbeat after activation: registry unreachable") for n in fleet.notes)
     # No epoch: the next memoized pass, once the registry answers, is a full one.
     assert report.converged.registry_epoch is None
+
+
+def test_a_drained_hosts_pass_renders_its_ray_worker_closed_and_restarts_only_it(tmp_path: Path) -> None:
+    fleet = SpillFleet(tmp_path)
+    assert fleet.reconcile().ok
+    fleet.machine.forget_calls()
+    since = datetime(2026, 11, 30, tzinfo=UTC)
+    fleet.registry.states = [NodeState(node_id="x86-spill", status="active", since=since, record=fleet.registry.beats[-1], drained=True)]
+    report = fleet.reconcile()
+    assert report.ok
+    assert [c for c in fleet.machine.calls if c[1]] == [("restart", RAY_WORKER_UNIT)]
+    worker = (fleet.root / "etc/systemd/system" / RAY_WORKER_UNIT).read_text()
+    assert '"--num-cpus=0" "--num-gpus=0"' in worker and '"--resources={}"' in worker
+    assert f"{RAY_WORKER_UNIT}: closed to new Ray tasks (drained): no CPUs, GPUs or tiers offered" in fleet.notes

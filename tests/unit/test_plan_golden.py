@@ -23,8 +23,8 @@ from tests.unit.test_apply import GOLDEN, Fleet, cli_pass, fabric
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
 
-def fabric_plan(fleet: Fleet) -> str:
-    report = fleet.preview(no_activate=True)
+def fabric_plan(fleet: Fleet, **changes: object) -> str:
+    report = fleet.preview(no_activate=True, **changes)
     assert report.outcome == "planned", report.stderr
     return report.stdout
 

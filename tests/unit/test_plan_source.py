@@ -236,3 +236,19 @@ def test_the_example_fleets_declared_limits_bounded_by_each_hosts_probe(state) -
         "racknerd": (1, 1, []),
         "x86-spill": (2, 3, ["max_concurrent_tasks 4 lowered to 2 by the probe", "max_concurrent_ceiling 8 lowered to 3 by the probe"]),
     }
+
+
+def test_a_ray_node_reads_its_own_lifecycle_and_a_drained_one_is_closed(connect, registry, state) -> None:
+    from reconciler.core.render.ray_units import closed_reason
+
+    first = source(connect, state, "qfox-1")
+    assert first.own_state is not None and first.own_state.node_id == "qfox-1"
+    assert closed_reason(first.own_state, NOW) is None
+    registry.set_drain("qfox-1", grace_s=0)
+    # qfox-1's own pass leads (a candidate): its lifecycle step marks the drain done.
+    drained = source(connect, state, "qfox-1")
+    assert drained.own_state is not None and drained.own_state.drained
+    assert closed_reason(drained.own_state, NOW) == "drained"
+    registry.clear_drain("qfox-1")
+    # racknerd runs no Ray node: its pass does not read the lifecycle.
+    assert source(connect, state, "racknerd").own_state is None
