@@ -164,6 +164,8 @@ let
       config.systemd.package
     ]
     ++ lib.optional config.services.tailscale.enable config.services.tailscale.package
+    # The pass renders the fabric's Ray units with the `ray` it finds on its PATH.
+    ++ lib.optional (cfg.ray.package != null) cfg.ray.package
     ++ cfg.extraPackages;
 in
 {
@@ -289,6 +291,20 @@ in
         Trust the Tailscale interface in NixOS's firewall. An accept in the
         fabric's own table cannot override a drop in NixOS's input chain, so
         fabric ports on the tailnet need this (or networking.firewall ports).
+      '';
+    };
+
+    ray.package = lib.mkOption {
+      type = lib.types.nullOr lib.types.package;
+      default = null;
+      example = lib.literalExpression "pkgs.python3Packages.ray";
+      description = ''
+        The Ray whose `ray` program the fabric's Ray units run on this host
+        (fabric-ray-head.service, fabric-ray-worker.service, when fabric.toml's
+        [ray] names the host): put on the pass's PATH, so the rendered units
+        name its store path. Every node of one cluster needs the same Ray
+        version (the fabric tests 2.60.0). Null: [ray] command, else
+        /usr/bin/ray.
       '';
     };
 

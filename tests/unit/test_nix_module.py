@@ -259,6 +259,13 @@ def test_pass_path_has_the_programs_it_calls() -> None:
     assert not any(p.endswith("-tailscale") for p in without_tailscale)
 
 
+def test_the_ray_package_goes_on_the_pass_path_only_when_given() -> None:
+    ray = "/nix/store/22222222222222222222222222222222-ray-2.60.0"
+    path = evaluate(f'{{ ray.package = {{ outPath = "{ray}"; name = "ray"; }}; }}')["services"]["fabric-reconcile"]["path"]
+    assert ray in path
+    assert not any("-ray" in p for p in evaluate("{ }")["services"]["fabric-reconcile"]["path"])
+
+
 def test_flake_outputs_for_both_systems() -> None:
     expr = f"""
     let
