@@ -11,8 +11,8 @@ verdict is kept in the state directory under the commit's key
 (adapters.memo_io.git_commit: the commit and the stat of git's index, so a
 checkout moved to another commit, or re-checked-out, is a new key). At a
 commit with a verdict, a host that neither may lead nor serves the edge reads
-fabric.toml, its own host file, the files of its port maps' targets and of
-the hosts its plan places services on, each validated on its own: its pass
+fabric.toml, its own host file, the files of its port maps' targets, of its
+Ray head (a `[ray]` worker) and of the hosts its plan places services on, each validated on its own: its pass
 then costs the same in a fleet of five or of ten thousand hosts.
 
 A leader candidate (its pass may take the leader step, which schedules over
@@ -82,6 +82,9 @@ def load_for_pass(directory: Path, host: str, *, commit: str | None, verdict: by
         # Not declared (the whole tree's message lists the hosts), the edge, or a pass that may lead.
         return LoadedDesired(load_desired(directory), directory, partial=False, validated=None)
     targets = {m.target_host for m in first.fleet.port_maps if m.host == host}
+    ray = first.fleet.ray
+    if ray is not None and host in ray.workers:
+        targets.add(ray.head)  # its Ray worker joins the head's address
     desired = load_hosts_of(directory, targets, fleet=first.fleet, loaded=dict(first.hosts))
     return LoadedDesired(desired, directory, partial=True, validated=None)
 

@@ -172,8 +172,9 @@ def test_a_verdict_at_the_commit_reads_only_the_files_the_pass_needs(desired: Pa
     break_file(desired / "qfox-1.toml")
     loaded = load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict_at(desired, "c1"), may_lead=True)
     assert loaded.partial and loaded.validated is None
-    # Its own file: x86-spill has no port maps, and no plan was read yet.
-    assert sorted(loaded.desired.hosts) == ["x86-spill"]
+    # Its own file and its Ray head's (lux: its worker joins lux's address);
+    # x86-spill has no port maps, and no plan was read yet.
+    assert sorted(loaded.desired.hosts) == ["lux", "x86-spill"]
 
 
 def test_another_commit_or_directory_or_no_commit_validates_the_whole_tree(desired: Path, tmp_path: Path) -> None:
