@@ -78,7 +78,7 @@ def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
     figures: dict[str, float] = {}
     for host in HOSTS:
         for artifact in render(desired, host, facts(host), plan()).artifacts:
-            if artifact.unit is None or not artifact.unit.startswith(("fabric-agent-", "fabric-socat-")):
+            if artifact.unit is None or not artifact.unit.startswith(("fabric-agent-", "fabric-socat-", "fabric-ray-")):
                 continue
             unit_file = tmp_path / host / artifact.unit
             unit_file.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +87,7 @@ def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
     print("\n".join(f"exposure {value:.1f}  {name}" for name, value in sorted(figures.items())))
     # The podman agents are among them (the point of this test).
     assert f"x86-spill/{UNIT}" in figures and "a1-arm64/fabric-agent-braid.service" in figures
+    assert "lux/fabric-ray-head.service" in figures and "qfox-1/fabric-ray-worker.service" in figures
     too_exposed = {name: value for name, value in figures.items() if value > MAX_EXPOSURE}
     assert not too_exposed, f"units rated above {MAX_EXPOSURE}: {too_exposed}"
 
