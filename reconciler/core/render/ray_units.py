@@ -10,8 +10,9 @@ node for a host. The unit runs `ray start --block` with that spec as flags:
 - `--node-ip-address`: the host's declared tailnet address (from its host
   file, like every address the fabric renders: the registry never supplies
   one), and `--address <head's tailnet address>:<port>` for a worker;
-- `--temp-dir` under the unit's state directory (DynamicUser: /tmp would be
-  the unit's private one, and Ray's sockets must outlive nothing else).
+- `--temp-dir` under the unit's state directory: the dynamic user's own,
+  where a driver on the same host finds the node's session and sockets (the
+  unit's /tmp is private to it).
 
 A change of any of those (a tier, the limits, a GPU) changes ExecStart=, so
 the pure compare of units (`actions.compare_units`) restarts that host's node
