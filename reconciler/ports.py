@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from reconciler.core.live.models import FleetPlan, Snapshot
     from reconciler.core.live.watching import EntryVersion
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
+    from reconciler.core.scheduling.ray_tasks import RayView
 
 
 class Clock(Protocol):
@@ -438,6 +439,18 @@ class Registry(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class RayStateUnavailable(Exception):
+    """Ray's state API could not be read (no cluster at the address, a timeout)."""
+
+
+class RayState(Protocol):
+    """Ray's state API as the leader reads it (reconciler.ray.state): the
+    tasks running per fabric host and the hosts whose Ray node died, by the
+    host label the fabric rendered on each Ray node. Raises RayStateUnavailable."""
+
+    def observe(self) -> RayView: ...
 
 
 class RegistryAuth(Protocol):

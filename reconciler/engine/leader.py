@@ -11,6 +11,11 @@ One `step()`:
      snapshot over one read of the registry (`Registry.lead`), run the
      scheduler and publish the plan when it differs from the newest one (so
      the epoch moves only when the plan does);
+  3b. with a `ray_state` port (the fleet runs Ray): Ray's state API joins the
+     snapshot before scheduling (`ray_tasks.with_ray_view`: each host's Ray
+     tasks in its load, a dead Ray node's worker unit failed) and the Ray
+     workers to start or stop on idle capacity are decided and logged
+     (`ray_tasks.decide_ray_workers`); an unreadable Ray is said and skipped;
   4. leading, with a `scaling` step: decide bursts and scaling over the
      snapshot, the queue depth (waiting lane jobs + replicas deferred for
      capacity) and the persisted state, and carry the actions out
@@ -44,9 +49,21 @@ from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
+from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import running_placements
+from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.engine.scaling_step import ScalingStep
-from reconciler.ports import Audit, CommandRunner, NotLeader, PlanSigner, PlanSigningError, Registry, RegistryUnavailable
+from reconciler.ports import (
+    Audit,
+    CommandRunner,
+    NotLeader,
+    PlanSigner,
+    PlanSigningError,
+    RayState,
+    RayStateUnavailable,
+    Registry,
+    RegistryUnavailable,
+)
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.core.scheduling.placement.schedule)
 Scheduler = Callable[..., FleetPlan]
@@ -98,6 +115,10 @@ class LeaderLoop:
     scaling: ScalingStep | None = None
     # The candidate's plan signing key; needed when fabric.toml lists plan keys.
     signer: PlanSigner | None = None
+    # Ray's state API (None: the fleet runs no Ray, or this leader cannot see it).
+    ray_state: RayState | None = None
+    # The Ray worker actions decided last step, logged only when they change.
+    ray_workers: list[RayWorkerAction] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _cannot_sign: str | None = None
 
@@ -153,7 +174,7 @@ class LeaderLoop:
             view = self.registry.lead(self.leadership, lanes=[lane.id for lane in self.desired.lanes])
             for event in view.events:
                 self.log(f"node {event}")
-            self._publish(view.snapshot, view.plan)
+            self._publish(self._with_ray(view.snapshot), view.plan)
         except NotLeader as exc:
             self.log(str(exc))
             self.leadership = None
@@ -161,6 +182,24 @@ class LeaderLoop:
             # The key became unreadable or the plan was numbered otherwise:
             # nothing valid was published; keep the term and try next step.
             self.log(f"plan not published: {exc}")
+
+    def _with_ray(self, snapshot: Snapshot) -> Snapshot:
+        """The snapshot with Ray's view joined (step 3b), or as it is without one."""
+        if self.ray_state is None:
+            return snapshot
+        try:
+            view = self.ray_state.observe()
+        except RayStateUnavailable as exc:
+            self.log(f"ray state unreadable, scheduling without Ray's tasks: {exc}")
+            return snapshot
+        snapshot = with_ray_view(snapshot, view, worker_unit=RAY_WORKER_UNIT)
+        # The hosts that ran a Ray node: the [ray] section's joining hosts once the renderer declares them.
+        actions = decide_ray_workers(snapshot, view.alive | view.dead, view, snapshot.now)
+        if actions != self.ray_workers:
+            for action in actions:
+                self.log(f"ray worker {action.kind} {action.host}: {action.reason}")
+            self.ray_workers = actions
+        return snapshot
 
     def _can_sign(self) -> bool:
         """With plan keys listed: whether this candidate holds one of its keys.

@@ -3,7 +3,8 @@
 One account of the machine: the placed service units running on the host
 plus the lane jobs running on the lanes whose jobs run there (a compute
 lane's agent on its push host, the local lane on the control host), plus the
-tasks other engines report (none yet). The engine reads the unit states and
+tasks other engines report (none on the host: Ray's join the leader's
+snapshot, core.scheduling.ray_tasks). The engine reads the unit states and
 the lane queue through its ports and hands them in; nothing here asks.
 
 This module imports only the standard library: the memoized pass
@@ -27,8 +28,10 @@ class HostLoad:
 
     services: int  # placed service units running here
     lane_jobs: int  # jobs running on the lanes whose jobs run here
-    # Tasks other engines run here (the Ray issue): none reports yet. This is
-    # the one place their count joins the account.
+    # Tasks other engines run here, as the host itself knows them: none
+    # does. Ray's tasks are read by the leader from Ray's state API (a host
+    # runs no Ray client) and join the leader's snapshot as
+    # SnapshotNode.engine_tasks (core.scheduling.ray_tasks.with_ray_view).
     engine_tasks: int = 0
 
     @property

@@ -56,6 +56,9 @@ class SnapshotNode(_Live):
     units: dict[str, str] = {}
     lowered_limits: list[str] = []
     services_running: int | None = Field(default=None, ge=0)
+    # Tasks other engines run there (Ray's, as the leader reads Ray's state
+    # API: core.scheduling.ray_tasks.with_ray_view); part of in_flight.
+    engine_tasks: int = Field(default=0, ge=0)
 
     @property
     def utilization(self) -> float:

@@ -188,14 +188,14 @@ def lane_jobs_by_host(desired: DesiredState, in_flight: Mapping[str, int]) -> Co
 def account_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
     """The host's one account (module docstring) with `services` placed on it."""
     if node.services_running is None:
-        return max(node.in_flight, services + lane_jobs)
+        return max(node.in_flight, services + lane_jobs + node.engine_tasks)
     # The node said which part of in_flight is its services: the scheduler
     # counts the services it places instead. The rest of in_flight is the
     # jobs on its lanes, which the node read from the registry's claims when
     # it beat: the claims now are newer, so a slot freed since is free at
-    # once. (Other engines' tasks join here, from a field of their own, once
-    # an engine reports them: none does yet.)
-    return services + lane_jobs
+    # once. Other engines' tasks (Ray's, read by the leader) join from a
+    # field of their own.
+    return services + lane_jobs + node.engine_tasks
 
 
 def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[Placement] | None = None) -> list[LaneView]:
