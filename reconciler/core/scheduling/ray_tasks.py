@@ -20,8 +20,11 @@ Ray's view in the leader's snapshot (`with_ray_view`)
     per fabric host and the hosts whose Ray node died. A node's Ray tasks are
     its `engine_tasks` and join its `in_flight` (what runs there, for the
     scaling rules' utilization) and the scheduler's account of the host
-    (`lanes.account_load`), so a host busy with Ray work gets no more than
-    its limit of services and lane jobs beside it. A host whose Ray node died
+    (`lanes.account_load`), so a host busy with Ray work gets no new service
+    or lane job beyond its limit. The services it runs stay (`Placer.keep`
+    weighs lane jobs, not Ray tasks): a Ray task is short, a service moving
+    is not, and the driver admitted the task against the same account (the
+    services are in the in_flight it reads). A host whose Ray node died
     has its Ray worker unit shown `failed` in the snapshot's `units`, which
     is what lane views, node views and `running_placements` read.
 
