@@ -1,15 +1,12 @@
 """reconciler.ray on a real multi-node Ray cluster (issue 13).
 
 Ray's own `ray.cluster_utils.Cluster` on this machine, started once for the
-module: a bare head (no CPUs, no tiers, no host label: it is never a
-candidate) and one Ray node per replayed probe of qfox-1, a1-arm64 and lux,
-each with exactly the resources and labels the fabric renders for it
-(`render.ray_node.ray_node_spec` of the host's effective facts and limits:
-lux's tier is pinned to cpu_ffmpeg by its host file) but `num_cpus=1` (a
-2-core machine). The hosts' heartbeats (`engine.plan_source.node_record` of
-the same facts) are in a real sqlite registry, which the driver opens the way
-`fabric` does (`Dispatcher.connect(path)`), and the real leader loop reads
-Ray's state API through `reconciler.ray.state.RayStateReader`.
+module (tests/harness/ray_fleet.py): one Ray node per replayed probe of
+qfox-1, a1-arm64 and lux with the resources and labels the fabric renders,
+the hosts' heartbeats in a real sqlite registry, which the driver opens the
+way `fabric` does (`Dispatcher.connect(path)`); the real leader loop reads
+Ray's state API through `reconciler.ray.state.RayStateReader`. The tests
+run in file order: the ones after `without_qfox` run without qfox-1's node.
 
 The tasks ask for no CPU (`num_cpus=0`): their concurrency is the tier
 resource each node offers as many times as its max_concurrent_tasks, which
@@ -22,107 +19,47 @@ without it every test here fails, under CI=true as anywhere.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 try:
     import ray
-    from ray.cluster_utils import Cluster
 except ImportError:  # pragma: no cover - the message is the point
     pytest.fail("real component missing: ray (pip install -e '.[test,ray]'; scripts/test installs the extra)", pytrace=False)
 
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import TIER_SCORE, DesiredState, NodeFacts
-from reconciler.core.live.host_limits import effective_limits
+from reconciler.core.desired.model import TIER_SCORE, DesiredState
 from reconciler.core.live.models import Snapshot
-from reconciler.core.render.ray_node import RAY_WORKER_UNIT, RayNodeSpec, ray_node_spec
+from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
-from reconciler.engine.plan_source import effective_facts, node_record
 from reconciler.ray import CapacityError, Dispatcher, Requirement
 from reconciler.ray.state import RayStateReader
+from tests.harness.ray_fleet import RayFleet, ray_fleet
 from tests.harness.waiting import wait_until
-from tests.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
-PROBES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
-HOSTS = ("qfox-1", "a1-arm64", "lux")
-# The smallest object store Ray accepts: four raylets share this machine's memory.
-OBJECT_STORE_BYTES = 80 * 1024 * 1024
 # Ray's nodes start in seconds, its task events reach the state API about a
 # second late; on a loaded 2-core machine several times that.
 RAY_WAIT_S = 120.0
 
 
-@dataclass
-class RayFleet:
-    desired: DesiredState
-    registry_path: Path
-    cluster: Cluster
-    specs: dict[str, RayNodeSpec]
-    signed: SignedFleet
-    nodes: dict[str, object] = field(default_factory=dict)
-    released: Path = Path()
-
-    def ray_node_id(self, host: str) -> str:
-        return self.nodes[host].node_id  # type: ignore[attr-defined]
-
-
-def replayed(desired: DesiredState, host: str) -> NodeFacts:
-    facts = NodeFacts.model_validate(json.loads((PROBES / host / "expected.json").read_text()))
-    return effective_facts(desired, host, facts)
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
-    tmp = tmp_path_factory.mktemp("ray")
-    signed = signed_example_fleet(tmp / "fleet")
-    desired = load_desired(signed.desired)
-    registry_path = tmp / "registry.sqlite"
-    registry = open_registry(desired.fleet, sqlite_path=registry_path)
-    specs = {}
-    try:
-        for host in HOSTS:
-            facts = replayed(desired, host)
-            # The hosts' own beats, alive for the module (the leader must not mark them offline).
-            registry.heartbeat(node_record(desired, host, facts), ttl_s=86_400)
-            specs[host] = ray_node_spec(host, facts, effective_limits(desired.hosts[host], facts.limitations))
-    finally:
-        registry.close()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES},
-    )
-    fleet = RayFleet(desired, registry_path, cluster, specs, signed, released=tmp / "released")
-    try:
-        for host, spec in specs.items():
-            fleet.nodes[host] = cluster.add_node(**ray_node_args(spec))
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, include_dashboard=False, logging_level="warning")
-        yield fleet
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with ray_fleet(tmp_path_factory.mktemp("ray")) as started:
+        yield started
 
 
-def ray_node_args(spec: RayNodeSpec) -> dict:
-    """The rendered node, with one CPU (this machine has two cores for four raylets)."""
-    return {
-        "num_cpus": 1,
-        "num_gpus": spec.num_gpus,
-        "resources": dict(spec.resources),
-        "labels": dict(spec.labels),
-        "memory": spec.memory_bytes,
-        "object_store_memory": OBJECT_STORE_BYTES,
-    }
+@pytest.fixture
+def released(tmp_path: Path) -> Path:
+    """The file whose appearance ends the `held` tasks."""
+    return tmp_path / "released"
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +93,6 @@ def held(released: str, deadline_s: float) -> str:
 def dispatcher(fleet: RayFleet) -> Dispatcher:
     # The node table re-read at every call: a test removes a node.
     return Dispatcher.connect(fleet.registry_path, node_table_max_age_s=0.0)
-
-
-def host_of_node(fleet: RayFleet) -> dict[str, str]:
-    return {node.node_id: host for host, node in fleet.nodes.items()}  # type: ignore[attr-defined]
 
 
 def leader(fleet: RayFleet, seen: list[Snapshot], logs: list[str]) -> LeaderLoop:
@@ -199,9 +132,9 @@ def test_tasks_land_on_the_highest_satisfying_tier(fleet: RayFleet):
     assert fabric.fallbacks.fallbacks == 0
 
 
-def test_tasks_running_on_a_node_show_in_its_load_in_the_leaders_snapshot(fleet: RayFleet):
+def test_tasks_running_on_a_node_show_in_its_load_in_the_leaders_snapshot(fleet: RayFleet, released: Path):
     fabric = dispatcher(fleet)
-    blocked = [fabric.adaptive_remote(held, min_tier="gpu_cuda").remote(str(fleet.released), RAY_WAIT_S) for _ in range(3)]
+    blocked = [fabric.adaptive_remote(held, min_tier="gpu_cuda").remote(str(released), RAY_WAIT_S) for _ in range(3)]
     # The driver counts what it sent: qfox-1 (limit 4) has one slot left, then lux and a1-arm64 take fallback work.
     assert fabric.own_in_flight() == {"qfox-1": 3}
     seen: list[Snapshot] = []
@@ -216,7 +149,7 @@ def test_tasks_running_on_a_node_show_in_its_load_in_the_leaders_snapshot(fleet:
 
         assert wait_until(qfox_load, timeout=RAY_WAIT_S, interval=0.5, what="qfox-1's three Ray tasks in the leader's snapshot") == (3, 3)
         assert node_in(seen[-1], "lux").engine_tasks == 0
-        fleet.released.touch()
+        released.touch()
         assert set(ray.get(blocked, timeout=RAY_WAIT_S)) == {fleet.ray_node_id("qfox-1")}
 
         def drained() -> bool:
@@ -226,7 +159,7 @@ def test_tasks_running_on_a_node_show_in_its_load_in_the_leaders_snapshot(fleet:
         wait_until(drained, timeout=RAY_WAIT_S, interval=0.5, what="qfox-1's load back to 0 once its tasks ended")
         assert fabric.own_in_flight() == {}
     finally:
-        fleet.released.unlink(missing_ok=True)
+        released.touch()  # nothing stays held past the test
         if loop.leadership is not None:
             loop.registry.resign(loop.leadership)
         loop.registry.close()
@@ -252,7 +185,7 @@ def test_the_burst_check_dispatches_100_tasks_and_prints_its_fallback_count(flee
                 ray.wait(refs, num_returns=len(refs) - sum(fabric.own_in_flight().values()) + 1, timeout=RAY_WAIT_S, fetch_local=False)
     print(fabric.fallbacks.line())
     ran_on = ray.get(refs, timeout=RAY_WAIT_S)
-    hosts = host_of_node(fleet)
+    hosts = fleet.host_of_node()
     tiers = {host: fleet.specs[host].tier for host in fleet.specs}
     below = sum(1 for node_id in ran_on if TIER_SCORE[tiers[hosts[node_id]]] < TIER_SCORE["gpu_apu"])
     assert fabric.fallbacks.dispatched == len(refs) == 100
@@ -274,7 +207,7 @@ def test_with_qfox1s_node_removed_tasks_fall_back_to_the_next_tier(without_qfox:
     assignment = fabric.select_worker(Requirement(min_tier="gpu_apu"))
     assert (assignment.status, assignment.tier, assignment.fallback) == ("assigned", "cpu_ffmpeg", True)
     ran_on = ray.get(fabric.adaptive_compute(where, b"frame", min_tier="gpu_apu"), timeout=RAY_WAIT_S)
-    assert host_of_node(fleet)[ran_on] in ("a1-arm64", "lux")
+    assert fleet.host_of_node()[ran_on] in ("a1-arm64", "lux")
     # select_worker counts, as the seed's does: the call above and the one inside adaptive_compute.
     assert fabric.fallbacks.line() == "2 tasks dispatched, fallback tiers used: 2"
 

@@ -1,0 +1,101 @@
+"""A real multi-node Ray cluster built as the fabric renders it, for the Ray tests and bench/ray_dispatch.
+
+`ray.cluster_utils.Cluster` on this machine: a bare head (no CPUs, no tiers,
+no host label: never a candidate) and one Ray node per replayed probe of
+qfox-1, a1-arm64 and lux, each with exactly the resources and labels
+`render.ray_node.ray_node_spec` gives for the host's effective facts and
+limits (lux's tier is pinned to cpu_ffmpeg by its host file) but
+`num_cpus=1` (four raylets on a 2-core machine). The hosts' heartbeats
+(`engine.plan_source.node_record` of the same facts) are in a real sqlite
+registry of the example fleet (signed plans: `signed.signer(host)`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from reconciler.cli.wiring import open_registry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.live.host_limits import effective_limits
+from reconciler.core.render.ray_node import RayNodeSpec, ray_node_spec
+from reconciler.engine.plan_source import effective_facts, node_record
+from tests.plan_keys import SignedFleet, signed_example_fleet
+
+PROBES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
+HOSTS = ("qfox-1", "a1-arm64", "lux")
+# The smallest object store Ray accepts: four raylets share this machine's memory.
+OBJECT_STORE_BYTES = 80 * 1024 * 1024
+
+
+@dataclass
+class RayFleet:
+    desired: DesiredState
+    registry_path: Path
+    cluster: Cluster
+    specs: dict[str, RayNodeSpec]
+    signed: SignedFleet
+    nodes: dict[str, Any] = field(default_factory=dict)
+
+    def ray_node_id(self, host: str) -> str:
+        return str(self.nodes[host].node_id)
+
+    def host_of_node(self) -> dict[str, str]:
+        return {node.node_id: host for host, node in self.nodes.items()}
+
+
+def replayed(desired: DesiredState, host: str) -> NodeFacts:
+    facts = NodeFacts.model_validate(json.loads((PROBES / host / "expected.json").read_text()))
+    return effective_facts(desired, host, facts)
+
+
+def ray_node_args(spec: RayNodeSpec) -> dict[str, Any]:
+    """The rendered node, with one CPU."""
+    return {
+        "num_cpus": 1,
+        "num_gpus": spec.num_gpus,
+        "resources": dict(spec.resources),
+        "labels": dict(spec.labels),
+        "memory": spec.memory_bytes,
+        "object_store_memory": OBJECT_STORE_BYTES,
+    }
+
+
+@contextmanager
+def ray_fleet(tmp: Path) -> Iterator[RayFleet]:
+    """The registry, the cluster, and this process connected to it as a driver; all stopped after."""
+    signed = signed_example_fleet(tmp / "fleet")
+    desired = load_desired(signed.desired)
+    registry_path = tmp / "registry.sqlite"
+    registry = open_registry(desired.fleet, sqlite_path=registry_path)
+    specs = {}
+    try:
+        for host in HOSTS:
+            facts = replayed(desired, host)
+            # The hosts' own beats, alive for a day (the leader must not mark them offline).
+            registry.heartbeat(node_record(desired, host, facts), ttl_s=86_400)
+            specs[host] = ray_node_spec(host, facts, effective_limits(desired.hosts[host], facts.limitations))
+    finally:
+        registry.close()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES},
+    )
+    fleet = RayFleet(desired, registry_path, cluster, specs, signed)
+    try:
+        for host, spec in specs.items():
+            fleet.nodes[host] = cluster.add_node(**ray_node_args(spec))
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="warning")
+        yield fleet
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
