@@ -37,13 +37,13 @@ from pydantic import ValidationError
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import generate_plan_key, host_name, leader_ports, plan_signer
+from reconciler.cli.wiring import generate_plan_key, host_name, leader_ports, plan_signer, ray_state
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, CommandRunner, PlanSigner, PlanSigningError, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CommandRunner, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
 
 
 def _ttl(text: str) -> float:
@@ -70,6 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate); keygen: the key's host (default: this machine)")
     p.add_argument("--lease-ttl", type=_ttl, metavar="S", help="run: leader lease TTL in seconds (default timing.heartbeat_s)")
     p.add_argument("--once", action="store_true", help="run: one step, then exit")
+    p.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="run: the fleet's Ray cluster (its GCS address): Ray's tasks join each host's load, a dead Ray node fails its worker unit",
+    )
     add_plan_key_option(p, used="run: needed when fabric.toml lists plan keys")
     p.add_argument("--out", metavar="FILE", type=Path, help="keygen: where the new private key goes (0600, never overwritten)")
     p.add_argument("--id", metavar="ID", help="keygen: the key's id in fabric.toml (default HOST-YYYY-MM)")
@@ -105,6 +110,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{info.candidate} leads since {stamp(info.since)} (term began at epoch {info.epoch}); epoch {epoch}")
     print(f"newest plan: epoch {plan.epoch} by {plan.leader}" if plan else "newest plan: none published")
     return EXIT_OK
+
+
+def _ray_state(address: str | None) -> RayState | None:
+    if address is None:
+        return None
+    try:
+        return ray_state(address)
+    except ImportError:
+        raise InvalidInput("fabric leader run: --ray-address needs ray (install the extra: pip install 'fabric-reconciler[ray]')") from None
 
 
 def _log(message: str) -> None:
@@ -162,6 +176,7 @@ def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, r
         audit=audit,
         log=_log,
         signer=signer,
+        ray_state=_ray_state(args.ray_address),
     )
     if args.once:
         try:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         FileTree,
         PassStarter,
         PlanSigner,
+        RayState,
         Registry,
         RegistryAuth,
     )
@@ -195,6 +196,14 @@ def plan_signer(key_file: Path) -> PlanSigner:
     from reconciler.adapters.plan_signing import KeyFileSigner
 
     return KeyFileSigner(key_file)
+
+
+def ray_state(address: str) -> RayState:
+    """Ray's state API at `address` (the leader's view of the fleet's Ray
+    cluster). Raises ImportError when `ray` (the extra `ray`) is not installed."""
+    from reconciler.ray.state import RayStateReader
+
+    return RayStateReader(address)
 
 
 def generate_plan_key(out: Path) -> bytes:

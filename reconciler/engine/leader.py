@@ -331,9 +331,11 @@ def candidate_loop(
     audit: Audit | None,
     log: Callable[[str], None],
     signer: PlanSigner | None = None,
+    ray_state: RayState | None = None,
 ) -> LeaderLoop:
-    """fabric-leader.service's loop: the plan, then bursts and scaling, whose
-    actions go to `log` and (when given) as audit entries of their own."""
+    """fabric-leader.service's loop: the plan (with Ray's view when the fleet
+    runs Ray), then bursts and scaling, whose actions go to `log` and (when
+    given) as audit entries of their own."""
     scaling = ScalingStep(
         registry=registry,
         runner=runner,
@@ -351,4 +353,5 @@ def candidate_loop(
         log=log,
         scaling=scaling,
         signer=signer,
+        ray_state=ray_state,
     )

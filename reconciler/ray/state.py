@@ -24,23 +24,28 @@ class RayStateReader:
         self.timeout_s = timeout_s
 
     def observe(self) -> RayView:
-        from ray.util.state import list_nodes, list_tasks
-
         try:
+            from ray.util.state import list_nodes, list_tasks
+
             nodes = list_nodes(address=self.address, timeout=self.timeout_s, detail=True, raise_on_missing_output=False)
             running = list_tasks(
                 address=self.address, filters=[("state", "=", "RUNNING")], timeout=self.timeout_s, limit=10_000, raise_on_missing_output=False
             )
-        except Exception as exc:  # the state API raises its own errors and ConnectionError alike
+        except Exception as exc:  # the state API raises its own errors, ConnectionError and timeouts alike
             raise RayStateUnavailable(f"ray state at {self.address}: {exc}") from exc
-        host_of: dict[str, str] = {}
+        # Only a live node runs anything: a task that ran on a node that died
+        # stays RUNNING in the state API's task events (no final event came).
+        live_host: dict[str, str] = {}
         alive: set[str] = set()
         dead: set[str] = set()
         for node in nodes:
             host = (node.labels or {}).get(HOST_LABEL)
             if not host:
                 continue
-            host_of[node.node_id] = host
-            (alive if node.state == "ALIVE" else dead).add(host)
-        per_host = Counter(host_of[task.node_id] for task in running if task.node_id in host_of)
+            if node.state == "ALIVE":
+                live_host[node.node_id] = host
+                alive.add(host)
+            else:
+                dead.add(host)
+        per_host = Counter(live_host[task.node_id] for task in running if task.node_id in live_host)
         return RayView(running=dict(per_host), alive=frozenset(alive), dead=frozenset(dead - alive))

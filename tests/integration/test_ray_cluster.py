@@ -31,6 +31,7 @@ try:
 except ImportError:  # pragma: no cover - the message is the point
     pytest.fail("real component missing: ray (pip install -e '.[test,ray]'; scripts/test installs the extra)", pytrace=False)
 
+from reconciler.cli import main
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import TIER_SCORE, DesiredState
@@ -63,10 +64,16 @@ def released(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def without_qfox(fleet: RayFleet) -> RayFleet:
-    """qfox-1's Ray node taken out of the cluster (the tests after this one run without it)."""
+def without_qfox(fleet: RayFleet, tmp_path_factory: pytest.TempPathFactory) -> RayFleet:
+    """qfox-1's Ray node taken out of the cluster while a task runs on it (the
+    tests after this one run without it)."""
     node = fleet.nodes.get("qfox-1")
     if node is not None:
+        never = tmp_path_factory.mktemp("never") / "released"
+        fabric = dispatcher(fleet)
+        fabric.adaptive_remote(held, min_tier="gpu_cuda").remote(str(never), RAY_WAIT_S)
+        reader = RayStateReader(fleet.cluster.address)
+        wait_until(lambda: reader.observe().running.get("qfox-1") == 1, timeout=RAY_WAIT_S, interval=0.5, what="the task running on qfox-1")
         fleet.cluster.remove_node(node)
         del fleet.nodes["qfox-1"]
         wait_until(
@@ -222,6 +229,8 @@ def test_a_dead_ray_node_marks_its_hosts_ray_worker_failed_and_a_start_is_decide
         loop.registry.close()
     qfox = node_in(seen[-1], "qfox-1")
     assert qfox.units.get(RAY_WORKER_UNIT) == "failed"
+    # The task that ran there when it died is still RUNNING in Ray's task events: a dead node runs nothing.
+    assert (qfox.engine_tasks, qfox.in_flight) == (0, 0)
     assert node_in(seen[-1], "lux").units.get(RAY_WORKER_UNIT) is None
     assert any(line.startswith("ray worker start qfox-1: its Ray node died while it has idle capacity") for line in logs), logs
 
@@ -234,3 +243,27 @@ def test_cuda_only_work_raises_capacity_error_with_its_reason(without_qfox: RayF
     assert "tier gpu_cuda or better" in reason and "no live Ray node on qfox-1" in reason, reason
     assert not raised.value.inadmissible  # qfox-1's host still beats: its Ray worker may come back
     assert fabric.fallbacks.dispatched == 0
+
+
+def test_fabric_leader_run_with_the_ray_address_says_which_ray_worker_to_start(without_qfox: RayFleet, capsys: pytest.CaptureFixture[str]):
+    fleet = without_qfox
+    code = main(
+        [
+            "leader",
+            "run",
+            "--once",
+            "--host",
+            "lux",
+            "--ray-address",
+            fleet.cluster.address,
+            "--desired",
+            str(fleet.signed.desired),
+            "--registry-path",
+            str(fleet.registry_path),
+            "--plan-key-file",
+            str(fleet.signed.key_file("lux")),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "fabric-leader: ray worker start qfox-1: its Ray node died while it has idle capacity (0/4, tier gpu_cuda)" in err
