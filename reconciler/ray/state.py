@@ -9,10 +9,8 @@ joins the cluster, so the leader adds no load and holds no job.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from reconciler.core.render.ray_node import HOST_LABEL
-from reconciler.core.scheduling.ray_tasks import RayView
+from reconciler.core.scheduling.ray_tasks import RayView, ray_view
 from reconciler.ports import RayStateUnavailable
 
 
@@ -33,19 +31,4 @@ class RayStateReader:
             )
         except Exception as exc:  # the state API raises its own errors, ConnectionError and timeouts alike
             raise RayStateUnavailable(f"ray state at {self.address}: {exc}") from exc
-        # Only a live node runs anything: a task that ran on a node that died
-        # stays RUNNING in the state API's task events (no final event came).
-        live_host: dict[str, str] = {}
-        alive: set[str] = set()
-        dead: set[str] = set()
-        for node in nodes:
-            host = (node.labels or {}).get(HOST_LABEL)
-            if not host:
-                continue
-            if node.state == "ALIVE":
-                live_host[node.node_id] = host
-                alive.add(host)
-            else:
-                dead.add(host)
-        per_host = Counter(live_host[task.node_id] for task in running if task.node_id in live_host)
-        return RayView(running=dict(per_host), alive=frozenset(alive), dead=frozenset(dead - alive))
+        return ray_view(((n.node_id, n.state == "ALIVE", n.labels or {}) for n in nodes), (t.node_id for t in running), host_label=HOST_LABEL)

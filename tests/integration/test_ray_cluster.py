@@ -39,9 +39,10 @@ from reconciler.core.live.models import Snapshot
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
+from reconciler.engine.plan_source import node_record
 from reconciler.ray import CapacityError, Dispatcher, Requirement
 from reconciler.ray.state import RayStateReader
-from tests.harness.ray_fleet import RayFleet, ray_fleet
+from tests.harness.ray_fleet import RayFleet, ray_fleet, replayed
 from tests.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -217,6 +218,25 @@ def test_with_qfox1s_node_removed_tasks_fall_back_to_the_next_tier(without_qfox:
     assert fleet.host_of_node()[ran_on] in ("a1-arm64", "lux")
     # select_worker counts, as the seed's does: the call above and the one inside adaptive_compute.
     assert fabric.fallbacks.line() == "2 tasks dispatched, fallback tiers used: 2"
+
+
+def test_a_call_runs_on_the_node_the_fabric_chose_not_where_ray_would_put_it(without_qfox: RayFleet):
+    """a1-arm64 reports its one slot taken (a service Ray does not know of): the
+    fabric sends gpu_apu work to lux, and the pin keeps Ray from using the
+    tier_cpu_ffmpeg slot a1-arm64 still offers."""
+    fleet = without_qfox
+    registry = open_registry(fleet.desired.fleet, sqlite_path=fleet.registry_path)
+    facts = replayed(fleet.desired, "a1-arm64")
+    busy = node_record(fleet.desired, "a1-arm64", facts).model_copy(update={"in_flight": 1})
+    try:
+        registry.heartbeat(busy, ttl_s=86_400)
+        fabric = dispatcher(fleet)
+        hosts = fleet.host_of_node()
+        ran_on = [hosts[ray.get(fabric.adaptive_compute(where, b"frame", min_tier="gpu_apu"), timeout=RAY_WAIT_S)] for _ in range(6)]
+        assert ran_on == ["lux"] * 6
+    finally:
+        registry.heartbeat(node_record(fleet.desired, "a1-arm64", facts), ttl_s=86_400)
+        registry.close()
 
 
 def test_a_dead_ray_node_marks_its_hosts_ray_worker_failed_and_a_start_is_decided(without_qfox: RayFleet):

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from reconciler.core.live.models import Snapshot, SnapshotNode
-from reconciler.core.render.ray_node import RAY_WORKER_UNIT
+from reconciler.core.render.ray_node import HOST_LABEL, RAY_WORKER_UNIT
 from reconciler.core.scheduling.lanes import account_load
 from reconciler.core.scheduling.ray_tasks import (
     FallbackCount,
@@ -16,6 +16,7 @@ from reconciler.core.scheduling.ray_tasks import (
     RayWorkerAction,
     Requirement,
     decide_ray_workers,
+    ray_view,
     select_assignment,
     with_ray_view,
 )
@@ -128,3 +129,15 @@ def test_ray_workers_start_on_idle_capacity_and_stop_on_hosts_that_take_no_new_w
     assert [(a.kind, a.host) for a in actions] == [("stop", "a1-arm64"), ("start", "qfox-1"), ("stop", "x86-spill")]
     assert actions[1] == RayWorkerAction("start", "qfox-1", "its Ray node died while it has idle capacity (0/4, tier gpu_cuda)")
     assert "held off" in actions[2].reason and "offline" in actions[0].reason
+
+
+def test_ray_view_counts_running_tasks_per_host_on_live_nodes_only():
+    nodes = [
+        ("n-qfox-old", False, {HOST_LABEL: "qfox-1"}),  # died with a task whose final event never came
+        ("n-lux", True, {HOST_LABEL: "lux"}),
+        ("n-a1", False, {HOST_LABEL: "a1-arm64"}),
+        ("n-a1-new", True, {HOST_LABEL: "a1-arm64"}),  # restarted: a live node wins
+        ("n-head", True, {}),  # the head: no host label, never a fabric host
+    ]
+    view = ray_view(nodes, ["n-lux", "n-lux", "n-qfox-old", "n-head", "n-a1-new", None], host_label=HOST_LABEL)
+    assert view == RayView(running={"lux": 2, "a1-arm64": 1}, alive=frozenset({"lux", "a1-arm64"}), dead=frozenset({"qfox-1"}))

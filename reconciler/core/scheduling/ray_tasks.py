@@ -39,7 +39,7 @@ Ray workers on idle capacity (the seed's `_scale_ray_workers`, `decide_ray_worke
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -157,6 +157,31 @@ class RayView:
     alive: frozenset[str] = frozenset()
     # Hosts whose Ray node died (and none of theirs is alive).
     dead: frozenset[str] = frozenset()
+
+
+def ray_view(nodes: Iterable[tuple[str, bool, Mapping[str, str]]], running_on: Iterable[str | None], *, host_label: str) -> RayView:
+    """Ray's node table ((node id, alive, labels) each) and the node ids of its
+    RUNNING tasks, by fabric host (the node's `host_label`). Only a live node
+    runs anything: a task that ran on a node that died can stay RUNNING in
+    Ray's task events (its final event never came)."""
+    live_host: dict[str, str] = {}
+    alive: set[str] = set()
+    dead: set[str] = set()
+    for node_id, is_alive, labels in nodes:
+        host = labels.get(host_label)
+        if not host:
+            continue
+        if is_alive:
+            live_host[node_id] = host
+            alive.add(host)
+        else:
+            dead.add(host)
+    running: dict[str, int] = {}
+    for task_node in running_on:
+        on = live_host.get(task_node or "")
+        if on is not None:
+            running[on] = running.get(on, 0) + 1
+    return RayView(running=running, alive=frozenset(alive), dead=frozenset(dead - alive))
 
 
 def with_ray_view(snapshot: Snapshot, view: RayView, *, worker_unit: str) -> Snapshot:
