@@ -25,8 +25,10 @@ Ray's view in the leader's snapshot (`with_ray_view`)
     weighs lane jobs, not Ray tasks): a Ray task is short, a service moving
     is not, and the driver admitted the task against the same account (the
     services are in the in_flight it reads). A host whose Ray node died
-    has its Ray worker unit shown `failed` in the snapshot's `units`, which
-    is what lane views, node views and `running_placements` read.
+    has its Ray worker unit shown `failed` in the snapshot's `units`, as a
+    host's heartbeat shows a unit of its own that failed. (Only the leader's
+    snapshot has Ray's view: `fabric status` and the status page read the
+    registry, where no host writes it.)
 
 Ray workers on idle capacity (the seed's `_scale_ray_workers`, `decide_ray_workers`)
     A host of the `[ray]` set whose Ray node is not alive while it takes new
