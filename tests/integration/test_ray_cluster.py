@@ -65,7 +65,15 @@ def released(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def without_qfox(fleet: RayFleet, tmp_path_factory: pytest.TempPathFactory) -> RayFleet:
+def stale_dispatcher(fleet: RayFleet) -> Dispatcher:
+    """A driver whose node table was read while qfox-1's Ray node lived, and is kept for an hour."""
+    fabric = Dispatcher.connect(fleet.registry_path, node_table_max_age_s=3600.0)
+    assert "qfox-1" in fabric.ray_nodes()
+    return fabric
+
+
+@pytest.fixture(scope="module")
+def without_qfox(fleet: RayFleet, stale_dispatcher: Dispatcher, tmp_path_factory: pytest.TempPathFactory) -> RayFleet:
     """qfox-1's Ray node taken out of the cluster while a task runs on it (the
     tests after this one run without it)."""
     node = fleet.nodes.get("qfox-1")
@@ -253,6 +261,15 @@ def test_a_dead_ray_node_marks_its_hosts_ray_worker_failed_and_a_start_is_decide
     assert (qfox.engine_tasks, qfox.in_flight) == (0, 0)
     assert node_in(seen[-1], "lux").units.get(RAY_WORKER_UNIT) is None
     assert any(line.startswith("ray worker start qfox-1: its Ray node died while it has idle capacity") for line in logs), logs
+
+
+def test_a_call_pinned_to_a_node_that_died_fails_and_never_runs_elsewhere(without_qfox: RayFleet, stale_dispatcher: Dispatcher):
+    """The registry still has qfox-1 active and the driver's node table still
+    has its Ray node: the call is pinned there, and Ray fails it (soft=False)
+    instead of running it anywhere else."""
+    ref = stale_dispatcher.adaptive_compute(where, b"frame", min_tier="gpu_apu")
+    with pytest.raises(ray.exceptions.TaskUnschedulableError, match="soft=False"):
+        ray.get(ref, timeout=RAY_WAIT_S)
 
 
 def test_cuda_only_work_raises_capacity_error_with_its_reason(without_qfox: RayFleet):
