@@ -40,6 +40,7 @@ from reconciler.cli.registry_options import add_registry_options, desired_and_re
 from reconciler.cli.wiring import generate_plan_key, host_name, leader_ports, plan_signer, ray_state
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
+from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
@@ -112,13 +113,29 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _ray_state(address: str | None) -> RayState | None:
-    if address is None:
+def _ray_state(address: str | None, desired: DesiredState) -> RayState | None:
+    """Ray's state API: `--ray-address`, else the `[ray]` head's dashboard. A
+    default that cannot be read (no dashboard, no ray extra) is said and the
+    leader runs without Ray's tasks; an address given that cannot be is an error."""
+    if address is not None:
+        try:
+            return ray_state(address)
+        except ImportError:
+            raise InvalidInput("fabric leader run: --ray-address needs ray (install the extra: pip install 'fabric-reconciler[ray]')") from None
+    source = ray_state_source(desired)
+    if source.address is None:
+        if source.note:
+            _log(source.note)
         return None
     try:
-        return ray_state(address)
+        reader = ray_state(source.address)
     except ImportError:
-        raise InvalidInput("fabric leader run: --ray-address needs ray (install the extra: pip install 'fabric-reconciler[ray]')") from None
+        _log(
+            f"Ray's tasks are not counted in the hosts' load: reading Ray's state at {source.address} needs the ray extra (pip install 'fabric-reconciler[ray]')"
+        )
+        return None
+    _log(f"Ray's state from {source.address} ([ray] head's dashboard)")
+    return reader
 
 
 def _log(message: str) -> None:
@@ -176,7 +193,7 @@ def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, r
         audit=audit,
         log=_log,
         signer=signer,
-        ray_state=_ray_state(args.ray_address),
+        ray_state=_ray_state(args.ray_address, desired),
     )
     if args.once:
         try:

@@ -20,6 +20,8 @@ without it every test here fails, under CI=true as anywhere.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,3 +306,39 @@ def test_fabric_leader_run_with_the_ray_address_says_which_ray_worker_to_start(w
     err = capsys.readouterr().err
     assert code == 0, err
     assert "fabric-leader: ray worker start qfox-1: its Ray node died while it has idle capacity (0/4, tier gpu_cuda)" in err
+
+
+def test_fabric_leader_run_reads_ray_from_the_ray_heads_dashboard_without_being_told(
+    without_qfox: RayFleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
+    # In production fabric-leader.service is given no --ray-address: it reads
+    # Ray's state API from the [ray] head's dashboard. Here the head (lux) is
+    # the test cluster's, whose dashboard listens on this machine.
+    fleet = without_qfox
+    dashboard = ray._private.worker.get_dashboard_url()
+    address, port = dashboard.removeprefix("http://").rsplit(":", 1)
+    desired = tmp_path / "desired"
+    shutil.copytree(fleet.signed.desired, desired)
+    lux = desired / "lux.toml"
+    lux.write_text(re.sub(r'(?m)^address = ".*"$', f'address = "{address}"', lux.read_text(), count=1))
+    fabric_toml = desired / "fabric.toml"
+    fabric_toml.write_text(fabric_toml.read_text().replace("dashboard = false", f"dashboard = true\ndashboard_port = {port}"))
+    code = main(
+        [
+            "leader",
+            "run",
+            "--once",
+            "--host",
+            "lux",
+            "--desired",
+            str(desired),
+            "--registry-path",
+            str(fleet.registry_path),
+            "--plan-key-file",
+            str(fleet.signed.key_file("lux")),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"fabric-leader: Ray's state from http://{address}:{port} ([ray] head's dashboard)" in err
+    assert "fabric-leader: ray worker start qfox-1: its Ray node died while it has idle capacity" in err

@@ -28,7 +28,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.render.artifacts import Layout, render
 from reconciler.core.render.ray_node import RAY_HEAD_UNIT, RAY_WORKER_UNIT, ray_node_spec, tier_resource
-from reconciler.core.render.ray_units import closed_reason, ray_labels
+from reconciler.core.render.ray_units import RayStateSource, closed_reason, ray_labels, ray_state_source
 from reconciler.core.scheduling.lifecycle import NodeState
 from tests.conftest import REPO
 from tests.unit.test_apply import Fleet
@@ -97,7 +97,7 @@ def flag(words: list[str], name: str) -> str:
 def test_the_example_fleet_has_its_head_on_lux_and_three_workers() -> None:
     ray = load_desired(EXAMPLE).fleet.ray
     assert ray is not None
-    assert (ray.head, ray.port, ray.workers, ray.dashboard, ray.command) == ("lux", 6379, ["qfox-1", "a1-arm64", "x86-spill"], False, None)
+    assert (ray.head, ray.port, ray.workers, ray.dashboard, ray.command) == ("lux", 6379, ["qfox-1", "a1-arm64", "x86-spill"], True, None)
 
 
 @pytest.mark.parametrize(
@@ -218,8 +218,8 @@ def test_a_node_without_gpus_gets_private_devices() -> None:
     assert "PrivateDevices=yes\n" in text
 
 
-def test_the_head_listens_on_its_port_without_a_dashboard_and_keeps_the_port_to_the_tailnet() -> None:
-    state = load_desired(EXAMPLE)
+def test_the_head_listens_on_its_port_without_a_dashboard_and_keeps_the_port_to_the_tailnet(tmp_path: Path) -> None:
+    state = load_desired(with_ray(tmp_path, '[ray]\nhead = "lux"\nworkers = ["qfox-1", "a1-arm64", "x86-spill"]'))
     text = ray_unit_text(state, "lux")
     assert text is not None
     words = argv(text)
@@ -318,3 +318,24 @@ def test_ray_is_only_the_optional_extra_and_the_contract_covers_every_package_bu
         if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
     }
     assert set(contract["source_modules"]) == packages - {"reconciler.ray"}
+
+
+# --------------------------------------------------------------------------
+# Where the leader reads Ray's state (fabric leader run without --ray-address)
+
+
+def test_the_leader_reads_ray_from_the_heads_dashboard_on_its_tailnet_address(tmp_path: Path) -> None:
+    state = load_desired(with_ray(tmp_path, '[ray]\nhead = "lux"\nworkers = ["qfox-1"]\ndashboard = true\ndashboard_port = 8299'))
+    source = ray_state_source(state)
+    assert source.address == f"http://{state.hosts['lux'].host.address}:8299" and source.note is None
+
+
+def test_without_the_dashboard_the_leader_says_rays_tasks_are_not_in_the_load(tmp_path: Path) -> None:
+    state = load_desired(with_ray(tmp_path, '[ray]\nhead = "lux"\nworkers = ["qfox-1"]\ndashboard = false'))
+    source = ray_state_source(state)
+    assert source.address is None
+    assert source.note is not None and "ray.dashboard is off" in source.note and "not counted in the hosts' load" in source.note
+
+
+def test_without_a_ray_table_there_is_no_ray_to_read(tmp_path: Path) -> None:
+    assert ray_state_source(load_desired(with_ray(tmp_path, None))) == RayStateSource(None)

@@ -135,3 +135,31 @@ def ray_unit(desired: DesiredState, host: str, facts: NodeFacts, ray_command: st
         "--disable-usage-stats",
     ]
     return RayUnit(unit, role, offered, tuple(argv), state_directory, closed)
+
+
+@dataclass(frozen=True)
+class RayStateSource:
+    """Where the leader reads Ray's state API for the fleet's Ray cluster:
+    `address` (the head's dashboard, which serves that API), or None with
+    the `note` that says why Ray's tasks are not in the load."""
+
+    address: str | None
+    note: str | None = None
+
+
+def ray_state_source(desired: DesiredState) -> RayStateSource:
+    """The `[ray]` head's state API, as `fabric leader run` reads it when not
+    given `--ray-address`: the dashboard on the head's tailnet address. Without
+    `[ray]` there is nothing to read; with the dashboard off there is no state
+    API (Ray serves it from the dashboard), which the leader says once."""
+    ray = desired.fleet.ray
+    if ray is None:
+        return RayStateSource(None)
+    if not ray.dashboard:
+        return RayStateSource(
+            None,
+            f"{desired.fleet_file}: ray.dashboard is off, so Ray's state API does not run: "
+            "Ray's tasks are not counted in the hosts' load (set ray.dashboard = true, or give --ray-address)",
+        )
+    head = desired.hosts[ray.head].host.address
+    return RayStateSource(f"http://{head}:{ray.dashboard_port}")
