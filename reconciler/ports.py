@@ -8,7 +8,7 @@ real adapters are chosen and wired in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +22,12 @@ from reconciler.core.live.records import (
     NodeRecord,
     QueuedJob,
     ScalingRecord,
-    SlotClaim,
+    SettledJob,
 )
 
 if TYPE_CHECKING:
     from reconciler.core.desired.registry_access import AccessState, AuthStep
-    from reconciler.core.live.models import FleetPlan, Snapshot
+    from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane
     from reconciler.core.live.watching import EntryVersion
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
     from reconciler.core.scheduling.ray_tasks import RayView
@@ -259,8 +259,8 @@ class PlanSigner(Protocol):
 #   emulated with stored deadlines compared against the injected clock.
 # - `reconciler.adapters.registry_etcd.EtcdRegistry`: an etcd cluster through
 #   aetcd. Heartbeats live under a lease whose TTL is the node timeout, the
-#   leader key under the leader's lease, plans are published and lane slots
-#   claimed in transactions, and a watch wakes `wait_for_change` at once.
+#   leader key under the leader's lease, plans are published in
+#   transactions, and a watch wakes `wait_for_change` at once.
 #
 # `reconciler.cli.wiring.open_registry(fleet_config)` picks one from
 # fabric.toml's [registry] (only `reconciler.cli` calls it).
@@ -278,8 +278,8 @@ class PlanSigner(Protocol):
 # rolled back by a deposed leader.
 #
 # Trust: the registry holds facts and placements (host names, service ids,
-# counts), never commands, paths or configuration text. Lane jobs are an id, an
-# enqueue time and an attempts count (`QueuedJob`); the leader's scaling record
+# counts), never commands, paths or configuration text. Lane jobs are not here:
+# they live on phaze's broker (`LaneQueue` below); the leader's scaling record
 # keeps windows, concurrency overrides and how each cloud hook last ended (exit
 # status only: the hook's argv stays in the desired state, its output in the log).
 
@@ -371,43 +371,6 @@ class Registry(Protocol):
 
     def newest_plan(self) -> FleetPlan | None: ...
 
-    # -- lanes ---------------------------------------------------------------
-    def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
-        """Claim one of the lane's `cap` slots, or None when all are taken.
-        With `ttl_s`, the claim lapses if not released in time (a dispatcher
-        that died frees its slot)."""
-        ...
-
-    def release_slot(self, claim: SlotClaim) -> bool:
-        """Release a claim; False when it was no longer held."""
-        ...
-
-    def lane_in_flight(self) -> dict[str, int]:
-        """Claimed slots per lane."""
-        ...
-
-    # -- the lane job queue (fed by the job system; see reconciler.cli.lane) ----
-    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
-        """Add each job as waiting (enqueued now, no attempts); a job already
-        known is left as it is. Returns the jobs as stored."""
-        ...
-
-    def lane_jobs(self) -> list[QueuedJob]:
-        """Every known job, waiting or running, oldest enqueued first."""
-        ...
-
-    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
-        """In one transaction: the job must still be waiting and the lane have
-        one of its `cap` slots free; claim that slot for the job. None when the
-        job is no longer waiting or the lane is full (another dispatcher won)."""
-        ...
-
-    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
-        """Free the running job's slot; with `requeue` it waits again (its
-        enqueue time kept, one more attempt with `count_attempt`), else it is
-        gone. None when the job was not running."""
-        ...
-
     # -- scaling (written by the leader only) -----------------------------------
     def scaling_record(self) -> ScalingRecord:
         """The leader's scaling memory and overrides (empty for a new registry)."""
@@ -419,9 +382,11 @@ class Registry(Protocol):
 
     # -- reading it all -------------------------------------------------------
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
-        """The scheduler's input: nodes, lanes (every lane in `lanes` plus any
-        with claims or a report), the newest plan's placements, leader, epoch.
-        A node's max_concurrent_tasks is the scaling override when there is one."""
+        """The scheduler's input: nodes, lanes (every lane in `lanes`, with no
+        load: the lane queue's `lane_states` replaces them, see
+        reconciler.engine.dispatch.with_lane_states), the newest plan's
+        placements, leader, epoch. A node's max_concurrent_tasks is the
+        scaling override when there is one."""
         ...
 
     def wait_for_change(self, timeout_s: float) -> bool:
@@ -451,6 +416,77 @@ class RayState(Protocol):
     host label the fabric rendered on each Ray node. Raises RayStateUnavailable."""
 
     def observe(self) -> RayView: ...
+
+
+# --------------------------------------------------------------------------
+# The lane queue: phaze's broker (SAQ on PostgreSQL, PHAZE_QUEUE_URL) as the
+# fabric sees it. The adapter is reconciler.adapters.lane_queue_pg.
+#
+# Jobs the job system hands the fabric wait in a table of the fabric's own in
+# the broker's database (an id, when it was enqueued, its attempts and
+# duration: never what it runs). A dispatch moves one job into a lane's SAQ
+# queue (`phaze-agent-<agent_ref>` for a compute lane, the local lane's
+# declared `queue`), where that lane's SAQ workers take it; a lane's load is
+# what its SAQ queue holds, its workers what saq's worker stats show.
+
+
+class LaneQueueError(Exception):
+    """The lane queue refused or could not do something; the message says what."""
+
+
+class LaneQueueUnavailable(LaneQueueError):
+    """The broker cannot be reached (PostgreSQL down, the DSN file unreadable):
+    jobs wait meanwhile."""
+
+
+class StaleDispatcher(LaneQueueError):
+    """A dispatch carried an older epoch than one the lane queue has already
+    seen: a newer leader's dispatcher runs, this one must stop."""
+
+
+@dataclass(frozen=True)
+class LaneTarget:
+    """Where a dispatch puts a job: the lane, its SAQ queue and cap, and
+    whether a failure there counts a cloud attempt (a compute lane)."""
+
+    lane: str
+    queue: str
+    cap: int
+    cloud: bool
+
+
+class LaneQueue(Protocol):
+    def enqueue(self, jobs: Sequence[tuple[str, float | None]]) -> list[QueuedJob]:
+        """Add each (job id, duration in seconds or None) as waiting, enqueued
+        now with no attempts; a job already known is left as it is. Returns
+        the jobs as stored, in the order given."""
+        ...
+
+    def jobs(self) -> list[QueuedJob]:
+        """Every known job, waiting or dispatched, oldest enqueued first (then in enqueue order)."""
+        ...
+
+    def dispatch(self, job_id: str, target: LaneTarget, epoch: int) -> QueuedJob | None:
+        """In one transaction, under a lock of the lane's queue: the job must
+        still wait and the lane's queue hold fewer than `cap` jobs (queued or
+        active); then it is put on the lane's SAQ queue. None when the job no
+        longer waits or the lane is full (another dispatcher won). Raises
+        StaleDispatcher when `epoch` is older than one already seen."""
+        ...
+
+    def settle(self) -> list[SettledJob]:
+        """Dispatched jobs whose SAQ job ended: a complete one is gone, any
+        other waits again (its enqueue time kept, one more attempt when it
+        ran in a compute lane)."""
+        ...
+
+    def lane_states(self, queues: Mapping[str, str]) -> list[SnapshotLane]:
+        """Each lane (lane id -> its queue) as the broker shows it now: jobs
+        queued or active on its queue, its workers with a fresh heartbeat,
+        and how long ago the newest heartbeat lapsed when none is fresh."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class RegistryAuth(Protocol):

@@ -34,7 +34,6 @@ class LiveRead:
     alive: frozenset[str] = frozenset()
     states: dict[str, NodeState] = field(default_factory=dict)
     drains: dict[str, DrainRequest] = field(default_factory=dict)
-    lane_in_flight: dict[str, int] = field(default_factory=dict)
     plan: FleetPlan | None = None
     leader: LeaderInfo | None = None
     epoch: int = 0
@@ -112,17 +111,12 @@ class LifecycleMixin:
 
 def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]) -> Snapshot:
     nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
-    lane_ids = sorted(set(lanes) | set(read.lane_in_flight))
+    # Lane load is not the registry's: it lives on phaze's broker, and the
+    # engine puts the lane queue's view in (engine.dispatch.with_lane_states).
     return Snapshot(
         now=read.now,
         nodes=nodes,
-        lanes=[
-            SnapshotLane(
-                id=lane,
-                in_flight=read.lane_in_flight.get(lane, 0),
-            )
-            for lane in lane_ids
-        ],
+        lanes=[SnapshotLane(id=lane) for lane in sorted(set(lanes))],
         placements=list(read.plan.placements) if read.plan else [],
         leader=read.leader.candidate if read.leader else None,
         epoch=read.epoch,

@@ -14,9 +14,6 @@ Keys under the configured prefix P (default "/fabric"):
     P/leader                LeaderInfo JSON under the leader's lease
     P/epoch                 the epoch counter (decimal)
     P/plan                  the newest FleetPlan JSON
-    P/lanes/<lane>/slot/<i> a SlotClaim JSON for each claimed slot i < cap
-    P/jobs/<job>            QueuedJob JSON (a lane job: id, enqueue time,
-                            attempts, and its SlotClaim while it runs)
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
                             concurrency overrides; written under its fence)
 
@@ -41,10 +38,8 @@ the facts, read beside them), and parses a value it read or wrote before only on
 nodes only through `ignored_nodes` (names of undeclared nodes); a plan over
 `TXN_CHUNK_BYTES` is refused here with a clear error instead of etcd's.
 
-Lane slots: slot i of a lane is the key .../slot/<i>, created only if absent,
-for i < cap; so however many dispatchers race, at most cap keys exist. A lane
-job starts in one transaction that also compares the job's key with the
-version read (still waiting), so a job never takes two slots either.
+Lane jobs are not here: they live on phaze's broker (reconciler.ports.LaneQueue).
+The read still skips P/jobs/, where fabrics before the lane queue kept them.
 
 The API is synchronous. aetcd is asyncio-only, so the registry runs one event
 loop on a private daemon thread and every method submits a coroutine to it and
@@ -62,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -82,14 +76,12 @@ from reconciler.core.live.records import (
     LeaderInfo,
     Leadership,
     NodeRecord,
-    QueuedJob,
     ScalingRecord,
-    SlotClaim,
     check_node_id,
 )
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, stored_state, with_facts
-from reconciler.core.timestamps import from_epoch_seconds, utc
+from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")
@@ -551,149 +543,6 @@ class EtcdRegistry(LifecycleMixin):
 
         return self._call(op, "reading the plan")
 
-    # -- lanes --------------------------------------------------------------------------
-
-    def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
-        check_node_id(lane)
-        claim_token = uuid.uuid4().hex
-        claimed_at = from_epoch_seconds(self._now())
-
-        async def op(c: _Client) -> SlotClaim | None:
-            tx = c.transactions
-            # A retry after a lost reply must not claim a second slot.
-            for kv in await c.get_prefix(self._key("lanes", lane, "slot") + b"/"):
-                if SlotClaim.model_validate_json(kv.value).token == claim_token:
-                    return SlotClaim.model_validate_json(kv.value)
-            lease_id = (await c.lease(math.ceil(ttl_s))).id if ttl_s is not None else 0
-            for slot in range(cap):
-                claim = SlotClaim(lane=lane, slot=slot, holder=holder, token=claim_token, claimed_at=claimed_at)
-                key = self._key("lanes", lane, "slot", str(slot))
-                ok, _ = await c.transaction(
-                    compare=[tx.version(key) == 0],
-                    success=[tx.put(key, claim.model_dump_json().encode(), lease=lease_id)],
-                    failure=[],
-                )
-                if ok:
-                    return claim
-            if lease_id:
-                await c.revoke_lease(lease_id)
-            return None
-
-        return self._call(op, f"claiming a slot of lane {lane}")
-
-    def release_slot(self, claim: SlotClaim) -> bool:
-        key = self._key("lanes", claim.lane, "slot", str(claim.slot))
-
-        async def op(c: _Client) -> bool:
-            tx = c.transactions
-            kv = await c.get(key)
-            if kv is None or SlotClaim.model_validate_json(kv.value).token != claim.token:
-                return False
-            ok, _ = await c.transaction(compare=[tx.mod(key) == kv.mod_revision], success=[tx.delete(key)], failure=[])
-            if ok and kv.lease:
-                await c.revoke_lease(kv.lease)
-            return ok
-
-        return self._call(op, f"releasing slot {claim.slot} of lane {claim.lane}")
-
-    def lane_in_flight(self) -> dict[str, int]:
-        return dict(self._read().lane_in_flight)
-
-    # -- the lane job queue -------------------------------------------------------------
-
-    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
-        enqueued_at = from_epoch_seconds(self._now())
-        fresh = [QueuedJob(job_id=j, enqueued_at=enqueued_at) for j in dict.fromkeys(job_ids)]
-
-        async def op(c: _Client) -> list[QueuedJob]:
-            tx = c.transactions
-            stored = []
-            for job in fresh:
-                key = self._key("jobs", job.job_id)
-                # Created only if absent: a job already known keeps its state.
-                created, replies = await c.transaction(
-                    compare=[tx.version(key) == 0], success=[tx.put(key, job.model_dump_json().encode())], failure=[tx.get(key)]
-                )
-                stored.append(job if created else QueuedJob.model_validate_json(replies[0][0][0]))
-            return stored
-
-        return self._call(op, "enqueueing lane jobs")
-
-    def lane_jobs(self) -> list[QueuedJob]:
-        async def op(c: _Client) -> list[tuple[QueuedJob, int]]:
-            return [(QueuedJob.model_validate_json(kv.value), kv.create_revision) for kv in await c.get_prefix(self._key("jobs") + b"/")]
-
-        # Ties of the enqueue time (one batch) keep the order they were enqueued in.
-        return [job for job, _ in sorted(self._call(op, "reading the lane jobs"), key=lambda pair: (utc(pair[0].enqueued_at), pair[1]))]
-
-    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
-        check_node_id(lane)
-        job_key = self._key("jobs", check_node_id(job_id))
-        claimed_at = from_epoch_seconds(self._now())
-        token = uuid.uuid4().hex
-
-        async def op(c: _Client) -> SlotClaim | None:
-            tx = c.transactions
-            kv = await c.get(job_key)
-            if kv is None:
-                return None
-            job = QueuedJob.model_validate_json(kv.value)
-            if job.claim is not None:
-                # A retry after a lost reply finds its own claim.
-                return job.claim if job.claim.token == token else None
-            for slot in range(cap):
-                claim = SlotClaim(lane=lane, slot=slot, holder=job_id, token=token, claimed_at=claimed_at)
-                slot_key = self._key("lanes", lane, "slot", str(slot))
-                ok, replies = await c.transaction(
-                    compare=[tx.mod(job_key) == kv.mod_revision, tx.version(slot_key) == 0],
-                    success=[
-                        tx.put(slot_key, claim.model_dump_json().encode()),
-                        tx.put(job_key, job.model_copy(update={"claim": claim}).model_dump_json().encode()),
-                    ],
-                    failure=[tx.get(job_key)],
-                )
-                if ok:
-                    return claim
-                now_kv = replies[0][0][1] if replies and replies[0] else None
-                if now_kv is None or now_kv.mod_revision != kv.mod_revision:
-                    return None  # the job changed meanwhile (started by another dispatcher, or gone)
-            return None
-
-        return self._call(op, f"starting job {job_id}")
-
-    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
-        job_key = self._key("jobs", check_node_id(job_id))
-
-        async def op(c: _Client) -> QueuedJob | None:
-            tx = c.transactions
-            for _ in range(10):
-                kv = await c.get(job_key)
-                if kv is None:
-                    return None
-                job = QueuedJob.model_validate_json(kv.value)
-                if job.claim is None:
-                    return None
-                slot_key = self._key("lanes", job.claim.lane, "slot", str(job.claim.slot))
-                slot = await c.get(slot_key)
-                ours = slot is not None and SlotClaim.model_validate_json(slot.value).token == job.claim.token
-                compare = [tx.mod(job_key) == kv.mod_revision]
-                writes = []
-                if ours:
-                    compare.append(tx.mod(slot_key) == slot.mod_revision)
-                    writes.append(tx.delete(slot_key))
-                if requeue:
-                    result = job.model_copy(update={"claim": None, "attempts": job.attempts + (1 if count_attempt else 0)})
-                    writes.append(tx.put(job_key, result.model_dump_json().encode()))
-                else:
-                    result = job
-                    writes.append(tx.delete(job_key))
-                ok, _ = await c.transaction(compare=compare, success=writes, failure=[])
-                if ok:
-                    return result
-            raise RegistryError(f"finishing job {job_id} kept racing with other writers")
-
-        return self._call(op, f"finishing job {job_id}")
-
     # -- scaling --------------------------------------------------------------------------
 
     def scaling_record(self) -> ScalingRecord:
@@ -740,7 +589,6 @@ class EtcdRegistry(LifecycleMixin):
         facts: dict[str, NodeRecord] = {}
         stored: dict[str, NodeState] = {}
         drains: dict[str, DrainRequest] = {}
-        in_flight: dict[str, int] = {}
         plan = leader = None
         epoch = 0
         concurrency: dict[str, int] = {}
@@ -763,8 +611,6 @@ class EtcdRegistry(LifecycleMixin):
                 stored[parts[1]] = self._parsed(self._state_memo, seen_states, value, NodeState)
             elif kind == "drain" and len(parts) == 2:
                 drains[parts[1]] = DrainRequest.model_validate_json(value)
-            elif kind == "lanes" and len(parts) == 4 and parts[2] == "slot":
-                in_flight[parts[1]] = in_flight.get(parts[1], 0) + 1
             elif key == "plan":
                 plan = FleetPlan.model_validate_json(value)
             elif key == "leader":
@@ -792,7 +638,6 @@ class EtcdRegistry(LifecycleMixin):
             alive=frozenset(alive),
             states=states,
             drains=drains,
-            lane_in_flight=in_flight,
             plan=plan,
             leader=leader,
             epoch=epoch,

@@ -27,7 +27,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,9 +39,7 @@ from reconciler.core.live.records import (
     LeaderInfo,
     Leadership,
     NodeRecord,
-    QueuedJob,
     ScalingRecord,
-    SlotClaim,
     check_node_id,
 )
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
@@ -66,20 +64,6 @@ CREATE TABLE IF NOT EXISTS leader (
     expires_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS slots (
-    lane TEXT NOT NULL,
-    slot INTEGER NOT NULL,
-    claim TEXT NOT NULL,           -- SlotClaim JSON
-    token TEXT NOT NULL,
-    expires_at REAL,               -- NULL: held until released
-    PRIMARY KEY (lane, slot)
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- enqueue order (ties of enqueued_at)
-    job_id TEXT NOT NULL UNIQUE,
-    enqueued_at REAL NOT NULL,
-    job TEXT NOT NULL              -- QueuedJob JSON (id, enqueued_at, attempts, claim)
-);
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 """
 
@@ -304,91 +288,6 @@ class SqliteRegistry(LifecycleMixin):
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
         return FleetPlan.model_validate_json(row[0]) if row else None
 
-    # -- lanes --------------------------------------------------------------------
-
-    def claim_slot(self, lane: str, cap: int, holder: str, ttl_s: float | None = None) -> SlotClaim | None:
-        now = self._now()
-        with self._tx() as db:
-            return self._take_slot(db, lane, cap, holder, now, ttl_s)
-
-    @staticmethod
-    def _take_slot(db: sqlite3.Connection, lane: str, cap: int, holder: str, now: float, ttl_s: float | None) -> SlotClaim | None:
-        """Inside the caller's write transaction: the lowest free slot of the
-        lane (lapsed timed claims freed first), or None when all `cap` are taken."""
-        db.execute("DELETE FROM slots WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
-        taken = {row[0] for row in db.execute("SELECT slot FROM slots WHERE lane = ?", (lane,))}
-        free = next((i for i in range(cap) if i not in taken), None)
-        if free is None:
-            return None
-        claim = SlotClaim(lane=lane, slot=free, holder=holder, token=secrets.token_hex(16), claimed_at=from_epoch_seconds(now))
-        db.execute(
-            "INSERT INTO slots (lane, slot, claim, token, expires_at) VALUES (?, ?, ?, ?, ?)",
-            (lane, free, claim.model_dump_json(), claim.token, now + ttl_s if ttl_s is not None else None),
-        )
-        return claim
-
-    def release_slot(self, claim: SlotClaim) -> bool:
-        with self._tx() as db:
-            gone = db.execute("DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (claim.lane, claim.slot, claim.token)).rowcount
-        return bool(gone)
-
-    # -- the lane job queue -----------------------------------------------------------
-
-    def enqueue_jobs(self, job_ids: Sequence[str]) -> list[QueuedJob]:
-        now = self._now()
-        fresh = [QueuedJob(job_id=j, enqueued_at=from_epoch_seconds(now)) for j in dict.fromkeys(job_ids)]
-        if not fresh:
-            return []
-        with self._tx() as db:
-            for job in fresh:
-                db.execute(
-                    "INSERT INTO jobs (job_id, enqueued_at, job) VALUES (?, ?, ?) ON CONFLICT(job_id) DO NOTHING",
-                    (job.job_id, now, job.model_dump_json()),
-                )
-            stored = {
-                job_id: QueuedJob.model_validate_json(raw)
-                for job_id, raw in db.execute(
-                    f"SELECT job_id, job FROM jobs WHERE job_id IN ({','.join('?' * len(fresh))})", [j.job_id for j in fresh]
-                )
-            }
-        return [stored[j.job_id] for j in fresh]
-
-    def lane_jobs(self) -> list[QueuedJob]:
-        with self._tx(write=False) as db:
-            rows = db.execute("SELECT job FROM jobs ORDER BY enqueued_at, seq").fetchall()
-        return [QueuedJob.model_validate_json(raw) for (raw,) in rows]
-
-    def start_job(self, job_id: str, lane: str, cap: int) -> SlotClaim | None:
-        now = self._now()
-        with self._tx() as db:
-            row = db.execute("SELECT job FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            if row is None:
-                return None
-            job = QueuedJob.model_validate_json(row[0])
-            if not job.waiting:
-                return None
-            claim = self._take_slot(db, lane, cap, job_id, now, ttl_s=None)
-            if claim is None:
-                return None
-            db.execute("UPDATE jobs SET job = ? WHERE job_id = ?", (job.model_copy(update={"claim": claim}).model_dump_json(), job_id))
-        return claim
-
-    def finish_job(self, job_id: str, *, requeue: bool = False, count_attempt: bool = False) -> QueuedJob | None:
-        with self._tx() as db:
-            row = db.execute("SELECT job FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            if row is None:
-                return None
-            job = QueuedJob.model_validate_json(row[0])
-            if job.claim is None:
-                return None
-            db.execute("DELETE FROM slots WHERE lane = ? AND slot = ? AND token = ?", (job.claim.lane, job.claim.slot, job.claim.token))
-            if not requeue:
-                db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
-                return job
-            again = job.model_copy(update={"claim": None, "attempts": job.attempts + (1 if count_attempt else 0)})
-            db.execute("UPDATE jobs SET job = ? WHERE job_id = ?", (again.model_dump_json(), job_id))
-        return again
-
     # -- scaling --------------------------------------------------------------------------
 
     @staticmethod
@@ -408,14 +307,6 @@ class SqliteRegistry(LifecycleMixin):
                 (record.model_dump_json(),),
             )
 
-    def _lane_in_flight(self, db: sqlite3.Connection, now: float) -> dict[str, int]:
-        rows = db.execute("SELECT lane, COUNT(*) FROM slots WHERE expires_at IS NULL OR expires_at > ? GROUP BY lane", (now,))
-        return {lane: int(n) for lane, n in rows}
-
-    def lane_in_flight(self) -> dict[str, int]:
-        with self._tx(write=False) as db:
-            return self._lane_in_flight(db, self._now())
-
     # -- reading it all, and the leader's lifecycle ----------------------------------
 
     def _read(self) -> LiveRead:
@@ -425,7 +316,6 @@ class SqliteRegistry(LifecycleMixin):
             records = {node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")}
             stored = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
             drains = {node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")}
-            in_flight = self._lane_in_flight(db, now)
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
             leader = self._current_leader(db, now)
             epoch = self._meta(db, EPOCH)
@@ -439,7 +329,6 @@ class SqliteRegistry(LifecycleMixin):
             alive=frozenset(alive_at(records, moment)),
             states=states,
             drains=drains,
-            lane_in_flight=in_flight,
             plan=FleetPlan.model_validate_json(row[0]) if row else None,
             leader=leader[0] if leader else None,
             epoch=epoch,

@@ -1,23 +1,34 @@
-"""fabric lane: the lane job queue the job system feeds, its dispatcher, and what it holds and why.
+"""fabric lane: the lane job queue on phaze's broker, its dispatcher, and what it holds and why.
 
-    fabric lane enqueue JOB...               add jobs as waiting (ids only; a known job is left alone)
+    fabric lane enqueue JOB... [--duration S]
+                                             add jobs as waiting (ids, and the file's duration
+                                             when known: below [scheduler] cloud_route_threshold_s
+                                             a job goes local only; a known job is left alone)
     fabric lane dispatch [--once] [--interval S] [--json]
-                                             waiting jobs, oldest first, into lane slots
-                                             (reconciler.engine.dispatch); prints every
-                                             start and every hold with its reason
-    fabric lane done JOB                     the job finished: its slot is free, the job gone
-    fabric lane fail JOB                     the job failed: its slot is free and it waits again
-                                             (one more cloud attempt if it ran in a compute lane)
-    fabric lane status [--json]              lanes, waiting jobs with what would happen to
-                                             each now, running jobs, queue depth, and the
+                                             settle finished jobs, then waiting jobs, oldest
+                                             first, into lane queues (reconciler.engine.dispatch);
+                                             prints every start, every hold with its reason, and
+                                             every job that finished or failed
+    fabric lane status [--json]              per lane its kind, rank, cap, jobs in its queue,
+                                             queue name, online and why not, and the hold a new
+                                             job would get; waiting jobs with what would happen
+                                             to each now, dispatched jobs, queue depth, and the
                                              leader's scaling decisions
 
-A job is an id (lowercase letters, digits, '-', '_'), its enqueue time and its
-attempts: what it runs stays with the job system. Lanes (kind, rank, cap) come
-from the desired state (`--desired DIR`), the slots from the registry.
+There is no `done`/`fail`: the lane's SAQ workers (phaze's agents, the file
+server's processing) finish the jobs on the broker, and the next dispatch
+pass settles them (a failed job waits again, one more cloud attempt counted
+when it ran in a compute lane).
 
-Exit status: 0 done; 1 the registry could not be reached, or `done`/`fail` of
-a job that is not running; 2 bad input (an invalid job id, an invalid desired state).
+A job is an id (lowercase letters, digits, '-', '_'), its enqueue time, its
+attempts and its duration: what it runs stays with the job system. Lanes
+(kind, rank, cap, queue) come from the desired state (`--desired DIR`), their
+load and workers from phaze's broker (the DSN in the file `--queue-url-file`
+or [phaze] queue_url_file names).
+
+Exit status: 0 done; 1 the registry or the broker could not be reached, or a
+newer dispatcher runs (this one's epoch is stale); 2 bad input (an invalid
+job id or duration, an invalid desired state).
 """
 
 from __future__ import annotations
@@ -31,12 +42,12 @@ import threading
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.registry_options import add_registry_options, desired_and_registry
+from reconciler.cli.registry_options import add_queue_url_option, add_registry_options, desired_and_registry, opened_lane_queue
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
-from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, finish_job, lane_status, run_dispatcher
-from reconciler.ports import Registry
+from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, lane_status, run_dispatcher
+from reconciler.ports import LaneQueue, Registry, StaleDispatcher
 
 
 def _interval(text: str) -> float:
@@ -49,11 +60,23 @@ def _interval(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 10 * 86_400:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0..864000 seconds")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lane", help="the lane job queue: enqueue, dispatch into lane slots, done/fail, status")
+    p = sub.add_parser("lane", help="the lane job queue on phaze's broker: enqueue, dispatch into lane queues, status")
     add_registry_options(p)
-    p.add_argument("action", choices=["enqueue", "dispatch", "done", "fail", "status"])
-    p.add_argument("jobs", nargs="*", metavar="JOB", help="enqueue: job ids; done/fail: one job id")
+    add_queue_url_option(p)
+    p.add_argument("action", choices=["enqueue", "dispatch", "status"])
+    p.add_argument("jobs", nargs="*", metavar="JOB", help="enqueue: job ids")
+    p.add_argument("--duration", type=_duration, metavar="S", help="enqueue: the jobs' media duration in seconds (default: not known)")
     p.add_argument("--once", action="store_true", help="dispatch: one pass over the waiting jobs, then exit")
     p.add_argument("--interval", type=_interval, default=1.0, metavar="S", help="dispatch: seconds between passes (default 1)")
     p.add_argument("--json", action="store_true", help="JSON output (dispatch: one object per line)")
@@ -62,9 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
-    if args.action in ("enqueue", "done", "fail"):
-        if not args.jobs or (args.action != "enqueue" and len(args.jobs) != 1):
-            parser.error(f"lane {args.action}: {'one job id' if args.action != 'enqueue' else 'at least one job id'} expected")
+    if args.action == "enqueue":
+        if not args.jobs:
+            parser.error("lane enqueue: at least one job id expected")
         for job in args.jobs:
             try:
                 check_node_id(job)
@@ -72,31 +95,34 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidInput(f"fabric lane {args.action}: {job!r} is not a job id (lowercase letters, digits, '-', '_')") from None
     elif args.jobs:
         parser.error(f"lane {args.action} takes no job ids")
-    with desired_and_registry(args) as (desired, registry):
+    if args.duration is not None and args.action != "enqueue":
+        parser.error("--duration goes with enqueue")
+    with desired_and_registry(args) as (desired, registry), opened_lane_queue(args, desired) as lane_queue:
         try:
             if args.action == "enqueue":
-                _enqueue(registry, args.jobs, as_json=args.json)
-            elif args.action in ("done", "fail"):
-                _finish(registry, desired, args.jobs[0], failed=args.action == "fail", as_json=args.json)
+                _enqueue(lane_queue, args.jobs, args.duration, as_json=args.json)
             elif args.action == "status":
-                _status(registry, desired, as_json=args.json)
+                _status(registry, lane_queue, desired, as_json=args.json)
             else:
-                _dispatch(registry, desired, once=args.once, interval=args.interval, as_json=args.json)
+                _dispatch(registry, lane_queue, desired, once=args.once, interval=args.interval, as_json=args.json)
+        except StaleDispatcher as exc:
+            raise CommandError(f"fabric lane {args.action}: {exc}") from None
         except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
-            raise CommandError(f"fabric lane {args.action}: registry holds an invalid record: {exc.errors()[0]['msg']}") from None
+            raise CommandError(f"fabric lane {args.action}: the lane queue holds an invalid record: {exc.errors()[0]['msg']}") from None
     return EXIT_OK
 
 
-def _enqueue(registry: Registry, job_ids: list[str], *, as_json: bool) -> None:
-    for job in registry.enqueue_jobs(job_ids):
+def _enqueue(lane_queue: LaneQueue, job_ids: list[str], duration: float | None, *, as_json: bool) -> None:
+    for job in lane_queue.enqueue([(job_id, duration) for job_id in job_ids]):
+        seconds = f", {job.duration_s:g} s long" if job.duration_s is not None else ""
         print(
-            json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts})
+            json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts, "duration_s": job.duration_s})
             if as_json
-            else f"{job.job_id} enqueued {stamp(job.enqueued_at)}"
+            else f"{job.job_id} enqueued {stamp(job.enqueued_at)}{seconds}"
         )
 
 
-def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> None:
+def _dispatch(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> None:
     stop = threading.Event()
     if not once:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -110,23 +136,11 @@ def _dispatch(registry: Registry, desired: DesiredState, *, once: bool, interval
     def log(message: str) -> None:
         print(f"fabric lane dispatch: {message}", file=sys.stderr, flush=True)
 
-    run_dispatcher(registry, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
+    run_dispatcher(registry, lane_queue, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
 
 
-def _finish(registry: Registry, desired: DesiredState, job_id: str, *, failed: bool, as_json: bool) -> None:
-    finished = finish_job(registry, desired, job_id, failed=failed)
-    if finished is None:
-        raise CommandError(f"fabric lane {'fail' if failed else 'done'}: job {job_id} is not running")
-    if as_json:
-        print(json.dumps({"job": job_id, "lane": finished.lane, "requeued": failed, "attempts": finished.job.attempts}))
-    elif failed:
-        print(f"{job_id} failed in {finished.lane}: waiting again (attempts {finished.job.attempts})")
-    else:
-        print(f"{job_id} done in {finished.lane}: slot freed")
-
-
-def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> None:
-    status = lane_status(registry, desired)
+def _status(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, as_json: bool) -> None:
+    status = lane_status(registry, lane_queue, desired)
     document = status.as_json()
     if as_json:
         print(json.dumps(document, indent=2))
@@ -138,10 +152,12 @@ def _status(registry: Registry, desired: DesiredState, *, as_json: bool) -> None
         state = "" if v.available else f"  OFFLINE: {v.reason}"
         if v.available and v.full:
             state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
-        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}{state}")
+        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{state}")
+    new = status.new_job
+    print(f"a new job now: {f'-> {new.lane}' if new.lane else f'held: {new.hold}: {HOLD_MEANING[new.hold or str()]}'}")
     for j in status.running:
-        if j.claim is not None:
-            print(f"running {j.job_id} in {j.claim.lane} slot {j.claim.slot} since {stamp(j.claim.claimed_at, now)}")
+        since = stamp(j.dispatched_at, now) if j.dispatched_at else "?"
+        print(f"dispatched {j.job_id} to {j.lane} ({status.queues.get(j.lane or '', '?')}) since {since}")
     for j in status.waiting:
         event = status.predicted[j.job_id]
         nxt = f"next: {event.lane}" if event.lane else f"held: {event.hold}: {HOLD_MEANING[event.hold or '']}"

@@ -27,11 +27,11 @@ from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import CommandError, InvalidInput
 from reconciler.cli.common import add_desired, add_registry_path, load_or_fail
-from reconciler.cli.wiring import open_existing_registry, open_registry
+from reconciler.cli.wiring import open_existing_registry, open_lane_queue, open_registry
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.desired.problems import key_path, problem_from_json_error
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
-from reconciler.ports import Registry, RegistryError
+from reconciler.ports import LaneQueue, LaneQueueError, Registry, RegistryError
 
 
 def add_registry_options(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +92,29 @@ def desired_and_registry(args: argparse.Namespace) -> Iterator[tuple[DesiredStat
     desired = load_or_fail(args.desired)
     with opened_registry(args, desired) as registry:
         yield desired, registry
+
+
+def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--queue-url-file",
+        metavar="FILE",
+        type=Path,
+        help="the file holding phaze's broker URL (default: $FABRIC_QUEUE_URL_FILE, else fabric.toml [phaze] queue_url_file)",
+    )
+
+
+@contextmanager
+def opened_lane_queue(args: argparse.Namespace, desired: DesiredState) -> Iterator[LaneQueue]:
+    """phaze's broker as the lane queue, closed afterwards; a LaneQueueError,
+    opening it or inside, ends the command with exit 1: `fabric COMMAND: lane queue: REASON`."""
+    try:
+        lane_queue = open_lane_queue(desired.fleet, dsn_file=getattr(args, "queue_url_file", None))
+        try:
+            yield lane_queue
+        finally:
+            lane_queue.close()
+    except LaneQueueError as exc:
+        raise CommandError(f"fabric {args.command}: lane queue: {exc}") from None
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Commands parse their arguments, take their adapters from here, and hand them
 
 `sqlite_path` forces the sqlite backend at that file whatever [registry]
 says (tests and the demo run a fleet on one machine without etcd).
+
+    lane_queue = open_lane_queue(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
         CommandRunner,
         FileReader,
         FileTree,
+        LaneQueue,
         PassStarter,
         PlanSigner,
         RayState,
@@ -100,6 +103,50 @@ def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None
         if not path.is_file():
             raise RegistryUnavailable(f"{path}: no such registry (has any host joined?)")
     return open_registry(fleet, sqlite_path=sqlite_path)
+
+
+def queue_url_file(fleet: FleetConfig, override: str | Path | None = None) -> Path | None:
+    """Where phaze's broker DSN is: `override` (--queue-url-file, $FABRIC_QUEUE_URL_FILE)
+    or [phaze] queue_url_file; None when neither says."""
+    import os
+
+    chosen = override or os.environ.get("FABRIC_QUEUE_URL_FILE") or fleet.phaze.queue_url_file
+    return Path(chosen) if chosen else None
+
+
+def open_lane_queue(fleet: FleetConfig, *, dsn_file: str | Path | None = None, clock: Clock | None = None) -> LaneQueue:
+    """The lane queue on phaze's broker (SAQ on PostgreSQL). The DSN is read
+    from its file here and goes nowhere else. Raises LaneQueueUnavailable
+    (naming the file, never its content) when there is no file to read, it
+    cannot be read, or the broker does not answer."""
+    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+    from reconciler.ports import LaneQueueUnavailable
+
+    path = queue_url_file(fleet, dsn_file)
+    if path is None:
+        raise LaneQueueUnavailable("fabric.toml: phaze.queue_url_file: not set (the file holding phaze's PHAZE_QUEUE_URL)")
+    try:
+        dsn = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LaneQueueUnavailable(f"{path}: cannot read phaze's queue URL: {getattr(exc, 'strerror', None) or exc}") from None
+    if not dsn.startswith(("postgresql://", "postgres://")):
+        raise LaneQueueUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
+    return PostgresLaneQueue(dsn, clock or system_clock(), job_function=fleet.phaze.job_function)
+
+
+def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None]) -> LaneQueue | None:
+    """`open_lane_queue` for readers that carry on without it (a pass, the
+    leader, `fabric status`): None, with a note, when the broker cannot be
+    used; None silently when no queue URL file is configured at all."""
+    from reconciler.ports import LaneQueueError
+
+    if queue_url_file(fleet) is None:
+        return None
+    try:
+        return open_lane_queue(fleet)
+    except LaneQueueError as exc:
+        note(f"lane queue: {exc}; lanes shown without their queues")
+        return None
 
 
 # --------------------------------------------------------------------------

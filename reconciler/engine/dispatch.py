@@ -1,30 +1,40 @@
-"""The lane dispatcher: waiting lane jobs, oldest first, into lane slots (multi-compute.md).
+"""The lane dispatcher: waiting lane jobs, oldest first, into lane queues (multi-compute.md).
 
-The job system (phaze's control plane) feeds the registry's queue
-(`Registry.enqueue_jobs`); `fabric lane dispatch` runs `dispatch_pass` over it:
+The job system (phaze's control plane) hands jobs to the lane queue
+(`LaneQueue.enqueue`: an id and the file's duration); `fabric lane dispatch`
+runs `dispatch_pass` over them:
 
+    settle: jobs whose SAQ job ended leave (complete) or wait again (failed:
+            one more cloud attempt when they ran in a compute lane)
     for each waiting job, oldest enqueued first:
-        choose_lane(lanes, LaneJob(waited_s, attempts))   (reconciler.core.scheduling.lanes, pure)
-        a lane  -> Registry.start_job(job, lane, cap): one transaction that
-                   takes a free slot of the lane only while the job still
-                   waits, so however many dispatchers race, no lane ever has
-                   more than `cap` jobs and no job runs twice
-        a hold  -> the job stays queued; the event carries the hold reason
+        choose_lane(lanes, LaneJob(waited_s, attempts, duration_s))   (reconciler.core.scheduling.lanes, pure)
+        a lane  -> LaneQueue.dispatch(job, LaneTarget(lane, queue, cap), epoch):
+                   one transaction under the lane queue's lock that puts the
+                   job on the lane's SAQ queue only while the job still waits
+                   and the queue holds fewer than `cap` jobs, so however many
+                   dispatchers race, no lane ever holds more than `cap` jobs
+                   and no job runs twice; a dispatcher whose epoch is older
+                   than one the queue has seen is refused (StaleDispatcher)
+        a hold  -> the job stays waiting; the event carries the hold reason
 
 A lost race (the slot or the job taken by another dispatcher between the read
 and the transaction) re-reads the lanes and decides again; a job another
 dispatcher started is reported as such. Lanes come from the desired state
-(kind, rank, cap) and the registry's snapshot (`lanes.lane_views`: each lane's
-health from its agent host's node and agent unit, its claimed slots, and its
-host's capacity left beside the services placed there; plain `claim_slot`
-holders share the same caps). The lane's cap is taken atomically by
-`start_job`; the host's capacity is read with the snapshot, so two dispatchers
-racing for the last host slot can both win it until the next read.
+(kind, rank, cap, queue) and a snapshot whose lanes are the lane queue's
+(`with_lane_states`: each lane's jobs queued or active and its SAQ workers;
+`lanes.lane_views` adds its host's health and capacity). The lane's cap is
+taken atomically by `dispatch`; the host's capacity is read with the
+snapshot, so two dispatchers racing for the last host slot can both win it
+until the next read.
 
-Also here: `run_dispatcher` (`fabric lane dispatch`'s loop), `finish_job`
-(`fabric lane done/fail`) and `lane_status` (`fabric lane status`).
+The epoch: the registry's newest epoch, read at the start of every pass
+(it only grows: a new leader's term raises it).
 
-Talks to the registry only through its Protocol; `reconciler.cli.lane` wires it.
+Also here: `run_dispatcher` (`fabric lane dispatch`'s loop) and
+`lane_status` (`fabric lane status`).
+
+Talks to the registry and the lane queue only through their Protocols;
+`reconciler.cli.lane` wires them.
 """
 
 from __future__ import annotations
@@ -35,12 +45,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
-from reconciler.core.live.records import QueuedJob, ScalingRecord
+from reconciler.core.live.models import FleetPlan, HoldReason, LaneView, Snapshot
+from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key, take_slot
 from reconciler.core.timestamps import utc
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import Registry, RegistryError, RegistryUnavailable
+from reconciler.ports import LaneQueue, LaneQueueError, LaneQueueUnavailable, LaneTarget, Registry, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -65,6 +75,8 @@ class DispatchEvent:
     slot: int | None = None
     hold: HoldReason | None = None
     taken_elsewhere: bool = False
+    # A settled job: how its SAQ job ended in `lane` (complete, failed, aborted, vanished).
+    outcome: str | None = None
 
     def as_json(self) -> dict:
         return {
@@ -75,10 +87,15 @@ class DispatchEvent:
             "waited_s": round(self.waited_s, 3),
             "attempts": self.attempts,
             "taken_elsewhere": self.taken_elsewhere,
+            "outcome": self.outcome,
         }
 
     def text(self) -> str:
         seen = f"waited {self.waited_s:.0f}s, attempts {self.attempts}"
+        if self.outcome == "complete":
+            return f"{self.job} done in {self.lane}"
+        if self.outcome is not None:
+            return f"{self.job} {self.outcome} in {self.lane}: waiting again (attempts {self.attempts})"
         if self.lane is not None:
             return f"{self.job} -> {self.lane} slot {self.slot} ({seen})"
         if self.taken_elsewhere:
@@ -90,8 +107,28 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
     return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
 
 
-def current_lanes(registry: Registry, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
-    snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+def lane_targets(desired: DesiredState) -> dict[str, LaneTarget]:
+    """Each declared lane's queue and cap (a compute lane's failures count cloud attempts)."""
+    targets = {}
+    for lane in desired.lanes:
+        queue = desired.queue_for(lane)
+        if queue is not None:
+            targets[lane.id] = LaneTarget(lane=lane.id, queue=queue, cap=lane.cap, cloud=lane.kind == "compute")
+    return targets
+
+
+def with_lane_states(snapshot: Snapshot, lane_queue: LaneQueue | None, desired: DesiredState) -> Snapshot:
+    """`snapshot` whose lanes are the lane queue's now (jobs queued or active,
+    SAQ workers); without a lane queue (no [phaze] queue_url_file) the
+    declared lanes with no load and no word on workers."""
+    if lane_queue is None:
+        return snapshot
+    queues = {lane_id: target.queue for lane_id, target in lane_targets(desired).items()}
+    return snapshot.model_copy(update={"lanes": lane_queue.lane_states(queues)})
+
+
+def current_lanes(registry: Registry, lane_queue: LaneQueue, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+    snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_queue, desired)
     return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
 
 
@@ -100,13 +137,20 @@ def _started(views: dict[str, LaneView], lane: str) -> dict[str, LaneView]:
     return {view.id: view for view in take_slot(list(views.values()), lane)}
 
 
-def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEvent]:
-    """One pass over the waiting jobs (see the module docstring)."""
+def _settled_event(job: SettledJob) -> DispatchEvent:
+    return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome)
+
+
+def dispatch_pass(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
+    """One pass over the waiting jobs (see the module docstring); `epoch`
+    defaults to the registry's newest. Raises StaleDispatcher when a newer
+    dispatcher runs."""
     settings = desired.fleet.scheduler
-    caps = {lane.id: lane.cap for lane in desired.lanes}
-    views, now = current_lanes(registry, desired)
-    events: list[DispatchEvent] = []
-    for job in registry.lane_jobs():
+    targets = lane_targets(desired)
+    fence = registry.epoch() if epoch is None else epoch
+    events = [_settled_event(job) for job in lane_queue.settle()]
+    views, now = current_lanes(registry, lane_queue, desired)
+    for job in lane_queue.jobs():
         if not job.waiting:
             continue
         wanted = job_view(job, now)
@@ -117,18 +161,19 @@ def dispatch_pass(registry: Registry, desired: DesiredState) -> list[DispatchEve
             if decision.lane is None:
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, hold=decision.hold)
                 break
-            claim = registry.start_job(job.job_id, decision.lane, caps[decision.lane])
-            if claim is not None:
+            slot = views[decision.lane].in_flight
+            started = lane_queue.dispatch(job.job_id, targets[decision.lane], fence)
+            if started is not None:
                 views = _started(views, decision.lane)
-                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=claim.lane, slot=claim.slot)
+                event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=decision.lane, slot=slot)
                 break
-            again = next((j for j in registry.lane_jobs() if j.job_id == job.job_id), None)
+            again = next((j for j in lane_queue.jobs() if j.job_id == job.job_id), None)
             if again is None or not again.waiting:
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, taken_elsewhere=True)
                 break
-            views, _ = current_lanes(registry, desired)
+            views, _ = current_lanes(registry, lane_queue, desired)
         if event is None:
-            raise RegistryError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
+            raise LaneQueueError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
         events.append(event)
     return events
 
@@ -151,6 +196,7 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
 
 def run_dispatcher(
     registry: Registry,
+    lane_queue: LaneQueue,
     desired: DesiredState,
     *,
     emit: Callable[[DispatchEvent], None],
@@ -160,49 +206,47 @@ def run_dispatcher(
     log: Callable[[str], None] = print,
 ) -> None:
     """`dispatch_pass` every `interval_s` until `stop` is set (or one pass with
-    `once`), each event to `emit`. A long-running dispatcher outlives a registry
-    outage (jobs wait meanwhile, `log` says so); with `once` it raises."""
+    `once`), each event to `emit`. A long-running dispatcher outlives an
+    outage of the registry or the broker (jobs wait meanwhile, `log` says
+    so); with `once` it raises. A StaleDispatcher always ends it."""
     while True:
         try:
-            for event in dispatch_pass(registry, desired):
+            for event in dispatch_pass(registry, lane_queue, desired):
                 emit(event)
-        except RegistryUnavailable as exc:
+        except (RegistryUnavailable, LaneQueueUnavailable) as exc:
             if once:
                 raise
-            log(f"registry unreachable, retrying: {exc}")
+            log(f"unreachable, retrying: {exc}")
         if once or stop.wait(interval_s):
             return
 
 
-@dataclass(frozen=True)
-class FinishedJob:
-    job: QueuedJob  # as the registry keeps it afterwards (attempts counted)
-    lane: str  # the lane it ran in ('?' when its claim was gone already)
-    requeued: bool
-
-
-def finish_job(registry: Registry, desired: DesiredState, job_id: str, *, failed: bool) -> FinishedJob | None:
-    """The job is done (or `failed`): its slot is free; a failed job waits again,
-    one more cloud attempt counted if it ran in a compute lane. None when it was not running."""
-    running = next((j for j in registry.lane_jobs() if j.job_id == job_id), None)
-    kinds = {lane.id: lane.kind for lane in desired.lanes}
-    cloud = running is not None and running.claim is not None and kinds.get(running.claim.lane) == "compute"
-    finished = registry.finish_job(job_id, requeue=failed, count_attempt=failed and cloud)
-    if finished is None:
-        return None
-    lane = running.claim.lane if running is not None and running.claim is not None else "?"
-    return FinishedJob(job=finished, lane=lane, requeued=failed)
+def lane_hold(view: LaneView, queue: str | None, new_job: DispatchEvent) -> str | None:
+    """Why `view` would not take a new job now (None: it would take one,
+    though a lane of a better rank may take it first)."""
+    if not view.available:
+        return f"offline: {view.reason}"
+    if view.full == "cap":
+        return f"full: {view.in_flight}/{view.cap} jobs in {queue or 'its queue'}"
+    if view.full == "host":
+        return f"full: host {view.host} at capacity"
+    if view.kind == "local" and new_job.lane != view.id and new_job.hold is not None:
+        return new_job.hold
+    return None
 
 
 @dataclass(frozen=True)
 class LaneStatus:
     """What `fabric lane status` shows: lanes, jobs with what a pass would do to
-    each waiting one now, the plan's deferred work, the leader's scaling record."""
+    each waiting one now, what a new job would get, the plan's deferred work,
+    the leader's scaling record."""
 
     now: datetime
     lanes: list[LaneView]  # by (rank, id)
+    queues: dict[str, str]  # lane id -> its SAQ queue
     jobs: list[QueuedJob]
     predicted: dict[str, DispatchEvent]  # waiting job id -> its decision now
+    new_job: DispatchEvent  # what a job enqueued now (no duration, no attempts) would get
     plan: FleetPlan | None
     scaling: ScalingRecord
 
@@ -212,36 +256,61 @@ class LaneStatus:
 
     @property
     def running(self) -> list[QueuedJob]:
-        return [j for j in self.jobs if j.claim is not None]
+        return [j for j in self.jobs if not j.waiting]
 
     @property
     def waiting(self) -> list[QueuedJob]:
         return [j for j in self.jobs if j.waiting]
 
+    def lane_json(self, view: LaneView) -> dict:
+        return {
+            "id": view.id,
+            "kind": view.kind,
+            "rank": view.rank,
+            "cap": view.cap,
+            "in_flight": view.in_flight,
+            "queue": self.queues.get(view.id),
+            "online": view.available,
+            "reason": view.reason,
+            "full": view.full,
+            "host": view.host,
+            "host_free": view.host_free,
+            "hold": lane_hold(view, self.queues.get(view.id), self.new_job),
+        }
+
     def as_json(self) -> dict:
         return {
             "now": self.now.isoformat(),
             "queue_depth": self.queue_depth,
-            "lanes": [v.model_dump() for v in self.lanes],
+            "lanes": [self.lane_json(v) for v in self.lanes],
+            "new_job": {"backend": self.new_job.lane, "hold": self.new_job.hold},
             "waiting": [{**self.predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in self.waiting],
             "running": [
-                {"job": j.job_id, "lane": j.claim.lane, "slot": j.claim.slot, "since": j.claim.claimed_at.isoformat(), "attempts": j.attempts}
+                {
+                    "job": j.job_id,
+                    "lane": j.lane,
+                    "queue": self.queues.get(j.lane or ""),
+                    "since": j.dispatched_at.isoformat() if j.dispatched_at else None,
+                    "attempts": j.attempts,
+                }
                 for j in self.running
-                if j.claim is not None
             ],
             "deferred": [d.model_dump() for d in self.plan.deferred if not d.inadmissible] if self.plan else [],
             "scaling": self.scaling.model_dump(mode="json", exclude={"state"}),
         }
 
 
-def lane_status(registry: Registry, desired: DesiredState) -> LaneStatus:
-    views, now = current_lanes(registry, desired)
-    jobs = registry.lane_jobs()
+def lane_status(registry: Registry, lane_queue: LaneQueue, desired: DesiredState) -> LaneStatus:
+    views, now = current_lanes(registry, lane_queue, desired)
+    jobs = lane_queue.jobs()
+    decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)
     return LaneStatus(
         now=now,
         lanes=sorted(views.values(), key=lambda v: (v.rank, v.id)),
+        queues={lane_id: target.queue for lane_id, target in lane_targets(desired).items()},
         jobs=jobs,
         predicted=predicted_holds(jobs, views, desired, now),
+        new_job=DispatchEvent("(new)", 0.0, 0, lane=decision.lane, hold=decision.hold),
         plan=registry.newest_plan(),
         scaling=registry.scaling_record(),
     )

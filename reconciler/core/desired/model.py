@@ -489,6 +489,13 @@ class PhazeSettings(Strict):
     # Its units: they read backends.toml at startup only, so a pass that
     # changes the file restarts those that run.
     control_units: Annotated[list[ServiceUnit], AfterValidator(_unique_units)] = []
+    # The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL): the
+    # lane queue (`fabric lane`, the leader, `fabric status`) reads it there.
+    # Never the DSN itself: it carries a password and TOML is world-readable.
+    queue_url_file: AbsPath | None = None
+    # The SAQ function a lane job runs on its lane's workers (phaze's agent
+    # worker and the file server's processing both register it).
+    job_function: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")] = "process_file"
 
 
 class Route(Strict):

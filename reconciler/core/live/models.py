@@ -68,11 +68,24 @@ class SnapshotNode(_Live):
 
 
 class SnapshotLane(_Live):
-    """A lane as the registry sees it: its claimed slots. Its health is its
-    agent host's (reconciler.core.scheduling.lanes.lane_views)."""
+    """A lane as its queue on phaze's broker (SAQ on PostgreSQL) shows it: the
+    jobs in it and its workers. Its health is also its host's
+    (reconciler.core.scheduling.lanes.lane_views)."""
 
     id: str
+    # Jobs the lane holds: queued on its SAQ queue (dispatched, not yet taken
+    # by a worker) plus active (a worker runs them). Both hold one of its
+    # `cap` slots: a queued job is committed to the lane.
     in_flight: int = Field(default=0, ge=0)
+    # The lane's SAQ queue; None when the broker was not read (a snapshot
+    # file, a fleet without [phaze] queue_url_file): then nothing is known
+    # about its workers and only the host decides its health.
+    queue: str | None = None
+    # SAQ workers whose heartbeat on `queue` is fresh (saq's worker stats).
+    workers: int = Field(default=0, ge=0)
+    # Seconds since the newest worker heartbeat on `queue` lapsed, when the
+    # broker still remembers one (saq sweeps lapsed stats away).
+    workers_silent_s: float | None = Field(default=None, ge=0)
 
 
 class Placement(_Live):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -163,22 +163,13 @@ class Leadership:
         return self.info.epoch
 
 
-class SlotClaim(_Record):
-    """One claimed slot of a lane (a dispatcher runs one job in it)."""
-
-    lane: str
-    slot: int = Field(ge=0)
-    holder: str
-    token: str
-    claimed_at: datetime
-
-
 class QueuedJob(_Record):
-    """One lane job of the job system (phaze's control plane), as the registry keeps it.
+    """One lane job of the job system (phaze's control plane), as the lane queue keeps it.
 
-    Only an id, when it was enqueued and how many cloud attempts failed; what
-    the job does stays with the job system (the registry never holds commands,
-    paths or configuration). `claim` is set while the job runs in a lane slot.
+    Only an id, when it was enqueued, how many cloud attempts failed and its
+    duration; what the job does stays with the job system. `lane` is set from
+    its dispatch into a lane's SAQ queue until a worker finished it (then it
+    is gone) or it failed (then it waits again).
     """
 
     job_id: NodeId
@@ -187,11 +178,27 @@ class QueuedJob(_Record):
     # The media duration the job system gave, in seconds (None: not given);
     # below `scheduler.cloud_route_threshold_s` the job goes local only.
     duration_s: float | None = Field(default=None, ge=0)
-    claim: SlotClaim | None = None
+    lane: str | None = None
+    dispatched_at: datetime | None = None
 
     @property
     def waiting(self) -> bool:
-        return self.claim is None
+        return self.lane is None
+
+
+class SettledJob(_Record):
+    """A dispatched job whose SAQ job ended: `complete` (the job is gone) or
+    failed, aborted or vanished from the broker (it waits again, one more
+    cloud attempt counted when it ran in a compute lane)."""
+
+    job_id: NodeId
+    lane: str
+    outcome: Literal["complete", "failed", "aborted", "vanished"]
+    attempts: int = Field(ge=0)
+
+    @property
+    def requeued(self) -> bool:
+        return self.outcome != "complete"
 
 
 class HookOutcome(_Record):

@@ -30,26 +30,32 @@ order; the first that fails is the lane's `reason`):
        reloading, which is active) is down ("fabric-agent-a1-arm64.service
        failed"). A node whose `units` is empty (a pass that does not
        activate) or lacks the unit says nothing about it: not down;
-    5. (the lane broker's worker heartbeat goes here, as check 5 of
-       `offline_reason`, once the broker reports it.)
+    5. a SAQ worker consumes the lane's queue: phaze's broker (SAQ on
+       PostgreSQL) shows a worker whose heartbeat on that queue is fresh
+       (`SnapshotLane.workers`), else "no SAQ worker on
+       phaze-agent-a1-arm64 for 31 s" (the seconds since the newest
+       heartbeat lapsed, while the broker remembers it). Both kinds: the
+       local lane's queue is consumed by phaze's own processing. A
+       snapshot lane whose `queue` is None (the broker was not read) says
+       nothing about workers: not down.
 
 One account of capacity, per host (`account_load`, also the scheduler's in
 reconciler.core.scheduling.placement):
     Services placed on a host and lane jobs running on the lanes hosted there
     (`lane_host`) draw from the host's one `max_concurrent_tasks`.
-        lane jobs(host)  = the registry's claimed slots of those lanes now
-                           (`SnapshotLane.in_flight`)
+        lane jobs(host)  = the jobs in those lanes' queues now, queued or
+                           active (`SnapshotLane.in_flight`)
         host load        = services placed on it + lane jobs(host)
                            when the node says which part of its in_flight is
                            its services (`services_running`): the rest is
-                           the lane jobs it read from the claims when it
-                           beat, and the claims now are newer; else
+                           the lane jobs it read from the queues when it
+                           beat, and the queues now are newer; else
                          = max(reported in_flight,
                                services placed on it + lane jobs(host))
     A node's reported `in_flight` already counts the lane jobs of its lanes
     (and the services active there) as measured when it beat, so lane jobs
     are never added to it: the two are two measurements of one account, and
-    the larger (the more recent claim, or work the plan does not know) wins.
+    the larger (the more recent queue count, or work the plan does not know) wins.
     Never in_flight + lane jobs: that counts every lane job twice. The
     services running are not counted either when the node names them: the
     scheduler counts the services it places (a leader with no plan in force
@@ -100,7 +106,7 @@ from fractions import Fraction
 
 from reconciler.core.desired.model import DesiredState, Lane, SchedulerSettings
 from reconciler.core.live.host_load import RUNNING_STATES
-from reconciler.core.live.models import HoldReason, LaneView, Placement, Snapshot, SnapshotNode
+from reconciler.core.live.models import HoldReason, LaneView, Placement, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.timestamps import utc
 
 
@@ -149,9 +155,10 @@ def _clock_time(moment: datetime) -> str:
     return utc(moment).strftime("%H:%M:%S")
 
 
-def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now: datetime) -> str | None:
-    """Why `lane` (its jobs on `host`, whose node is `node`) is offline at
-    `now`, or None when it is online (the checks of the module docstring)."""
+def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now: datetime, seen: SnapshotLane | None = None) -> str | None:
+    """Why `lane` (its jobs on `host`, whose node is `node`, its queue as the
+    broker shows it `seen`) is offline at `now`, or None when it is online
+    (the checks of the module docstring)."""
     if host is None:
         return "no host has role control to run the local lane"
     if node is None:
@@ -170,13 +177,15 @@ def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now:
         state = node.units.get(unit)
         if state is not None and state not in RUNNING_STATES:
             return f"{unit} {state}"
-        # The broker's worker heartbeat of this lane's agent: checked here once reported.
+    if seen is not None and seen.queue is not None and seen.workers == 0:
+        silent = f" for {seen.workers_silent_s:.0f} s" if seen.workers_silent_s is not None else ""
+        return f"no SAQ worker on {seen.queue}{silent}"
     return None
 
 
 def lane_jobs_by_host(desired: DesiredState, in_flight: Mapping[str, int]) -> Counter[str]:
-    """Lane jobs running per host: each declared lane's jobs (`in_flight`,
-    lane id -> claimed slots) counted on its host (`lane_host`)."""
+    """Lane jobs per host: each declared lane's jobs (`in_flight`, lane id ->
+    jobs queued or active in its queue) counted on its host (`lane_host`)."""
     jobs: Counter[str] = Counter()
     for lane in desired.lanes:
         host = lane_host(desired, lane)
@@ -191,10 +200,9 @@ def account_load(node: SnapshotNode, services: int, lane_jobs: int) -> int:
         return max(node.in_flight, services + lane_jobs + node.engine_tasks)
     # The node said which part of in_flight is its services: the scheduler
     # counts the services it places instead. The rest of in_flight is the
-    # jobs on its lanes, which the node read from the registry's claims when
-    # it beat: the claims now are newer, so a slot freed since is free at
-    # once. Other engines' tasks (Ray's, read by the leader) join from a
-    # field of their own.
+    # jobs on its lanes, which the node read from their queues when it beat:
+    # the queues now are newer, so a slot freed since is free at once. Other
+    # engines' tasks (Ray's, read by the leader) join from a field of their own.
     return services + lane_jobs + node.engine_tasks
 
 
@@ -206,16 +214,17 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
     nodes: dict[str, SnapshotNode] = {}
     for seen_node in snapshot.nodes:
         nodes.setdefault(seen_node.node_id, seen_node)
-    in_flight: dict[str, int] = {}
+    seen: dict[str, SnapshotLane] = {}
     for seen_lane in snapshot.lanes:
-        in_flight.setdefault(seen_lane.id, seen_lane.in_flight)
+        seen.setdefault(seen_lane.id, seen_lane)
+    in_flight = {lane_id: lane.in_flight for lane_id, lane in seen.items()}
     jobs = lane_jobs_by_host(desired, in_flight)
     services = Counter(p.node for p in (snapshot.placements if placements is None else placements))
     views = []
     for lane in desired.lanes:
         host = lane_host(desired, lane)
         node = nodes.get(host) if host is not None else None
-        reason = offline_reason(lane, host, node, snapshot.now)
+        reason = offline_reason(lane, host, node, snapshot.now, seen.get(lane.id))
         host_free = None
         if node is not None and host is not None:
             host_free = max(0, node.max_concurrent_tasks - account_load(node, services[host], jobs[host]))

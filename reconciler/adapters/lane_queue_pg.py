@@ -1,0 +1,287 @@
+"""The lane queue on phaze's broker: SAQ 0.26 on PostgreSQL, through psycopg 3.
+
+Tables, all in the broker's database:
+    saq_jobs, saq_stats   SAQ's own (created by saq's migrations on open):
+                          each lane's jobs, rows whose `queue` is the lane's
+                          queue, and each worker's heartbeat (its stats row,
+                          alive until `expire_at`)
+    fabric_lane_jobs      the jobs the job system handed the fabric: id,
+                          enqueue time, attempts, duration; while dispatched,
+                          the lane, its queue and the SAQ job's key
+    fabric_lane_fence     one row: the newest dispatcher epoch seen
+
+Dispatch (`dispatch`) is one transaction:
+    pg_advisory_xact_lock(<fabric key space>, hashtext(queue))
+                          one dispatcher per lane queue at a time, so the
+                          count below cannot go stale before the insert
+    fence                 raise the stored epoch to ours if ours is newer, then
+                          read it FOR SHARE: an older epoch is refused
+                          (StaleDispatcher), and a newer dispatcher's raise
+                          waits until this dispatch committed
+    the job               still waiting (SELECT ... FOR UPDATE)
+    the slot count        the queue's saq_jobs rows that are not finished
+                          (new, deferred, queued, active) < cap
+    the SAQ job           inserted exactly as saq's PostgresQueue.enqueue
+                          writes it (its own serializer), NOTIFY on the
+                          queue's channel so an idle worker wakes at once
+
+The SAQ job has no timeout (a file takes as long as it takes), one try (a
+failure comes back here: the fabric counts the cloud attempt and the lane
+rules choose again) and ttl 0 (saq keeps the finished row): `settle` reads
+how it ended and deletes it. A worker that dies mid-job leaves an active row
+whose lock nobody holds: saq's sweep (any worker's) marks it failed.
+
+The DSN never leaves this module: it is read from the file the desired state
+names (`[phaze] queue_url_file`) by reconciler.cli.wiring and handed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from saq import Job
+from saq.job import Status
+from saq.queue.postgres import CHANNEL, ENQUEUE, JOBS_TABLE, STATS_TABLE, PostgresQueue
+
+from reconciler.core.live.models import SnapshotLane
+from reconciler.core.live.records import QueuedJob, SettledJob
+from reconciler.core.timestamps import from_epoch_seconds
+from reconciler.ports import Clock, LaneQueueError, LaneQueueUnavailable, LaneTarget, StaleDispatcher
+
+# The first key of the fabric's advisory locks (saq's own use key space 0).
+LOCK_SPACE = 0x0FAB
+# saq_jobs statuses that hold a lane slot: everything not finished.
+UNFINISHED = ("new", "deferred", "queued", "active")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fabric_lane_jobs (
+    job_id TEXT PRIMARY KEY,
+    seq BIGSERIAL,
+    enqueued_at DOUBLE PRECISION NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    duration_s DOUBLE PRECISION,
+    lane TEXT,
+    queue TEXT,
+    saq_key TEXT,
+    cloud BOOLEAN NOT NULL DEFAULT FALSE,
+    dispatched_at DOUBLE PRECISION,
+    dispatches INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS fabric_lane_fence (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    epoch BIGINT NOT NULL
+);
+INSERT INTO fabric_lane_fence (id, epoch) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
+"""
+
+
+def _saq_tables(dsn: str) -> None:
+    """Create (or migrate) saq's tables with saq's own migrations."""
+
+    async def run() -> None:
+        queue = PostgresQueue.from_url(dsn, name="fabric-init", min_size=1, max_size=2)
+        await queue.connect()
+        await queue.disconnect()
+
+    asyncio.run(run())
+
+
+class PostgresLaneQueue:
+    """`reconciler.ports.LaneQueue` on one PostgreSQL database (see the module docstring)."""
+
+    def __init__(self, dsn: str, clock: Clock, *, job_function: str = "process_file", connect_timeout_s: float = 5.0) -> None:
+        self._dsn = dsn
+        self._clock = clock
+        self._function = job_function
+        self._timeout = connect_timeout_s
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        # One unconnected saq queue per lane queue: only its serializer is used.
+        self._serializers: dict[str, PostgresQueue] = {}
+        try:
+            _saq_tables(dsn)
+            with self._connection() as conn, conn.transaction():
+                conn.execute(_SCHEMA)
+        except (psycopg.OperationalError, OSError) as exc:
+            raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+
+    # -- plumbing ------------------------------------------------------------
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(1, int(self._timeout)))
+                yield self._conn
+            except psycopg.OperationalError as exc:
+                self._drop()
+                raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+            except psycopg.Error as exc:
+                raise LaneQueueError(f"phaze's broker refused: {_first_line(exc)}") from None
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+        self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _serializer(self, queue: str) -> PostgresQueue:
+        if queue not in self._serializers:
+            self._serializers[queue] = PostgresQueue.from_url(self._dsn, name=queue, min_size=1, max_size=1)
+        return self._serializers[queue]
+
+    # -- the port ------------------------------------------------------------
+    def enqueue(self, jobs: Sequence[tuple[str, float | None]]) -> list[QueuedJob]:
+        now = self._clock.now()
+        with self._connection() as conn, conn.transaction():
+            for job_id, duration in jobs:
+                conn.execute(
+                    "INSERT INTO fabric_lane_jobs (job_id, enqueued_at, duration_s) VALUES (%s, %s, %s) ON CONFLICT (job_id) DO NOTHING",
+                    (job_id, now, duration),
+                )
+            rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM fabric_lane_jobs WHERE job_id = ANY(%s)", ([j for j, _ in jobs],)).fetchall()
+        stored = {row[0]: _job(row) for row in rows}
+        return [stored[job_id] for job_id, _ in dict.fromkeys(jobs) if job_id in stored]
+
+    def jobs(self) -> list[QueuedJob]:
+        with self._connection() as conn:
+            rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM fabric_lane_jobs ORDER BY enqueued_at, seq").fetchall()
+        return [_job(row) for row in rows]
+
+    def dispatch(self, job_id: str, target: LaneTarget, epoch: int) -> QueuedJob | None:
+        now = self._clock.now()
+        with self._connection() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, target.queue))
+            conn.execute("UPDATE fabric_lane_fence SET epoch = %s WHERE id = 1 AND epoch < %s", (epoch, epoch))
+            fence = conn.execute("SELECT epoch FROM fabric_lane_fence WHERE id = 1 FOR SHARE").fetchone()
+            if fence is not None and int(fence[0]) > epoch:
+                raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {fence[0]} dispatches now")
+            row = conn.execute("SELECT dispatches FROM fabric_lane_jobs WHERE job_id = %s AND lane IS NULL FOR UPDATE", (job_id,)).fetchone()
+            if row is None:
+                return None
+            held = conn.execute(
+                sql.SQL("SELECT count(*) FROM {} WHERE queue = %s AND status = ANY(%s)").format(sql.Identifier(JOBS_TABLE)),
+                (target.queue, list(UNFINISHED)),
+            ).fetchone()
+            if held is not None and int(held[0]) >= target.cap:
+                return None
+            key = f"{job_id}.{int(row[0]) + 1}"
+            self._put_saq_job(conn, target.queue, key, job_id, target.lane)
+            stored = conn.execute(
+                "UPDATE fabric_lane_jobs SET lane = %s, queue = %s, saq_key = %s, cloud = %s, dispatched_at = %s, dispatches = dispatches + 1"
+                f" WHERE job_id = %s RETURNING {_JOB_COLUMNS}",
+                (target.lane, target.queue, key, target.cloud, now, job_id),
+            ).fetchone()
+        return _job(stored) if stored is not None else None
+
+    def _put_saq_job(self, conn: psycopg.Connection[Any], queue: str, key: str, job_id: str, lane: str) -> None:
+        """The row saq's PostgresQueue._enqueue writes, in this transaction."""
+        saq_queue = self._serializer(queue)
+        job = Job(function=self._function, kwargs={"job_id": job_id, "lane": lane}, queue=saq_queue, key=key, timeout=0, retries=1, ttl=0)
+        job.status = Status.QUEUED
+        job.queued = int(self._clock.now() * 1000)
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (key, job, queue, status, priority, group_key, scheduled)"
+                " VALUES (%s, %s, %s, %s, %s, %s, EXTRACT(EPOCH FROM NOW())::BIGINT)"
+            ).format(sql.Identifier(JOBS_TABLE)),
+            (key, saq_queue.serialize(job), queue, job.status, job.priority, job.group_key),
+        )
+        conn.execute(sql.SQL("NOTIFY {}, {}").format(sql.Identifier(CHANNEL.format(queue)), sql.Literal(ENQUEUE)))
+
+    def settle(self) -> list[SettledJob]:
+        settled = []
+        with self._connection() as conn, conn.transaction():
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT f.job_id, f.lane, f.saq_key, s.status FROM fabric_lane_jobs f"
+                    " LEFT JOIN {} s ON s.key = f.saq_key"
+                    " WHERE f.lane IS NOT NULL AND (s.key IS NULL OR NOT s.status = ANY(%s))"
+                    " FOR UPDATE OF f SKIP LOCKED"
+                ).format(sql.Identifier(JOBS_TABLE)),
+                (list(UNFINISHED),),
+            ).fetchall()
+            for job_id, lane, key, status in rows:
+                outcome = "vanished" if status is None else ("complete" if status == "complete" else ("aborted" if status == "aborted" else "failed"))
+                conn.execute(sql.SQL("DELETE FROM {} WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
+                if outcome == "complete":
+                    gone = conn.execute("DELETE FROM fabric_lane_jobs WHERE job_id = %s RETURNING attempts", (job_id,)).fetchone()
+                    attempts = int(gone[0]) if gone else 0
+                else:
+                    back = conn.execute(
+                        "UPDATE fabric_lane_jobs SET lane = NULL, queue = NULL, saq_key = NULL, dispatched_at = NULL,"
+                        " attempts = attempts + CASE WHEN cloud THEN 1 ELSE 0 END, cloud = FALSE WHERE job_id = %s RETURNING attempts",
+                        (job_id,),
+                    ).fetchone()
+                    attempts = int(back[0]) if back else 0
+                settled.append(SettledJob(job_id=job_id, lane=lane, outcome=outcome, attempts=attempts))
+        return settled
+
+    def lane_states(self, queues: Mapping[str, str]) -> list[SnapshotLane]:
+        names = sorted(set(queues.values()))
+        with self._connection() as conn:
+            held = dict(
+                conn.execute(
+                    sql.SQL("SELECT queue, count(*) FROM {} WHERE queue = ANY(%s) AND status = ANY(%s) GROUP BY queue").format(
+                        sql.Identifier(JOBS_TABLE)
+                    ),
+                    (names, list(UNFINISHED)),
+                ).fetchall()
+            )
+            # saq's own freshness rule (PostgresQueue.info): a worker's stats
+            # row is alive until its expire_at, in the database's clock.
+            workers = {
+                queue: (int(fresh), None if silent is None else max(0.0, float(silent)))
+                for queue, fresh, silent in conn.execute(
+                    sql.SQL(
+                        "SELECT queue_key, count(*) FILTER (WHERE expire_at >= EXTRACT(EPOCH FROM NOW())),"
+                        " EXTRACT(EPOCH FROM NOW()) - max(expire_at) FROM {} WHERE queue_key = ANY(%s) GROUP BY queue_key"
+                    ).format(sql.Identifier(STATS_TABLE)),
+                    (names,),
+                ).fetchall()
+            }
+        out = []
+        for lane_id, queue in queues.items():
+            fresh, silent = workers.get(queue, (0, None))
+            out.append(
+                SnapshotLane(
+                    id=lane_id,
+                    in_flight=int(held.get(queue, 0)),
+                    queue=queue,
+                    workers=fresh,
+                    workers_silent_s=None if fresh else silent,
+                )
+            )
+        return out
+
+
+_JOB_COLUMNS = "job_id, enqueued_at, attempts, duration_s, lane, dispatched_at"
+
+
+def _job(row: tuple[Any, ...]) -> QueuedJob:
+    job_id, enqueued_at, attempts, duration, lane, dispatched_at = row
+    return QueuedJob(
+        job_id=job_id,
+        enqueued_at=from_epoch_seconds(float(enqueued_at)),
+        attempts=int(attempts),
+        duration_s=None if duration is None else float(duration),
+        lane=lane,
+        dispatched_at=None if dispatched_at is None else from_epoch_seconds(float(dispatched_at)),
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,165 @@
+"""A throwaway PostgreSQL 15 (Debian's) on a unix socket, for the lane queue tests.
+
+Usage::
+
+    from tests.harness.postgres import postgres_server
+
+    @pytest.fixture(scope="module")
+    def broker():
+        with postgres_server() as pg:
+            yield pg
+
+    pg.dsn            postgresql://postgres@/postgres?host=<dir>
+    pg.database(name) a fresh database on it (CREATE DATABASE), its DSN
+
+initdb and pg_ctl run as an unprivileged user: PostgreSQL refuses to run as
+root, so as root they run as `postgres` (`runuser -u postgres`), which owns the
+directory; otherwise as the caller. The server listens on no TCP port (`-h ''`),
+only on its socket in the directory. It is stopped by its PID (the first line
+of postmaster.pid: SIGINT, PostgreSQL's fast shutdown, then SIGKILL) in a
+`finally`, so a failing test leaves nothing running.
+
+A missing PostgreSQL fails the test (never skips); scripts/_env.sh installs
+Debian's `postgresql` when run as root.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.harness.waiting import wait_until
+
+BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/17/bin")
+
+
+def postgres_bin() -> Path:
+    for directory in BIN_DIRS:
+        if (Path(directory) / "pg_ctl").exists():
+            return Path(directory)
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).parent
+    pytest.fail("real component missing: PostgreSQL (Debian's postgresql: scripts/test installs it when run as root)")
+
+
+@dataclass
+class PostgresServer:
+    directory: Path
+    pid: int
+    as_user: list[str]
+
+    @property
+    def dsn(self) -> str:
+        return self.dsn_of("postgres")
+
+    def dsn_of(self, database: str) -> str:
+        return f"postgresql://postgres@/{database}?host={self.directory}"
+
+    def database(self, name: str) -> str:
+        """Create the database `name` (fresh) and return its DSN."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.dsn_of(name)
+
+    def log(self) -> str:
+        path = self.directory / "log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _runas() -> tuple[list[str], int | None, int | None]:
+    if os.geteuid() != 0:
+        return [], None, None
+    try:
+        user = pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.fail("running as root needs the user postgres (Debian's postgresql package creates it)")
+    return ["runuser", "-u", "postgres", "--"], user.pw_uid, user.pw_gid
+
+
+def stop_by_pid(pid: int, timeout: float = 30.0) -> None:
+    """Fast shutdown (SIGINT) of the postmaster `pid`, then SIGKILL."""
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def postgres_server(directory: Path | None = None) -> Iterator[PostgresServer]:
+    """Start PostgreSQL in `directory` (data in DIR/data, socket DIR/.s.PGSQL.5432);
+    default a fresh directory under /tmp (short: a socket path has at most
+    107 bytes), removed afterwards. The unprivileged user must be able to
+    reach `directory`."""
+    binaries = postgres_bin()
+    runas, uid, gid = _runas()
+    made = directory is None
+    if directory is None:
+        directory = Path(tempfile.mkdtemp(prefix="fabric-pg-"))
+        directory.chmod(0o755)
+    directory.mkdir(parents=True, exist_ok=True)
+    if uid is not None and gid is not None:
+        os.chown(directory, uid, gid)
+    data = directory / "data"
+    subprocess.run(
+        [*runas, str(binaries / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    started = subprocess.run(
+        [
+            *runas,
+            str(binaries / "pg_ctl"),
+            "-D",
+            str(data),
+            "-o",
+            f"-k {directory} -h '' -c max_connections=300 -c fsync=off",
+            "-l",
+            str(directory / "log"),
+            "-w",
+            "start",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    pid_file = data / "postmaster.pid"
+    pid = int(pid_file.read_text().split()[0]) if pid_file.exists() else None
+    if started.returncode != 0 or pid is None:
+        if pid is not None:
+            stop_by_pid(pid)
+        log = (directory / "log").read_text(errors="replace") if (directory / "log").exists() else ""
+        raise AssertionError(f"PostgreSQL did not start: {started.stderr or started.stdout}\n{log}")
+    server = PostgresServer(directory=directory, pid=pid, as_user=runas)
+    try:
+        wait_until(lambda: (directory / ".s.PGSQL.5432").exists(), timeout=30, what="PostgreSQL's socket")
+        yield server
+    finally:
+        stop_by_pid(pid)
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)

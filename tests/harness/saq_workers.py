@@ -1,0 +1,100 @@
+"""Real SAQ workers (`saq.Worker` on `saq.queue.postgres.PostgresQueue`) standing in for phaze's lane agents.
+
+    workers = LaneWorkers(dsn)          # an asyncio loop on a thread of its own
+    workers.start("phaze-agent-a1-arm64", concurrency=2)
+    workers.finish("job-1")             # the job's function returns: SAQ marks it complete
+    workers.finish("job-2", ok=False)   # ... raises: SAQ marks it failed
+    workers.stop("phaze-agent-a1-arm64")
+    workers.close()
+
+Each worker runs the function phaze's lanes run (`process_file`, the default
+[phaze] job_function, called with job_id and lane) until the test decides
+how that job ends, so a job holds its lane slot as long as a test wants,
+exactly like a long file. `ran` records which queue ran which job. The
+workers beat their stats every `heartbeat_s` (saq's `worker_info` timer; the
+stats live one second longer), so a stopped worker's lane goes offline soon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from saq import Worker
+from saq.queue.postgres import PostgresQueue
+
+
+class LaneWorkers:
+    def __init__(self, dsn: str, *, heartbeat_s: int = 1) -> None:
+        self._dsn = dsn
+        self._heartbeat_s = heartbeat_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="saq-workers", daemon=True)
+        self._thread.start()
+        self._workers: dict[str, tuple[Worker, PostgresQueue, asyncio.Task[None]]] = {}
+        self._decided: dict[str, bool] = {}
+        self._lock = threading.Lock()
+        self.ran: dict[str, str] = {}  # job id -> the queue whose worker ran it
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self, queue: str, concurrency: int = 4) -> None:
+        async def process_file(ctx: dict, *, job_id: str, lane: str) -> str:
+            with self._lock:
+                self.ran[job_id] = queue
+            while True:
+                with self._lock:
+                    ok = self._decided.get(job_id)
+                if ok is not None:
+                    break
+                await asyncio.sleep(0.02)
+            if not ok:
+                raise RuntimeError(f"{job_id} failed on {queue}")
+            return f"{job_id} done on {queue}"
+
+        async def run() -> None:
+            saq_queue = PostgresQueue.from_url(self._dsn, name=queue, min_size=1, max_size=4)
+            worker = Worker(
+                saq_queue,
+                functions=[("process_file", process_file)],
+                concurrency=concurrency,
+                timers={"worker_info": self._heartbeat_s, "sweep": 1, "schedule": 1, "abort": 1},
+                dequeue_timeout=0.2,
+            )
+            worker.SIGNALS = []  # type: ignore[misc]  # not the main thread: no signal handlers
+            await saq_queue.connect()
+            task = asyncio.get_running_loop().create_task(worker.start())
+            self._workers[queue] = (worker, saq_queue, task)
+            # Up once its first heartbeat is written (the lane counts it from then on).
+            while not (await saq_queue.info())["workers"]:
+                await asyncio.sleep(0.05)
+
+        self._call(run())
+
+    def finish(self, job_id: str, *, ok: bool = True) -> None:
+        with self._lock:
+            self._decided[job_id] = ok
+
+    def running(self) -> dict[str, str]:
+        with self._lock:
+            return {job: queue for job, queue in self.ran.items() if job not in self._decided}
+
+    def stop(self, queue: str) -> None:
+        worker, saq_queue, task = self._workers.pop(queue)
+
+        async def run() -> None:
+            await worker.stop()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await saq_queue.disconnect()
+
+        self._call(run())
+
+    def close(self) -> None:
+        for queue in list(self._workers):
+            self.stop(queue)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -1,0 +1,258 @@
+"""The lane queue on a real PostgreSQL with real SAQ workers: dispatch by rank and cap, holds, races, workers.
+
+A PostgreSQL 15 started by this module (tests/harness/postgres.py), a fresh
+database per test; the registry is a sqlite file with the example fleet's
+heartbeats (its lanes' hosts are up). Lane workers are real `saq.Worker`s
+(tests/harness/saq_workers.py) whose jobs end when the test says. The
+example fleet: a1-arm64 (compute, rank 10, cap 2), x86-spill (compute, rank
+20, cap 4), local (rank 99, cap 1); spill after 900 s, 3 cloud attempts,
+route threshold 600 s. Time for the rules (waits, the spill gate) is an
+injected clock; the broker's own (worker heartbeats) is real, waited on with
+deadlines from the heartbeat timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.engine.dispatch import dispatch_pass, lane_status, lane_targets
+from reconciler.ports import StaleDispatcher
+from tests.conftest import EXAMPLE_FLEET
+from tests.fakes import FakeClock
+from tests.harness.postgres import PostgresServer, postgres_server
+from tests.harness.saq_workers import LaneWorkers
+from tests.harness.waiting import deadline_for, wait_until
+from tests.integration.registry_store import beat_example_fleet
+
+pytestmark = pytest.mark.integration
+
+A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
+HEARTBEAT_S = 1
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[PostgresServer]:
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def desired() -> DesiredState:
+    return load_desired(EXAMPLE_FLEET)
+
+
+class Lanes:
+    """One test's world: the broker's database, a registry with the fleet up, its clock."""
+
+    def __init__(self, dsn: str, tmp_path: Path, desired: DesiredState) -> None:
+        self.dsn = dsn
+        self.clock = FakeClock()
+        fleet = desired.fleet
+        self.registry = SqliteRegistry(str(tmp_path / "registry.sqlite"), timing=fleet.timing, flap=fleet.flap, clock=self.clock)
+        beat_example_fleet(self.registry)
+        self.queue = PostgresLaneQueue(dsn, self.clock)
+        self.workers = LaneWorkers(dsn, heartbeat_s=HEARTBEAT_S)
+        self.opened = [self.queue]
+
+    def another_queue(self) -> PostgresLaneQueue:
+        queue = PostgresLaneQueue(self.dsn, self.clock)
+        self.opened.append(queue)
+        return queue
+
+    def close(self) -> None:
+        self.workers.close()
+        for queue in self.opened:
+            queue.close()
+        self.registry.close()
+
+
+@pytest.fixture
+def lanes(broker: PostgresServer, request: pytest.FixtureRequest, tmp_path: Path, desired: DesiredState) -> Iterator[Lanes]:
+    world = Lanes(broker.database(f"t_{request.node.name[:50]}".lower()), tmp_path, desired)
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+def outcome(events) -> dict[str, str]:
+    return {e.job: (e.lane if e.lane else f"hold:{e.hold}") for e in events if e.outcome is None}
+
+
+def in_queue(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT queue, count(*) FROM saq_jobs WHERE status IN ('new','deferred','queued','active') GROUP BY queue")
+        return dict(rows.fetchall())
+
+
+def test_jobs_fill_the_cheapest_lane_first_then_spill_and_reach_local_only_through_the_gates(lanes, desired):
+    for queue in (A1, X86, LOCAL):
+        lanes.workers.start(queue)
+    lanes.queue.enqueue([(f"job-{i}", None) for i in range(8)])
+    lanes.clock.advance(1)
+
+    first = outcome(dispatch_pass(lanes.registry, lanes.queue, desired))
+
+    assert first == {
+        "job-0": "a1-arm64",
+        "job-1": "a1-arm64",
+        **{f"job-{i}": "x86-spill" for i in range(2, 6)},
+        "job-6": "hold:local_spill_not_reached",
+        "job-7": "hold:local_spill_not_reached",
+    }, "rank first; a1-arm64 at its cap of 2 spills to x86-spill; local waits for the gate"
+    assert in_queue(lanes.dsn) == {A1: 2, X86: 4}, "the jobs are on the lanes' SAQ queues"
+    wait_until(lambda: len(lanes.workers.running()) == 6, timeout=deadline_for(HEARTBEAT_S), what="the workers took all six")
+    assert {j: q for j, q in lanes.workers.running().items()} == {
+        **{f"job-{i}": A1 for i in range(2)},
+        **{f"job-{i}": X86 for i in range(2, 6)},
+    }
+
+    lanes.clock.advance(900)  # the spill gate opens: local takes one (its cap)
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired)) == {"job-6": "local", "job-7": "hold:no_free_slots"}
+
+
+def test_a_worker_finishing_a_job_frees_its_slot_and_a_failed_job_waits_again_with_a_cloud_attempt(lanes, desired):
+    lanes.workers.start(A1, concurrency=2)
+    lanes.workers.start(X86)
+    lanes.workers.start(LOCAL)
+    lanes.queue.enqueue([("done-job", None), ("bad-job", None), ("next-job", None)])
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired)) == {
+        "done-job": "a1-arm64",
+        "bad-job": "a1-arm64",
+        "next-job": "x86-spill",
+    }
+    wait_until(lambda: {"done-job", "bad-job"} <= set(lanes.workers.running()), timeout=deadline_for(HEARTBEAT_S), what="a1's worker runs both")
+    lanes.workers.finish("done-job")
+    lanes.workers.finish("bad-job", ok=False)
+    wait_until(lambda: in_queue(lanes.dsn).get(A1, 0) == 0, timeout=deadline_for(HEARTBEAT_S), what="SAQ finished both")
+
+    events = dispatch_pass(lanes.registry, lanes.queue, desired)
+
+    settled = {e.job: (e.outcome, e.attempts) for e in events if e.outcome is not None}
+    assert settled == {"done-job": ("complete", 0), "bad-job": ("failed", 1)}
+    assert outcome(events) == {"bad-job": "a1-arm64"}, "the freed slot takes the failed job again"
+    jobs = {j.job_id: j for j in lanes.queue.jobs()}
+    assert "done-job" not in jobs, "a complete job is gone"
+    assert jobs["bad-job"].attempts == 1 and jobs["bad-job"].lane == "a1-arm64"
+
+
+def test_the_three_holds_with_their_labels(lanes, desired):
+    for queue in (A1, X86, LOCAL):
+        lanes.workers.start(queue)
+    lanes.queue.enqueue([(f"fill-{i}", None) for i in range(7)])
+    dispatch_pass(lanes.registry, lanes.queue, desired)  # a1 2, x86 4, local gated: fill-6 waits
+    lanes.queue.enqueue([("young", None)])
+    held = outcome(dispatch_pass(lanes.registry, lanes.queue, desired))
+    assert held["young"] == "hold:local_spill_not_reached", "the cloud is full, local free, the job young"
+
+    lanes.clock.advance(900)
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired))["fill-6"] == "local"
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired))["young"] == "hold:no_free_slots", "every lane full"
+
+    # A job whose cloud attempts are spent may only go local, which is full.
+    lanes.queue.enqueue([("spent", None)])
+    with psycopg.connect(lanes.dsn) as conn:
+        conn.execute("UPDATE fabric_lane_jobs SET attempts = 3 WHERE job_id = 'spent'")
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired))["spent"] == "hold:cloud_attempts_exhausted"
+
+
+def test_a_job_below_the_route_threshold_goes_local_and_a_long_one_to_the_cloud(lanes, desired):
+    for queue in (A1, X86, LOCAL):
+        lanes.workers.start(queue)
+    assert desired.fleet.scheduler.cloud_route_threshold_s == 600
+    lanes.queue.enqueue([("short-clip", 120.0), ("long-set", 3600.0)])
+
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired)) == {"short-clip": "local", "long-set": "a1-arm64"}
+    wait_until(
+        lambda: lanes.workers.running() == {"short-clip": LOCAL, "long-set": A1}, timeout=deadline_for(HEARTBEAT_S), what="each on its lane's worker"
+    )
+
+
+def test_a_lane_whose_worker_stops_goes_offline_with_its_reason_and_the_next_job_spills(lanes, desired):
+    for queue in (A1, X86, LOCAL):
+        lanes.workers.start(queue)
+    status = lane_status(lanes.registry, lanes.queue, desired)
+    assert all(lane.available for lane in status.lanes), [lane.reason for lane in status.lanes]
+    assert status.new_job.lane == "a1-arm64"
+
+    lanes.workers.stop(A1)
+
+    def a1_offline():
+        seen = {lane.id: lane for lane in lane_status(lanes.registry, lanes.queue, desired).lanes}
+        return seen["a1-arm64"] if not seen["a1-arm64"].available else None
+
+    offline = wait_until(a1_offline, timeout=deadline_for(HEARTBEAT_S + 1), what="a1-arm64 offline")
+    assert offline.reason is not None and offline.reason.startswith(f"no SAQ worker on {A1}")
+    lanes.queue.enqueue([("after", None)])
+    assert outcome(dispatch_pass(lanes.registry, lanes.queue, desired)) == {"after": "x86-spill"}
+    document = lane_status(lanes.registry, lanes.queue, desired).as_json()
+    a1 = next(lane for lane in document["lanes"] if lane["id"] == "a1-arm64")
+    assert (a1["online"], a1["queue"], a1["hold"]) == (False, A1, f"offline: {offline.reason}")
+    assert {lane["id"]: (lane["kind"], lane["rank"], lane["cap"], lane["in_flight"]) for lane in document["lanes"]} == {
+        "a1-arm64": ("compute", 10, 2, 0),
+        "x86-spill": ("compute", 20, 4, 1),
+        "local": ("local", 99, 1, 0),
+    }
+
+
+def test_a_lane_without_any_worker_is_offline_and_says_so(lanes, desired):
+    lanes.workers.start(X86)
+    views = {lane.id: lane for lane in lane_status(lanes.registry, lanes.queue, desired).lanes}
+    assert views["a1-arm64"].reason == f"no SAQ worker on {A1}"
+    assert views["local"].reason == f"no SAQ worker on {LOCAL}"
+    assert views["x86-spill"].available
+
+
+def test_a_dispatcher_with_an_older_epoch_is_refused(lanes, desired):
+    lanes.workers.start(A1)
+    lanes.queue.enqueue([("j1", None), ("j2", None)])
+    target = lane_targets(desired)["a1-arm64"]
+    assert lanes.queue.dispatch("j1", target, epoch=7) is not None
+    with pytest.raises(StaleDispatcher, match="epoch 6 refused: epoch 7"):
+        lanes.another_queue().dispatch("j2", target, epoch=6)
+    assert next(j for j in lanes.queue.jobs() if j.job_id == "j2").waiting, "the refused dispatch changed nothing"
+    assert lanes.queue.dispatch("j2", target, epoch=8) is not None, "a newer epoch goes on"
+
+
+def test_200_racing_dispatches_from_several_dispatchers_never_exceed_a_cap(lanes, desired):
+    """Eight dispatchers (threads, each with its own connection) race to put
+    200 jobs into a1-arm64 (cap 2) and x86-spill (cap 4); no worker takes
+    any, so every successful dispatch holds its slot: exactly cap jobs land
+    in each lane, and no job is dispatched twice."""
+    jobs = [f"race-{i:03d}" for i in range(200)]
+    lanes.queue.enqueue([(job, None) for job in jobs])
+    targets = lane_targets(desired)
+    queues = [lanes.another_queue() for _ in range(8)]
+    won: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(len(queues))
+
+    def race(n: int) -> None:
+        start.wait()
+        for i, job in enumerate(jobs[n::1]):
+            lane = ("a1-arm64", "x86-spill")[(i + n) % 2]
+            if queues[n].dispatch(job, targets[lane], epoch=1) is not None:
+                with lock:
+                    won.append((job, lane))
+
+    threads = [threading.Thread(target=race, args=(n,)) for n in range(len(queues))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+
+    assert in_queue(lanes.dsn) == {A1: 2, X86: 4}, "each lane holds exactly its cap"
+    assert sorted(lane for _, lane in won) == ["a1-arm64"] * 2 + ["x86-spill"] * 4
+    assert len({job for job, _ in won}) == len(won), "no job dispatched twice"
+    dispatched = {j.job_id: j.lane for j in lanes.queue.jobs() if not j.waiting}
+    assert dispatched == dict(won)
