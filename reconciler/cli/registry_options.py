@@ -99,7 +99,7 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
         "--queue-url-file",
         metavar="FILE",
         type=Path,
-        help="the file holding phaze's broker URL (default: $FABRIC_QUEUE_URL_FILE, else fabric.toml [phaze] queue_url_file)",
+        help="the file holding phaze's broker URL (default: fabric.toml [phaze] queue_url_file)",
     )
 
 

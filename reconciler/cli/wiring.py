@@ -106,11 +106,9 @@ def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None
 
 
 def queue_url_file(fleet: FleetConfig, override: str | Path | None = None) -> Path | None:
-    """Where phaze's broker DSN is: `override` (--queue-url-file, $FABRIC_QUEUE_URL_FILE)
-    or [phaze] queue_url_file; None when neither says."""
-    import os
-
-    chosen = override or os.environ.get("FABRIC_QUEUE_URL_FILE") or fleet.phaze.queue_url_file
+    """Where phaze's broker DSN is: `override` (--queue-url-file) or [phaze]
+    queue_url_file; None when neither says."""
+    chosen = override or fleet.phaze.queue_url_file
     return Path(chosen) if chosen else None
 
 
@@ -375,6 +373,7 @@ def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
         startup_grace=options.startup_grace,
     ) as ports:
         ports.open_registry = registry_opener(options)
+        ports.open_lane_queue = lambda fleet: lane_queue_if_configured(fleet, note=print_note)
         ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 
@@ -476,6 +475,7 @@ def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
             clock=system_clock(),
             probe=probe_live,
             open_registry=registry_opener(options),
+            open_lane_queue=lambda fleet: lane_queue_if_configured(fleet, note=print_note),
             note=print_note,
         )
     finally:

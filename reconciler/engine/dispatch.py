@@ -45,12 +45,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import FleetPlan, HoldReason, LaneView, Snapshot
+from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
 from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key, take_slot
 from reconciler.core.timestamps import utc
+from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import LaneQueue, LaneQueueError, LaneQueueUnavailable, LaneTarget, Registry, RegistryUnavailable
+from reconciler.ports import LaneQueue, LaneQueueError, LaneQueueUnavailable, Registry, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -105,26 +106,6 @@ class DispatchEvent:
 
 def job_view(job: QueuedJob, now: datetime) -> LaneJob:
     return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
-
-
-def lane_targets(desired: DesiredState) -> dict[str, LaneTarget]:
-    """Each declared lane's queue and cap (a compute lane's failures count cloud attempts)."""
-    targets = {}
-    for lane in desired.lanes:
-        queue = desired.queue_for(lane)
-        if queue is not None:
-            targets[lane.id] = LaneTarget(lane=lane.id, queue=queue, cap=lane.cap, cloud=lane.kind == "compute")
-    return targets
-
-
-def with_lane_states(snapshot: Snapshot, lane_queue: LaneQueue | None, desired: DesiredState) -> Snapshot:
-    """`snapshot` whose lanes are the lane queue's now (jobs queued or active,
-    SAQ workers); without a lane queue (no [phaze] queue_url_file) the
-    declared lanes with no load and no word on workers."""
-    if lane_queue is None:
-        return snapshot
-    queues = {lane_id: target.queue for lane_id, target in lane_targets(desired).items()}
-    return snapshot.model_copy(update={"lanes": lane_queue.lane_states(queues)})
 
 
 def current_lanes(registry: Registry, lane_queue: LaneQueue, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:

@@ -43,7 +43,7 @@ import gc
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
@@ -52,10 +52,13 @@ from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
+from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
     Audit,
     CommandRunner,
+    LaneQueue,
+    LaneQueueError,
     NotLeader,
     PlanSigner,
     PlanSigningError,
@@ -119,6 +122,9 @@ class LeaderLoop:
     ray_state: RayState | None = None
     # The Ray worker actions decided last step, logged only when they change.
     ray_workers: list[RayWorkerAction] = field(default_factory=list)
+    # phaze's broker: the lanes' jobs and workers in the snapshot the plan is
+    # made from (None: no [phaze] queue_url_file, the lanes carry no load).
+    lane_queue: LaneQueue | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _cannot_sign: str | None = None
 
@@ -172,6 +178,11 @@ class LeaderLoop:
             # One read of the whole registry: the lifecycle is advanced and
             # stored, and the snapshot shows the states just stored.
             view = self.registry.lead(self.leadership, lanes=[lane.id for lane in self.desired.lanes])
+            try:
+                view = replace(view, snapshot=with_lane_states(view.snapshot, self.lane_queue, self.desired))
+            except LaneQueueError as exc:
+                # The plan goes on without the lanes' load (the next step reads it again).
+                self.log(f"lane queue unreachable, planning without the lanes' jobs: {exc}")
             for event in view.events:
                 self.log(f"node {event}")
             self._publish(self._with_ray(view.snapshot), view.plan)
@@ -332,6 +343,7 @@ def candidate_loop(
     log: Callable[[str], None],
     signer: PlanSigner | None = None,
     ray_state: RayState | None = None,
+    lane_queue: LaneQueue | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan (with Ray's view when the fleet
     runs Ray), then bursts and scaling, whose actions go to `log` and (when
@@ -343,6 +355,7 @@ def candidate_loop(
         audit=audit,
         # Hooks run inside the step: they must leave time to renew the lease.
         hook_budget_s=lease_ttl_s / 2,
+        lane_queue=lane_queue,
     )
     return LeaderLoop(
         registry=registry,
@@ -354,4 +367,5 @@ def candidate_loop(
         scaling=scaling,
         signer=signer,
         ray_state=ray_state,
+        lane_queue=lane_queue,
     )

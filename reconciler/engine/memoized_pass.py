@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from reconciler.core.desired.model import FleetConfig
     from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.reconcile import Converged, PassPorts, PassReport
-    from reconciler.ports import Audit, Clock, MemoStore, PassWorld, Registry
+    from reconciler.ports import Audit, Clock, LaneQueue, MemoStore, PassWorld, Registry
 
 # reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
 # (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
@@ -57,6 +57,10 @@ PROGRAMS = ("socat", "podman", "nft", "ray")
 
 def _ignore(note: str) -> None:
     pass
+
+
+def _no_lane_queue(fleet: FleetConfig) -> LaneQueue | None:
+    return None
 
 
 @dataclass
@@ -71,6 +75,9 @@ class MemoPorts:
     probe: Callable[[], RawCapture]
     # Opens the registry fabric.toml's [registry] names, for the memo's heartbeat (closed after).
     open_registry: Callable[[FleetConfig], Registry]
+    # Opens phaze's broker (the lane queue) for the lane jobs of that
+    # heartbeat; None: not configured or unreachable (closed after).
+    open_lane_queue: Callable[[FleetConfig], LaneQueue | None] = _no_lane_queue
     note: Callable[[str], None] = _ignore
 
 
@@ -189,11 +196,11 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
 def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     """Re-send the memo's heartbeat; False (a full pass) when the registry
     cannot take it or its plan epoch moved on."""
-    from reconciler.core.desired.model import FleetConfig
+    from reconciler.core.desired.model import FleetConfig, lane_queue_name
     from reconciler.core.live.host_limits import lowered_note
     from reconciler.core.live.host_load import HostLoad, lane_jobs_running
     from reconciler.core.live.records import NodeRecord
-    from reconciler.ports import RegistryError
+    from reconciler.ports import LaneQueueError, RegistryError
 
     assert memo.node_record is not None
     try:
@@ -212,15 +219,25 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
         try:
             if memo.lanes_here:
                 # The unit states are the memo's (no drift), so the services
-                # are; the lane jobs are read now.
-                lane_jobs = lane_jobs_running(memo.lanes_here, registry.lane_in_flight())
+                # are; the lane jobs are read now, from their queues.
+                queues = {lane.id: name for lane in fleet.backends if lane.id in memo.lanes_here and (name := lane_queue_name(fleet, lane))}
+                in_flight: dict[str, int] = {}
+                lane_queue = ports.open_lane_queue(fleet)
+                if lane_queue is None and fleet.phaze.queue_url_file is not None:
+                    return False  # configured but unusable: the full pass says why
+                if lane_queue is not None:
+                    try:
+                        in_flight = {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
+                    finally:
+                        lane_queue.close()
+                lane_jobs = lane_jobs_running(memo.lanes_here, in_flight)
                 record = record.model_copy(update={"in_flight": HostLoad(memo.load_services, lane_jobs).in_flight})
             stored = registry.heartbeat(record)
             ports.note(stored.heartbeat_note())
             epoch = registry.epoch()
         finally:
             registry.close()
-    except RegistryError:
+    except (RegistryError, LaneQueueError):
         return False
     if epoch != memo.epoch:
         ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")

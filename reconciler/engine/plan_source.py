@@ -31,7 +31,7 @@ empty plan, so its host-local units (lanes, port maps, nftables) converge.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -51,8 +51,9 @@ from reconciler.core.render.ray_units import ray_role
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
-from reconciler.ports import PermissionDenied, PlanSigner, Registry, RegistryError
+from reconciler.ports import LaneQueue, LaneQueueError, PermissionDenied, PlanSigner, Registry, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -120,12 +121,23 @@ def lanes_here(desired: DesiredState, host: str) -> tuple[str, ...]:
     return tuple(lane.id for lane in desired.lanes_on(host))
 
 
-def measure(desired: DesiredState, host: str, seen: UnitsSeen, registry: Registry) -> Measured:
+def lane_in_flight(desired: DesiredState, lane_queue: LaneQueue | None, lanes: Sequence[str]) -> dict[str, int]:
+    """Jobs queued or active on each of `lanes`' queues ({} without a lane queue)."""
+    if lane_queue is None or not lanes:
+        return {}
+    queues = {lane.id: queue for lane in desired.lanes if lane.id in lanes and (queue := desired.queue_for(lane)) is not None}
+    return {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
+
+
+def measure(desired: DesiredState, host: str, seen: UnitsSeen, lane_queue: LaneQueue | None) -> Measured:
     """The host's load from its units and, for the lanes whose jobs run
     here, the lane queue (asked only when there is such a lane)."""
     lanes = lanes_here(desired, host)
-    lane_in_flight = registry.lane_in_flight() if lanes else {}
-    return Measured(host_load(seen.placed, seen.states, lanes, lane_in_flight), dict(seen.states or {}), lanes)
+    return Measured(host_load(seen.placed, seen.states, lanes, lane_in_flight(desired, lane_queue, lanes)), dict(seen.states or {}), lanes)
+
+
+def no_lane_queue() -> LaneQueue | None:
+    return None
 
 
 def node_record(desired: DesiredState, host: str, facts: NodeFacts, measured: Measured | None = None) -> NodeRecord:
@@ -180,7 +192,9 @@ def plan_alone(desired: DesiredState, host: str, facts: NodeFacts, now: datetime
 UNSIGNED_NOTE = "fleet plans are not signed: any registry client can forge them (list [[plan_keys]] in fabric.toml; see README 'Signed plans')"
 
 
-def lead_once(registry: Registry, desired: DesiredState, host: str, signer: PlanSigner | None = None) -> str | None:
+def lead_once(
+    registry: Registry, desired: DesiredState, host: str, signer: PlanSigner | None = None, lane_queue: LaneQueue | None = None
+) -> str | None:
     """One leader step if this host is a candidate and nobody leads; a note or None.
     With plan keys, the step signs with `signer` (or, without a usable key, does not lead)."""
     from reconciler.engine.leader import LeaderLoop
@@ -196,6 +210,7 @@ def lead_once(registry: Registry, desired: DesiredState, host: str, signer: Plan
         lease_ttl_s=float(desired.fleet.timing.heartbeat_s),
         log=notes.append,
         signer=signer,
+        lane_queue=lane_queue,
     ).step_and_resign()
     return "; ".join(notes) or None
 
@@ -232,6 +247,7 @@ def read_registry(
     write: bool,
     signer: PlanSigner | None = None,
     units_now: Callable[[], UnitsSeen] | None = None,
+    open_lanes: Callable[[], LaneQueue | None] = no_lane_queue,
 ) -> Offer:
     """Connect, heartbeat (when `write`), maybe lead, then the newest plan.
 
@@ -240,15 +256,21 @@ def read_registry(
     (`beat_after_activation`)."""
     notes: list[str] = []
     registry: Registry | None = None
+    lane_queue: LaneQueue | None = None
     sent: NodeRecord | None = None
+    edge = "edge" in desired.hosts[host].host.roles
     try:
         registry = connect()
+        # The lane queue only when something here reads it: lanes whose jobs
+        # run here, a leader candidate's step, the edge's status page.
+        if lanes_here(desired, host) or edge or (write and host in desired.fleet.fleet.leader_candidates):
+            lane_queue = open_lanes()
         if write:
-            measured = measure(desired, host, units_now(), registry) if units_now is not None else None
+            measured = measure(desired, host, units_now(), lane_queue) if units_now is not None else None
             sent = node_record(desired, host, facts, measured)
             stored = registry.heartbeat(sent)
             notes.append(stored.heartbeat_note())
-            led = lead_once(registry, desired, host, signer)
+            led = lead_once(registry, desired, host, signer, lane_queue)
             if led:
                 notes.append(f"leader step: {led}")
         # The epoch before the plan: a plan published in between makes the
@@ -258,18 +280,31 @@ def read_registry(
         # The edge serves the fleet's status page, so it reads the whole view.
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
         own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
+        snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_queue, desired) if edge else None
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
         return Offer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
         return Offer("registry", None, tuple(notes), registry_failed=f"registry unreachable ({exc})")
+    except LaneQueueError as exc:  # the broker went away mid-read: the lanes' load is unknown, the plan is not
+        notes.append(f"lane queue: {exc}")
+        return Offer("registry", None, tuple(notes), registry_failed=f"lane queue unreachable ({exc})")
     finally:
         if registry is not None:
             registry.close()
     return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state)
+        if lane_queue is not None:
+            lane_queue.close()
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent)
 
 
 def beat_after_activation(
-    connect: Callable[[], Registry], desired: DesiredState, host: str, facts: NodeFacts, seen: UnitsSeen, sent: NodeRecord
+    connect: Callable[[], Registry],
+    desired: DesiredState,
+    host: str,
+    facts: NodeFacts,
+    seen: UnitsSeen,
+    sent: NodeRecord,
+    open_lanes: Callable[[], LaneQueue | None] = no_lane_queue,
 ) -> tuple[Measured, NodeRecord, str | None]:
     """The heartbeat again, with the load measured after activation: the
     measurement, the record the registry now holds from this pass, and a note.
@@ -278,14 +313,17 @@ def beat_after_activation(
     that changed nothing (and no lane job started or ended) writes once.
     Raises RegistryError when the registry cannot be reached."""
     registry = connect()
+    lane_queue = open_lanes() if lanes_here(desired, host) else None
     try:
-        measured = measure(desired, host, seen, registry)
+        measured = measure(desired, host, seen, lane_queue)
         record = node_record(desired, host, facts, measured)
         if record == sent:
             return measured, record, None
         stored = registry.heartbeat(record)
     finally:
         registry.close()
+        if lane_queue is not None:
+            lane_queue.close()
     load = measured.load
     return measured, record, f"after activation, {stored.heartbeat_note()} ({load.services} services, {load.lane_jobs} lane jobs)"
 
@@ -338,6 +376,7 @@ def fleet_plan_for(
     write: bool,
     signer: PlanSigner | None = None,
     units_now: Callable[[], UnitsSeen] | None = None,
+    open_lanes: Callable[[], LaneQueue | None] = no_lane_queue,
 ) -> PlanSource:
     """The pass's fleet plan from `choice`, through the fence.
 
@@ -349,7 +388,7 @@ def fleet_plan_for(
     elif isinstance(choice, PlanAlone):
         offer = Offer("alone", plan_alone(desired, host, facts, now))
     else:
-        offer = read_registry(connect, desired, host, facts, write=write, signer=signer, units_now=units_now)
+        offer = read_registry(connect, desired, host, facts, write=write, signer=signer, units_now=units_now, open_lanes=open_lanes)
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
     if offer.registry_epoch is None:
         return source

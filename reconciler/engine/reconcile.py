@@ -60,6 +60,8 @@ from reconciler.ports import (
     CaptureError,
     Clock,
     FileTree,
+    LaneQueue,
+    LaneQueueError,
     LockBusy,
     PassLock,
     PlanSigner,
@@ -115,6 +117,10 @@ def _no_registry(fleet: FleetConfig) -> Registry:
     raise RegistryUnavailable("no registry is wired into this pass")
 
 
+def _no_lane_queue(fleet: FleetConfig) -> LaneQueue | None:
+    return None
+
+
 def _ignore(note: str) -> None:
     pass
 
@@ -140,6 +146,9 @@ class PassPorts:
     activators: Activators | None = None  # None: write the files, activate nothing
     # Opens the registry fabric.toml's [registry] names (the pass closes it).
     open_registry: Callable[[FleetConfig], Registry] = _no_registry
+    # Opens phaze's broker as the lane queue (None: not configured or not
+    # reachable, said in a note); the pass closes it.
+    open_lane_queue: Callable[[FleetConfig], LaneQueue | None] = _no_lane_queue
     # A leader candidate's plan key, for the pass's one-shot leader step (None: cannot sign).
     plan_signer: PlanSigner | None = None
     programs: ProgramPaths = field(default_factory=ProgramPaths)
@@ -306,6 +315,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
             host,
             facts,
             connect=lambda: ports.open_registry(desired.fleet),
+            open_lanes=lambda: ports.open_lane_queue(desired.fleet),
             applied_epoch=manifest.epoch if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
@@ -438,10 +448,18 @@ def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: Generat
     desired = prepared.desired
     try:
         measured, record, note = beat_after_activation(
-            lambda: ports.open_registry(desired.fleet), desired, prepared.host, prepared.facts, units_seen(ports, store, desired), first
+            lambda: ports.open_registry(desired.fleet),
+            desired,
+            prepared.host,
+            prepared.facts,
+            units_seen(ports, store, desired),
+            first,
+            open_lanes=lambda: ports.open_lane_queue(desired.fleet),
         )
-    except RegistryError as exc:
-        ports.note(f"heartbeat after activation: registry unreachable ({exc}); the next pass beats")
+    except (RegistryError, LaneQueueError) as exc:
+        ports.note(
+            f"heartbeat after activation: {'registry' if isinstance(exc, RegistryError) else 'lane queue'} unreachable ({exc}); the next pass beats"
+        )
         return None
     if note is not None:
         ports.note(note)

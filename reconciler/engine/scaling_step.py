@@ -60,7 +60,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
-from reconciler.ports import Audit, CommandResult, CommandRunner, Registry
+from reconciler.ports import Audit, CommandResult, CommandRunner, LaneQueue, LaneQueueError, Registry
 
 # All cloud hooks of one pass share this many seconds (each gets its share as
 # its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
@@ -203,6 +203,8 @@ class ScalingStep:
     log: Callable[[str], None]
     audit: Audit | None = None
     hook_budget_s: float = HOOK_BUDGET_S
+    # phaze's broker: its waiting lane jobs count in the queue depth (None: none known).
+    lane_queue: LaneQueue | None = None
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
         where = action.node or action.tier or "fleet"
@@ -218,7 +220,12 @@ class ScalingStep:
         except ValidationError as exc:
             self.log(f"scaling state unreadable, starting afresh: {exc.errors()[0]['msg']}")
             state = ScalingState()
-        depth = queue_depth(self.registry.lane_jobs(), plan)
+        try:
+            waiting = self.lane_queue.jobs() if self.lane_queue is not None else []
+        except LaneQueueError as exc:
+            self.log(f"lane queue unreachable, queue depth without lane jobs: {exc}")
+            waiting = []
+        depth = queue_depth(waiting, plan)
         now = snapshot.now
         lane_hosts = {host for host in desired.hosts if desired.lanes_on(host)}
         decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now, lane_hosts=lane_hosts)

@@ -21,7 +21,8 @@ from reconciler.core.live.fencing import authorship_problem
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
-from reconciler.ports import Registry, RegistryError
+from reconciler.engine.lane_states import with_lane_states
+from reconciler.ports import LaneQueue, Registry, RegistryError
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ def pass_history(connect: Callable[[], Registry]) -> tuple[FleetHistory | None, 
         registry.close()
 
 
-def live_status(desired: DesiredState, registry: Registry) -> StatusInputs:
-    """The live registry: its snapshot now and the newest published plan."""
+def live_status(desired: DesiredState, registry: Registry, lane_queue: LaneQueue | None = None) -> StatusInputs:
+    """The live registry: its snapshot now and the newest published plan;
+    the lanes' jobs and workers from phaze's broker (`lane_queue`)."""
     # Every declared lane, so a lane nobody reported yet still gets a card.
-    snapshot = registry.snapshot([lane.id for lane in desired.lanes])
+    snapshot = with_lane_states(registry.snapshot([lane.id for lane in desired.lanes]), lane_queue, desired)
     plan = registry.newest_plan()
     history = fleet_history(registry)
     # The same check as every host's fence: a plan they refuse is not the fleet's.

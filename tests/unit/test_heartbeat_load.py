@@ -3,8 +3,9 @@
 x86-spill of the example fleet: the golden plan places flac-fft there and
 its lane x86-spill's agent runs there. systemd, nft and Caddy are
 test_apply's FakeMachine; the registry is `RecordingRegistry` (every beat
-kept, the lane queue's claimed slots set by hand); the registry's plan is
-the golden one, unsigned (the copy's [[plan_keys]] are cut off).
+kept); the lane queue is tests.fakes.FakeLaneQueue, the jobs its queues hold
+set by hand; the registry's plan is the golden one, unsigned (the copy's
+[[plan_keys]] are cut off).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
+from tests.fakes import FakeLaneQueue
 from tests.unit.test_apply import GOLDEN, Fleet
 
 SERVICE = "fabric-agent-flac-fft.service"
@@ -29,7 +31,6 @@ class RecordingRegistry:
 
     def __init__(self) -> None:
         self.beats: list[NodeRecord] = []
-        self.lane_jobs = {"x86-spill": 3, "a1-arm64": 2}
         self.plan = FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_bytes())
         self.reachable = True
         self.lane_reads = 0
@@ -40,10 +41,6 @@ class RecordingRegistry:
             raise RegistryUnavailable("the test cut the registry off")
         self.beats.append(record)
         return record.model_copy(update={"beat_at": datetime(2026, 11, 30, tzinfo=UTC), "timeout_s": 90.0})
-
-    def lane_in_flight(self) -> dict[str, int]:
-        self.lane_reads += 1
-        return dict(self.lane_jobs)
 
     def leader(self) -> LeaderInfo:
         return LeaderInfo(candidate="lux", epoch=self.plan.epoch, since=datetime(2026, 11, 30, tzinfo=UTC), token="t")
@@ -72,6 +69,8 @@ class SpillFleet(Fleet):
         text = fleet_file.read_text()
         fleet_file.write_text(text[: text.index("[[plan_keys]]")])
         self.registry = RecordingRegistry()
+        self.lanes = FakeLaneQueue()
+        self.lanes.held = {"phaze-agent-x86-spill": 3, "phaze-agent-a1-arm64": 2}
 
     def reconcile(self, **changes: object):  # type: ignore[no-untyped-def]
         from reconciler.engine.reconcile import run_pass
@@ -79,6 +78,7 @@ class SpillFleet(Fleet):
         options = self.options(plan=PlanFromRegistry(), **changes)
         ports = self.ports(activate=not options.no_activate)
         ports.open_registry = lambda fleet: self.registry  # type: ignore[assignment,return-value]
+        ports.open_lane_queue = lambda fleet: self.lanes  # type: ignore[assignment,return-value]
         return run_pass(options, ports)
 
 
@@ -104,7 +104,7 @@ def test_a_stopped_service_unit_drops_the_load_and_shows_in_the_units(tmp_path: 
     fleet = SpillFleet(tmp_path)
     fleet.reconcile()
     fleet.machine.stop(SERVICE)
-    fleet.registry.lane_jobs = {"x86-spill": 1}
+    fleet.lanes.held = {"phaze-agent-x86-spill": 1}
     fleet.registry.beats.clear()
     report = fleet.reconcile()
     assert report.outcome == "applied", report  # the pass starts it again

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
-from reconciler.core.live.records import QueuedJob, ScalingRecord, SlotClaim
+from reconciler.core.live.records import QueuedJob, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState
 from reconciler.engine.scaling_step import carry_out, queue_depth, summary
 from reconciler.ports import CommandResult
@@ -14,8 +14,7 @@ NOW = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 
 
 def job(job_id: str, running: bool = False) -> QueuedJob:
-    claim = SlotClaim(lane="a1-arm64", slot=0, holder=job_id, token="t", claimed_at=NOW) if running else None
-    return QueuedJob(job_id=job_id, enqueued_at=NOW, claim=claim)
+    return QueuedJob(job_id=job_id, enqueued_at=NOW, lane="a1-arm64" if running else None, dispatched_at=NOW if running else None)
 
 
 def plan(placements=(), deferred=()) -> FleetPlan:

@@ -667,6 +667,15 @@ class RaySettings(Strict):
     def hosts(self) -> tuple[str, ...]:
         """Every host that runs a Ray node: the head, then the workers."""
         return (self.head, *self.workers)
+def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
+    """The SAQ queue a lane's jobs go to: a compute lane's agent queue
+    (<queue_prefix><agent_ref>), the local lane's own (LOCAL_QUEUE by
+    default); None for a compute lane without an [agent] table."""
+    if lane.kind == "local":
+        return lane.queue or LOCAL_QUEUE
+    if fleet.agent is None:
+        return lane.queue
+    return lane.queue or f"{fleet.agent.queue_prefix}{lane.agent_ref}"
 
 
 class FleetConfig(Strict):
@@ -802,14 +811,8 @@ class DesiredState(BaseModel):
         ]
 
     def queue_for(self, lane: Lane) -> str | None:
-        """The queue a lane's jobs go to: a compute lane's agent queue, the
-        local lane's own (LOCAL_QUEUE by default); None for a compute lane
-        without an [agent] table."""
-        if lane.kind == "local":
-            return lane.queue or LOCAL_QUEUE
-        if self.fleet.agent is None:
-            return lane.queue
-        return lane.queue or f"{self.fleet.agent.queue_prefix}{lane.agent_ref}"
+        """The queue a lane's jobs go to (`lane_queue_name`)."""
+        return lane_queue_name(self.fleet, lane)
 
     def token_file_for(self, lane: Lane) -> str | None:
         """A compute lane's agent token file; None for the local lane (no agent)."""

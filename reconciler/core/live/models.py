@@ -123,6 +123,11 @@ class LaneView(_Live):
     # lane jobs, one account); None when the host is not reporting.
     host: str | None = None
     host_free: int | None = None
+    # How many more lane jobs the host's account absorbs before it grows:
+    # its reported in_flight above services + lane jobs (the larger of the
+    # two is the account; `lanes.account_load`). 0 when the node names its
+    # services (then the account is services + lane jobs).
+    host_slack: int = Field(default=0, ge=0)
 
 
 class Snapshot(_Live):

@@ -226,8 +226,11 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
         node = nodes.get(host) if host is not None else None
         reason = offline_reason(lane, host, node, snapshot.now, seen.get(lane.id))
         host_free = None
+        slack = 0
         if node is not None and host is not None:
             host_free = max(0, node.max_concurrent_tasks - account_load(node, services[host], jobs[host]))
+            if node.services_running is None:
+                slack = max(0, node.in_flight - services[host] - jobs[host])
         views.append(
             _view(
                 LaneView(
@@ -240,6 +243,7 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
                     reason=reason,
                     host=host,
                     host_free=host_free,
+                    host_slack=slack,
                 )
             )
         )
@@ -259,7 +263,9 @@ def _view(view: LaneView) -> LaneView:
 
 def take_slot(views: Sequence[LaneView], lane_id: str) -> list[LaneView]:
     """The views after one more job started in `lane_id`: that lane has one
-    more in flight and every lane on the same host one slot less of it."""
+    more in flight and every lane on the same host one slot less of it, or
+    one less of the host's slack (the account, the larger of its reported
+    in_flight and services + lane jobs, grows only past it)."""
     chosen = next(v for v in views if v.id == lane_id)
     out = []
     for view in views:
@@ -267,7 +273,10 @@ def take_slot(views: Sequence[LaneView], lane_id: str) -> list[LaneView]:
         if view.id == lane_id:
             update["in_flight"] = view.in_flight + 1
         if view.host is not None and view.host == chosen.host and view.host_free is not None:
-            update["host_free"] = max(0, view.host_free - 1)
+            if chosen.host_slack > 0:
+                update["host_slack"] = view.host_slack - 1
+            else:
+                update["host_free"] = max(0, view.host_free - 1)
         out.append(_view(view.model_copy(update=update)) if update else view)
     return out
 

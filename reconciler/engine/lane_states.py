@@ -1,0 +1,34 @@
+"""The lanes' load and workers, as phaze's broker shows them, in a snapshot.
+
+The registry's snapshot carries the declared lanes with no load: lane jobs
+live on phaze's broker (`LaneQueue`). Every reader of lanes (the dispatcher,
+`fabric lane status`, `fabric status`, the leader's plan, the edge's status
+page, a host's heartbeat) puts the lane queue's view in with
+`with_lane_states` before `lanes.lane_views` reads it.
+"""
+
+from __future__ import annotations
+
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import Snapshot
+from reconciler.ports import LaneQueue, LaneTarget
+
+
+def lane_targets(desired: DesiredState) -> dict[str, LaneTarget]:
+    """Each declared lane's queue and cap (a compute lane's failures count cloud attempts)."""
+    targets = {}
+    for lane in desired.lanes:
+        queue = desired.queue_for(lane)
+        if queue is not None:
+            targets[lane.id] = LaneTarget(lane=lane.id, queue=queue, cap=lane.cap, cloud=lane.kind == "compute")
+    return targets
+
+
+def with_lane_states(snapshot: Snapshot, lane_queue: LaneQueue | None, desired: DesiredState) -> Snapshot:
+    """`snapshot` whose lanes are the lane queue's now (jobs queued or active,
+    SAQ workers); without a lane queue (no [phaze] queue_url_file) the
+    declared lanes with no load and no word on workers."""
+    if lane_queue is None:
+        return snapshot
+    queues = {lane_id: target.queue for lane_id, target in lane_targets(desired).items()}
+    return snapshot.model_copy(update={"lanes": lane_queue.lane_states(queues)})
