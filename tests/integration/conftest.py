@@ -11,6 +11,7 @@ import pytest
 from reconciler.ports import Clock
 from tests.conftest import require
 from tests.harness.etcd import EtcdCluster, etcd_cluster
+from tests.harness.postgres import PostgresServer, postgres_server
 from tests.integration.registry_store import Store
 
 
@@ -20,6 +21,20 @@ def etcd() -> Iterator[EtcdCluster]:
     require("etcd")
     with etcd_cluster(members=1) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[PostgresServer]:
+    """phaze's broker: one real PostgreSQL for the whole session (each test
+    takes a database of its own, `broker_dsn`), stopped by PID after it."""
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def broker_dsn(broker: PostgresServer) -> str:
+    """A fresh database on the broker, for one test's lane queue and SAQ workers."""
+    return broker.database(f"t{uuid.uuid4().hex[:16]}")
 
 
 @pytest.fixture

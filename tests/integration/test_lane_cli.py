@@ -1,23 +1,35 @@
-"""`fabric lane` end to end in one process against a real sqlite registry file."""
+"""`fabric lane` end to end in one process: a real sqlite registry file, phaze's broker on a real PostgreSQL, real SAQ workers.
+
+The DSN is written to a file (mode 0600) and named by `--queue-url-file`,
+as [phaze] queue_url_file names it on a real fleet.
+"""
 
 from __future__ import annotations
 
 import json
-import sqlite3
 
+import psycopg
 import pytest
 
 from reconciler.cli import main
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from tests.conftest import EXAMPLE_FLEET
+from tests.harness.saq_workers import LaneWorkers
+from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
+A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
+
 
 @pytest.fixture
-def lane(tmp_path, capsys):
+def lane(tmp_path, capsys, broker_dsn):
+    dsn = broker_dsn
+    url_file = tmp_path / "queue_url"
+    url_file.write_text(dsn + "\n")
+    url_file.chmod(0o600)
     registry = tmp_path / "registry.sqlite"
     # Every example host beats (a lane is as healthy as its agent host).
     store = open_registry(load_desired(EXAMPLE_FLEET).fleet, sqlite_path=registry)
@@ -25,50 +37,80 @@ def lane(tmp_path, capsys):
         beat_example_fleet(store)
     finally:
         store.close()
+    workers = LaneWorkers(dsn)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry)])
+        status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file)])
         out, err = capsys.readouterr()
         return status, out, err
 
-    run.registry = registry
-    return run
+    run.dsn = dsn
+    run.workers = workers
+    try:
+        yield run
+    finally:
+        workers.close()
 
 
-def test_enqueue_dispatch_status_done_and_fail(lane):
+def test_enqueue_dispatch_status_and_the_workers_finish_jobs(lane):
+    for queue in (A1, X86, LOCAL):
+        lane.workers.start(queue)
     assert lane("enqueue", *[f"job-{i}" for i in range(8)])[0] == 0
+    assert lane("enqueue", "short", "--duration", "30")[0] == 0
     status, out, _ = lane("dispatch", "--once", "--json")
     assert status == 0
-    events = [json.loads(line) for line in out.splitlines()]
-    assert [e["backend"] or e["hold"] for e in events] == ["a1-arm64"] * 2 + ["x86-spill"] * 4 + ["local_spill_not_reached"] * 2
+    events = {e["job"]: e["backend"] or e["hold"] for e in map(json.loads, out.splitlines())}
+    assert events == {
+        "job-0": "a1-arm64",
+        "job-1": "a1-arm64",
+        **{f"job-{i}": "x86-spill" for i in range(2, 6)},
+        "job-6": "local_spill_not_reached",
+        "job-7": "local_spill_not_reached",
+        "short": "local",
+    }
 
     status, out, _ = lane("status", "--json")
     document = json.loads(out)
+    assert [(v["id"], v["kind"], v["rank"], v["cap"], v["in_flight"], v["queue"], v["online"]) for v in document["lanes"]] == [
+        ("a1-arm64", "compute", 10, 2, 2, A1, True),
+        ("x86-spill", "compute", 20, 4, 4, X86, True),
+        ("local", "local", 99, 1, 1, LOCAL, True),
+    ]
+    assert [v["hold"] for v in document["lanes"]] == [f"full: 2/2 jobs in {A1}", f"full: 4/4 jobs in {X86}", "full: 1/1 jobs in phaze-local"]
+    assert document["new_job"] == {"backend": None, "hold": "no_free_slots"}
     assert document["queue_depth"] == 2
-    assert {v["id"]: v["in_flight"] for v in document["lanes"]} == {"a1-arm64": 2, "x86-spill": 4, "local": 0}
-    assert [(w["job"], w["hold"]) for w in document["waiting"]] == [("job-6", "local_spill_not_reached"), ("job-7", "local_spill_not_reached")]
-    assert [r["job"] for r in document["running"]] == [f"job-{i}" for i in range(6)]
-
-    # Text status says why each waiting job is held.
     _, text, _ = lane("status")
-    assert "waiting job-6" in text and "held: local_spill_not_reached: the cloud lanes are full" in text
+    assert "waiting job-6" in text and "held: no_free_slots: every lane it may use is full or offline" in text  # local is full too (short)
 
-    assert lane("fail", "job-0", "--json")[1].strip() == json.dumps({"job": "job-0", "lane": "a1-arm64", "requeued": True, "attempts": 1})
-    assert lane("done", "job-1")[0] == 0
+    wait_until(lambda: "job-0" in lane.workers.running(), timeout=deadline_for(1), what="a1's worker runs job-0")
+    lane.workers.finish("job-0", ok=False)
+    lane.workers.finish("job-1")
+    wait_until(lambda: _unfinished(lane.dsn).get(A1, 0) == 0, timeout=deadline_for(1), what="SAQ ended both a1 jobs")
     _, out, _ = lane("dispatch", "--once")
-    # The requeued job is the oldest: it goes first, to the freed cloud slots.
-    assert out.splitlines()[0].startswith("job-0 -> a1-arm64") and out.splitlines()[1].startswith("job-6 -> a1-arm64")
-    assert "job-7 held: local_spill_not_reached" in out
+    lines = out.splitlines()
+    assert "job-0 failed in a1-arm64: waiting again (attempts 1)" in lines
+    assert "job-1 done in a1-arm64" in lines
+    assert any(line.startswith("job-0 -> a1-arm64") for line in lines), lines
 
 
-def test_bad_job_ids_exit_2_and_write_nothing_and_a_job_not_running_exits_1(lane):
+def _unfinished(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute("SELECT queue, count(*) FROM saq_jobs WHERE status IN ('queued', 'active') GROUP BY queue").fetchall())
+
+
+def test_bad_input_exits_2_and_writes_nothing_and_an_unreadable_url_file_exits_1(lane, tmp_path):
     status, _, err = lane("enqueue", "ok-job", "Not/A/Job")
     assert status == 2 and "'Not/A/Job' is not a job id" in err
-    if lane.registry.exists():
-        assert sqlite3.connect(lane.registry).execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
-    assert lane("enqueue", "j1")[0] == 0
-    status, _, err = lane("done", "j1")
-    assert status == 1 and "j1 is not running" in err
+    with psycopg.connect(lane.dsn) as conn:
+        assert conn.execute("SELECT to_regclass('fabric_lane_jobs')").fetchone()[0] is None, "nothing was even opened"
     with pytest.raises(SystemExit) as exit_info:
-        lane("done")
+        lane("enqueue", "j1", "--duration", "-5")
     assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        lane("status", "--duration", "5")
+    assert exit_info.value.code == 2
+    missing = tmp_path / "nowhere"
+    status = main(
+        ["lane", "status", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "r.sqlite"), "--queue-url-file", str(missing)]
+    )
+    assert status == 1

@@ -28,7 +28,6 @@ from reconciler.engine.dispatch import dispatch_pass, lane_status, lane_targets
 from reconciler.ports import StaleDispatcher
 from tests.conftest import EXAMPLE_FLEET
 from tests.fakes import FakeClock
-from tests.harness.postgres import PostgresServer, postgres_server
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import beat_example_fleet
@@ -37,12 +36,6 @@ pytestmark = pytest.mark.integration
 
 A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
 HEARTBEAT_S = 1
-
-
-@pytest.fixture(scope="module")
-def broker() -> Iterator[PostgresServer]:
-    with postgres_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +69,8 @@ class Lanes:
 
 
 @pytest.fixture
-def lanes(broker: PostgresServer, request: pytest.FixtureRequest, tmp_path: Path, desired: DesiredState) -> Iterator[Lanes]:
-    world = Lanes(broker.database(f"t_{request.node.name[:50]}".lower()), tmp_path, desired)
+def lanes(broker_dsn: str, tmp_path: Path, desired: DesiredState) -> Iterator[Lanes]:
+    world = Lanes(broker_dsn, tmp_path, desired)
     try:
         yield world
     finally:

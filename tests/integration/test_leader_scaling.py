@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
+from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
@@ -51,8 +52,10 @@ class RecordingAudit:
 class Fleet:
     """A registry with the example fleet's nodes, a clock, hook output, and leader loops."""
 
-    def __init__(self, settings: dict, sqlite_path: str | None, tmp: Path) -> None:
+    def __init__(self, settings: dict, sqlite_path: str | None, tmp: Path, broker_dsn: str) -> None:
         self.clock = FakeClock()
+        # phaze's broker: the lane jobs waiting there count in the queue depth.
+        self.lanes = PostgresLaneQueue(broker_dsn, self.clock)
         self.settings = settings
         self.sqlite_path = sqlite_path
         self.hook_out = tmp / "hooks.jsonl"
@@ -85,6 +88,7 @@ class Fleet:
             audit=self.audit,
             log=self.logs.append,
             signer=self.signed.signer(host),
+            lane_queue=self.lanes,
         )
 
     def beat(self, **in_flight: int) -> None:
@@ -122,24 +126,25 @@ class Fleet:
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
-def fleet(request, tmp_path) -> Iterator[Fleet]:
+def fleet(request, tmp_path, broker_dsn) -> Iterator[Fleet]:
     if request.param == "etcd":
         cluster = request.getfixturevalue("etcd")
-        f = Fleet({"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None, tmp_path)
+        f = Fleet({"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None, tmp_path, broker_dsn)
     else:
         path = str(tmp_path / "registry.sqlite")
-        f = Fleet({"backend": "sqlite", "path": path}, path, tmp_path)
+        f = Fleet({"backend": "sqlite", "path": path}, path, tmp_path, broker_dsn)
     try:
         yield f
     finally:
         for registry in f.opened:
             registry.close()
+        f.lanes.close()
 
 
 def test_a_burst_activates_idle_capacity_first_then_runs_each_tiers_hook_once_per_interval(fleet):
     # Everything busy except lux; eleven lane jobs wait (queue_high is 10).
     fleet.beat(lux=0)
-    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     leader = fleet.loop()
     leader.step()
     fleet.clock.advance(29)
@@ -178,7 +183,7 @@ def test_a_burst_activates_idle_capacity_first_then_runs_each_tiers_hook_once_pe
 
 def test_a_one_shot_step_resigns_and_the_next_one_campaigns_anew_and_audits_what_it_scales(fleet):
     fleet.beat(lux=0)
-    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     leader = fleet.loop()
     assert leader.scaling is not None and leader.scaling.hook_budget_s == LONG / 2, "hooks leave half the lease to renew it"
 
@@ -254,7 +259,7 @@ def test_a_group_idle_for_fifteen_minutes_is_scaled_down_and_a_burst_brings_it_b
     assert len(fleet.said("scaling scale_down x86-spill")) == 1, "scaled down once, not every pass"
 
     # A burst: the scaled-down group is the idle capacity activated first.
-    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     leader.step()
     fleet.clock.advance(30)
     leader.step()
@@ -265,7 +270,7 @@ def test_a_group_idle_for_fifteen_minutes_is_scaled_down_and_a_burst_brings_it_b
 
 def test_a_leader_that_lost_its_fence_writes_no_scaling_state_and_runs_no_hook(fleet):
     fleet.beat()
-    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     old = fleet.loop("lux")
     old.step()
     assert old.leadership is not None
@@ -301,7 +306,7 @@ def test_a_failing_or_hanging_hook_is_recorded_without_its_command_and_paces_lik
     scaling = fleet.desired.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
     fleet.desired = fleet.desired.model_copy(update={"fleet": fleet.desired.fleet.model_copy(update={"scaling": scaling})})
     fleet.beat()
-    fleet.registry.enqueue_jobs([f"burst-{i}" for i in range(11)])
+    fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     leader = fleet.loop()
     leader.scaling.hook_budget_s = 2  # one second each: the sleeper is cut off
     leader.step()

@@ -68,13 +68,13 @@ def test_stopping_one_of_three_members_keeps_the_registry_working(cluster):
         cluster.stop("m0")
         assert not cluster.member("m0").running
 
-        # Reads, beats, fenced writes, claims and the watch all still work.
+        # Reads, beats, fenced writes, drains and the watch all still work.
         registry.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
         registry.heartbeat(NodeRecord(node_id="lux", tier="cpu_ffmpeg"), ttl_s=SHORT_TTL_S)
         assert registry.renew(term)
         after = registry.publish_plan(term, a_plan())
         assert after.epoch > before.epoch
-        assert registry.claim_slot("a1-arm64", 2, holder="d") is not None
+        assert registry.set_drain("qfox-1", reason="quorum test") is not None and registry.clear_drain("qfox-1")
         assert {s.node_id: s.status for s in registry.node_states()} == {"qfox-1": "active", "lux": "active"}
         # A record still expires by its lease on the two-member quorum, and the watch sees it.
         wait_until(lambda: status_of(registry, "lux") == "offline", timeout=deadline_for(SHORT_TTL_S), what="lux offline on the remaining members")
@@ -116,7 +116,7 @@ def test_an_unreachable_registry_raises_registry_unavailable():
             registry.snapshot,
             registry.leader,
             lambda: registry.campaign("lux", 5),
-            lambda: registry.claim_slot("local", 1, holder="d"),
+            lambda: registry.set_drain("lux"),
         ):
             with pytest.raises(RegistryUnavailable, match="no etcd endpoint answers"):
                 call()
