@@ -5,9 +5,10 @@ does, to pin each rule): here every host of the example fleet runs its real
 `fabric reconcile` pass (engine.memoized_pass.run_memoized_pass on the
 command line's own ports, cli.wiring: files under a tmp root, its replayed
 probe capture, --no-activate, so a host's services are its placements), the
-lane jobs go through the real lane queue (`Registry.enqueue_jobs`, the
-dispatcher's engine.dispatch.dispatch_pass, engine.dispatch.finish_job as
-`fabric lane done` calls it), and the real leader loop
+lane jobs go through the real lane queue on phaze's broker (a real
+PostgreSQL: `PostgresLaneQueue.enqueue`, the dispatcher's
+engine.dispatch.dispatch_pass, and real SAQ workers on every lane's queue
+that finish the jobs when the test says), and the real leader loop
 (engine.leader.candidate_loop, as fabric-leader.service builds it) decides
 on the node records the passes wrote. Both registry backends: a sqlite file
 and a private prefix of a real etcd member.
@@ -26,7 +27,7 @@ time to a file.
       first (racknerd, an idle relay with no lane, is no capacity for lane
       jobs); once lux runs a spilled job, each tier's hook runs, once per tier
       per group interval
-    3 the jobs finish (`fabric lane done`), the queue drains, the load falls;
+    3 the jobs finish (the lanes' SAQ workers), the queue drains, the load falls;
       after the scale-down window the leader scales the idle groups down, and
       no scale_down was ever recorded while the queue was above queue_high
 """
@@ -41,14 +42,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
+from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
 from reconciler.cli.wiring import memo_ports, open_registry, real_pass_ports
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.dispatch import dispatch_pass, finish_job
+from reconciler.engine.dispatch import dispatch_pass
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.engine.memoized_pass import MemoHit, run_memoized_pass
 from reconciler.engine.pass_options import PlanFromRegistry
@@ -57,6 +60,8 @@ from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry
 from tests.conftest import REPO
 from tests.fakes import FakeClock
+from tests.harness.saq_workers import LaneWorkers
+from tests.harness.waiting import deadline_for, wait_until
 from tests.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
@@ -97,11 +102,19 @@ class RecordingAudit:
 class LiveFleet:
     """The example fleet on one registry, with one clock for the registry, the passes and the leader."""
 
-    def __init__(self, settings: dict, sqlite_path: Path | None, tmp: Path) -> None:
+    def __init__(self, settings: dict, sqlite_path: Path | None, tmp: Path, broker_dsn: str) -> None:
         self.tmp = tmp
         self.settings = settings
         self.sqlite_path = sqlite_path
         self.clock = FakeClock(float(int(time.time())))  # whole seconds: registry times keep microseconds
+        self.dsn = broker_dsn
+        # A worker on every lane's queue, each taking more than its cap: the
+        # caps and the hosts' accounts are the dispatcher's to keep.
+        self.workers = LaneWorkers(broker_dsn)
+        for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
+            self.workers.start(queue, concurrency=8)
+        self.lane_queues: list[PostgresLaneQueue] = []
+        self.lanes = self._open_lanes()
         self.hook_out = tmp / "hook-runs.txt"
         self.signed: SignedFleet = signed_example_fleet(tmp / "fleet")
         self.desired_dir = self.signed.desired
@@ -123,7 +136,14 @@ class LiveFleet:
             audit=RecordingAudit(),
             log=self.logs.append,
             signer=self.signed.signer("lux"),
+            lane_queue=self._open_lanes(),
         )
+
+    def _open_lanes(self, fleet: object = None) -> PostgresLaneQueue:
+        """The lane queue on this fleet's clock (the passes' and the leader's)."""
+        queue = PostgresLaneQueue(self.dsn, self.clock)
+        self.lane_queues.append(queue)
+        return queue
 
     def _configure(self) -> None:
         """[registry] -> this store, short [scaling] windows, both tiers' hooks -> the script."""
@@ -181,6 +201,7 @@ class LiveFleet:
             with real_pass_ports(opts) as ports:
                 ports.clock = self.clock
                 ports.open_registry = self._connect
+                ports.open_lane_queue = self._open_lanes
                 ports.audit = RecordingAudit()
                 ports.note = notes.append
                 yield ports
@@ -188,6 +209,7 @@ class LiveFleet:
         with memo_ports(options) as memo:
             memo.clock = self.clock
             memo.open_registry = self._connect
+            memo.open_lane_queue = self._open_lanes
             memo.audit = RecordingAudit()
             memo.note = notes.append
             outcome = run_memoized_pass(options, memo, full_pass_ports)
@@ -201,7 +223,7 @@ class LiveFleet:
         every host runs its pass (its heartbeat), then the leader steps."""
         assert seconds < self.desired.fleet.timing.node_timeout_s, "no host may lapse between its beats"
         self.clock.advance(seconds)
-        dispatch_pass(self.registry, self.desired)
+        dispatch_pass(self.registry, self.lanes, self.desired)
         for host in HOSTS:
             self.run_pass(host)
         self.steps.append((self.clock.now(), self.depth(), self.in_flight()))
@@ -217,27 +239,35 @@ class LiveFleet:
         return since
 
     def finish_running(self) -> int:
-        """Every running job is done, as `fabric lane done JOB` reports it; how many."""
-        running = [job.job_id for job in self.registry.lane_jobs() if job.claim is not None]
+        """Every dispatched job is done: its SAQ worker completes it (the next
+        dispatch pass settles it); how many."""
+        running = [job.job_id for job in self.lanes.jobs() if not job.waiting]
+        wait_until(lambda: set(running) <= set(self.workers.ran), timeout=deadline_for(1), what=f"the workers took {running}")
         for job_id in running:
-            assert finish_job(self.registry, self.desired, job_id, failed=False) is not None
+            self.workers.finish(job_id)
+        wait_until(lambda: not self._unfinished(), timeout=deadline_for(1), what="SAQ completed them")
         return len(running)
+
+    def _unfinished(self) -> int:
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute("SELECT count(*) FROM saq_jobs WHERE status IN ('new', 'deferred', 'queued', 'active')").fetchone()
+        return int(row[0]) if row else 0
 
     # -- what the registry holds -------------------------------------------------
     def in_flight(self) -> dict[str, int]:
         return {s.record.node_id: s.record.in_flight for s in self.registry.node_states() if s.record is not None}
 
     def lane_jobs_on(self) -> dict[str, int]:
-        """Running lane jobs per host, from the lane queue's claims."""
+        """Dispatched lane jobs per host, from the lane queue."""
         host_of = {lane.id: host for host in HOSTS for lane in self.desired.lanes_on(host)}
         running = {h: 0 for h in HOSTS}
-        for job in self.registry.lane_jobs():
-            if job.claim is not None:
-                running[host_of[job.claim.lane]] += 1
+        for job in self.lanes.jobs():
+            if job.lane is not None:
+                running[host_of[job.lane]] += 1
         return running
 
     def depth(self) -> int:
-        return queue_depth(self.registry.lane_jobs(), self.registry.newest_plan())
+        return queue_depth(self.lanes.jobs(), self.registry.newest_plan())
 
     def leader_said(self, fragment: str) -> list[str]:
         return [line for line in self.logs if fragment in line]
@@ -251,18 +281,21 @@ class LiveFleet:
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
-def fleet(request, tmp_path) -> Iterator[LiveFleet]:
+def fleet(request, tmp_path, broker_dsn) -> Iterator[LiveFleet]:
     if request.param == "etcd":
         cluster = request.getfixturevalue("etcd")
-        f = LiveFleet({"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None, tmp_path)
+        f = LiveFleet({"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None, tmp_path, broker_dsn)
     else:
         path = tmp_path / "registry.sqlite"
-        f = LiveFleet({"backend": "sqlite", "path": str(path)}, path, tmp_path)
+        f = LiveFleet({"backend": "sqlite", "path": str(path)}, path, tmp_path, broker_dsn)
     try:
         yield f
     finally:
         for registry in f.opened:
             registry.close()
+        f.workers.close()
+        for queue in f.lane_queues:
+            queue.close()
 
 
 def test_a_burst_of_real_lane_jobs_scales_out_on_measured_load_and_the_idle_groups_down_after_it(fleet):
@@ -279,7 +312,7 @@ def test_a_burst_of_real_lane_jobs_scales_out_on_measured_load_and_the_idle_grou
     # 2 More lane jobs than the lanes can take. The dispatcher fills them:
     # x86-spill up to its host's limit, a1-arm64 not at all (its one slot
     # runs flac-fft: one account), local held by the spill gate.
-    fleet.registry.enqueue_jobs([f"job-{i}" for i in range(12)])
+    fleet.lanes.enqueue([(f"job-{i}", None) for i in range(12)])
     fleet.tick()
     on_lanes = fleet.lane_jobs_on()
     assert on_lanes == {"lux": 0, "qfox-1": 0, "racknerd": 0, "a1-arm64": 0, "x86-spill": 2}, on_lanes
@@ -322,9 +355,9 @@ def test_a_burst_of_real_lane_jobs_scales_out_on_measured_load_and_the_idle_grou
     assert [line.split(" ", 1)[1] for line in fleet.hook_runs()] == ["batch one group", "wasm one group"] * 3
     assert fleet.clock.now() - fleet.idle_since("racknerd", fleet.clock.now()) > SCALE_DOWN_WINDOW_S
 
-    # 3 The jobs finish (`fabric lane done`); the dispatcher starts the next
+    # 3 The jobs finish (their SAQ workers); the dispatcher starts the next
     # ones, which finish too, until the queue is empty.
-    while fleet.registry.lane_jobs():
+    while fleet.lanes.jobs():
         assert fleet.finish_running() > 0
         fleet.tick(5)
     drained_at = fleet.clock.now()
