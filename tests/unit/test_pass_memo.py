@@ -134,37 +134,6 @@ def reported_in_flight(s: Sandbox) -> int:
         registry.close()
 
 
-def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Lane jobs start and end without any drift: each memoized heartbeat reads them afresh."""
-    spill = Sandbox(tmp_path, host="x86-spill")
-    # The golden plan places flac-fft on x86-spill (published unsigned: the copy lists no plan keys).
-    fleet_file = spill.desired / "fabric.toml"
-    fleet_file.write_text(fleet_file.read_text().split("[[plan_keys]]")[0])
-    new_registry_epoch(spill)
-    code, _, err = run(capsys, spill.argv())
-    assert code == 0 and not memoized(err), err
-    assert reported_in_flight(spill) == 1  # --no-activate: the one placement it runs
-    registry = open_registry(spill)
-    try:
-        registry.enqueue_jobs(["job-1", "job-2"])
-        assert registry.start_job("job-1", "x86-spill", 4) is not None
-        assert registry.start_job("job-2", "a1-arm64", 2) is not None  # another host's lane
-    finally:
-        registry.close()
-    code, _, err = run(capsys, spill.argv())
-    assert code == 0 and memoized(err), err
-    assert "note: heartbeat: x86-spill tier relay, in_flight 2, alive for 90 s" in err
-    assert reported_in_flight(spill) == 2
-    registry = open_registry(spill)
-    try:
-        registry.finish_job("job-1")
-    finally:
-        registry.close()
-    code, _, err = run(capsys, spill.argv())
-    assert code == 0 and memoized(err), err
-    assert reported_in_flight(spill) == 1
-
-
 def two_passes_noting_imports(argv: list[str], heavy: tuple[str, ...]) -> tuple[str, str]:
     """Two `fabric reconcile` processes in a row (the first full, the second
     memoized); each prints `HEAVY` and which of `heavy` it imported."""

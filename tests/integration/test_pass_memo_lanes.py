@@ -1,0 +1,75 @@
+"""A memoized pass reads the lane jobs of its host afresh, from phaze's broker (a real PostgreSQL, a real SAQ worker).
+
+x86-spill of the example fleet in a sandbox (tests/unit/test_pass_memo.py's
+Sandbox: `fabric reconcile --no-activate` in one process); its desired
+state's [phaze] queue_url_file names a file holding the broker's DSN.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.core.desired.load import load_desired
+from reconciler.engine.lane_states import lane_targets
+from tests.harness.saq_workers import LaneWorkers
+from tests.harness.waiting import deadline_for, wait_until
+from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_registry_epoch, reported_in_flight, run
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["audit_on_stderr"]  # its autouse fixture applies here too
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.time()
+
+
+def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsys: pytest.CaptureFixture[str], broker_dsn: str) -> None:
+    """Lane jobs start and end without any drift: each memoized heartbeat reads them afresh."""
+    spill = Sandbox(tmp_path, host="x86-spill")
+    url_file = tmp_path / "queue_url"
+    url_file.write_text(broker_dsn)
+    url_file.chmod(0o600)
+    # The golden plan places flac-fft on x86-spill (published unsigned: the copy lists no plan keys).
+    fleet_file = spill.desired / "fabric.toml"
+    text = fleet_file.read_text().split("[[plan_keys]]")[0]
+    fleet_file.write_text(text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
+    new_registry_epoch(spill)
+    code, _, err = run(capsys, spill.argv())
+    assert code == 0 and not memoized(err), err
+    assert reported_in_flight(spill) == 1  # --no-activate: the one placement it runs
+
+    targets = lane_targets(load_desired(spill.desired))
+    lanes = PostgresLaneQueue(broker_dsn, WallClock())
+    workers = LaneWorkers(broker_dsn)
+    try:
+        workers.start("phaze-agent-x86-spill")
+        lanes.enqueue([("job-1", None), ("job-2", None)])
+        assert lanes.dispatch("job-1", targets["x86-spill"], epoch=1) is not None
+        assert lanes.dispatch("job-2", targets["a1-arm64"], epoch=1) is not None  # another host's lane
+        code, _, err = run(capsys, spill.argv())
+        assert code == 0 and memoized(err), err
+        assert "note: heartbeat: x86-spill tier relay, in_flight 2, alive for 90 s" in err
+        assert reported_in_flight(spill) == 2
+
+        wait_until(lambda: "job-1" in workers.running(), timeout=deadline_for(1), what="x86-spill's worker runs job-1")
+        workers.finish("job-1")
+
+        def done() -> bool:
+            with psycopg.connect(broker_dsn) as conn:
+                row = conn.execute("SELECT status FROM saq_jobs WHERE key LIKE 'job-1.%'").fetchone()
+            return row is not None and row[0] == "complete"
+
+        wait_until(done, timeout=deadline_for(1), what="SAQ completed job-1")
+        code, _, err = run(capsys, spill.argv())
+        assert code == 0 and memoized(err), err
+        assert reported_in_flight(spill) == 1
+    finally:
+        workers.close()
+        lanes.close()
