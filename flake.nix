@@ -43,6 +43,8 @@
                 jinja2
                 dbus-fast
                 aetcd
+                psycopg
+                psycopg.pool
                 pytest
                 pytest-subprocess
                 hypothesis
@@ -56,6 +58,7 @@
             pkgs.caddy
             pkgs.socat
             pkgs.etcd
+            pkgs.postgresql_15
             pkgs.git
             pkgs.iproute2
             pkgs.nixfmt-rfc-style
