@@ -1,5 +1,5 @@
-"""Registry figures on both backends: beat and snapshot latency, slot-claim
-throughput, how fast a silent node and a dead leader are noticed.
+"""Registry figures on both backends: beat and snapshot latency, how fast a
+silent node and a dead leader are noticed (lane jobs: bench/lanes).
 
 Run: /tmp/venv/bin/python bench/registry [--beats N] [--nodes N]
 
@@ -8,8 +8,6 @@ etcd cluster on loopback (started here and stopped by PID at the end). Prints
 for each:
   - heartbeat: median and 95th percentile of one beat (one node re-beating)
   - snapshot: median time to read the whole registry with --nodes nodes
-  - claims/s: claim + release pairs per second on a lane of cap 2, from 1
-    thread and from 16 threads on 4 clients
   - silent node noticed: from a node's last beat (TTL 1 s) until a waiting
     leader is woken (wait_for_change); ideal = the TTL
   - takeover: from a leader's last renewal (lease TTL 2 s) until a waiting
@@ -25,7 +23,6 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -68,24 +65,6 @@ def bench(name: str, open_registry, beats: int, nodes: int) -> None:
             r.snapshot(lanes=["a1-arm64"])
             snaps.append(time.perf_counter() - t)
 
-        def pairs(registry, count: int) -> int:
-            done = 0
-            while done < count:
-                claim = registry.claim_slot("bench-lane", 2, holder="bench")
-                if claim is not None:
-                    registry.release_slot(claim)
-                    done += 1
-            return done
-
-        t = time.perf_counter()
-        n1 = pairs(r, 200)
-        single = n1 / (time.perf_counter() - t)
-        clients = [new() for _ in range(4)]
-        t = time.perf_counter()
-        with ThreadPoolExecutor(16) as pool:
-            n16 = sum(pool.map(lambda i: pairs(clients[i % 4], 25), range(16)))
-        multi = n16 / (time.perf_counter() - t)
-
         watcher = new()
         watcher.wait_for_change(0)
         r.heartbeat(NodeRecord(node_id="silent", tier="relay"), ttl_s=1)
@@ -111,7 +90,6 @@ def bench(name: str, open_registry, beats: int, nodes: int) -> None:
         print(f"{name}")
         print(f"  heartbeat            {beat}")
         print(f"  snapshot ({nodes} nodes) {ms(statistics.median(snaps))} median")
-        print(f"  claims/s             {single:.0f} (1 thread), {multi:.0f} (16 threads, 4 clients)")
         print(f"  silent node noticed  {noticed:.2f} s after its last beat (TTL 1 s)")
         print(f"  takeover             {takeover:.2f} s after the last renewal (lease TTL 2 s)")
     finally:
