@@ -25,7 +25,7 @@ import argparse
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
-from reconciler.cli.registry_options import add_identity_options, add_registry_options, desired_and_registry, with_identity
+from reconciler.cli.registry_options import add_identity_options, add_registry_options, desired_and_registry, live_snapshot, with_identity
 from reconciler.cli.wiring import registry_auth
 from reconciler.core.desired.registry_access import auth_steps, registry_access
 from reconciler.ports import RegistryError
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     with desired_and_registry(args) as (desired, registry):
-        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+        snapshot = live_snapshot(args, desired, registry)
     print(snapshot.model_dump_json(indent=2))
     return EXIT_OK
 

@@ -27,10 +27,11 @@ from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import CommandError, InvalidInput
 from reconciler.cli.common import add_desired, add_registry_path, load_or_fail
-from reconciler.cli.wiring import open_existing_registry, open_lane_queue, open_registry
+from reconciler.cli.wiring import lane_queue_if_configured, open_existing_registry, open_lane_queue, open_registry
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.desired.problems import key_path, problem_from_json_error
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
+from reconciler.engine.lane_states import with_lane_states
 from reconciler.ports import LaneQueue, LaneQueueError, Registry, RegistryError
 
 
@@ -186,4 +187,20 @@ def desired_and_snapshot(args: argparse.Namespace) -> tuple[DesiredState, Snapsh
     if args.snapshot is not None:
         return desired, read_snapshot(args.snapshot)
     with opened_registry(args, desired, hint=" (give --snapshot FILE for a what-if)") as registry:
-        return desired, registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+        return desired, live_snapshot(args, desired, registry)
+
+
+def live_snapshot(args: argparse.Namespace, desired: DesiredState, registry: Registry) -> Snapshot:
+    """The registry's snapshot now with the lanes' jobs and workers from
+    phaze's broker when [phaze] queue_url_file names it (a note on stderr
+    when it cannot be read: the lanes then carry no load)."""
+    snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+    lane_queue = lane_queue_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
+    if lane_queue is None:
+        return snapshot
+    try:
+        return with_lane_states(snapshot, lane_queue, desired)
+    except LaneQueueError as exc:
+        raise CommandError(f"fabric {args.command}: lane queue: {exc}") from None
+    finally:
+        lane_queue.close()

@@ -5,7 +5,8 @@ prefix of a real etcd member) with a small node timeout; every host beats,
 the real leader loop (engine.leader.LeaderLoop, signing its plans as lux)
 advances the lifecycle, and the real commands read it: `fabric dispatch
 --lane`, `fabric lane status` and `fabric lane dispatch --once` (the lane
-dispatcher). a1-arm64's host stops beating -> once the leader marks it
+dispatcher) over phaze's broker (a real PostgreSQL, named by the desired
+state's [phaze] queue_url_file) with a real SAQ worker on every lane's queue. a1-arm64's host stops beating -> once the leader marks it
 offline, the next job goes to x86-spill and `fabric lane status` shows
 a1-arm64 offline with the reason; x86-spill's host silent too -> the next job
 goes to local at once; the hosts beat again -> the lanes are back.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,6 +27,7 @@ from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
+from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import EXAMPLE_HOSTS, beat_example_fleet, status_of
 
@@ -40,15 +43,23 @@ OFFLINE_WITHIN_S = deadline_for(NODE_TIMEOUT_S + HEARTBEAT_S)
 class Fleet:
     """The example fleet's desired state on `store`, its hosts' beats, the leader, and the commands."""
 
-    def __init__(self, store, tmp_path, capsys) -> None:
+    def __init__(self, store, tmp_path, capsys, broker_dsn) -> None:
         store.config = {"timing": TIMING}
+        self.dsn = broker_dsn
+        url_file = tmp_path / "queue_url"
+        url_file.write_text(broker_dsn)
+        url_file.chmod(0o600)
+        self.workers = LaneWorkers(broker_dsn)
+        for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
+            self.workers.start(queue)
         self.capsys = capsys
         self.desired_dir = store.desired_dir(tmp_path)
         toml = self.desired_dir / "fabric.toml"
         text = toml.read_text()
         timing = re.search(r"(?ms)^\[timing\]\n.*?(?=^\[)", text)
         assert timing is not None
-        toml.write_text(text.replace(timing.group(0), "[timing]\n" + "".join(f"{k} = {v}\n" for k, v in TIMING.items()) + "\n"))
+        text = text.replace(timing.group(0), "[timing]\n" + "".join(f"{k} = {v}\n" for k, v in TIMING.items()) + "\n")
+        toml.write_text(text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
         self.desired = load_desired(self.desired_dir)
         assert self.desired.fleet.timing.node_timeout_s == NODE_TIMEOUT_S
         self.registry = store.open()
@@ -93,22 +104,34 @@ class Fleet:
         return {lane["id"]: lane for lane in json.loads(self.fabric("lane", "status", "--json"))["lanes"]}
 
     def dispatch_one(self, job: str) -> str | None:
-        """The lane dispatcher takes `job` into a slot; then it is done (the slot free again)."""
+        """The lane dispatcher takes `job` into its lane's queue; its SAQ
+        worker finishes it and the next dispatch pass settles it (the slot free again)."""
         self.fabric("lane", "enqueue", job)
         (event,) = [json.loads(line) for line in self.fabric("lane", "dispatch", "--once", "--json").splitlines()]
         if event["backend"] is not None:
-            self.fabric("lane", "done", job)
+            wait_until(lambda: job in self.workers.ran, timeout=deadline_for(HEARTBEAT_S), what=f"a worker taking {job}")
+            self.workers.finish(job)
+            settled = wait_until(
+                lambda: [e for e in map(json.loads, self.fabric("lane", "dispatch", "--once", "--json").splitlines()) if e["job"] == job],
+                timeout=deadline_for(HEARTBEAT_S),
+                what=f"{job} settled",
+            )
+            assert settled[0]["outcome"] == "complete", settled
         return event["backend"]
 
 
 @pytest.fixture
-def fleet(store, tmp_path, capsys) -> Fleet:
-    return Fleet(store, tmp_path, capsys)
+def fleet(store, tmp_path, capsys, broker_dsn) -> Iterator[Fleet]:
+    fleet = Fleet(store, tmp_path, capsys, broker_dsn)
+    try:
+        yield fleet
+    finally:
+        fleet.workers.close()
 
 
 def test_a_silent_host_takes_its_lane_offline_with_the_reason_and_back(fleet):
     fleet.step()
-    assert {k: v["available"] for k, v in fleet.lanes().items()} == {"a1-arm64": True, "x86-spill": True, "local": True}
+    assert {k: v["online"] for k, v in fleet.lanes().items()} == {"a1-arm64": True, "x86-spill": True, "local": True}
     assert fleet.next_lane() == "a1-arm64"
     assert fleet.dispatch_one("first") == "a1-arm64"
 
@@ -118,7 +141,7 @@ def test_a_silent_host_takes_its_lane_offline_with_the_reason_and_back(fleet):
     assert fleet.next_lane() == "x86-spill"
     assert fleet.dispatch_one("second") == "x86-spill"
     a1 = fleet.lanes()["a1-arm64"]
-    assert a1["available"] is False
+    assert a1["online"] is False
     assert re.fullmatch(r"host a1-arm64 offline since \d\d:\d\d:\d\d", a1["reason"]), a1["reason"]
     text = fleet.fabric("lane", "status")
     assert f"OFFLINE: {a1['reason']}" in text
@@ -130,13 +153,13 @@ def test_a_silent_host_takes_its_lane_offline_with_the_reason_and_back(fleet):
     fleet.leader_marks("x86-spill", "offline")
     assert fleet.next_lane() == "local"
     assert fleet.dispatch_one("third") == "local"
-    assert {k: v["available"] for k, v in fleet.lanes().items()} == {"a1-arm64": False, "x86-spill": False, "local": True}
+    assert {k: v["online"] for k, v in fleet.lanes().items()} == {"a1-arm64": False, "x86-spill": False, "local": True}
 
     # The hosts beat again: the lanes are back, the cheapest first.
     fleet.silent.clear()
     fleet.leader_marks("a1-arm64", "active")
     fleet.leader_marks("x86-spill", "active")
-    assert {k: (v["available"], v["reason"]) for k, v in fleet.lanes().items()} == {
+    assert {k: (v["online"], v["reason"]) for k, v in fleet.lanes().items()} == {
         "a1-arm64": (True, None),
         "x86-spill": (True, None),
         "local": (True, None),
