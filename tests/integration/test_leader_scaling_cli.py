@@ -2,8 +2,10 @@
 
 A real leader process over a sqlite registry, with the example fleet whose
 burst window is 1 s and whose batch hook is a tiny Python program appending
-its argv to a file. Eleven jobs are enqueued with `fabric lane enqueue`; the
-test waits (bounded) for the hook's line, then stops the leader by its PID.
+its argv to a file. Eleven jobs are enqueued with `fabric lane enqueue` on
+phaze's broker (a real PostgreSQL, named by the desired state's [phaze]
+queue_url_file, which the leader reads too); the test waits (bounded) for the
+hook's line, then stops the leader by its PID.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ FABRIC = [sys.executable, "-m", "reconciler"]
 HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
 
 
-def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> tuple[Path, Path]:
+def desired_dir(tmp: Path, registry: Path, hook_out: Path, url_file: Path) -> tuple[Path, Path]:
     """The example fleet with throwaway plan keys, and lux's private key file."""
     signed = signed_example_fleet(tmp)
     target = signed.desired
@@ -40,14 +42,18 @@ def desired_dir(tmp: Path, registry: Path, hook_out: Path) -> tuple[Path, Path]:
     hook = json.dumps([sys.executable, "-c", HOOK, str(hook_out), "batch", "two words", "$HOME"])
     text = text[:hooks_start] + f"[scaling.cloud_hooks]\nbatch = {hook}" + text[hooks_end:]
     text = text.replace(registry_old, f'path = "{registry}"').replace(window_old, "burst_window_s = 1")
+    text = text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1)
     (target / "fabric.toml").write_text(text)
     return target, signed.key_file("lux")
 
 
-def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_path):
+def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_path, broker_dsn):
     registry = tmp_path / "registry.sqlite"
     hook_out = tmp_path / "hooks.jsonl"
-    desired, lux_key = desired_dir(tmp_path, registry, hook_out)
+    url_file = tmp_path / "queue_url"
+    url_file.write_text(broker_dsn)
+    url_file.chmod(0o600)
+    desired, lux_key = desired_dir(tmp_path, registry, hook_out, url_file)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FABRIC_REGISTRY", None)
     common = ["--desired", str(desired)]
