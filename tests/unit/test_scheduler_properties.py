@@ -21,7 +21,7 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, FleetConfig, HostConfig, Lane, SchedulerSettings
@@ -260,6 +260,22 @@ def lane_hosts_strategy(draw):
     # Placements in force on the hosts lanes are pushed to, so kept work meets lane jobs.
     existing=st.lists(st.tuples(st.sampled_from([f"svc{i}" for i in range(4)]), st.integers(0, 1), st.sampled_from(NAMES[:4])), max_size=8),
     waited=st.sampled_from([0, 5000]),
+)
+# A host whose reported in_flight (2) is above its services (1) and lane jobs
+# (0): the first lane job is absorbed by that slack, so its lane takes two
+# jobs within the limit of 3 (take_slot once spent the host's room on it).
+@example(
+    nodes=[SnapshotNode(node_id="n2", tier="gpu_cuda", status="active", in_flight=2, max_concurrent_tasks=3)],
+    services=[{"id": "svc0", "min_tier": "gpu_cuda", "floor": "gpu_cuda", "replicas": 1, "command": {"any": ["/bin/true"]}}],
+    lanes=(
+        [
+            {"kind": "compute", "id": "lane0", "rank": 10, "cap": 2, "agent_ref": "lane0", "push_host": "n2", "scratch_dir": "/var/lib/scratch"},
+            {"kind": "local", "id": "local", "rank": 99, "cap": 1},
+        ],
+        {"lane0": 0, "local": 0},
+    ),
+    existing=[],
+    waited=0,
 )
 def test_services_and_lane_jobs_on_a_host_never_exceed_its_limit(nodes, services, lanes, existing, waited):
     """The scheduler places services beside the lane jobs running, then the
