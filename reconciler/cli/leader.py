@@ -185,13 +185,13 @@ def _run_loop(args: argparse.Namespace) -> int:
 def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
     lane_queue = lane_queue_if_configured(desired.fleet, note=_log)
     try:
-        return _run_loop(args, desired, registry, runner, audit, signer, lane_queue)
+        return _candidate(args, desired, registry, runner, audit, signer, lane_queue)
     finally:
         if lane_queue is not None:
             lane_queue.close()
 
 
-def _run_loop(
+def _candidate(
     args: argparse.Namespace,
     desired: DesiredState,
     registry: Registry,
