@@ -14,7 +14,7 @@ reconciler/adapters/registry_etcd.py):
                              permission (etcd 3.4 grants and keeps alive leases for
                              any authenticated user)
     role fabric-leader       readwrite P/ (the prefix): the leader key, the epoch,
-                             the plan, node states, lane slots and jobs, scaling,
+                             the plan, node states, scaling,
                              drains; given to fleet.leader_candidates only
     role fabric-admin        read P/; readwrite P/drain/ (the prefix): an
                              operator's `fabric drain` / `fabric undrain`
