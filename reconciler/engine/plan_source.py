@@ -129,11 +129,19 @@ def lane_in_flight(desired: DesiredState, lane_queue: LaneQueue | None, lanes: S
     return {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
 
 
-def measure(desired: DesiredState, host: str, seen: UnitsSeen, lane_queue: LaneQueue | None) -> Measured:
+def measure(
+    desired: DesiredState, host: str, seen: UnitsSeen, lane_queue: LaneQueue | None, note: Callable[[str], None] = lambda _: None
+) -> Measured:
     """The host's load from its units and, for the lanes whose jobs run
-    here, the lane queue (asked only when there is such a lane)."""
+    here, the lane queue (asked only when there is such a lane). A broker
+    that stops answering is a note: the load is then the services alone."""
     lanes = lanes_here(desired, host)
-    return Measured(host_load(seen.placed, seen.states, lanes, lane_in_flight(desired, lane_queue, lanes)), dict(seen.states or {}), lanes)
+    try:
+        in_flight = lane_in_flight(desired, lane_queue, lanes)
+    except LaneQueueError as exc:
+        note(f"lane queue unreachable, heartbeat without the lane jobs: {exc}")
+        in_flight = {}
+    return Measured(host_load(seen.placed, seen.states, lanes, in_flight), dict(seen.states or {}), lanes)
 
 
 def no_lane_queue() -> LaneQueue | None:
@@ -266,7 +274,7 @@ def read_registry(
         if lanes_here(desired, host) or edge or (write and host in desired.fleet.fleet.leader_candidates):
             lane_queue = open_lanes()
         if write:
-            measured = measure(desired, host, units_now(), lane_queue) if units_now is not None else None
+            measured = measure(desired, host, units_now(), lane_queue, notes.append) if units_now is not None else None
             sent = node_record(desired, host, facts, measured)
             stored = registry.heartbeat(sent)
             notes.append(stored.heartbeat_note())
@@ -281,13 +289,16 @@ def read_registry(
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
         own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
         snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_queue, desired) if edge else None
+        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if edge else None
+        if snapshot is not None:
+            try:
+                snapshot = with_lane_states(snapshot, lane_queue, desired)
+            except LaneQueueError as exc:
+                notes.append(f"lane queue unreachable, status page without the lanes' queues: {exc}")
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
         return Offer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
         return Offer("registry", None, tuple(notes), registry_failed=f"registry unreachable ({exc})")
-    except LaneQueueError as exc:  # the broker went away mid-read: the lanes' load is unknown, the plan is not
-        notes.append(f"lane queue: {exc}")
-        return Offer("registry", None, tuple(notes), registry_failed=f"lane queue unreachable ({exc})")
     finally:
         if registry is not None:
             registry.close()
@@ -315,7 +326,7 @@ def beat_after_activation(
     registry = connect()
     lane_queue = open_lanes() if lanes_here(desired, host) else None
     try:
-        measured = measure(desired, host, seen, lane_queue)
+        measured = measure(desired, host, seen, lane_queue)  # a broker outage: the services alone
         record = node_record(desired, host, facts, measured)
         if record == sent:
             return measured, record, None

@@ -182,3 +182,18 @@ def test_a_drained_hosts_pass_renders_its_ray_worker_closed_and_restarts_only_it
     worker = (fleet.root / "etc/systemd/system" / RAY_WORKER_UNIT).read_text()
     assert '"--num-cpus=0" "--num-gpus=0"' in worker and '"--resources={}"' in worker
     assert f"{RAY_WORKER_UNIT}: closed to new Ray tasks (drained): no CPUs, GPUs or tiers offered" in fleet.notes
+class BrokerDown(FakeLaneQueue):
+    def lane_states(self, queues):  # type: ignore[no-untyped-def]
+        from reconciler.ports import LaneQueueUnavailable
+
+        raise LaneQueueUnavailable("phaze's broker: connection refused")
+
+
+def test_a_broker_outage_leaves_the_pass_going_and_the_heartbeat_without_the_lane_jobs(tmp_path: Path) -> None:
+    fleet = SpillFleet(tmp_path)
+    fleet.lanes = BrokerDown()
+    report = fleet.reconcile()
+    assert report.outcome == "applied", report  # not fail static: the plan does not depend on the broker
+    before, after = fleet.registry.beats
+    assert (before.in_flight, after.in_flight) == (0, 1), "the services alone"
+    assert any("lane queue unreachable, heartbeat without the lane jobs: phaze's broker: connection refused" in note for note in fleet.notes)
