@@ -286,10 +286,8 @@ def read_registry(
         epoch = registry.epoch()
         newest = registry.newest_plan()
         # The edge serves the fleet's status page, so it reads the whole view.
-        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if "edge" in desired.hosts[host].host.roles else None
-        own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
-        snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_queue, desired) if edge else None
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if edge else None
+        own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
         if snapshot is not None:
             try:
                 snapshot = with_lane_states(snapshot, lane_queue, desired)
@@ -302,10 +300,9 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state)
         if lane_queue is not None:
             lane_queue.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent)
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state)
 
 
 def beat_after_activation(

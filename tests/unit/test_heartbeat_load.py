@@ -33,7 +33,6 @@ class RecordingRegistry:
         self.beats: list[NodeRecord] = []
         self.plan = FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_bytes())
         self.reachable = True
-        self.lane_reads = 0
         self.states: list[NodeState] = []
 
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
@@ -182,6 +181,8 @@ def test_a_drained_hosts_pass_renders_its_ray_worker_closed_and_restarts_only_it
     worker = (fleet.root / "etc/systemd/system" / RAY_WORKER_UNIT).read_text()
     assert '"--num-cpus=0" "--num-gpus=0"' in worker and '"--resources={}"' in worker
     assert f"{RAY_WORKER_UNIT}: closed to new Ray tasks (drained): no CPUs, GPUs or tiers offered" in fleet.notes
+
+
 class BrokerDown(FakeLaneQueue):
     def lane_states(self, queues):  # type: ignore[no-untyped-def]
         from reconciler.ports import LaneQueueUnavailable

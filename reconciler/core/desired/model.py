@@ -667,6 +667,8 @@ class RaySettings(Strict):
     def hosts(self) -> tuple[str, ...]:
         """Every host that runs a Ray node: the head, then the workers."""
         return (self.head, *self.workers)
+
+
 def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
     """The SAQ queue a lane's jobs go to: a compute lane's agent queue
     (<queue_prefix><agent_ref>), the local lane's own (LOCAL_QUEUE by

@@ -230,7 +230,7 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
         if node is not None and host is not None:
             host_free = max(0, node.max_concurrent_tasks - account_load(node, services[host], jobs[host]))
             if node.services_running is None:
-                slack = max(0, node.in_flight - services[host] - jobs[host])
+                slack = max(0, node.in_flight - services[host] - jobs[host] - node.engine_tasks)
         views.append(
             _view(
                 LaneView(
