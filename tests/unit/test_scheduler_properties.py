@@ -269,7 +269,16 @@ def lane_hosts_strategy(draw):
     services=[{"id": "svc0", "min_tier": "gpu_cuda", "floor": "gpu_cuda", "replicas": 1, "command": {"any": ["/bin/true"]}}],
     lanes=(
         [
-            {"kind": "compute", "id": "lane0", "rank": 10, "cap": 2, "agent_ref": "lane0", "push_host": "n2", "scratch_dir": "/var/lib/scratch"},
+            {
+                "kind": "compute",
+                "id": "lane0",
+                "rank": 10,
+                "cap": 2,
+                "agent_ref": "lane0",
+                "push_host": "n2",
+                "scratch_dir": "/var/lib/scratch",
+                "ssh_user": "phaze",
+            },
             {"kind": "local", "id": "local", "rank": 99, "cap": 1},
         ],
         {"lane0": 0, "local": 0},
