@@ -12,22 +12,23 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reconciler.core.command_result import CommandResult
-from reconciler.core.live.records import (
-    DrainRequest,
-    LeaderInfo,
-    Leadership,
-    NodeRecord,
-    QueuedJob,
-    ScalingRecord,
-    SettledJob,
-)
 
+# Types only: a memoized pass catches RegistryError and imports no model.
 if TYPE_CHECKING:
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane
+    from reconciler.core.live.records import (
+        DrainRequest,
+        LeaderInfo,
+        Leadership,
+        NodeRecord,
+        QueuedJob,
+        ScalingRecord,
+        SettledJob,
+    )
     from reconciler.core.live.watching import EntryVersion
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
     from reconciler.core.scheduling.ray_tasks import RayView
@@ -508,6 +509,22 @@ class RegistryAuth(Protocol):
 # The pass memo (reconciler.engine.memoized_pass). Their adapters
 # (reconciler.adapters.memo_io) use the standard library only: a memoized
 # pass imports no model, and the engine names these Protocols for types only.
+
+
+class BeatRegistry(Protocol):
+    """What a memoized pass asks of the registry: its heartbeat, re-sent as
+    the JSON object of the record the last full pass measured and validated
+    (a Registry's `heartbeat` stores through the same rule) and the plan
+    epoch. The embedded backend's adapter imports no model."""
+
+    def heartbeat_json(self, record: dict[str, Any], ttl_s: float) -> dict[str, Any]:
+        """Store `record` (NodeRecord JSON) as the node's newest beat, alive for
+        `ttl_s` seconds; the record as stored (beat_at, timeout_s set)."""
+        ...
+
+    def epoch(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class MemoStore(Protocol):

@@ -31,7 +31,7 @@ from reconciler.adapters.clock import SystemClock  # noqa: E402
 from reconciler.adapters.registry_etcd import EtcdRegistry  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
-from reconciler.ports import NodeRecord  # noqa: E402
+from reconciler.core.live.records import NodeRecord  # noqa: E402
 from tests.harness.etcd import etcd_cluster  # noqa: E402
 
 

@@ -55,11 +55,12 @@ key stays in memory only).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
@@ -70,6 +71,7 @@ from aetcd.rpc import auth_pb2
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
+from reconciler.core.live.beat import stamped
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import (
     DrainRequest,
@@ -371,9 +373,16 @@ class EtcdRegistry(LifecycleMixin):
 
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
         ttl = float(ttl_s if ttl_s is not None else heartbeat_timeout(self.timing, record.relayed))
-        stored = record.model_copy(update={"beat_at": from_epoch_seconds(self._now()), "timeout_s": ttl})
-        value = stored.model_dump_json().encode()
-        node_key, facts_key = self._key("nodes", record.node_id), self._key("facts", record.node_id)
+        return NodeRecord.model_validate(self.heartbeat_json(record.model_dump(mode="json"), ttl))
+
+    def heartbeat_json(self, record: dict[str, Any], ttl_s: float) -> dict[str, Any]:
+        """`heartbeat` on the record's JSON object (validated when it was
+        measured: a memoized pass re-sends the last full pass's); the record as stored."""
+        ttl = float(ttl_s)
+        stored = stamped(record, now=self._now(), ttl_s=ttl)
+        node_id = stored["node_id"]
+        value = json.dumps(stored, separators=(",", ":"), ensure_ascii=False).encode()
+        node_key, facts_key = self._key("nodes", node_id), self._key("facts", node_id)
 
         async def op(c: _Client) -> None:
             # Keep the node's lease when it is still alive and of the same TTL
@@ -381,8 +390,8 @@ class EtcdRegistry(LifecycleMixin):
             lease_id = 0
             kv = await c.get(node_key)
             if kv is not None and kv.lease:
-                previous = NodeRecord.model_validate_json(kv.value)
-                if previous.timeout_s == ttl:
+                previous = json.loads(kv.value)
+                if isinstance(previous, dict) and previous.get("timeout_s") == ttl:
                     reply = await c.refresh_lease(kv.lease)
                     if reply is not None and reply.TTL > 0:
                         lease_id = kv.lease
@@ -398,9 +407,9 @@ class EtcdRegistry(LifecycleMixin):
                     if "lease not found" not in str(exc):
                         raise
                     lease_id = 0
-            raise RegistryError(f"heartbeat of {record.node_id}: its lease kept lapsing")
+            raise RegistryError(f"heartbeat of {node_id}: its lease kept lapsing")
 
-        self._call(op, f"the heartbeat of {record.node_id}")
+        self._call(op, f"the heartbeat of {node_id}")
         return stored
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:

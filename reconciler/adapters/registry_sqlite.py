@@ -21,17 +21,13 @@ bit (anyone could put another file in its place).
 
 from __future__ import annotations
 
-import os
 import secrets
 import sqlite3
-import stat
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import (
@@ -45,58 +41,13 @@ from reconciler.core.live.records import (
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.ports import Clock, NotLeader, RegistryUnavailable
+from reconciler.ports import Clock, NotLeader
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS nodes (
-    node_id TEXT PRIMARY KEY,
-    record TEXT NOT NULL,          -- NodeRecord JSON (facts + beat_at + timeout_s)
-    expires_at REAL NOT NULL       -- beat + timeout: silent past this = offline
-);
--- NodeState JSON without what nodes.record holds (`stored_state`): a beat alone rewrites none
-CREATE TABLE IF NOT EXISTS node_states (node_id TEXT PRIMARY KEY, state TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS drains (node_id TEXT PRIMARY KEY, request TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS leader (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    info TEXT NOT NULL,            -- LeaderInfo JSON
-    token TEXT NOT NULL,
-    expires_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
-"""
-
-
-def untrusted_file(path: Path) -> str | None:
-    """Why the registry file at `path` cannot be trusted, or None: writable by
-    group or others, owned by another non-root user (the file and its -wal/-shm
-    files), or in a directory group or others may write without the sticky bit."""
-    me = os.geteuid()
-    for candidate in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        try:
-            st = candidate.stat()
-        except FileNotFoundError:
-            continue
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{candidate} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}; chmod 600 it)"
-        if st.st_uid not in (0, me):
-            return f"{candidate} is owned by another user (uid {st.st_uid}; chown it to root)"
-    st = path.parent.stat()
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        return f"its directory {path.parent} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-# meta keys: the epoch counter, and a counter of membership changes (a node
-# joined or came back, a drain or the leader changed) that wait_for_change polls.
-EPOCH = "epoch"
-CHANGES = "changes"
-
+# Polls of wait_for_change.
 POLL_S = 0.1
 
 
-class SqliteRegistry(LifecycleMixin):
+class SqliteRegistry(SqliteFile, LifecycleMixin):
     def __init__(
         self,
         path: str | Path,
@@ -106,102 +57,20 @@ class SqliteRegistry(LifecycleMixin):
         clock: Clock,
         busy_timeout_s: float = 10.0,
     ) -> None:
-        self.path = Path(path)
         self.timing = timing
         self.flap = flap
-        self._clock = clock
-        self._lock = threading.Lock()
         # wait_for_change: the change counter and the next expiry it last saw.
         self._seen_changes: int | None = None
         self._next_expiry: float | None = None
         # watch_host: the host whose baseline was reported (None: none yet).
         self._watched_host: str | None = None
-        try:
-            self._create_private()
-            refused = untrusted_file(self.path)
-            if refused:
-                raise RegistryUnavailable(f"sqlite registry {self.path}: refused: {refused}")
-            self._db = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-        except (OSError, sqlite3.Error) as exc:
-            raise RegistryUnavailable(f"sqlite registry {self.path}: {exc}") from exc
-        with self._tx() as db:
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-
-    # -- plumbing -------------------------------------------------------------
-
-    def _create_private(self) -> None:
-        """The directory (0700) and the file (0600), if they are not there yet,
-        created before sqlite opens it (sqlite's own would follow the umask);
-        its -wal and -shm files take the file's mode."""
-        missing = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
-        for directory in reversed(missing):  # mkdir(parents=True) would give the parents the umask's mode
-            directory.mkdir(mode=0o700, exist_ok=True)
-        try:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
-            pass
-
-    @contextmanager
-    def _tx(self, write: bool = True) -> Iterator[sqlite3.Connection]:
-        """One transaction. A write takes the write lock up front (BEGIN
-        IMMEDIATE), so read-then-write sequences cannot interleave with another
-        process; a read sees one consistent WAL snapshot."""
-        with self._lock:
-            db = self._db
-            try:
-                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-                yield db
-                db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise RegistryUnavailable(f"sqlite registry {self.path}: {exc}") from exc
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-
-    def _now(self) -> float:
-        return self._clock.now()
-
-    @staticmethod
-    def _meta(db: sqlite3.Connection, key: str) -> int:
-        row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return int(row[0]) if row else 0
-
-    @staticmethod
-    def _bump(db: sqlite3.Connection, key: str) -> int:
-        db.execute(
-            "INSERT INTO meta (key, value) VALUES (?, 1) ON CONFLICT(key) DO UPDATE SET value = value + 1",
-            (key,),
-        )
-        return SqliteRegistry._meta(db, key)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        super().__init__(path, clock=clock, busy_timeout_s=busy_timeout_s)
 
     # -- nodes ------------------------------------------------------------------
 
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
-        now = self._now()
         ttl = float(ttl_s if ttl_s is not None else heartbeat_timeout(self.timing, record.relayed))
-        stored = record.model_copy(update={"beat_at": from_epoch_seconds(now), "timeout_s": ttl})
-        with self._tx() as db:
-            row = db.execute("SELECT expires_at FROM nodes WHERE node_id = ?", (record.node_id,)).fetchone()
-            db.execute(
-                "INSERT INTO nodes (node_id, record, expires_at) VALUES (?, ?, ?) "
-                "ON CONFLICT(node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
-                (record.node_id, stored.model_dump_json(), now + ttl),
-            )
-            if row is None or row[0] <= now:
-                self._bump(db, CHANGES)  # joined, or back after going silent
-        return stored
+        return NodeRecord.model_validate(self.heartbeat_json(record.model_dump(mode="json"), ttl))
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
@@ -267,10 +136,6 @@ class SqliteRegistry(LifecycleMixin):
         with self._tx(write=False) as db:
             current = self._current_leader(db, self._now())
         return current[0] if current else None
-
-    def epoch(self) -> int:
-        with self._tx(write=False) as db:
-            return self._meta(db, EPOCH)
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
         with self._tx() as db:

@@ -14,10 +14,10 @@ says (tests and the demo run a fleet on one machine without etcd).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
     # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
-    from reconciler.core.desired.model import FleetConfig, NodeFacts
+    from reconciler.core.desired.model import FlapSettings, FleetConfig, NodeFacts, RegistrySettings, TimingSettings
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
     from reconciler.core.probe.raw import RawCapture
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
     from reconciler.ports import (
         Audit,
+        BeatRegistry,
         CaptureStore,
         Clock,
         CommandRunner,
@@ -77,14 +78,19 @@ def registry_auth(fleet: FleetConfig) -> RegistryAuth:
 
 def _etcd_registry(fleet: FleetConfig, clock: Clock, op_timeout_s: float = 3.0) -> EtcdRegistry:
     """The etcd cluster of [registry]: its endpoints, prefix and TLS identity."""
+    return _etcd_registry_of(fleet.registry, fleet.timing, fleet.flap, clock, op_timeout_s)
+
+
+def _etcd_registry_of(
+    settings: RegistrySettings, timing: TimingSettings, flap: FlapSettings, clock: Clock, op_timeout_s: float = 3.0
+) -> EtcdRegistry:
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
-    settings = fleet.registry
     return EtcdRegistry(
         list(settings.endpoints),
         prefix=settings.prefix,
-        timing=fleet.timing,
-        flap=fleet.flap,
+        timing=timing,
+        flap=flap,
         clock=clock,
         ca_file=settings.ca_file,
         cert_file=settings.cert_file,
@@ -316,10 +322,14 @@ def host_name() -> str:
 
 def registry_path(sqlite_path: Path | None, root: Path, fleet: FleetConfig) -> Path | None:
     """--registry-path, or the sqlite file of [registry] under a sandbox root."""
+    return _registry_path(sqlite_path, root, fleet.registry.backend, fleet.registry.path)
+
+
+def _registry_path(sqlite_path: Path | None, root: Path, backend: str, path: str) -> Path | None:
     if sqlite_path is not None:
         return sqlite_path
-    if fleet.registry.backend == "sqlite" and Path(root) != Path("/"):
-        return Path(root) / fleet.registry.path.lstrip("/")
+    if backend == "sqlite" and Path(root) != Path("/"):
+        return Path(root) / path.lstrip("/")
     return None
 
 
@@ -356,6 +366,30 @@ def registry_opener(options: PassOptions) -> Callable[[FleetConfig], Registry]:
 
     def connect(fleet: FleetConfig) -> Registry:
         return open_registry(fleet, sqlite_path=registry_path(sqlite_path, options.root, fleet))
+
+    return connect
+
+
+def memo_registry_opener(options: PassOptions) -> Callable[[Mapping[str, Any]], BeatRegistry]:
+    """Opens the registry a pass memo names (PassMemo.registry: fabric.toml's
+    [registry], [timing], [flap]) as `registry_opener` opens it from
+    fabric.toml: the sqlite file through its standard-library base (no model
+    imported), an etcd cluster through the etcd adapter."""
+    from reconciler.engine.pass_options import PlanFromRegistry
+
+    sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
+
+    def connect(reach: Mapping[str, Any]) -> BeatRegistry:
+        settings = reach["registry"]
+        backend, path = settings["backend"], settings["path"]
+        if sqlite_path is not None or backend == "sqlite":
+            from reconciler.adapters.registry_sqlite_file import SqliteFile
+
+            return SqliteFile(_registry_path(sqlite_path, options.root, backend, path) or path, clock=system_clock())
+        from reconciler.core.desired.model import FlapSettings, RegistrySettings, TimingSettings
+
+        registry = RegistrySettings.model_validate(settings)
+        return _etcd_registry_of(registry, TimingSettings.model_validate(reach["timing"]), FlapSettings.model_validate(reach["flap"]), system_clock())
 
     return connect
 
@@ -474,7 +508,7 @@ def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
             audit=audit,
             clock=system_clock(),
             probe=probe_live,
-            open_registry=registry_opener(options),
+            open_registry=memo_registry_opener(options),
             open_lane_queue=lambda fleet: lane_queue_if_configured(fleet, note=print_note),
             note=print_note,
         )

@@ -9,9 +9,10 @@
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: has the world drifted (pass_memo.drift)? A changed table only: a
       full pass that reloads it (PassOptions.nft_reload)
-    3 a hit: re-send the memo's heartbeat (its in_flight with the lane jobs of
-      the lanes whose jobs run here read afresh from the registry: they change
-      without any drift) and check the registry's epoch (a new plan: full
+    3 a hit: re-send the memo's heartbeat, the record's JSON as the last full
+      pass validated it (its in_flight with the lane jobs of the lanes whose
+      jobs run here read afresh from the registry: they change without any
+      drift; no NodeRecord is built) and check the registry's epoch (a new plan: full
       pass), one audit line, this host's pass series refreshed
       (pass_memo.refreshed_metrics); the outcome is a MemoHit
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
@@ -20,23 +21,27 @@
 
 Everything outside the process goes through MemoPorts (Protocols of
 reconciler.ports, named for types only). This module imports, at run time,
-only the standard library, reconciler.engine.pass_memo and the probe's
-parsers (reconciler.core.probe: raw, facts, parsers): the models,
-templates and the rest of the engine are imported by the full pass alone.
+only the standard library, reconciler.engine.pass_memo, the probe's
+parsers (reconciler.core.probe: raw, facts, parsers), the standard-library
+modules of reconciler.core.live (beat, host_load, host_limits) and, to beat,
+reconciler.ports (its models are named for types only): the models,
+templates and the rest of the engine are imported by the full pass alone
+(tests/unit/test_pass_memo.py checks sys.modules after a memoized pass).
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import reconciler
+from reconciler.core.live.host_load import HostLoad, lane_jobs_running
 from reconciler.core.probe.raw import facts_key, parse_capture
 from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
     from reconciler.core.desired.model import FleetConfig
     from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.reconcile import Converged, PassPorts, PassReport
-    from reconciler.ports import Audit, Clock, LaneQueue, MemoStore, PassWorld, Registry
+    from reconciler.ports import Audit, BeatRegistry, Clock, LaneQueue, MemoStore, PassWorld
 
 # reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
 # (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
@@ -73,8 +78,10 @@ class MemoPorts:
     clock: Clock
     # This machine's raw probe outputs, collected live (a replay is fingerprinted, not probed here).
     probe: Callable[[], RawCapture]
-    # Opens the registry fabric.toml's [registry] names, for the memo's heartbeat (closed after).
-    open_registry: Callable[[FleetConfig], Registry]
+    # Opens the registry the memo names (PassMemo.registry: fabric.toml's
+    # [registry], [timing], [flap] as the last full pass validated them), for
+    # the memo's heartbeat (closed after).
+    open_registry: Callable[[Mapping[str, Any]], BeatRegistry]
     # Opens phaze's broker (the lane queue) for the lane jobs of that
     # heartbeat; None: not configured or unreachable (closed after).
     open_lane_queue: Callable[[FleetConfig], LaneQueue | None] = _no_lane_queue
@@ -195,45 +202,38 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
 
 def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     """Re-send the memo's heartbeat; False (a full pass) when the registry
-    cannot take it or its plan epoch moved on."""
-    from reconciler.core.desired.model import FleetConfig, lane_queue_name
+    cannot take it or its plan epoch moved on.
+
+    The record is the JSON the last full pass validated and sent, re-sent as
+    it is but for what changes without drift: the lane jobs in `in_flight`
+    (the units, and so the services running, are the memo's: no drift) and
+    the beat's time, which the registry stamps. No model is built, and none
+    imported on a host that runs no lane's jobs (a lane host reads fabric.toml
+    for its lanes' queues: `_lane_in_flight`)."""
+    from reconciler.core.live.beat import heartbeat_note
     from reconciler.core.live.host_limits import lowered_note
-    from reconciler.core.live.host_load import HostLoad, lane_jobs_running
-    from reconciler.core.live.records import NodeRecord
     from reconciler.ports import LaneQueueError, RegistryError
 
     assert memo.node_record is not None
     try:
-        raw = ports.store.read(Path(options.desired) / "fabric.toml")
-        if raw is None:
-            return False
-        fleet = FleetConfig.model_validate(tomllib.loads(raw.decode("utf-8")))
-        record = NodeRecord.model_validate_json(memo.node_record)
-    except (OSError, ValueError):  # unreadable or bad input: the full pass names it
+        record = json.loads(memo.node_record)
+    except ValueError:
         return False
-    lowered = lowered_note(record.lowered_limits)
+    if not isinstance(record, dict) or memo.registry is None or memo.beat_ttl_s is None:
+        return False  # a memo the full pass wrote without them: measure again
+    lowered = lowered_note(record.get("lowered_limits") or [])
     if lowered is not None:
         ports.note(lowered)
     try:
-        registry = ports.open_registry(fleet)
+        registry = ports.open_registry(memo.registry)
         try:
             if memo.lanes_here:
-                # The unit states are the memo's (no drift), so the services
-                # are; the lane jobs are read now, from their queues.
-                queues = {lane.id: name for lane in fleet.backends if lane.id in memo.lanes_here and (name := lane_queue_name(fleet, lane))}
-                in_flight: dict[str, int] = {}
-                lane_queue = ports.open_lane_queue(fleet)
-                if lane_queue is None and fleet.phaze.queue_url_file is not None:
-                    return False  # configured but unusable: the full pass says why
-                if lane_queue is not None:
-                    try:
-                        in_flight = {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
-                    finally:
-                        lane_queue.close()
-                lane_jobs = lane_jobs_running(memo.lanes_here, in_flight)
-                record = record.model_copy(update={"in_flight": HostLoad(memo.load_services, lane_jobs).in_flight})
-            stored = registry.heartbeat(record)
-            ports.note(stored.heartbeat_note())
+                in_flight = _in_flight(options, ports, memo)
+                if in_flight is None:
+                    return False  # fabric.toml unreadable, or a lane queue configured but unusable: the full pass says why
+                record = {**record, "in_flight": in_flight}
+            stored = registry.heartbeat_json(record, memo.beat_ttl_s)
+            ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
             epoch = registry.epoch()
         finally:
             registry.close()
@@ -243,6 +243,33 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
         ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
         return False
     return True
+
+
+def _in_flight(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> int | None:
+    """The heartbeat's in_flight now: the memo's services running (no drift)
+    and the lane jobs of the lanes whose jobs run here, read afresh from their
+    queues (fabric.toml names them); None: a full pass must say why it cannot.
+    Raises LaneQueueError."""
+    from reconciler.core.desired.model import FleetConfig, lane_queue_name
+
+    try:
+        raw = ports.store.read(Path(options.desired) / "fabric.toml")
+        if raw is None:
+            return None
+        fleet = FleetConfig.model_validate(tomllib.loads(raw.decode("utf-8")))
+    except (OSError, ValueError):  # unreadable or bad input: the full pass names it
+        return None
+    queues = {lane.id: name for lane in fleet.backends if lane.id in memo.lanes_here and (name := lane_queue_name(fleet, lane))}
+    in_flight: dict[str, int] = {}
+    lane_queue = ports.open_lane_queue(fleet)
+    if lane_queue is None and fleet.phaze.queue_url_file is not None:
+        return None  # configured but unusable
+    if lane_queue is not None:
+        try:
+            in_flight = {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
+        finally:
+            lane_queue.close()
+    return HostLoad(memo.load_services, lane_jobs_running(memo.lanes_here, in_flight)).in_flight
 
 
 def _refresh_records(options: PassOptions, ports: MemoPorts, state: Path, started: float) -> None:
@@ -334,6 +361,8 @@ def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> 
         units=units,
         nft=nft,
         node_record=converged.node_record,
+        registry=converged.registry,
+        beat_ttl_s=converged.beat_ttl_s,
         load_services=converged.load_services,
         lanes_here=converged.lanes_here,
         epoch=converged.registry_epoch,

@@ -10,8 +10,11 @@ applied or written) leaves a memo in the state directory:
     files         every installed file of that generation and its sha256
     units         each unit of the generation and its state after the pass (with activation)
     nft           the sha256 of `nft list table inet fabric` after the pass (with activation)
-    node_record   the heartbeat this host sent after activation (JSON), re-sent
-                  with the lane jobs counted afresh
+    node_record   the heartbeat this host sent after activation (JSON, validated
+                  as that pass measured it), re-sent with the lane jobs counted afresh
+    registry      how to reach the registry (fabric.toml's [registry], [timing]
+                  and [flap], validated), and beat_ttl_s the heartbeat's TTL:
+                  fabric.toml is part of the key, so they hold while the memo does
     load_services the placed service units running (the rest of in_flight
                   but the lane jobs: the drift check keeps it true)
     lanes_here    the lanes whose jobs run here: their jobs start and end
@@ -37,9 +40,10 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 2
+MEMO_VERSION = 3
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -61,6 +65,8 @@ class PassMemo:
     units: Mapping[str, str] = field(default_factory=dict)
     nft: str | None = None
     node_record: str | None = None
+    registry: Mapping[str, Any] | None = None
+    beat_ttl_s: float | None = None
     load_services: int = 0
     lanes_here: Sequence[str] = ()
     epoch: int | None = None
@@ -83,6 +89,8 @@ class PassMemo:
             not isinstance(memo.key, str)
             or not isinstance(memo.files, dict)
             or not isinstance(memo.units, dict)
+            or not isinstance(memo.registry, dict | None)
+            or not isinstance(memo.beat_ttl_s, int | float | None)
             or not isinstance(memo.load_services, int)
             or not isinstance(memo.lanes_here, list | tuple)
             or not all(isinstance(lane, str) for lane in memo.lanes_here)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
@@ -47,6 +47,7 @@ from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agent_unit, render
 from reconciler.core.render.ray_units import closed_reason
+from reconciler.core.scheduling.lifecycle import heartbeat_timeout
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
@@ -214,6 +215,10 @@ class Converged:
     # and the lanes whose jobs a memoized pass reads afresh.
     load_services: int = 0
     lanes_here: tuple[str, ...] = ()
+    # How a memoized pass reaches the registry without loading fabric.toml
+    # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
+    registry: dict[str, Any] | None = None
+    beat_ttl_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -471,6 +476,7 @@ def _converged(options: PassOptions, prepared: _Prepared, generation: int | None
     source = prepared.source
     uses_registry = isinstance(options.plan, PlanFromRegistry)
     measured, record = beat if beat is not None else (None, None)
+    fleet = prepared.desired.fleet
     if record is None and uses_registry:
         # No beat after activation (the registry could not be reached): the
         # memo keeps the first beat's record, or the unmeasured one, with no
@@ -488,7 +494,14 @@ def _converged(options: PassOptions, prepared: _Prepared, generation: int | None
         fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if source.snapshot is not None else None,
         load_services=measured.load.services if measured is not None else 0,
         lanes_here=measured.lanes if measured is not None else (),
+        registry=registry_reach(fleet) if uses_registry else None,
+        beat_ttl_s=float(heartbeat_timeout(fleet.timing, bool(prepared.facts.tailscale_relayed))) if uses_registry else None,
     )
+
+
+def registry_reach(fleet: FleetConfig) -> dict[str, Any]:
+    """What opening the registry needs of fabric.toml, as JSON (PassMemo.registry)."""
+    return {section: getattr(fleet, section).model_dump(mode="json") for section in ("registry", "timing", "flap")}
 
 
 def _pass_report(result: PassResult) -> PassReport:

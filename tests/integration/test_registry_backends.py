@@ -133,7 +133,7 @@ def test_several_processes_heart_beating_at_once(store):
         "import json, sys, time\n"
         "from reconciler.core.desired.model import FleetConfig\n"
         "from reconciler.cli.wiring import open_registry\n"
-        "from reconciler.ports import NodeRecord\n"
+        "from reconciler.core.live.records import NodeRecord\n"
         "cfg = json.loads(sys.argv[1])\n"
         "fleet = FleetConfig.model_validate({'fleet': {'domain': 't.example', 'leader_candidates': ['lux']}, 'registry': cfg['registry']})\n"
         "reg = open_registry(fleet, sqlite_path=cfg['sqlite_path'])\n"

@@ -152,7 +152,7 @@ def two_passes_noting_imports(argv: list[str], heavy: tuple[str, ...]) -> tuple[
     assert second.returncode == 0, second.stderr
     assert second.stdout == "nothing to do (generation 1)\nHEAVY \n", second.stdout
     assert memoized(second.stderr)
-    return first.stdout, second.stdout
+    return first.stdout, second.stderr
 
 
 def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> None:
@@ -178,6 +178,40 @@ def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> 
     )
     first, _ = two_passes_noting_imports(argv, heavy)
     assert "pydantic" in first and "reconciler.core.desired.model" in first  # the full pass builds NodeFacts
+
+
+def test_a_memoized_pass_that_heartbeats_to_the_registry_imports_no_model(tmp_path: Path) -> None:
+    """The memo's heartbeat is the JSON the last full pass validated, re-sent
+    through the sqlite file's standard-library base: no NodeRecord, no
+    FleetConfig, no pydantic. racknerd is the edge and runs no lane's jobs (a
+    host that does reads fabric.toml for its lanes' queues)."""
+    host = "racknerd"
+    s = Sandbox(tmp_path, host=host)
+    heavy = (
+        "pydantic",
+        "jinja2",
+        "reconciler.core.desired",
+        "reconciler.core.desired.model",
+        "reconciler.core.live.records",
+        "reconciler.adapters.registry_sqlite",
+        "reconciler.engine.reconcile",
+    )
+    first, second_err = two_passes_noting_imports(s.argv(), heavy)
+    assert "pydantic" in first and "reconciler.core.desired.model" in first  # the full pass validates
+    assert f"note: heartbeat: {host} tier" in second_err, second_err
+    registry = open_registry(s)
+    try:
+        (state,) = [state for state in registry.node_states() if state.record.node_id == host]
+    finally:
+        registry.close()
+    # What the registry keeps from the memoized beat is a valid record, as the full pass measured it.
+    memo = PassMemo.from_json(s.memo_file.read_bytes())
+    assert memo.node_record is not None
+    kept = json.loads(memo.node_record)
+    assert state.record.model_dump(mode="json", exclude={"beat_at", "timeout_s"}) == {
+        k: v for k, v in kept.items() if k not in ("beat_at", "timeout_s")
+    }
+    assert state.record.timeout_s == memo.beat_ttl_s == 90.0
 
 
 def edit_desired(s: Sandbox) -> None:

@@ -9,8 +9,11 @@ the host file does not declare is the probe's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from reconciler.core.desired.model import HostConfig, Limitations
+# Types only: a memoized pass says `lowered_note` and imports no model.
+if TYPE_CHECKING:
+    from reconciler.core.desired.model import HostConfig, Limitations
 
 
 @dataclass(frozen=True)

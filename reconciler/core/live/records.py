@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from reconciler.core.desired.model import NAME_PATTERN, NodeFacts, Tier
+from reconciler.core.live import beat
 
 # Re-exported for the engine, adapters and CLI until they import them from
 # reconciler.core.timestamps, where they live.
@@ -77,8 +78,7 @@ class NodeRecord(_Record):
 
     def heartbeat_note(self) -> str:
         """The pass's note on a beat stored as this record."""
-        timeout = f", alive for {self.timeout_s:g} s" if self.timeout_s is not None else ""
-        return f"heartbeat: {self.node_id} tier {self.tier}, in_flight {self.in_flight}{timeout}"
+        return beat.heartbeat_note(self.node_id, self.tier, self.in_flight, self.timeout_s)
 
     @classmethod
     def from_facts(
