@@ -51,8 +51,10 @@ from reconciler.core.render.ray_units import ray_role
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.placement import schedule
+from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
+from reconciler.engine.status import fleet_history
 from reconciler.ports import LaneQueue, LaneQueueError, PermissionDenied, PlanSigner, Registry, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
@@ -81,6 +83,10 @@ class PlanSource:
     own_state: NodeState | None = None
     # The record this pass's heartbeat sent before activation (None: none sent).
     heartbeat: NodeRecord | None = None
+    # What the registry remembers (node transitions, leader, hook runs), read
+    # with the snapshot on the same connection, for the status page's timeline
+    # (None: no snapshot read, or it could not be read: a note says so).
+    history: FleetHistory | None = None
 
 
 def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
@@ -244,6 +250,7 @@ class Offer:
     registry_epoch: int | None = None
     heartbeat: NodeRecord | None = None
     own_state: NodeState | None = None
+    history: FleetHistory | None = None
 
 
 def read_registry(
@@ -285,8 +292,15 @@ def read_registry(
         # epoch kept older than the plan, never newer (the next pass is full).
         epoch = registry.epoch()
         newest = registry.newest_plan()
-        # The edge serves the fleet's status page, so it reads the whole view.
-        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes]) if edge else None
+        # The edge serves the fleet's status page, so it reads the whole view
+        # and, for the page's timeline, what the registry remembers.
+        snapshot = history = None
+        if edge:
+            snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+            try:
+                history = fleet_history(registry)
+            except RegistryError as exc:  # the page goes without its timeline; the pass goes on
+                notes.append(f"status page without its timeline: {exc}")
         own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
         if snapshot is not None:
             try:
@@ -302,7 +316,7 @@ def read_registry(
             registry.close()
         if lane_queue is not None:
             lane_queue.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state)
+    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state, history=history)
 
 
 def beat_after_activation(
@@ -400,4 +414,10 @@ def fleet_plan_for(
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
     if offer.registry_epoch is None:
         return source
-    return replace(source, registry_epoch=offer.registry_epoch, heartbeat=offer.heartbeat, own_state=offer.own_state)
+    return replace(
+        source,
+        registry_epoch=offer.registry_epoch,
+        heartbeat=offer.heartbeat,
+        own_state=offer.own_state,
+        history=offer.history if source.snapshot else None,
+    )

@@ -54,7 +54,6 @@ from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_ve
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
 from reconciler.engine.plan_source import Measured, PlanSource, UnitsSeen, beat_after_activation, effective_facts, fleet_plan_for, node_record
-from reconciler.engine.status import pass_history
 from reconciler.ports import (
     ActivationError,
     Audit,
@@ -407,12 +406,9 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
 
     def records(succeeded: bool, rolled_back: bool) -> None:
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
-        history = None
-        if shows_fleet(prepared.desired, prepared.host, prepared.source):
-            # The status page's timeline: what the registry remembers (node transitions, leader, hook runs).
-            history, missing = pass_history(lambda: ports.open_registry(prepared.desired.fleet))
-            if missing is not None:
-                ports.note(missing)
+        # The status page's timeline: what the registry remembered when the
+        # pass read its snapshot (plan_source.read_registry, one connection).
+        history = prepared.source.history if shows_fleet(prepared.desired, prepared.host, prepared.source) else None
         note = write_pass_records(
             store.tree, store.state_dir, prepared.desired, prepared.host, prepared.source, outcome, _now(ports.clock), history=history
         )

@@ -12,7 +12,6 @@ Talks to the registry only through its Protocol;
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -22,7 +21,7 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
-from reconciler.ports import LaneQueue, Registry, RegistryError
+from reconciler.ports import LaneQueue, Registry
 
 
 @dataclass(frozen=True)
@@ -43,22 +42,6 @@ def fleet_history(registry: Registry) -> FleetHistory:
     lifecycle transitions, who leads since when, and the leader's scaling
     record (the cloud hook runs). Reads only."""
     return FleetHistory(nodes=tuple(registry.node_states()), leader=registry.leader(), scaling=registry.scaling_record())
-
-
-def pass_history(connect: Callable[[], Registry]) -> tuple[FleetHistory | None, str | None]:
-    """`fleet_history` for the page a pass writes (the edge, after it read
-    the fleet's snapshot), from a connection of its own; without it when the
-    registry cannot be read now, and a note saying so."""
-    try:
-        registry = connect()
-    except RegistryError as exc:
-        return None, f"status page without its timeline: {exc}"
-    try:
-        return fleet_history(registry), None
-    except RegistryError as exc:
-        return None, f"status page without its timeline: {exc}"
-    finally:
-        registry.close()
 
 
 def live_status(desired: DesiredState, registry: Registry, lane_queue: LaneQueue | None = None) -> StatusInputs:

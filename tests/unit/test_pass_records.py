@@ -6,6 +6,7 @@ import re
 import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,10 +102,24 @@ def test_records_that_cannot_be_written_are_a_note_not_a_failure(tmp_path: Path)
     assert write_pass_records(LocalTree(tmp_path / "elsewhere"), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0) is None
 
 
-def test_the_edges_pass_puts_the_registrys_history_on_its_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class CallsSeen:
+    """A registry whose calls are noted by name, one list per connection."""
+
+    def __init__(self, registry: Any, calls: list[str]) -> None:
+        self._registry, self._calls = registry, calls
+
+    def __getattr__(self, name: str) -> Any:
+        self._calls.append(name)
+        return getattr(self._registry, name)
+
+
+def test_the_edges_pass_puts_the_registrys_history_on_its_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A whole `fabric reconcile` of racknerd (the edge): its page's timeline is
-    what the registry remembers, read by the pass, the node loss on top."""
-    from reconciler.cli import main
+    what the registry remembers, read by the pass, the node loss on top; read
+    on the connection that read the fleet's snapshot, not on one of its own."""
+    from reconciler.cli import main, wiring
     from reconciler.cli.wiring import open_registry
 
     desired = tmp_path / "desired"
@@ -129,10 +144,19 @@ def test_the_edges_pass_puts_the_registrys_history_on_its_page(tmp_path: Path, c
     argv = ["reconcile", "--desired", str(desired), "--host", "racknerd", "--root", str(root)]
     argv += ["--replay", str(REPO / "tests/golden/probe/x86_64"), "--no-activate", "--registry-path", str(registry_file)]
 
+    connections: list[list[str]] = []
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        connections.append([])
+        return CallsSeen(open_registry(*args, **kwargs), connections[-1])
+
+    monkeypatch.setattr(wiring, "open_registry", noted)
     code = main(argv)
     capsys.readouterr()
 
     assert code == 0
+    history_reads = [calls for calls in connections if {"node_states", "leader", "scaling_record"} & set(calls)]
+    assert len(history_reads) == 1 and "snapshot" in history_reads[0], connections
     page = (root / "var/lib/fabric/status/index.html").read_text()
     kinds = re.findall(r'<li class="[a-z_]+" data-kind="([a-z_]+)"><time [^>]*>[^<]*</time> <span class="what">([^<]+)</span>', page)
     assert kinds[0] == ("node_lost", "a1-arm64 lost")

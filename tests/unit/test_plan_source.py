@@ -153,6 +153,32 @@ def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> N
     assert [lane.id for lane in result.plan.lanes] == ["a1-arm64", "x86-spill", "local"]
 
 
+def test_the_edge_reads_the_registrys_history_with_its_snapshot(connect, registry, state) -> None:
+    """The status page's timeline comes on the connection that read the snapshot (racknerd is the edge)."""
+    source(connect, state, "a1-arm64")
+    edge = source(connect, state, "racknerd")
+    assert edge.snapshot is not None and edge.history is not None
+    assert [(n.node_id, n.status) for n in edge.history.nodes] == [(n.node_id, n.status) for n in registry.node_states()]
+    assert {n.node_id for n in edge.history.nodes} == {"a1-arm64", "racknerd"}
+    assert source(connect, state, "x86-spill").history is None  # no page, no history
+
+
+def test_an_edge_that_cannot_read_the_history_writes_its_page_without_the_timeline(connect, state) -> None:
+    class NoHistory:
+        def __init__(self) -> None:
+            self.registry = connect()
+
+        def node_states(self):  # type: ignore[no-untyped-def]
+            raise RegistryUnavailable("sqlite registry: database is locked")
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(self.registry, name)
+
+    result = source(NoHistory, state, "racknerd", applied=0, has_generation=True)
+    assert result.static is None and result.snapshot is not None and result.history is None
+    assert "status page without its timeline: sqlite registry: database is locked" in result.notes
+
+
 def test_no_published_plan_keeps_a_generation_that_runs_placements(connect, registry, state) -> None:
     result = source(connect, state, "racknerd", applied=3, has_generation=True)
     assert result.static == "no plan published yet: running static"
