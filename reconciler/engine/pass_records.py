@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
 from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from reconciler.core.views.page import render_status_page
 from reconciler.core.views.timeline import FleetHistory
+from reconciler.engine.desired_load import named_hosts
 from reconciler.engine.plan_source import PlanSource
 from reconciler.ports import FileTree
 
@@ -78,6 +80,21 @@ def shows_fleet(desired: DesiredState, host: str, source: PlanSource) -> bool:
     return source.snapshot is not None and "edge" in desired.hosts[host].host.roles
 
 
+def page_hosts(desired: DesiredState, host: str, plan: FleetPlan, snapshot: Snapshot) -> DesiredState:
+    """The declared hosts the edge's page and fleet metrics list: the nodes the
+    registry knows (its snapshot), the hosts the plan places services on, and
+    those a pass of the edge reads (engine.desired_load.named_hosts: control,
+    lanes, leader candidates, port-map targets). A declared host outside them
+    that never reported is left out, so the page is the same whether the pass
+    loaded the whole tree (a new commit) or a few files, and costs the same at
+    five or ten thousand declared hosts; `fabric status` lists every declared host."""
+    names = named_hosts(desired.fleet, host, desired.hosts_with_role("control"), edge=True)
+    names |= {p.node for p in plan.placements} | {n.node_id for n in snapshot.nodes}
+    if set(desired.hosts) <= names:
+        return desired
+    return desired.model_copy(update={"hosts": {name: config for name, config in desired.hosts.items() if name in names}})
+
+
 def _write(
     tree: FileTree,
     state_dir: str,
@@ -107,6 +124,8 @@ def _write(
         rollbacks_total=rollbacks,
     )
     snapshot = source.snapshot
+    if snapshot is not None:
+        desired = page_hosts(desired, host, source.plan, snapshot)
     tree.write(
         TEXTFILE_PATH,
         render_metrics(stats, desired=desired if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),

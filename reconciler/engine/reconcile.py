@@ -330,7 +330,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     except ProblemsError as exc:
         raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
     try:
-        desired = with_plan_hosts(loaded, source.plan)
+        desired = with_plan_hosts(loaded, source.plan, source.snapshot)
     except DesiredStateError as exc:
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     for note in source.notes:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 import reconciler
 from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.live.models import Snapshot, SnapshotNode
 from reconciler.core.probe import facts_from_capture
 from reconciler.core.render.artifacts import render
 from reconciler.engine.desired_load import VERDICT_FILE, LoadedDesired, load_for_pass, with_plan_hosts
@@ -49,7 +51,7 @@ def break_file(path: Path) -> None:
 
 
 def verdict_at(directory: Path, commit: str, version: str = reconciler.__version__) -> bytes:
-    return json.dumps({"directory": str(directory.absolute()), "commit": commit, "version": version}).encode()
+    return json.dumps({"directory": str(directory.absolute()), "commit": commit, "version": version, "control": ["lux"]}).encode()
 
 
 # --------------------------------------------------------------------------
@@ -116,23 +118,32 @@ def test_a_host_that_does_not_lead_converges_at_a_seen_commit_despite_a_broken_u
     assert tree(root) == before
 
 
-def test_a_leader_candidate_and_the_edge_refuse_a_broken_file_at_a_seen_commit(
+def test_a_leader_candidate_refuses_a_broken_file_at_a_seen_commit_and_the_edge_one_it_shows(
     desired: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """They load every file on every pass (the leader step schedules over
-    every host; the edge's status page lists them), whatever the verdict."""
+    """A candidate loads every file on every pass (the leader step schedules
+    over every host); the edge reads the files of the hosts its page shows
+    (x86-spill runs a lane), not those of a host nobody names that never reported."""
+    extra = desired / "hosts" / "extra-1.toml"
+    extra.parent.mkdir()
+    extra.write_text('[host]\nname = "extra-1"\nroles = ["compute"]\naddress = "100.64.9.1"\n')
+    commit_all(desired, "extra-1")
     roots = {host: tmp_path / f"root-{host}" for host in ("lux", "racknerd")}
     for host, root in roots.items():
         code, _, err = run(capsys, pass_argv(desired, root, host))
         assert code == 0, err
         assert (root / STATE / VERDICT_FILE).exists()
+    break_file(extra)
+    drop_memo(roots["racknerd"])
+    code, out, err = run(capsys, pass_argv(desired, roots["racknerd"], "racknerd"))
+    assert (code, out) == (0, "nothing to do (generation 1)\n"), err
     broken = desired / "x86-spill.toml"
     break_file(broken)
     for host, root in roots.items():
         drop_memo(root)
         before = tree(root)
         code, out, err = run(capsys, pass_argv(desired, root, host))
-        assert (code, out) == (2, "") and str(broken) in err, (host, err)
+        assert (code, out) == (2, "") and str(broken if host == "racknerd" else extra) in err, (host, err)
         assert tree(root) == before
 
 
@@ -145,7 +156,7 @@ def test_the_verdict_is_recorded_under_the_commit_and_a_new_commit_records_its_o
     argv = pass_argv(desired, root, "x86-spill")
     assert run(capsys, argv)[0] == 0
     first = json.loads((root / STATE / VERDICT_FILE).read_text())
-    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired), "version": reconciler.__version__}
+    assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired), "version": reconciler.__version__, "control": ["lux"]}
     (desired / "qfox-1.toml").write_text((desired / "qfox-1.toml").read_text() + "# a comment\n")
     commit_all(desired, "qfox-1: a comment")
     assert run(capsys, argv)[0] == 0
@@ -187,20 +198,44 @@ def test_another_commit_or_directory_or_no_commit_validates_the_whole_tree(desir
         ("c1", verdict_at(desired, "c1", version="0.0.1-older")),  # another version of the rules
         ("c1", None),
         ("c1", b"{not json"),
+        ("c1", json.dumps({"directory": str(desired.absolute()), "commit": "c1", "version": reconciler.__version__}).encode()),  # no index
     ]:
         with pytest.raises(DesiredStateError) as caught:
             load_for_pass(desired, "x86-spill", commit=commit, verdict=verdict, may_lead=False)
         assert any(p.file == str(broken) for p in caught.value.problems), (commit, verdict)
 
 
-def test_a_leader_candidate_that_may_lead_and_the_edge_load_every_file(desired: Path) -> None:
+def test_a_leader_candidate_that_may_lead_loads_every_file(desired: Path) -> None:
     everyone = sorted(load_desired(desired).hosts)
     verdict = verdict_at(desired, "c1")
-    for host in ("lux", "qfox-1", "racknerd"):  # two candidates, the edge
+    for host in ("lux", "qfox-1"):
         loaded = load_for_pass(desired, host, commit="c1", verdict=verdict, may_lead=True)
         assert not loaded.partial and sorted(loaded.desired.hosts) == everyone, host
     # A candidate with a plan file cannot lead: it reads what it needs.
     assert load_for_pass(desired, "qfox-1", commit="c1", verdict=verdict, may_lead=False).partial
+
+
+def test_the_edge_reads_the_hosts_its_page_shows_and_the_registrys_nodes(desired: Path) -> None:
+    """racknerd: its port maps' targets (qfox-1, lux), the control host (lux),
+    the lanes' hosts (a1-arm64, x86-spill), the candidates (lux, qfox-1); then
+    the snapshot's nodes that are declared (an undeclared node has no file)."""
+    for n in range(3):
+        (desired / f"extra-{n}.toml").write_text(f'[host]\nname = "extra-{n}"\nroles = ["compute"]\naddress = "100.64.9.{n + 1}"\n')
+    loaded = load_for_pass(desired, "racknerd", commit="c1", verdict=verdict_at(desired, "c1"), may_lead=True)
+    assert loaded.partial
+    assert sorted(loaded.desired.hosts) == ["a1-arm64", "lux", "qfox-1", "racknerd", "x86-spill"]
+    snapshot = Snapshot(now=datetime.now(UTC), nodes=[SnapshotNode(node_id=n, tier="relay") for n in ("extra-1", "stranger")])
+    plan = plan_from_file(GOLDEN / "fleet-plan.json")
+    assert sorted(with_plan_hosts(loaded, plan, snapshot).hosts) == ["a1-arm64", "extra-1", "lux", "qfox-1", "racknerd", "x86-spill"]
+
+
+def test_the_edge_reads_the_control_hosts_the_verdict_names_and_another_host_does_not(desired: Path) -> None:
+    """The local lane's card on the edge's page names the first control host: the verdict's index says which."""
+    (desired / "ctl-2.toml").write_text('[host]\nname = "ctl-2"\nroles = ["control"]\naddress = "100.64.9.9"\n')
+    verdict = json.dumps({"directory": str(desired.absolute()), "commit": "c1", "version": reconciler.__version__, "control": ["ctl-2", "lux"]})
+    edge = load_for_pass(desired, "racknerd", commit="c1", verdict=verdict.encode(), may_lead=False)
+    assert "ctl-2" in edge.desired.hosts and edge.desired.hosts_with_role("control") == ["ctl-2", "lux"]
+    assert "ctl-2" not in load_for_pass(desired, "x86-spill", commit="c1", verdict=verdict.encode(), may_lead=False).desired.hosts
 
 
 def test_the_port_maps_targets_and_the_plans_hosts_are_read(desired: Path) -> None:

@@ -83,6 +83,23 @@ def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) 
     assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
 
 
+def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_not_every_declared_host(tmp_path: Path) -> None:
+    """A declared host nobody names (no lane, no placement, not control nor a
+    candidate) is listed once it reports, not before: the page, and the pass
+    that writes it, cost the same at five or ten thousand declared hosts."""
+    desired = tmp_path / "desired"
+    shutil.copytree(EXAMPLE_FLEET, desired)
+    for n in range(2):
+        (desired / f"extra-{n}.toml").write_text(f'[host]\nname = "extra-{n}"\nroles = ["compute"]\naddress = "100.64.9.{n + 1}"\n')
+    state = load_desired(desired)
+    snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="extra-1", tier="relay", max_concurrent_tasks=1)], leader="lux", epoch=7)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, state, "racknerd", PlanSource(empty_plan(state, T0), snapshot=snapshot), outcome(), T0)
+    page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
+    shown = set(re.findall(r'fabric_node_status\{node="([a-z0-9-]+)",status="active"\}', metrics(tmp_path)))
+    assert shown == {"a1-arm64", "extra-1", "lux", "qfox-1", "racknerd", "x86-spill"}
+    assert "extra-1" in page and "extra-0" not in page
+
+
 def test_the_edges_page_says_when_the_registrys_plan_was_refused(tmp_path: Path) -> None:
     snapshot = Snapshot(now=T0, leader="lux", epoch=9)
     reason = "refused: plan epoch 9 is not signed, and fabric.toml lists plan keys"
