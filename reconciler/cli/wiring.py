@@ -370,7 +370,7 @@ def registry_opener(options: PassOptions) -> Callable[[FleetConfig], Registry]:
     return connect
 
 
-def memo_registry_opener(options: PassOptions) -> Callable[[Mapping[str, Any]], BeatRegistry]:
+def memo_registry_opener(options: PassOptions, clock: Clock | None = None) -> Callable[[Mapping[str, Any]], BeatRegistry]:
     """Opens the registry a pass memo names (PassMemo.registry: fabric.toml's
     [registry], [timing], [flap]) as `registry_opener` opens it from
     fabric.toml: the sqlite file through its standard-library base (no model
@@ -380,16 +380,17 @@ def memo_registry_opener(options: PassOptions) -> Callable[[Mapping[str, Any]], 
     sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
 
     def connect(reach: Mapping[str, Any]) -> BeatRegistry:
+        beat_clock = clock or system_clock()
         settings = reach["registry"]
         backend, path = settings["backend"], settings["path"]
         if sqlite_path is not None or backend == "sqlite":
             from reconciler.adapters.registry_sqlite_file import SqliteFile
 
-            return SqliteFile(_registry_path(sqlite_path, options.root, backend, path) or path, clock=system_clock())
+            return SqliteFile(_registry_path(sqlite_path, options.root, backend, path) or path, clock=beat_clock)
         from reconciler.core.desired.model import FlapSettings, RegistrySettings, TimingSettings
 
         registry = RegistrySettings.model_validate(settings)
-        return _etcd_registry_of(registry, TimingSettings.model_validate(reach["timing"]), FlapSettings.model_validate(reach["flap"]), system_clock())
+        return _etcd_registry_of(registry, TimingSettings.model_validate(reach["timing"]), FlapSettings.model_validate(reach["flap"]), beat_clock)
 
     return connect
 

@@ -47,7 +47,7 @@ import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
-from reconciler.cli.wiring import memo_ports, open_registry, real_pass_ports
+from reconciler.cli.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.scheduling.placement import schedule
@@ -208,7 +208,7 @@ class LiveFleet:
 
         with memo_ports(options) as memo:
             memo.clock = self.clock
-            memo.open_registry = self._connect
+            memo.open_registry = memo_registry_opener(options, clock=self.clock)
             memo.open_lane_queue = self._open_lanes
             memo.audit = RecordingAudit()
             memo.note = notes.append
