@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -308,12 +309,14 @@ class PermissionDenied(RegistryError):
 @dataclass(frozen=True)
 class LeaderView:
     """What one leader step reads from the registry (`Registry.lead`): the
-    lifecycle events just stored, the snapshot of the states just stored, and
-    the newest plan as it was at that read."""
+    lifecycle events just stored, the snapshot of the states just stored, the
+    newest plan as it was at that read, and when the first up node's last
+    beat expires (`lifecycle.next_lapse`: the leader steps again then)."""
 
     events: list[LifecycleEvent]
     snapshot: Snapshot
     plan: FleetPlan | None
+    next_lapse: datetime | None = None
 
 
 class Registry(Protocol):

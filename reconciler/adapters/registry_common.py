@@ -19,7 +19,7 @@ from datetime import datetime
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
-from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, observe, snapshot_node, updated
+from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, next_lapse, observe, snapshot_node, updated
 from reconciler.ports import LeaderView
 
 
@@ -101,7 +101,7 @@ class LifecycleMixin:
         # less whatever changed in between, which the next step sees).
         read = self._read()
         states, events = self._advance(leadership, read)
-        return LeaderView(events=events, snapshot=_snapshot(read, states, lanes), plan=read.plan)
+        return LeaderView(events=events, snapshot=_snapshot(read, states, lanes), plan=read.plan, next_lapse=next_lapse(states.values()))
 
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()

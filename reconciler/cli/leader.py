@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import generate_plan_key, host_name, lane_queue_if_configured, leader_ports, plan_signer, ray_state
+from reconciler.cli.wiring import generate_plan_key, host_name, lane_queue_if_configured, leader_ports, plan_signer, ray_state, system_clock
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
 from reconciler.core.render.ray_units import ray_state_source
@@ -212,6 +212,7 @@ def _candidate(
         signer=signer,
         ray_state=_ray_state(args.ray_address, desired),
         lane_queue=lane_queue,
+        clock=system_clock(),
     )
     if args.once:
         try:

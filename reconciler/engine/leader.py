@@ -22,7 +22,14 @@ One `step()`:
      (`reconciler.engine.scaling_step`: the only place they are executed).
 `run()` repeats it, waiting between steps on `Registry.wait_for_change`: a node
 lost or joined, a drain, or the leader key changing wakes it at once; else it
-wakes every third of the lease TTL, in time to renew.
+wakes every third of the lease TTL, in time to renew. Leading, it also wakes
+when the first up node's last beat expires (`LeaderView.next_lapse`, by its
+clock): a silent node is marked offline, and its work moved in a new plan, at
+the moment its liveness lapses, not at a later step, even when the registry's
+watch missed the expiry (etcd deletes the node's key when its lease lapses and
+the watch reports it; sqlite only compares deadlines). A lapse the registry
+does not show yet (etcd revokes an expired lease a moment later) is looked at
+again after `LAPSE_RECHECK_S`, twice as late each time it still does not show.
 
 If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait
@@ -44,6 +51,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
@@ -56,6 +64,7 @@ from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
     Audit,
+    Clock,
     CommandRunner,
     LaneQueue,
     LaneQueueError,
@@ -70,6 +79,10 @@ from reconciler.ports import (
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.core.scheduling.placement.schedule)
 Scheduler = Callable[..., FleetPlan]
+
+# A lapse that is due but not shown by the registry yet is looked at again
+# this soon (etcd checks for expired leases twice a second).
+LAPSE_RECHECK_S = 0.25
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
@@ -125,8 +138,15 @@ class LeaderLoop:
     # phaze's broker: the lanes' jobs and workers in the snapshot the plan is
     # made from (None: no [phaze] queue_url_file, the lanes carry no load).
     lane_queue: LaneQueue | None = None
+    # The registry's clock (lapses are its times); None: no wake at a lapse,
+    # only the registry's own (a one-shot leader step never waits).
+    clock: Clock | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _cannot_sign: str | None = None
+    # When the first up node's beat expires, as the last step read it, and
+    # how long to wait before looking again while that lapse does not show.
+    _next_lapse: datetime | None = None
+    _recheck_s: float = LAPSE_RECHECK_S
 
     def _reload(self) -> None:
         try:
@@ -183,6 +203,7 @@ class LeaderLoop:
             except LaneQueueError as exc:
                 # The plan goes on without the lanes' load (the next step reads it again).
                 self.log(f"lane queue unreachable, planning without the lanes' jobs: {exc}")
+            self._note_lapse(view.next_lapse)
             for event in view.events:
                 self.log(f"node {event}")
             self._publish(self._with_ray(view.snapshot), view.plan)
@@ -298,12 +319,34 @@ class LeaderLoop:
         # when the leader key goes; the timeout is the fallback (sqlite).
         return max(0.1, self.lease_ttl_s / 3)
 
+    def _note_lapse(self, lapse: datetime | None) -> None:
+        """After a step: a lapse still ahead, or a new one, is waited for from
+        scratch; the same lapse again (due, but the node still showed alive)
+        is looked at again twice as late as last time."""
+        if lapse is not None and lapse == self._next_lapse and self.clock is not None and lapse.timestamp() <= self.clock.now():
+            self._recheck_s = min(self._recheck_s * 2, self.wait_s())
+        else:
+            self._recheck_s = LAPSE_RECHECK_S
+        self._next_lapse = lapse
+
+    def until_next_step_s(self) -> float:
+        """`wait_s`, or less: until the next lapse (leading), or the recheck
+        of one that is due."""
+        periodic = self.wait_s()
+        if self.leadership is None or self._next_lapse is None or self.clock is None:
+            return periodic
+        until = self._next_lapse.timestamp() - self.clock.now()
+        if until <= 0:
+            return min(periodic, self._recheck_s)
+        return min(periodic, until)
+
     def _wait(self) -> None:
-        """Until a change or `wait_s`, in slices of at most half a second so a
-        stop request (SIGTERM) is honoured quickly."""
-        slices = max(1, math.ceil(self.wait_s() / 0.5))
+        """Until a change or `until_next_step_s`, in slices of at most half a
+        second so a stop request (SIGTERM) is honoured quickly."""
+        total = self.until_next_step_s()
+        slices = max(1, math.ceil(total / 0.5))
         for _ in range(slices):
-            if self._stop.is_set() or self.registry.wait_for_change(self.wait_s() / slices):
+            if self._stop.is_set() or self.registry.wait_for_change(total / slices):
                 return
 
     def stop(self) -> None:
@@ -344,6 +387,7 @@ def candidate_loop(
     signer: PlanSigner | None = None,
     ray_state: RayState | None = None,
     lane_queue: LaneQueue | None = None,
+    clock: Clock | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan (with Ray's view when the fleet
     runs Ray), then bursts and scaling, whose actions go to `log` and (when
@@ -368,4 +412,5 @@ def candidate_loop(
         signer=signer,
         ray_state=ray_state,
         lane_queue=lane_queue,
+        clock=clock,
     )

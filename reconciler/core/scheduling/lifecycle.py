@@ -109,6 +109,21 @@ def alive_at(records: Mapping[str, NodeRecord], now: datetime) -> set[str]:
     return alive
 
 
+def next_lapse(states: Iterable[NodeState]) -> datetime | None:
+    """The earliest moment an up node's last beat expires (its beat_at + its
+    timeout_s): when the leader must step next so that the node is marked
+    offline at its lapse, not at a later step. None when no up node has a beat.
+    """
+    earliest: datetime | None = None
+    for state in states:
+        if state.status not in UP or state.record is None:
+            continue
+        expiry = _expiry(state.record)
+        if expiry is not None and (earliest is None or expiry < earliest):
+            earliest = expiry
+    return earliest
+
+
 def _fmt(seconds: float) -> str:
     return f"{seconds:g} s"
 
