@@ -379,16 +379,20 @@ class EtcdRegistry(LifecycleMixin):
         """`heartbeat` on the record's JSON object (validated when it was
         measured: a memoized pass re-sends the last full pass's); the record as stored."""
         ttl = float(ttl_s)
-        stored = stamped(record, now=self._now(), ttl_s=ttl)
-        node_id = stored["node_id"]
-        value = json.dumps(stored, separators=(",", ":"), ensure_ascii=False).encode()
+        node_id = record["node_id"]
         node_key, facts_key = self._key("nodes", node_id), self._key("facts", node_id)
 
-        async def op(c: _Client) -> None:
+        async def op(c: _Client) -> dict[str, Any]:
             # Keep the node's lease when it is still alive and of the same TTL
             # (one lease per node, not one per beat); otherwise grant a new one.
             lease_id = 0
             kv = await c.get(node_key)
+            # The beat's time is taken just before its lease is refreshed or
+            # granted, not before connecting (which a loaded host may take
+            # seconds to do): the lease, the node's liveness, then lapses at
+            # beat_at + ttl plus one round trip, the moment the leader
+            # expects from the node's last beat, and never before it.
+            stored = stamped(record, now=self._now(), ttl_s=ttl)
             if kv is not None and kv.lease:
                 previous = json.loads(kv.value)
                 if isinstance(previous, dict) and previous.get("timeout_s") == ttl:
@@ -398,10 +402,12 @@ class EtcdRegistry(LifecycleMixin):
             tx = c.transactions
             for _ in range(2):
                 if not lease_id:
+                    stored = stamped(record, now=self._now(), ttl_s=ttl)
                     lease_id = (await c.lease(math.ceil(ttl))).id
+                value = json.dumps(stored, separators=(",", ":"), ensure_ascii=False).encode()
                 try:
                     await c.transaction(compare=[], success=[tx.put(node_key, value, lease=lease_id), tx.put(facts_key, value)], failure=[])
-                    return
+                    return stored
                 except aetcd.ClientError as exc:
                     # The kept lease lapsed between its refresh and the write.
                     if "lease not found" not in str(exc):
@@ -409,8 +415,7 @@ class EtcdRegistry(LifecycleMixin):
                     lease_id = 0
             raise RegistryError(f"heartbeat of {node_id}: its lease kept lapsing")
 
-        self._call(op, f"the heartbeat of {node_id}")
-        return stored
+        return self._call(op, f"the heartbeat of {node_id}")
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
@@ -811,6 +816,10 @@ class EtcdRegistry(LifecycleMixin):
                     async for event in watch:
                         if self._is_membership_change(event):
                             self._changed.set()
+                    # The watch ended without an error (its client was closed
+                    # by a failed operation): changes may come before the
+                    # next watch starts, so the caller reads again.
+                    self._changed.set()
                 finally:
                     try:
                         await asyncio.wait_for(watch.cancel(), 1)

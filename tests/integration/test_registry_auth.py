@@ -30,7 +30,7 @@ from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import PermissionDenied, Registry
 from tests.conftest import EXAMPLE_FLEET, require
 from tests.harness.etcd import EtcdCluster, etcd_cluster
-from tests.harness.waiting import wait_until
+from tests.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -262,3 +262,14 @@ def test_heartbeats_election_publish_and_failover(as_host, cluster, tmp_path):
     wait_until(lux_leads, timeout=ttl * 3 + 5, interval=0.2, what="lux to lead after qfox-1's lease lapsed")
     info = registries["x86-spill"].leader()
     assert info is not None and info.candidate == "lux" and info.epoch > published.epoch
+
+
+def test_the_leaders_watch_sees_a_join_and_a_lapse_under_auth(as_host):
+    """The leader wakes at a node's lapse (its heartbeat key deleted with its
+    lease) with its own identity, over TLS, as it does without auth."""
+    lux = as_host("lux")
+    spill = as_host("x86-spill")
+    lux.wait_for_change(0)  # arm the watch
+    spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"), ttl_s=2)
+    assert lux.wait_for_change(deadline_for(2)), "a join wakes the leader"
+    assert lux.wait_for_change(deadline_for(2)), "the lapse of x86-spill's heartbeat wakes the leader"
