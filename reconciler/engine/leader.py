@@ -147,6 +147,7 @@ class LeaderLoop:
     # how long to wait before looking again while that lapse does not show.
     _next_lapse: datetime | None = None
     _recheck_s: float = LAPSE_RECHECK_S
+    _lapse_was_due: bool = False
 
     def _reload(self) -> None:
         try:
@@ -321,12 +322,15 @@ class LeaderLoop:
 
     def _note_lapse(self, lapse: datetime | None) -> None:
         """After a step: a lapse still ahead, or a new one, is waited for from
-        scratch; the same lapse again (due, but the node still showed alive)
-        is looked at again twice as late as last time."""
-        if lapse is not None and lapse == self._next_lapse and self.clock is not None and lapse.timestamp() <= self.clock.now():
+        scratch; a due one (the node still showed alive) is looked at again
+        after `LAPSE_RECHECK_S`, then twice as late each time it still is."""
+        due = lapse is not None and self.clock is not None and lapse.timestamp() <= self.clock.now()
+        same = lapse == self._next_lapse
+        if due and same and self._lapse_was_due:
             self._recheck_s = min(self._recheck_s * 2, self.wait_s())
-        else:
+        elif not (due and same):
             self._recheck_s = LAPSE_RECHECK_S
+        self._lapse_was_due = due
         self._next_lapse = lapse
 
     def until_next_step_s(self) -> float:

@@ -500,3 +500,23 @@ def test_a_model_built_unvalidated_must_name_every_field():
         lifecycle.trusted(SnapshotNode, values)
     with pytest.raises(ValueError, match="colour"):
         lifecycle.trusted(SnapshotNode, {**node.__dict__, "colour": "red"})
+
+
+def test_the_next_lapse_is_the_first_up_nodes_last_beat_plus_its_timeout():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)
+    fleet.beat("lux", 10)
+    fleet.beat("racknerd", 5, relayed=True)  # 135 s: a relayed node's longer timeout
+    fleet.tick(10)
+    assert lifecycle.next_lapse(fleet.states.values()) == at(90), "qfox-1's: beat at 0 s, 90 s timeout"
+    fleet.beat("qfox-1", 40)
+    fleet.tick(40)
+    assert lifecycle.next_lapse(fleet.states.values()) == at(100), "lux's now: qfox-1's beat moved its lapse"
+    fleet.tick(100)  # lux lapsed at 100 s (it is offline: no lapse of its own any more)
+    assert fleet.status("lux") == "offline"
+    assert lifecycle.next_lapse(fleet.states.values()) == at(130)
+    fleet.drain("qfox-1", 100, grace=0)
+    fleet.tick(101)
+    assert fleet.status("qfox-1") == "draining"
+    assert lifecycle.next_lapse(fleet.states.values()) == at(130), "a draining node is still up: its lapse counts"
+    assert lifecycle.next_lapse([]) is None
