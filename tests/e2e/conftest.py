@@ -1,8 +1,10 @@
 """The fleet the e2e scenario modules share: one fleet per module (module scope).
 
 Moved here from test_fleet.py so test_fleet_live.py runs on the same harness;
-its behaviour is unchanged (tests/e2e/fleet.py's running_fleet with the
-default FleetSettings, torn down when the module's last test ends).
+its behaviour is unchanged (tests/e2e/fleet.py's running_fleet, torn down
+when the module's last test ends). A module runs its fleet with the default
+FleetSettings, or with its own `FLEET_SETTINGS` (test_fleet_react.py: the
+production 30 s timer and every host's fabric-watch.service).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ SETTINGS = FleetSettings()
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    settings = getattr(request.module, "FLEET_SETTINGS", SETTINGS)
     require_root()
     require("unshare", "nsenter", "chroot", "ip", "etcd", "caddy", "curl", "nft", "socat", "systemd-analyze")
     work = Path(tempfile.mkdtemp(prefix="fabric-e2e-"))
     try:
-        with running_fleet(work, SETTINGS, progress=lambda message: print(f"[fleet] {message}", flush=True)) as running:
+        with running_fleet(work, settings, progress=lambda message: print(f"[fleet] {message}", flush=True)) as running:
             yield running
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -101,11 +101,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.install.units import PASS_DIRECTORIES
+from reconciler.core.install.units import PASS_DIRECTORIES, RECONCILE_SERVICE, RECONCILE_TIMER
 from reconciler.core.live.models import FleetPlan
 from tests.harness.etcd import TestPki
 from tests.harness.systemd import SystemdContainer, systemd_container
@@ -204,6 +205,12 @@ class FleetSettings:
     flap_window_s: int = 120
     flap_toggles: int = 3
     hold_off_s: int = 30
+    # fabric-watch.service on every host (installed and enabled, as join.sh
+    # and the NixOS module do): a plan or this host's entries changing starts
+    # a pass at once. Off by default: with the 1 s timer of the scenario
+    # modules it adds nothing but load; the modules and the bench that run
+    # the production 30 s timer turn it on.
+    watcher: bool = False
 
     def address(self, octet: int) -> str:
         return f"{self.subnet}.{octet}"
@@ -817,8 +824,12 @@ class Fleet:
         self._check(container, "systemctl", "start", "--no-block", "fabric-reconcile.service")
         if container.host_path("/etc/systemd/system/fabric-leader.service").exists():
             self._check(container, "systemctl", "enable", "--now", "fabric-leader.service")
+        if self.settings.watcher:
+            self._check(container, "systemctl", "enable", "--now", "fabric-watch.service")
         self.progress(
-            f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}" + (" + fabric-leader.service" if name in ("lux", "qfox-1") else "")
+            f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}"
+            + (" + fabric-leader.service" if name in ("lux", "qfox-1") else "")
+            + (" + fabric-watch.service" if self.settings.watcher else "")
         )
 
     # --- looking at the fleet ------------------------------------------------
@@ -970,6 +981,96 @@ def placed(plan: FleetPlan) -> dict[str, list[str]]:
     for p in plan.placements:
         out.setdefault(p.service, []).append(p.node)
     return {k: sorted(v) for k, v in out.items()}
+
+
+# --- when things happened on a host (its journal and timers, one clock) ---
+
+# systemd's "unit starting" entry (SD_MESSAGE_UNIT_STARTING): logged when a
+# start job runs, not when a start is merged into a running one.
+UNIT_STARTING = "7d4958e842da4a758f6c1cdc7b36dcc5"
+# systemd's "unit stopped" entry (SD_MESSAGE_UNIT_STOPPED).
+UNIT_STOPPED = "9d1aaa27d60140bd96365438aad20286"
+_SPAN_UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def span_seconds(span: str) -> float:
+    """A one-unit systemd time span ("30s", "1min", "500ms", "2") in seconds."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*", span)
+    if match is None or match.group(2) not in ("", *_SPAN_UNITS):
+        raise ValueError(f"not a time span this harness reads: {span!r}")
+    return float(match.group(1)) * _SPAN_UNITS.get(match.group(2), 1.0)
+
+
+def _journal_json(fleet: Fleet, host: str, *args: str) -> list[dict[str, Any]]:
+    lines = fleet.journal(host, "-o", "json", *args).splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def _realtime(entry: dict[str, Any]) -> datetime:
+    return datetime.fromtimestamp(int(entry["__REALTIME_TIMESTAMP"]) / 1e6, UTC)
+
+
+def pass_starts(fleet: Fleet, host: str) -> list[datetime]:
+    """When systemd started a pass on `host` (its timer's, the watcher's or anyone's)."""
+    entries = _journal_json(fleet, host, "-u", RECONCILE_SERVICE, "--output-fields=MESSAGE_ID,UNIT")
+    return [_realtime(e) for e in entries if e.get("MESSAGE_ID") == UNIT_STARTING and e.get("UNIT") == RECONCILE_SERVICE]
+
+
+def watcher_starts(fleet: Fleet, host: str) -> list[datetime]:
+    """When `host`'s fabric-watch.service started a pass (its own log line)."""
+    entries = _journal_json(fleet, host, "-t", "fabric-watch", "--output-fields=MESSAGE")
+    return [_realtime(e) for e in entries if "started a pass of " in str(e.get("MESSAGE", ""))]
+
+
+def caddy_loads(fleet: Fleet, edge: str) -> list[datetime]:
+    """When the edge's passes loaded Caddy (their caddy-load audit entries)."""
+    entries = _journal_json(fleet, edge, "-t", "fabric-reconcile", "--output-fields=MESSAGE")
+    return [_realtime(e) for e in entries if str(e.get("MESSAGE", "")).startswith("caddy-load")]
+
+
+def first_after(moments: list[datetime], since: datetime) -> datetime | None:
+    return min((m for m in moments if m >= since), default=None)
+
+
+def unit_active_since(fleet: Fleet, host: str, unit: str) -> datetime | None:
+    """When `unit` last became active on `host` (systemd's ActiveEnterTimestamp)."""
+    out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=unix", unit).stdout.strip()
+    value = out.split("=", 1)[-1].lstrip("@")
+    return datetime.fromtimestamp(float(value), UTC) if value.replace(".", "").isdigit() else None
+
+
+def unit_stops(fleet: Fleet, host: str, unit: str) -> list[datetime]:
+    """When systemd stopped `unit` on `host` (its "Stopped" entries: they
+    outlive the unit, whose timestamps go when a pass removes its file)."""
+    entries = _journal_json(fleet, host, "-u", unit, "--output-fields=MESSAGE_ID,UNIT")
+    return [_realtime(e) for e in entries if e.get("MESSAGE_ID") == UNIT_STOPPED and e.get("UNIT") == unit]
+
+
+def next_tick(fleet: Fleet, host: str) -> datetime | None:
+    """When `host`'s fabric-reconcile.timer elapses next (None: not armed).
+
+    Its triggers are monotonic (OnBootSec, OnUnitActiveSec), so systemd
+    knows the next tick only on CLOCK_MONOTONIC, which a container shares
+    with this machine: it is turned into wall-clock time here."""
+    out = (
+        fleet.container(host)
+        .run(
+            "busctl",
+            "get-property",
+            "org.freedesktop.systemd1",
+            "/org/freedesktop/systemd1/unit/" + "".join(c if c.isalnum() else f"_{ord(c):02x}" for c in RECONCILE_TIMER),
+            "org.freedesktop.systemd1.Timer",
+            "NextElapseUSecMonotonic",
+        )
+        .stdout.split()
+    )
+    if len(out) != 2 or not out[1].isdigit() or int(out[1]) in (0, 2**64 - 1):
+        return None
+    return datetime.fromtimestamp(time.time() - time.monotonic() + int(out[1]) / 1e6, UTC)
+
+
+def pass_running(fleet: Fleet, host: str) -> bool:
+    return fleet.container(host).systemctl("is-active", RECONCILE_SERVICE).stdout.strip() in ("activating", "active", "deactivating")
 
 
 def lanes_on(desired: DesiredState, host: str) -> set[str]:
