@@ -122,13 +122,22 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
     return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome)
 
 
+def dispatcher_epoch(registry: Registry) -> int:
+    """The epoch a dispatcher is fenced by: the leader's term, as the leader's
+    own dispatcher (`engine.leader`, step 5) carries it, so a dispatcher run
+    by hand under that leader is not refused and a deposed leader's is. With
+    no leader, the newest epoch, which every later term exceeds."""
+    leader = registry.leader()
+    return leader.epoch if leader is not None else registry.epoch()
+
+
 def dispatch_pass(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
-    defaults to the registry's newest. Raises StaleDispatcher when a newer
-    dispatcher runs."""
+    defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
+    newer dispatcher runs."""
     settings = desired.fleet.scheduler
     targets = lane_targets(desired)
-    fence = registry.epoch() if epoch is None else epoch
+    fence = dispatcher_epoch(registry) if epoch is None else epoch
     events = [_settled_event(job) for job in lane_queue.settle()]
     views, now = current_lanes(registry, lane_queue, desired)
     for job in lane_queue.jobs():

@@ -19,7 +19,14 @@ One `step()`:
   4. leading, with a `scaling` step: decide bursts and scaling over the
      snapshot, the queue depth (waiting lane jobs + replicas deferred for
      capacity) and the persisted state, and carry the actions out
-     (`reconciler.engine.scaling_step`: the only place they are executed).
+     (`reconciler.engine.scaling_step`: the only place they are executed);
+  5. leading, with a `lane_queue` (phaze's broker, `[phaze] queue_url_file`):
+     the lane dispatcher's pass (`engine.dispatch.dispatch_pass`): finished
+     lane jobs settled, waiting ones into lane slots by multi-compute.md's
+     rules, fenced by this term's epoch, so a deposed leader's dispatch is
+     refused by the broker even before its renewal fails. Jobs started and
+     settled are logged; holds are not (they would repeat every step: `fabric
+     lane status` shows them).
 `run()` repeats it, waiting between steps on `Registry.wait_for_change`: a node
 lost or joined, a drain, or the leader key changing wakes it at once; else it
 wakes every third of the lease TTL, in time to renew. Leading, it also wakes
@@ -60,6 +67,7 @@ from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
+from reconciler.engine.dispatch import dispatch_pass
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
@@ -75,6 +83,7 @@ from reconciler.ports import (
     RayStateUnavailable,
     Registry,
     RegistryUnavailable,
+    StaleDispatcher,
 )
 
 # schedule(snapshot, desired, *, leader, epoch) -> FleetPlan (reconciler.core.scheduling.placement.schedule)
@@ -208,6 +217,7 @@ class LeaderLoop:
             for event in view.events:
                 self.log(f"node {event}")
             self._publish(self._with_ray(view.snapshot), view.plan)
+            self._dispatch()
         except NotLeader as exc:
             self.log(str(exc))
             self.leadership = None
@@ -215,6 +225,24 @@ class LeaderLoop:
             # The key became unreadable or the plan was numbered otherwise:
             # nothing valid was published; keep the term and try next step.
             self.log(f"plan not published: {exc}")
+
+    def _dispatch(self) -> None:
+        """Step 5: the lane jobs, fenced by this term (module docstring)."""
+        if self.lane_queue is None:
+            return
+        assert self.desired is not None and self.leadership is not None
+        try:
+            events = dispatch_pass(self.registry, self.lane_queue, self.desired, epoch=self.leadership.epoch)
+        except StaleDispatcher as exc:
+            # A newer term dispatches: this one's lease is gone or going.
+            self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")
+            return
+        except LaneQueueError as exc:
+            self.log(f"lane queue unreachable, no dispatch this step: {exc}")
+            return
+        for event in events:
+            if event.hold is None:
+                self.log(f"lane job {event.text()}")
 
     def _with_ray(self, snapshot: Snapshot) -> Snapshot:
         """The snapshot with Ray's view joined (step 3b), or as it is without one."""
@@ -226,8 +254,11 @@ class LeaderLoop:
             self.log(f"ray state unreadable, scheduling without Ray's tasks: {exc}")
             return snapshot
         snapshot = with_ray_view(snapshot, view, worker_unit=RAY_WORKER_UNIT)
-        # The hosts that ran a Ray node: the [ray] section's joining hosts once the renderer declares them.
-        actions = decide_ray_workers(snapshot, view.alive | view.dead, view, snapshot.now)
+        # The hosts that run a Ray node: the [ray] section's head and workers
+        # (without one, those Ray has seen: a cluster the fabric did not render).
+        assert self.desired is not None
+        ray = self.desired.fleet.ray
+        actions = decide_ray_workers(snapshot, set(ray.hosts()) if ray is not None else view.alive | view.dead, view, snapshot.now)
         if actions != self.ray_workers:
             for action in actions:
                 self.log(f"ray worker {action.kind} {action.host}: {action.reason}")

@@ -216,6 +216,56 @@ def test_a_dispatcher_with_an_older_epoch_is_refused(lanes, desired):
     assert lanes.queue.dispatch("j2", target, epoch=8) is not None, "a newer epoch goes on"
 
 
+def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lanes, tmp_path):
+    """fabric-leader.service is the fleet's dispatcher: each step of the real
+    leader loop puts the waiting jobs on the lanes' SAQ queues under its
+    term's epoch, and once a newer term has dispatched, the old term's
+    dispatch is refused by the broker."""
+    from reconciler.core.scheduling.placement import schedule
+    from reconciler.engine.leader import LeaderLoop
+    from tests.plan_keys import signed_example_fleet
+
+    fleet = signed_example_fleet(tmp_path / "signed")
+    signed = load_desired(fleet.desired)
+
+    def leader(host: str, log: list[str]) -> LeaderLoop:
+        return LeaderLoop(
+            registry=lanes.registry,
+            host=host,
+            load_desired=lambda: signed,
+            schedule=schedule,
+            lease_ttl_s=30,
+            log=log.append,
+            signer=fleet.signer(host),
+            lane_queue=lanes.queue,
+        )
+
+    for queue in (A1, X86, LOCAL):
+        lanes.workers.start(queue)
+    wait_until(
+        lambda: all(s.workers for s in lanes.queue.lane_states({"a": A1, "x": X86, "l": LOCAL})),
+        timeout=deadline_for(HEARTBEAT_S),
+        what="a worker beating on every lane's queue",
+    )
+    lanes.queue.enqueue([("long-clip", 3600.0), ("short-clip", 30.0)])
+    lux_log: list[str] = []
+    lux = leader("lux", lux_log)
+    lux.step()
+    assert in_queue(lanes.dsn) == {A1: 1, LOCAL: 1}, lux_log
+    assert any(line.startswith("lane job long-clip -> a1-arm64") for line in lux_log), lux_log
+    assert lux.leadership is not None
+    old_term = lux.leadership.epoch
+    lanes.registry.resign(lux.leadership)
+    lanes.queue.enqueue([("clip-2", 3600.0)])
+    qfox = leader("qfox-1", [])
+    qfox.step()
+    assert qfox.leadership is not None and qfox.leadership.epoch > old_term
+    lanes.queue.enqueue([("clip-3", 3600.0)])
+    with pytest.raises(StaleDispatcher):
+        dispatch_pass(lanes.registry, lanes.another_queue(), signed, epoch=old_term)
+    assert next(j for j in lanes.queue.jobs() if j.job_id == "clip-3").waiting
+
+
 def test_200_racing_dispatches_from_several_dispatchers_never_exceed_a_cap(lanes, desired):
     """Eight dispatchers (threads, each with its own connection, connected
     before they start together) race to put 200 jobs into a1-arm64 (cap 2)

@@ -108,3 +108,14 @@ def test_an_unreadable_ray_is_said_and_the_plan_made_without_it(registry, fleet)
     assert "ray state unreadable, scheduling without Ray's tasks: ray state at 10.0.0.1:6379: connection refused" in log
     assert loop.published is not None
     assert all(n.engine_tasks == 0 for n in seen[0].nodes)
+
+
+def test_the_ray_hosts_are_the_ray_tables_so_a_worker_that_never_joined_is_started(registry, fleet):
+    # lux is [ray]'s head; Ray has never seen it (its unit never came up):
+    # the leader says its Ray node should start, and names no host outside [ray].
+    log: list[str] = []
+    view = RayView(running={}, alive=frozenset({"x86-spill", "qfox-1", "a1-arm64"}), dead=frozenset())
+    leader(registry, fleet, FakeRayState(view), [], log).step()
+    starts = [line for line in log if line.startswith("ray worker start")]
+    assert len(starts) == 1 and starts[0].startswith("ray worker start lux: it runs no Ray node"), log
+    assert not any("racknerd" in line for line in log if line.startswith("ray worker")), log

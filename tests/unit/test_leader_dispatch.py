@@ -1,0 +1,111 @@
+"""The leader's lane dispatcher (engine.leader step 5) on a real sqlite registry
+and a fake LaneQueue: each step dispatches the waiting jobs fenced by its term,
+a deposed leader's dispatch is refused, and `fabric lane dispatch` under a
+leader carries the leader's term (engine.dispatch.dispatcher_epoch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import lane_queue_name
+from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
+from reconciler.engine.leader import LeaderLoop
+from reconciler.ports import StaleDispatcher
+from tests.fakes import FakeLaneQueue
+from tests.integration.registry_store import beat_example_fleet
+from tests.plan_keys import signed_example_fleet
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    return signed_example_fleet(tmp_path / "fleet")
+
+
+@pytest.fixture
+def registry(tmp_path: Path, fleet):
+    desired = load_desired(fleet.desired)
+    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
+    beat_example_fleet(reg)
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def queue(fleet) -> FakeLaneQueue:
+    """phaze's broker with a worker on every lane's queue."""
+    desired = load_desired(fleet.desired)
+    return FakeLaneQueue(workers={lane_queue_name(desired.fleet, lane): 1 for lane in desired.lanes})
+
+
+def leader(registry, fleet, queue: FakeLaneQueue, log: list[str], host: str = "lux") -> LeaderLoop:
+    desired = load_desired(fleet.desired)
+    return LeaderLoop(
+        registry=registry,
+        host=host,
+        load_desired=lambda: desired,
+        schedule=schedule,
+        lease_ttl_s=30,
+        log=log.append,
+        signer=fleet.signer(host),
+        lane_queue=queue,
+    )
+
+
+def test_each_leader_step_dispatches_the_waiting_lane_jobs(registry, fleet, queue):
+    log: list[str] = []
+    queue.enqueue([("clip-1", 3600.0), ("clip-2", 30.0)])
+    leader(registry, fleet, queue, log).step()
+    lanes = {job.job_id: job.lane for job in queue.jobs()}
+    # A long file goes to the cloud lane with room; a short one stays local (route threshold).
+    assert lanes["clip-1"] is not None and lanes["clip-1"] != "local"
+    assert lanes["clip-2"] == "local"
+    assert any(line.startswith("lane job clip-1 -> ") for line in log), log
+
+
+def test_the_leaders_dispatch_is_fenced_by_its_term(registry, fleet, queue):
+    log: list[str] = []
+    loop = leader(registry, fleet, queue, log)
+    queue.enqueue([("clip-1", 3600.0)])
+    loop.step()
+    assert loop.leadership is not None
+    # The broker keeps the newest epoch a dispatch carried: this term's, not a plan's.
+    assert queue.fence == loop.leadership.epoch == dispatcher_epoch(registry) < registry.epoch()
+
+
+def test_a_deposed_leaders_dispatch_is_refused(registry, fleet, queue):
+    log: list[str] = []
+    old = leader(registry, fleet, queue, log)
+    old.step()
+    assert old.leadership is not None
+    registry.resign(old.leadership)
+    newer = leader(registry, fleet, queue, [], host="qfox-1")
+    queue.enqueue([("clip-2", 3600.0)])
+    newer.step()
+    assert newer.leadership is not None and newer.leadership.epoch > old.leadership.epoch
+    assert next(j for j in queue.jobs() if j.job_id == "clip-2").lane is not None
+    queue.enqueue([("clip-3", 3600.0)])
+    # The old term still thinks it leads: its dispatch must not start the job.
+    with pytest.raises(StaleDispatcher):
+        dispatch_pass(registry, queue, load_desired(fleet.desired), epoch=old.leadership.epoch)
+    assert next(j for j in queue.jobs() if j.job_id == "clip-3").lane is None
+
+
+def test_a_dispatcher_run_by_hand_under_a_leader_is_not_refused(registry, fleet, queue):
+    loop = leader(registry, fleet, queue, [])
+    loop.step()
+    queue.enqueue([("clip-4", 3600.0)])
+    events = dispatch_pass(registry, queue, load_desired(fleet.desired))
+    assert [e.job for e in events if e.lane is not None] == ["clip-4"]
+    # ...and the leader's next step is not refused after it either.
+    queue.enqueue([("clip-5", 3600.0)])
+    log: list[str] = []
+    loop.log = log.append
+    loop.step()
+    assert not any("refused" in line for line in log), log
+    assert next(j for j in queue.jobs() if j.job_id == "clip-5").lane is not None
