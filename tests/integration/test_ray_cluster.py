@@ -284,25 +284,15 @@ def test_cuda_only_work_raises_capacity_error_with_its_reason(without_qfox: RayF
     assert fabric.fallbacks.dispatched == 0
 
 
+def leader_run_once(fleet: RayFleet, desired: Path, *options: str) -> int:
+    """`fabric leader run --once` as lux over the Ray fleet's registry."""
+    argv = ["leader", "run", "--once", "--host", "lux", *options, "--desired", str(desired), "--registry-path", str(fleet.registry_path)]
+    return main([*argv, "--plan-key-file", str(fleet.signed.key_file("lux"))])
+
+
 def test_fabric_leader_run_with_the_ray_address_says_which_ray_worker_to_start(without_qfox: RayFleet, capsys: pytest.CaptureFixture[str]):
     fleet = without_qfox
-    code = main(
-        [
-            "leader",
-            "run",
-            "--once",
-            "--host",
-            "lux",
-            "--ray-address",
-            fleet.cluster.address,
-            "--desired",
-            str(fleet.signed.desired),
-            "--registry-path",
-            str(fleet.registry_path),
-            "--plan-key-file",
-            str(fleet.signed.key_file("lux")),
-        ]
-    )
+    code = leader_run_once(fleet, fleet.signed.desired, "--ray-address", fleet.cluster.address)
     err = capsys.readouterr().err
     assert code == 0, err
     assert "fabric-leader: ray worker start qfox-1: its Ray node died while it has idle capacity (0/4, tier gpu_cuda)" in err
@@ -322,22 +312,9 @@ def test_fabric_leader_run_reads_ray_from_the_ray_heads_dashboard_without_being_
     lux = desired / "lux.toml"
     lux.write_text(re.sub(r'(?m)^address = ".*"$', f'address = "{address}"', lux.read_text(), count=1))
     fabric_toml = desired / "fabric.toml"
-    fabric_toml.write_text(fabric_toml.read_text().replace("dashboard = false", f"dashboard = true\ndashboard_port = {port}"))
-    code = main(
-        [
-            "leader",
-            "run",
-            "--once",
-            "--host",
-            "lux",
-            "--desired",
-            str(desired),
-            "--registry-path",
-            str(fleet.registry_path),
-            "--plan-key-file",
-            str(fleet.signed.key_file("lux")),
-        ]
-    )
+    fabric_toml.write_text(re.sub(r"(?m)^dashboard = (true|false)$", f"dashboard = true\ndashboard_port = {port}", fabric_toml.read_text(), count=1))
+    assert f"dashboard_port = {port}" in fabric_toml.read_text()
+    code = leader_run_once(fleet, desired)
     err = capsys.readouterr().err
     assert code == 0, err
     assert f"fabric-leader: Ray's state from http://{address}:{port} ([ray] head's dashboard)" in err

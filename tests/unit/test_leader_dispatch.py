@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import lane_queue_name
 from reconciler.core.scheduling.placement import schedule
@@ -18,22 +16,18 @@ from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
 from tests.fakes import FakeLaneQueue
-from tests.integration.registry_store import beat_example_fleet
-from tests.plan_keys import signed_example_fleet
+from tests.unit.test_leader_ray_state import beating_registry, signed_fleet
 
 
 @pytest.fixture
 def fleet(tmp_path: Path):
-    return signed_example_fleet(tmp_path / "fleet")
+    return signed_fleet(tmp_path)
 
 
 @pytest.fixture
 def registry(tmp_path: Path, fleet):
-    desired = load_desired(fleet.desired)
-    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
-    beat_example_fleet(reg)
-    yield reg
-    reg.close()
+    with beating_registry(tmp_path, fleet) as reg:
+        yield reg
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ and an unreadable Ray is said and skipped."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,18 +33,32 @@ class FakeRayState:
         return self.view
 
 
+def signed_fleet(tmp_path: Path):
+    """The example fleet with throwaway plan keys (its candidates can sign)."""
+    return signed_example_fleet(tmp_path / "fleet")
+
+
+@contextmanager
+def beating_registry(tmp_path: Path, fleet) -> Iterator[SqliteRegistry]:
+    """A real sqlite registry with every example host's heartbeat."""
+    desired = load_desired(fleet.desired)
+    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
+    try:
+        beat_example_fleet(reg)
+        yield reg
+    finally:
+        reg.close()
+
+
 @pytest.fixture
 def fleet(tmp_path: Path):
-    return signed_example_fleet(tmp_path / "fleet")
+    return signed_fleet(tmp_path)
 
 
 @pytest.fixture
 def registry(tmp_path: Path, fleet):
-    desired = load_desired(fleet.desired)
-    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
-    beat_example_fleet(reg)
-    yield reg
-    reg.close()
+    with beating_registry(tmp_path, fleet) as reg:
+        yield reg
 
 
 def leader(registry, fleet, ray_state: FakeRayState, seen: list[Snapshot], log: list[str]) -> LeaderLoop:

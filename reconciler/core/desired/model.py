@@ -15,6 +15,7 @@ import base64
 import binascii
 import ipaddress
 import re
+from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal, get_args
 
@@ -474,13 +475,18 @@ def agent_token_file(agent: AgentSettings | None, lane: Lane) -> str | None:
     return f"{token_dir}/{lane.agent_ref}/token"
 
 
-def _unique_units(values: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    for i, value in enumerate(values):
-        if value in seen:
-            raise ValueError(f"{value} is listed twice (control_units[{seen[value]}] and control_units[{i}])")
-        seen[value] = i
-    return values
+def listed_once(key: str) -> Callable[[list[str]], list[str]]:
+    """A validator of list `key`: no value listed twice (the message names both indexes)."""
+
+    def check(values: list[str]) -> list[str]:
+        seen: dict[str, int] = {}
+        for i, value in enumerate(values):
+            if value in seen:
+                raise ValueError(f"{value} is listed twice ({key}[{seen[value]}] and {key}[{i}])")
+            seen[value] = i
+        return values
+
+    return check
 
 
 class PhazeSettings(Strict):
@@ -488,7 +494,7 @@ class PhazeSettings(Strict):
 
     # Its units: they read backends.toml at startup only, so a pass that
     # changes the file restarts those that run.
-    control_units: Annotated[list[ServiceUnit], AfterValidator(_unique_units)] = []
+    control_units: Annotated[list[ServiceUnit], AfterValidator(listed_once("control_units"))] = []
     # The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL): the
     # lane queue (`fabric lane`, the leader, `fabric status`) reads it there.
     # Never the DSN itself: it carries a password and TOML is world-readable.
@@ -566,15 +572,6 @@ Cidr = Annotated[str, AfterValidator(_cidr)]
 EVERYONE = ("0.0.0.0/0", "::/0")
 
 
-def _unique_cidrs(values: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    for i, value in enumerate(values):
-        if value in seen:
-            raise ValueError(f"{value} is listed twice (allow_from[{seen[value]}] and allow_from[{i}])")
-        seen[value] = i
-    return values
-
-
 class PortMap(Strict):
     """A permanent socat redirect on one host (the seed's edge port maps)."""
 
@@ -586,7 +583,7 @@ class PortMap(Strict):
     target_port: Port
     # Who besides the tailnet may reach listen_port: CIDRs, IPv4 and IPv6;
     # 0.0.0.0/0 and ::/0 are everyone. Empty (the default): the tailnet only.
-    allow_from: Annotated[list[Cidr], AfterValidator(_unique_cidrs)] = []
+    allow_from: Annotated[list[Cidr], AfterValidator(listed_once("allow_from"))] = []
 
     @property
     def open_to_everyone(self) -> bool:
@@ -620,15 +617,6 @@ class PlanKey(Strict):
         return base64.b64decode(self.public_key)
 
 
-def _unique_hosts(values: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    for i, value in enumerate(values):
-        if value in seen:
-            raise ValueError(f"{value} is listed twice (workers[{seen[value]}] and workers[{i}])")
-        seen[value] = i
-    return values
-
-
 # Ray's own default GCS port (`ray start --head`) and dashboard port.
 RAY_DEFAULT_PORT = 6379
 RAY_DEFAULT_DASHBOARD_PORT = 8265
@@ -646,7 +634,7 @@ class RaySettings(Strict):
     port: Port = RAY_DEFAULT_PORT
     # The hosts whose worker joins the head. The head is a Ray node itself
     # (with its own resources), so it is not listed here.
-    workers: Annotated[list[Name], AfterValidator(_unique_hosts)] = []
+    workers: Annotated[list[Name], AfterValidator(listed_once("workers"))] = []
     # The `ray` program the units run (a virtualenv's bin/ray, a Nix store
     # path); None: the one on the pass's PATH (the NixOS module's
     # services.fabric.ray.package puts it there), else /usr/bin/ray.
