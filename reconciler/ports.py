@@ -415,7 +415,7 @@ class RayStateUnavailable(Exception):
 
 
 class RayState(Protocol):
-    """Ray's state API as the leader reads it (reconciler.ray.state): the
+    """Ray's state API as the leader reads it (reconciler.adapters.ray_state): the
     tasks running per fabric host and the hosts whose Ray node died, by the
     host label the fabric rendered on each Ray node. Raises RayStateUnavailable."""
 

@@ -252,7 +252,7 @@ def plan_signer(key_file: Path) -> PlanSigner:
 def ray_state(address: str) -> RayState:
     """Ray's state API at `address` (the leader's view of the fleet's Ray
     cluster). Raises ImportError when `ray` (the extra `ray`) is not installed."""
-    from reconciler.ray.state import RayStateReader
+    from reconciler.adapters.ray_state import RayStateReader
 
     return RayStateReader(address)
 

@@ -1,7 +1,9 @@
 """The fabric's API for Ray drivers (issue 13; the seed's "Ray integration with the scheduler").
 
-The one package that imports `ray` (an import-linter contract keeps it so;
-`ray` comes with the optional extra `ray`). The decisions are the core's
+The one package that imports `ray` at import time (an import-linter contract
+keeps it so; `ray` comes with the optional extra `ray`). It is a client of the
+fabric, like the command line, and sits above it: it opens the registry
+through `cli.wiring` as `fabric` does. The decisions are the core's
 (`reconciler.core.scheduling.ray_tasks`, the scheduler's own rules); this
 package only reads the live registry and Ray's node table, and pins each
 call to the chosen Ray node:
@@ -13,8 +15,9 @@ call to the chosen Ray node:
     ref = fabric.adaptive_remote(work, min_tier="gpu_apu").remote(data)   # raises CapacityError when deferred
     print(fabric.fallbacks.line())   # "100 tasks dispatched, fallback tiers used: N"
 
-`reconciler.ray.state` is the leader's reader of Ray's state API (the
-`RayState` port): tasks running per fabric host and dead Ray nodes.
+The leader's reader of Ray's state API (the `RayState` port: tasks running
+per fabric host and dead Ray nodes) is an adapter, `reconciler.adapters.ray_state`,
+which imports `ray` only when it reads.
 """
 
 from reconciler.core.scheduling.ray_tasks import FallbackCount, NodeAssignment, Requirement

@@ -5,7 +5,7 @@ module (tests/harness/ray_fleet.py): one Ray node per replayed probe of
 qfox-1, a1-arm64 and lux with the resources and labels the fabric renders,
 the hosts' heartbeats in a real sqlite registry, which the driver opens the
 way `fabric` does (`Dispatcher.connect(path)`); the real leader loop reads
-Ray's state API through `reconciler.ray.state.RayStateReader`. The tests
+Ray's state API through `reconciler.adapters.ray_state.RayStateReader`. The tests
 run in file order: the ones after `without_qfox` run without qfox-1's node.
 
 The tasks ask for no CPU (`num_cpus=0`): their concurrency is the tier
@@ -33,6 +33,7 @@ try:
 except ImportError:  # pragma: no cover - the message is the point
     pytest.fail("real component missing: ray (pip install -e '.[test,ray]'; scripts/test installs the extra)", pytrace=False)
 
+from reconciler.adapters.ray_state import RayStateReader
 from reconciler.cli import main
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
@@ -43,7 +44,6 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from reconciler.engine.plan_source import node_record
 from reconciler.ray import CapacityError, Dispatcher, Requirement
-from reconciler.ray.state import RayStateReader
 from tests.harness.ray_fleet import RayFleet, ray_fleet, replayed
 from tests.harness.waiting import wait_until
 

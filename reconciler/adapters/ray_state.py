@@ -4,7 +4,8 @@ One `observe()` lists the cluster's nodes (alive or dead, each with the host
 label the fabric rendered) and its running tasks, and counts those per
 fabric host. It goes through Ray's state API (the dashboard's, so the head
 runs with `ray[default]`), addressed like `ray status --address`: no driver
-joins the cluster, so the leader adds no load and holds no job.
+joins the cluster, so the leader adds no load and holds no job. `ray` is
+imported inside `observe` only: the adapters load without the `ray` extra.
 """
 
 from __future__ import annotations
