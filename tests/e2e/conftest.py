@@ -20,6 +20,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from tests.conftest import require, require_root
 from tests.e2e.fleet import Fleet, FleetSettings, running_fleet
+from tests.harness.saq_workers import LaneWorkers
 
 SETTINGS = FleetSettings()
 
@@ -40,3 +41,20 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 @pytest.fixture(scope="module")
 def desired(fleet: Fleet) -> DesiredState:
     return load_desired(fleet.desired_dir)
+
+
+@pytest.fixture(scope="module")
+def lane_workers(fleet: Fleet, desired: DesiredState) -> Iterator[LaneWorkers]:
+    """Real SAQ workers on every lane's queue of the fleet's broker (as many
+    jobs at once as the lane's cap), in this process: a lane is online only
+    while its queue's workers beat. A test decides when each job ends
+    (`lane_workers.finish(job)`); the next dispatch pass settles it."""
+    workers = LaneWorkers(fleet.queue_url)
+    try:
+        for lane in desired.lanes:
+            queue = desired.queue_for(lane)
+            assert queue is not None, lane
+            workers.start(queue, concurrency=lane.cap)
+        yield workers
+    finally:
+        workers.close()

@@ -25,6 +25,13 @@ addresses would be dropped by the very rules under test). On it:
     .2 racknerd (edge)   .10 lux   .11 qfox-1   .21 a1-arm64   .22 x86-spill
     .5 etcd (its own namespace)   .100 client (its own namespace)   .254 this host
 
+phaze's broker, the lane queue (SAQ on PostgreSQL; tests/harness/postgres.py),
+listens on this host's bridge address (.254:5432, database `phaze`, trusted
+from the /24 only): the hosts' passes and the leaders in the containers read
+the lanes' load and workers from it, the test client dispatches into it. Its
+DSN is /run/secrets/phaze/queue_url in each container and WORK/queue_url here
+(0600), named by [phaze] queue_url_file in each desired state.
+
 Each fabric host is systemd as PID 1 in its own namespaces
 (`tests.harness.systemd.systemd_container(private_network=True)`); a veth pair
 is moved into its network namespace by PID, so stopping the container takes its
@@ -109,6 +116,8 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.install.units import PASS_DIRECTORIES, RECONCILE_SERVICE, RECONCILE_TIMER
 from reconciler.core.live.models import FleetPlan
 from tests.harness.etcd import TestPki
+from tests.harness.postgres import PostgresServer, postgres_server
+from tests.harness.postgres import stop_by_pid as stop_postgres
 from tests.harness.systemd import SystemdContainer, systemd_container
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -161,8 +170,10 @@ SECRET_FILES = {
     "/run/secrets/phaze/agents/a1-arm64/token": "e2e-not-a-real-token\n",
     "/run/secrets/phaze/agents/x86-spill/token": "e2e-not-a-real-token\n",
     "/run/secrets/phaze/push_key": "e2e-not-a-real-key\n",
-    "/run/secrets/phaze/queue_url": "postgresql://e2e@/phaze\n",
 }
+# phaze's broker URL (the fleet's PostgreSQL, known once it runs): the
+# example's PHAZE_QUEUE_URL_FILE, named by [phaze] queue_url_file.
+QUEUE_URL_FILE = "/run/secrets/phaze/queue_url"
 
 # The edge operator's main Caddyfile: the pass inlines its snippet at the
 # import line and keeps these global options. The example's domain is public,
@@ -234,6 +245,7 @@ def e2e_desired_state(
     *,
     plan_keys: list[dict[str, str]] | None = None,
     tls: dict[str, str] | None = None,
+    queue_url_file: str = QUEUE_URL_FILE,
 ) -> dict[str, str]:
     """The example fleet's files (name -> TOML text) changed for this machine.
 
@@ -254,6 +266,7 @@ def e2e_desired_state(
         data = tomllib.loads(path.read_text())
         if path.name == "fabric.toml":
             data = _e2e_fleet(data, settings)
+            data.setdefault("phaze", {})["queue_url_file"] = queue_url_file
             data["registry"].update(tls or {"ca_file": ETCD_CA_FILE, "cert_file": ETCD_CERT_FILE, "key_file": ETCD_KEY_FILE})
             if plan_keys is not None:
                 data["plan_keys"] = plan_keys
@@ -427,6 +440,9 @@ class Fleet:
     _stack: ExitStack = field(default_factory=ExitStack)
     _state: dict[str, Any] = field(default_factory=dict)
     _etcd: subprocess.Popen[bytes] | None = None
+    # phaze's broker (the lane queue) on this host's bridge address, its DSN.
+    _postgres: PostgresServer | None = None
+    queue_url: str = ""
     # The fleet's CA and every identity's certificate (made by up()).
     pki: TestPki | None = None
     # The candidates' throwaway plan keys: host -> [[plan_keys]] table.
@@ -462,6 +478,11 @@ class Fleet:
         return self.work / "client-desired"
 
     @property
+    def queue_url_file(self) -> Path:
+        """The broker's DSN for this host's test client (0600)."""
+        return self.work / "queue_url"
+
+    @property
     def keys_dir(self) -> Path:
         return self.work / "plan-keys"
 
@@ -480,6 +501,7 @@ class Fleet:
         self._state.update(changes)
         self._state["containers"] = {name: {"pid": h.container.pid} for name, h in self.hosts.items() if h.container is not None}
         self._state["etcd_pid"] = self._etcd.pid if self._etcd is not None and self._etcd.poll() is None else None
+        self._state["postgres"] = {"pid": self._postgres.pid, "directory": str(self._postgres.directory)} if self._postgres else None
         tmp = self.work / "state.json.tmp"
         tmp.write_text(json.dumps(self._state, indent=2))
         tmp.replace(self.work / "state.json")
@@ -498,6 +520,7 @@ class Fleet:
             self._make_bridge()
             self._save_state(subnet=self.settings.subnet)
             self._make_identities()
+            self._start_broker()
             self._write_desired()
             self._make_namespace("etcd", ETCD_OCTET)
             self._make_namespace("client", CLIENT_OCTET)
@@ -542,14 +565,28 @@ class Fleet:
             self.plan_keys[host] = table
         self.progress(f"identities: CA and certificates in {self.pki.directory}; plan keys of {', '.join(candidates)} in {self.keys_dir}")
 
+    def _start_broker(self) -> None:
+        """phaze's broker: PostgreSQL on this host's bridge address, database
+        `phaze`; stopped by PID with the rest (the ExitStack)."""
+        address = self.settings.address(THIS_HOST_OCTET)
+        self._postgres = self._stack.enter_context(postgres_server(listen_on=address, trusted_net=f"{self.settings.subnet}.0/24"))
+        self._postgres.database("phaze")
+        self.queue_url = self._postgres.tcp_dsn_of("phaze")
+        _write_private(self.queue_url_file, f"{self.queue_url}\n".encode())
+        self._save_state()
+        self.progress(f"phaze's broker: PostgreSQL at {address}:5432 (pid {self._postgres.pid})")
+
     def _write_desired(self) -> None:
         cert, key = self.identity(ADMIN)
         assert self.pki is not None
         client_tls = {"ca_file": str(self.pki.ca_file), "cert_file": str(cert), "key_file": str(key)}
         keys = list(self.plan_keys.values())
-        for directory, tls in ((self.desired_dir, None), (self.client_desired_dir, client_tls)):
+        for directory, tls, queue_url_file in (
+            (self.desired_dir, None, QUEUE_URL_FILE),
+            (self.client_desired_dir, client_tls, str(self.queue_url_file)),
+        ):
             directory.mkdir(parents=True, exist_ok=True)
-            for name, text in e2e_desired_state(self.settings, plan_keys=keys, tls=tls).items():
+            for name, text in e2e_desired_state(self.settings, plan_keys=keys, tls=tls, queue_url_file=queue_url_file).items():
                 (directory / name).write_text(text)
         self.progress(f"desired state: {self.desired_dir} (hosts), {self.client_desired_dir} (this host's client, as {ADMIN})")
 
@@ -775,6 +812,7 @@ class Fleet:
             self._check(container, "mkdir", "-p", directory)
         for path, text in SECRET_FILES.items():
             container.write_file(path, text, mode=0o600)
+        _write_private(container.host_path(QUEUE_URL_FILE), f"{self.queue_url}\n".encode())
         # The lanes' ssh_user, as on a host phaze pushes to: a lane agent's
         # unit gives its scratch dir to that user and joins its group.
         self._check(container, "useradd", "--system", "--user-group", "--no-create-home", "phaze")
@@ -952,6 +990,10 @@ def force_down(state_dir: Path, progress: Progress = print) -> None:
     if state.get("etcd_pid"):
         _stop_pid(int(state["etcd_pid"]), "etcd")
         progress("etcd: stopped")
+    if state.get("postgres"):
+        stop_postgres(int(state["postgres"]["pid"]))
+        shutil.rmtree(state["postgres"]["directory"], ignore_errors=True)
+        progress("PostgreSQL: stopped")
     for namespace in reversed(state.get("namespaces", [])):
         _run("ip", "netns", "del", namespace, check=False)
     if state.get("bridge"):

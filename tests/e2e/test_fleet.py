@@ -53,6 +53,7 @@ from tests.e2e.fleet import (
     running_agents,
     wait_for,
 )
+from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
@@ -406,7 +407,8 @@ def test_node_join_absorbs_capacity_and_moves_nothing(fleet: Fleet, desired: Des
 def lane(fleet: Fleet, *args: str) -> list[dict]:
     """`fabric lane ARGS --json` against the fleet's registry: one object per
     line (`status`: one indented document). As lux: only leader candidates
-    may write lane slots and jobs."""
+    may write lane slots and jobs. The lane queue is phaze's broker, the
+    fleet's PostgreSQL ([phaze] queue_url_file of the client's desired state)."""
     done = fleet.fabric("lane", *args, "--json", identity="lux")
     assert done.returncode == 0, done.stderr
     if args[0] == "status":
@@ -414,13 +416,38 @@ def lane(fleet: Fleet, *args: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
-def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired: DesiredState) -> None:
+def dispatched(fleet: Fleet) -> list[dict]:
+    """One `fabric lane dispatch --once`: its decisions on waiting jobs (the
+    jobs it settled first, whose SAQ worker finished them, left out)."""
+    return [e for e in lane(fleet, "dispatch", "--once") if e["outcome"] is None]
+
+
+def drain_lanes(fleet: Fleet, workers: LaneWorkers, timeout: float) -> None:
+    """Let every running lane job finish on its SAQ worker and dispatch (and
+    so settle) until the lane queue is empty."""
+
+    def drained() -> bool:
+        status = lane(fleet, "status")[0]
+        for running in status["running"]:
+            workers.finish(running["job"])
+        if status["running"] or status["waiting"]:
+            lane(fleet, "dispatch", "--once")
+        return not status["running"] and not status["waiting"]
+
+    wait_for(drained, timeout=timeout, what="the lane queue to drain", interval=0.2)
+
+
+def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers) -> None:
     # A lane takes jobs while its cap and its host's capacity beside the
-    # services placed there both have room (one account per host).
-    views = {v["id"]: v for v in lane(fleet, "status")[0]["lanes"]}
+    # services placed there both have room (one account per host). Each
+    # lane's queue has its SAQ worker (lane_workers), so every lane is online.
+    def all_online() -> dict | None:
+        views = {v["id"]: v for v in lane(fleet, "status")[0]["lanes"]}
+        return views if all(v["online"] for v in views.values()) else None
+
+    views = wait_for(all_online, timeout=REACT_S, what="every lane online (its host active, its SAQ worker beating)", interval=0.5)
     room = {i: min(v["cap"] - v["in_flight"], v["cap"] if v["host_free"] is None else v["host_free"]) for i, v in views.items()}
-    said = {i: (v["available"], v["reason"], v["in_flight"], v["host_free"]) for i, v in views.items()}
-    assert all(v["available"] for v in views.values()), said
+    said = {i: (v["online"], v["reason"], v["in_flight"], v["host_free"]) for i, v in views.items()}
     # a1-arm64's probe bounds it to one task: when a service placed there
     # holds it, its lane has no room and says its host is full, and the
     # burst starts on x86-spill (the next rank) at once.
@@ -432,7 +459,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     jobs = [f"burst-{n}" for n in range(cloud + room["local"] + 1)]
     # The job system enqueues a burst at once; nothing finishes meanwhile.
     lane(fleet, "enqueue", *jobs)
-    events = {e["job"]: e for e in lane(fleet, "dispatch", "--once")}
+    events = {e["job"]: e for e in dispatched(fleet)}
     started = [(job, events[job]["backend"]) for job in jobs if events[job]["backend"]]
     # Rank first: a1-arm64 fills to its room, then x86-spill spills over ...
     a1 = room["a1-arm64"]
@@ -444,7 +471,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
 
     # Local takes one job (its cap) once that job has waited past the gate.
     def local_started() -> dict | None:
-        for event in lane(fleet, "dispatch", "--once"):
+        for event in dispatched(fleet):
             if event["backend"] == "local":
                 return event
         return None
@@ -453,28 +480,34 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
         spilled = wait_for(local_started, timeout=gate + REACT_S, what="a job spilling to local", interval=0.5)
         assert spilled["job"] == jobs[cloud] and spilled["waited_s"] >= gate, spilled
     # Every lane full now: the last job holds for a free slot.
-    (last,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[-1]]
+    (last,) = [e for e in dispatched(fleet) if e["job"] == jobs[-1]]
     assert last["backend"] is None and last["hold"] == "no_free_slots", last
     status = lane(fleet, "status")[0]
     assert {v["id"]: v["in_flight"] for v in status["lanes"]} == caps, status["lanes"]
     assert all(v["full"] is not None for v in status["lanes"]), status["lanes"]
+    # Each started job runs on the SAQ worker of the lane the rules chose.
+    queues = {v["id"]: v["queue"] for v in status["lanes"]}
+    if room["local"]:
+        started.append((spilled["job"], "local"))
+    wait_for(
+        lambda: all(lane_workers.running().get(j) == queues[b] for j, b in started),
+        timeout=REACT_S,
+        what="the started jobs running on their lanes' workers",
+        interval=0.2,
+    )
 
-    # A job that finishes frees its slot (a1-arm64's, or x86-spill's when
-    # a1-arm64 had no room); the held one takes it: the only free slot.
-    lane(fleet, "done", jobs[0])
-    (moved,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == jobs[-1]]
+    # A job that finishes on its worker frees its slot (a1-arm64's, or
+    # x86-spill's when a1-arm64 had no room); the next dispatch settles it and
+    # the held one takes it: the only free slot.
+    lane_workers.finish(jobs[0])
+
+    def held_one_moved() -> dict | None:
+        return next((e for e in dispatched(fleet) if e["job"] == jobs[-1] and e["backend"]), None)
+
+    moved = wait_for(held_one_moved, timeout=REACT_S, what=f"{jobs[-1]} to take the freed slot", interval=0.2)
     assert moved["backend"] == started[0][1], (moved, started)
 
-    # Drain the rest: finish what runs, dispatch what waits, until the queue is empty.
-    def drained() -> bool:
-        status = lane(fleet, "status")[0]
-        for running in status["running"]:
-            lane(fleet, "done", running["job"])
-        if status["waiting"]:
-            lane(fleet, "dispatch", "--once")
-        return not status["running"] and not status["waiting"]
-
-    wait_for(drained, timeout=REACT_S, what="the burst to drain", interval=0.2)
+    drain_lanes(fleet, lane_workers, REACT_S)
     status = lane(fleet, "status")[0]
     assert not any(v["in_flight"] for v in status["lanes"]), status["lanes"]
 

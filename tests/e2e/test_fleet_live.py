@@ -3,7 +3,9 @@
 The same harness as test_fleet.py (tests/e2e/fleet.py; the module-scoped
 fleet of tests/e2e/conftest.py: its own five systemd containers and etcd).
 Each test leaves the fleet converged, every lane online and the lane queue
-empty for the next.
+empty for the next. The lane queue is phaze's broker (SAQ on the fleet's
+PostgreSQL); real SAQ workers in this process (the `lane_workers` fixture)
+consume every lane's queue, and a test decides when each job ends.
 
     measured load    qfox-1's heartbeat: in_flight = services_running = the
                      placed service units its systemd says are active, and
@@ -35,7 +37,8 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from tests.e2e.conftest import SETTINGS
 from tests.e2e.fleet import DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
-from tests.e2e.test_fleet import HOSTS, lane, wait_converged
+from tests.e2e.test_fleet import HOSTS, dispatched, drain_lanes, lane, wait_converged
+from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
@@ -84,18 +87,9 @@ def placed_units(plan: FleetPlan, host: str) -> set[str]:
     return {f"fabric-agent-{p.service}.service" for p in plan.placements if p.node == host}
 
 
-def drain_lane_queue(fleet: Fleet) -> None:
-    """Finish every running lane job and dispatch the waiting ones until the queue is empty."""
-
-    def drained() -> bool:
-        status = lane(fleet, "status")[0]
-        for running in status["running"]:
-            lane(fleet, "done", running["job"])
-        if status["waiting"]:
-            lane(fleet, "dispatch", "--once")
-        return not status["running"] and not status["waiting"]
-
-    wait_for(drained, timeout=deadline_for(SETTINGS.local_spill_after_s + BEAT_S), what="the lane queue to drain", interval=0.2)
+def drain_lane_queue(fleet: Fleet, workers: LaneWorkers) -> None:
+    """Finish every running lane job on its worker and dispatch until the queue is empty."""
+    drain_lanes(fleet, workers, deadline_for(SETTINGS.local_spill_after_s + BEAT_S))
 
 
 @contextmanager
@@ -135,11 +129,12 @@ def declared_tasks(fleet: Fleet, host: str, tasks: int) -> Iterator[None]:
 
 
 @pytest.fixture
-def empty_lane_queue(fleet: Fleet) -> Iterator[None]:
-    """The lane queue empty before and after the test (other tests share the fleet)."""
-    drain_lane_queue(fleet)
+def empty_lane_queue(fleet: Fleet, lane_workers: LaneWorkers) -> Iterator[None]:
+    """The lane queue empty before and after the test (other tests share the
+    fleet), every lane's SAQ worker running."""
+    drain_lane_queue(fleet, lane_workers)
     yield
-    drain_lane_queue(fleet)
+    drain_lane_queue(fleet, lane_workers)
 
 
 # --------------------------------------------------------------------------
@@ -197,7 +192,7 @@ def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: Desire
     # More jobs than a1-arm64 could ever take: it fills, the rest go elsewhere or wait.
     jobs = [f"fill-{n}" for n in range(limit + 1)]
     lane(fleet, "enqueue", *jobs)
-    events = {e["job"]: e for e in lane(fleet, "dispatch", "--once")}
+    events = {e["job"]: e for e in dispatched(fleet)}
     on_a1 = [j for j in jobs if events[j]["backend"] == host]
     assert on_a1 == jobs[:room], events
 
@@ -233,7 +228,9 @@ def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: Desire
 # 3. Lane health from the hosts' heartbeats
 
 
-def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(fleet: Fleet, desired: DesiredState, empty_lane_queue: None) -> None:
+def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(
+    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_queue: None
+) -> None:
     plan = wait_converged(fleet, desired)
     control = desired.hosts_with_role("control")[0]
     # The local lane runs on the control host (lux), whose services fill the
@@ -241,24 +238,33 @@ def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(fleet:
     # Declared one higher (its probe allows 6) it has room for one job.
     services = sum(1 for p in plan.placements if p.node == control)
     with declared_tasks(fleet, control, services + 1):
-        stopped = lane_hosts_go_silent(fleet, desired)
+        stopped = lane_hosts_go_silent(fleet, desired, lane_workers)
 
     def online() -> bool:
         cards = lane_cards(fleet)
-        return all(cards[h]["available"] and cards[h]["reason"] is None for h in stopped)
+        return all(cards[h]["online"] and cards[h]["reason"] is None for h in stopped)
 
     wait_for(online, timeout=BACK_S, what=f"lanes {', '.join(stopped)} online again", interval=0.5)
     assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
     wait_converged(fleet, desired, HOSTS)
 
 
-def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState) -> list[str]:
+def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState, workers: LaneWorkers) -> list[str]:
     """a1-arm64's host, then x86-spill's, stop beating: the next job goes to
     the next lane each time; both are beating again when this returns (their
     names returned)."""
     wait_for(lambda: lane_cards(fleet)["local"]["host_free"], timeout=BEAT_S, what="room for the local lane on its host", interval=0.5)
-    cards = lane_cards(fleet)
-    assert all(v["available"] and v["reason"] is None for v in cards.values()), cards
+
+    def all_online() -> dict | None:
+        cards = lane_cards(fleet)
+        return cards if all(v["online"] and v["reason"] is None for v in cards.values()) else None
+
+    wait_for(
+        all_online,
+        timeout=BEAT_S,
+        what="every lane online (its host active, its SAQ worker beating)",
+        interval=0.5,
+    )
     assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
     gate = desired.fleet.scheduler.local_spill_after_s
     stopped: list[str] = []
@@ -269,7 +275,7 @@ def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState) -> list[str]:
 
             def offline(host: str = host) -> dict | None:
                 card = lane_cards(fleet)[host]
-                return card if not card["available"] else None
+                return card if not card["online"] else None
 
             card = wait_for(offline, timeout=OFFLINE_S, what=f"lane {host} offline", interval=0.5)
             # The reason names the host and when it was last heard from.
@@ -281,9 +287,16 @@ def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState) -> list[str]:
         # Every cloud lane offline: a job just enqueued goes local at once,
         # through the real queue, without waiting for the spill gate.
         lane(fleet, "enqueue", "live-local")
-        (event,) = [e for e in lane(fleet, "dispatch", "--once") if e["job"] == "live-local"]
+        (event,) = [e for e in dispatched(fleet) if e["job"] == "live-local"]
         assert event["backend"] == "local" and event["waited_s"] < gate, event
-        lane(fleet, "done", "live-local")
+        local_queue = lane_cards(fleet)["local"]["queue"]
+        wait_for(
+            lambda: workers.running().get("live-local") == local_queue,
+            timeout=BEAT_S,
+            what="live-local running on phaze-local's worker",
+            interval=0.2,
+        )
+        workers.finish("live-local")
     finally:
         for host in stopped:
             fleet.container(host).systemctl("start", "fabric-reconcile.timer")

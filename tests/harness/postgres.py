@@ -12,6 +12,12 @@ Usage::
     pg.dsn            postgresql://postgres@/postgres?host=<dir>
     pg.database(name) a fresh database on it (CREATE DATABASE), its DSN
 
+    with postgres_server(listen_on="100.64.250.254", trusted_net="100.64.250.0/24") as pg:
+        pg.tcp_dsn_of("phaze")   postgresql://postgres@100.64.250.254:5432/phaze
+
+`listen_on` also serves clients in a network namespace (the e2e fleet's
+containers): TCP on that one address, trusted from `trusted_net` only.
+
 initdb and pg_ctl run as an unprivileged user: PostgreSQL refuses to run as
 root, so as root they run as `postgres` (`runuser -u postgres`), which owns the
 directory; otherwise as the caller. The server listens on no TCP port (`-h ''`),
@@ -59,6 +65,11 @@ class PostgresServer:
     directory: Path
     pid: int
     as_user: list[str]
+    listen_on: str | None = None
+
+    def tcp_dsn_of(self, database: str) -> str:
+        assert self.listen_on is not None, "postgres_server(listen_on=...) listens on TCP"
+        return f"postgresql://postgres@{self.listen_on}:5432/{database}"
 
     @property
     def dsn(self) -> str:
@@ -111,11 +122,12 @@ def stop_by_pid(pid: int, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def postgres_server(directory: Path | None = None) -> Iterator[PostgresServer]:
+def postgres_server(directory: Path | None = None, *, listen_on: str | None = None, trusted_net: str | None = None) -> Iterator[PostgresServer]:
     """Start PostgreSQL in `directory` (data in DIR/data, socket DIR/.s.PGSQL.5432);
     default a fresh directory under /tmp (short: a socket path has at most
     107 bytes), removed afterwards. The unprivileged user must be able to
-    reach `directory`."""
+    reach `directory`. With `listen_on` it listens on that address's port 5432
+    too (initdb's pg_hba trusts loopback only: `trusted_net` is added)."""
     binaries = postgres_bin()
     runas, uid, gid = _runas()
     made = directory is None
@@ -132,6 +144,9 @@ def postgres_server(directory: Path | None = None) -> Iterator[PostgresServer]:
         capture_output=True,
         text=True,
     )
+    if listen_on is not None:
+        with open(data / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {trusted_net or listen_on + '/32'} trust\n")
     started = subprocess.run(
         [
             *runas,
@@ -139,7 +154,7 @@ def postgres_server(directory: Path | None = None) -> Iterator[PostgresServer]:
             "-D",
             str(data),
             "-o",
-            f"-k {directory} -h '' -c max_connections=300 -c fsync=off",
+            f"-k {directory} -h '{listen_on or ''}' -c max_connections=300 -c fsync=off",
             "-l",
             str(directory / "log"),
             "-w",
@@ -155,7 +170,7 @@ def postgres_server(directory: Path | None = None) -> Iterator[PostgresServer]:
             stop_by_pid(pid)
         log = (directory / "log").read_text(errors="replace") if (directory / "log").exists() else ""
         raise AssertionError(f"PostgreSQL did not start: {started.stderr or started.stdout}\n{log}")
-    server = PostgresServer(directory=directory, pid=pid, as_user=runas)
+    server = PostgresServer(directory=directory, pid=pid, as_user=runas, listen_on=listen_on)
     try:
         wait_until(lambda: (directory / ".s.PGSQL.5432").exists(), timeout=30, what="PostgreSQL's socket")
         yield server
