@@ -26,15 +26,22 @@ on a machine whose uplink died) and started again afterwards.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import signal
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.scheduling.lanes import agent_unit
 from tests.e2e.conftest import SETTINGS
 from tests.e2e.fleet import DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
 from tests.e2e.test_fleet import HOSTS, dispatched, drain_lanes, lane, wait_converged
@@ -301,3 +308,158 @@ def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState, workers: LaneWorke
         for host in stopped:
             fleet.container(host).systemctl("start", "fabric-reconcile.timer")
     return stopped
+
+
+# --------------------------------------------------------------------------
+# 4. Real SAQ workers as the lane agents (issue 12's fleet Done-when)
+
+AGENT_IMAGE_DIR = Path(__file__).resolve().parent / "agent_image"
+
+
+def agent_launch(fleet: Fleet, desired: DesiredState, lane_id: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of lane `lane_id`'s rendered agent unit on
+    its host: ExecStart's command after the image (what the image would run)
+    and the unit's Environment=, files named there read through the
+    container's root. phaze's image cannot run here (the containers' podman is
+    tests/e2e/podman_standin.py), so the test runs that command itself, with
+    this machine's Python for the image's (`python3`, `uv run`)."""
+    (host,) = [lane.push_host for lane in desired.lanes if lane.id == lane_id]
+    assert host is not None, lane_id
+    container = fleet.container(host)
+    unit = container.read_file(f"/etc/systemd/system/{agent_unit(lane_id)}")
+    environment: dict[str, str] = {}
+    command: list[str] = []
+    for line in unit.splitlines():
+        key, _, value = line.partition("=")
+        if key == "Environment":
+            name, _, setting = shlex.split(value)[0].partition("=")
+            environment[name] = setting
+        elif key == "ExecStart":
+            argv = shlex.split(value)
+            after_run = argv[argv.index("run") + 1 :]
+            image = next(i for i, arg in enumerate(after_run) if not arg.startswith("-"))
+            command = after_run[image + 1 :]
+    assert command, unit
+    if command[:2] == ["python3", "-m"]:
+        command = [sys.executable, "-m", *command[2:]]
+    elif command[:2] == ["uv", "run"]:
+        command = [str(Path(sys.executable).parent / command[2]), *command[3:]]
+    for name, setting in list(environment.items()):
+        if name.endswith("_FILE"):
+            environment[name] = str(container.host_path(setting))
+    return command, environment
+
+
+@contextmanager
+def running_agent(fleet: Fleet, desired: DesiredState, lane_id: str, processed: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Lane `lane_id`'s agent (agent_launch), stopped by its PID afterwards."""
+    command, environment = agent_launch(fleet, desired, lane_id)
+    (cap,) = [lane.cap for lane in desired.lanes if lane.id == lane_id]
+    env = {
+        **os.environ,
+        **environment,
+        "PYTHONPATH": str(AGENT_IMAGE_DIR),
+        "FABRIC_E2E_PROCESSED_DIR": str(processed),
+        "FABRIC_E2E_CONCURRENCY": str(cap),
+    }
+    log = open(processed / f"{lane_id}.log", "ab")
+    agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    try:
+        yield agent
+    finally:
+        stop_agent(agent)
+
+
+def stop_agent(agent: subprocess.Popen[bytes]) -> None:
+    if agent.poll() is None:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+
+
+def test_agents_process_jobs_on_the_lanes_the_rules_chose(
+    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_queue: None, tmp_path: Path
+) -> None:
+    wait_converged(fleet, desired)
+    cloud = ("a1-arm64", "x86-spill")
+    threshold = desired.fleet.scheduler.cloud_route_threshold_s
+    assert threshold is not None and threshold > 60, threshold
+    long_s, short_s = str(threshold * 2), str(threshold / 10)
+    queues = {lane.id: desired.queue_for(lane) or "" for lane in desired.lanes}
+    caps = {lane.id: lane.cap for lane in desired.lanes}
+    # The compute lanes' agents are now the rendered units' own commands, not
+    # this process's workers.
+    for lane_id in cloud:
+        lane_workers.stop(queues[lane_id])
+    processed = tmp_path / "processed"
+    processed.mkdir()
+
+    def ran_on(job: str) -> str | None:
+        path = processed / job
+        return path.read_text().strip() if path.exists() else None
+
+    def dispatch_one(job: str, duration: str) -> dict:
+        lane(fleet, "enqueue", job, "--duration", duration)
+        (event,) = [e for e in dispatched(fleet) if e["job"] == job]
+        return event
+
+    try:
+        with running_agent(fleet, desired, "a1-arm64", processed) as a1_agent, running_agent(fleet, desired, "x86-spill", processed):
+
+            def agents_online() -> dict | None:
+                cards = lane_cards(fleet)
+                return cards if all(cards[h]["online"] for h in cloud) else None
+
+            wait_for(agents_online, timeout=OFFLINE_S, what="both agents beating on their queues", interval=0.5)
+            # A long file goes to the first rank, and its agent processes it.
+            event = dispatch_one("agent-long-1", long_s)
+            assert event["backend"] == "a1-arm64", (event, lane_cards(fleet))
+            wait_for(lambda: ran_on("agent-long-1"), timeout=BEAT_S, what="agent-long-1 processed", interval=0.2)
+            assert ran_on("agent-long-1") == queues["a1-arm64"]
+            # Processed to the end (stopping the agent mid-job would abort it).
+            wait_for(lambda: lane_cards(fleet)["a1-arm64"]["in_flight"] == 0, timeout=BEAT_S, what="agent-long-1 complete", interval=0.2)
+
+            # a1-arm64's agent stops: its lane goes offline (no worker on its
+            # queue), and the next long file spills to x86-spill, whose agent runs it.
+            stop_agent(a1_agent)
+
+            def a1_offline() -> dict | None:
+                card = lane_cards(fleet)["a1-arm64"]
+                return card if not card["online"] else None
+
+            card = wait_for(a1_offline, timeout=OFFLINE_S, what="lane a1-arm64 offline once its agent stopped", interval=0.5)
+            assert card["reason"].startswith(f"no SAQ worker on {queues['a1-arm64']}"), card
+            event = dispatch_one("agent-long-2", long_s)
+            assert event["backend"] == "x86-spill", (event, lane_cards(fleet))
+            wait_for(lambda: ran_on("agent-long-2"), timeout=BEAT_S, what="agent-long-2 processed", interval=0.2)
+            assert ran_on("agent-long-2") == queues["x86-spill"]
+
+            # A file shorter than the route threshold stays local although a
+            # cloud lane (x86-spill) is online with room. (The control host's
+            # services fill the 2 its host file declares: one more gives the
+            # local lane a slot, as in the lane health test.)
+            control = desired.hosts_with_role("control")[0]
+            services = sum(1 for p in wait_converged(fleet, desired).placements if p.node == control)
+            with declared_tasks(fleet, control, services + 1):
+                wait_for(lambda: lane_cards(fleet)["local"]["host_free"], timeout=BEAT_S, what="room for the local lane on its host", interval=0.5)
+                card = lane_cards(fleet)["x86-spill"]
+                assert card["online"] and card["in_flight"] < card["cap"], card
+                event = dispatch_one("agent-short", short_s)
+                assert event["backend"] == "local", (event, lane_cards(fleet))
+            wait_for(
+                lambda: lane_workers.running().get("agent-short") == queues["local"],
+                timeout=BEAT_S,
+                what="agent-short on the local lane's worker",
+                interval=0.2,
+            )
+            assert ran_on("agent-short") is None
+            lane_workers.finish("agent-short")
+            # Each agent's jobs end on their own: the next passes settle them.
+            drain_lane_queue(fleet, lane_workers)
+    finally:
+        for lane_id in cloud:
+            lane_workers.start(queues[lane_id], concurrency=caps[lane_id])
