@@ -420,7 +420,7 @@ def test_agents_process_jobs_on_the_lanes_the_rules_chose(
             assert event["backend"] == "a1-arm64", (event, lane_cards(fleet))
             wait_for(lambda: ran_on("agent-long-1"), timeout=BEAT_S, what="agent-long-1 processed", interval=0.2)
             assert ran_on("agent-long-1") == queues["a1-arm64"]
-            # Processed to the end (stopping the agent mid-job would abort it).
+            # Complete on the broker before its agent stops.
             wait_for(lambda: lane_cards(fleet)["a1-arm64"]["in_flight"] == 0, timeout=BEAT_S, what="agent-long-1 complete", interval=0.2)
 
             # a1-arm64's agent stops: its lane goes offline (no worker on its

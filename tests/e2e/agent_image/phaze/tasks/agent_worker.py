@@ -9,12 +9,11 @@ is a real SAQ worker on PostgreSQL: its queue is PHAZE_AGENT_QUEUE, the
 broker's DSN is read from PHAZE_QUEUE_URL_FILE, and it refuses to start
 without its token (PHAZE_AGENT_TOKEN_FILE). Processing a file is recording
 which queue ran the job (FABRIC_E2E_PROCESSED_DIR/<job id> holds the queue's
-name) and taking FABRIC_E2E_PROCESS_S seconds.
+name); SAQ then marks the job complete, and the dispatcher's next pass settles it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,10 @@ QUEUE = os.environ["PHAZE_AGENT_QUEUE"]
 if not Path(os.environ["PHAZE_AGENT_TOKEN_FILE"]).read_text().strip():
     raise SystemExit(f"agent for {QUEUE}: empty token file {os.environ['PHAZE_AGENT_TOKEN_FILE']}")
 PROCESSED = Path(os.environ["FABRIC_E2E_PROCESSED_DIR"])
-PROCESS_S = float(os.environ.get("FABRIC_E2E_PROCESS_S", "1"))
 
 
 async def process_file(ctx: dict[str, Any], *, job_id: str, lane: str) -> str:
     (PROCESSED / job_id).write_text(f"{QUEUE}\n")
-    await asyncio.sleep(PROCESS_S)
     return f"{job_id} processed on {QUEUE}"
 
 
