@@ -17,6 +17,12 @@ consume every lane's queue, and a test decides when each job ends.
                      reason within node timeout + a leader step, the next job
                      goes to x86-spill; x86-spill stops too -> the next job
                      goes local at once (no spill-gate wait); both back -> online
+    real agents      the rendered agent units' own command (phaze's image
+                     cannot run here: tests/e2e/agent_image stands in) runs
+                     as a1-arm64's and x86-spill's SAQ agents: a long file is
+                     processed on a1-arm64; its agent stopped, its lane goes
+                     offline (no SAQ worker) and the next one runs on
+                     x86-spill; a file shorter than the route threshold goes local
 
 A host "stops" as in test_flapping_node_is_held_off: its fabric-reconcile.timer
 is stopped (no more passes, so no more heartbeats; its agents keep running, as
