@@ -45,9 +45,11 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from saq import Job
 from saq.job import Status
-from saq.queue.postgres import CHANNEL, ENQUEUE, JOBS_TABLE, STATS_TABLE, PostgresQueue
+from saq.queue.postgres import CHANNEL, ENQUEUE, JOBS_TABLE, STATS_TABLE, VERSIONS_TABLE, PostgresQueue
+from saq.queue.postgres_migrations import get_migrations
 
 from reconciler.core.live.models import SnapshotLane
 from reconciler.core.live.records import QueuedJob, SettledJob
@@ -81,15 +83,45 @@ INSERT INTO fabric_lane_fence (id, epoch) VALUES (1, 0) ON CONFLICT (id) DO NOTH
 """
 
 
-def _saq_tables(dsn: str) -> None:
-    """Create (or migrate) saq's tables with saq's own migrations."""
+def _saq_tables(dsn: str, timeout_s: float) -> None:
+    """Create (or migrate) saq's tables with saq's own migrations, only when
+    the database is not at saq's version yet (read on a plain connection, so
+    a pass at a migrated broker opens no pool). Every wait is bounded by
+    `timeout_s`: a broker that does not answer must never hold a pass (it
+    holds the host's pass lock); the pool is closed whatever happens, so no
+    reconnecting task outlives the call. Raises psycopg.Error, PoolTimeout or
+    TimeoutError."""
+    target = get_migrations(jobs_table=sql.Identifier(JOBS_TABLE), stats_table=sql.Identifier(STATS_TABLE))[-1][0]
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=_libpq_timeout(timeout_s)) as conn:
+        try:
+            row = conn.execute(sql.SQL("SELECT version FROM {}").format(sql.Identifier(VERSIONS_TABLE))).fetchone()
+        except psycopg.errors.UndefinedTable:
+            row = None
+    if row is not None and row[0] == target:
+        return
 
-    async def run() -> None:
-        queue = PostgresQueue.from_url(dsn, name="fabric-init", min_size=1, max_size=2)
-        await queue.connect()
-        await queue.disconnect()
+    async def migrate() -> None:
+        pool = AsyncConnectionPool(
+            dsn,
+            open=False,
+            min_size=1,
+            max_size=1,
+            timeout=timeout_s,
+            reconnect_timeout=timeout_s,
+            kwargs={"autocommit": True, "connect_timeout": _libpq_timeout(timeout_s)},
+        )
+        try:
+            await pool.open(wait=True, timeout=timeout_s)
+            await asyncio.wait_for(PostgresQueue(pool=pool, name="fabric-init").init_db(), timeout_s)
+        finally:
+            await pool.close(timeout=timeout_s)
 
-    asyncio.run(run())
+    asyncio.run(migrate())
+
+
+def _libpq_timeout(timeout_s: float) -> int:
+    """libpq's connect_timeout: whole seconds, at least 1 (0 would mean none)."""
+    return max(1, int(timeout_s))
 
 
 class PostgresLaneQueue:
@@ -105,10 +137,10 @@ class PostgresLaneQueue:
         # One unconnected saq queue per lane queue: only its serializer is used.
         self._serializers: dict[str, PostgresQueue] = {}
         try:
-            _saq_tables(dsn)
+            _saq_tables(dsn, connect_timeout_s)
             with self._connection() as conn, conn.transaction():
                 conn.execute(_SCHEMA)
-        except (psycopg.OperationalError, OSError) as exc:
+        except (psycopg.OperationalError, OSError, PoolTimeout, TimeoutError) as exc:
             raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
 
     # -- plumbing ------------------------------------------------------------
@@ -117,7 +149,7 @@ class PostgresLaneQueue:
         with self._lock:
             try:
                 if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(1, int(self._timeout)))
+                    self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=_libpq_timeout(self._timeout))
                 yield self._conn
             except psycopg.OperationalError as exc:
                 self._drop()

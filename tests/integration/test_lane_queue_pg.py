@@ -324,3 +324,36 @@ def test_200_racing_dispatches_from_several_dispatchers_never_exceed_a_cap(lanes
     assert sorted(completed) == jobs, "every job ran, once"
     assert sorted(job for job, _ in dispatched) == jobs, "no job dispatched twice"
     assert lanes.queue.jobs() == []
+
+
+def test_a_broker_that_accepts_but_never_answers_is_unavailable_not_a_hung_pass():
+    """A pass holds its host's lock while it reads the lanes: a broker whose
+    port accepts connections but never answers (a wedged server, a half-open
+    path) must end in LaneQueueUnavailable, never in a wait without end."""
+    import socket
+
+    from reconciler.ports import LaneQueueUnavailable
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts the TCP connection; nothing ever answers
+    port = silent.getsockname()[1]
+    outcome: list[BaseException | None] = []
+
+    def open_queue() -> None:
+        try:
+            PostgresLaneQueue(f"postgresql://postgres@127.0.0.1:{port}/phaze", FakeClock(), connect_timeout_s=1)
+            outcome.append(None)
+        except BaseException as exc:  # the outcome is the assertion below
+            outcome.append(exc)
+
+    opener = threading.Thread(target=open_queue, daemon=True)
+    try:
+        opener.start()
+        # libpq's connect_timeout (1 s) bounds it; the deadline only keeps a regression from hanging the suite.
+        opener.join(timeout=deadline_for(HEARTBEAT_S) * 4)
+        assert not opener.is_alive(), "opening the lane queue on a silent broker did not return"
+        assert len(outcome) == 1 and isinstance(outcome[0], LaneQueueUnavailable), outcome
+        assert "phaze's broker" in str(outcome[0])
+    finally:
+        silent.close()
