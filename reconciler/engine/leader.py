@@ -26,7 +26,8 @@ One `step()`:
      rules, fenced by this term's epoch, so a deposed leader's dispatch is
      refused by the broker even before its renewal fails. Jobs started and
      settled are logged; holds are not (they would repeat every step: `fabric
-     lane status` shows them).
+     lane status` shows them). `[phaze] leader_dispatches = false` leaves
+     dispatching to `fabric lane dispatch` alone.
 `run()` repeats it, waiting between steps on `Registry.wait_for_change`: a node
 lost or joined, a drain, or the leader key changing wakes it at once; else it
 wakes every third of the lease TTL, in time to renew. Leading, it also wakes
@@ -228,9 +229,9 @@ class LeaderLoop:
 
     def _dispatch(self) -> None:
         """Step 5: the lane jobs, fenced by this term (module docstring)."""
-        if self.lane_queue is None:
-            return
         assert self.desired is not None and self.leadership is not None
+        if self.lane_queue is None or not self.desired.fleet.phaze.leader_dispatches:
+            return
         try:
             events = dispatch_pass(self.registry, self.lane_queue, self.desired, epoch=self.leadership.epoch)
         except StaleDispatcher as exc:

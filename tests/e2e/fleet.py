@@ -267,6 +267,9 @@ def e2e_desired_state(
         if path.name == "fabric.toml":
             data = _e2e_fleet(data, settings)
             data.setdefault("phaze", {})["queue_url_file"] = queue_url_file
+            # The tests drive each dispatch pass with `fabric lane dispatch --once`
+            # and assert its decisions: the leader must not take the jobs first.
+            data["phaze"]["leader_dispatches"] = False
             data["registry"].update(tls or {"ca_file": ETCD_CA_FILE, "cert_file": ETCD_CERT_FILE, "key_file": ETCD_KEY_FILE})
             if plan_keys is not None:
                 data["plan_keys"] = plan_keys

@@ -103,3 +103,15 @@ def test_a_dispatcher_run_by_hand_under_a_leader_is_not_refused(registry, fleet,
     loop.step()
     assert not any("refused" in line for line in log), log
     assert next(j for j in queue.jobs() if j.job_id == "clip-5").lane is not None
+
+
+def test_with_leader_dispatches_off_the_leader_leaves_the_jobs_to_fabric_lane_dispatch(registry, fleet, queue):
+    desired = load_desired(fleet.desired)
+    off = desired.model_copy(
+        update={"fleet": desired.fleet.model_copy(update={"phaze": desired.fleet.phaze.model_copy(update={"leader_dispatches": False})})}
+    )
+    loop = leader(registry, fleet, queue, [])
+    loop.load_desired = lambda: off
+    queue.enqueue([("clip-6", 3600.0)])
+    loop.step()
+    assert next(j for j in queue.jobs() if j.job_id == "clip-6").waiting

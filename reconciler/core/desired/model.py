@@ -502,6 +502,10 @@ class PhazeSettings(Strict):
     # The SAQ function a lane job runs on its lane's workers (phaze's agent
     # worker and the file server's processing both register it).
     job_function: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")] = "process_file"
+    # The leader dispatches the lane jobs at each step (the fleet's one
+    # dispatcher). false: only `fabric lane dispatch` does, where the job
+    # system or an operator drives each dispatch pass and reads its decisions.
+    leader_dispatches: bool = True
 
 
 class Route(Strict):
