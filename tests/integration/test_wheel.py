@@ -141,7 +141,10 @@ def installed_closure(roots: Iterable[str]) -> dict[str, md.Distribution]:
 def repack(dist: md.Distribution, out_dir: Path) -> Path:
     """A wheel of an installed distribution: its files from RECORD and a fresh RECORD."""
     wheel_meta = dist.read_text("WHEEL") or ""
-    tag = next(line.split(":", 1)[1].strip() for line in wheel_meta.splitlines() if line.startswith("Tag:"))
+    # Every Tag line, compressed as a wheel's file name carries them
+    # (tzdata is py2-none-any and py3-none-any: py2.py3-none-any).
+    tags = [line.split(":", 1)[1].strip().split("-") for line in wheel_meta.splitlines() if line.startswith("Tag:")]
+    tag = "-".join(".".join(dict.fromkeys(part[i] for part in tags)) for i in range(3))
     name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
     dist_info = f"{name}-{dist.version}.dist-info"
     target = out_dir / f"{name}-{dist.version}-{tag}.whl"
