@@ -84,6 +84,13 @@ class LaneWorkers:
 
     def stop(self, queue: str) -> None:
         worker, saq_queue, task = self._workers.pop(queue)
+        # Its jobs still undecided end now (as failed): a worker stops only
+        # after its running jobs, which would otherwise wait for the test's
+        # word until saq's grace period, longer than a loaded machine allows.
+        with self._lock:
+            for job, ran_on in self.ran.items():
+                if ran_on == queue:
+                    self._decided.setdefault(job, False)
 
         async def run() -> None:
             await worker.stop()
