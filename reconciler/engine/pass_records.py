@@ -21,9 +21,8 @@ from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
 from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from reconciler.core.views.page import render_status_page
-from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.desired_load import named_hosts
-from reconciler.engine.plan_source import PlanSource
+from reconciler.engine.plan_source import FleetView, PlanSource
 from reconciler.ports import FileTree
 
 PROBE_HISTORY = "probe-history.json"
@@ -64,20 +63,23 @@ def write_pass_records(
     source: PlanSource,
     outcome: PassOutcome,
     now: datetime,
-    history: FleetHistory | None = None,
+    view: FleetView | None = None,
 ) -> str | None:
     """Write them; a note for the log when they cannot be written (the pass still counts).
-    `history`: the registry's memory, for the status page's timeline."""
+    `view`: the registry's view of the fleet, read by an edge's pass
+    (`plan_source.read_fleet_view`): the fleet's metrics and the status page."""
     try:
-        _write(tree, state_dir, desired, host, source, outcome, now, history)
+        _write(tree, state_dir, desired, host, source, outcome, now, view)
     except OSError as exc:
         return f"could not write metrics or the status page: {exc}"
     return None
 
 
 def shows_fleet(desired: DesiredState, host: str, source: PlanSource) -> bool:
-    """This pass writes the fleet's status page: an edge host that read the fleet's snapshot."""
-    return source.snapshot is not None and "edge" in desired.hosts[host].host.roles
+    """This pass reads the fleet's view and writes its status page: an edge
+    host whose pass reached the registry (its plan came from it, or was
+    refused there)."""
+    return source.registry_epoch is not None and "edge" in desired.hosts[host].host.roles
 
 
 def page_hosts(desired: DesiredState, host: str, plan: FleetPlan, snapshot: Snapshot) -> DesiredState:
@@ -103,7 +105,7 @@ def _write(
     source: PlanSource,
     outcome: PassOutcome,
     now: datetime,
-    history: FleetHistory | None,
+    view: FleetView | None,
 ) -> None:
     counters_path = f"{state_dir}/{PASS_COUNTERS}"
     raw = tree.read(counters_path)
@@ -123,14 +125,14 @@ def _write(
         plan_epoch=source.plan.epoch if source.static is None else None,
         rollbacks_total=rollbacks,
     )
-    snapshot = source.snapshot
+    snapshot = view.snapshot if view is not None else None
     if snapshot is not None:
         desired = page_hosts(desired, host, source.plan, snapshot)
     tree.write(
         TEXTFILE_PATH,
         render_metrics(stats, desired=desired if snapshot else None, snapshot=snapshot, plan=source.plan if snapshot else None).encode(),
     )
-    if snapshot is not None and shows_fleet(desired, host, source):
+    if view is not None and snapshot is not None:
         plan = source.plan if source.plan.leader else None
-        page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=history)
+        page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=view.history)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

@@ -69,8 +69,6 @@ class PlanSource:
     static: str | None = None
     # What happened on the way (heartbeat, leadership), for the log.
     notes: tuple[str, ...] = ()
-    # The registry's view of the fleet, read on edge hosts for the status page.
-    snapshot: Snapshot | None = None
     # Why the registry's newest plan was refused as not the leader's (forged,
     # or signed by a key fabric.toml does not list), for the status page.
     refused: str | None = None
@@ -83,10 +81,19 @@ class PlanSource:
     own_state: NodeState | None = None
     # The record this pass's heartbeat sent before activation (None: none sent).
     heartbeat: NodeRecord | None = None
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The registry's view of the whole fleet, for the edge's status page and
+    fleet metrics (`read_fleet_view`)."""
+
+    snapshot: Snapshot
     # What the registry remembers (node transitions, leader, hook runs), read
-    # with the snapshot on the same connection, for the status page's timeline
-    # (None: no snapshot read, or it could not be read: a note says so).
+    # on the snapshot's connection, for the page's timeline (None: it could
+    # not be read: a note says so).
     history: FleetHistory | None = None
+    notes: tuple[str, ...] = ()
 
 
 def effective_facts(desired: DesiredState, host: str, facts: NodeFacts) -> NodeFacts:
@@ -207,10 +214,16 @@ UNSIGNED_NOTE = "fleet plans are not signed: any registry client can forge them 
 
 
 def lead_once(
-    registry: Registry, desired: DesiredState, host: str, signer: PlanSigner | None = None, lane_queue: LaneQueue | None = None
+    registry: Registry,
+    desired: DesiredState,
+    host: str,
+    signer: PlanSigner | None = None,
+    open_lanes: Callable[[], LaneQueue | None] = no_lane_queue,
 ) -> str | None:
     """One leader step if this host is a candidate and nobody leads; a note or None.
-    With plan keys, the step signs with `signer` (or, without a usable key, does not lead)."""
+    With plan keys, the step signs with `signer` (or, without a usable key, does not lead).
+    The lane queue is opened only for a step taken: a candidate's pass under
+    a running fabric-leader.service does not pay for the broker."""
     from reconciler.engine.leader import LeaderLoop
 
     if host not in desired.fleet.fleet.leader_candidates or registry.leader() is not None:
@@ -224,7 +237,7 @@ def lead_once(
         lease_ttl_s=float(desired.fleet.timing.heartbeat_s),
         log=notes.append,
         signer=signer,
-        lane_queue=lane_queue,
+        lane_queue=open_lanes(),
     ).step_and_resign()
     return "; ".join(notes) or None
 
@@ -244,13 +257,11 @@ class Offer:
     origin: Literal["file", "alone", "registry"]
     plan: FleetPlan | None
     notes: tuple[str, ...] = ()
-    snapshot: Snapshot | None = None
     # Why the registry gave no answer: unreachable, or it refused this host (then there is no plan to fence).
     registry_failed: str | None = None
     registry_epoch: int | None = None
     heartbeat: NodeRecord | None = None
     own_state: NodeState | None = None
-    history: FleetHistory | None = None
 
 
 def read_registry(
@@ -271,42 +282,32 @@ def read_registry(
     (`beat_after_activation`)."""
     notes: list[str] = []
     registry: Registry | None = None
-    lane_queue: LaneQueue | None = None
+    opened: list[LaneQueue | None] = []
+
+    def lanes() -> LaneQueue | None:
+        # Opened at most once, and only by what reads it: the lanes whose
+        # jobs run here, or a leader step actually taken.
+        if not opened:
+            opened.append(open_lanes())
+        return opened[0]
+
     sent: NodeRecord | None = None
-    edge = "edge" in desired.hosts[host].host.roles
     try:
         registry = connect()
-        # The lane queue only when something here reads it: lanes whose jobs
-        # run here, a leader candidate's step, the edge's status page.
-        if lanes_here(desired, host) or edge or (write and host in desired.fleet.fleet.leader_candidates):
-            lane_queue = open_lanes()
         if write:
+            lane_queue = lanes() if lanes_here(desired, host) else None
             measured = measure(desired, host, units_now(), lane_queue, notes.append) if units_now is not None else None
             sent = node_record(desired, host, facts, measured)
             stored = registry.heartbeat(sent)
             notes.append(stored.heartbeat_note())
-            led = lead_once(registry, desired, host, signer, lane_queue)
+            led = lead_once(registry, desired, host, signer, lanes)
             if led:
                 notes.append(f"leader step: {led}")
         # The epoch before the plan: a plan published in between makes the
         # epoch kept older than the plan, never newer (the next pass is full).
         epoch = registry.epoch()
         newest = registry.newest_plan()
-        # The edge serves the fleet's status page, so it reads the whole view
-        # and, for the page's timeline, what the registry remembers.
-        snapshot = history = None
-        if edge:
-            snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
-            try:
-                history = fleet_history(registry)
-            except RegistryError as exc:  # the page goes without its timeline; the pass goes on
-                notes.append(f"status page without its timeline: {exc}")
         own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
-        if snapshot is not None:
-            try:
-                snapshot = with_lane_states(snapshot, lane_queue, desired)
-            except LaneQueueError as exc:
-                notes.append(f"lane queue unreachable, status page without the lanes' queues: {exc}")
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
         return Offer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
     except RegistryError as exc:  # RegistryUnavailable above all
@@ -314,9 +315,38 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
+        if opened and opened[0] is not None:
+            opened[0].close()
+    return Offer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state)
+
+
+def read_fleet_view(connect: Callable[[], Registry], desired: DesiredState, open_lanes: Callable[[], LaneQueue | None] = no_lane_queue) -> FleetView:
+    """The registry's view of the whole fleet for the edge's status page:
+    its snapshot with the lanes' queues (phaze's broker) and what it
+    remembers, on one connection. A pass reads it after activation, so the
+    edge's Caddy never waits for the page's reads (nor for the broker's
+    client to load). Raises RegistryError; the broker or the history not
+    answering is a note (the page goes without them)."""
+    notes: list[str] = []
+    registry = connect()
+    lane_queue: LaneQueue | None = None
+    try:
+        snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
+        history: FleetHistory | None = None
+        try:
+            history = fleet_history(registry)
+        except RegistryError as exc:  # the page goes without its timeline
+            notes.append(f"status page without its timeline: {exc}")
+        lane_queue = open_lanes()
+        try:
+            snapshot = with_lane_states(snapshot, lane_queue, desired)
+        except LaneQueueError as exc:
+            notes.append(f"lane queue unreachable, status page without the lanes' queues: {exc}")
+    finally:
+        registry.close()
         if lane_queue is not None:
             lane_queue.close()
-    return Offer("registry", newest, tuple(notes), snapshot, registry_epoch=epoch, heartbeat=sent, own_state=own_state, history=history)
+    return FleetView(snapshot, history, tuple(notes))
 
 
 def beat_after_activation(
@@ -370,19 +400,17 @@ def admit(offer: Offer, desired: DesiredState, *, applied_epoch: int | None, has
     if verdict.accepted and offer.plan is not None:
         if offer.origin == "registry":
             notes.append(verdict.reason)
-        return PlanSource(offer.plan, notes=tuple(notes), snapshot=offer.snapshot)
+        return PlanSource(offer.plan, notes=tuple(notes))
     if offer.plan is None and not applied_epoch:
         # Nothing published and nothing applied from a published plan: the
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-        return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot)
+        return PlanSource(empty_plan(desired, now), notes=tuple(notes))
     refused = verdict.reason if verdict.untrusted else None
     if has_generation:
-        return PlanSource(
-            empty_plan(desired, now), static=f"{verdict.reason}: running static", notes=tuple(notes), snapshot=offer.snapshot, refused=refused
-        )
+        return PlanSource(empty_plan(desired, now), static=f"{verdict.reason}: running static", notes=tuple(notes), refused=refused)
     notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")
-    return PlanSource(empty_plan(desired, now), notes=tuple(notes), snapshot=offer.snapshot, refused=refused)
+    return PlanSource(empty_plan(desired, now), notes=tuple(notes), refused=refused)
 
 
 def fleet_plan_for(
@@ -414,10 +442,4 @@ def fleet_plan_for(
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
     if offer.registry_epoch is None:
         return source
-    return replace(
-        source,
-        registry_epoch=offer.registry_epoch,
-        heartbeat=offer.heartbeat,
-        own_state=offer.own_state,
-        history=offer.history if source.snapshot else None,
-    )
+    return replace(source, registry_epoch=offer.registry_epoch, heartbeat=offer.heartbeat, own_state=offer.own_state)

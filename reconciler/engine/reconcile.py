@@ -12,7 +12,8 @@ A pass:
       through the one epoch fence; fail static when it must
     4 render -> plan -> new generation -> validate -> install -> activate (Applier)
     5 the heartbeat again, with the load measured after activation
-    6 the pass records (metrics, the edge's status page)
+    6 the pass records (metrics, the edge's status page: the edge reads the
+      fleet's view from the registry only now, so Caddy never waits for it)
 
 The heartbeat: step 3 beats before anything is activated, because a leader
 candidate's one-shot leader step must see this host's record, and a host
@@ -53,7 +54,17 @@ from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, 
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
-from reconciler.engine.plan_source import Measured, PlanSource, UnitsSeen, beat_after_activation, effective_facts, fleet_plan_for, node_record
+from reconciler.engine.plan_source import (
+    FleetView,
+    Measured,
+    PlanSource,
+    UnitsSeen,
+    beat_after_activation,
+    effective_facts,
+    fleet_plan_for,
+    node_record,
+    read_fleet_view,
+)
 from reconciler.ports import (
     ActivationError,
     Audit,
@@ -330,7 +341,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     except ProblemsError as exc:
         raise _BadInput(*(f"fabric: plan: {problem}" for problem in exc.problems)) from None
     try:
-        desired = with_plan_hosts(loaded, source.plan, source.snapshot)
+        desired = with_plan_hosts(loaded, source.plan)
     except DesiredStateError as exc:
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     for note in source.notes:
@@ -404,17 +415,14 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     save_probe_history(store.tree, store.state_dir, prepared.probe_history)
     record_verdict(store.tree, store.state_dir, prepared.loaded)
 
-    def records(succeeded: bool, rolled_back: bool) -> None:
+    def records(succeeded: bool, rolled_back: bool) -> FleetView | None:
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
-        # The status page's timeline: what the registry remembered when the
-        # pass read its snapshot (plan_source.read_registry, one connection).
-        history = prepared.source.history if shows_fleet(prepared.desired, prepared.host, prepared.source) else None
-        note = write_pass_records(
-            store.tree, store.state_dir, prepared.desired, prepared.host, prepared.source, outcome, _now(ports.clock), history=history
-        )
+        view, desired = _fleet_view(ports, prepared)
+        note = write_pass_records(store.tree, store.state_dir, desired, prepared.host, prepared.source, outcome, _now(ports.clock), view=view)
         if note is not None:
             ports.note(note)
         ports.keep_caches()  # after the status page: its template too
+        return view
 
     static = prepared.source.static
     if static is not None:
@@ -432,11 +440,34 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         records(False, False)
         return PassReport("failed", stderr=(f"fabric reconcile: {exc}",))
     beat = _beat_after_activation(ports, prepared, store)
-    records(result.ok, result.outcome == "rolled-back")
+    view = records(result.ok, result.outcome == "rolled-back")
     report = _pass_report(result)
     if result.outcome in ("noop", "applied", "written"):
-        report = replace(report, converged=_converged(options, prepared, result.generation, beat))
+        report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
     return report
+
+
+def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None, DesiredState]:
+    """The fleet's view for an edge's status page and fleet metrics, read
+    once activation is over (plan_source.read_fleet_view), and the desired
+    state with the files of the nodes it shows; (None, the pass's desired
+    state) for any other host, or when the view cannot be read now (a note
+    says why: the page keeps its last version)."""
+    desired = prepared.desired
+    if not shows_fleet(desired, prepared.host, prepared.source):
+        return None, desired
+    try:
+        view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, lambda: ports.open_lane_queue(desired.fleet))
+        page_desired = with_plan_hosts(prepared.loaded, prepared.source.plan, view.snapshot)
+    except RegistryError as exc:
+        ports.note(f"status page not rewritten: the registry's view of the fleet cannot be read ({exc})")
+        return None, desired
+    except DesiredStateError as exc:
+        ports.note(f"status page not rewritten: {'; '.join(str(problem) for problem in exc.problems)}")
+        return None, desired
+    for note in view.notes:
+        ports.note(note)
+    return view, page_desired
 
 
 def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: GenerationStore) -> tuple[Measured, str] | None:
@@ -467,7 +498,9 @@ def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: Generat
     return measured, record.model_dump_json()
 
 
-def _converged(options: PassOptions, prepared: _Prepared, generation: int | None, beat: tuple[Measured, str] | None) -> Converged:
+def _converged(
+    options: PassOptions, prepared: _Prepared, generation: int | None, beat: tuple[Measured, str] | None, *, showed_fleet: bool
+) -> Converged:
     artifacts = prepared.rendered.artifacts
     source = prepared.source
     uses_registry = isinstance(options.plan, PlanFromRegistry)
@@ -487,7 +520,7 @@ def _converged(options: PassOptions, prepared: _Prepared, generation: int | None
         node_record=record if uses_registry else None,
         registry_epoch=source.registry_epoch if beat is not None else None,
         may_lead=uses_registry and prepared.host in prepared.desired.fleet.fleet.leader_candidates,
-        fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if source.snapshot is not None else None,
+        fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if showed_fleet else None,
         load_services=measured.load.services if measured is not None else 0,
         lanes_here=measured.lanes if measured is not None else (),
         registry=registry_reach(fleet) if uses_registry else None,

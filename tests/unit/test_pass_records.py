@@ -18,7 +18,7 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.views.metrics import format_value
 from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.engine.plan_source import PlanSource, empty_plan
+from reconciler.engine.plan_source import FleetView, PlanSource, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.harness.waiting import wait_until
 from tests.integration.registry_store import status_of
@@ -76,8 +76,8 @@ def test_rollbacks_are_counted_across_passes_and_last_success_is_kept(tmp_path: 
 
 def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) -> None:
     snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="qfox-1", tier="gpu_cuda", max_concurrent_tasks=4)], leader="lux", epoch=7)
-    source = PlanSource(empty_plan(STATE, T0), snapshot=snapshot)
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0)
+    source = PlanSource(empty_plan(STATE, T0))
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert "a1-arm64" in page and "RANK 10" in page and "qfox-1" in page
     assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
@@ -93,7 +93,7 @@ def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_
         (desired / f"extra-{n}.toml").write_text(f'[host]\nname = "extra-{n}"\nroles = ["compute"]\naddress = "100.64.9.{n + 1}"\n')
     state = load_desired(desired)
     snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="extra-1", tier="relay", max_concurrent_tasks=1)], leader="lux", epoch=7)
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, state, "racknerd", PlanSource(empty_plan(state, T0), snapshot=snapshot), outcome(), T0)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, state, "racknerd", PlanSource(empty_plan(state, T0)), outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     shown = set(re.findall(r'fabric_node_status\{node="([a-z0-9-]+)",status="active"\}', metrics(tmp_path)))
     assert shown == {"a1-arm64", "extra-1", "lux", "qfox-1", "racknerd", "x86-spill"}
@@ -103,11 +103,11 @@ def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_
 def test_the_edges_page_says_when_the_registrys_plan_was_refused(tmp_path: Path) -> None:
     snapshot = Snapshot(now=T0, leader="lux", epoch=9)
     reason = "refused: plan epoch 9 is not signed, and fabric.toml lists plan keys"
-    source = PlanSource(empty_plan(STATE, T0), static=f"{reason}: running static", snapshot=snapshot, refused=reason)
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0)
+    source = PlanSource(empty_plan(STATE, T0), static=f"{reason}: running static", refused=reason)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert 'id="plan-refused"' in page and "PLAN REFUSED" in page and "plan epoch 9 is not signed" in page
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", PlanSource(empty_plan(STATE, T0), snapshot=snapshot), outcome(), T0)
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", PlanSource(empty_plan(STATE, T0)), outcome(), T0, view=FleetView(snapshot))
     assert "PLAN REFUSED" not in (tmp_path / "var/lib/fabric/status/index.html").read_text()
 
 

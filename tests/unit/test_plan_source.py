@@ -21,7 +21,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine import plan_source
 from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
-from reconciler.engine.plan_source import effective_facts, fleet_plan_for, node_record
+from reconciler.engine.plan_source import effective_facts, fleet_plan_for, node_record, read_fleet_view
 from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
@@ -156,11 +156,13 @@ def test_registry_unreachable_on_first_boot_renders_host_local_units(state) -> N
 def test_the_edge_reads_the_registrys_history_with_its_snapshot(connect, registry, state) -> None:
     """The status page's timeline comes on the connection that read the snapshot (racknerd is the edge)."""
     source(connect, state, "a1-arm64")
-    edge = source(connect, state, "racknerd")
-    assert edge.snapshot is not None and edge.history is not None
-    assert [(n.node_id, n.status) for n in edge.history.nodes] == [(n.node_id, n.status) for n in registry.node_states()]
-    assert {n.node_id for n in edge.history.nodes} == {"a1-arm64", "racknerd"}
-    assert source(connect, state, "x86-spill").history is None  # no page, no history
+    source(connect, state, "racknerd")
+    view = read_fleet_view(connect, state)
+    assert view.history is not None and view.notes == ()
+    assert [(n.node_id, n.status) for n in view.history.nodes] == [(n.node_id, n.status) for n in registry.node_states()]
+    assert {n.node_id for n in view.history.nodes} == {"a1-arm64", "racknerd"}
+    assert {n.node_id for n in view.snapshot.nodes} == {"a1-arm64", "racknerd"}
+    assert sorted(lane.id for lane in view.snapshot.lanes) == sorted(lane.id for lane in state.lanes), "every declared lane, reported or not"
 
 
 def test_an_edge_that_cannot_read_the_history_writes_its_page_without_the_timeline(connect, state) -> None:
@@ -174,9 +176,45 @@ def test_an_edge_that_cannot_read_the_history_writes_its_page_without_the_timeli
         def __getattr__(self, name):  # type: ignore[no-untyped-def]
             return getattr(self.registry, name)
 
-    result = source(NoHistory, state, "racknerd", applied=0, has_generation=True)
-    assert result.static is None and result.snapshot is not None and result.history is None
-    assert "status page without its timeline: sqlite registry: database is locked" in result.notes
+    assert source(NoHistory, state, "racknerd", applied=0, has_generation=True).static is None
+    view = read_fleet_view(NoHistory, state)
+    assert view.snapshot is not None and view.history is None
+    assert view.notes == ("status page without its timeline: sqlite registry: database is locked",)
+
+
+class CountingLanes:
+    """A lane queue opener that counts the opens (no broker: lanes unknown)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    def __call__(self) -> None:
+        self.opened += 1
+        return None
+
+
+def test_a_pass_opens_the_lane_queue_only_for_what_reads_it(connect, state) -> None:
+    """The broker's client costs a pass its import and a connection: the
+    edge's plan read (its page's view comes after activation), a worker host
+    without lanes, and a leader candidate under a running leader never open it."""
+    opens = CountingLanes()
+
+    def offer(host: str) -> plan_source.Offer:
+        return plan_source.read_registry(connect, state, host, facts(host), write=True, signer=SIGNERS.get(host), open_lanes=opens)
+
+    offer("qfox-1")  # a candidate (running no lane's jobs) with nobody leading: its one leader step reads the lanes
+    assert opens.opened == 1
+    opens.opened = 0
+    with_leader = connect()
+    try:
+        assert with_leader.campaign("lux", ttl_s=60) is not None
+        for host in ("racknerd", "qfox-1"):  # the edge; a candidate under lux's lease
+            offer(host)
+        assert opens.opened == 0
+        offer("a1-arm64")  # its compute lane's jobs run here: its heartbeat counts them
+        assert opens.opened == 1
+    finally:
+        with_leader.close()
 
 
 def test_no_published_plan_keeps_a_generation_that_runs_placements(connect, registry, state) -> None:
@@ -278,3 +316,42 @@ def test_a_ray_node_reads_its_own_lifecycle_and_a_drained_one_is_closed(connect,
     registry.clear_drain("qfox-1")
     # racknerd runs no Ray node: its pass does not read the lifecycle.
     assert source(connect, state, "racknerd").own_state is None
+
+
+class LoggedRegistry:
+    """A registry whose reads of the fleet's view land in the machine's call
+    log, beside the activation steps FakeMachine logs there."""
+
+    def __init__(self, registry, calls: list) -> None:  # type: ignore[no-untyped-def]
+        self.registry, self.calls = registry, calls
+
+    def snapshot(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append(["registry", "snapshot"])
+        return self.registry.snapshot(*args, **kwargs)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self.registry, name)
+
+
+def test_the_edge_loads_caddy_before_it_reads_the_fleets_view_for_its_page(tmp_path, fleet, connect, state) -> None:
+    """A new plan's upstreams reach Caddy without waiting for the status
+    page's reads (the snapshot, the history, the broker's lanes): the view is
+    read once activation is over, and the page still shows it."""
+    from reconciler.engine.reconcile import PassOptions, run_pass
+    from tests.unit.test_apply import FakeMachine, FakeVerifier, RecordingAudit, fake_pass_ports
+
+    plan_source.read_registry(connect, state, "lux", facts("lux"), write=True, signer=SIGNERS["lux"])  # lux leads once: a signed plan
+    root = tmp_path / "root"
+    root.mkdir()
+    machine = FakeMachine(root, tmp_path / "machine.json")
+    ports = fake_pass_ports(root, machine, FakeVerifier(), RecordingAudit())
+    ports.open_registry = lambda _fleet: LoggedRegistry(connect(), machine.state["calls"])
+    options = PassOptions(
+        desired=fleet.desired, host="racknerd", root=root, replay=str(REPO / "tests/fixtures/probe/racknerd"), plan=PlanFromRegistry()
+    )
+    report = run_pass(options, ports)
+    assert report.outcome == "applied", report
+    steps = [call[0] for call in machine.state["calls"]]
+    assert "caddy-load" in steps and steps.index("caddy-load") < steps.index("registry")
+    page = (root / "var/lib/fabric/status/index.html").read_text()
+    assert "lux" in page and "racknerd" in page
