@@ -1086,6 +1086,19 @@ def caddy_loads(fleet: Fleet, edge: str) -> list[datetime]:
     return [_realtime(e) for e in entries if str(e.get("MESSAGE", "")).startswith("caddy-load")]
 
 
+def static_passes(fleet: Fleet, host: str) -> list[tuple[datetime, str]]:
+    """When `host`'s passes kept their generation (fail static), and why
+    (their "static" audit entries: "static: ok (generation G): REASON")."""
+    entries = _journal_json(fleet, host, "-t", "fabric-reconcile", "FABRIC_ACTION=static", "--output-fields=MESSAGE")
+    return [(_realtime(e), str(e.get("MESSAGE", ""))) for e in entries]
+
+
+def watcher_says(fleet: Fleet, host: str, text: str) -> list[tuple[datetime, str]]:
+    """`host`'s fabric-watch.service log lines that contain `text`."""
+    entries = _journal_json(fleet, host, "-t", "fabric-watch", "--output-fields=MESSAGE")
+    return [(_realtime(e), message) for e in entries if text in (message := str(e.get("MESSAGE", "")))]
+
+
 def first_after(moments: list[datetime], since: datetime) -> datetime | None:
     return min((m for m in moments if m >= since), default=None)
 
@@ -1095,6 +1108,11 @@ def unit_active_since(fleet: Fleet, host: str, unit: str) -> datetime | None:
     out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=unix", unit).stdout.strip()
     value = out.split("=", 1)[-1].lstrip("@")
     return datetime.fromtimestamp(float(value), UTC) if value.replace(".", "").isdigit() else None
+
+
+def unit_invocation(fleet: Fleet, host: str, unit: str) -> str:
+    """`unit`'s InvocationID on `host` (a new one on every start; "" when not running)."""
+    return fleet.container(host).systemctl("show", "-p", "InvocationID", "--value", unit).stdout.strip()
 
 
 def unit_stops(fleet: Fleet, host: str, unit: str) -> list[datetime]:
@@ -1110,6 +1128,21 @@ def next_tick(fleet: Fleet, host: str) -> datetime | None:
     Its triggers are monotonic (OnBootSec, OnUnitActiveSec), so systemd
     knows the next tick only on CLOCK_MONOTONIC, which a container shares
     with this machine: it is turned into wall-clock time here."""
+    usec = _timer_usec(fleet, host, "NextElapseUSecMonotonic")
+    return None if usec is None else datetime.fromtimestamp(time.time() - time.monotonic() + usec / 1e6, UTC)
+
+
+def last_timer_trigger(fleet: Fleet, host: str) -> datetime | None:
+    """When `host`'s fabric-reconcile.timer last elapsed (None: not since boot).
+
+    Read over D-Bus: systemd 252's `systemctl show --timestamp=unix` leaves
+    LastTriggerUSec in local time."""
+    usec = _timer_usec(fleet, host, "LastTriggerUSec")
+    return None if usec is None else datetime.fromtimestamp(usec / 1e6, UTC)
+
+
+def _timer_usec(fleet: Fleet, host: str, prop: str) -> int | None:
+    """A microseconds property of `host`'s fabric-reconcile.timer (None: unset)."""
     out = (
         fleet.container(host)
         .run(
@@ -1118,13 +1151,13 @@ def next_tick(fleet: Fleet, host: str) -> datetime | None:
             "org.freedesktop.systemd1",
             "/org/freedesktop/systemd1/unit/" + "".join(c if c.isalnum() else f"_{ord(c):02x}" for c in RECONCILE_TIMER),
             "org.freedesktop.systemd1.Timer",
-            "NextElapseUSecMonotonic",
+            prop,
         )
         .stdout.split()
     )
     if len(out) != 2 or not out[1].isdigit() or int(out[1]) in (0, 2**64 - 1):
         return None
-    return datetime.fromtimestamp(time.time() - time.monotonic() + int(out[1]) / 1e6, UTC)
+    return int(out[1])
 
 
 def pass_running(fleet: Fleet, host: str) -> bool:

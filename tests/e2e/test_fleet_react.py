@@ -20,6 +20,13 @@ host's fabric-watch.service on. In order:
                            pass run time does not meet yet (bench/convergence)
     the timer alone        every watcher stopped: a drain's plan is still
                            applied, by the timers' passes, within an interval
+    the registry away      etcd stopped for an interval: every host's timer
+                           keeps passing, each pass fails static and says so,
+                           nothing is torn down, and each watcher says the
+                           registry is unreachable and backs off; etcd back,
+                           a drain at once (the watchers still backing off) is
+                           applied by the hosts it concerns within an
+                           interval, by their timers or their watchers
 
 The figures of every phase are bench/convergence --interval 30s's; these
 tests assert the goals.
@@ -40,15 +47,22 @@ from tests.e2e.fleet import (
     FleetSettings,
     caddy_loads,
     converged,
+    edge_reaches,
     first_after,
+    last_timer_trigger,
     next_tick,
     pass_running,
     pass_starts,
     placed,
+    routed_services,
+    running_agents,
     span_seconds,
+    static_passes,
     unit_active_since,
+    unit_invocation,
     unit_stops,
     wait_for,
+    watcher_says,
     watcher_starts,
 )
 from tests.harness.waiting import deadline_for
@@ -264,3 +278,90 @@ def test_with_every_watcher_stopped_the_hosts_converge_on_their_timers_alone(fle
         undrain(fleet, serving)
         for host in running:
             fleet.container(host).systemctl("start", "fabric-watch.service")
+
+
+def test_with_the_registry_unreachable_the_hosts_fail_static_on_their_timers_and_converge_once_it_is_back(
+    fleet: Fleet, desired: DesiredState
+) -> None:
+    """The registry outage (etcd stopped) for at least a timer interval: every
+    running host's timer keeps passing, each pass keeps what runs and says
+    so, and each watcher says the registry is unreachable and backs off (in
+    its process: it neither exits nor starts a pass). Then etcd is back and
+    at once a drain moves vaapi-encode, while the watchers still wait out
+    their backoff: the hosts it concerns apply the move within an interval,
+    by their timer or their reconnected watcher, whichever came first (which
+    one depends on where each watcher's backoff stood: printed, not asserted)."""
+    running = tuple(h for h in HOSTS if fleet.hosts[h].container is not None)
+    before = wait_converged(fleet, desired, running)
+    (serving,) = placed(before)[SERVICE]
+    agents = {host: running_agents(fleet, host) for host in running}
+    watchers = {host: unit_invocation(fleet, host, "fabric-watch.service") for host in running}
+
+    stopping = datetime.now(UTC)
+    fleet.stop_etcd()
+    stopped = datetime.now(UTC)  # passes from here on cannot reach it
+    try:
+        # 1. Each host's timer starts a pass during the outage, and that
+        # pass has ended; the outage lasts at least an interval.
+        def timer_passes_ended() -> dict[str, datetime] | None:
+            if datetime.now(UTC) < stopped + timedelta(seconds=INTERVAL_S):
+                return None
+            started = {host: first_after(pass_starts(fleet, host), stopped) for host in running}
+            if any(moment is None for moment in started.values()) or any(pass_running(fleet, host) for host in running):
+                return None
+            return started  # type: ignore[return-value]
+
+        outage_passes = wait_for(
+            timer_passes_ended, timeout=deadline_for(INTERVAL_S), what="a timer's pass ended on every host during the outage", interval=0.5
+        )
+        # Nothing torn down: the agents that ran still run (not even
+        # restarted), and the edge still serves every routed service, the
+        # moved one from where it was.
+        for host in running:
+            assert running_agents(fleet, host) == agents[host], f"{host} changed its agents while the registry was unreachable"
+        routed = {service for service in routed_services(desired) if service in placed(before)}
+        assert set(edge_reaches(fleet, desired, before)) == routed, "the edge stopped serving a routed service"
+        status, body = fleet.request(ROUTE)
+        assert (status, body.strip()) == (200, f"{SERVICE} on {serving}"), f"the edge no longer serves {ROUTE} from {serving}: {status} {body!r}"
+        now = datetime.now(UTC)
+        for host in running:
+            # Started by the timer: it elapsed during the outage, and the
+            # watcher, which cannot see the registry, started nothing.
+            triggered = last_timer_trigger(fleet, host)
+            assert triggered is not None and triggered >= stopped, f"{host}'s timer did not elapse during the outage ({triggered})"
+            assert first_after(watcher_starts(fleet, host), stopped) is None, f"{host}'s watcher started a pass during the outage"
+            # Each such pass failed static and said why.
+            said = [message for moment, message in static_passes(fleet, host) if outage_passes[host] <= moment <= now]
+            assert any("registry unreachable" in message and "running static" in message for message in said), (
+                f"{host}'s pass during the outage did not say it runs static: {said}"
+            )
+            # The watcher said so, and waits it out in its process (the
+            # same invocation: it did not exit and get restarted).
+            unreachable = [message for moment, message in watcher_says(fleet, host, "registry unreachable") if moment >= stopping]
+            assert unreachable, f"{host}'s watcher did not say the registry is unreachable"
+            assert "retrying" in unreachable[0], unreachable[0]
+            assert unit_invocation(fleet, host, "fabric-watch.service") == watchers[host], f"{host}'s watcher restarted during the outage"
+    finally:
+        fleet.start_etcd()
+    restarted = datetime.now(UTC)
+
+    # 2. A drain at once, while the watchers are still backing off.
+    drain(fleet, serving)
+    try:
+        plan = plan_moving(fleet, before, serving)
+        published = utc(plan.created)
+        done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        for host, applied_at in done.items():
+            started = first_after(pass_starts(fleet, host), published)
+            assert started is not None and started <= applied_at, f"{host}: no pass applied the move"
+            by_watcher = first_after(watcher_starts(fleet, host), published)
+            starter = "its watcher" if by_watcher is not None and by_watcher <= started + timedelta(seconds=ACTED_ON_S) else "its timer"
+            back = [(moment, message) for moment, message in watcher_says(fleet, host, "working again after ") if moment >= restarted]
+            watcher = f"{(back[0][0] - restarted).total_seconds():.1f} s after etcd, {back[0][1]}" if back else "not following yet"
+            print(
+                f"registry back: plan {(published - restarted).total_seconds():.2f} s after etcd, {host} applied it "
+                f"{(applied_at - published).total_seconds():.2f} s later, in a pass started by {starter}; its watcher: {watcher}"
+            )
+    finally:
+        undrain(fleet, serving)
+    wait_converged(fleet, desired, running)
