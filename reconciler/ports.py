@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from reconciler.core.command_result import CommandResult
 
@@ -56,20 +56,37 @@ class ActivationError(Exception):
     """An activation or validation step failed; the message says which and why."""
 
 
+# The kinds of unit job an activation queues, in the order it queues them.
+UnitJob = Literal["stop", "reload", "restart", "start"]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How one unit's job of a batch ended: `failure` is None when the unit
+    did what was asked, else systemd's reason (without the unit's name)."""
+
+    unit: str
+    failure: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
 class Systemd(Protocol):
     """systemd's Manager over D-Bus. Unit names are full (`fabric-agent-x.service`)."""
 
     def daemon_reload(self) -> None: ...
 
-    def start(self, unit: str) -> None:
-        """Start and wait for the job to finish and the unit to settle."""
+    def run_jobs(self, job: UnitJob, units: Sequence[str]) -> list[JobOutcome]:
+        """Queue `job` for every unit at once (mode "replace": systemd runs
+        them together, ordered by their own After=/Requires=), wait for every
+        job to finish and its unit to settle, then watch the started or
+        restarted services through one startup grace together. One outcome
+        per unit, in the order of `units`; a unit's failure is reported, not
+        raised. Raises ActivationError only when no job could be queued at all
+        (systemd unreachable): then none of them ran."""
         ...
-
-    def stop(self, unit: str) -> None: ...
-
-    def restart(self, unit: str) -> None: ...
-
-    def reload(self, unit: str) -> None: ...
 
     def active_state(self, unit: str) -> str:
         """'active', 'inactive', 'failed', ... ('inactive' for an unknown unit)."""

@@ -1,12 +1,14 @@
 """The `Systemd` port over systemd's D-Bus API (org.freedesktop.systemd1.Manager).
 
-Every unit operation queues a job with mode "replace", waits for that job's
-`JobRemoved` signal and its result, then waits for the unit to settle (leave
-`activating`, `deactivating`, `reloading`) before returning, so the caller
-knows what actually happened rather than what was asked for. A job that ends
-in anything but "done", or a started unit that settles in `failed`, raises
-`ActivationError` naming the unit, the job result and the unit's own state and
-result (e.g. `exit-code`, status 1).
+`run_jobs` queues one job per unit with mode "replace", all of them before
+waiting for any (systemd runs them at once and orders them by the units' own
+After=/Requires=), then waits for every job's `JobRemoved` signal and result
+and for every unit to settle (leave `activating`, `deactivating`, `reloading`),
+so the caller knows what actually happened rather than what was asked for. A
+job that ends in anything but "done", or a started unit that settles in
+`failed`, is that unit's failure, naming the job result and the unit's own
+state and result (e.g. `exit-code`, status 1); the other units' jobs are not
+affected.
 
 The methods are synchronous: the object owns a private asyncio event loop and
 one bus connection, opened on first use and closed by `close()` (or `with`).
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from reconciler.ports import ActivationError
+from reconciler.ports import ActivationError, JobOutcome, UnitJob
 
 SYSTEMD_BUS_NAME = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
@@ -35,6 +38,8 @@ NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 # ActiveState values a unit only passes through; anything else is settled.
 TRANSITIONAL_STATES = frozenset({"activating", "deactivating", "reloading", "refreshing"})
 
+_JOB_METHODS: dict[str, str] = {"stop": "StopUnit", "reload": "ReloadUnit", "restart": "RestartUnit", "start": "StartUnit"}
+
 _JOB_REMOVED_MATCH = f"type='signal',sender='{SYSTEMD_BUS_NAME}',path='{MANAGER_PATH}',interface='{MANAGER_INTERFACE}',member='JobRemoved'"
 
 
@@ -42,15 +47,16 @@ class SystemdDbus:
     """`reconciler.ports.Systemd` for the system manager at `bus_address`.
 
     `bus_address` is a D-Bus address such as `unix:path=/run/dbus/system_bus_socket`;
-    None means the system bus. `job_timeout` bounds the wait for one job (systemd's
-    own start/stop timeouts normally end a job first); `settle_timeout` bounds the
-    wait for the unit to leave a transitional state once its job is done.
+    None means the system bus. `job_timeout` bounds the wait for the jobs of one
+    batch (systemd's own start/stop timeouts normally end a job first);
+    `settle_timeout` bounds the wait for a unit to leave a transitional state
+    once its job is done.
 
-    `startup_grace` (seconds, default 0) is how long a started or restarted
-    service is watched after its job: a `Type=simple` service counts as started
-    as soon as it is forked, so a program that exits at once would otherwise go
-    unnoticed. Within the grace period a unit that fails or is being restarted
-    by `Restart=` raises `ActivationError`.
+    `startup_grace` (seconds, default 0) is how long the started or restarted
+    services of one batch are watched, together, once all their jobs are done: a
+    `Type=simple` service counts as started as soon as it is forked, so a program
+    that exits at once would otherwise go unnoticed. A unit that fails or is
+    being restarted by `Restart=` within the grace period fails its outcome.
     """
 
     def __init__(
@@ -86,17 +92,10 @@ class SystemdDbus:
         # Manager.Reload replies only once the reload is complete.
         self._run(self._call_manager("Reload", "", [], what="daemon-reload"))
 
-    def start(self, unit: str) -> None:
-        self._run(self._unit_job("StartUnit", "start", unit))
-
-    def stop(self, unit: str) -> None:
-        self._run(self._unit_job("StopUnit", "stop", unit))
-
-    def restart(self, unit: str) -> None:
-        self._run(self._unit_job("RestartUnit", "restart", unit))
-
-    def reload(self, unit: str) -> None:
-        self._run(self._unit_job("ReloadUnit", "reload", unit))
+    def run_jobs(self, job: UnitJob, units: Sequence[str]) -> list[JobOutcome]:
+        if not units:
+            return []
+        return self._run(self._unit_jobs(job, list(dict.fromkeys(units))))
 
     def active_state(self, unit: str) -> str:
         return self._run(self._unit_properties(unit))["ActiveState"]
@@ -205,73 +204,134 @@ class SystemdDbus:
         except _DbusCallError as exc:
             raise ActivationError(f"{what}: {exc.text or exc.name}") from exc
 
-    async def _unit_job(self, method: str, verb: str, unit: str) -> None:
+    async def _unit_jobs(self, verb: UnitJob, units: list[str]) -> list[JobOutcome]:
         if not self._follow_jobs:
-            raise ActivationError(f"{verb} {unit}: this systemd client does not follow jobs (follow_jobs=False)")
+            raise ActivationError(f"{verb} {', '.join(units)}: this systemd client does not follow jobs (follow_jobs=False)")
         bus = await self._connected()
-        try:
-            reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, method, "ss", [unit, "replace"], what=verb)
-        except _DbusCallError as exc:
-            if verb == "stop" and exc.name == NO_SUCH_UNIT:
-                return  # an unknown unit is already stopped
-            raise ActivationError(f"{verb} {unit}: {exc.text or exc.name}") from exc
-        job_path: str = reply.body[0]
-        result = await self._job_result(job_path, unit, verb)
-        properties = await self._settled_properties(unit, verb)
-        if result != "done":
-            raise ActivationError(f"{verb} {unit}: job {result}; {_describe(properties)}")
-        if verb in ("start", "restart") and properties["ActiveState"] == "failed":
-            raise ActivationError(f"{verb} {unit}: unit failed after its job finished; {_describe(properties)}")
-        if verb == "reload" and properties["ActiveState"] != "active":
-            # e.g. the program died of the reload signal instead of handling it
-            raise ActivationError(f"{verb} {unit}: unit is no longer running after the reload; {_describe(properties)}")
-        if verb in ("start", "restart") and self._startup_grace > 0 and unit.endswith(".service"):
-            await self._watch_startup(unit, verb, properties)
-
-    async def _watch_startup(self, unit: str, verb: str, started: dict[str, Any]) -> None:
-        deadline = time.monotonic() + self._startup_grace
-        while time.monotonic() < deadline:
-            await asyncio.sleep(self._settle_poll_interval)
-            properties = await self._unit_properties(unit)
-            crashed = (
-                properties["ActiveState"] == "failed" or properties["SubState"] == "auto-restart" or properties["NRestarts"] > started["NRestarts"]
-            )
-            if crashed:
-                raise ActivationError(f"{verb} {unit}: unit did not stay up after starting; {_describe(properties)}")
-
-    async def _job_result(self, job_path: str, unit: str, verb: str) -> str:
-        if job_path in self._finished_jobs:
-            result = self._finished_jobs.pop(job_path)
-        else:
-            assert self._loop is not None
-            waiter: asyncio.Future[str] = self._loop.create_future()
-            self._job_waiters[job_path] = waiter
-            assert self._disconnected is not None
-            # A lost connection (systemd re-executing, dbus restarting) ends the wait
-            # at once instead of after job_timeout.
+        # Results of jobs no batch waits for (dependencies, other clients);
+        # none of this batch's jobs is queued yet.
+        self._finished_jobs.clear()
+        failures: dict[str, str] = {}
+        jobs: dict[str, str] = {}  # unit -> job object path
+        # Every job is queued before any is waited for: systemd runs them
+        # together, so one unit's start can wait for another's (After=, or a
+        # file another creates) without a deadlock.
+        for unit in units:
             try:
-                await asyncio.wait({waiter, self._disconnected}, timeout=self._job_timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
+                reply = await self._call(
+                    bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, _JOB_METHODS[verb], "ss", [unit, "replace"], what=verb
+                )
+            except _DbusCallError as exc:
+                if not (verb == "stop" and exc.name == NO_SUCH_UNIT):  # an unknown unit is already stopped
+                    failures[unit] = exc.text or exc.name
+                continue
+            jobs[unit] = reply.body[0]
+        try:
+            results, unfinished = await self._job_results(jobs)
+        finally:
+            self._finished_jobs.clear()
+        failures.update(unfinished)
+        settled = await asyncio.gather(*(self._settled_outcome(unit, verb, result) for unit, result in results.items()))
+        started: dict[str, dict[str, Any]] = {}
+        for unit, outcome in zip(results, settled, strict=True):
+            if isinstance(outcome, str):
+                failures[unit] = outcome
+            elif verb in ("start", "restart") and unit.endswith(".service"):
+                started[unit] = outcome
+        if self._startup_grace > 0 and started:
+            failures.update(await self._watch_startup(started))
+        return [JobOutcome(unit, failures.get(unit)) for unit in units]
+
+    async def _job_results(self, jobs: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Each unit's job result ("done", "failed", ...) and, apart, the units
+        whose job did not end within `job_timeout` (one wait for all of them), with why."""
+        assert self._loop is not None and self._disconnected is not None
+        waiters: dict[str, asyncio.Future[str]] = {}
+        for unit, job_path in jobs.items():
+            waiter: asyncio.Future[str] = self._loop.create_future()
+            if job_path in self._finished_jobs:  # a fast job can finish before the reply reaches us
+                waiter.set_result(self._finished_jobs.pop(job_path))
+            else:
+                self._job_waiters[job_path] = waiter
+            waiters[unit] = waiter
+        pending = {w for w in waiters.values() if not w.done()}
+        try:
+            # A lost connection (systemd re-executing, dbus restarting) ends the
+            # wait at once instead of after job_timeout.
+            deadline = time.monotonic() + self._job_timeout
+            while pending and not self._disconnected.done():
+                _, pending = await asyncio.wait(
+                    {*pending, self._disconnected}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(self._disconnected)
+                if time.monotonic() >= deadline:
+                    break
+        finally:
+            for job_path in jobs.values():
                 self._job_waiters.pop(job_path, None)
-            if not waiter.done():
+        results: dict[str, str] = {}
+        unfinished: dict[str, str] = {}
+        for unit, waiter in waiters.items():
+            if waiter.done():
+                results[unit] = waiter.result()
+            else:
                 waiter.cancel()
                 if self._disconnected.done():
-                    raise ActivationError(f"{verb} {unit}: lost the connection to systemd while waiting for the job")
-                raise ActivationError(f"{verb} {unit}: job did not finish within {self._job_timeout:.0f} s")
-            result = waiter.result()
-        # Jobs of other units (dependencies, other clients) also end up here;
-        # operations are sequential, so nothing older is still wanted.
-        self._finished_jobs.clear()
-        return result
+                    unfinished[unit] = "lost the connection to systemd while waiting for the job"
+                else:
+                    unfinished[unit] = f"job did not finish within {self._job_timeout:.0f} s"
+        return results, unfinished
 
-    async def _settled_properties(self, unit: str, verb: str) -> dict[str, Any]:
+    async def _settled_outcome(self, unit: str, verb: UnitJob, result: str) -> dict[str, Any] | str:
+        """The unit's settled properties after a job that did what was asked,
+        else why it did not (a str)."""
+        try:
+            properties = await self._settled_properties(unit)
+        except ActivationError as exc:
+            return str(exc)
+        if result != "done":
+            return f"job {result}; {_describe(properties)}"
+        if verb in ("start", "restart") and properties["ActiveState"] == "failed":
+            return f"unit failed after its job finished; {_describe(properties)}"
+        if verb == "reload" and properties["ActiveState"] != "active":
+            # e.g. the program died of the reload signal instead of handling it
+            return f"unit is no longer running after the reload; {_describe(properties)}"
+        return properties
+
+    async def _watch_startup(self, started: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """One startup grace for every started service at once: those that did
+        not stay up, with why."""
+        failures: dict[str, str] = {}
+        watched = dict(started)
+        deadline = time.monotonic() + self._startup_grace
+        while watched and time.monotonic() < deadline:
+            await asyncio.sleep(self._settle_poll_interval)
+            units = list(watched)
+            now = await asyncio.gather(*(self._unit_properties(unit) for unit in units), return_exceptions=True)
+            for unit, properties in zip(units, now, strict=True):
+                if isinstance(properties, ActivationError):
+                    failures[unit] = str(properties)
+                elif isinstance(properties, BaseException):
+                    raise properties
+                elif (
+                    properties["ActiveState"] == "failed"
+                    or properties["SubState"] == "auto-restart"
+                    or properties["NRestarts"] > watched[unit]["NRestarts"]
+                ):
+                    failures[unit] = f"unit did not stay up after starting; {_describe(properties)}"
+                else:
+                    continue
+                del watched[unit]
+        return failures
+
+    async def _settled_properties(self, unit: str) -> dict[str, Any]:
         deadline = time.monotonic() + self._settle_timeout
         while True:
             properties = await self._unit_properties(unit)
             if properties["ActiveState"] not in TRANSITIONAL_STATES:
                 return properties
             if time.monotonic() >= deadline:
-                raise ActivationError(f"{verb} {unit}: still {properties['ActiveState']} after {self._settle_timeout:.0f} s; {_describe(properties)}")
+                raise ActivationError(f"still {properties['ActiveState']} after {self._settle_timeout:.0f} s; {_describe(properties)}")
             await asyncio.sleep(self._settle_poll_interval)
 
     async def _unit_properties(self, unit: str) -> dict[str, Any]:

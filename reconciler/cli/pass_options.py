@@ -94,7 +94,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         type=float,
         default=1.0,
-        help="watch each started or restarted unit this long; one that fails meanwhile fails the pass (default 1)",
+        help="watch the started or restarted units of each batch, together, this long; one that fails meanwhile fails the pass (default 1)",
     )
 
 

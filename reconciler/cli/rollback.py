@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--systemd-bus", metavar="ADDRESS", help="D-Bus address of systemd (default: the system bus)")
     p.add_argument("--caddy-admin", metavar="HOST:PORT", default="localhost:2019", help="Caddy's admin API")
     p.add_argument("--caddy-main", metavar="FILE", help="the edge's main Caddyfile, relative to the root (default: as for reconcile)")
-    p.add_argument("--startup-grace", metavar="SECONDS", type=float, default=1.0, help="watch each started unit this long (default 1)")
+    p.add_argument(
+        "--startup-grace", metavar="SECONDS", type=float, default=1.0, help="watch the started units of each batch, together, this long (default 1)"
+    )
     p.set_defaults(func=run)
 
 

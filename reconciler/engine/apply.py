@@ -23,7 +23,8 @@ A pass that changes files:
     2. publishes it: rename .new-<n> -> <n>, then points `current` at <n>.
        This is the commit point.
     3. installs the files (atomic writes, removals of what left the plan).
-    4. activates (daemon-reload, nft, stop, reload, restart, start, caddy).
+    4. activates (daemon-reload, nft, stop, reload, restart, start, caddy); each
+       kind of unit job is queued for all its units at once, then waited for.
     5. points `good` at <n>.
 
 A SIGKILL at any instant leaves `current` on the old generation (before 2:
@@ -57,9 +58,11 @@ from reconciler.ports import (
     Caddy,
     Clock,
     FileTree,
+    JobOutcome,
     Nftables,
     PassLock,
     Systemd,
+    UnitJob,
     UnitVerifier,
 )
 
@@ -534,18 +537,43 @@ class Applier:
             ruleset = nft.content if nft is not None else EMPTY_RULESET
             step("nft-load", lambda: ports.nftables.apply(ruleset), file=nft.path if nft else "", hash=_sha(ruleset.encode()))
         unit_hashes = {a.unit: a.sha256 for a in by_path.values() if a.unit}
-        for action, units, call in (
-            ("stop", actions.stop, ports.systemd.stop),
-            ("reload", actions.reload, ports.systemd.reload),
-            ("restart", actions.restart, ports.systemd.restart),
-            ("start", actions.start, ports.systemd.start),
-        ):
-            for unit in units:
-                step(action, lambda u=unit, c=call: c(u), unit=unit, hash=unit_hashes.get(unit, ""), reason=actions.reasons.get(unit, ""))  # type: ignore[misc]
+        jobs: tuple[tuple[UnitJob, Sequence[str]], ...] = (
+            ("stop", actions.stop),
+            ("reload", actions.reload),
+            ("restart", actions.restart),
+            ("start", actions.start),
+        )
+        for job, units in jobs:
+            if units:
+                self._unit_jobs(ports.systemd, job, units, gen, unit_hashes, actions.reasons)
         if actions.caddy_reload:
             caddy = next((a for a in by_path.values() if a.kind == "caddy"), None)
             config = self._caddy_config(caddy)
             step("caddy-load", lambda: ports.caddy.load(config), file=caddy.path if caddy else "", hash=_sha(config.encode()))
+
+    def _unit_jobs(
+        self, systemd: Systemd, job: UnitJob, units: Sequence[str], gen: str, unit_hashes: Mapping[str, str], reasons: Mapping[str, str]
+    ) -> None:
+        """One kind of job for all its units at once (systemd runs them
+        together), one audit record per unit in the plan's order; any failure
+        fails the activation, naming every unit that failed."""
+        self.checkpoint(f"{job} {' '.join(units)}")
+        try:
+            outcomes = {o.unit: o for o in systemd.run_jobs(job, units)}
+        except ActivationError as exc:
+            # No job was queued: each unit failed for the same reason.
+            outcomes = {unit: JobOutcome(unit, str(exc)) for unit in units}
+        failed = []
+        for unit in units:
+            outcome = outcomes.get(unit, JobOutcome(unit, "systemd reported no outcome for it"))
+            fields = {"generation": gen, "unit": unit, "hash": unit_hashes.get(unit, "")}
+            if outcome.ok:
+                self.audit.record(job, "ok", **fields, reason=reasons.get(unit, ""))
+            else:
+                self.audit.record(job, "failed", **fields, reason=outcome.failure or "")
+                failed.append(f"{job} {unit}: {outcome.failure}")
+        if failed:
+            raise ActivationError(" | ".join(failed))
 
     # ---- rollback
 

@@ -66,6 +66,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from reconciler.ports import ActivationError, UnitJob
+
+if TYPE_CHECKING:
+    from reconciler.adapters.systemd_dbus import SystemdDbus
 
 BOOT_TARGET = "fabric-harness.target"
 
@@ -380,3 +386,11 @@ def _unmount_leftovers(work: Path) -> None:
         targets = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
     for target in sorted(targets, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+
+
+def run_job(systemd: SystemdDbus, job: UnitJob, unit: str) -> None:
+    """One unit's job through the adapter's batch method, a failure raised as
+    the applier words it ("start x.service: job failed; ...")."""
+    [outcome] = systemd.run_jobs(job, [unit])
+    if not outcome.ok:
+        raise ActivationError(f"{job} {unit}: {outcome.failure}")

@@ -29,7 +29,7 @@ from reconciler.core.render.artifacts import TEMPLATES_DIR, systemd_quote
 from reconciler.ports import ActivationError
 from tests.conftest import require, require_root
 from tests.harness.caddy import free_port, http_get, http_upstream
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.harness.systemd import SystemdContainer, run_job, systemd_container
 from tests.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
@@ -167,7 +167,7 @@ def test_rendered_socat_unit_forwards_under_systemd(container: SystemdContainer,
         with SystemdDbus(container.bus_address) as systemd:
             container.write_file(f"/etc/systemd/system/{unit}", text)
             systemd.daemon_reload()
-            systemd.start(unit)
+            run_job(systemd, "start", unit)
             properties = systemd.unit_properties(unit)
             assert properties["ActiveState"] == "active"
             wait_until(lambda: listening(listen_port), what="the unit's socat to listen")
@@ -176,7 +176,7 @@ def test_rendered_socat_unit_forwards_under_systemd(container: SystemdContainer,
             owner = container.run("ps", "-o", "user=", "-p", str(properties["MainPID"])).stdout.strip()
             assert owner not in ("", "root")
 
-            systemd.stop(unit)
+            run_job(systemd, "stop", unit)
             assert systemd.active_state(unit) != "active"
             wait_until(lambda: not listening(listen_port), what="the port to close")
 
@@ -187,8 +187,8 @@ def test_stopping_the_socat_unit_is_a_clean_stop(container: SystemdContainer) ->
     with SystemdDbus(container.bus_address) as systemd:
         container.write_file(f"/etc/systemd/system/{unit}", rendered_socat_unit("cleanstop", free_port(), free_port()))
         systemd.daemon_reload()
-        systemd.start(unit)
-        systemd.stop(unit)
+        run_job(systemd, "start", unit)
+        run_job(systemd, "stop", unit)
         assert systemd.active_state(unit) == "inactive"
 
 
@@ -212,5 +212,5 @@ def test_socat_unit_with_a_port_already_taken_fails_to_start(container: SystemdC
             # systemd's start limit) already failed once its state settles.
             # Either way the start fails, naming the unit.
             with pytest.raises(ActivationError, match=r"fabric-socat-clash\.service: unit (did not stay up|failed after its job finished)"):
-                systemd.start(unit)
-            systemd.stop(unit)
+                run_job(systemd, "start", unit)
+            run_job(systemd, "stop", unit)

@@ -5,15 +5,20 @@ One container serves the whole module; each test uses its own unit names.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
 
+from reconciler.adapters.files import FlockLock, LocalTree
 from reconciler.adapters.systemd_dbus import SystemdDbus
-from reconciler.ports import ActivationError
+from reconciler.core.render.artifacts import Artifact
+from reconciler.engine.apply import Activators, Applier
+from reconciler.ports import ActivationError, JobOutcome
 from tests.conftest import require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import wait_until
+from tests.harness.systemd import SystemdContainer, run_job, systemd_container
+from tests.harness.waiting import deadline_for, wait_until
+from tests.unit.test_apply import FixedClock, RecordingAudit
 
 pytestmark = pytest.mark.integration
 
@@ -75,25 +80,25 @@ def test_start_restart_reload_stop_through_dbus(container: SystemdContainer, sys
     count_file = "/run/lifecycle-hups"
     install_unit(container, systemd, unit, hup_counter_unit(count_file))
 
-    systemd.start(unit)
+    run_job(systemd, "start", unit)
     started = systemd.unit_properties(unit)
     assert started["ActiveState"] == "active"
     assert started["MainPID"] > 0
     wait_until(lambda: counter(container, count_file) == f"{started['MainPID']} 0", what="the service to be ready")
 
-    systemd.restart(unit)
+    run_job(systemd, "restart", unit)
     restarted = systemd.unit_properties(unit)
     assert restarted["ActiveState"] == "active"
     assert restarted["MainPID"] not in (0, started["MainPID"])
     wait_until(lambda: counter(container, count_file) == f"{restarted['MainPID']} 0", what="the restarted service to be ready")
 
-    systemd.reload(unit)
+    run_job(systemd, "reload", unit)
     reloaded = systemd.unit_properties(unit)
     assert reloaded["ActiveState"] == "active"
     assert reloaded["MainPID"] == restarted["MainPID"]
     wait_until(lambda: counter(container, count_file) == f"{restarted['MainPID']} 1", what="the service to count the reload's SIGHUP")
 
-    systemd.stop(unit)
+    run_job(systemd, "stop", unit)
     assert systemd.active_state(unit) == "inactive"
     # systemd's own view agrees with what the adapter reported.
     assert container.systemctl("is-active", unit).stdout.strip() == "inactive"
@@ -102,19 +107,19 @@ def test_start_restart_reload_stop_through_dbus(container: SystemdContainer, sys
 def test_daemon_reload_makes_a_changed_unit_file_take_effect(container: SystemdContainer, systemd: SystemdDbus) -> None:
     unit = "fabric-test-edited.service"
     install_unit(container, systemd, unit, "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sh -c 'echo first > /run/edited'\n")
-    systemd.start(unit)
+    run_job(systemd, "start", unit)
     assert container.read_file("/run/edited") == "first\n"
 
     install_unit(container, systemd, unit, "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sh -c 'echo second > /run/edited'\n")
-    systemd.restart(unit)
+    run_job(systemd, "restart", unit)
     assert container.read_file("/run/edited") == "second\n"
-    systemd.stop(unit)
+    run_job(systemd, "stop", unit)
 
 
 def test_oneshot_that_exits_is_a_success(container: SystemdContainer, systemd: SystemdDbus) -> None:
     unit = "fabric-test-oneshot.service"
     install_unit(container, systemd, unit, "[Service]\nType=oneshot\nExecStart=/bin/true\n")
-    systemd.start(unit)
+    run_job(systemd, "start", unit)
     assert systemd.active_state(unit) == "inactive"
     assert systemd.unit_properties(unit)["Result"] in ("success", "")
 
@@ -123,7 +128,7 @@ def test_unit_that_fails_to_start_raises_with_unit_and_result(container: Systemd
     unit = "fabric-test-fails.service"
     install_unit(container, systemd, unit, "[Service]\nType=oneshot\nExecStart=/bin/sh -c 'exit 3'\n")
     with pytest.raises(ActivationError) as failure:
-        systemd.start(unit)
+        run_job(systemd, "start", unit)
     message = str(failure.value)
     assert unit in message
     assert "job failed" in message
@@ -136,7 +141,7 @@ def test_missing_program_fails_the_start(container: SystemdContainer, systemd: S
     unit = "fabric-test-noexec.service"
     install_unit(container, systemd, unit, "[Service]\nType=exec\nExecStart=/nonexistent/fabric-agent\n")
     with pytest.raises(ActivationError, match=r"fabric-test-noexec\.service.*result exit-code"):
-        systemd.start(unit)
+        run_job(systemd, "start", unit)
 
 
 def test_simple_service_that_dies_at_once_fails_within_the_startup_grace(container: SystemdContainer) -> None:
@@ -150,8 +155,8 @@ def test_simple_service_that_dies_at_once_fails_within_the_startup_grace(contain
         # restarts in 100 ms steps reach systemd's start limit) already failed
         # when its job's result is read. Either way the start fails, naming the unit.
         with pytest.raises(ActivationError, match=r"fabric-test-crashes\.service: unit (did not stay up|failed after its job finished)"):
-            watchful.start(unit)
-        watchful.stop(unit)
+            run_job(watchful, "start", unit)
+        run_job(watchful, "stop", unit)
 
 
 def test_service_that_stays_up_passes_the_startup_grace(container: SystemdContainer) -> None:
@@ -159,26 +164,26 @@ def test_service_that_stays_up_passes_the_startup_grace(container: SystemdContai
     container.write_file(f"{UNIT_DIR}/{unit}", "[Service]\nExecStart=/bin/sleep infinity\nRestart=on-failure\n")
     with SystemdDbus(container.bus_address, startup_grace=0.5) as watchful:
         watchful.daemon_reload()
-        watchful.start(unit)
+        run_job(watchful, "start", unit)
         assert watchful.active_state(unit) == "active"
-        watchful.stop(unit)
+        run_job(watchful, "stop", unit)
 
 
 def test_unknown_unit(systemd: SystemdDbus) -> None:
     with pytest.raises(ActivationError, match=r"start fabric-test-absent\.service: Unit fabric-test-absent\.service not found"):
-        systemd.start("fabric-test-absent.service")
-    systemd.stop("fabric-test-absent.service")  # nothing to stop is not an error
+        run_job(systemd, "start", "fabric-test-absent.service")
+    run_job(systemd, "stop", "fabric-test-absent.service")  # nothing to stop is not an error
     assert systemd.active_state("fabric-test-absent.service") == "inactive"
 
 
 def test_reload_of_a_unit_without_exec_reload_is_refused(container: SystemdContainer, systemd: SystemdDbus) -> None:
     unit = "fabric-test-noreload.service"
     install_unit(container, systemd, unit, "[Service]\nExecStart=/bin/sleep infinity\n")
-    systemd.start(unit)
+    run_job(systemd, "start", unit)
     with pytest.raises(ActivationError, match=r"reload fabric-test-noreload\.service"):
-        systemd.reload(unit)
+        run_job(systemd, "reload", unit)
     assert systemd.active_state(unit) == "active"  # a refused reload leaves it running
-    systemd.stop(unit)
+    run_job(systemd, "stop", unit)
 
 
 def test_unreachable_bus_raises_activation_error(tmp_path) -> None:
@@ -201,11 +206,11 @@ def test_reload_that_kills_the_service_raises(container: SystemdContainer, syste
         "[Service]\nExecStart=/bin/sleep infinity\n"
         "ExecReload=/bin/sh -c 'kill -HUP $MAINPID; while kill -0 $MAINPID 2>/dev/null; do sleep 0.02; done'\n",
     )
-    systemd.start(unit)
+    run_job(systemd, "start", unit)
     with pytest.raises(
         ActivationError, match=r"reload fabric-test-dies-on-reload\.service: unit is no longer running after the reload; unit is inactive"
     ):
-        systemd.reload(unit)
+        run_job(systemd, "reload", unit)
 
 
 def test_job_timeout_raises_naming_the_unit(container: SystemdContainer, systemd: SystemdDbus) -> None:
@@ -214,9 +219,110 @@ def test_job_timeout_raises_naming_the_unit(container: SystemdContainer, systemd
     install_unit(container, systemd, unit, "[Service]\nType=oneshot\nExecStart=/bin/sleep 30\n")
     with SystemdDbus(container.bus_address, job_timeout=0.3) as impatient:
         with pytest.raises(ActivationError, match=r"start fabric-test-slow\.service: job did not finish within"):
-            impatient.start(unit)
+            run_job(impatient, "start", unit)
         assert impatient.active_state(unit) == "activating"
     # Only the start is impatient: stopping (which cancels the start job; the
     # interrupted oneshot ends "failed") may take longer than 0.3 s on a loaded machine.
-    systemd.stop(unit)
+    run_job(systemd, "stop", unit)
     assert systemd.active_state(unit) in ("inactive", "failed")
+
+
+# Two oneshot services that each finish starting only once the other has begun
+# (each creates its own file, then waits for the other's): started one after
+# the other, the first one's start job waits for a unit nobody started until
+# its TimeoutStartSec= ends it, failed. Only jobs systemd runs together succeed.
+MUTUAL_START = """\
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+TimeoutStartSec={timeout:.0f}s
+ExecStart=/bin/sh -c 'touch /run/{name}.began; while [ ! -e /run/{other}.began ]; do sleep 0.02; done'
+"""
+
+
+def test_the_jobs_of_a_batch_run_together(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    first, second = "fabric-test-mutual-a", "fabric-test-mutual-b"
+    # Long enough for both shells to start on a loaded machine; a sequential
+    # start fails after this long.
+    timeout = deadline_for(1.0)
+    container.write_file(f"{UNIT_DIR}/{first}.service", MUTUAL_START.format(timeout=timeout, name=first, other=second))
+    container.write_file(f"{UNIT_DIR}/{second}.service", MUTUAL_START.format(timeout=timeout, name=second, other=first))
+    systemd.daemon_reload()
+    units = [f"{first}.service", f"{second}.service"]
+    try:
+        assert systemd.run_jobs("start", units) == [JobOutcome(units[0]), JobOutcome(units[1])]
+        assert [systemd.active_state(u) for u in units] == ["active", "active"]
+    finally:
+        systemd.run_jobs("stop", units)
+
+
+FLEETING_UNIT = "[Service]\nExecStart=/bin/sh -c 'exit 7'\nRestart=on-failure\nRestartSec=100ms\n"
+STEADY_UNIT = "[Service]\nExecStart=/bin/sleep infinity\nRestart=on-failure\n"
+
+
+def test_a_service_that_exits_at_once_fails_the_batch_and_the_others_are_reported_ok(container: SystemdContainer) -> None:
+    units = ["fabric-test-batch-steady-1.service", "fabric-test-batch-fleeting.service", "fabric-test-batch-steady-2.service"]
+    container.write_file(f"{UNIT_DIR}/{units[0]}", STEADY_UNIT)
+    container.write_file(f"{UNIT_DIR}/{units[1]}", FLEETING_UNIT)
+    container.write_file(f"{UNIT_DIR}/{units[2]}", STEADY_UNIT)
+    with SystemdDbus(container.bus_address, startup_grace=deadline_for(0.5, at_least=2.0)) as watchful:
+        watchful.daemon_reload()
+        try:
+            outcomes = watchful.run_jobs("start", units)
+            assert [o.unit for o in outcomes] == units
+            assert outcomes[0].ok and outcomes[2].ok, outcomes
+            # Caught in the grace period, or (read late on a busy machine: its
+            # restarts reached systemd's start limit) already failed when its
+            # job's result is read.
+            assert re.match(r"unit (did not stay up|failed after its job finished)", outcomes[1].failure or ""), outcomes[1]
+            assert [watchful.active_state(u) for u in (units[0], units[2])] == ["active", "active"]
+        finally:
+            watchful.run_jobs("stop", units)
+
+
+def test_the_applier_rolls_back_a_batch_with_a_service_that_exits_at_once(container: SystemdContainer) -> None:
+    """Through the Applier: the exiting service named in the ActivationError
+    the pass reports, each of the three audited, and the two that stayed up
+    stopped again by the rollback."""
+    names = ["fabric-test-applied-steady-1.service", "fabric-test-applied-fleeting.service", "fabric-test-applied-steady-2.service"]
+    texts = [STEADY_UNIT, FLEETING_UNIT, STEADY_UNIT]
+    artifacts = [Artifact(f"etc/systemd/system/{name}", text, 0o644, "unit") for name, text in zip(names, texts, strict=True)]
+    audit = RecordingAudit()
+    with SystemdDbus(container.bus_address, startup_grace=deadline_for(0.5, at_least=2.0)) as watchful:
+        applier = Applier(
+            LocalTree(container.root),
+            FlockLock(container.host_path("/var/lib/fabric/lock")),
+            audit,
+            FixedClock(),
+            validators=None,
+            activators=Activators(watchful, NO_NFT_OR_CADDY, NO_NFT_OR_CADDY),  # type: ignore[arg-type]
+        )
+        result = applier.run(artifacts, host="batch", epoch=None)
+        assert result.outcome == "rolled-back" and result.generation is None, result
+        assert re.fullmatch(
+            r"activation of generation 1 failed: start fabric-test-applied-fleeting\.service: unit (did not stay up|failed after its job finished).*",
+            result.messages[0],
+        ), result.messages
+        # In the plan's order (by name), whatever order their jobs ended in.
+        starts = [(r["unit"], r["outcome"]) for r in audit.records if r["action"] == "start"]
+        assert starts == [(names[1], "failed"), (names[0], "ok"), (names[2], "ok")]
+        assert [watchful.active_state(name) for name in names[::2]] == ["inactive", "inactive"]
+        assert watchful.active_state(names[1]) != "active"
+        watchful.run_jobs("stop", names)
+
+
+class NoNftOrCaddy:
+    """The Nftables and Caddy ports of a host whose plan has neither: the
+    table counts as loaded, so nothing is asked of them."""
+
+    def table_loaded(self) -> bool:
+        return True
+
+    def apply(self, ruleset: str) -> None:
+        raise AssertionError("no ruleset in this plan")
+
+    def load(self, caddyfile: str) -> None:
+        raise AssertionError("no Caddy config in this plan")
+
+
+NO_NFT_OR_CADDY = NoNftOrCaddy()

@@ -30,7 +30,7 @@ from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier, GenerationStore, Validators, list_generations
 from reconciler.engine.pass_options import PlanFile
 from reconciler.engine.reconcile import PassOptions, PassPorts, PassReport, preview_pass, run_pass
-from reconciler.ports import ActivationError, LockBusy
+from reconciler.ports import ActivationError, JobOutcome, LockBusy
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -53,7 +53,7 @@ class FakeMachine:
         if self.state_file.exists():
             self.state = json.loads(self.state_file.read_text())
         else:
-            self.state = {"loaded": {}, "running": {}, "active": [], "nft": None, "caddy": None, "calls": []}
+            self.state = {"loaded": {}, "running": {}, "active": [], "nft": None, "caddy": None, "calls": [], "batches": []}
 
     def _save(self) -> None:
         tmp = self.state_file.with_suffix(".tmp")
@@ -74,6 +74,7 @@ class FakeMachine:
 
     def forget_calls(self) -> None:
         self.state["calls"] = []
+        self.state["batches"] = []
         self._save()
 
     # Systemd
@@ -100,6 +101,26 @@ class FakeMachine:
             self.state["active"].append(unit)
         self._save()
 
+    def run_jobs(self, job: str, units: list[str]) -> list[JobOutcome]:
+        """Every unit's job in one batch, as systemd would run them together:
+        one unit's failure leaves the others' jobs done."""
+        self.state["batches"].append([job, list(units)])
+        run = {"start": self._run_unit, "restart": self._run_unit, "reload": self._reload, "stop": self._stop}[job]
+        outcomes = []
+        for unit in units:
+            try:
+                run(job, unit)
+            except ActivationError as exc:
+                outcomes.append(JobOutcome(unit, str(exc)))
+            else:
+                outcomes.append(JobOutcome(unit))
+        self._save()
+        return outcomes
+
+    @property
+    def batches(self) -> list[tuple[str, list[str]]]:
+        return [(job, units) for job, units in self.state["batches"]]
+
     def _run_unit(self, action: str, unit: str) -> None:
         self._call(action, unit)
         if unit not in self.state["loaded"]:
@@ -109,19 +130,13 @@ class FakeMachine:
             self.state["active"].append(unit)
         self._save()
 
-    def start(self, unit: str) -> None:
-        self._run_unit("start", unit)
-
-    def restart(self, unit: str) -> None:
-        self._run_unit("restart", unit)
-
-    def reload(self, unit: str) -> None:
-        self._call("reload", unit)
+    def _reload(self, action: str, unit: str) -> None:
+        self._call(action, unit)
         if unit not in self.state["active"]:
             raise ActivationError(f"{unit} is not active, cannot reload")
 
-    def stop(self, unit: str) -> None:
-        self._call("stop", unit)
+    def _stop(self, action: str, unit: str) -> None:
+        self._call(action, unit)
         if unit in self.state["active"]:
             self.state["active"].remove(unit)
         self.state["running"].pop(unit, None)

@@ -6,8 +6,8 @@ engine's `run_pass` with FakeMachine wired in, whose state is a JSON file, so
 it survives the kill). The script's step argument K wires a checkpoint into
 the pass's ports that SIGKILLs the process at the pass's K-th step (every
 staged file, the publish, the pointer switch, every installed file, every
-activation call, marking good); the product has no such hook of its own. For
-every K until the pass completes unharmed:
+activation call: one per kind of unit job, marking good); the product has no
+such hook of its own. For every K until the pass completes unharmed:
 
 1. after the kill, `current` names the old or the new generation, and that
    generation is complete (manifest present, every file matching its hash);

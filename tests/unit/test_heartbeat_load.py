@@ -102,7 +102,7 @@ def test_the_pass_beats_again_after_activation_with_the_units_it_started(tmp_pat
 def test_a_stopped_service_unit_drops_the_load_and_shows_in_the_units(tmp_path: Path) -> None:
     fleet = SpillFleet(tmp_path)
     fleet.reconcile()
-    fleet.machine.stop(SERVICE)
+    assert fleet.machine.run_jobs("stop", [SERVICE])[0].ok  # stopped by hand
     fleet.lanes.held = {"phaze-agent-x86-spill": 1}
     fleet.registry.beats.clear()
     report = fleet.reconcile()
