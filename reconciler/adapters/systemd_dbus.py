@@ -85,6 +85,7 @@ class SystemdDbus:
         self._finished_jobs: dict[str, str] = {}
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
         self._disconnected: asyncio.Future[None] | None = None  # done once the bus connection is gone
+        self._connecting: asyncio.Lock | None = None  # made with the event loop
 
     # -- the Systemd port -------------------------------------------------
 
@@ -151,11 +152,20 @@ class SystemdDbus:
     def _run(self, coro: Any) -> Any:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
+            self._connecting = asyncio.Lock()
         return self._loop.run_until_complete(coro)
 
     async def _connected(self) -> MessageBus:
         if self._bus is not None and self._bus.connected:
             return self._bus
+        assert self._connecting is not None
+        # The units of a batch are read concurrently: one of them reconnects.
+        async with self._connecting:
+            if self._bus is not None and self._bus.connected:
+                return self._bus
+            return await self._connect()
+
+    async def _connect(self) -> MessageBus:
         try:
             if self._bus_address is None:
                 bus = MessageBus(bus_type=BusType.SYSTEM)

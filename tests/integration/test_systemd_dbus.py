@@ -5,6 +5,7 @@ One container serves the whole module; each test uses its own unit names.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 
@@ -326,3 +327,36 @@ class NoNftOrCaddy:
 
 
 NO_NFT_OR_CADDY = NoNftOrCaddy()
+
+
+def test_a_lost_connection_is_reopened_once_by_a_batchs_concurrent_reads(container: SystemdContainer) -> None:
+    """The settle and grace reads of a batch's units run together: after the
+    bus connection dropped, one of them reconnects and the others use it
+    (each opening its own would leave all but one connection open)."""
+    units = [f"fabric-test-reconnect-{i}.service" for i in range(3)]
+    for unit in units:
+        container.write_file(f"{UNIT_DIR}/{unit}", STEADY_UNIT)
+    with SystemdDbus(container.bus_address, startup_grace=0.2) as systemd:
+        systemd.daemon_reload()
+        assert all(o.ok for o in systemd.run_jobs("start", units))
+        connects = []
+        connect = systemd._connect
+
+        async def counted_connect():  # noqa: ANN202
+            connects.append(1)
+            return await connect()
+
+        systemd._connect = counted_connect  # type: ignore[method-assign]
+        lost = systemd._bus
+        assert lost is not None
+        lost.disconnect()
+        systemd._run(lost.wait_for_disconnect())
+
+        # What a batch does once its jobs are done: read every unit together.
+        async def read_together() -> list[dict[str, object]]:
+            return await asyncio.gather(*(systemd._settled_properties(unit) for unit in units))
+
+        settled = systemd._run(read_together())
+        assert [p["ActiveState"] for p in settled] == ["active"] * 3
+        assert len(connects) == 1
+        assert all(o.ok for o in systemd.run_jobs("stop", units))
