@@ -25,6 +25,10 @@ What a host gets:
   `fabric-ray-worker.service` on each of its workers (`ray_units`), the
   head's port (and dashboard's) tailnet only in its nftables.
 
+The plan: render reads only this host's part of it (`plan_part`: the services
+placed here and, on the edge, each routed service's nodes), the same part whose
+change makes `fabric watch` start a pass.
+
 Trust: the plan comes from the registry, which may be written by any host. A
 placement naming a service or host the desired state does not know is ignored
 and reported in `Rendered.notes`; the plan never supplies text, only names that
@@ -57,6 +61,7 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
+from reconciler.core.render.plan_part import plan_part
 from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_unit
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
@@ -532,15 +537,9 @@ def render(
     arch = host_arch(host, facts)
     artifacts: list[Artifact] = []
 
-    # Fleet-plan entries are checked against the desired state before anything uses them.
-    valid_placements = []
-    for p in plan.placements:
-        if desired.service(p.service) is None:
-            notes.append(f"plan epoch {plan.epoch}: unknown service {p.service!r} ignored")
-        elif p.node not in desired.hosts:
-            notes.append(f"plan epoch {plan.epoch}: service {p.service!r} placed on unknown host {p.node!r}; ignored")
-        else:
-            valid_placements.append(p)
+    # All that is read from the fleet plan is this host's part of it (checked
+    # against the desired state there): `fabric watch` starts a pass when it changes.
+    part = plan_part(desired, plan, host_name, notes)
 
     # Workloads: lanes first, then services, each a fabric-agent-<id>.service.
     workloads: list[_Workload] = []
@@ -548,7 +547,7 @@ def render(
         w = _lane_workload(desired, lane, arch, notes)
         if w is not None:
             workloads.append(w)
-    placed_here = sorted({p.service for p in valid_placements if p.node == host_name})
+    placed_here = part.services_here
     for service_id in placed_here:
         service = desired.service(service_id)
         assert service is not None
@@ -636,8 +635,7 @@ def render(
         sites = []
         for service in sorted((s for s in desired.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
             assert service.route is not None and service.port is not None
-            nodes = sorted({p.node for p in valid_placements if p.service == service.id})
-            upstreams = [caddy_address(desired.hosts[n].host.address, service.port) for n in nodes]
+            upstreams = [caddy_address(desired.hosts[n].host.address, service.port) for n in part.nodes_of(service.id)]
             sites.append(
                 {
                     "service": service.id,
