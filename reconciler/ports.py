@@ -418,7 +418,8 @@ class Registry(Protocol):
     def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
         """`fabric watch`: the entries that concern `host` (the newest plan,
         its drain request, its node state) that may have changed, with their
-        versions now (`reconciler.core.live.watching`). The first call, and the
+        versions now (`reconciler.core.live.watching`; the plan's is the
+        registry's, which the watcher turns into the digest of `host`'s part). The first call, and the
         first after a failure, reports all three (the baseline); later calls
         block until one changes or `timeout_s` passes (etcd: a watch on those
         keys; sqlite: one read after `timeout_s`). Raises RegistryUnavailable."""

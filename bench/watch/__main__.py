@@ -5,7 +5,9 @@ Run: .venv/bin/python bench/watch [--plans N] [--window S] [--poll S]
 Backends: a sqlite file (tmpfs /tmp) and one etcd member on loopback (started
 here and stopped by PID at the end). For each, the watcher loop
 (reconciler.engine.watch) runs in a thread with a start port that only notes
-the time; the bench publishes --plans plans one after another, each once the
+the time; the bench publishes --plans plans one after another (each moves a
+service onto or off lux, so each changes lux's part: the watcher reads the
+plan and the example fleet's files before it counts it), each once the
 previous one's start was noted, and prints publish -> start: median, 95th
 percentile and worst, beside the configured window (the start waits for it
 on purpose) and poll, the median less the window (what the watcher itself
@@ -17,6 +19,7 @@ start of a sqlite poll: there the figures are the worst case, window + poll.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -32,10 +35,13 @@ from reconciler.adapters.clock import SystemClock  # noqa: E402
 from reconciler.adapters.registry_etcd import EtcdRegistry  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
-from reconciler.core.live.models import FleetPlan  # noqa: E402
+from reconciler.core.live.models import FleetPlan, Placement  # noqa: E402
 from reconciler.core.live.watching import WatchTimings  # noqa: E402
+from reconciler.engine.desired_load import load_for_part  # noqa: E402
 from reconciler.engine.watch import Watcher  # noqa: E402
 from tests.harness.etcd import etcd_cluster  # noqa: E402
+
+EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "hosts"
 
 
 class NotingStarter:
@@ -58,7 +64,9 @@ def ms(seconds: float) -> str:
 def bench(name: str, open_registry, plans: int, timings: WatchTimings) -> None:
     writer, followed = open_registry(), open_registry()
     starter = NotingStarter()
-    watcher = Watcher(followed, starter, SystemClock(), "lux", timings=timings, log=lambda _: None)
+    # As fabric watch does: the example fleet's files read again at each new plan.
+    desired_for = functools.partial(load_for_part, EXAMPLE_FLEET, "lux")
+    watcher = Watcher(followed, starter, SystemClock(), "lux", desired_for, timings=timings, log=lambda _: None)
     thread = threading.Thread(target=watcher.run, daemon=True)
     thread.start()
     try:
@@ -67,10 +75,13 @@ def bench(name: str, open_registry, plans: int, timings: WatchTimings) -> None:
         term = writer.campaign("qfox-1", 600)
         assert term is not None
         latencies = []
-        for _ in range(plans):
+        for i in range(plans):
             starter.started.clear()
             t = time.perf_counter()
-            writer.publish_plan(term, FleetPlan(epoch=0, leader="qfox-1", created=datetime.now(UTC)))
+            # Each plan moves lupine onto or off lux: a change of lux's part (one that is not starts no pass).
+            node = "lux" if i % 2 == 0 else "qfox-1"
+            placements = [Placement(service="lupine", replica=0, node=node, tier="cpu_ffmpeg")]
+            writer.publish_plan(term, FleetPlan(epoch=0, leader="qfox-1", created=datetime.now(UTC), placements=placements))
             if not starter.started.wait(30):
                 raise SystemExit(f"{name}: no start within 30 s of a published plan")
             latencies.append(starter.at - t)

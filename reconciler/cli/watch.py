@@ -1,9 +1,10 @@
 """fabric watch: start a pass as soon as the registry says something changed for this host (fabric-watch.service).
 
 `fabric watch [--host NAME] [--desired DIR] [--registry-path FILE]` runs until
-SIGTERM/SIGINT (`reconciler.engine.watch`): it follows the newest plan and
-this host's drain request and node state (etcd: a watch on those keys;
-sqlite: a read every --poll-interval) and starts fabric-reconcile.service
+SIGTERM/SIGINT (`reconciler.engine.watch`): it follows this host's part of
+the newest plan (the services placed here; on the edge, each routed service's
+nodes) and this host's drain request and node state (etcd: a watch on those
+keys; sqlite: a read every --poll-interval) and starts fabric-reconcile.service
 over D-Bus (StartUnit, mode "replace") when one changed: --window after the
 first change of a burst, never while a pass runs (it waits for that pass to
 end). An unreachable registry or systemd is retried, doubling the wait up to
@@ -16,6 +17,7 @@ identity (a retry would not help).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -26,6 +28,7 @@ from reconciler.cli.wiring import host_name, pass_starter, system_clock
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
 from reconciler.core.live.watching import WatchTimings
+from reconciler.engine.desired_load import load_for_part
 from reconciler.engine.watch import Watcher
 
 DEFAULTS = WatchTimings()
@@ -86,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
         window_s=args.window, poll_s=args.poll_interval, retry_min_s=min(DEFAULTS.retry_min_s, args.retry_max), retry_max_s=args.retry_max
     )
     with desired_and_registry(args) as (_, registry), pass_starter(args.unit, args.systemd_bus) as starter:
-        watcher = Watcher(registry, starter, system_clock(), host, timings=timings, log=_log)
+        # Read again at each new plan: a route or host added since the watcher started counts.
+        desired_for = functools.partial(load_for_part, args.desired, host)
+        watcher = Watcher(registry, starter, system_clock(), host, desired_for, timings=timings, log=_log)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: watcher.stop())
-        _log(f"watching the plan and {host}'s entries; starting {args.unit} on a change")
+        _log(f"watching {host}'s part of the plan and its entries; starting {args.unit} on a change")
         watcher.run()
     return EXIT_OK

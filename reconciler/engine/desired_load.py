@@ -43,6 +43,7 @@ import reconciler
 from reconciler.core.desired.load import load_desired, load_hosts_of
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.render.plan_part import hosts_the_part_reads
 from reconciler.ports import FileTree
 
 # In the state directory: {"directory": ..., "commit": ..., "version": ...}, the last
@@ -128,6 +129,16 @@ def with_plan_hosts(loaded: LoadedDesired, plan: FleetPlan, snapshot: Snapshot |
     if nodes <= set(desired.hosts):
         return desired
     return load_hosts_of(loaded.directory, nodes, fleet=desired.fleet, loaded=dict(desired.hosts))
+
+
+def load_for_part(directory: Path, host: str, plan: FleetPlan) -> DesiredState:
+    """What `fabric watch` computes `host`'s part of `plan` under: fabric.toml,
+    this host's file and, on the edge, the files of the nodes its routed
+    services are placed on (render leaves out a placement on an undeclared
+    host). A few files per new plan, however large the fleet; each validated
+    on its own, as a pass at a validated commit does. Raises DesiredStateError."""
+    own = load_hosts_of(directory, [host])
+    return load_hosts_of(directory, hosts_the_part_reads(own, plan, host), fleet=own.fleet, loaded=dict(own.hosts))
 
 
 def record_verdict(tree: FileTree, state_dir: str, loaded: LoadedDesired) -> None:

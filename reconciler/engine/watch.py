@@ -6,9 +6,20 @@ fabric-reconcile.service, the `Clock` times the coalescing window. What a
 change means and when to start is decided by the pure
 `reconciler.core.live.watching`.
 
+The plan is the fleet's, but a host acts only on its part of it (the
+services placed on it, on the edge each routed service's nodes:
+`reconciler.core.render.plan_part`, all that its render reads from a plan).
+When the registry reports a new version of the plan, the watcher reads the
+newest plan once, and the desired state through `desired_for` (re-read then,
+so a route or host added since the watcher started counts), and follows the
+digest of this host's part instead of the registry's version: a plan that
+moves work between two other hosts starts no pass here. A plan or desired
+state that cannot be read or parsed counts as a change (the pass says why).
+
 One `step()`:
   1. wait for the registry (at most `poll_s`, or until the window of pending
-     changes ends) and note what changed (`observe`);
+     changes ends), turn a new plan version into this host's part's digest,
+     and note what changed (`observe`);
   2. with changes pending: ask systemd whether a pass runs, and start one
      when `decide` says so.
 A registry or systemd that cannot be reached is said once per outage and
@@ -18,12 +29,17 @@ stay pending through an outage of systemd. The timer remains the backstop.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reconciler.core.live.watching import WatchState, WatchTimings, decide, observe, retry_delay, started
-from reconciler.ports import ActivationError, Clock, PassStarter, Registry, RegistryUnavailable
+from reconciler.core.desired.load import DesiredStateError
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started
+from reconciler.core.render.plan_part import plan_part
+from reconciler.ports import ActivationError, Clock, PassStarter, Registry, RegistryError, RegistryUnavailable
 
 
 @dataclass
@@ -32,6 +48,11 @@ class Watcher:
     starter: PassStarter
     clock: Clock
     host: str
+    # The desired state this host's part of a plan is computed under, read
+    # again for each new plan (cli.watch: fabric.toml, this host's file and,
+    # on the edge, the files of its routed services' nodes). Raises
+    # DesiredStateError (or OSError) when it cannot be read.
+    desired_for: Callable[[FleetPlan], DesiredState]
     timings: WatchTimings = field(default_factory=WatchTimings)
     log: Callable[[str], None] = print
     # Wait between steps (a threading.Event's wait in production; tests may
@@ -43,6 +64,8 @@ class Watcher:
     _outage: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _wake_in: float | None = None
+    # The registry's last plan version and the part version it was turned into.
+    _plan_seen: tuple[str, str] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -64,6 +87,7 @@ class Watcher:
             entries = self.registry.watch_host(self.host, timeout)
         except RegistryUnavailable as exc:
             return self._failed(f"registry unreachable: {exc}")
+        entries = [self._part_of(entry) if entry.entry == PLAN else entry for entry in entries]
         if entries and not self.state.seen:
             self.log(f"following {', '.join(entry.describe() for entry in entries)}")
         self.state = observe(self.state, entries, self.host, self.clock.now())
@@ -83,6 +107,40 @@ class Watcher:
             self.state = started(self.state)
         self._wake_in = decision.wake_in_s
         return 0.0
+
+    def _part_of(self, entry: EntryVersion) -> EntryVersion:
+        """The plan entry with, as its version, the digest of this host's part
+        of the newest plan ("" while there is no plan). The plan is read once
+        per registry version: a backend that reports it again after
+        reconnecting costs no read.
+
+        No signature check here: the pass verifies the plan it renders. A
+        forged plan can at most start a pass that then refuses it (fail
+        static), or start none when its part here is the one already
+        followed (that pass would have refused it anyway). The one cost: a
+        genuine plan published after a forgery, whose part here equals the
+        forgery's, starts no pass (its part is no change from the forgery's);
+        the next timer pass applies it."""
+        if entry.version == "":
+            self._plan_seen = None
+            return entry
+        if self._plan_seen is not None and self._plan_seen[0] == entry.version:
+            return dataclasses.replace(entry, version=self._plan_seen[1])
+        before = self._plan_seen[1] if self._plan_seen is not None else None
+        try:
+            plan = self.registry.newest_plan()
+            if plan is None:
+                version = ""
+            else:
+                version = plan_part(self.desired_for(plan), plan, self.host).digest
+                if version == before:
+                    self.log(f"plan epoch {plan.epoch} leaves {self.host}'s part as it was: no pass")
+        except (RegistryError, DesiredStateError, ValueError, OSError) as exc:
+            # Counted as a change (a version no part digest can equal): the pass reads it again and says why.
+            self.log(f"cannot tell {self.host}'s part of the plan ({entry.version}): {exc}")
+            version = f"unread {entry.version}"
+        self._plan_seen = (entry.version, version)
+        return dataclasses.replace(entry, version=version)
 
     def _failed(self, reason: str) -> float:
         self.failures += 1

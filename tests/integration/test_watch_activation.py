@@ -1,7 +1,8 @@
 """fabric-watch.service for real: systemd as PID 1 in a container runs the
 unit as `fabric units` renders it (hardening and all), and a plan published
 in the registry starts fabric-reconcile.service over D-Bus. No timer is
-installed: only the watcher can have started the pass.
+installed: only the watcher can have started the pass; and only a plan that
+changes this host's part (the edge's: where each routed service runs) does.
 
 The edge host "racknerd" of the example fleet with the embedded sqlite
 registry in /var/lib/fabric; the test publishes plans into that file from
@@ -12,6 +13,7 @@ that systemd started it (a new InvocationID).
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 
@@ -62,6 +64,7 @@ def edge() -> Iterator[SystemdContainer]:
 # of a path from outside, so the file is written from within, as the leader
 # of a single-host fleet would.
 PUBLISH = f"""
+import json, sys
 from datetime import UTC, datetime
 from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.registry_sqlite import SqliteRegistry
@@ -71,16 +74,23 @@ from reconciler.core.live.models import FleetPlan
 registry = SqliteRegistry("{REGISTRY}", timing=TimingSettings(), flap=FlapSettings(), clock=SystemClock())
 term = registry.campaign("lux", 5)
 assert term is not None, "someone leads"
-print(registry.publish_plan(term, FleetPlan(epoch=0, leader="lux", created=datetime.now(UTC))).epoch)
+plan = FleetPlan(epoch=0, leader="lux", created=datetime.now(UTC), placements=json.loads(sys.argv[1]))
+print(registry.publish_plan(term, plan).epoch)
 registry.resign(term)
 """
 
 
-def publish_plan(container: SystemdContainer) -> int:
-    """A new plan in the host's registry file, as a leader publishes one."""
-    done = container.run("env", f"PYTHONPATH={SITE}:{REPO}", "PYTHONDONTWRITEBYTECODE=1", "python3", "-c", PUBLISH)
+def publish_plan(container: SystemdContainer, *placed: tuple[str, str]) -> int:
+    """A new plan in the host's registry file, as a leader publishes one,
+    placing each (service, node) of `placed`."""
+    placements = [{"service": service, "replica": 0, "node": node, "tier": "cpu_ffmpeg"} for service, node in placed]
+    done = container.run("env", f"PYTHONPATH={SITE}:{REPO}", "PYTHONDONTWRITEBYTECODE=1", "python3", "-c", PUBLISH, json.dumps(placements))
     assert done.returncode == 0, done.stderr
     return int(done.stdout)
+
+
+def started_for_the_plan(container: SystemdContainer) -> bool:
+    return watcher_said(container, "started a pass of racknerd: this host's part of the plan (")
 
 
 def watcher_state(container: SystemdContainer) -> str:
@@ -91,46 +101,50 @@ def watcher_said(container: SystemdContainer, text: str) -> bool:
     return text in container.journal("-u", WATCH_SERVICE, "-o", "cat")
 
 
-def test_a_published_plan_starts_the_reconcile_service(edge: SystemdContainer) -> None:
+def test_a_plan_that_concerns_the_edge_starts_the_reconcile_service_one_that_does_not_starts_none(edge: SystemdContainer) -> None:
+    """racknerd is the edge: its part of a plan is where each routed service
+    runs. braid is routed, lupine is not."""
     # The watcher's first read of the registry is its baseline.
     # Bounded by the watcher's process starting in the container (its imports
     # on a busy machine), not by its poll: hence the longer floor.
     wait_until(
-        lambda: watcher_said(edge, "fabric-watch: following the plan"),
+        lambda: watcher_said(edge, "fabric-watch: following this host's part of the plan"),
         timeout=deadline_for(TIMINGS.poll_s, at_least=120),
         what="the watcher's baseline",
     )
     assert watcher_state(edge) == "active"
     assert invocation(edge, RECONCILE_SERVICE) == ""
 
-    epoch = publish_plan(edge)
+    publish_plan(edge, ("braid", "a1-arm64"))
     first = wait_until(
         lambda: invocation(edge, RECONCILE_SERVICE), timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s), what="a pass started for the plan"
     )
-    wait_until(
-        lambda: watcher_said(edge, f"started a pass of racknerd: the plan ({epoch}) changed"),
-        timeout=deadline_for(TIMINGS.poll_s),
-        what="the start in the journal",
-    )
+    wait_until(lambda: started_for_the_plan(edge), timeout=deadline_for(TIMINGS.poll_s), what="the start in the journal")
 
-    # Once that pass has ended, the next plan starts exactly one more.
+    # Once that pass has ended: a plan that only adds an unrouted service
+    # elsewhere is read, and starts nothing ...
     wait_until(
         lambda: edge.systemctl("show", RECONCILE_SERVICE, "-p", "ActiveState", "--value").stdout.strip() in ("inactive", "failed"),
         timeout=300,
         what="the first pass to end",
     )
-    epoch = publish_plan(edge)
+    epoch = publish_plan(edge, ("braid", "a1-arm64"), ("lupine", "qfox-1"))
+    wait_until(
+        lambda: watcher_said(edge, f"plan epoch {epoch} leaves racknerd's part as it was: no pass"),
+        timeout=deadline_for(TIMINGS.poll_s),
+        what="the watcher reading the plan",
+    )
+    assert invocation(edge, RECONCILE_SERVICE) == first
+    # ... and one that moves braid's upstream starts exactly one more pass.
+    publish_plan(edge, ("braid", "x86-spill"), ("lupine", "qfox-1"))
     second = wait_until(
         lambda: (i := invocation(edge, RECONCILE_SERVICE)) != first and i,
         timeout=deadline_for(TIMINGS.window_s + TIMINGS.poll_s),
         what="a pass started for the new plan",
     )
     assert second != first
-    wait_until(
-        lambda: watcher_said(edge, f"started a pass of racknerd: the plan ({epoch}) changed"),
-        timeout=deadline_for(TIMINGS.poll_s),
-        what="the start in the journal",
-    )
+    journal = edge.journal("-u", WATCH_SERVICE, "-o", "cat")
+    assert journal.count("started a pass of racknerd: this host's part of the plan (") == 2
     assert watcher_state(edge) == "active"
 
 

@@ -17,7 +17,8 @@ from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.live.models import Snapshot, SnapshotNode
 from reconciler.core.probe import facts_from_capture
 from reconciler.core.render.artifacts import render
-from reconciler.engine.desired_load import VERDICT_FILE, LoadedDesired, load_for_pass, with_plan_hosts
+from reconciler.core.render.plan_part import plan_part
+from reconciler.engine.desired_load import VERDICT_FILE, LoadedDesired, load_for_part, load_for_pass, with_plan_hosts
 from reconciler.engine.plan_source import plan_from_file
 from tests.unit.test_probe_fixtures import load_capture
 
@@ -269,3 +270,17 @@ def test_a_whole_load_is_not_completed_again(desired: Path) -> None:
     whole = load_desired(desired)
     loaded = LoadedDesired(whole, desired, partial=False, validated="c1")
     assert with_plan_hosts(loaded, plan_from_file(GOLDEN / "fleet-plan.json")) is whole
+
+
+@pytest.mark.parametrize("host", ["racknerd", "a1-arm64", "x86-spill", "qfox-1", "lux"])
+def test_what_the_watcher_reads_gives_the_part_the_whole_tree_gives(desired: Path, host: str) -> None:
+    """`fabric watch` computes a host's part of each plan from a few files
+    (load_for_part): the same part as under the whole tree, including on the
+    edge a placement on a host that is not declared, left out of both."""
+    plan = plan_from_file(GOLDEN / "fleet-plan.json")
+    raw = plan.model_dump()
+    raw["placements"].append({"service": "braid", "replica": 1, "node": "intruder", "tier": "relay"})
+    plan = plan.model_validate(raw)
+    few = load_for_part(desired, host, plan)
+    assert plan_part(few, plan, host) == plan_part(load_desired(desired), plan, host)
+    assert set(few.hosts) == ({host} if host != "racknerd" else {"racknerd", "a1-arm64", "qfox-1", "x86-spill"})

@@ -4,9 +4,15 @@ loop (reconciler.engine.watch) with fakes of the registry, systemd and the clock
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from reconciler.core.desired.load import DesiredStateError, load_desired
+from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.problems import Problem
+from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import (
     DRAIN,
     PLAN,
@@ -20,6 +26,7 @@ from reconciler.core.live.watching import (
     retry_delay,
     started,
 )
+from reconciler.core.render.plan_part import plan_part
 from reconciler.engine.watch import Watcher
 from reconciler.ports import ActivationError, RegistryUnavailable
 from tests.fakes import T0, FakeClock
@@ -35,7 +42,7 @@ def baseline(plan: str = "7", drain: str = "", state: str = "s1", host: str = HO
 # -- what concerns this host -------------------------------------------------------------
 
 
-def test_the_plan_concerns_every_host_a_drain_or_state_only_its_node() -> None:
+def test_the_plan_part_concerns_its_host_a_drain_or_state_only_its_node() -> None:
     assert concerns(EntryVersion(PLAN, "", "8"), HOST)
     assert concerns(EntryVersion(DRAIN, HOST, "r"), HOST)
     assert concerns(EntryVersion(STATE, HOST, "s"), HOST)
@@ -112,25 +119,68 @@ def test_retries_double_up_to_the_most() -> None:
 # -- the loop over fakes -----------------------------------------------------------------
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def example() -> DesiredState:
+    """The example fleet (hosts/): lux is a control host, racknerd the edge."""
+    return load_desired(REPO / "hosts")
+
+
+def golden_plan() -> FleetPlan:
+    return FleetPlan.model_validate_json((REPO / "tests" / "golden" / "fleet-plan.json").read_text())
+
+
+def moved(plan: FleetPlan, service: str, node: str) -> FleetPlan:
+    """The next epoch of `plan`, with replica 0 of `service` placed on `node`."""
+    placements = [p.model_copy(update={"node": node}) if (p.service, p.replica) == (service, 0) else p for p in plan.placements]
+    return plan.model_copy(update={"placements": placements, "epoch": plan.epoch + 1})
+
+
+# The registry's plans by version: 7 the golden plan, 8 moves braid onto lux
+# (this host), 9 moves lupine from qfox-1 to x86-spill (none of lux's business).
+PLANS: dict[str, FleetPlan | Exception] = {
+    "7": golden_plan(),
+    "8": moved(golden_plan(), "braid", HOST),
+    "9": moved(moved(golden_plan(), "braid", HOST), "lupine", "x86-spill"),
+}
+
+
 class FakeWatchRegistry:
     """`Registry.watch_host` replaying scripted answers: a list of entries
     (the clock moved by the timeout asked for when it is empty, as if the
-    wait ran out) or an exception to raise."""
+    wait ran out) or an exception to raise. `newest_plan` answers the plan
+    (or raises the exception) `plans` holds for the last plan version reported."""
 
-    def __init__(self, clock: FakeClock, answers: list[list[EntryVersion] | Exception]) -> None:
+    def __init__(
+        self, clock: FakeClock, answers: list[list[EntryVersion] | Exception], plans: dict[str, FleetPlan | Exception] | None = None
+    ) -> None:
         self.clock = clock
         self.answers = deque(answers)
+        self.plans = PLANS if plans is None else plans
         self.timeouts: list[float] = []
+        self.plan_version = ""
+        self.plan_reads = 0
 
     def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
-        assert host == HOST
+        assert all(entry.node_id in ("", host) for answer in self.answers if isinstance(answer, list) for entry in answer)
         self.timeouts.append(timeout_s)
         answer = self.answers.popleft() if self.answers else []
         if isinstance(answer, Exception):
             raise answer
         if not answer:
             self.clock.advance(timeout_s)
+        for entry in answer:
+            if entry.entry == PLAN:
+                self.plan_version = entry.version
         return answer
+
+    def newest_plan(self) -> FleetPlan | None:
+        self.plan_reads += 1
+        plan = self.plans.get(self.plan_version)
+        if isinstance(plan, Exception):
+            raise plan
+        return plan
 
 
 class FakeStarter:
@@ -152,14 +202,26 @@ class FakeStarter:
 
 
 def watcher(
-    answers: list[list[EntryVersion] | Exception], starter: FakeStarter | None = None
+    answers: list[list[EntryVersion] | Exception],
+    starter: FakeStarter | None = None,
+    plans: dict[str, FleetPlan | Exception] | None = None,
+    desired_for: Callable[[FleetPlan], DesiredState] | None = None,
+    host: str = HOST,
 ) -> tuple[Watcher, FakeWatchRegistry, FakeStarter, list[str]]:
     clock = FakeClock()
-    registry = FakeWatchRegistry(clock, answers)
+    registry = FakeWatchRegistry(clock, answers, plans)
     starter = starter or FakeStarter()
     starter.clock = clock
     log: list[str] = []
-    return Watcher(registry, starter, clock, HOST, timings=TIMINGS, log=log.append), registry, starter, log  # type: ignore[arg-type]
+    desired = example()
+    w = Watcher(registry, starter, clock, host, desired_for or (lambda plan: desired), timings=TIMINGS, log=log.append)  # type: ignore[arg-type]
+    return w, registry, starter, log
+
+
+def part_digest(version: str, host: str = HOST) -> str:
+    plan = PLANS[version]
+    assert isinstance(plan, FleetPlan)
+    return plan_part(example(), plan, host).digest
 
 
 def test_the_loop_starts_one_pass_for_a_burst_at_the_end_of_its_window() -> None:
@@ -170,8 +232,8 @@ def test_the_loop_starts_one_pass_for_a_burst_at_the_end_of_its_window() -> None
     # While the burst is pending the registry is waited on only until the window ends.
     assert registry.timeouts[:4] == [0.5, 0.5, pytest.approx(0.2), pytest.approx(0.2)]
     assert log == [
-        "following the plan (7), lux's drain request (absent), lux's node state (s1)",
-        "started a pass of lux: lux's node state (s2), the plan (8) changed",
+        f"following this host's part of the plan ({part_digest('7')[:12]}), lux's drain request (absent), lux's node state (s1)",
+        f"started a pass of lux: lux's node state (s2), this host's part of the plan ({part_digest('8')[:12]}) changed",
     ]
 
 
@@ -207,6 +269,106 @@ def test_systemd_unreachable_keeps_the_change_pending_and_retries() -> None:
     w.step()
     assert len(starter.starts) == 1 and w.state.pending_since is None
     assert log[1].startswith("cannot start a pass: cannot connect to systemd")
+
+
+def test_a_plan_that_moves_work_between_two_other_hosts_starts_no_pass() -> None:
+    # 9 moves lupine qfox-1 -> x86-spill: lux's part is 8's.
+    w, registry, starter, log = watcher([baseline("8"), [EntryVersion(PLAN, "", "9")], [], [], []])
+    for _ in range(5):
+        w.step()
+    assert starter.starts == [] and w.state.pending == ()
+    assert registry.plan_reads == 2  # the baseline's, then 9's once
+    assert log[-1] == "plan epoch 9 leaves lux's part as it was: no pass"
+
+
+def test_a_plan_that_moves_work_here_starts_a_pass() -> None:
+    w, _, starter, log = watcher([baseline("7"), [EntryVersion(PLAN, "", "8")], [], [], []])
+    for _ in range(5):
+        w.step()
+    assert starter.starts == [T0 + 0.2]
+    assert log[-1] == f"started a pass of lux: this host's part of the plan ({part_digest('8')[:12]}) changed"
+
+
+def test_the_edge_starts_a_pass_when_a_routed_services_nodes_change_not_otherwise() -> None:
+    # 8 moves braid (routed) a1-arm64 -> lux: the edge's upstreams; 9 moves lupine (unrouted) too.
+    w, _, starter, _ = watcher([baseline("8", host="racknerd"), [EntryVersion(PLAN, "", "9")], [], [], []], host="racknerd")
+    for _ in range(5):
+        w.step()
+    assert starter.starts == []
+    w, _, starter, _ = watcher([baseline("7", host="racknerd"), [EntryVersion(PLAN, "", "8")], [], [], []], host="racknerd")
+    for _ in range(5):
+        w.step()
+    assert len(starter.starts) == 1
+
+
+def test_the_same_plan_version_reported_again_is_not_read_again() -> None:
+    # A backend that reconnects reports every entry again.
+    w, registry, starter, _ = watcher([baseline("7"), [], baseline("7"), [], baseline("7")])
+    for _ in range(5):
+        w.step()
+    assert registry.plan_reads == 1 and starter.starts == []
+
+
+@pytest.mark.parametrize(
+    "unreadable",
+    [RegistryUnavailable("no etcd endpoint answers"), ValueError("1 validation error for FleetPlan: placements.0.node: field required")],
+    ids=["registry gone", "does not parse"],
+)
+def test_a_plan_that_cannot_be_read_starts_a_pass_which_says_why(unreadable: Exception) -> None:
+    w, _, starter, log = watcher([baseline("7"), [EntryVersion(PLAN, "", "10")], [], [], []], plans={**PLANS, "10": unreadable})
+    for _ in range(5):
+        w.step()
+    assert len(starter.starts) == 1
+    assert log[1] == f"cannot tell lux's part of the plan (10): {unreadable}"
+    # Each new version that cannot be read is a change again.
+    w.registry.answers.extend([[EntryVersion(PLAN, "", "11")], [], [], []])  # type: ignore[attr-defined]
+    w.registry.plans["11"] = unreadable  # type: ignore[attr-defined]
+    for _ in range(4):
+        w.step()
+    assert len(starter.starts) == 2
+
+
+def test_a_desired_state_that_cannot_be_read_counts_as_a_change() -> None:
+    def broken(plan: FleetPlan) -> DesiredState:
+        raise DesiredStateError([Problem("/desired/fabric.toml", "fleet.domain", "expected a string")])
+
+    w, _, starter, log = watcher([baseline("8"), [EntryVersion(PLAN, "", "9")], [], [], []])
+    w.step()  # the baseline, read under a good desired state
+    w.desired_for = broken
+    for _ in range(4):
+        w.step()
+    assert len(starter.starts) == 1
+    assert log[1] == "cannot tell lux's part of the plan (9): /desired/fabric.toml: fleet.domain: expected a string"
+
+
+def test_the_desired_state_is_read_again_for_each_new_plan() -> None:
+    # A route added to lupine after the watcher started: the edge's part now follows lupine's nodes.
+    desired = example()
+    routed = desired.model_copy(
+        update={
+            "fleet": desired.fleet.model_copy(
+                update={
+                    "services": [
+                        s.model_copy(update={"route": desired.service("braid").route.model_copy(update={"host": "lupine.example"})})  # type: ignore[union-attr]
+                        if s.id == "lupine"
+                        else s
+                        for s in desired.fleet.services
+                    ]
+                }
+            )
+        }
+    )
+    reads: list[int] = []
+
+    def desired_for(plan: FleetPlan) -> DesiredState:
+        reads.append(plan.epoch)
+        return desired if len(reads) == 1 else routed
+
+    # Baseline 8 under the old desired state; 9 moves lupine, routed now: a pass.
+    w, _, starter, _ = watcher([baseline("8", host="racknerd"), [EntryVersion(PLAN, "", "9")], [], [], []], desired_for=desired_for, host="racknerd")
+    for _ in range(5):
+        w.step()
+    assert reads == [8, 9] and len(starter.starts) == 1
 
 
 def test_run_pauses_after_a_failure_and_ends_on_stop() -> None:

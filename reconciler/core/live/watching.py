@@ -8,9 +8,12 @@ timer stays the backstop: anything the watcher misses (it was down, the
 registry was unreachable, a change it does not follow) is seen by the next
 timer pass anyway.
 
-The entries followed (`EntryVersion`): the newest plan (every host, since
-every new epoch may move this host's placements or the edge's upstreams),
-and this host's drain request and node state. A version is opaque: it
+The entries followed (`EntryVersion`): this host's part of the newest plan
+(`reconciler.core.render.plan_part`: the services placed here and, on the
+edge, each routed service's nodes; the watcher reads the plan when the
+registry's version of it changes and reports the part's digest as the plan's
+version, so an epoch that moves work between two other hosts is no change
+here), and this host's drain request and node state. A version is opaque: it
 changes whenever the entry does ("" when the entry is absent). The first
 version of an entry the watcher sees is the baseline, not a change: a
 watcher that (re)starts does not start a pass for what the last pass may
@@ -56,7 +59,10 @@ class EntryVersion:
     version: str
 
     def describe(self) -> str:
-        what = "the plan" if self.entry == PLAN else f"{self.node_id}'s {'drain request' if self.entry == DRAIN else 'node state'}"
+        # The plan's version is a digest (engine.watch): a prefix is enough to tell two apart in the log.
+        if self.entry == PLAN:
+            return f"this host's part of the plan ({self.version[:12] or 'absent'})"
+        what = f"{self.node_id}'s {'drain request' if self.entry == DRAIN else 'node state'}"
         return f"{what} ({self.version or 'absent'})"
 
 
@@ -95,8 +101,11 @@ class Decision:
 
 
 def concerns(change: EntryVersion, host: str) -> bool:
-    """Whether a change of this entry is this host's business: the plan is
-    every host's, a drain request or node state only its own node's."""
+    """Whether a change of this entry is this host's business: a drain
+    request or node state only its own node's; the plan's always, since the
+    watcher reports as its version the digest of this host's part of it
+    (`engine.watch`), which changes only when what this host's pass would
+    take from the plan does."""
     return change.entry == PLAN or change.node_id == host
 
 
