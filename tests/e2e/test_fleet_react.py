@@ -10,7 +10,8 @@ host's fabric-watch.service on. In order:
                            (the drained one, the replacement, the edge) start
                            their pass within 1 s of the plan's publication,
                            started by their watcher, and have applied it
-                           before their timer's next tick
+                           before their timer's next tick; a host it does
+                           not concern starts none before that tick
     node loss              the host serving vaapi-encode powers off: it is
                            offline at its lapse, the moving plan published at
                            once, and the replacement and the edge start their
@@ -157,6 +158,16 @@ def align_timers(fleet: Fleet, hosts: tuple[str, ...]) -> dict[str, datetime]:
     return wait_for(aligned, timeout=deadline_for(INTERVAL_S), what="every timer far from its next tick", interval=0.5)
 
 
+def placed_on(plan: FleetPlan, host: str) -> set[str]:
+    return {p.service for p in plan.placements if p.node == host}
+
+
+def unconcerned_hosts(fleet: Fleet, before: FleetPlan, after: FleetPlan, drained: str) -> tuple[str, ...]:
+    """The hosts whose services `after` leaves as `before` placed them, other
+    than the drained one and the edge (whose upstreams moved)."""
+    return tuple(host for host in HOSTS if host not in (drained, fleet.edge) and placed_on(before, host) == placed_on(after, host))
+
+
 def drain(fleet: Fleet, host: str) -> None:
     with fleet.registry() as registry:
         registry.set_drain(host, 0, reason="e2e: move its work")
@@ -201,6 +212,22 @@ def test_a_plan_published_far_from_every_tick_is_applied_by_the_hosts_it_concern
             assert acted <= ACTED_ON_S, f"{host} started its pass {acted:.2f} s after the plan's publication (goal {ACTED_ON_S:g} s)"
             # Applied by that pass, before the timer's next tick could have.
             assert applied_at < ticks[host], f"{host} applied the plan at {applied_at}, its timer's next tick was at {ticks[host]}"
+        # A host the plan does not concern (no service moved onto or off it;
+        # not the edge) starts no pass before its timer's tick: its watcher
+        # read the plan and found its part as it was.
+        unconcerned = unconcerned_hosts(fleet, before, plan, serving)
+        assert unconcerned, f"every host was concerned by the move ({placed(before)} -> {placed(plan)}): nothing to check"
+        wait_for(
+            lambda: datetime.now(UTC) >= max(ticks[host] for host in unconcerned) or None,
+            timeout=deadline_for(INTERVAL_S),
+            what="the unconcerned hosts' timer ticks",
+        )
+        newest = newest_plan(fleet)
+        assert newest is not None and all(placed_on(newest, host) == placed_on(plan, host) for host in unconcerned), "a later plan moved their work"
+        for host in unconcerned:
+            # The timer's own pass starts at its tick, not before.
+            early = [moment for moment in (*pass_starts(fleet, host), *watcher_starts(fleet, host)) if published <= moment < ticks[host]]
+            assert early == [], f"{host}, which the plan does not concern, started a pass at {early} (published {published}, tick {ticks[host]})"
     finally:
         undrain(fleet, serving)
 
