@@ -35,9 +35,10 @@ when the first up node's last beat expires (`LeaderView.next_lapse`, by its
 clock): a silent node is marked offline, and its work moved in a new plan, at
 the moment its liveness lapses, not at a later step, even when the registry's
 watch missed the expiry (etcd deletes the node's key when its lease lapses and
-the watch reports it; sqlite only compares deadlines). A lapse the registry
-does not show yet (etcd revokes an expired lease a moment later) is looked at
-again after `LAPSE_RECHECK_S`, twice as late each time it still does not show.
+the watch reports it; sqlite only compares deadlines; both read a beat whose
+own expiry has passed as lapsed). A lapse the registry does not show yet is
+looked at again after `LAPSE_RECHECK_S`, twice as late each time it still
+does not show.
 
 If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait

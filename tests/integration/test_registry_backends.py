@@ -21,6 +21,7 @@ import pytest
 
 from reconciler.ports import NotLeader
 from tests.conftest import REPO
+from tests.fakes import FakeClock
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import a_plan, leader_name, record, status_of
 
@@ -48,6 +49,21 @@ def test_a_nodes_record_expires_after_its_ttl_and_the_node_turns_offline(store):
     wait_until(lambda: status_of(registry, "qfox-1") == "offline", timeout=deadline_for(SHORT_TTL_S), what="qfox-1 offline")
     node = next(n for n in registry.snapshot().nodes if n.node_id == "qfox-1")
     assert node.status == "offline" and node.tier == "gpu_cuda", "an offline node keeps its facts"
+
+
+def test_a_beat_whose_own_expiry_has_passed_is_lapsed_before_etcd_revokes_its_lease(store):
+    """The leader reads a node as lapsed at its beat_at + TTL by the
+    registry's clock, not when etcd's lessor gets round to revoking the lease
+    (up to 500 ms later): here the clock is moved past the expiry of a beat
+    whose real lease has a minute left, so only the record's own expiry can
+    tell (sqlite judges by it anyway)."""
+    clock = FakeClock(start=time.time())
+    registry = store.open(clock=clock)
+    registry.heartbeat(record("qfox-1", "gpu_cuda"), ttl_s=60)
+    clock.advance(59.9)
+    assert status_of(registry, "qfox-1") == "active"
+    clock.advance(0.2)
+    assert status_of(registry, "qfox-1") == "offline"
 
 
 def test_the_leader_stores_the_lifecycle_with_reasons(store):
