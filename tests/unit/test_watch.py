@@ -12,6 +12,7 @@ import pytest
 from reconciler.core.desired.load import DesiredStateError, load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.desired.problems import Problem
+from reconciler.core.install.nodeconfig import TimerSection
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import (
     DRAIN,
@@ -114,6 +115,16 @@ def test_retries_double_up_to_the_most() -> None:
     assert [retry_delay(n, TIMINGS) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 4.0]
     assert retry_delay(7, TIMINGS) == 30.0
     assert retry_delay(10_000, TIMINGS) == 30.0
+
+
+def test_after_an_outage_a_watcher_follows_again_well_within_the_timers_interval() -> None:
+    """The default backoff's cap: a plan published as the registry comes back
+    is acted on by the watchers, not left to the timer's next tick."""
+    default_interval = TimerSection().interval
+    assert default_interval.endswith("s") and default_interval[:-1].isdigit(), default_interval
+    interval = float(default_interval[:-1])
+    longest_blind = WatchTimings().retry_max_s
+    assert longest_blind <= interval / 4, f"a watcher may stay blind {longest_blind:g} s after an outage, against a {interval:g} s timer"
 
 
 # -- the loop over fakes -----------------------------------------------------------------
