@@ -102,10 +102,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -415,6 +417,42 @@ def wait_for(probe: Callable[[], Any], *, timeout: float, what: str, interval: f
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
         time.sleep(interval)
+
+
+def first_answer(
+    request: Callable[[], tuple[int, str]], accept: Callable[[int, str], bool], *, timeout: float, what: str, every: float = 0.1
+) -> datetime:
+    """When the first answer that `accept`s came back, from requests started
+    every `every` s, each on its own, as clients' requests come: one stuck on
+    an upstream that vanished (up to its --max-time) does not hold back the
+    ones after it, which a request-after-request poll would (and so report a
+    route up to a whole request timeout after it was). AssertionError naming
+    `what` after `timeout`."""
+    answered: list[datetime] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def one() -> None:
+        if stop.is_set():
+            return
+        try:
+            status, body = request()
+        except Exception:  # noqa: BLE001 - a request that failed is no answer
+            return
+        if accept(status, body):
+            with lock:
+                answered.append(datetime.now(UTC))
+            stop.set()
+
+    deadline = time.monotonic() + timeout
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        while not stop.is_set() and time.monotonic() < deadline:
+            pool.submit(one)
+            stop.wait(every)
+        stop.set()  # the requests still queued go unsent; those running finish
+    if not answered:
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return min(answered)
 
 
 # --------------------------------------------------------------------------

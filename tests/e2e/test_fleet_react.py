@@ -50,6 +50,7 @@ from tests.e2e.fleet import (
     converged,
     edge_reaches,
     first_after,
+    first_answer,
     last_timer_trigger,
     next_tick,
     pass_running,
@@ -245,15 +246,16 @@ def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_ac
     (victim,) = placed(plan)[SERVICE]
     fleet.stop_host(victim)
 
-    def replacement_answers() -> datetime | None:
-        status, body = fleet.request(ROUTE, timeout=1.0)
-        body = body.strip()
-        if status == 200 and body.startswith(f"{SERVICE} on ") and not body.endswith(f" on {victim}"):
-            return datetime.now(UTC)
-        return None
+    def from_the_replacement(status: int, body: str) -> bool:
+        return status == 200 and body.strip().startswith(f"{SERVICE} on ") and not body.strip().endswith(f" on {victim}")
 
     goal = FLEET_SETTINGS.node_timeout_s + SERVED_AFTER_TIMEOUT_S
-    served = wait_for(replacement_answers, timeout=deadline_for(goal), what=f"{ROUTE} served by another host than {victim}", interval=0.02)
+    served = first_answer(
+        lambda: fleet.request(ROUTE, timeout=1.0),
+        from_the_replacement,
+        timeout=deadline_for(goal),
+        what=f"{ROUTE} served by another host than {victim}",
+    )
     with fleet.registry() as registry:
         state = next(s for s in registry.node_states() if s.node_id == victim)
         moving = registry.newest_plan()
