@@ -108,10 +108,17 @@ def test_edge_routes_every_service_to_where_it_is_placed_with_retries_and_passiv
     # Two replicas: qfox-1 and x86-spill, addresses from their host files.
     assert "reverse_proxy 100.88.57.96:8703 100.101.7.22:8703 {" in fft
     # [edge]'s defaults; no active health check (it held new upstreams out).
-    assert "lb_try_duration 5s\n\t\tlb_try_interval 100ms\n\t\tfail_duration 1s\n\t\tmax_fails 1\n" in fft
+    assert "lb_try_duration 5s\n\t\tlb_try_interval 100ms\n\t\tfail_duration 250ms\n\t\tmax_fails 1\n" in fft
     assert "\t\t\tdial_timeout 1s\n" in fft
     assert not [line for line in caddy.splitlines() if line.lstrip().startswith("health_")]
     assert "encode.researchstack.info {\n\treverse_proxy 100.88.57.96:8702 {" in caddy
+
+
+def test_the_example_fleets_edge_timings_are_the_defaults_it_says_they_are() -> None:
+    """hosts/fabric.toml spells out [edge] as "the defaults": a default changed
+    in EdgeSettings (fail_memory_ms 250 ms: a replacement that listens gets
+    traffic within a quarter second, issue 14) changes the example too."""
+    assert example().fleet.edge == EdgeSettings()
 
 
 def test_edge_takes_its_retry_and_failure_timings_from_the_edge_settings() -> None:

@@ -276,10 +276,16 @@ class EdgeSettings(Strict):
     # upstream is left out, a try is a lookup, not a dial).
     retry_interval_ms: Milliseconds = 100
     # fail_duration: how long an upstream that failed a request is left out.
-    # 1 s: a dead upstream delays one request a second by retry_interval_ms,
-    # and an upstream back from the dead is tried within a second (the goal
-    # of issue 14), with no active health check to wait for.
-    fail_memory_ms: Milliseconds = 1000
+    # 250 ms. In a move, the edge routes to the replacement as soon as the
+    # plan says so, often before its service listens: each refused attempt
+    # left it out for this long, and the first answer came up to this long
+    # after it listened (1000 ms was most of what remained between a node's
+    # lapse and its traffic served elsewhere: bench/convergence, issue 14).
+    # The cost: a dead upstream is tried again 4 times a second; one that
+    # refuses costs a request retry_interval_ms, one that vanished a
+    # dial_timeout_ms (the request then goes elsewhere), until the node
+    # timeout takes it out of the plan.
+    fail_memory_ms: Milliseconds = 250
     # transport dial_timeout: how long a connection to an upstream may take
     # before the attempt counts as failed. 1 s is twice the slowest tailnet
     # round trip (a DERP relay adds 200-500 ms, see relayed_heartbeat_s);
