@@ -45,7 +45,7 @@ class PlanPart:
     services_here: tuple[str, ...]
     # Edge only (empty elsewhere): each routed service's id with the sorted
     # nodes it is placed on, by service id; a routed service placed nowhere
-    # has no nodes (its site answers 502 until it is placed).
+    # has no nodes (its site answers 503 until it is placed).
     upstreams: tuple[tuple[str, tuple[str, ...]], ...]
 
     def nodes_of(self, service_id: str) -> tuple[str, ...]:
