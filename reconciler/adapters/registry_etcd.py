@@ -82,7 +82,7 @@ from reconciler.core.live.records import (
     check_node_id,
 )
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
-from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
+from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, lapsed_at, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
@@ -640,8 +640,7 @@ class EtcdRegistry(LifecycleMixin):
         # (beat_at, stamped just before the lease was granted or refreshed,
         # + its TTL) has passed is lapsed already, so the leader marks the
         # node offline at its lapse, not half a second after it.
-        stamped_beats = {node: facts[node] for node in alive if node in facts and _has_expiry(facts[node])}
-        alive -= set(stamped_beats) - alive_at(stamped_beats, now)
+        alive -= lapsed_at({node: facts[node] for node in alive if node in facts}, now)
         # A beat writes nodes/ and facts/ in one transaction with the same
         # value, so the facts are the live record. Only when the leader
         # dropped a dead node's facts as it beat again is a live beat without
@@ -928,8 +927,3 @@ class EtcdRegistry(LifecycleMixin):
                     await asyncio.wait_for(watch.cancel(), 1)
                 except BaseException:
                     pass
-
-
-def _has_expiry(record: NodeRecord) -> bool:
-    """Whether the record says when it expires (a beat of this version stamps both)."""
-    return record.beat_at is not None and record.timeout_s is not None

@@ -520,3 +520,14 @@ def test_the_next_lapse_is_the_first_up_nodes_last_beat_plus_its_timeout():
     assert fleet.status("qfox-1") == "draining"
     assert lifecycle.next_lapse(fleet.states.values()) == at(130), "a draining node is still up: its lapse counts"
     assert lifecycle.next_lapse([]) is None
+
+
+def test_a_beat_is_alive_before_its_expiry_and_lapsed_from_it_and_an_unstamped_one_is_neither():
+    fleet = Fleet()
+    fleet.beat("qfox-1", 0)  # expires at 90 s
+    fleet.beat("racknerd", 0, relayed=True)  # 135 s
+    unstamped = {"lux": NodeRecord(node_id="lux", tier="cpu_ffmpeg")}
+    records = {**fleet.records, **unstamped}
+    assert (alive_at(records, at(89.9)), lifecycle.lapsed_at(records, at(89.9))) == ({"qfox-1", "racknerd"}, set())
+    assert (alive_at(records, at(90)), lifecycle.lapsed_at(records, at(90))) == ({"racknerd"}, {"qfox-1"})
+    assert (alive_at(records, at(135)), lifecycle.lapsed_at(records, at(135))) == (set(), {"qfox-1", "racknerd"})

@@ -99,14 +99,15 @@ def heartbeat_timeout(timing: TimingSettings, relayed: bool) -> int:
 def alive_at(records: Mapping[str, NodeRecord], now: datetime) -> set[str]:
     """Nodes whose last beat has not expired at `now` (beat_at + timeout_s).
 
-    The sqlite backend judges liveness this way; etcd lets the lease do it."""
-    alive = set()
-    for node_id, record in records.items():
-        if record.beat_at is None or record.timeout_s is None:
-            continue
-        if utc(now) < utc(record.beat_at) + timedelta(seconds=record.timeout_s):
-            alive.add(node_id)
-    return alive
+    The sqlite backend judges liveness this way; etcd lets the lease do it
+    (and `lapsed_at` catches a lease etcd has not revoked yet)."""
+    return {node_id for node_id, record in records.items() if (expiry := _expiry(record)) is not None and utc(now) < expiry}
+
+
+def lapsed_at(records: Mapping[str, NodeRecord], now: datetime) -> set[str]:
+    """Nodes whose last beat says it has expired by `now` (a record that does
+    not say when it expires is not lapsed by its own word)."""
+    return {node_id for node_id, record in records.items() if (expiry := _expiry(record)) is not None and utc(now) >= expiry}
 
 
 def next_lapse(states: Iterable[NodeState]) -> datetime | None:
