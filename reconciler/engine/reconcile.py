@@ -458,7 +458,8 @@ def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None
         return None, desired
     try:
         view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, lambda: ports.open_lane_queue(desired.fleet))
-        page_desired = with_plan_hosts(prepared.loaded, prepared.source.plan, view.snapshot)
+        # From the pass's desired state: the plan's hosts are loaded already, only the snapshot's nodes may be new.
+        page_desired = with_plan_hosts(replace(prepared.loaded, desired=desired), prepared.source.plan, view.snapshot)
     except RegistryError as exc:
         ports.note(f"status page not rewritten: the registry's view of the fleet cannot be read ({exc})")
         return None, desired
