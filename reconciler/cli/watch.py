@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_seconds,
         default=DEFAULTS.poll_s,
         metavar="S",
-        help=f"how often a sqlite registry is read and a running pass looked at (default {DEFAULTS.poll_s:g})",
+        help=f"how often a sqlite registry is read (default {DEFAULTS.poll_s:g}; a running pass that changes wait for is looked at every {DEFAULTS.running_poll_s:g})",
     )
     p.add_argument(
         "--retry-max",

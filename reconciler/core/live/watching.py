@@ -72,8 +72,14 @@ class WatchTimings:
 
     # Changes within this long of the first one start one pass.
     window_s: float = 0.2
-    # How often the sqlite registry is read, and a running pass looked at.
+    # How often the sqlite registry is read.
     poll_s: float = 0.5
+    # While changes wait for a running pass to end, how often it is looked
+    # at: the pass after it starts within this long of its end. A pass the
+    # timer started just before a new plan would otherwise hold that plan
+    # back by up to a whole poll_s (one D-Bus property read each time, and
+    # only while something waits).
+    running_poll_s: float = 0.1
     # Retries of an unreachable registry or systemd: from this, doubling ...
     retry_min_s: float = 0.5
     # ... up to this. Once the registry is back, a watcher follows it again
@@ -134,12 +140,12 @@ def observe(state: WatchState, entries: Iterable[EntryVersion], host: str, now: 
 
 def decide(state: WatchState, now: float, pass_running: bool, timings: WatchTimings) -> Decision:
     """Whether to start a pass now. Nothing pending: no. A pass running: not
-    yet, look again in `poll_s`. Else once `window_s` has passed since the
+    yet, look again in `running_poll_s`. Else once `window_s` has passed since the
     first pending change (or at once when the clock went back past it)."""
     if state.pending_since is None:
         return Decision(start=False)
     if pass_running:
-        return Decision(start=False, wake_in_s=timings.poll_s)
+        return Decision(start=False, wake_in_s=timings.running_poll_s)
     due = state.pending_since + timings.window_s
     if now >= due or now < state.pending_since:
         return Decision(start=True)
