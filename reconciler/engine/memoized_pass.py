@@ -12,8 +12,8 @@
     3 a hit: re-send the memo's heartbeat, the record's JSON as the last full
       pass validated it (its in_flight with the lane jobs of the lanes whose
       jobs run here read afresh from the registry: they change without any
-      drift; no NodeRecord is built) and check the registry's epoch (a new plan: full
-      pass), one audit line, this host's pass series refreshed
+      drift; no NodeRecord is built), after checking the registry's epoch (a
+      new plan: the full pass, which beats), one audit line, this host's pass series refreshed
       (pass_memo.refreshed_metrics); the outcome is a MemoHit
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
       ports `full_pass_ports` gives), which drops the memo before its first
@@ -202,7 +202,7 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
 
 def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     """Re-send the memo's heartbeat; False (a full pass) when the registry
-    cannot take it or its plan epoch moved on.
+    cannot take it or its plan epoch moved on (then no beat is sent here).
 
     The record is the JSON the last full pass validated and sent, re-sent as
     it is but for what changes without drift: the lane jobs in `in_flight`
@@ -227,6 +227,12 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     try:
         registry = ports.open_registry(memo.registry)
         try:
+            # The epoch first: a new plan makes this a full pass, which beats
+            # itself (a second beat here would only delay the plan's pass).
+            epoch = registry.epoch()
+            if epoch != memo.epoch:
+                ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
+                return False
             if memo.lanes_here:
                 in_flight = _in_flight(options, ports, memo)
                 if in_flight is None:
@@ -234,13 +240,9 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
                 record = {**record, "in_flight": in_flight}
             stored = registry.heartbeat_json(record, memo.beat_ttl_s)
             ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
-            epoch = registry.epoch()
         finally:
             registry.close()
     except (RegistryError, LaneQueueError):
-        return False
-    if epoch != memo.epoch:
-        ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
         return False
     return True
 

@@ -272,6 +272,17 @@ def test_a_change_of_any_input_makes_a_full_pass(sandbox: Sandbox, capsys: pytes
         assert code == 0 and memoized(err), err
 
 
+def test_a_new_plan_epoch_makes_a_full_pass_that_beats_once(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    """The memo's side reads the epoch before it would beat: the full pass a
+    new plan needs sends the pass's heartbeat, not a second one after the memo's."""
+    run(capsys, sandbox.argv())
+    assert memoized(run(capsys, sandbox.argv())[2])
+    new_registry_epoch(sandbox)
+    code, _, err = run(capsys, sandbox.argv())
+    assert code == 0 and not memoized(err), err
+    assert "full pass" in err and err.count("note: heartbeat:") == 1, err
+
+
 def git(directory: Path, *argv: str) -> None:
     subprocess.run(["git", "-C", str(directory), "-c", "user.name=t", "-c", "user.email=t@localhost", *argv], check=True, capture_output=True)
 
