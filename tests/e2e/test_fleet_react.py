@@ -15,10 +15,9 @@ host's fabric-watch.service on. In order:
     node loss              the host serving vaapi-encode powers off: it is
                            offline at its lapse, the moving plan published at
                            once, and the replacement and the edge start their
-                           passes within 1 s of it; the first answer from the
-                           replacement through the edge is printed beside the
-                           goal (node timeout + 2 s), which this machine's
-                           pass run time does not meet yet (bench/convergence)
+                           passes within 1 s of it, and the first answer
+                           from the replacement through the edge comes within
+                           node timeout + 2 s of the lost node's last beat
     the timer alone        every watcher stopped: a drain's plan is still
                            applied, by the timers' passes, within an interval
     the registry away      etcd stopped for an interval: every host's timer
@@ -236,12 +235,10 @@ def test_a_plan_published_far_from_every_tick_is_applied_by_the_hosts_it_concern
 def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_act_at_once(fleet: Fleet, desired: DesiredState) -> None:
     """Node loss: offline when the node timeout has passed since its last
     beat (not at a later leader step), the moving plan published by that
-    step, and the replacement's and the edge's passes started within
-    ACTED_ON_S of it; then the edge serves from the
-    replacement. How long after the last beat that first answer comes (the
-    goal: node timeout + 2 s) is printed here and measured by
-    bench/convergence: what remains after the passes start is the passes'
-    own run time on this machine."""
+    step, the replacement's and the edge's passes started within ACTED_ON_S
+    of it, and the first answer from the replacement through the edge within
+    SERVED_AFTER_TIMEOUT_S of the node timeout (issue 14's goal; each phase's
+    figures: bench/convergence)."""
     plan = wait_converged(fleet, desired)
     (victim,) = placed(plan)[SERVICE]
     fleet.stop_host(victim)
@@ -281,10 +278,12 @@ def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_ac
         assert started is not None, f"{host}: no pass after the moving plan"
         acted = (started - published).total_seconds()
         assert acted <= ACTED_ON_S, f"{host} started its pass {acted:.2f} s after the plan's publication (goal {ACTED_ON_S:g} s)"
+    served_after = (served - last_beat).total_seconds()
     print(
         f"node loss: {victim} offline {silent_for:.2f} s after its last beat, plan {(published - last_beat).total_seconds():.2f} s, "
-        f"served by {replacement} {(served - last_beat).total_seconds():.2f} s (goal {goal:g} s)"
+        f"served by {replacement} {served_after:.2f} s (goal {goal:g} s)"
     )
+    assert served_after <= goal, f"{ROUTE} first served by {replacement} {served_after:.2f} s after {victim}'s last beat (goal {goal:g} s)"
 
 
 def test_with_every_watcher_stopped_the_hosts_converge_on_their_timers_alone(fleet: Fleet, desired: DesiredState) -> None:
