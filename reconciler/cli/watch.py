@@ -5,9 +5,10 @@ SIGTERM/SIGINT (`reconciler.engine.watch`): it follows this host's part of
 the newest plan (the services placed here; on the edge, each routed service's
 nodes) and this host's drain request and node state (etcd: a watch on those
 keys; sqlite: a read every --poll-interval) and starts fabric-reconcile.service
-over D-Bus (StartUnit, mode "replace") when one changed: --window after the
-first change of a burst, never while a pass runs (it waits for that pass to
-end). An unreachable registry or systemd is retried, doubling the wait up to
+over D-Bus (StartUnit, mode "replace") when one changed: at once for a new
+part of the plan, --window after a drain request or node state (the plan the
+leader publishes in answer usually follows), never while a pass runs (it
+waits for that pass to end). An unreachable registry or systemd is retried, doubling the wait up to
 --retry-max; fabric-reconcile.timer goes on passing meanwhile.
 
 Exit 2: bad options or desired state; exit 1: the registry refused this
@@ -56,7 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="D-Bus address of the systemd to start it through (default: $FABRIC_SYSTEMD_BUS or the system bus)",
     )
     p.add_argument(
-        "--window", type=_seconds, default=DEFAULTS.window_s, metavar="S", help=f"changes this close start one pass (default {DEFAULTS.window_s:g})"
+        "--window",
+        type=_seconds,
+        default=DEFAULTS.window_s,
+        metavar="S",
+        help=f"how long a drain request or node state change waits for the plan that follows it (default {DEFAULTS.window_s:g})",
     )
     p.add_argument(
         "--poll-interval",

@@ -18,6 +18,7 @@ from reconciler.core.live.watching import (
     DRAIN,
     PLAN,
     STATE,
+    Decision,
     EntryVersion,
     WatchState,
     WatchTimings,
@@ -81,21 +82,39 @@ def pending_at(t: float) -> WatchState:
     return observe(observe(WatchState(), baseline(), HOST, T0), [EntryVersion(PLAN, "", "8")], HOST, t)
 
 
-def test_a_burst_within_the_window_starts_one_pass_at_the_windows_end() -> None:
+def test_a_new_part_of_the_plan_starts_a_pass_at_once() -> None:
+    """The plan is what a pass renders and the last write of a leader's step: no window to wait."""
     state = pending_at(T0 + 1)
-    assert decide(state, T0 + 1, False, TIMINGS).start is False
-    # More changes inside the window join the burst and do not move its end.
-    state = observe(state, [EntryVersion(STATE, HOST, "s2")], HOST, T0 + 1.1)
-    state = observe(state, [EntryVersion(PLAN, "", "9")], HOST, T0 + 1.15)
-    assert state.pending_since == T0 + 1
-    wait = decide(state, T0 + 1.15, False, TIMINGS)
-    assert wait.start is False and wait.wake_in_s == pytest.approx(0.05)
-    assert decide(state, T0 + 1.2, False, TIMINGS).start is True
+    assert decide(state, T0 + 1, False, TIMINGS).start is True
     after = started(state)
     assert after.pending_since is None and after.pending == ()
     assert decide(after, T0 + 5, False, TIMINGS).start is False
-    # What was seen stays seen: the same versions again start nothing.
-    assert observe(after, [EntryVersion(PLAN, "", "9"), EntryVersion(STATE, HOST, "s2")], HOST, T0 + 6).pending_since is None
+    # What was seen stays seen: the same version again starts nothing.
+    assert observe(after, [EntryVersion(PLAN, "", "8")], HOST, T0 + 6).pending_since is None
+
+
+def test_a_drain_or_node_state_alone_waits_the_window_then_starts_one_pass() -> None:
+    base = observe(WatchState(), baseline(), HOST, T0)
+    state = observe(base, [EntryVersion(STATE, HOST, "s2")], HOST, T0 + 1)
+    assert decide(state, T0 + 1, False, TIMINGS) == Decision(start=False, wake_in_s=pytest.approx(TIMINGS.window_s))
+    # More changes inside the window join the burst and do not move its end.
+    state = observe(state, [EntryVersion(DRAIN, HOST, "drained at 04:00")], HOST, T0 + 1.15)
+    assert state.pending_since == T0 + 1
+    wait = decide(state, T0 + 1.15, False, TIMINGS)
+    assert wait.start is False and wait.wake_in_s == pytest.approx(0.05)
+    # No plan came: the window's end starts one pass for both.
+    assert decide(state, T0 + 1.2, False, TIMINGS).start is True
+    assert [change.entry for change in state.pending] == [STATE, DRAIN]
+
+
+def test_the_plan_that_follows_a_node_state_within_the_window_starts_the_pass_for_both() -> None:
+    """A leader's step: this host's node state, then the plan; one pass, at the plan."""
+    base = observe(WatchState(), baseline(), HOST, T0)
+    state = observe(base, [EntryVersion(STATE, HOST, "s2")], HOST, T0 + 1)
+    assert decide(state, T0 + 1.05, False, TIMINGS).start is False
+    state = observe(state, [EntryVersion(PLAN, "", "8")], HOST, T0 + 1.05)
+    assert decide(state, T0 + 1.05, False, TIMINGS).start is True
+    assert [change.entry for change in state.pending] == [STATE, PLAN]
 
 
 def test_no_pass_is_started_while_one_runs_and_the_change_waits_for_it() -> None:
@@ -235,13 +254,15 @@ def part_digest(version: str, host: str = HOST) -> str:
     return plan_part(example(), plan, host).digest
 
 
-def test_the_loop_starts_one_pass_for_a_burst_at_the_end_of_its_window() -> None:
-    w, registry, starter, log = watcher([baseline(), [EntryVersion(STATE, HOST, "s2")], [EntryVersion(PLAN, "", "8")], [], [], []])
-    for _ in range(6):
+def test_the_loop_starts_one_pass_for_a_burst_when_its_plan_comes() -> None:
+    w, registry, starter, log = watcher([baseline(), [EntryVersion(STATE, HOST, "s2")], [EntryVersion(PLAN, "", "8")], [], []])
+    for _ in range(5):
         assert w.step() == 0.0
-    assert starter.starts == [T0 + 0.2]
-    # While the burst is pending the registry is waited on only until the window ends.
-    assert registry.timeouts[:4] == [0.5, 0.5, pytest.approx(0.2), pytest.approx(0.2)]
+    # The node state waited for the plan, which came before the window's end
+    # and started the pass for both, at once.
+    assert starter.starts == [T0]
+    # While the node state waited, the registry was waited on only until the window's end.
+    assert registry.timeouts[:3] == [0.5, 0.5, pytest.approx(TIMINGS.window_s)]
     assert log == [
         f"following this host's part of the plan ({part_digest('7')[:12]}), lux's drain request (absent), lux's node state (s1)",
         f"started a pass of lux: lux's node state (s2), this host's part of the plan ({part_digest('8')[:12]}) changed",
@@ -298,7 +319,7 @@ def test_a_plan_that_moves_work_here_starts_a_pass() -> None:
     w, _, starter, log = watcher([baseline("7"), [EntryVersion(PLAN, "", "8")], [], [], []])
     for _ in range(5):
         w.step()
-    assert starter.starts == [T0 + 0.2]
+    assert starter.starts == [T0]
     assert log[-1] == f"started a pass of lux: this host's part of the plan ({part_digest('8')[:12]}) changed"
 
 

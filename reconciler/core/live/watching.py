@@ -20,16 +20,18 @@ watcher that (re)starts does not start a pass for what the last pass may
 already have applied. A backend reports every followed entry again after
 (re)connecting, so a change made while it was away is still one change.
 
-Starting (`decide`): a burst of changes (the leader writes a node state and
-publishes a plan in one step) starts one pass, `window_s` after the first
-change of the burst; later changes do not push the start back, so a steady
-stream of changes still starts a pass every window. No pass is started while
-one runs: systemd merges a StartUnit into the start job of a oneshot that is
+Starting (`decide`): a new part of the plan starts a pass at once: the plan
+is what a pass renders, and the last thing a leader's step writes (after the
+node states it changed). A drain request or node state alone waits
+`window_s` for the plan the leader usually publishes in answer, so the two
+start one pass; more changes within the window do not push its end back, and
+a plan arriving in it starts the pass then. No pass is started while one
+runs: systemd merges a StartUnit into the start job of a oneshot that is
 already running (no second run is queued), and that pass may have read the
 registry before the change; so the changes stay pending and the next pass
-starts when it has finished. The pass's own lock (flock in the state
-directory) remains what guarantees one pass at a time: the timer or an
-operator may start one at any moment.
+starts when it has finished (looked at every `running_poll_s`). The pass's
+own lock (flock in the state directory) remains what guarantees one pass at
+a time: the timer or an operator may start one at any moment.
 
 An unreachable registry or systemd is retried after `retry_delay`, doubling
 from `retry_min_s` up to `retry_max_s`.
@@ -70,7 +72,8 @@ class EntryVersion:
 class WatchTimings:
     """The watcher's timings, in seconds (`fabric watch` options)."""
 
-    # Changes within this long of the first one start one pass.
+    # A drain request or node state change waits this long for the plan
+    # that usually follows it (a new part of the plan starts at once).
     window_s: float = 0.2
     # How often the sqlite registry is read.
     poll_s: float = 0.5
@@ -140,12 +143,15 @@ def observe(state: WatchState, entries: Iterable[EntryVersion], host: str, now: 
 
 def decide(state: WatchState, now: float, pass_running: bool, timings: WatchTimings) -> Decision:
     """Whether to start a pass now. Nothing pending: no. A pass running: not
-    yet, look again in `running_poll_s`. Else once `window_s` has passed since the
-    first pending change (or at once when the clock went back past it)."""
+    yet, look again in `running_poll_s`. A new part of the plan pending: now.
+    Else once `window_s` has passed since the first pending change (or at
+    once when the clock went back past it)."""
     if state.pending_since is None:
         return Decision(start=False)
     if pass_running:
         return Decision(start=False, wake_in_s=timings.running_poll_s)
+    if any(change.entry == PLAN for change in state.pending):
+        return Decision(start=True)
     due = state.pending_since + timings.window_s
     if now >= due or now < state.pending_since:
         return Decision(start=True)
