@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,37 @@ from tests.e2e.fleet import Fleet, FleetSettings, running_fleet
 from tests.harness.saq_workers import LaneWorkers
 
 SETTINGS = FleetSettings()
+# What a failed e2e test's report shows of each running host's journal.
+FAILURE_JOURNAL = ("-t", "fabric-watch", "-t", "fabric-reconcile", "-t", "fabric-leader", "-o", "short-precise")
+TEST_STARTED = pytest.StashKey[datetime]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    item.stash[TEST_STARTED] = datetime.now(UTC)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    """A failed test's report carries what the fleet's hosts said while it ran
+    (their watchers', passes' and leaders' journals): the fleet is gone by
+    the time anyone reads CI's output."""
+    outcome = yield
+    report = outcome.get_result()
+    fleet = getattr(item, "funcargs", {}).get("fleet")
+    if call.when != "call" or not report.failed or not isinstance(fleet, Fleet):
+        return
+    since = item.stash.get(TEST_STARTED, None)
+    args = (*FAILURE_JOURNAL, "--since", f"@{since.timestamp():.0f}") if since is not None else FAILURE_JOURNAL
+    for name, host in fleet.hosts.items():
+        if not host.running:
+            continue
+        try:
+            text = fleet.journal(name, *args)
+        except Exception as exc:  # noqa: BLE001 - a report never fails for its extras
+            text = f"(journal unreadable: {exc})"
+        report.sections.append((f"journal of {name}", text))
 
 
 @pytest.fixture(scope="module")
