@@ -366,7 +366,13 @@ in
           # A switch must not run or cut a pass: the timer does.
           restartIfChanged = false;
           stopIfChanged = false;
-          unitConfig.X-StopOnRemoval = false;
+          unitConfig = {
+            X-StopOnRemoval = false;
+            # No start rate limit: the watcher starts a pass per new plan, and
+            # systemd's default (5 in 10 s) would refuse one while StartUnit
+            # still succeeds (reconciler/core/install/units.py PASS_START_LIMIT_INTERVAL).
+            StartLimitIntervalSec = 0;
+          };
           path = runtimePath;
           environment = passEnvironment;
           serviceConfig =

@@ -172,3 +172,44 @@ def test_a_start_while_a_pass_runs_is_merged_into_it(edge: SystemdContainer) -> 
         assert edge.read_file(RUNS).splitlines() == ["run"]
     finally:
         starter.close()
+
+
+QUICK_PASS = "quick-pass.service"
+QUICK_TIMER = "quick-pass.timer"
+QUICK_RUNS = "/var/lib/quick-pass.runs"
+
+
+def test_the_pass_unit_takes_a_start_after_every_pass_however_many_in_a_row(edge: SystemdContainer) -> None:
+    """A watcher starts one pass per new plan that concerns its host, each
+    once the last has ended. With systemd's default start limit (5 starts in
+    10 s, counted while the timer keeps the unit loaded) the sixth start
+    fails while StartUnit still returns a job: the watcher would log a start,
+    nothing would run, and that plan would wait for the timer. Here: the pass
+    unit's [Unit] section as rendered, a pass that ends at once, a timer
+    that keeps it loaded (as fabric-reconcile.timer does) but does not fire,
+    and the watcher's start port over D-Bus."""
+    install = Install(fabric_bin=FABRIC, node=NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY)))
+    (rendered,) = (unit for unit in host_units(install, leader_candidate=False) if unit.name == RECONCILE_SERVICE)
+    unit_section = "".join(f"{key}={value}\n" for key, value in rendered.sections["Unit"])
+    edge.write_file(
+        f"/etc/systemd/system/{QUICK_PASS}", f"[Unit]\n{unit_section}\n[Service]\nType=oneshot\nExecStart=/bin/sh -c 'echo run >> {QUICK_RUNS}'\n"
+    )
+    edge.write_file(f"/etc/systemd/system/{QUICK_TIMER}", f"[Timer]\nOnActiveSec=1h\nUnit={QUICK_PASS}\n")
+    assert edge.systemctl("daemon-reload").returncode == 0
+    assert edge.systemctl("start", QUICK_TIMER).returncode == 0
+    starter = UnitPassStarter(QUICK_PASS, edge.bus_address)
+    starts = 8
+
+    def runs() -> int:
+        path = edge.host_path(QUICK_RUNS)
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    try:
+        for n in range(1, starts + 1):
+            starter.start_pass()
+            wait_until(lambda n=n: not starter.pass_running() and runs() >= n, timeout=deadline_for(1), what=f"pass {n} of {starts} to run")
+        assert runs() == starts
+        assert edge.systemctl("show", QUICK_PASS, "-p", "Result", "--value").stdout.strip() == "success"
+    finally:
+        starter.close()
+        edge.systemctl("stop", QUICK_TIMER)

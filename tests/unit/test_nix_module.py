@@ -143,6 +143,9 @@ def test_reconcile_service_matches_python_definition(name: str) -> None:
     nix_service = result["services"]["fabric-reconcile"]
     python_unit = reconcile_service(python_install(result)).values("Service")
     assert normalized(nix_service["serviceConfig"]) | nix_environment(nix_service) == python_unit
+    # No start rate limit on either side (units.PASS_START_LIMIT_INTERVAL).
+    python_unit_section = reconcile_service(python_install(result)).values("Unit")
+    assert normalized(nix_service["unitConfig"])["StartLimitIntervalSec"] == python_unit_section["StartLimitIntervalSec"] == "0"
     # A switch never restarts or stops a pass.
     assert nix_service["restartIfChanged"] is False
     assert nix_service["stopIfChanged"] is False

@@ -36,6 +36,15 @@ ACCURACY_SEC = "1s"
 # A pass that hangs must not hold the timer forever (the timer never starts a
 # unit that is still running).
 PASS_TIMEOUT = "10min"
+# No start rate limit on the pass. The timer, the watcher (one start per new
+# plan concerning this host, each once the last pass has ended) and an
+# operator start it. systemd's default limit (5 starts in 10 s, counted while
+# the timer keeps the unit loaded) refuses the next start, while StartUnit
+# still returns a job: the watcher would log a start, nothing would run, and
+# that plan would wait for the timer's tick (seen in the e2e fleet: a few
+# passes in a row, then a drain's plan left for 27 s). The pass's own lock
+# keeps passes one at a time, and the watcher never starts one while one runs.
+PASS_START_LIMIT_INTERVAL = "0"
 
 # The leader campaigns for as long as it runs; systemd brings it back.
 LEADER_SUBCOMMAND = ("leader", "run")
@@ -218,6 +227,7 @@ def reconcile_service(install: Install) -> UnitFile:
                 ("Description", "fabric: one reconcile pass of this host"),
                 ("Wants", "network-online.target"),
                 ("After", "network-online.target"),
+                ("StartLimitIntervalSec", PASS_START_LIMIT_INTERVAL),
             ],
             "Service": service,
         },
