@@ -25,7 +25,7 @@ from tests.harness.saq_workers import LaneWorkers
 
 SETTINGS = FleetSettings()
 # What a failed e2e test's report shows of each running host's journal.
-FAILURE_JOURNAL = ("-t", "fabric-watch", "-t", "fabric-reconcile", "-t", "fabric-leader", "-o", "short-precise")
+FAILURE_JOURNAL = ("-t", "fabric-watch", "-t", "fabric-reconcile", "-t", "fabric-leader", "-t", "systemd", "-o", "short-precise")
 TEST_STARTED = pytest.StashKey[datetime]()
 
 
