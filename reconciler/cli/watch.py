@@ -8,8 +8,9 @@ keys; sqlite: a read every --poll-interval) and starts fabric-reconcile.service
 over D-Bus (StartUnit, mode "replace") when one changed: at once for a new
 part of the plan, --window after a drain request or node state (the plan the
 leader publishes in answer usually follows), never while a pass runs (it
-waits for that pass to end). An unreachable registry or systemd is retried, doubling the wait up to
---retry-max; fabric-reconcile.timer goes on passing meanwhile.
+waits for that pass to end). An unreachable registry or systemd is retried,
+doubling the wait up to --retry-max; fabric-reconcile.timer goes on passing
+meanwhile.
 
 Exit 2: bad options or desired state; exit 1: the registry refused this
 identity (a retry would not help).

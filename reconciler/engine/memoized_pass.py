@@ -13,8 +13,9 @@
       pass validated it (its in_flight with the lane jobs of the lanes whose
       jobs run here read afresh from the registry: they change without any
       drift; no NodeRecord is built), after checking the registry's epoch (a
-      new plan: the full pass, which beats), one audit line, this host's pass series refreshed
-      (pass_memo.refreshed_metrics); the outcome is a MemoHit
+      new plan: the full pass, which beats), one audit line, this host's
+      pass series refreshed (pass_memo.refreshed_metrics); the outcome is a
+      MemoHit
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
       ports `full_pass_ports` gives), which drops the memo before its first
       change and leaves a new one when it converges; the outcome is its PassReport
