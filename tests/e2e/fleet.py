@@ -1142,10 +1142,19 @@ def first_after(moments: list[datetime], since: datetime) -> datetime | None:
 
 
 def unit_active_since(fleet: Fleet, host: str, unit: str) -> datetime | None:
-    """When `unit` last became active on `host` (systemd's ActiveEnterTimestamp)."""
-    out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=unix", unit).stdout.strip()
-    value = out.split("=", 1)[-1].lstrip("@")
-    return datetime.fromtimestamp(float(value), UTC) if value.replace(".", "").isdigit() else None
+    """When `unit` last became active on `host` (systemd's ActiveEnterTimestamp),
+    to the microsecond: --timestamp=unix gives whole seconds, up to one early,
+    which put a unit's start before the plan that started it."""
+    out = fleet.container(host).systemctl("show", "-p", "ActiveEnterTimestamp", "--timestamp=us+utc", "--value", unit).stdout.strip()
+    return parse_us_utc(out)
+
+
+def parse_us_utc(text: str) -> datetime | None:
+    """A timestamp as systemctl --timestamp=us+utc prints it ("Tue 2026-12-01
+    08:53:51.479920 UTC"); None for an empty one (the unit never was active)."""
+    if not text:
+        return None
+    return datetime.strptime(text, "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(tzinfo=UTC)
 
 
 def unit_invocation(fleet: Fleet, host: str, unit: str) -> str:
