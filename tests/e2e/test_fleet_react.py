@@ -201,6 +201,11 @@ def test_a_plan_published_far_from_every_tick_is_applied_by_the_hosts_it_concern
         published = utc(plan.created)
         assert all(published + timedelta(seconds=FAR_S) <= tick for tick in ticks.values()), "every timer was still far from its tick"
         done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        print(
+            "plan between ticks applied "
+            + ", ".join(f"by {host} {(applied_at - published).total_seconds():.2f} s" for host, applied_at in done.items())
+            + " after its publication"
+        )
         for host, applied_at in done.items():
             started = first_after(pass_starts(fleet, host), published)
             by_watcher = first_after(watcher_starts(fleet, host), published)
@@ -379,6 +384,11 @@ def test_with_the_registry_unreachable_the_hosts_fail_static_on_their_timers_and
         plan = plan_moving(fleet, before, serving)
         published = utc(plan.created)
         done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        print(
+            "plan between ticks applied "
+            + ", ".join(f"by {host} {(applied_at - published).total_seconds():.2f} s" for host, applied_at in done.items())
+            + " after its publication"
+        )
         for host, applied_at in done.items():
             started = first_after(pass_starts(fleet, host), published)
             assert started is not None and started <= applied_at, f"{host}: no pass applied the move"
