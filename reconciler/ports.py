@@ -103,7 +103,10 @@ class PassStarter(Protocol):
 
     def start_pass(self) -> None:
         """Queue a start of the unit (StartUnit, mode "replace") and return
-        once systemd took the job, without waiting for the pass to end."""
+        once systemd began the run (or its job still waits for the unit's
+        dependencies), without waiting for the pass to end. A job that ended
+        without a run (the start limit hit, a dependency failed) raises
+        ActivationError."""
         ...
 
 

@@ -104,7 +104,8 @@ class SystemdDbus:
     # -- additions beyond the port (used by tests and diagnostics) ----------
 
     def unit_properties(self, unit: str) -> dict[str, Any]:
-        """ActiveState, SubState, LoadState, Result, MainPID, ExecMainStatus, NRestarts of a unit.
+        """ActiveState, SubState, LoadState, Result, MainPID, ExecMainStatus,
+        NRestarts, InvocationID (hex) and JobQueued of a unit.
 
         An unknown unit reads as inactive with LoadState "not-found"."""
         return self._run(self._unit_properties(unit))
@@ -361,6 +362,8 @@ class SystemdDbus:
                     "MainPID": 0,
                     "ExecMainStatus": 0,
                     "NRestarts": 0,
+                    "InvocationID": "",
+                    "JobQueued": False,
                 }
             raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
         unit_path: str = reply.body[0]
@@ -373,6 +376,9 @@ class SystemdDbus:
             "MainPID": 0,
             "ExecMainStatus": 0,
             "NRestarts": 0,
+            # A new one on every run ("" before the first); Job is (0, "/") when none is queued.
+            "InvocationID": bytes(unit_props["InvocationID"]).hex(),
+            "JobQueued": unit_props["Job"][0] != 0,
         }
         if unit.endswith(".service"):
             service_props = await self._get_all(bus, unit_path, SERVICE_INTERFACE)
@@ -410,17 +416,42 @@ def _describe(properties: dict[str, Any]) -> str:
 
 class UnitPassStarter:
     """`reconciler.ports.PassStarter`: fabric-reconcile.service (or `unit`)
-    over one D-Bus connection, reopened after systemd or the bus restarted."""
+    over one D-Bus connection, reopened after systemd or the bus restarted.
 
-    def __init__(self, unit: str, bus_address: str | None = None) -> None:
+    A start is confirmed, not assumed: StartUnit returns a job even when
+    systemd then runs nothing (the unit's start limit hit, a dependency
+    failed), and a watcher that took the job for a pass would leave its
+    change to the timer while its log said a pass was started."""
+
+    def __init__(self, unit: str, bus_address: str | None = None, *, confirm_s: float = 5.0, poll_s: float = 0.02) -> None:
         self.unit = unit
         self._systemd = SystemdDbus(bus_address, follow_jobs=False)
+        # How long a queued start job may wait (for the unit's After=
+        # dependencies) before the start counts as taken: systemd runs it
+        # once they are up.
+        self.confirm_s = confirm_s
+        self.poll_s = poll_s
 
     def pass_running(self) -> bool:
         return self._systemd.active_state(self.unit) in TRANSITIONAL_STATES
 
     def start_pass(self) -> None:
+        """Queue the start, then wait until systemd began a run (a new
+        InvocationID, or the unit in a transitional state) or, still
+        queued, `confirm_s` passed. A job that ended without a run raises
+        ActivationError naming the unit's state and result."""
+        before = self._systemd.unit_properties(self.unit)["InvocationID"]
         self._systemd.enqueue_start(self.unit)
+        deadline = time.monotonic() + self.confirm_s
+        while True:
+            now = self._systemd.unit_properties(self.unit)
+            if now["InvocationID"] != before or now["ActiveState"] in TRANSITIONAL_STATES:
+                return
+            if not now["JobQueued"]:
+                raise ActivationError(f"systemd ran no {self.unit}: its start job ended without a run ({_describe(now)})")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(self.poll_s)
 
     def close(self) -> None:
         self._systemd.close()

@@ -23,6 +23,7 @@ from reconciler.adapters.systemd_dbus import UnitPassStarter
 from reconciler.core.install.nodeconfig import NodeConfig, NodeSection
 from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Install, host_units
 from reconciler.core.live.watching import WatchTimings
+from reconciler.ports import ActivationError
 from tests.conftest import REPO
 from tests.harness.systemd import SystemdContainer
 from tests.harness.waiting import deadline_for, wait_until
@@ -213,3 +214,33 @@ def test_the_pass_unit_takes_a_start_after_every_pass_however_many_in_a_row(edge
     finally:
         starter.close()
         edge.systemctl("stop", QUICK_TIMER)
+
+
+LIMITED_PASS = "limited-pass.service"
+LIMITED_TIMER = "limited-pass.timer"
+
+
+def test_a_start_that_systemd_runs_nothing_for_is_refused_not_taken_for_a_pass(edge: SystemdContainer) -> None:
+    """StartUnit returns a job even when systemd then runs nothing: here the
+    unit's own start limit (one start an hour, counted while a timer keeps it
+    loaded). The start port confirms that a run began (a new InvocationID) and
+    raises ActivationError when the job ended without one, so the watcher
+    keeps its change pending and tries again instead of logging a start."""
+    edge.write_file(
+        f"/etc/systemd/system/{LIMITED_PASS}",
+        "[Unit]\nStartLimitIntervalSec=1h\nStartLimitBurst=1\n\n[Service]\nType=oneshot\nExecStart=/bin/true\n",
+    )
+    edge.write_file(f"/etc/systemd/system/{LIMITED_TIMER}", f"[Timer]\nOnActiveSec=1h\nUnit={LIMITED_PASS}\n")
+    assert edge.systemctl("daemon-reload").returncode == 0
+    assert edge.systemctl("start", LIMITED_TIMER).returncode == 0
+    starter = UnitPassStarter(LIMITED_PASS, edge.bus_address)
+    try:
+        starter.start_pass()  # the one start the limit allows: a run began
+        assert edge.systemctl("show", LIMITED_PASS, "-p", "InvocationID", "--value").stdout.strip()
+        wait_until(lambda: not starter.pass_running(), timeout=deadline_for(1), what="the first run to end")
+        with pytest.raises(ActivationError, match=f"systemd ran no {LIMITED_PASS}: .*start-limit-hit"):
+            starter.start_pass()
+    finally:
+        starter.close()
+        edge.systemctl("stop", LIMITED_TIMER)
+        edge.systemctl("reset-failed", LIMITED_PASS)
