@@ -380,6 +380,24 @@ def free_subnet(preferred: str, addresses: str) -> str:
     raise RuntimeError(f"no free /24 from {preferred} down: {sorted(used)}")
 
 
+def bridge_mac(tag: str) -> str:
+    """A fixed, locally administered MAC for the fleet's bridge (one per
+    fleet: its tag)."""
+    digits = f"{int(tag) % 0x1000000:06x}"
+    return f"02:fa:b0:{digits[0:2]}:{digits[2:4]}:{digits[4:6]}"
+
+
+def add_bridge(name: str, mac: str) -> None:
+    """A bridge with its own MAC address. Without one, Linux gives a bridge the
+    lowest MAC of its ports and changes it when that port goes: powering off
+    the host whose veth it was moved the bridge's MAC, and every other host's
+    neighbour entry for the bridge's address (phaze's broker listens there)
+    pointed at the old one until it went stale. The broker was a black hole
+    for some 40 s, the leader's step hung on it, and a lost node went offline
+    30 s after its lapse (a CI rehearsal of issue 14's e2e test)."""
+    _run("ip", "link", "add", "name", name, "address", mac, "type", "bridge")
+
+
 def _process_is(pid: int, needle: str) -> bool:
     """Whether PID still runs a program whose command line contains `needle`
     (a recorded PID is only signalled while it is still ours)."""
@@ -643,7 +661,7 @@ class Fleet:
         """The bridge, on the settings' /24 or, when another fleet on this
         machine routes that one already, the next free /24 below it (the
         settings change to it: addresses, certificates and desired state follow)."""
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        add_bridge(self.bridge, bridge_mac(self.tag))
         self._stack.callback(_run, "ip", "link", "del", self.bridge, check=False)
         with open(SUBNET_LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
