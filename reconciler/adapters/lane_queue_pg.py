@@ -92,7 +92,7 @@ def _saq_tables(dsn: str, timeout_s: float) -> None:
     reconnecting task outlives the call. Raises psycopg.Error, PoolTimeout or
     TimeoutError."""
     target = get_migrations(jobs_table=sql.Identifier(JOBS_TABLE), stats_table=sql.Identifier(STATS_TABLE))[-1][0]
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=_libpq_timeout(timeout_s)) as conn:
+    with psycopg.connect(dsn, autocommit=True, **_bounded(timeout_s)) as conn:
         try:
             row = conn.execute(sql.SQL("SELECT version FROM {}").format(sql.Identifier(VERSIONS_TABLE))).fetchone()
         except psycopg.errors.UndefinedTable:
@@ -108,7 +108,7 @@ def _saq_tables(dsn: str, timeout_s: float) -> None:
             max_size=1,
             timeout=timeout_s,
             reconnect_timeout=timeout_s,
-            kwargs={"autocommit": True, "connect_timeout": _libpq_timeout(timeout_s)},
+            kwargs={"autocommit": True, **_bounded(timeout_s)},
         )
         try:
             await pool.open(wait=True, timeout=timeout_s)
@@ -119,9 +119,16 @@ def _saq_tables(dsn: str, timeout_s: float) -> None:
     asyncio.run(migrate())
 
 
-def _libpq_timeout(timeout_s: float) -> int:
-    """libpq's connect_timeout: whole seconds, at least 1 (0 would mean none)."""
-    return max(1, int(timeout_s))
+def _bounded(timeout_s: float) -> dict[str, int]:
+    """libpq's bounds on a connection's waits for the broker.
+
+    connect_timeout: whole seconds, at least 1 (0 would mean none).
+    tcp_user_timeout (ms): data sent on an open connection that the broker
+    does not acknowledge for that long closes it. Without it a broker whose
+    network path vanished holds a query for the kernel's retransmissions
+    (some 15 minutes): the leader's long-lived connection hung on one in an
+    e2e run, its step with it, and a lost node went offline 30 s late."""
+    return {"connect_timeout": max(1, int(timeout_s)), "tcp_user_timeout": max(1, int(timeout_s * 1000))}
 
 
 class PostgresLaneQueue:
@@ -149,7 +156,7 @@ class PostgresLaneQueue:
         with self._lock:
             try:
                 if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=_libpq_timeout(self._timeout))
+                    self._conn = psycopg.connect(self._dsn, autocommit=True, **_bounded(self._timeout))
                 yield self._conn
             except psycopg.OperationalError as exc:
                 self._drop()
