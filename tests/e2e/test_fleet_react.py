@@ -384,11 +384,6 @@ def test_with_the_registry_unreachable_the_hosts_fail_static_on_their_timers_and
         plan = plan_moving(fleet, before, serving)
         published = utc(plan.created)
         done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
-        print(
-            "plan between ticks applied "
-            + ", ".join(f"by {host} {(applied_at - published).total_seconds():.2f} s" for host, applied_at in done.items())
-            + " after its publication"
-        )
         for host, applied_at in done.items():
             started = first_after(pass_starts(fleet, host), published)
             assert started is not None and started <= applied_at, f"{host}: no pass applied the move"
