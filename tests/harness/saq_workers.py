@@ -35,6 +35,8 @@ class LaneWorkers:
         self._thread.start()
         self._workers: dict[str, tuple[Worker, PostgresQueue, asyncio.Task[None]]] = {}
         self._decided: dict[str, bool] = {}
+        # Queues whose worker is stopping: a job of theirs still undecided ends as failed.
+        self._stopping: set[str] = set()
         self._lock = threading.Lock()
         self.ran: dict[str, str] = {}  # job id -> the queue whose worker ran it
 
@@ -48,6 +50,8 @@ class LaneWorkers:
             while True:
                 with self._lock:
                     ok = self._decided.get(job_id)
+                    if ok is None and queue in self._stopping:
+                        ok = False
                 if ok is not None:
                     break
                 await asyncio.sleep(0.02)
@@ -87,7 +91,11 @@ class LaneWorkers:
         # Its jobs still undecided end now (as failed): a worker stops only
         # after its running jobs, which would otherwise wait for the test's
         # word until saq's grace period, longer than a loaded machine allows.
+        # That includes a job the worker dequeued but had not begun when the
+        # stop came (not in `ran` yet): it ends as soon as it begins (a
+        # rehearsal's teardown hung 60 s on one).
         with self._lock:
+            self._stopping.add(queue)
             for job, ran_on in self.ran.items():
                 if ran_on == queue:
                     self._decided.setdefault(job, False)
@@ -98,7 +106,11 @@ class LaneWorkers:
             await asyncio.gather(task, return_exceptions=True)
             await saq_queue.disconnect()
 
-        self._call(run())
+        try:
+            self._call(run())
+        finally:
+            with self._lock:
+                self._stopping.discard(queue)
 
     def close(self) -> None:
         for queue in list(self._workers):
