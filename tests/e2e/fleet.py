@@ -1409,12 +1409,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", default=FleetSettings.pass_interval, help="fabric-reconcile.timer interval (default %(default)s)")
     parser.add_argument("--node-timeout", type=int, default=FleetSettings.node_timeout_s, help="timing.node_timeout_s (default %(default)s)")
     parser.add_argument("--heartbeat", type=int, default=FleetSettings.heartbeat_s, help="timing.heartbeat_s (default %(default)s)")
+    parser.add_argument("--watcher", action="store_true", help="fabric-watch.service on every host (as join.sh and the NixOS module install it)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("scripts/fleet needs root (namespaces, a bridge, containers)", file=sys.stderr)
         return 2
-    settings = FleetSettings(pass_interval=args.interval, node_timeout_s=args.node_timeout, heartbeat_s=args.heartbeat)
+    settings = FleetSettings(pass_interval=args.interval, node_timeout_s=args.node_timeout, heartbeat_s=args.heartbeat, watcher=args.watcher)
     settings_args = ["--interval", args.interval, "--node-timeout", str(args.node_timeout), "--heartbeat", str(args.heartbeat)]
+    settings_args += ["--watcher"] if args.watcher else []
     if args.action == "serve":
         return _serve(args.state_dir, settings)
     if args.action == "up":
