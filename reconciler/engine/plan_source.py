@@ -320,6 +320,26 @@ def read_registry(
     return Offer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state)
 
 
+def epoch_moved_past(connect: Callable[[], Registry], source: PlanSource) -> int | None:
+    """The registry's epoch now, when it moved past the plan `source` was
+    read with: a plan published (or a leader elected) since this pass read
+    its own. None when it did not, when `source` did not come from the
+    registry or kept the host static, or when the registry cannot be read
+    now: then the next pass (the watcher's or the timer's) sees it."""
+    if source.registry_epoch is None or source.static is not None:
+        return None
+    seen = max(source.registry_epoch, source.plan.epoch)
+    try:
+        registry = connect()
+        try:
+            epoch = registry.epoch()
+        finally:
+            registry.close()
+    except RegistryError:
+        return None
+    return epoch if epoch > seen else None
+
+
 def read_fleet_view(connect: Callable[[], Registry], desired: DesiredState, open_lanes: Callable[[], LaneQueue | None] = no_lane_queue) -> FleetView:
     """The registry's view of the whole fleet for the edge's status page:
     its snapshot with the lanes' queues (phaze's broker) and what it

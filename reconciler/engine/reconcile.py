@@ -12,7 +12,10 @@ A pass:
       through the one epoch fence; fail static when it must
     4 render -> plan -> new generation -> validate -> install -> activate (Applier)
     5 the heartbeat again, with the load measured after activation
-    6 the pass records (metrics, the edge's status page: the edge reads the
+    6 the registry's epoch again: moved past the plan of step 3 (a plan was
+      published meanwhile), another round from step 3, with the inputs of
+      steps 1-2 (at most PASS_ROUNDS rounds in all)
+    7 the pass records (metrics, the edge's status page: the edge reads the
       fleet's view from the registry only now, so Caddy never waits for it)
 
 The heartbeat: step 3 beats before anything is activated, because a leader
@@ -32,6 +35,7 @@ they happen, so the log shows them in order with the audit records.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -61,6 +65,7 @@ from reconciler.engine.plan_source import (
     UnitsSeen,
     beat_after_activation,
     effective_facts,
+    epoch_moved_past,
     fleet_plan_for,
     node_record,
     read_fleet_view,
@@ -320,7 +325,17 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     lowered = lowered_note(effective_limits(desired.hosts[host], facts.limitations).lowered)
     if lowered is not None:
         ports.note(lowered)
-    store = GenerationStore(ports.tree, state_dir)
+    return _plan_and_render(options, ports, loaded, host, facts, probe_history, write=write)
+
+
+def _plan_and_render(
+    options: PassOptions, ports: PassPorts, loaded: LoadedDesired, host: str, facts: NodeFacts, probe_history: ProbeHistory, *, write: bool
+) -> _Prepared:
+    """The fleet plan (through the fence) and this host's artifacts from it,
+    for the desired state and probe a pass loaded; a later round of the pass
+    (`run_pass`) starts here again. Raises _BadInput."""
+    desired = loaded.desired
+    store = GenerationStore(ports.tree, _state_dir(options.state_dir))
     current = store.current()
     manifest = store.manifest(current)
     try:
@@ -401,6 +416,17 @@ def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None, *, nft_re
 # fabric reconcile
 
 
+# A plan published while a pass runs is taken by another round of the same
+# pass, at most this many rounds in all. Without it the new plan waited for
+# the pass to end and the next to start (the watcher starts none while one
+# runs): in a fleet whose timers tick together, as after every plan that
+# moved work between them, a lost node's lapse falls on the others' ticks.
+# A later round reads the registry and renders again from the inputs the
+# first one loaded and probed; the bound keeps a leader that publishes
+# without end from holding one pass forever (the watcher's next pass goes on).
+PASS_ROUNDS = 3
+
+
 def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     """One pass of this host; see the module docstring."""
     started = ports.clock.now()
@@ -416,6 +442,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     record_verdict(store.tree, store.state_dir, prepared.loaded)
 
     def records(succeeded: bool, rolled_back: bool) -> FleetView | None:
+        # Once per pass, of its last round (`prepared` is that round's).
         outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
         view, desired = _fleet_view(ports, prepared)
         note = write_pass_records(store.tree, store.state_dir, desired, prepared.host, prepared.source, outcome, _now(ports.clock), view=view)
@@ -424,27 +451,57 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         ports.keep_caches()  # after the status page: its template too
         return view
 
-    static = prepared.source.static
-    if static is not None:
-        # Fail static: keep what runs, say why.
-        current = store.current()
-        ports.audit.record("static", "ok", generation=str(current or ""), reason=static)
-        records(True, False)
-        return PassReport("static", f"{static}; generation {current} stays\n" if current else f"{static}\n")
-    try:
-        result = applier.run(prepared.rendered.artifacts, host=prepared.host, epoch=prepared.source.plan.epoch)
-    except LockBusy as exc:
-        return PassReport("busy", stderr=(f"fabric reconcile: {exc}",))
-    except ActivationError as exc:
-        _beat_after_activation(ports, prepared, store)
-        records(False, False)
-        return PassReport("failed", stderr=(f"fabric reconcile: {exc}",))
-    beat = _beat_after_activation(ports, prepared, store)
-    view = records(result.ok, result.outcome == "rolled-back")
-    report = _pass_report(result)
-    if result.outcome in ("noop", "applied", "written"):
-        report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
-    return report
+    rounds: list[PassReport] = []  # the rounds before this one
+    while True:
+        static = prepared.source.static
+        if static is not None:
+            # Fail static: keep what runs, say why.
+            current = store.current()
+            ports.audit.record("static", "ok", generation=str(current or ""), reason=static)
+            records(True, False)
+            return _after_rounds(rounds, PassReport("static", f"{static}; generation {current} stays\n" if current else f"{static}\n"))
+        try:
+            result = applier.run(prepared.rendered.artifacts, host=prepared.host, epoch=prepared.source.plan.epoch)
+        except LockBusy as exc:
+            return _after_rounds(rounds, PassReport("busy", stderr=(f"fabric reconcile: {exc}",)))
+        except ActivationError as exc:
+            _beat_after_activation(ports, prepared, store)
+            records(False, False)
+            return _after_rounds(rounds, PassReport("failed", stderr=(f"fabric reconcile: {exc}",)))
+        beat = _beat_after_activation(ports, prepared, store)
+        report = _pass_report(result)
+        converged = result.outcome in ("noop", "applied", "written")
+        moved = None
+        if converged and len(rounds) + 1 < PASS_ROUNDS:
+            moved = epoch_moved_past(functools.partial(ports.open_registry, prepared.desired.fleet), prepared.source)
+        if moved is None:
+            view = records(result.ok, result.outcome == "rolled-back")
+            if converged:
+                report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
+            return _after_rounds(rounds, report)
+        ports.note(f"registry epoch {moved} since this pass read plan epoch {prepared.source.plan.epoch}: another round")
+        rounds.append(report)
+        try:
+            prepared = _plan_and_render(options, ports, prepared.loaded, prepared.host, prepared.facts, prepared.probe_history, write=True)
+        except _BadInput as bad:
+            return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
+
+
+def _after_rounds(rounds: list[PassReport], last: PassReport) -> PassReport:
+    """The report of a pass from its rounds: each round's text in order and
+    the last round's outcome, but that an earlier round's "applied" stands
+    when the last had nothing to do, and a last round that found the lock
+    taken (another pass takes the new plan) leaves the one before it."""
+    if not rounds:
+        return last
+    stdout = "".join(r.stdout for r in rounds) + last.stdout
+    stderr = tuple(line for r in rounds for line in r.stderr) + last.stderr
+    outcome = last.outcome
+    if outcome == "busy":
+        outcome = rounds[-1].outcome
+    elif outcome == "noop" and any(r.outcome == "applied" for r in rounds):
+        outcome = "applied"
+    return replace(last, outcome=outcome, stdout=stdout, stderr=stderr)
 
 
 def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None, DesiredState]:
