@@ -25,11 +25,13 @@ long after the kill another candidate's term began, beside the lease TTL.
 
 Prints per run, in seconds after the last heartbeat, every phase: offline (the
 leader's transition), plan (the moving plan published), pass (the
-replacement's pass started), started (the service active on the replacement),
-edge pass (the edge's pass started), caddy (the edge's pass loaded Caddy),
-served (the first good request through the edge); then the median of each,
-beside the goal (issue 14): served within node timeout + 2 s, and the plan
-acted on (the affected hosts' passes started) within 1 s of its publication.
+replacement took the plan: a pass started after it, or one running then read
+it or took it into another round: tests/e2e/fleet.plan_taken), started (the
+service active on the replacement), edge pass (the edge took the plan, the
+same way), caddy (the edge's pass loaded Caddy), served (the first good
+request through the edge); then the median of each, beside the goal (issue
+14): served within node timeout + 2 s, and the plan acted on (taken by the
+affected hosts) within 1 s of its publication.
 Wall-clock times from one clock (the registry's timestamps and the containers'
 journals are this machine's UTC clock, as are the client's).
 
@@ -62,8 +64,8 @@ from tests.e2e.fleet import (  # noqa: E402
     converged,
     first_after,
     first_answer,
-    pass_starts,
     placed,
+    plan_taken,
     running_fleet,
     span_seconds,
     unit_active_since,
@@ -105,9 +107,9 @@ def one_run(fleet, desired, hosts) -> dict[str, float | str]:
     moments = {
         "offline": offline,
         "plan": published,
-        "pass": first_after(pass_starts(fleet, replacement), published),
+        "pass": plan_taken(fleet, replacement, new_plan.epoch, published),
         "started": unit_active_since(fleet, replacement, f"fabric-agent-{SERVICE}.service"),
-        "edge pass": first_after(pass_starts(fleet, fleet.edge), published),
+        "edge pass": plan_taken(fleet, fleet.edge, new_plan.epoch, published),
         "caddy": first_after(caddy_loads(fleet, fleet.edge), published),
         "served": served,
     }

@@ -479,12 +479,17 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             if converged:
                 report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
             return _after_rounds(rounds, report)
-        ports.note(f"registry epoch {moved} since this pass read plan epoch {prepared.source.plan.epoch}: another round")
+        ports.note(another_round_note(moved, prepared.source.plan.epoch))
         rounds.append(report)
         try:
             prepared = _plan_and_render(options, ports, prepared.loaded, prepared.host, prepared.facts, prepared.probe_history, write=True)
         except _BadInput as bad:
             return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
+
+
+def another_round_note(epoch: int, read: int) -> str:
+    """What a pass says when the registry's epoch moved past the plan it read."""
+    return f"registry epoch {epoch} since this pass read plan epoch {read}: another round"
 
 
 def _after_rounds(rounds: list[PassReport], last: PassReport) -> PassReport:

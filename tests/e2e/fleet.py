@@ -1132,27 +1132,54 @@ def pass_starts(fleet: Fleet, host: str) -> list[datetime]:
 
 def watcher_starts(fleet: Fleet, host: str) -> list[datetime]:
     """When `host`'s fabric-watch.service started a pass (its own log line)."""
-    entries = _journal_json(fleet, host, "-t", "fabric-watch", "--output-fields=MESSAGE")
-    return [_realtime(e) for e in entries if "started a pass of " in str(e.get("MESSAGE", ""))]
+    return [moment for moment, message in journal_lines(fleet, host, "fabric-watch") if "started a pass of " in message]
+
+
+# What a pass says when it reads a fleet plan (core.live.fencing's verdicts)
+# and when a plan published meanwhile takes it into another round
+# (engine.reconcile.another_round_note).
+_PLAN_READ = re.compile(r"plan epoch (\d+) is (?:newer than|the one applied)")
+_ANOTHER_ROUND = re.compile(r"registry epoch (\d+) since this pass read plan epoch \d+: another round")
+
+
+def plan_taken(fleet: Fleet, host: str, epoch: int, since: datetime) -> datetime | None:
+    """When `host` began acting on the plan of `epoch` published at `since`
+    (None: not yet): `first_taking` of its passes' starts and lines."""
+    return first_taking(pass_starts(fleet, host), journal_lines(fleet, host, "fabric-reconcile"), epoch, since)
+
+
+def first_taking(starts: list[datetime], lines: list[tuple[datetime, str]], epoch: int, since: datetime) -> datetime | None:
+    """The first of: a pass started at or after `since` (it reads the newest
+    plan), or a line of a pass running then that read the plan of `epoch`
+    or a later one, or took it into another round."""
+    moments = [m for m in starts if m >= since]
+    for moment, message in lines:
+        said = _PLAN_READ.search(message) or _ANOTHER_ROUND.search(message)
+        if moment >= since and said is not None and int(said.group(1)) >= epoch:
+            moments.append(moment)
+    return min(moments, default=None)
+
+
+def journal_lines(fleet: Fleet, host: str, identifier: str, *match: str) -> list[tuple[datetime, str]]:
+    """`host`'s journal lines of `identifier` (and `match`es such as FIELD=VALUE): when, and the message."""
+    entries = _journal_json(fleet, host, "-t", identifier, *match, "--output-fields=MESSAGE")
+    return [(_realtime(e), str(e.get("MESSAGE", ""))) for e in entries]
 
 
 def caddy_loads(fleet: Fleet, edge: str) -> list[datetime]:
     """When the edge's passes loaded Caddy (their caddy-load audit entries)."""
-    entries = _journal_json(fleet, edge, "-t", "fabric-reconcile", "--output-fields=MESSAGE")
-    return [_realtime(e) for e in entries if str(e.get("MESSAGE", "")).startswith("caddy-load")]
+    return [moment for moment, message in journal_lines(fleet, edge, "fabric-reconcile") if message.startswith("caddy-load")]
 
 
 def static_passes(fleet: Fleet, host: str) -> list[tuple[datetime, str]]:
     """When `host`'s passes kept their generation (fail static), and why
     (their "static" audit entries: "static: ok (generation G): REASON")."""
-    entries = _journal_json(fleet, host, "-t", "fabric-reconcile", "FABRIC_ACTION=static", "--output-fields=MESSAGE")
-    return [(_realtime(e), str(e.get("MESSAGE", ""))) for e in entries]
+    return journal_lines(fleet, host, "fabric-reconcile", "FABRIC_ACTION=static")
 
 
 def watcher_says(fleet: Fleet, host: str, text: str) -> list[tuple[datetime, str]]:
     """`host`'s fabric-watch.service log lines that contain `text`."""
-    entries = _journal_json(fleet, host, "-t", "fabric-watch", "--output-fields=MESSAGE")
-    return [(_realtime(e), message) for e in entries if text in (message := str(e.get("MESSAGE", "")))]
+    return [(moment, message) for moment, message in journal_lines(fleet, host, "fabric-watch") if text in message]
 
 
 def first_after(moments: list[datetime], since: datetime) -> datetime | None:
