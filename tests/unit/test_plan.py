@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.core.render.actions import HostActions, UnitChange, compare_units, parse_unit, plan_actions
+from reconciler.core.render.actions import HostActions, UnitChange, compare_units, configured_unit, is_dropin, parse_unit, plan_actions
 from reconciler.core.render.artifacts import Artifact
 
 BASE = """\
@@ -169,3 +169,122 @@ def test_a_removed_file_restarts_the_units_its_generation_named() -> None:
     plan = plan_actions([], {BACKENDS: b"[[backends]]\n"}, tracked, tracked_restarts={BACKENDS: PHAZE})
     assert plan.remove == (BACKENDS,) and plan.restart == PHAZE
     assert plan.reasons["phaze-worker.service"] == f"{BACKENDS} removed"
+
+
+# --------------------------------------------------------------------------
+# daemon-reload only when systemd holds a unit whose file changed
+
+NEW = U + "fabric-new.service"
+KEPT = U + "fabric-kept.service"
+GONE = U + "fabric-gone.service"
+
+
+def reload_planned(
+    desired: list[Artifact],
+    installed: dict[str, bytes],
+    tracked: dict[str, str],
+    units_held: dict[str, bool] | None,
+    *,
+    running: dict[str, bytes] | None = None,
+) -> HostActions:
+    return plan_actions(desired, installed, tracked, running=running, units_held=units_held)
+
+
+def test_a_new_unit_systemd_does_not_hold_is_started_without_daemon_reload() -> None:
+    plan = reload_planned([art(NEW, BASE)], {}, {}, {"fabric-new.service": False})
+    assert plan.write == (NEW,) and plan.start == ("fabric-new.service",)
+    assert not plan.daemon_reload
+    assert "daemon-reload" not in plan.text()
+    # ...and one it holds (loaded from a file, say failed and kept, or a stub of an older systemd) is reloaded first.
+    assert reload_planned([art(NEW, BASE)], {}, {}, {"fabric-new.service": True}).daemon_reload
+
+
+def test_a_changed_unit_systemd_holds_is_reloaded_before_its_restart() -> None:
+    new = changed("Restart=always", "Restart=no")
+    plan = reload_planned([art(KEPT, new)], {KEPT: BASE.encode()}, {KEPT: "unit"}, {"fabric-kept.service": True})
+    assert plan.restart == ("fabric-kept.service",) and plan.daemon_reload
+    assert "would reload the systemd manager configuration (daemon-reload)\n" in plan.text()
+    # Only described differently: no restart, but systemd must still re-read it.
+    described = reload_planned(
+        [art(KEPT, changed("Description=fabric port map x", "Description=y"))], {KEPT: BASE.encode()}, {KEPT: "unit"}, {"fabric-kept.service": True}
+    )
+    assert described.restart == () and described.daemon_reload
+    # Not held (garbage-collected while inactive): its start reads the new file.
+    assert not reload_planned([art(KEPT, new)], {KEPT: BASE.encode()}, {KEPT: "unit"}, {"fabric-kept.service": False}).daemon_reload
+
+
+def test_an_unchanged_unit_held_by_systemd_needs_no_reload_when_another_is_new() -> None:
+    desired = [art(KEPT, BASE), art(NEW, BASE)]
+    plan = reload_planned(desired, {KEPT: BASE.encode()}, {KEPT: "unit"}, {"fabric-kept.service": True, "fabric-new.service": False})
+    assert plan.start == ("fabric-new.service",) and not plan.daemon_reload
+
+
+def test_a_unit_leaving_the_plan_is_stopped_without_daemon_reload() -> None:
+    installed = {KEPT: BASE.encode(), GONE: BASE.encode()}
+    tracked = {KEPT: "unit", GONE: "unit"}
+    plan = reload_planned([art(KEPT, BASE)], installed, tracked, {"fabric-kept.service": True})
+    assert plan.remove == (GONE,) and plan.stop == ("fabric-gone.service",)
+    assert not plan.daemon_reload
+    assert plan.text() == f"would remove the following files:\n  {GONE}\nwould stop the following units:\n  fabric-gone.service\n"
+
+
+def test_without_systemds_answer_every_unit_change_reloads_as_before() -> None:
+    new = changed("Restart=always", "Restart=no")
+    # Not asked (no activators, `fabric plan` without D-Bus): a new unit, a changed one, a removal.
+    assert reload_planned([art(NEW, BASE)], {}, {}, None).daemon_reload
+    assert reload_planned([art(KEPT, new)], {KEPT: BASE.encode()}, {KEPT: "unit"}, None).daemon_reload
+    assert reload_planned([], {GONE: BASE.encode()}, {GONE: "unit"}, None).daemon_reload
+    # Asked, but with no answer about a unit whose file changes: as if not asked.
+    assert reload_planned([art(NEW, BASE), art(KEPT, BASE)], {KEPT: BASE.encode()}, {KEPT: "unit"}, {"fabric-kept.service": False}).daemon_reload
+    # Nothing about units changes: no reload whatever systemd says.
+    assert not reload_planned([art(KEPT, BASE)], {KEPT: BASE.encode()}, {KEPT: "unit"}, None).daemon_reload
+
+
+def test_a_killed_pass_that_wrote_a_unit_is_reloaded_only_if_systemd_holds_it() -> None:
+    # The file on disk is the desired one; what ran (the good generation) differs.
+    new = changed("Restart=always", "Restart=no")
+    installed, tracked, running = {KEPT: new.encode()}, {KEPT: "unit"}, {KEPT: BASE.encode()}
+    held = reload_planned([art(KEPT, new)], installed, tracked, {"fabric-kept.service": True}, running=running)
+    assert held.write == () and held.restart == ("fabric-kept.service",) and held.daemon_reload
+    assert not reload_planned([art(KEPT, new)], installed, tracked, {"fabric-kept.service": False}, running=running).daemon_reload
+
+
+DROPIN = U + "fabric-kept.service.d/50-limits.conf"
+FOREIGN_DROPIN = U + "k3s.service.d/50-fabric.conf"
+LIMITS = "[Service]\nMemoryMax=1G\n"
+
+
+def test_a_drop_in_belongs_to_its_unit() -> None:
+    assert configured_unit(DROPIN) == "fabric-kept.service" and is_dropin(DROPIN)
+    assert configured_unit(KEPT) == "fabric-kept.service" and not is_dropin(KEPT)
+    assert configured_unit(U + "fabric-x.service.d/notes.txt") == "notes.txt"
+
+
+def test_a_drop_in_of_a_held_unit_reloads_and_of_a_unit_not_held_does_not() -> None:
+    desired = [art(KEPT, BASE), art(DROPIN, LIMITS)]
+    installed, tracked = {KEPT: BASE.encode()}, {KEPT: "unit"}
+    assert reload_planned(desired, installed, tracked, {"fabric-kept.service": True}).daemon_reload
+    assert not reload_planned(desired, installed, tracked, {"fabric-kept.service": False}).daemon_reload
+    # The drop-in's own name is not a unit systemd is asked about.
+    assert reload_planned(desired, installed, tracked, {"50-limits.conf": False}).daemon_reload
+
+
+def test_a_removed_drop_in_of_a_unit_that_stays_reloads_if_held() -> None:
+    installed = {KEPT: BASE.encode(), DROPIN: LIMITS.encode(), FOREIGN_DROPIN: LIMITS.encode()}
+    tracked = {KEPT: "unit", DROPIN: "unit", FOREIGN_DROPIN: "unit"}
+    held = {"fabric-kept.service": True, "k3s.service": False}
+    plan = reload_planned([art(KEPT, BASE), art(FOREIGN_DROPIN, LIMITS)], installed, tracked, held)
+    assert plan.remove == (DROPIN,) and plan.daemon_reload
+    # A unit systemd does not hold (and a unit the fabric does not render) reads its drop-ins at its start.
+    plan = reload_planned([art(KEPT, BASE)], installed, tracked, {"fabric-kept.service": False, "k3s.service": False})
+    assert plan.remove == (DROPIN, FOREIGN_DROPIN) and not plan.daemon_reload
+    assert reload_planned(
+        [art(KEPT, BASE), art(DROPIN, LIMITS)], installed, tracked, {"fabric-kept.service": False, "k3s.service": True}
+    ).daemon_reload
+
+
+def test_a_drop_in_leaving_with_its_unit_needs_no_reload() -> None:
+    installed = {GONE: BASE.encode(), U + "fabric-gone.service.d/x.conf": LIMITS.encode()}
+    tracked = {GONE: "unit", U + "fabric-gone.service.d/x.conf": "unit"}
+    plan = reload_planned([], installed, tracked, {"fabric-gone.service": True})
+    assert "fabric-gone.service" in plan.stop and not plan.daemon_reload

@@ -22,6 +22,18 @@ When that file differs from what ran (written, changed, or removed), those
 units are restarted like a unit whose own file changed, and listed under
 "restart" with the file as the reason; one known not to run
 (`dependent_states`) is left alone, as it reads the file when it starts.
+
+daemon-reload is planned only when it is needed for a change to take effect:
+when systemd holds in memory the configuration of a unit whose file (or
+drop-in) differs from what ran (`units_held`). A unit systemd has not loaded,
+or holds only as a not-found stub that it retries (systemd >= 246 loads such a
+unit from disk at its next start once the unit directories changed), reads
+its new file when it starts; a unit that leaves the plan is stopped, and its
+removed file needs no reload (systemd drops an inactive unit nobody refers
+to; one that stays loaded, say failed, is held when a later pass writes it
+again, and that pass reloads). When systemd cannot be asked (`units_held`
+None, or a unit missing from it) the reload follows every change of a unit
+file and every stop, as before systemd was asked.
 """
 
 from __future__ import annotations
@@ -231,6 +243,23 @@ def _unit_name(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
+def configured_unit(path: str) -> str:
+    """The unit a unit file configures: NAME for a drop-in `NAME.d/x.conf`,
+    else the file's own name. (The fabric renders no drop-in of kind "unit"
+    today: only the daemon-reload looks through one to its unit; the job
+    lists take every unit file for a unit of its own.)"""
+    directory, _, name = path.rpartition("/")
+    parent = directory.rpartition("/")[2]
+    if parent.endswith(".d") and name.endswith(".conf"):
+        return parent.removesuffix(".d")
+    return name
+
+
+def is_dropin(path: str) -> bool:
+    """Whether a unit file is a drop-in (`NAME.d/x.conf`) of the unit NAME."""
+    return configured_unit(path) != _unit_name(path)
+
+
 def plan_actions(
     desired: Iterable[Artifact],
     installed: Mapping[str, bytes],
@@ -241,6 +270,7 @@ def plan_actions(
     nft_table_loaded: bool | None = None,
     tracked_restarts: Mapping[str, Sequence[str]] | None = None,
     dependent_states: Mapping[str, str] | None = None,
+    units_held: Mapping[str, bool] | None = None,
 ) -> HostActions:
     """Compare `desired` with the old state; see the module docstring.
 
@@ -253,6 +283,10 @@ def plan_actions(
                  the plan.
     dependent_states: unit -> ActiveState of the units in `restarts`, when
                  systemd can be asked; one not running is not restarted.
+    units_held:  unit -> whether systemd holds its configuration in memory
+                 (`Systemd.units_held`), for the units of the desired unit
+                 files and of the tracked drop-ins, when systemd can be asked;
+                 decides the daemon-reload (see the module docstring).
     """
     running = installed if running is None else running
     desired_by_path = {a.path: a for a in desired}
@@ -311,15 +345,7 @@ def plan_actions(
         restart.append(unit)
         reasons[unit] = reason
 
-    # systemd must re-read unit files whenever one it loaded differs from the
-    # desired one: written now, removed now, or written by a killed pass that
-    # did not get to its daemon-reload (then `running` differs, not the disk).
-    units_touched = (
-        any(desired_by_path[p].kind == "unit" for p in write)
-        or any(tracked[p] == "unit" for p in remove)
-        or any(a.kind == "unit" and running.get(p) != a.data for p, a in desired_by_path.items())
-        or bool(stop)
-    )
+    daemon_reload = _daemon_reload(desired_by_path, write, remove, tracked, running, bool(stop), units_held)
     nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
     if nft is not None:
         # Load when the text changed, or when the table is gone from the
@@ -332,7 +358,7 @@ def plan_actions(
     return HostActions(
         write=tuple(write),
         remove=tuple(remove),
-        daemon_reload=units_touched,
+        daemon_reload=daemon_reload,
         nft_load=nft_load,
         stop=tuple(sorted(stop)),
         reload=tuple(sorted(reload)),
@@ -341,3 +367,30 @@ def plan_actions(
         caddy_reload=caddy_reload,
         reasons=reasons,
     )
+
+
+def _daemon_reload(
+    desired_by_path: Mapping[str, Artifact],
+    write: Sequence[str],
+    remove: Sequence[str],
+    tracked: Mapping[str, str],
+    running: Mapping[str, bytes],
+    stops: bool,
+    units_held: Mapping[str, bool] | None,
+) -> bool:
+    """Whether systemd must re-read its unit files for this pass's changes to
+    take effect (see the module docstring)."""
+    # The unit files that differ from what systemd was last activated with:
+    # written now, or written by a killed pass that did not get to its
+    # daemon-reload (then `running` differs, not the disk); and those removed now.
+    changed = [p for p, a in desired_by_path.items() if a.kind == "unit" and (p in write or running.get(p) != a.data)]
+    removed = [p for p in remove if tracked[p] == "unit"]
+    # A unit whose own file is removed leaves the plan and is stopped: only
+    # the drop-ins of a unit that stays are of a configuration still in use.
+    leaving = {configured_unit(p) for p in removed if not is_dropin(p)}
+    concerned = {configured_unit(p) for p in changed} | {configured_unit(p) for p in removed if configured_unit(p) not in leaving}
+    if units_held is None or not concerned <= units_held.keys():
+        # systemd cannot tell (not asked, or not about every unit): reload
+        # whenever a unit file changed or a unit stops, as if each were held.
+        return bool(changed or removed or stops)
+    return any(units_held[unit] for unit in concerned)
