@@ -67,6 +67,10 @@ class JobOutcome:
 
     unit: str
     failure: str | None = None
+    # systemd refused the start or restart because it had not loaded the
+    # unit's file (its cache of the unit directories missed a file the pass
+    # had just written): the job was queued again after a daemon-reload.
+    retried_after_reload: bool = False
 
     @property
     def ok(self) -> bool:
@@ -85,11 +89,28 @@ class Systemd(Protocol):
         restarted services through one startup grace together. One outcome
         per unit, in the order of `units`; a unit's failure is reported, not
         raised. Raises ActivationError only when no job could be queued at all
-        (systemd unreachable): then none of them ran."""
+        (systemd unreachable): then none of them ran.
+
+        A start or restart that systemd refuses because it has no file for
+        the unit (not found) is queued once more after a daemon-reload, and
+        its outcome says so (`retried_after_reload`): a unit file written
+        within the same tick of the kernel's coarse clock as systemd last
+        scanned the unit directories is not seen without one."""
         ...
 
     def active_state(self, unit: str) -> str:
         """'active', 'inactive', 'failed', ... ('inactive' for an unknown unit)."""
+        ...
+
+    def units_held(self, units: Sequence[str]) -> dict[str, bool]:
+        """For each unit, whether systemd holds its configuration in memory,
+        so that a changed file takes effect only after a daemon-reload: a
+        unit loaded from its file (or masked, or with a bad setting), or a
+        not-found stub on a systemd older than 246, which does not retry
+        those. False for a unit systemd has no file for and retries at its
+        next start (systemd >= 246): that start reads the file the pass
+        writes. Asking loads each unit (LoadUnit), as reading its state does.
+        One answer per unit, read concurrently."""
         ...
 
 

@@ -10,6 +10,14 @@ job that ends in anything but "done", or a started unit that settles in
 state and result (e.g. `exit-code`, status 1); the other units' jobs are not
 affected.
 
+A start or restart that systemd refuses with NoSuchUnit (it has no file for
+the unit) gets one daemon-reload and is queued again, before any job of the
+batch is waited for. A pass starts a new unit without a daemon-reload (the
+file is read at the start, see `units_held`), and systemd notices a new file
+by the unit directories' mtimes, which the kernel takes from its coarse clock:
+a file renamed into place in the same tick as systemd last scanned the
+directories is not seen until a reload.
+
 The methods are synchronous: the object owns a private asyncio event loop and
 one bus connection, opened on first use and closed by `close()` (or `with`).
 Do not call it from inside a running event loop.
@@ -18,6 +26,7 @@ Do not call it from inside a running event loop.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +48,20 @@ NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 TRANSITIONAL_STATES = frozenset({"activating", "deactivating", "reloading", "refreshing"})
 
 _JOB_METHODS: dict[str, str] = {"stop": "StopUnit", "reload": "ReloadUnit", "restart": "RestartUnit", "start": "StartUnit"}
+
+# The first systemd that loads a unit held as a not-found stub from disk at
+# its next start, once the unit directories changed since it last looked
+# (manager_unit_cache_should_retry_load); an older one keeps the stub until a
+# daemon-reload.
+RETRIES_NOT_FOUND_SINCE = 246
+
+
+def systemd_major_version(version: str) -> int | None:
+    """The major version in the Manager's Version property ("252.39-1~deb12u2",
+    "256.8", "257", "v255-stable"); None if it does not start with one."""
+    match = re.match(r"v?(\d+)", version.strip())
+    return int(match.group(1)) if match else None
+
 
 _JOB_REMOVED_MATCH = f"type='signal',sender='{SYSTEMD_BUS_NAME}',path='{MANAGER_PATH}',interface='{MANAGER_INTERFACE}',member='JobRemoved'"
 
@@ -86,6 +109,7 @@ class SystemdDbus:
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
         self._disconnected: asyncio.Future[None] | None = None  # done once the bus connection is gone
         self._connecting: asyncio.Lock | None = None  # made with the event loop
+        self._retries_not_found: bool | None = None  # read from the manager's Version once per connection
 
     # -- the Systemd port -------------------------------------------------
 
@@ -100,6 +124,9 @@ class SystemdDbus:
 
     def active_state(self, unit: str) -> str:
         return self._run(self._unit_properties(unit))["ActiveState"]
+
+    def units_held(self, units: Sequence[str]) -> dict[str, bool]:
+        return self._run(self._units_held(list(dict.fromkeys(units))))
 
     # -- additions beyond the port (used by tests and diagnostics) ----------
 
@@ -178,6 +205,7 @@ class SystemdDbus:
             raise ActivationError(f"cannot connect to systemd on {where}: {exc}") from exc
         self._bus = bus
         self._disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
+        self._retries_not_found = None  # systemd may have been re-executed as another version
         if not self._follow_jobs:
             return bus
         bus.add_message_handler(self._on_message)
@@ -222,21 +250,27 @@ class SystemdDbus:
         # Results of jobs no batch waits for (dependencies, other clients);
         # none of this batch's jobs is queued yet.
         self._finished_jobs.clear()
-        failures: dict[str, str] = {}
-        jobs: dict[str, str] = {}  # unit -> job object path
         # Every job is queued before any is waited for: systemd runs them
         # together, so one unit's start can wait for another's (After=, or a
         # file another creates) without a deadlock.
-        for unit in units:
+        jobs, failures, not_found = await self._queue_jobs(bus, verb, units)
+        retried: set[str] = set()
+        if not_found and verb in ("start", "restart"):
+            # systemd has no file for them: its scan of the unit directories
+            # may have missed one just written (see the module docstring).
+            # Reload once and queue them again, while the batch's other jobs
+            # run (systemd keeps queued jobs across a reload).
             try:
-                reply = await self._call(
-                    bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, _JOB_METHODS[verb], "ss", [unit, "replace"], what=verb
-                )
-            except _DbusCallError as exc:
-                if not (verb == "stop" and exc.name == NO_SUCH_UNIT):  # an unknown unit is already stopped
-                    failures[unit] = exc.text or exc.name
-                continue
-            jobs[unit] = reply.body[0]
+                await self._call_manager("Reload", "", [], what="daemon-reload")
+            except ActivationError as exc:
+                failures.update({unit: f"{failures[unit]} (and the daemon-reload to look again failed: {exc})" for unit in not_found})
+            else:
+                retried = set(not_found)
+                for unit in not_found:
+                    del failures[unit]
+                again, failed_again, _ = await self._queue_jobs(bus, verb, not_found)
+                jobs.update(again)
+                failures.update(failed_again)
         try:
             results, unfinished = await self._job_results(jobs)
         finally:
@@ -251,7 +285,67 @@ class SystemdDbus:
                 started[unit] = outcome
         if self._startup_grace > 0 and started:
             failures.update(await self._watch_startup(started))
-        return [JobOutcome(unit, failures.get(unit)) for unit in units]
+        return [JobOutcome(unit, failures.get(unit), retried_after_reload=unit in retried) for unit in units]
+
+    async def _queue_jobs(self, bus: MessageBus, verb: UnitJob, units: list[str]) -> tuple[dict[str, str], dict[str, str], list[str]]:
+        """Queue `verb` for each unit: the job object paths by unit, the
+        units systemd refused with why, and which of those it has no file for."""
+        jobs: dict[str, str] = {}
+        failures: dict[str, str] = {}
+        not_found: list[str] = []
+        for unit in units:
+            try:
+                reply = await self._call(
+                    bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, _JOB_METHODS[verb], "ss", [unit, "replace"], what=verb
+                )
+            except _DbusCallError as exc:
+                if exc.name == NO_SUCH_UNIT:
+                    if verb == "stop":  # an unknown unit is already stopped
+                        continue
+                    not_found.append(unit)
+                failures[unit] = exc.text or exc.name
+                continue
+            jobs[unit] = reply.body[0]
+        return jobs, failures, not_found
+
+    async def _units_held(self, units: list[str]) -> dict[str, bool]:
+        retries_not_found = await self._manager_retries_not_found()
+        states = await asyncio.gather(*(self._load_state(unit) for unit in units))
+        return {unit: not (state == "not-found" and retries_not_found) for unit, state in zip(units, states, strict=True)}
+
+    async def _manager_retries_not_found(self) -> bool:
+        """Whether this systemd loads a not-found stub from disk at its next
+        start (>= 246); False when its version cannot be told (conservative:
+        the stub counts as held)."""
+        bus = await self._connected()
+        if self._retries_not_found is None:
+            try:
+                reply = await self._call(
+                    bus, SYSTEMD_BUS_NAME, MANAGER_PATH, PROPERTIES_INTERFACE, "Get", "ss", [MANAGER_INTERFACE, "Version"], what="Get"
+                )
+            except _DbusCallError as exc:
+                raise ActivationError(f"systemd's version: {exc.text or exc.name}") from exc
+            major = systemd_major_version(str(reply.body[0].value))
+            self._retries_not_found = major is not None and major >= RETRIES_NOT_FOUND_SINCE
+        return self._retries_not_found
+
+    async def _load_state(self, unit: str) -> str:
+        """The unit's LoadState once LoadUnit made sure systemd looked at it
+        (as `_unit_properties` does)."""
+        bus = await self._connected()
+        try:
+            reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "LoadUnit", "s", [unit], what="LoadUnit")
+        except _DbusCallError as exc:
+            if exc.name == NO_SUCH_UNIT:
+                return "not-found"
+            raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
+        try:
+            state = await self._call(
+                bus, SYSTEMD_BUS_NAME, reply.body[0], PROPERTIES_INTERFACE, "Get", "ss", [UNIT_INTERFACE, "LoadState"], what="Get"
+            )
+        except _DbusCallError as exc:
+            raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
+        return str(state.body[0].value)
 
     async def _job_results(self, jobs: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
         """Each unit's job result ("done", "failed", ...) and, apart, the units
