@@ -25,6 +25,8 @@ A pass that changes files:
     3. installs the files (atomic writes, removals of what left the plan).
     4. activates (daemon-reload, nft, stop, reload, restart, start, caddy); each
        kind of unit job is queued for all its units at once, then waited for.
+       The daemon-reload only when systemd holds a unit whose file changed
+       (`Systemd.units_held`; see reconciler.core.render.actions).
     5. points `good` at <n>.
 
 A SIGKILL at any instant leaves `current` on the old generation (before 2:
@@ -50,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from reconciler.core.render.actions import HostActions, plan_actions
+from reconciler.core.render.actions import HostActions, configured_unit, is_dropin, plan_actions
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config
 from reconciler.ports import (
     ActivationError,
@@ -374,6 +376,22 @@ class Applier:
         units = {u for a in artifacts for u in a.restarts} | {u for us in tracked_restarts.values() for u in us}
         return {u: self.activators.systemd.active_state(u) for u in sorted(units)}
 
+    def _units_held(self, artifacts: Iterable[Artifact], tracked: Mapping[str, str]) -> dict[str, bool] | None:
+        """Which of the units whose files the pass may change systemd holds in
+        memory (the desired units, the units of tracked drop-ins); None when
+        it cannot be asked: every change of a unit file then reloads.
+
+        Read after the units' states: asking loads a unit, and a unit loaded
+        from its old file before the pass writes the new one is held."""
+        if self.activators is None:
+            return None
+        units = {configured_unit(a.path) for a in artifacts if a.kind == "unit"}
+        units |= {configured_unit(p) for p, kind in tracked.items() if kind == "unit" and is_dropin(p)}
+        try:
+            return self.activators.systemd.units_held(sorted(units))
+        except ActivationError:
+            return None
+
     def compute_actions(self, artifacts: Sequence[Artifact]) -> tuple[HostActions, bool]:
         """The actions of a pass over `artifacts`, and whether the last activation
         is unfinished (current != good). Reads only."""
@@ -385,15 +403,18 @@ class Applier:
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
         tracked_restarts = self._tracked_restarts()
+        unit_states = self._unit_states(artifacts)
+        dependent_states = self._dependent_states(artifacts, tracked_restarts)
         actions = plan_actions(
             artifacts,
             installed,
             tracked,
             running=running,
-            unit_states=self._unit_states(artifacts),
+            unit_states=unit_states,
             nft_table_loaded=(not self.nft_reload and self.activators.nftables.table_loaded()) if self.activators is not None else None,
             tracked_restarts=tracked_restarts,
-            dependent_states=self._dependent_states(artifacts, tracked_restarts),
+            dependent_states=dependent_states,
+            units_held=self._units_held(artifacts, tracked),
         )
         return actions, unfinished
 
@@ -563,14 +584,23 @@ class Applier:
         except ActivationError as exc:
             # No job was queued: each unit failed for the same reason.
             outcomes = {unit: JobOutcome(unit, str(exc)) for unit in units}
+        retried = [unit for unit in units if unit in outcomes and outcomes[unit].retried_after_reload]
+        if retried:
+            # Not planned: systemd had not seen the files the pass wrote (see Systemd.run_jobs).
+            self.audit.record(
+                "daemon-reload", "ok", generation=gen, reason=f"systemd found no file for {', '.join(retried)} at its {job}; {job} queued again"
+            )
         failed = []
         for unit in units:
             outcome = outcomes.get(unit, JobOutcome(unit, "systemd reported no outcome for it"))
             fields = {"generation": gen, "unit": unit, "hash": unit_hashes.get(unit, "")}
+            retry = outcome.retried_after_reload
             if outcome.ok:
-                self.audit.record(job, "ok", **fields, reason=reasons.get(unit, ""))
+                again = " (after a daemon-reload: systemd had not seen its file)" if retry else ""
+                self.audit.record(job, "ok", **fields, reason=reasons.get(unit, "") + again)
             else:
-                self.audit.record(job, "failed", **fields, reason=outcome.failure or "")
+                again = " (again after a daemon-reload)" if retry else ""
+                self.audit.record(job, "failed", **fields, reason=(outcome.failure or "") + again)
                 failed.append(f"{job} {unit}: {outcome.failure}")
         if failed:
             raise ActivationError(" | ".join(failed))
@@ -588,13 +618,15 @@ class Applier:
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
         tracked_restarts = self._tracked_restarts()
+        dependent_states = self._dependent_states(old, tracked_restarts)
         actions = plan_actions(
             old,
             installed,
             tracked,
             running=running,
             tracked_restarts=tracked_restarts,
-            dependent_states=self._dependent_states(old, tracked_restarts),
+            dependent_states=dependent_states,
+            units_held=self._units_held(old, tracked),
         )
         self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)
         by_path = {a.path: a for a in old}

@@ -3,10 +3,12 @@ and rollback, against a model of systemd, nft and Caddy (`FakeMachine`).
 
 The files are real (LocalTree under tmp_path); only the activation ports are
 fakes. FakeMachine behaves like the real programs in the ways that matter
-here: systemd reads unit files from disk only at daemon-reload, and a
-started or restarted unit runs what was loaded at that moment. So "converged"
-means: every desired unit is active and runs the desired content, nothing
-else the fabric wrote is active, nft and Caddy hold the desired texts.
+here: systemd keeps the configuration of a unit it loaded until a
+daemon-reload, loads a unit it has no file for from disk at its next start
+(systemd >= 246), and a started or restarted unit runs what was loaded at
+that moment. So "converged" means: every desired unit is active and runs the
+desired content, nothing else the fabric wrote is active, nft and Caddy hold
+the desired texts.
 
 FakeMachine keeps its state in a JSON file, so the crash tests
 (test_apply_crash.py) can use it from a subprocess that is SIGKILLed.
@@ -41,19 +43,53 @@ def sha(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
+NOT_FOUND = "not-found"  # FakeMachine.state["loaded"]: a stub systemd made for a unit it found no file for
+
+
 class FakeMachine:
     """systemd (Systemd port), nftables (Nftables) and Caddy (Caddy) as one
     persisted model. `fail` maps "action" or "action unit" to a message:
-    the next such call raises ActivationError (once)."""
+    the next such call raises ActivationError (once).
 
-    def __init__(self, root: Path, state_file: Path, fail: dict[str, str] | None = None) -> None:
+    Its systemd loads units as the real one does (src/core/manager.c), at
+    `version`: `loaded` holds what it has in memory, a unit's configuration
+    as the sha256 of its file when it was loaded, or NOT_FOUND, a stub for a
+    unit it found no file for. Reading a unit's state loads it (the adapter
+    calls LoadUnit), and so does a start. A unit not in memory is read from
+    disk, finding the files its last scan of the unit directory saw
+    (`scanned`); the scan is redone at each load unless `frozen_scan`: the
+    directory's mtime then still looks as at the last scan (the kernel's
+    coarse clock: a file renamed into place in the same tick), so a file
+    written since is not seen until a daemon-reload. A stub is loaded again
+    like a unit not in memory (>= 246; an older systemd keeps it until a
+    daemon-reload); a loaded unit is re-read only by a daemon-reload, which
+    also drops the units whose files are gone and that do not run. A stopped
+    unit is dropped from memory (garbage-collected: nothing refers to the
+    fabric's units). A job made to fail (`fail`) changes nothing, as before
+    this model loaded units; so a unit is never "failed" here (real systemd
+    keeps a failed unit loaded: the adapter's LoadState reports it held).
+    Drop-ins are not modelled: the fabric renders none."""
+
+    def __init__(self, root: Path, state_file: Path, fail: dict[str, str] | None = None, *, version: int = 252) -> None:
         self.root = Path(root)
         self.state_file = Path(state_file)
         self.fail = dict(fail or {})
         if self.state_file.exists():
             self.state = json.loads(self.state_file.read_text())
         else:
-            self.state = {"loaded": {}, "running": {}, "active": [], "nft": None, "caddy": None, "calls": [], "batches": []}
+            self.state = {
+                "version": version,
+                "loaded": {},
+                "foreign": [],
+                "scanned": None,
+                "frozen_scan": False,
+                "running": {},
+                "active": [],
+                "nft": None,
+                "caddy": None,
+                "calls": [],
+                "batches": [],
+            }
 
     def _save(self) -> None:
         tmp = self.state_file.with_suffix(".tmp")
@@ -78,24 +114,45 @@ class FakeMachine:
         self._save()
 
     # Systemd
+    def _scan(self) -> list[str]:
+        """The unit files systemd knows of: scanned now, unless the scan is frozen."""
+        if self.state["scanned"] is None or not self.state["frozen_scan"]:
+            unit_dir = self.root / UNIT_DIR
+            self.state["scanned"] = sorted(p.name for p in unit_dir.iterdir() if not p.name.startswith(".")) if unit_dir.is_dir() else []
+        return self.state["scanned"]
+
+    def _from_disk(self, unit: str) -> str:
+        path = self.root / UNIT_DIR / unit
+        return sha(path.read_bytes()) if unit in self._scan() and path.is_file() else NOT_FOUND
+
+    def _load(self, unit: str) -> str:
+        """LoadUnit: what systemd holds for the unit once it looked."""
+        loaded = self.state["loaded"]
+        if unit not in loaded or (loaded[unit] == NOT_FOUND and self.state["version"] >= 246):
+            loaded[unit] = self._from_disk(unit)
+            self._save()
+        return loaded[unit]
+
     def daemon_reload(self) -> None:
         self._call("daemon-reload")
-        unit_dir = self.root / UNIT_DIR
-        # Units installed by others (phaze's, `install_foreign`) stay loaded.
-        foreign = {u: h for u, h in self.state["loaded"].items() if not u.startswith("fabric-")}
-        self.state["loaded"] = {
-            **foreign,
-            **(
-                {p.name: sha(p.read_bytes()) for p in sorted(unit_dir.glob("fabric-*.service")) if not p.name.startswith(".")}
-                if unit_dir.is_dir()
-                else {}
-            ),
-        }
+        self.state["frozen_scan"] = False
+        self.state["scanned"] = None
+        loaded = self.state["loaded"]
+        for unit in sorted(loaded):
+            if unit in self.state["foreign"]:  # installed by others (phaze's, `install_foreign`): stays loaded
+                continue
+            loaded[unit] = self._from_disk(unit)
+            if loaded[unit] == NOT_FOUND and unit not in self.state["active"]:
+                del loaded[unit]
         self._save()
+
+    def units_held(self, units: list[str]) -> dict[str, bool]:
+        return {unit: self._load(unit) != NOT_FOUND or self.state["version"] < 246 for unit in units}
 
     def install_foreign(self, unit: str, *, active: bool) -> None:
         """A unit the fabric does not render (phaze's control plane), loaded, running or not."""
         self.state["loaded"][unit] = f"foreign {unit}"
+        self.state["foreign"].append(unit)
         if active:
             self.state["running"][unit] = self.state["loaded"][unit]
             self.state["active"].append(unit)
@@ -103,17 +160,29 @@ class FakeMachine:
 
     def run_jobs(self, job: str, units: list[str]) -> list[JobOutcome]:
         """Every unit's job in one batch, as systemd would run them together:
-        one unit's failure leaves the others' jobs done."""
+        one unit's failure leaves the others' jobs done. As the port says, a
+        start or restart systemd finds no file for gets one daemon-reload
+        for the batch, then runs."""
         self.state["batches"].append([job, list(units)])
+        retried: set[str] = set()
+        if job in ("start", "restart"):
+            missing = [unit for unit in units if self._load(unit) == NOT_FOUND]
+            if missing:
+                try:
+                    self.daemon_reload()
+                except ActivationError:
+                    pass  # the starts fail as not found
+                else:
+                    retried = set(missing)
         run = {"start": self._run_unit, "restart": self._run_unit, "reload": self._reload, "stop": self._stop}[job]
         outcomes = []
         for unit in units:
             try:
                 run(job, unit)
             except ActivationError as exc:
-                outcomes.append(JobOutcome(unit, str(exc)))
+                outcomes.append(JobOutcome(unit, str(exc), retried_after_reload=unit in retried))
             else:
-                outcomes.append(JobOutcome(unit))
+                outcomes.append(JobOutcome(unit, retried_after_reload=unit in retried))
         self._save()
         return outcomes
 
@@ -122,8 +191,9 @@ class FakeMachine:
         return [(job, units) for job, units in self.state["batches"]]
 
     def _run_unit(self, action: str, unit: str) -> None:
+        found = self._load(unit) != NOT_FOUND
         self._call(action, unit)
-        if unit not in self.state["loaded"]:
+        if not found:
             raise ActivationError(f"Unit {unit} not found.")
         self.state["running"][unit] = self.state["loaded"][unit]
         if unit not in self.state["active"]:
@@ -140,9 +210,12 @@ class FakeMachine:
         if unit in self.state["active"]:
             self.state["active"].remove(unit)
         self.state["running"].pop(unit, None)
+        if unit not in self.state["foreign"]:
+            self.state["loaded"].pop(unit, None)  # inactive, unreferenced: garbage-collected
         self._save()
 
     def active_state(self, unit: str) -> str:
+        self._load(unit)
         return "active" if unit in self.state["active"] else "inactive"
 
     # Nftables
@@ -171,9 +244,11 @@ class FakeMachine:
         self._save()
 
     def reboot(self) -> None:
-        """Nothing runs and the kernel forgot the ruleset; systemd loads the unit files anew."""
-        self.state.update(running={}, active=[], nft=None, caddy=None)
-        self.daemon_reload()
+        """Nothing runs and the kernel forgot the ruleset; systemd holds no
+        unit of the fabric's: it loads them anew when asked."""
+        foreign = {unit: self.state["loaded"][unit] for unit in self.state["foreign"]}
+        self.state.update(running={}, active=[], nft=None, caddy=None, loaded=foreign, scanned=None, frozen_scan=False)
+        self._save()
 
 
 class FakeVerifier:
@@ -317,10 +392,10 @@ def test_first_pass_installs_validates_and_starts_everything(tmp_path: Path) -> 
     assert len(fleet.verifier.verified) == 1
     assert all("/var/lib/fabric/generations/.new-1/files/" in p for p in fleet.verifier.verified[0])
     calls = fleet.machine.calls
-    # Phases in order: daemon-reload, nft, starts, caddy.
-    assert calls[0] == ("daemon-reload", "")
-    assert calls[1] == ("nft-load", "")
-    assert [c[0] for c in calls[2:-1]] == ["start"] * (len(calls) - 3)
+    # Phases in order: nft, starts, caddy. No daemon-reload: systemd holds
+    # none of the new units, so each start reads its file.
+    assert calls[0] == ("nft-load", "")
+    assert [c[0] for c in calls[1:-1]] == ["start"] * (len(calls) - 2)
     assert calls[-1] == ("caddy-load", "")
     assert {c[1] for c in calls if c[0] == "start"} == {
         "fabric-nftables.service",
@@ -389,9 +464,87 @@ def test_removed_port_map_is_stopped_and_removed(tmp_path: Path) -> None:
     block = text[text.index('[[port_maps]]\nname = "lux-smb"') :]
     fleet.edit_fleet(block, "")
     assert fleet.reconcile().ok
-    # The ruleset loses port 4445 too; the only unit touched is the socat one.
-    assert fleet.machine.calls == [("daemon-reload", ""), ("nft-load", ""), ("stop", "fabric-socat-lux-smb.service")]
+    # The ruleset loses port 4445 too; the only unit touched is the socat one,
+    # stopped without a daemon-reload (its removed file concerns no unit that stays).
+    assert fleet.machine.calls == [("nft-load", ""), ("stop", "fabric-socat-lux-smb.service")]
     assert not (fleet.root / UNIT_DIR / "fabric-socat-lux-smb.service").exists()
+    assert_converged(fleet.machine, fleet.root)
+
+
+def add_port_map(fleet: Fleet, name: str, listen_port: int) -> str:
+    """A new port map on racknerd (a new unit); its unit's name."""
+    lux_smb = '[[port_maps]]\nname = "lux-smb"\nhost = "racknerd"\nlisten_port = 4445\ntarget_host = "lux"\ntarget_port = 445\n'
+    fleet.edit_fleet(lux_smb, lux_smb + "\n" + lux_smb.replace("lux-smb", name).replace("4445", str(listen_port)))
+    return f"fabric-socat-{name}.service"
+
+
+def test_a_new_unit_is_started_without_daemon_reload_and_a_changed_held_one_with(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    fleet.machine.forget_calls()
+    unit = add_port_map(fleet, "lux-nfs", 2049)
+    report = fleet.reconcile()
+    assert report.ok
+    assert fleet.machine.calls == [("nft-load", ""), ("start", unit)]
+    assert "daemon-reload" not in report.stdout and not any(r["action"] == "daemon-reload" for r in fleet.audit.records)
+    assert_converged(fleet.machine, fleet.root)
+    # Both at once: the held unit's change needs the reload, the new one rides along.
+    fleet.machine.forget_calls()
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    add_port_map(fleet, "lux-afp", 5548)
+    report = fleet.reconcile()
+    assert report.ok
+    assert fleet.machine.calls[0] == ("daemon-reload", "")
+    assert "reloaded the systemd manager configuration (daemon-reload)\n" in report.stdout
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_on_a_systemd_older_than_246_a_new_unit_is_reloaded_before_its_start(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.machine = FakeMachine(fleet.root, tmp_path / "machine-245.json", version=245)
+    assert fleet.reconcile().ok
+    # Reading the units' states left not-found stubs that this systemd does not load again by itself.
+    calls = fleet.machine.calls
+    assert calls[0] == ("daemon-reload", "") and calls.count(("daemon-reload", "")) == 1
+    assert not any("queued again" in r.get("reason", "") for r in fleet.audit.records)
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_a_start_systemd_finds_no_file_for_is_retried_after_a_daemon_reload_and_audited(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    ports = fleet.ports()
+
+    def freeze_the_scan(step: str) -> None:
+        # The files are written within the tick of systemd's last scan of the unit directory.
+        if step.startswith("write "):
+            fleet.machine.state["frozen_scan"] = True
+
+    ports.checkpoint = freeze_the_scan
+    report = run_pass(fleet.options(), ports)
+    assert report.ok, report.stderr
+    assert "daemon-reload" not in report.stdout  # not planned
+    assert fleet.machine.calls.count(("daemon-reload", "")) == 1
+    [reloaded] = [r for r in fleet.audit.records if r["action"] == "daemon-reload"]
+    units = ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
+    assert reloaded["reason"] == f"systemd found no file for {', '.join(units)} at its start; start queued again"
+    starts = {r["unit"]: r["reason"] for r in fleet.audit.records if r["action"] == "start"}
+    assert starts == {unit: "new unit (after a daemon-reload: systemd had not seen its file)" for unit in units}
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_a_rollback_goes_through_the_same_rule(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    fleet.machine.forget_calls()
+    # Generation 2 only adds a unit, whose start fails: undoing it stops and
+    # removes that unit, which needs no daemon-reload either.
+    unit = add_port_map(fleet, "lux-nfs", 2049)
+    fleet.machine.fail[f"start {unit}"] = f"Job for {unit} failed"
+    report = fleet.reconcile()
+    assert report.outcome == "rolled-back", report.stderr
+    assert ("daemon-reload", "") not in fleet.machine.calls
+    assert fleet.machine.calls[-1] == ("stop", unit)
+    assert not (fleet.root / UNIT_DIR / unit).exists()
     assert_converged(fleet.machine, fleet.root)
 
 

@@ -29,6 +29,14 @@ def fabric_plan(fleet: Fleet, **changes: object) -> str:
     return report.stdout
 
 
+def fabric_plan_asking_systemd(fleet: Fleet, **changes: object) -> str:
+    """`fabric plan` on a host whose systemd answers (FakeMachine): which
+    units it holds decides the daemon-reload."""
+    report = fleet.preview(**changes)
+    assert report.outcome == "planned", report.stderr
+    return report.stdout
+
+
 def fabric_plan_cli(fleet: Fleet, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
     code, out, _ = fabric(capsys, *cli_pass(fleet, "--plan-file", str(GOLDEN / "fleet-plan.json"), *extra, command="plan"))
     assert code == 0
@@ -54,6 +62,15 @@ def test_first_pass_writes_and_starts_everything_then_second_is_a_noop(tmp_path:
     assert fleet.machine.calls == []
 
 
+@pytest.mark.parametrize("host", ["racknerd", "qfox-1"])
+def test_first_pass_asking_systemd_starts_the_new_units_without_daemon_reload(tmp_path: Path, host: str) -> None:
+    fleet = Fleet(tmp_path, host)
+    assert_golden(fabric_plan_asking_systemd(fleet), f"{host}-first-pass-systemd-asked.txt")
+    report = fleet.reconcile()
+    assert report.ok
+    assert ("daemon-reload", "") not in fleet.machine.calls and "daemon-reload" not in report.stdout
+
+
 def test_changing_one_services_command_restarts_exactly_that_unit(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "qfox-1")
     assert fleet.reconcile().ok
@@ -63,6 +80,8 @@ def test_changing_one_services_command_restarts_exactly_that_unit(tmp_path: Path
         'command = { x86_64 = ["/opt/researchstack/bin/lupine-server", "--port", "8701", "--batch", "4"] }',
     )
     assert_golden(fabric_plan(fleet), "qfox-1-command-changed.txt")
+    # systemd holds the running unit: asked, the plan reloads it all the same.
+    assert fabric_plan_asking_systemd(fleet) == fabric_plan(fleet)
     assert fleet.reconcile().ok
     assert fleet.machine.calls == [("daemon-reload", ""), ("restart", "fabric-agent-lupine.service")]
 
@@ -74,9 +93,13 @@ def test_removing_a_port_map_stops_and_removes_exactly_that_unit(tmp_path: Path)
     text = (fleet.desired / "fabric.toml").read_text()
     fleet.edit_fleet(text[text.index('[[port_maps]]\nname = "lux-smb"') :], "")
     assert_golden(fabric_plan(fleet), "racknerd-port-map-removed.txt")
-    assert fleet.reconcile().ok
+    # Asked, systemd holds no unit whose file changes: stopped without a reload.
+    assert_golden(fabric_plan_asking_systemd(fleet), "racknerd-port-map-removed-systemd-asked.txt")
+    report = fleet.reconcile()
+    assert report.ok
     units = [c for c in fleet.machine.calls if c[1]]
     assert units == [("stop", "fabric-socat-lux-smb.service")]
+    assert ("daemon-reload", "") not in fleet.machine.calls and "daemon-reload" not in report.stdout
 
 
 def test_description_only_change_rewrites_without_restarting(tmp_path: Path) -> None:
