@@ -381,8 +381,9 @@ class Applier:
         memory (the desired units, the units of tracked drop-ins); None when
         it cannot be asked: every change of a unit file then reloads.
 
-        Read after the units' states: asking loads a unit, and a unit loaded
-        from its old file before the pass writes the new one is held."""
+        Asking loads each unit (LoadUnit): one whose old file is on disk is
+        held from then on, one with no file stays a stub until the pass
+        writes it, so the answer holds for the rest of the pass."""
         if self.activators is None:
             return None
         units = {configured_unit(a.path) for a in artifacts if a.kind == "unit"}
@@ -403,17 +404,15 @@ class Applier:
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
         tracked_restarts = self._tracked_restarts()
-        unit_states = self._unit_states(artifacts)
-        dependent_states = self._dependent_states(artifacts, tracked_restarts)
         actions = plan_actions(
             artifacts,
             installed,
             tracked,
             running=running,
-            unit_states=unit_states,
+            unit_states=self._unit_states(artifacts),
             nft_table_loaded=(not self.nft_reload and self.activators.nftables.table_loaded()) if self.activators is not None else None,
             tracked_restarts=tracked_restarts,
-            dependent_states=dependent_states,
+            dependent_states=self._dependent_states(artifacts, tracked_restarts),
             units_held=self._units_held(artifacts, tracked),
         )
         return actions, unfinished
@@ -618,14 +617,13 @@ class Applier:
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
         tracked_restarts = self._tracked_restarts()
-        dependent_states = self._dependent_states(old, tracked_restarts)
         actions = plan_actions(
             old,
             installed,
             tracked,
             running=running,
             tracked_restarts=tracked_restarts,
-            dependent_states=dependent_states,
+            dependent_states=self._dependent_states(old, tracked_restarts),
             units_held=self._units_held(old, tracked),
         )
         self.audit.record("rollback", "started", generation=str(target or ""), reason=reason)

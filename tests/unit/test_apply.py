@@ -532,6 +532,23 @@ def test_a_start_systemd_finds_no_file_for_is_retried_after_a_daemon_reload_and_
     assert_converged(fleet.machine, fleet.root)
 
 
+class HeldUnknown(FakeMachine):
+    """systemd answers everything but which units it holds."""
+
+    def units_held(self, units: list[str]) -> dict[str, bool]:
+        raise ActivationError("systemd's version: org.freedesktop.DBus.Error.NoReply: no reply")
+
+
+def test_when_systemd_cannot_say_what_it_holds_every_unit_change_reloads(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.machine = HeldUnknown(fleet.root, tmp_path / "machine-unknown.json")
+    report = fleet.reconcile()
+    assert report.ok
+    assert fleet.machine.calls[0] == ("daemon-reload", "")
+    assert "reloaded the systemd manager configuration (daemon-reload)\n" in report.stdout
+    assert_converged(fleet.machine, fleet.root)
+
+
 def test_a_rollback_goes_through_the_same_rule(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     assert fleet.reconcile().ok
