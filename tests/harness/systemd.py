@@ -28,6 +28,9 @@ What the object offers:
 - `systemctl(*args)`, `journal(*args)`: shorthands for `run("systemctl", ...)`
   and `run("journalctl", "--no-pager", ...)`.
 
+`ManagerReloads(container.bus_address)` counts the daemon-reloads systemd runs,
+from its own D-Bus signal.
+
 How it is built (method 1 of shared/notes/real-components.md): `unshare` gives
 new PID, mount, UTS, IPC and cgroup namespaces (and optionally a network one);
 inside them a tmpfs holds an overlay whose lower layer is the host's `/`, so the
@@ -56,6 +59,7 @@ process itself is killed (the kernel closes the pipe).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import shutil
@@ -66,7 +70,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from reconciler.ports import ActivationError, UnitJob
 
@@ -74,6 +78,7 @@ if TYPE_CHECKING:
     from reconciler.adapters.systemd_dbus import SystemdDbus
 
 BOOT_TARGET = "fabric-harness.target"
+_SYSTEMD, _MANAGER_PATH, _MANAGER = "org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager"
 
 # This checkout. Tests run the project inside containers from its path.
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -386,6 +391,62 @@ def _unmount_leftovers(work: Path) -> None:
         targets = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
     for target in sorted(targets, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+
+
+class ManagerReloads:
+    """How many daemon-reloads systemd began since this was made: its
+    Manager's `Reloading(true)` signal, which it sends to subscribed clients
+    as each reload begins, whoever asked for it (`systemctl`, a pass inside
+    the container, the adapter).
+
+    `count()` first makes a round trip to systemd (Peer.Ping): systemd sends
+    its messages to this connection in order, so every signal of a reload
+    that began before the call is in by then, and a count unchanged across a
+    pass means that pass reloaded nothing."""
+
+    _MATCH = f"type='signal',sender='{_SYSTEMD}',path='{_MANAGER_PATH}',interface='{_MANAGER}',member='Reloading'"
+
+    def __init__(self, bus_address: str) -> None:
+        from dbus_fast import Message, MessageType
+        from dbus_fast.aio import MessageBus
+
+        self._message, self._types = Message, MessageType
+        self._began = 0
+        self._loop = asyncio.new_event_loop()
+
+        async def connect() -> MessageBus:
+            bus = await MessageBus(bus_address=bus_address).connect()
+            bus.add_message_handler(self._on_message)
+            await self._checked(bus, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "AddMatch", "s", [self._MATCH])
+            # systemd sends its signals on the bus only while a client is subscribed.
+            await self._checked(bus, _SYSTEMD, _MANAGER_PATH, _MANAGER, "Subscribe", "", [])
+            return bus
+
+        self._bus = self._loop.run_until_complete(connect())
+
+    def _on_message(self, message: Any) -> None:
+        if message.message_type is self._types.SIGNAL and message.member == "Reloading" and message.body == [True]:
+            self._began += 1
+
+    async def _checked(self, bus: Any, destination: str, path: str, interface: str, member: str, signature: str, body: list[Any]) -> None:
+        reply = await bus.call(self._message(destination=destination, path=path, interface=interface, member=member, signature=signature, body=body))
+        if reply.message_type is self._types.ERROR:
+            raise RuntimeError(f"{member}: {reply.error_name}: {reply.body}")
+
+    def count(self) -> int:
+        self._loop.run_until_complete(self._checked(self._bus, _SYSTEMD, _MANAGER_PATH, "org.freedesktop.DBus.Peer", "Ping", "", []))
+        return self._began
+
+    def close(self) -> None:
+        self._bus.disconnect()
+        self._loop.run_until_complete(self._bus.wait_for_disconnect())
+        self._loop.close()
+
+    def __enter__(self) -> ManagerReloads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def run_job(systemd: SystemdDbus, job: UnitJob, unit: str) -> None:

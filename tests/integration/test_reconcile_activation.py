@@ -8,22 +8,31 @@ qfox-ssh (2222 -> qfox-1:22) carries real traffic. The passes run inside the
 container (`python3 -m reconciler`, the package and its dependencies made
 visible there), exactly as fabric-reconcile.service would run them:
 
-1. the first pass starts everything and traffic flows through the port map;
+1. the first pass starts everything and traffic flows through the port map,
+   without a daemon-reload (systemd holds none of the new units: each start
+   reads its file);
 2. the second pass is a no-op (no unit is restarted: same InvocationID);
-3. a changed port map restarts exactly that unit;
+3. a changed port map restarts exactly that unit, after a daemon-reload
+   (systemd holds the unit that runs);
 4. a port map whose socat cannot start (its port taken) fails activation, the
-   pass rolls back and the previous generation serves again (exit 1).
+   pass rolls back and the previous generation serves again (exit 1);
+5. a port map leaving the plan is stopped, its file removed, without a
+   daemon-reload, and systemd forgets the unit.
+
+systemd's own count of its reloads (its Reloading signal,
+tests.harness.systemd.ManagerReloads) says which passes reloaded.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import REPO
-from tests.harness.systemd import SystemdContainer
+from tests.harness.systemd import ManagerReloads, SystemdContainer
 from tests.harness.waiting import wait_until
 from tests.integration.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile_argv
 
@@ -58,10 +67,32 @@ def edit_fleet(container: SystemdContainer, old: str, new: str) -> None:
     container.write_file(f"{DESIRED}/fabric.toml", text.replace(old, new))
 
 
-def test_passes_activate_restart_and_roll_back_for_real(edge: SystemdContainer) -> None:
+def audited(result: subprocess.CompletedProcess[str], edge: SystemdContainer, cursor: str | None, action: str) -> list[dict[str, str]]:
+    """The pass's audit records of `action`: journald's since `cursor` or,
+    without journald in the container, the JSON lines on its stderr."""
+    # --sync returns once journald has stored every message sent before it.
+    edge.run("journalctl", "--sync")
+    argv = ["journalctl", "--no-pager", "-t", "fabric-reconcile", "-o", "json", *([f"--after-cursor={cursor}"] if cursor else [])]
+    entries = [json.loads(line) for line in edge.run(*argv).stdout.splitlines() if line.strip()]
+    records = [{k.removeprefix("FABRIC_").lower(): str(v) for k, v in e.items() if k.startswith("FABRIC_")} for e in entries]
+    records += [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    return [r for r in records if r.get("action") == action]
+
+
+def journal_end(edge: SystemdContainer) -> str | None:
+    """Where the journal ends now (None: empty, or no journald)."""
+    last = edge.run("journalctl", "--no-pager", "-n", "1", "-o", "json").stdout.strip()
+    return json.loads(last)["__CURSOR"] if last else None
+
+
+def passes_for_real(edge: SystemdContainer, reloads: ManagerReloads) -> None:
+    reloaded, cursor = reloads.count(), journal_end(edge)
     first = reconcile(edge)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "generation 1 is active" in first.stdout
+    assert "daemon-reload" not in first.stdout
+    assert reloads.count() == reloaded, "the first pass reloaded systemd"
+    assert not audited(first, edge, cursor, "daemon-reload")
     for unit in ("fabric-socat-qfox-ssh.service", "fabric-socat-lux-smb.service", "fabric-nftables.service"):
         assert edge.systemctl("is-active", unit).stdout.strip() == "active", unit
     assert echo_through(edge, 2222) == "ping"
@@ -80,11 +111,15 @@ def test_passes_activate_restart_and_roll_back_for_real(edge: SystemdContainer) 
     assert second.returncode == 0 and second.stdout.strip() == "nothing to do (generation 1)", second.stdout + second.stderr
     assert {u: invocation(edge, u) for u in before} == before
 
-    # 3. One port map changes: exactly its unit restarts.
+    # 3. One port map changes: exactly its unit restarts, systemd reloaded first.
     edit_fleet(edge, "listen_port = 2222", "listen_port = 2223")
+    cursor = journal_end(edge)
     third = reconcile(edge)
     assert third.returncode == 0, third.stdout + third.stderr
     assert "restarted the following units:\n  fabric-socat-qfox-ssh.service\n" in third.stdout
+    assert "reloaded the systemd manager configuration (daemon-reload)\n" in third.stdout
+    assert reloads.count() == reloaded + 1
+    assert [r["outcome"] for r in audited(third, edge, cursor, "daemon-reload")] == ["ok"]
     assert invocation(edge, "fabric-socat-qfox-ssh.service") != before["fabric-socat-qfox-ssh.service"]
     assert invocation(edge, "fabric-socat-lux-smb.service") == before["fabric-socat-lux-smb.service"]
     assert echo_through(edge, 2223) == "ping"
@@ -101,3 +136,26 @@ def test_passes_activate_restart_and_roll_back_for_real(edge: SystemdContainer) 
     listed = edge.run("env", f"PYTHONPATH={SITE}:{REPO}", "python3", "-m", "reconciler", "generations").stdout
     assert [line.split()[0] for line in listed.splitlines()[1:]] == ["1", "2", "3"]
     assert listed.splitlines()[2].endswith("current, good")
+
+    # 5. Back to generation 2's port, and a port map leaves the plan: its unit
+    # is stopped without a reload, and gone.
+    edit_fleet(edge, "listen_port = 2300", "listen_port = 2223")
+    reloaded, cursor = reloads.count(), journal_end(edge)
+    lux_smb = '[[port_maps]]\nname = "lux-smb"\nhost = "racknerd"\nlisten_port = 4445\ntarget_host = "lux"\ntarget_port = 445\n'
+    edit_fleet(edge, lux_smb, "")
+    fifth = reconcile(edge)
+    assert fifth.returncode == 0, fifth.stdout + fifth.stderr
+    assert "stopped the following units:\n  fabric-socat-lux-smb.service\n" in fifth.stdout and "daemon-reload" not in fifth.stdout
+    assert reloads.count() == reloaded, "stopping a unit that left the plan reloaded systemd"
+    assert not audited(fifth, edge, cursor, "daemon-reload")
+    assert not edge.host_path("/etc/systemd/system/fabric-socat-lux-smb.service").exists()
+    wait_until(
+        lambda: edge.systemctl("show", "fabric-socat-lux-smb.service", "-p", "LoadState", "--value").stdout.strip() == "not-found",
+        what="systemd to drop fabric-socat-lux-smb.service",
+    )
+    assert echo_through(edge, 2223) == "ping"
+
+
+def test_passes_activate_restart_and_roll_back_for_real(edge: SystemdContainer) -> None:
+    with ManagerReloads(edge.bus_address) as reloads:
+        passes_for_real(edge, reloads)

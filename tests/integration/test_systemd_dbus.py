@@ -6,6 +6,7 @@ One container serves the whole module; each test uses its own unit names.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier
 from reconciler.ports import ActivationError, JobOutcome
 from tests.conftest import require, require_root
-from tests.harness.systemd import SystemdContainer, run_job, systemd_container
+from tests.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
 from tests.harness.waiting import deadline_for, wait_until
 from tests.unit.test_apply import FixedClock, RecordingAudit
 
@@ -310,6 +311,143 @@ def test_the_applier_rolls_back_a_batch_with_a_service_that_exits_at_once(contai
         assert [watchful.active_state(name) for name in names[::2]] == ["inactive", "inactive"]
         assert watchful.active_state(names[1]) != "active"
         watchful.run_jobs("stop", names)
+
+
+# --------------------------------------------------------------------------
+# daemon-reload only when systemd holds a unit whose file changed
+
+
+def noting_unit(name: str, note: str) -> str:
+    """A service that says which file it was started from: `note` in /run/NAME.note."""
+    return f"[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sh -c 'echo {note} > /run/{name}.note'\n"
+
+
+def unit_artifact(name: str, text: str) -> Artifact:
+    return Artifact(f"etc/systemd/system/{name}", text, 0o644, "unit")
+
+
+def applier_on(container: SystemdContainer, systemd: SystemdDbus, audit: RecordingAudit, state_dir: str, **options: object) -> Applier:
+    """The Applier of one test's passes: their own state directory, so no
+    other test's generations are tracked (and removed) by them."""
+    return Applier(
+        LocalTree(container.root),
+        FlockLock(container.host_path("/var/lib/fabric/lock")),
+        audit,
+        FixedClock(),
+        validators=None,
+        activators=Activators(systemd, NO_NFT_OR_CADDY, NO_NFT_OR_CADDY),  # type: ignore[arg-type]
+        state_dir=state_dir,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_units_held_is_what_systemd_has_in_memory(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    new, loaded = "fabric-test-held-new.service", "fabric-test-held-loaded.service"
+    install_unit(container, systemd, loaded, "[Service]\nExecStart=/bin/sleep infinity\n")
+    assert systemd.units_held([new, loaded]) == {new: False, loaded: True}
+    # Asking left a not-found stub of the new one; its file, written now, is read at its start.
+    assert systemd.unit_properties(new)["LoadState"] == "not-found"
+    container.write_file(f"{UNIT_DIR}/{new}", "[Service]\nExecStart=/bin/sleep infinity\n")
+    assert systemd.run_jobs("start", [new]) == [JobOutcome(new)]
+    assert systemd.units_held([new]) == {new: True}
+    systemd.run_jobs("stop", [new])
+    container.remove_file(f"{UNIT_DIR}/{new}")
+
+
+def test_passes_reload_only_for_a_changed_unit_systemd_holds(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    """Through the Applier: new units start without a daemon-reload (systemd's
+    own Reloading signal counted), a changed unit that runs is reloaded and
+    runs its new file, a removed unit is stopped without one and is gone."""
+    kept, other, gone = "fabric-test-held-kept.service", "fabric-test-held-other.service", "fabric-test-held-gone.service"
+    audit = RecordingAudit()
+    applier = applier_on(container, systemd, audit, "var/lib/fabric-test-held")
+    with ManagerReloads(container.bus_address) as reloads:
+        first = [
+            unit_artifact(kept, noting_unit(kept, "first")),
+            unit_artifact(other, noting_unit(other, "first")),
+            unit_artifact(gone, noting_unit(gone, "first")),
+        ]
+        before = reloads.count()
+        result = applier.run(first, host="held", epoch=None)
+        assert result.outcome == "applied", result.messages
+        assert not result.actions.daemon_reload and result.actions.start == tuple(sorted((kept, other, gone)))
+        assert reloads.count() == before, "starting new units reloaded systemd"
+        assert [container.read_file(f"/run/{unit}.note") for unit in (kept, other, gone)] == ["first\n"] * 3
+        assert not [r for r in audit.records if r["action"] == "daemon-reload"]
+
+        # The held unit changes: reloaded, restarted, running the new file.
+        second = [unit_artifact(kept, noting_unit(kept, "second")), *first[1:]]
+        result = applier.run(second, host="held", epoch=None)
+        assert result.outcome == "applied", result.messages
+        assert result.actions.daemon_reload and result.actions.restart == (kept,)
+        assert reloads.count() == before + 1
+        assert container.read_file(f"/run/{kept}.note") == "second\n"
+
+        # One leaves the plan: stopped, its file removed, no reload; systemd forgets it.
+        result = applier.run(second[:2], host="held", epoch=None)
+        assert result.outcome == "applied", result.messages
+        assert not result.actions.daemon_reload and result.actions.stop == (gone,)
+        assert reloads.count() == before + 1
+        assert not container.host_path(f"{UNIT_DIR}/{gone}").exists()
+        wait_until(lambda: systemd.unit_properties(gone)["LoadState"] == "not-found", what=f"systemd to drop {gone}")
+        assert [systemd.active_state(unit) for unit in (kept, other)] == ["active", "active"]
+    systemd.run_jobs("stop", [kept, other])
+
+
+def test_a_start_whose_new_file_systemd_missed_is_retried_after_one_daemon_reload(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    """The race, made to happen: the unit directory's mtime is set back to
+    what it was when systemd last scanned it (at the pass's LoadUnit), as if
+    the pass's rename had landed in the same tick of the kernel's coarse
+    clock. systemd then answers the start with "not found"; the adapter
+    reloads once, starts it again, and the pass audits it."""
+    unit = "fabric-test-held-missed.service"
+    unit_dir = container.host_path(UNIT_DIR)
+    scanned: list[os.stat_result] = []
+
+    def checkpoint(step: str) -> None:
+        if step.startswith("write ") and not scanned:
+            scanned.append(unit_dir.stat())  # as systemd saw it at the LoadUnit of compute_actions
+        elif step == f"start {unit}":
+            os.utime(unit_dir, ns=(scanned[0].st_atime_ns, scanned[0].st_mtime_ns))
+
+    audit = RecordingAudit()
+    applier = applier_on(container, systemd, audit, "var/lib/fabric-test-held-missed", checkpoint=checkpoint)
+    with ManagerReloads(container.bus_address) as reloads:
+        before = reloads.count()
+        result = applier.run([unit_artifact(unit, noting_unit(unit, "missed"))], host="held-missed", epoch=None)
+        assert result.outcome == "applied", result.messages
+        assert not result.actions.daemon_reload, "a new unit: no reload planned"
+        assert reloads.count() == before + 1
+    assert container.read_file(f"/run/{unit}.note") == "missed\n"
+    [reloaded] = [r for r in audit.records if r["action"] == "daemon-reload"]
+    assert reloaded["reason"] == f"systemd found no file for {unit} at its start; start queued again"
+    [started] = [r for r in audit.records if r["action"] == "start"]
+    assert started["outcome"] == "ok" and started["reason"] == "new unit (after a daemon-reload: systemd had not seen its file)"
+    systemd.run_jobs("stop", [unit])
+
+
+def test_the_retry_runs_together_with_the_jobs_of_its_batch(container: SystemdContainer, systemd: SystemdDbus) -> None:
+    """Two units that each finish starting only once the other has begun: the
+    one systemd finds is running its start job while the other is refused,
+    systemd reloads and the other is queued; both start."""
+    found, missed = "fabric-test-held-mutual-a", "fabric-test-held-mutual-b"
+    units = [f"{found}.service", f"{missed}.service"]
+    unit_dir = container.host_path(UNIT_DIR)
+    timeout = deadline_for(1.0)
+    assert systemd.units_held(units) == dict.fromkeys(units, False)
+    container.write_file(f"{UNIT_DIR}/{units[0]}", MUTUAL_START.format(timeout=timeout, name=found, other=missed))
+    assert systemd.units_held(units[:1]) == {units[0]: True}  # systemd looked again: the directory changed
+    scanned = unit_dir.stat()
+    container.write_file(f"{UNIT_DIR}/{units[1]}", MUTUAL_START.format(timeout=timeout, name=missed, other=found))
+    os.utime(unit_dir, ns=(scanned.st_atime_ns, scanned.st_mtime_ns))
+    try:
+        with ManagerReloads(container.bus_address) as reloads:
+            before = reloads.count()
+            assert systemd.run_jobs("start", units) == [JobOutcome(units[0]), JobOutcome(units[1], retried_after_reload=True)]
+            assert reloads.count() == before + 1
+        assert [systemd.active_state(u) for u in units] == ["active", "active"]
+    finally:
+        systemd.run_jobs("stop", units)
 
 
 class NoNftOrCaddy:
