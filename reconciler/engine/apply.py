@@ -18,8 +18,9 @@ A pass that changes files:
 
     1. stages generations/.new-<n>/ (every file, then the manifest; each write
        atomic and fsynced) and validates the staged units, ruleset and Caddy
-       config with the real checks. A failure deletes the staging directory:
-       nothing else was touched.
+       config with the real checks (those the last good generation does not
+       have as they are: it passed them). A failure deletes the staging
+       directory: nothing else was touched.
     2. publishes it: rename .new-<n> -> <n>, then points `current` at <n>.
        This is the commit point.
     3. installs the files (atomic writes, removals of what left the plan).
@@ -465,7 +466,7 @@ class Applier:
                 message = f"cannot write generation {number} under {self.store.dir}: {exc}"
                 self.audit.record("generation", "failed", generation=str(number), reason=message)
                 return PassResult("failed", actions, current, [message])
-            problem = self._validate(staging, artifacts)
+            problem = self._validate(staging, self._not_checked(artifacts))
             if problem is not None:
                 self.tree.remove_tree(staging)
                 self.audit.record("validate", "failed", generation=str(number), reason=problem)
@@ -510,6 +511,21 @@ class Applier:
         for n in self.store.prune():
             self.audit.record("prune", "ok", generation=str(n))
         return PassResult("applied", actions, number)
+
+    def _not_checked(self, artifacts: Sequence[Artifact]) -> list[Artifact]:
+        """The artifacts whose content has not passed the checks here: all but
+        those the last good generation has as they are (a pass marks one good
+        only after the checks and its activation; `fabric rollback` may mark
+        one good that --no-activate wrote unchecked, the operator's choice).
+        A pass that moves one service checks its new unit, not every unit of
+        the host again: each check is a program run (systemd-analyze loads
+        every unit it is given), and every affected host pays for them at
+        the same moment."""
+        good = self.store.manifest(self.store.good())
+        if good is None:
+            return list(artifacts)
+        checked = {(e.path, e.sha256) for e in good.entries}
+        return [a for a in artifacts if (a.path, a.sha256) not in checked]
 
     def _validate(self, staging: str, artifacts: Sequence[Artifact]) -> str | None:
         if self.validators is None:

@@ -220,6 +220,7 @@ class FakeMachine:
 
     # Nftables
     def check(self, ruleset: str) -> None:
+        self.state.setdefault("checked", []).append(["nft", sha(ruleset)])
         message = self.fail.get("nft-check")
         if message:
             raise ActivationError(message)
@@ -234,6 +235,7 @@ class FakeMachine:
 
     # Caddy
     def validate(self, caddyfile: str) -> None:
+        self.state.setdefault("checked", []).append(["caddy", sha(caddyfile)])
         message = self.fail.get("caddy-validate")
         if message:
             raise ActivationError(message)
@@ -597,6 +599,45 @@ def test_failed_validation_writes_nothing(tmp_path: Path) -> None:
     assert "\nfabric_reconcile_success 0\n" in (fleet.root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
     assert fleet.machine.calls == []
     assert any(r["action"] == "validate" and r["outcome"] == "failed" for r in fleet.audit.records)
+
+
+def checked_kinds(machine: FakeMachine) -> list[str]:
+    """What the ruleset and Caddy checks were given (nft, caddy), sorted."""
+    return sorted(kind for kind, _ in machine.state.get("checked", []))
+
+
+def test_a_pass_checks_only_what_the_last_good_generation_does_not_have(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    assert checked_kinds(fleet.machine) == ["caddy", "nft"]
+    (first,) = fleet.verifier.verified
+    assert sorted(Path(p).name for p in first) == ["fabric-nftables.service", "fabric-socat-lux-smb.service", "fabric-socat-qfox-ssh.service"]
+    # One port map's target changes: its unit alone is new; the ruleset and Caddy's config are the good generation's.
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    fleet.machine.state["checked"] = []
+    assert fleet.reconcile().outcome == "applied"
+    assert [[Path(p).name for p in units] for units in fleet.verifier.verified[1:]] == [["fabric-socat-qfox-ssh.service"]]
+    assert checked_kinds(fleet.machine) == []
+    # A port map leaves: no unit to verify (the ruleset changed: it is checked).
+    text = (fleet.desired / "fabric.toml").read_text()
+    fleet.edit_fleet(text[text.index('[[port_maps]]\nname = "lux-smb"') :], "")
+    assert fleet.reconcile().outcome == "applied"
+    assert len(fleet.verifier.verified) == 2, "nothing new to verify"
+    assert checked_kinds(fleet.machine) == ["nft"]
+    assert_converged(fleet.machine, fleet.root)
+
+
+def test_a_unit_back_to_the_content_of_an_older_generation_is_checked_again(tmp_path: Path) -> None:
+    """Only the last good generation stands for what passed the checks."""
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
+    assert fleet.reconcile().ok
+    fleet.edit_fleet("target_port = 2022\n", "target_port = 22\n")
+    fleet.verifier.fail = "fabric-socat-qfox-ssh.service: Unknown key name 'ExecStrat'"
+    report = fleet.reconcile()
+    assert report.outcome == "invalid", report
+    assert fleet.store.good() == fleet.store.current() == 2
 
 
 @pytest.mark.parametrize("check", ["nft-check", "caddy-validate"])
