@@ -56,6 +56,7 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         flap: FlapSettings,
         clock: Clock,
         busy_timeout_s: float = 10.0,
+        opened: SqliteFile | None = None,
     ) -> None:
         self.timing = timing
         self.flap = flap
@@ -64,7 +65,7 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         self._next_expiry: float | None = None
         # watch_host: the host whose baseline was reported (None: none yet).
         self._watched_host: str | None = None
-        super().__init__(path, clock=clock, busy_timeout_s=busy_timeout_s)
+        super().__init__(path, clock=clock, busy_timeout_s=busy_timeout_s, opened=opened)
 
     # -- nodes ------------------------------------------------------------------
 

@@ -83,9 +83,17 @@ def _unavailable(message: str) -> Exception:
 class SqliteFile:
     """The registry file, opened (created 0600 with its schema if it is not there)."""
 
-    def __init__(self, path: str | Path, *, clock: Clock, busy_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | Path, *, clock: Clock, busy_timeout_s: float = 10.0, opened: SqliteFile | None = None) -> None:
+        """`opened`: the same file, opened already in this process (a memoized
+        pass's file, for the full pass that follows it): its connection is
+        shared, not opened again (reconciler.adapters.pass_connections)."""
         self.path = Path(path)
         self._clock = clock
+        if opened is not None:
+            if opened.path != self.path:
+                raise ValueError(f"sqlite registry {self.path}: cannot share the connection of {opened.path}")
+            self._lock, self._db = opened._lock, opened._db
+            return
         self._lock = threading.Lock()
         try:
             self._create_private()

@@ -21,6 +21,7 @@ real ports from reconciler.cli.wiring and prints the outcome.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from reconciler.cli import EXIT_OK
@@ -38,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from reconciler.engine.memoized_pass import MemoHit, run_memoized_pass
 
     options = pass_options(args)
-    with wiring.memo_ports(options) as memo_ports:
-        outcome = run_memoized_pass(options, memo_ports, wiring.real_pass_ports)
+    # One registry client and one lane queue for the whole process: the
+    # memo's side and the full pass that may follow it share them.
+    with wiring.pass_connections() as connections:
+        with wiring.memo_ports(options, connections) as memo_ports:
+            outcome = run_memoized_pass(options, memo_ports, functools.partial(wiring.real_pass_ports, connections=connections))
     if isinstance(outcome, MemoHit):
         sys.stdout.write(outcome.stdout)
         return EXIT_OK

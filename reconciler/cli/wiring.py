@@ -10,6 +10,10 @@ Commands parse their arguments, take their adapters from here, and hand them
 says (tests and the demo run a fleet on one machine without etcd).
 
     lane_queue = open_lane_queue(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file
+
+A `fabric reconcile` process opens each of them once (`pass_connections`):
+the memo's side, the full pass and the edge's fleet view share one registry
+client and one lane queue (reconciler.adapters.pass_connections).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
+    from reconciler.adapters.pass_connections import PassConnections
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
     # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
@@ -99,6 +104,15 @@ def _etcd_registry_of(
     )
 
 
+def _etcd_key(settings: RegistrySettings, timing: TimingSettings, flap: FlapSettings, op_timeout_s: float = 3.0) -> str:
+    """What an etcd client is built from, as the key it is kept under in a
+    pass's connections: the memo's side (from the memo's copy of fabric.toml's
+    sections) and the full pass (from fabric.toml) agree on it."""
+    import json
+
+    return "etcd " + json.dumps([*(part.model_dump(mode="json") for part in (settings, timing, flap)), op_timeout_s], sort_keys=True)
+
+
 def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None = None) -> Registry:
     """`open_registry` for commands that only look: a sqlite registry that is not
     there raises `RegistryUnavailable` instead of being created."""
@@ -138,16 +152,21 @@ def open_lane_queue(fleet: FleetConfig, *, dsn_file: str | Path | None = None, c
     return PostgresLaneQueue(dsn, clock or system_clock(), job_function=fleet.phaze.job_function)
 
 
-def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None]) -> LaneQueue | None:
+def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None) -> LaneQueue | None:
     """`open_lane_queue` for readers that carry on without it (a pass, the
     leader, `fabric status`): None, with a note, when the broker cannot be
-    used; None silently when no queue URL file is configured at all."""
+    used; None silently when no queue URL file is configured at all.
+    `connections`: the lane queue kept there for the same file (opened if
+    there is none; one that could not be opened is tried again next time)."""
     from reconciler.ports import LaneQueueError
 
-    if queue_url_file(fleet) is None:
+    path = queue_url_file(fleet)
+    if path is None:
         return None
     try:
-        return open_lane_queue(fleet)
+        if connections is None:
+            return open_lane_queue(fleet)
+        return connections.kept(f"lane queue {path} {fleet.phaze.job_function}", lambda kept: kept or open_lane_queue(fleet))
     except LaneQueueError as exc:
         note(f"lane queue: {exc}; lanes shown without their queues")
         return None
@@ -357,24 +376,52 @@ def print_note(note: str) -> None:
     print(f"note: {note}", file=sys.stderr)
 
 
-def registry_opener(options: PassOptions) -> Callable[[FleetConfig], Registry]:
+def registry_opener(options: PassOptions, connections: PassConnections | None = None) -> Callable[[FleetConfig], Registry]:
     """Opens the registry of a pass: [registry] as configured, or the sqlite
-    file of --registry-path (or of [registry] under a sandbox root)."""
+    file of --registry-path (or of [registry] under a sandbox root).
+    `connections`: the one kept there for the same settings (opened if there
+    is none; on the connection of the memo's side's sqlite file if it opened one)."""
     from reconciler.engine.pass_options import PlanFromRegistry
 
     sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
 
     def connect(fleet: FleetConfig) -> Registry:
-        return open_registry(fleet, sqlite_path=registry_path(sqlite_path, options.root, fleet))
+        path = registry_path(sqlite_path, options.root, fleet)
+        if connections is None:
+            return open_registry(fleet, sqlite_path=path)
+        if path is not None or fleet.registry.backend == "sqlite":
+            key = f"sqlite {Path(path or fleet.registry.path)}"
+        else:
+            key = _etcd_key(fleet.registry, fleet.timing, fleet.flap)
+        return connections.kept(key, lambda kept: _full_registry(fleet, path, kept))
 
     return connect
 
 
-def memo_registry_opener(options: PassOptions, clock: Clock | None = None) -> Callable[[Mapping[str, Any]], BeatRegistry]:
+def _full_registry(fleet: FleetConfig, sqlite_path: Path | None, kept: Any) -> Registry:
+    """The registry a pass process keeps for fabric.toml's [registry]: `kept`,
+    the one it opened already; opened when there is none; when the memo's side
+    opened only the sqlite file's standard-library base, the full registry on
+    that file's connection."""
+    from reconciler.adapters.registry_sqlite_file import SqliteFile
+
+    if kept is None:
+        return open_registry(fleet, sqlite_path=sqlite_path)
+    if type(kept) is SqliteFile:
+        from reconciler.adapters.registry_sqlite import SqliteRegistry
+
+        return SqliteRegistry(kept.path, timing=fleet.timing, flap=fleet.flap, clock=system_clock(), opened=kept)
+    return kept
+
+
+def memo_registry_opener(
+    options: PassOptions, clock: Clock | None = None, connections: PassConnections | None = None
+) -> Callable[[Mapping[str, Any]], BeatRegistry]:
     """Opens the registry a pass memo names (PassMemo.registry: fabric.toml's
     [registry], [timing], [flap]) as `registry_opener` opens it from
     fabric.toml: the sqlite file through its standard-library base (no model
-    imported), an etcd cluster through the etcd adapter."""
+    imported), an etcd cluster through the etcd adapter; kept in
+    `connections`, when given, for the full pass that may follow."""
     from reconciler.engine.pass_options import PlanFromRegistry
 
     sqlite_path = options.plan.sqlite_path if isinstance(options.plan, PlanFromRegistry) else None
@@ -386,18 +433,44 @@ def memo_registry_opener(options: PassOptions, clock: Clock | None = None) -> Ca
         if sqlite_path is not None or backend == "sqlite":
             from reconciler.adapters.registry_sqlite_file import SqliteFile
 
-            return SqliteFile(_registry_path(sqlite_path, options.root, backend, path) or path, clock=beat_clock)
+            file = Path(_registry_path(sqlite_path, options.root, backend, path) or path)
+            if connections is None:
+                return SqliteFile(file, clock=beat_clock)
+            return connections.kept(f"sqlite {file}", lambda kept: kept or SqliteFile(file, clock=beat_clock))
         from reconciler.core.desired.model import FlapSettings, RegistrySettings, TimingSettings
 
         registry = RegistrySettings.model_validate(settings)
-        return _etcd_registry_of(registry, TimingSettings.model_validate(reach["timing"]), FlapSettings.model_validate(reach["flap"]), beat_clock)
+        timing, flap = TimingSettings.model_validate(reach["timing"]), FlapSettings.model_validate(reach["flap"])
+        if connections is None:
+            return _etcd_registry_of(registry, timing, flap, beat_clock)
+        return connections.kept(_etcd_key(registry, timing, flap), lambda kept: kept or _etcd_registry_of(registry, timing, flap, beat_clock))
 
     return connect
 
 
 @contextmanager
-def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
-    """The ports of `fabric reconcile` and `fabric plan`; the D-Bus connection is closed on leaving."""
+def pass_connections() -> Iterator[PassConnections]:
+    """The connections of one pass process (`fabric reconcile`: the memo's
+    side and the full pass), each closed once on leaving."""
+    from reconciler.adapters.pass_connections import PassConnections
+
+    connections = PassConnections()
+    try:
+        yield connections
+    finally:
+        connections.close()
+
+
+@contextmanager
+def real_pass_ports(options: PassOptions, connections: PassConnections | None = None) -> Iterator[PassPorts]:
+    """The ports of `fabric reconcile` and `fabric plan`; the D-Bus connection is closed on leaving.
+    The registry and the lane queue are opened once, in `connections` (when
+    not given: connections of these ports alone, closed on leaving)."""
+    if connections is None:
+        with pass_connections() as own:
+            with real_pass_ports(options, own) as ports:
+                yield ports
+        return
     with _pass_ports(
         options.root,
         options.state_dir,
@@ -407,8 +480,8 @@ def real_pass_ports(options: PassOptions) -> Iterator[PassPorts]:
         caddy_admin=options.caddy_admin,
         startup_grace=options.startup_grace,
     ) as ports:
-        ports.open_registry = registry_opener(options)
-        ports.open_lane_queue = lambda fleet: lane_queue_if_configured(fleet, note=print_note)
+        ports.open_registry = registry_opener(options, connections)
+        ports.open_lane_queue = lambda fleet: lane_queue_if_configured(fleet, note=print_note, connections=connections)
         ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 
@@ -495,8 +568,10 @@ def _pass_ports(
 
 
 @contextmanager
-def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
-    """The memo's ports of `fabric reconcile`; the D-Bus connection and the journal are closed on leaving."""
+def memo_ports(options: PassOptions, connections: PassConnections | None = None) -> Iterator[MemoPorts]:
+    """The memo's ports of `fabric reconcile`; the D-Bus connection and the journal are closed on leaving.
+    The registry and the lane queue are kept in `connections` for the full
+    pass that may follow (when not given: opened anew for each use)."""
     from reconciler.adapters import memo_io
     from reconciler.engine.memoized_pass import MemoPorts
 
@@ -509,8 +584,8 @@ def memo_ports(options: PassOptions) -> Iterator[MemoPorts]:
             audit=audit,
             clock=system_clock(),
             probe=probe_live,
-            open_registry=memo_registry_opener(options),
-            open_lane_queue=lambda fleet: lane_queue_if_configured(fleet, note=print_note),
+            open_registry=memo_registry_opener(options, connections=connections),
+            open_lane_queue=lambda fleet: lane_queue_if_configured(fleet, note=print_note, connections=connections),
             note=print_note,
         )
     finally:

@@ -451,8 +451,8 @@ def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
     seen: list[bool] = []
     real = wiring.real_pass_ports
 
-    def killed_at_the_first_change(options):  # type: ignore[no-untyped-def]
-        with real(options) as ports:
+    def killed_at_the_first_change(options, **wired):  # type: ignore[no-untyped-def]
+        with real(options, **wired) as ports:
 
             def kill(step: str) -> None:
                 seen.append(sandbox.memo_file.exists())
