@@ -7,15 +7,17 @@
       or plan file (stat), the live probe's parsed facts (MemoPorts.probe, once;
       core.probe.facts_key: no model, NodeFacts are built by the full pass alone)
     2 the memo the last converged pass left (pass_memo.usable), under the pass
-      lock: has the world drifted (pass_memo.drift)? A changed table only: a
-      full pass that reloads it (PassOptions.nft_reload)
-    3 a hit: re-send the memo's heartbeat, the record's JSON as the last full
-      pass validated it (its in_flight with the lane jobs of the lanes whose
-      jobs run here read afresh from the registry: they change without any
-      drift; no NodeRecord is built), after checking the registry's epoch (a
-      new plan: the full pass, which beats), one audit line, this host's
-      pass series refreshed (pass_memo.refreshed_metrics); the outcome is a
-      MemoHit
+      lock: when it names a registry, the registry's epoch first (moved: a new
+      plan, the full pass at once, which compares the world itself and beats;
+      the drift check's unit states, table listing and file hashes would only
+      delay the plan); then has the world drifted (pass_memo.drift)? A
+      changed table only: a full pass that reloads it (PassOptions.nft_reload)
+    3 a hit: re-send the memo's heartbeat on that registry connection, the
+      record's JSON as the last full pass validated it (its in_flight with
+      the lane jobs of the lanes whose jobs run here read afresh from the
+      registry: they change without any drift; no NodeRecord is built), one
+      audit line, this host's pass series refreshed
+      (pass_memo.refreshed_metrics); the outcome is a MemoHit
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
       ports `full_pass_ports` gives), which drops the memo before its first
       change and leaves a new one when it converges; the outcome is its PassReport
@@ -185,25 +187,63 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
     with ports.store.lock(memo_file.parent / "lock") as free:
         if not free:
             return "full", None  # another pass runs: the full pass reports it busy
-        world = ports.world
+        registry = None
         try:
-            drifted = drift(memo, world.read, world.unit_state(), world.nft_digest())
-        except Exception as exc:  # systemd cannot be asked: the full pass says why
-            ports.note(f"pass memo: cannot check the world ({exc}); full pass")
-            return "full", None
-        if drifted is not None:
-            ports.note(f"drift since the last pass: {drifted}; full pass")
-            return ("nft" if drifted == NFT_DRIFT else "full"), None
-        if memo.node_record is not None and not _heartbeat(options, ports, memo):
-            return "full", None
+            if memo.node_record is not None:
+                registry = _registry_at_memo_epoch(ports, memo)
+                if registry is None:
+                    return "full", None
+            world = ports.world
+            try:
+                drifted = drift(memo, world.read, world.unit_state(), world.nft_digest())
+            except Exception as exc:  # systemd cannot be asked: the full pass says why
+                ports.note(f"pass memo: cannot check the world ({exc}); full pass")
+                return "full", None
+            if drifted is not None:
+                ports.note(f"drift since the last pass: {drifted}; full pass")
+                return ("nft" if drifted == NFT_DRIFT else "full"), None
+            if registry is not None and not _heartbeat(options, ports, memo, registry):
+                return "full", None
+        finally:
+            if registry is not None:
+                registry.close()
         ports.audit.record("noop", "ok", generation=str(memo.generation or ""), memo="hit")
         _refresh_records(options, ports, memo_file.parent, started)
     return "hit", memo
 
 
-def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
-    """Re-send the memo's heartbeat; False (a full pass) when the registry
-    cannot take it or its plan epoch moved on (then no beat is sent here).
+def _registry_at_memo_epoch(ports: MemoPorts, memo: PassMemo) -> BeatRegistry | None:
+    """The registry the memo names, open, when its epoch is still the memo's;
+    None (a full pass) when the memo cannot say how to reach it, the registry
+    cannot be read, or its epoch moved on: a new plan, whose full pass beats
+    itself (a beat here would only delay the plan's pass). The caller closes it."""
+    from reconciler.ports import RegistryError
+
+    if memo.registry is None or memo.beat_ttl_s is None:
+        return None  # a memo the full pass wrote without them: measure again
+    try:
+        registry = ports.open_registry(memo.registry)
+    except RegistryError:
+        return None
+    try:
+        epoch = registry.epoch()
+    except RegistryError:
+        registry.close()
+        return None
+    except BaseException:
+        registry.close()
+        raise
+    if epoch != memo.epoch:
+        ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
+        registry.close()
+        return None
+    return registry
+
+
+def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry: BeatRegistry) -> bool:
+    """Re-send the memo's heartbeat to `registry` (its epoch checked); False
+    (a full pass) when the record cannot be sent as it is or the registry
+    cannot take it.
 
     The record is the JSON the last full pass validated and sent, re-sent as
     it is but for what changes without drift: the lane jobs in `in_flight`
@@ -215,34 +255,24 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> bool:
     from reconciler.core.live.host_limits import lowered_note
     from reconciler.ports import LaneQueueError, RegistryError
 
-    assert memo.node_record is not None
+    assert memo.node_record is not None and memo.beat_ttl_s is not None
     try:
         record = json.loads(memo.node_record)
     except ValueError:
         return False
-    if not isinstance(record, dict) or memo.registry is None or memo.beat_ttl_s is None:
-        return False  # a memo the full pass wrote without them: measure again
+    if not isinstance(record, dict):
+        return False
     lowered = lowered_note(record.get("lowered_limits") or [])
     if lowered is not None:
         ports.note(lowered)
     try:
-        registry = ports.open_registry(memo.registry)
-        try:
-            # The epoch first: a new plan makes this a full pass, which beats
-            # itself (a second beat here would only delay the plan's pass).
-            epoch = registry.epoch()
-            if epoch != memo.epoch:
-                ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
-                return False
-            if memo.lanes_here:
-                in_flight = _in_flight(options, ports, memo)
-                if in_flight is None:
-                    return False  # fabric.toml unreadable, or a lane queue configured but unusable: the full pass says why
-                record = {**record, "in_flight": in_flight}
-            stored = registry.heartbeat_json(record, memo.beat_ttl_s)
-            ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
-        finally:
-            registry.close()
+        if memo.lanes_here:
+            in_flight = _in_flight(options, ports, memo)
+            if in_flight is None:
+                return False  # fabric.toml unreadable, or a lane queue configured but unusable: the full pass says why
+            record = {**record, "in_flight": in_flight}
+        stored = registry.heartbeat_json(record, memo.beat_ttl_s)
+        ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
     except (RegistryError, LaneQueueError):
         return False
     return True

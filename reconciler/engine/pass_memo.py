@@ -22,12 +22,14 @@ applied or written) leaves a memo in the state directory:
     epoch         the registry's plan epoch the pass saw (None: no registry)
 
 The next pass computes the key of its own inputs first; when the key is the
-memo's, the memo is younger than MAX_AGE_S and the world has not drifted
-(`drift`: a file edited or removed, a unit no longer in its state, the table
-changed or flushed), the pass builds no model and renders nothing: it sends
-its heartbeat, checks the registry's epoch (a new plan: full pass), writes its
-one audit line and stops. Anything else (no memo, a corrupt one, any input or
-any drift) is a full pass, which repairs the drift and writes a new memo.
+memo's, the memo is younger than MAX_AGE_S, the registry's epoch is the
+memo's (read before the world is looked at: a new plan makes the full pass
+at once) and the world has not drifted (`drift`: a file edited or removed, a
+unit no longer in its state, the table changed or flushed), the pass builds
+no model and renders nothing: it sends its heartbeat, writes its one audit
+line and stops. Anything else (no memo, a corrupt one, any input, a new
+epoch or any drift) is a full pass, which repairs the drift and writes a new
+memo.
 
 This module is pure: the reads go through the callables the caller hands in.
 It imports nothing but the standard library, so the memoized pass pays for

@@ -470,3 +470,161 @@ def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
 
         reconcile_run(build_parser("reconcile").parse_args(sandbox.argv()))
     assert seen == [False]
+
+
+def test_a_new_plan_epoch_makes_a_full_pass_before_the_drift_check(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan published since the last pass makes the pass whole at once: the
+    memo's side does not hash the files (nor, with activation, read the units
+    and the table) first; the full pass compares them itself and repairs what drifted."""
+    run(capsys, sandbox.argv())
+    assert memoized(run(capsys, sandbox.argv())[2])
+    rendered = sandbox.root / "etc/caddy/fabric.caddy"
+    good = rendered.read_bytes()
+    rendered.write_bytes(good + b"# edited by hand\n")
+    new_registry_epoch(sandbox)
+    code, out, err = run(capsys, sandbox.argv())
+    assert code == 0 and not memoized(err), err
+    assert "note: registry epoch" in err and "drift since the last pass" not in err, err
+    assert err.count("note: heartbeat:") == 1, err
+
+
+class MemoWorldSeen:
+    """The PassWorld port, noting every look at the world the drift check takes (the key's inputs are constants)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def read(self, path: str) -> bytes | None:
+        self.calls.append(f"read {path}")
+        return b"as installed"
+
+    def unit_state(self):  # type: ignore[no-untyped-def]
+        def state(unit: str) -> str:
+            self.calls.append(f"unit {unit}")
+            return "active"
+
+        return state
+
+    def nft_digest(self):  # type: ignore[no-untyped-def]
+        def digest() -> str:
+            self.calls.append("nft list")
+            return "table"
+
+        return digest
+
+    def fingerprint(self, paths: object) -> str:
+        return "stat"
+
+    def git_commit(self, directory: Path) -> str | None:
+        return None
+
+    def which(self, program: str) -> str | None:
+        return None
+
+
+class BeatsSeen:
+    """The BeatRegistry port at epoch `epoch`, noting its calls in the same list."""
+
+    def __init__(self, calls: list[str], epoch: int) -> None:
+        self.calls, self._epoch = calls, epoch
+
+    def epoch(self) -> int:
+        self.calls.append("epoch")
+        return self._epoch
+
+    def heartbeat_json(self, record: dict, ttl_s: float) -> dict:  # type: ignore[type-arg]
+        self.calls.append("beat")
+        return {**record, "timeout_s": ttl_s}
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+class MemoFilesInMemory:
+    def __init__(self, files: dict[Path, bytes]) -> None:
+        self.files = files
+
+    def read(self, path: Path) -> bytes | None:
+        return self.files.get(path)
+
+    def write(self, path: Path, data: bytes) -> None:
+        self.files[path] = data
+
+    def remove(self, path: Path) -> None:
+        self.files.pop(path, None)
+
+    def rewrite_head(self, path: Path, edit) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def lock(self, lock_file: Path):  # type: ignore[no-untyped-def]
+        from contextlib import nullcontext
+
+        return nullcontext(True)
+
+
+class FullPassStarted(Exception):
+    pass
+
+
+def memo_side(tmp_path: Path, registry_epoch: int, unit_state: str = "active") -> list[str]:
+    """The memo's side of one pass with activation, on ports that note what it
+    looks at, in order; the memo saw epoch 4. The full pass is not run: its
+    ports raise FullPassStarted (noted as "full pass")."""
+    from contextlib import contextmanager
+
+    from reconciler.engine.memoized_pass import MemoPorts, pass_inputs, run_memoized_pass
+    from reconciler.engine.pass_memo import inputs_key
+    from reconciler.engine.pass_options import PassOptions
+    from tests.unit.test_apply import RecordingAudit
+
+    calls: list[str] = []
+    world = MemoWorldSeen(calls)
+    options = PassOptions(desired=tmp_path / "desired", host="racknerd", root=tmp_path / "root", replay=str(tmp_path / "capture"))
+    memo = PassMemo(
+        key=inputs_key(pass_inputs(options, None, world)),
+        generation=1,
+        written_at=1000.0,
+        files={"etc/caddy/fabric.caddy": sha256(b"as installed")},
+        units={"fabric-nftables.service": unit_state},
+        nft="table",
+        node_record=json.dumps({"node_id": "racknerd", "tier": "relay", "in_flight": 0}),
+        registry={"registry": {"backend": "sqlite", "path": "/unused"}},
+        beat_ttl_s=90.0,
+        epoch=4,
+    )
+    store = MemoFilesInMemory({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
+
+    class Clock:
+        def now(self) -> float:
+            return 1010.0
+
+    ports = MemoPorts(
+        store=store,
+        world=world,  # type: ignore[arg-type]
+        audit=RecordingAudit(),
+        clock=Clock(),
+        probe=lambda: None,  # type: ignore[arg-type,return-value]
+        open_registry=lambda reach: BeatsSeen(calls, registry_epoch),
+    )
+
+    @contextmanager
+    def full_pass_ports(options: PassOptions):  # type: ignore[no-untyped-def]
+        calls.append("full pass")
+        raise FullPassStarted
+        yield
+
+    try:
+        run_memoized_pass(options, ports, full_pass_ports)
+    except FullPassStarted:
+        pass
+    return calls
+
+
+def test_the_memo_reads_the_registrys_epoch_before_it_checks_the_world_and_beats_only_after_both(tmp_path: Path) -> None:
+    """A new epoch: no unit read, no `nft list`, no file hashed, no beat; the
+    full pass at once. The same epoch: the world is checked, then the beat
+    sent on the same connection. Drift: no beat (the full pass sends it)."""
+    assert memo_side(tmp_path, registry_epoch=5) == ["epoch", "close", "full pass"]
+    checks = ["read etc/caddy/fabric.caddy", "unit fabric-nftables.service", "nft list"]
+    assert memo_side(tmp_path, registry_epoch=4) == ["epoch", *checks, "beat", "close"]
+    assert memo_side(tmp_path, registry_epoch=4, unit_state="failed") == ["epoch", *checks[:2], "close", "full pass"]
