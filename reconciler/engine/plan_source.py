@@ -224,10 +224,12 @@ def lead_once(
     With plan keys, the step signs with `signer` (or, without a usable key, does not lead).
     The lane queue is opened only for a step taken: a candidate's pass under
     a running fabric-leader.service does not pay for the broker."""
-    from reconciler.engine.leader import LeaderLoop
-
     if host not in desired.fleet.fleet.leader_candidates or registry.leader() is not None:
         return None
+    # Imported only for a step taken: the leader's machinery (the dispatcher,
+    # the scaling step) is nothing the pass of any other host needs.
+    from reconciler.engine.leader import LeaderLoop
+
     notes: list[str] = []
     LeaderLoop(
         registry=registry,

@@ -1,0 +1,96 @@
+"""What a pass imports on its way to activation, and after it: the cost a new plan's passes pay before they act.
+
+Each test runs whole `fabric reconcile --no-activate` processes into a
+sandbox root (tests/unit/test_pass_memo.py's Sandbox: the example fleet, a
+recorded probe, the sqlite registry under the root), in a child interpreter
+that notes sys.modules when the pass enters the applier (`Applier.run`,
+where activation starts; a memo hit never gets there) and when it ends.
+The memo hit's own contracts (no model, no template) are in test_pass_memo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_pass_memo import REPO, Sandbox
+
+# The child: `fabric ARGV`, noting sys.modules at Applier.run (wrapped when
+# reconciler.engine.apply is first imported, so nothing else is imported early) and at the end.
+CHILD = r"""
+import json, sys
+report, argv = sys.argv[1], sys.argv[2:]
+seen = {}
+
+class NoteActivation:
+    def find_spec(self, name, path=None, target=None):
+        if name != "reconciler.engine.apply":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            run = module.Applier.run
+
+            def noted(self, *args, **kwargs):
+                seen.setdefault("at_activation", sorted(sys.modules))
+                return run(self, *args, **kwargs)
+
+            module.Applier.run = noted
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, NoteActivation())
+from reconciler.cli import main
+try:
+    code = main(argv)
+finally:
+    seen["at_end"] = sorted(sys.modules)
+    with open(report, "w") as out:
+        json.dump(seen, out)
+sys.exit(code)
+"""
+
+
+@dataclass(frozen=True)
+class Imported:
+    at_activation: frozenset[str] | None  # None: the pass never got to the applier (a memo hit)
+    at_end: frozenset[str]
+    stderr: str
+
+
+def one_pass(s: Sandbox, *extra: str) -> Imported:
+    report = s.root.parent / "imports.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(report), *s.argv(*extra)], capture_output=True, text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(report.read_text())
+    at = seen.get("at_activation")
+    return Imported(frozenset(at) if at is not None else None, frozenset(seen["at_end"]), done.stderr)
+
+
+def loaded(modules: frozenset[str], *packages: str) -> list[str]:
+    """Which of `packages` (or their submodules) are in `modules`."""
+    return sorted(p for p in packages if any(m == p or m.startswith(f"{p}.") for m in modules))
+
+
+@pytest.mark.parametrize("host", ["racknerd", "a1-arm64"])
+def test_the_pass_of_a_host_that_may_not_lead_imports_nothing_of_the_leader(tmp_path: Path, host: str) -> None:
+    """racknerd (the edge) and a1-arm64 (a compute lane's host) are no leader
+    candidates: their pass never takes a leader step, so neither the leader's
+    loop nor the dispatcher nor the scaling step is imported, first pass or full one."""
+    s = Sandbox(tmp_path, host=host)
+    leader = ("reconciler.engine.leader", "reconciler.engine.dispatch", "reconciler.engine.scaling_step")
+    first = one_pass(s)
+    assert first.at_activation is not None, first.stderr
+    assert loaded(first.at_end, *leader) == []
