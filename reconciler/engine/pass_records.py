@@ -19,8 +19,6 @@ from reconciler.core.desired.model import DesiredState, NodeFacts
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
-from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
-from reconciler.core.views.page import render_status_page
 from reconciler.engine.desired_load import named_hosts
 from reconciler.engine.plan_source import FleetView, PlanSource
 from reconciler.ports import FileTree
@@ -107,6 +105,11 @@ def _write(
     now: datetime,
     view: FleetView | None,
 ) -> None:
+    # The metrics and the page are written once the pass has activated: their
+    # views are imported here, not by a pass on its way to activation.
+    from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
+    from reconciler.core.views.page import render_status_page
+
     counters_path = f"{state_dir}/{PASS_COUNTERS}"
     raw = tree.read(counters_path)
     try:

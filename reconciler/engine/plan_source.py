@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import ValidationError
 
@@ -51,11 +51,14 @@ from reconciler.core.render.ray_units import ray_role
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.scheduling.placement import schedule
-from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.pass_options import PlanAlone, PlanChoice, PlanFile
-from reconciler.engine.status import fleet_history
 from reconciler.ports import LaneQueue, LaneQueueError, PermissionDenied, PlanSigner, Registry, RegistryError
+
+if TYPE_CHECKING:
+    # The fleet's view is read after activation (read_fleet_view): its reader
+    # and the timeline's models are imported then, not on the way to it.
+    from reconciler.core.views.timeline import FleetHistory
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -349,6 +352,8 @@ def read_fleet_view(connect: Callable[[], Registry], desired: DesiredState, open
     edge's Caddy never waits for the page's reads (nor for the broker's
     client to load). Raises RegistryError; the broker or the history not
     answering is a note (the page goes without them)."""
+    from reconciler.engine.status import fleet_history
+
     notes: list[str] = []
     registry = connect()
     lane_queue: LaneQueue | None = None

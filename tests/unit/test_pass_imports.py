@@ -94,3 +94,17 @@ def test_the_pass_of_a_host_that_may_not_lead_imports_nothing_of_the_leader(tmp_
     first = one_pass(s)
     assert first.at_activation is not None, first.stderr
     assert loaded(first.at_end, *leader) == []
+
+
+@pytest.mark.parametrize("host", ["racknerd", "a1-arm64"])
+def test_a_full_pass_imports_the_records_views_only_once_it_has_activated(tmp_path: Path, host: str) -> None:
+    """The metrics textfile, the edge's status page and the fleet view's
+    reader are written and read after activation: their modules are imported
+    then (and are, every pass writes its metrics), not on the way to it."""
+    s = Sandbox(tmp_path, host=host)
+    after = ("reconciler.core.views", "reconciler.engine.status")
+    full = one_pass(s)
+    assert full.at_activation is not None, full.stderr
+    assert loaded(full.at_activation, *after) == []
+    # Every pass writes its metrics; the edge also reads the fleet's view for its page.
+    assert loaded(full.at_end, *after) == (list(after) if host == "racknerd" else ["reconciler.core.views"])
