@@ -1,7 +1,7 @@
 """The lane queue on phaze's broker: SAQ 0.26 on PostgreSQL, through psycopg 3.
 
 Tables, all in the broker's database:
-    saq_jobs, saq_stats   SAQ's own (created by saq's migrations on open):
+    saq_jobs, saq_stats   SAQ's own (created by saq's migrations, see below):
                           each lane's jobs, rows whose `queue` is the lane's
                           queue, and each worker's heartbeat (its stats row,
                           alive until `expire_at`)
@@ -33,29 +33,43 @@ whose lock nobody holds: saq's sweep (any worker's) marks it failed.
 
 The DSN never leaves this module: it is read from the file the desired state
 names (`[phaze] queue_url_file`) by reconciler.cli.wiring and handed in.
+
+What a pass does with the broker is read: each lane's in_flight and workers
+(`lane_states`; a memoized pass only the in_flight, `in_flight`), plain SQL
+on saq's two tables. That, and opening the queue (one session), imports
+neither saq (nor croniter and dateutil, which saq's worker imports) nor
+psycopg's pool nor a model: saq's migrations and the fabric's own tables are
+made before the first dispatch, enqueue, jobs or settle (`_prepare`), and
+before a read that finds saq's tables missing (a broker nobody used yet),
+which is then made again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
-from saq import Job
-from saq.job import Status
-from saq.queue.postgres import CHANNEL, ENQUEUE, JOBS_TABLE, STATS_TABLE, VERSIONS_TABLE, PostgresQueue
-from saq.queue.postgres_migrations import get_migrations
 
-from reconciler.core.live.models import SnapshotLane
-from reconciler.core.live.records import QueuedJob, SettledJob
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, LaneQueueError, LaneQueueUnavailable, LaneTarget, StaleDispatcher
 
+if TYPE_CHECKING:
+    from saq.queue.postgres import PostgresQueue
+
+    from reconciler.core.live.models import SnapshotLane
+    from reconciler.core.live.records import QueuedJob, SettledJob
+
+T = TypeVar("T")
+
+# saq 0.26's tables (saq.queue.postgres JOBS_TABLE and STATS_TABLE; the
+# integration tests check they agree), spelled here so that reading the lanes
+# imports no saq.
+JOBS_TABLE = "saq_jobs"
+STATS_TABLE = "saq_stats"
 # The first key of the fabric's advisory locks (saq's own use key space 0).
 LOCK_SPACE = 0x0FAB
 # saq_jobs statuses that hold a lane slot: everything not finished.
@@ -91,6 +105,12 @@ def _saq_tables(dsn: str, timeout_s: float) -> None:
     holds the host's pass lock); the pool is closed whatever happens, so no
     reconnecting task outlives the call. Raises psycopg.Error, PoolTimeout or
     TimeoutError."""
+    import asyncio
+
+    from psycopg_pool import AsyncConnectionPool
+    from saq.queue.postgres import VERSIONS_TABLE, PostgresQueue
+    from saq.queue.postgres_migrations import get_migrations
+
     target = get_migrations(jobs_table=sql.Identifier(JOBS_TABLE), stats_table=sql.Identifier(STATS_TABLE))[-1][0]
     with psycopg.connect(dsn, autocommit=True, **_bounded(timeout_s)) as conn:
         try:
@@ -143,12 +163,40 @@ class PostgresLaneQueue:
         self._conn: psycopg.Connection[Any] | None = None
         # One unconnected saq queue per lane queue: only its serializer is used.
         self._serializers: dict[str, PostgresQueue] = {}
+        # saq's tables and the fabric's made (`_prepare`).
+        self._prepared = False
+        with self._connection():
+            pass  # a broker that does not answer: LaneQueueUnavailable now, as the callers expect of opening
+
+    def _prepare(self) -> None:
+        """saq's tables (its migrations, when the database is not at saq's
+        version) and the fabric's own, once: before the first use that writes
+        or reads the fabric's tables, or a read that found saq's missing."""
+        if self._prepared:
+            return
+        from psycopg_pool import PoolTimeout
+
         try:
-            _saq_tables(dsn, connect_timeout_s)
-            with self._connection() as conn, conn.transaction():
-                conn.execute(_SCHEMA)
+            _saq_tables(self._dsn, self._timeout)
         except (psycopg.OperationalError, OSError, PoolTimeout, TimeoutError) as exc:
             raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+        except psycopg.Error as exc:
+            raise LaneQueueError(f"phaze's broker refused: {_first_line(exc)}") from None
+        with self._connection() as conn, conn.transaction():
+            conn.execute(_SCHEMA)
+        self._prepared = True
+
+    def _reading(self, read: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """`read` on the session; when saq's tables are not there (or not as
+        saq 0.26 makes them), made first, then `read` again."""
+        try:
+            with self._connection() as conn:
+                return read(conn)
+        except _NotMadeYet:
+            self._prepared = False
+            self._prepare()
+            with self._connection() as conn:
+                return read(conn)
 
     # -- plumbing ------------------------------------------------------------
     @contextmanager
@@ -177,12 +225,15 @@ class PostgresLaneQueue:
             self._drop()
 
     def _serializer(self, queue: str) -> PostgresQueue:
+        from saq.queue.postgres import PostgresQueue
+
         if queue not in self._serializers:
             self._serializers[queue] = PostgresQueue.from_url(self._dsn, name=queue, min_size=1, max_size=1)
         return self._serializers[queue]
 
     # -- the port ------------------------------------------------------------
     def enqueue(self, jobs: Sequence[tuple[str, float | None]]) -> list[QueuedJob]:
+        self._prepare()
         now = self._clock.now()
         with self._connection() as conn, conn.transaction():
             for job_id, duration in jobs:
@@ -195,11 +246,13 @@ class PostgresLaneQueue:
         return [stored[job_id] for job_id, _ in dict.fromkeys(jobs) if job_id in stored]
 
     def jobs(self) -> list[QueuedJob]:
+        self._prepare()
         with self._connection() as conn:
             rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM fabric_lane_jobs ORDER BY enqueued_at, seq").fetchall()
         return [_job(row) for row in rows]
 
     def dispatch(self, job_id: str, target: LaneTarget, epoch: int) -> QueuedJob | None:
+        self._prepare()
         now = self._clock.now()
         with self._connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, target.queue))
@@ -227,6 +280,10 @@ class PostgresLaneQueue:
 
     def _put_saq_job(self, conn: psycopg.Connection[Any], queue: str, key: str, job_id: str, lane: str) -> None:
         """The row saq's PostgresQueue._enqueue writes, in this transaction."""
+        from saq import Job
+        from saq.job import Status
+        from saq.queue.postgres import CHANNEL, ENQUEUE
+
         saq_queue = self._serializer(queue)
         job = Job(function=self._function, kwargs={"job_id": job_id, "lane": lane}, queue=saq_queue, key=key, timeout=0, retries=1, ttl=0)
         job.status = Status.QUEUED
@@ -241,6 +298,9 @@ class PostgresLaneQueue:
         conn.execute(sql.SQL("NOTIFY {}, {}").format(sql.Identifier(CHANNEL.format(queue)), sql.Literal(ENQUEUE)))
 
     def settle(self) -> list[SettledJob]:
+        from reconciler.core.live.records import SettledJob
+
+        self._prepare()
         settled = []
         with self._connection() as conn, conn.transaction():
             rows = conn.execute(
@@ -269,35 +329,34 @@ class PostgresLaneQueue:
         return settled
 
     def lane_states(self, queues: Mapping[str, str]) -> list[SnapshotLane]:
+        from reconciler.core.live.models import SnapshotLane
+
         names = sorted(set(queues.values()))
-        with self._connection() as conn:
-            held = dict(
-                conn.execute(
-                    sql.SQL("SELECT queue, count(*) FROM {} WHERE queue = ANY(%s) AND status = ANY(%s) GROUP BY queue").format(
-                        sql.Identifier(JOBS_TABLE)
-                    ),
-                    (names, list(UNFINISHED)),
-                ).fetchall()
-            )
+
+        def read(conn: psycopg.Connection[Any]) -> tuple[dict[str, int], dict[str, tuple[int, float | None]]]:
             # saq's own freshness rule (PostgresQueue.info): a worker's stats
             # row is alive until its expire_at, in the database's clock.
             workers = {
                 queue: (int(fresh), None if silent is None else max(0.0, float(silent)))
-                for queue, fresh, silent in conn.execute(
+                for queue, fresh, silent in _rows(
+                    conn,
                     sql.SQL(
                         "SELECT queue_key, count(*) FILTER (WHERE expire_at >= EXTRACT(EPOCH FROM NOW())),"
                         " EXTRACT(EPOCH FROM NOW()) - max(expire_at) FROM {} WHERE queue_key = ANY(%s) GROUP BY queue_key"
                     ).format(sql.Identifier(STATS_TABLE)),
                     (names,),
-                ).fetchall()
+                )
             }
+            return _held(conn, names), workers
+
+        held, workers = self._reading(read)
         out = []
         for lane_id, queue in queues.items():
             fresh, silent = workers.get(queue, (0, None))
             out.append(
                 SnapshotLane(
                     id=lane_id,
-                    in_flight=int(held.get(queue, 0)),
+                    in_flight=held.get(queue, 0),
                     queue=queue,
                     workers=fresh,
                     workers_silent_s=None if fresh else silent,
@@ -305,11 +364,38 @@ class PostgresLaneQueue:
             )
         return out
 
+    def in_flight(self, queues: Sequence[str]) -> dict[str, int]:
+        """Jobs queued or active on each of `queues` (0 for one with none):
+        `lane_states`' in_flight alone, for a memoized pass's heartbeat, which
+        builds no model."""
+        names = sorted(set(queues))
+        held = self._reading(lambda conn: _held(conn, names))
+        return {queue: held.get(queue, 0) for queue in queues}
+
+
+class _NotMadeYet(Exception):
+    """saq's tables are not (all) there: a broker nobody used yet."""
+
+
+def _rows(conn: psycopg.Connection[Any], query: sql.Composable, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    try:
+        return conn.execute(query, params).fetchall()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+        raise _NotMadeYet from None
+
+
+def _held(conn: psycopg.Connection[Any], queues: list[str]) -> dict[str, int]:
+    """The lane slots held on each of `queues`: its saq_jobs rows not finished."""
+    query = sql.SQL("SELECT queue, count(*) FROM {} WHERE queue = ANY(%s) AND status = ANY(%s) GROUP BY queue").format(sql.Identifier(JOBS_TABLE))
+    return {queue: int(count) for queue, count in _rows(conn, query, (queues, list(UNFINISHED)))}
+
 
 _JOB_COLUMNS = "job_id, enqueued_at, attempts, duration_s, lane, dispatched_at"
 
 
 def _job(row: tuple[Any, ...]) -> QueuedJob:
+    from reconciler.core.live.records import QueuedJob
+
     job_id, enqueued_at, attempts, duration, lane, dispatched_at = row
     return QueuedJob(
         job_id=job_id,

@@ -357,3 +357,69 @@ def test_a_broker_that_accepts_but_never_answers_is_unavailable_not_a_hung_pass(
         assert "phaze's broker" in str(outcome[0])
     finally:
         silent.close()
+
+
+def test_the_saq_tables_the_lane_queue_spells_are_saqs() -> None:
+    """Reading the lanes imports no saq: the adapter spells saq 0.26's table names itself."""
+    from saq.queue import postgres
+
+    from reconciler.adapters import lane_queue_pg
+
+    assert (lane_queue_pg.JOBS_TABLE, lane_queue_pg.STATS_TABLE) == (postgres.JOBS_TABLE, postgres.STATS_TABLE)
+
+
+def test_reading_the_lanes_of_a_broker_nobody_used_yet_makes_saqs_tables_first(broker_dsn: str) -> None:
+    """Opening the queue makes no table any more: a read that finds saq's
+    tables missing makes them (saq's migrations), then reads; a dispatch's
+    first use makes the fabric's own."""
+    queue = PostgresLaneQueue(broker_dsn, FakeClock())
+    try:
+        with psycopg.connect(broker_dsn) as conn:
+            assert conn.execute("SELECT to_regclass('saq_jobs'), to_regclass('fabric_lane_jobs')").fetchone() == (None, None)
+        (lane,) = queue.lane_states({"a1-arm64": A1})
+        assert (lane.in_flight, lane.workers, lane.workers_silent_s) == (0, 0, None)
+        assert queue.in_flight([A1, X86]) == {A1: 0, X86: 0}
+        with psycopg.connect(broker_dsn) as conn:
+            assert conn.execute("SELECT to_regclass('saq_versions') IS NOT NULL").fetchone() == (True,)
+        assert queue.jobs() == []
+    finally:
+        queue.close()
+
+
+READER = """
+import json, sys, time
+from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+
+class Clock:
+    def now(self):
+        return time.time()
+
+heavy = ("saq", "croniter", "dateutil", "psycopg_pool", "pydantic")
+queue = PostgresLaneQueue(sys.argv[1], Clock())
+seen = {"in_flight": queue.in_flight(["phaze-agent-a1-arm64"])}
+seen["after in_flight"] = sorted(m for m in heavy if m in sys.modules)
+seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "phaze-agent-a1-arm64"})]
+seen["after lane_states"] = sorted(m for m in heavy if m in sys.modules)
+queue.close()
+print(json.dumps(seen))
+"""
+
+
+def test_reading_the_lanes_imports_no_saq_and_the_in_flight_alone_no_model(lanes: Lanes) -> None:
+    """What a pass does with the broker: open, read the lanes' states (the
+    full pass) or their in_flight alone (a memoized pass): no saq (nor its
+    worker's croniter and dateutil), no pool; the in_flight alone builds no model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    lanes.queue.enqueue([("job-1", None)])
+    assert lanes.queue.dispatch("job-1", lane_targets(load_desired(EXAMPLE_FLEET))["a1-arm64"], epoch=1) is not None
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", READER, lanes.dsn], capture_output=True, text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"in_flight": {A1: 1}, "after in_flight": [], "lanes": [1], "after lane_states": ["pydantic"]}, seen

@@ -108,3 +108,24 @@ def test_a_full_pass_imports_the_records_views_only_once_it_has_activated(tmp_pa
     assert loaded(full.at_activation, *after) == []
     # Every pass writes its metrics; the edge also reads the fleet's view for its page.
     assert loaded(full.at_end, *after) == (list(after) if host == "racknerd" else ["reconciler.core.views"])
+
+
+def test_a_lane_hosts_pass_imports_no_saq_to_read_its_lanes(tmp_path: Path) -> None:
+    """a1-arm64 runs a compute lane's jobs: its heartbeat counts them on
+    phaze's broker (here one that refuses connections: a real broker is
+    tests/integration/test_pass_memo_lanes.py's). Reading lanes is plain SQL:
+    neither saq nor what saq's worker imports (croniter, dateutil) nor
+    psycopg's pool is imported, though the lane queue is."""
+    import socket
+
+    s = Sandbox(tmp_path, host="a1-arm64")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+        url_file = tmp_path / "queue_url"
+        url_file.write_text(f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/phaze\n")
+        fleet_file = s.desired / "fabric.toml"
+        fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
+        full = one_pass(s)
+    assert "note: lane queue: phaze's broker:" in full.stderr, full.stderr
+    assert loaded(full.at_end, "reconciler.adapters.lane_queue_pg", "psycopg") == ["psycopg", "reconciler.adapters.lane_queue_pg"]
+    assert loaded(full.at_end, "saq", "croniter", "dateutil", "psycopg_pool") == []
