@@ -572,6 +572,16 @@ class BeatRegistry(Protocol):
     def close(self) -> None: ...
 
 
+class BeatLaneQueue(Protocol):
+    """What a memoized pass asks of the lane queue: the in_flight of the
+    lanes whose jobs run here (jobs queued or active on each queue, 0 for one
+    with none), counted as `LaneQueue.lane_states` counts it, no model built."""
+
+    def in_flight(self, queues: Sequence[str]) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
 class MemoStore(Protocol):
     """Small files of the pass (the memo, the pass counters, the metrics
     textfile) by absolute path, and the pass lock."""

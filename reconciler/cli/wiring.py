@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
+    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
     from reconciler.adapters.pass_connections import PassConnections
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
     from reconciler.ports import (
         Audit,
+        BeatLaneQueue,
         BeatRegistry,
         CaptureStore,
         Clock,
@@ -137,19 +139,27 @@ def open_lane_queue(fleet: FleetConfig, *, dsn_file: str | Path | None = None, c
     from its file here and goes nowhere else. Raises LaneQueueUnavailable
     (naming the file, never its content) when there is no file to read, it
     cannot be read, or the broker does not answer."""
-    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
     from reconciler.ports import LaneQueueUnavailable
 
     path = queue_url_file(fleet, dsn_file)
     if path is None:
         raise LaneQueueUnavailable("fabric.toml: phaze.queue_url_file: not set (the file holding phaze's PHAZE_QUEUE_URL)")
+    return _lane_queue_at(path, fleet.phaze.job_function, clock)
+
+
+def _lane_queue_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneQueue:
+    from reconciler.ports import LaneQueueUnavailable
+
     try:
         dsn = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise LaneQueueUnavailable(f"{path}: cannot read phaze's queue URL: {getattr(exc, 'strerror', None) or exc}") from None
     if not dsn.startswith(("postgresql://", "postgres://")):
         raise LaneQueueUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
-    return PostgresLaneQueue(dsn, clock or system_clock(), job_function=fleet.phaze.job_function)
+    # Imported once there is a broker to reach (psycopg is a large part of a pass's imports).
+    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+
+    return PostgresLaneQueue(dsn, clock or system_clock(), job_function=job_function)
 
 
 def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None) -> LaneQueue | None:
@@ -158,15 +168,33 @@ def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None],
     used; None silently when no queue URL file is configured at all.
     `connections`: the lane queue kept there for the same file (opened if
     there is none; one that could not be opened is tried again next time)."""
-    from reconciler.ports import LaneQueueError
-
     path = queue_url_file(fleet)
     if path is None:
         return None
+    return _lane_queue_noted(path, fleet.phaze.job_function, note, connections)
+
+
+def memo_lane_queue_opener(connections: PassConnections | None = None) -> Callable[[Mapping[str, Any]], BeatLaneQueue | None]:
+    """Opens the lane queue a pass memo names (PassMemo.lane_queue: fabric.toml's
+    [phaze] queue_url_file and job_function) as `lane_queue_if_configured`
+    opens it from fabric.toml (no model imported); kept in `connections`,
+    when given, for the full pass that may follow."""
+
+    def connect(reach: Mapping[str, Any]) -> BeatLaneQueue | None:
+        if reach.get("queue_url_file") is None:
+            return None
+        return _lane_queue_noted(Path(reach["queue_url_file"]), reach["job_function"], print_note, connections)
+
+    return connect
+
+
+def _lane_queue_noted(path: Path, job_function: str, note: Callable[[str], None], connections: PassConnections | None) -> PostgresLaneQueue | None:
+    from reconciler.ports import LaneQueueError
+
     try:
         if connections is None:
-            return open_lane_queue(fleet)
-        return connections.kept(f"lane queue {path} {fleet.phaze.job_function}", lambda kept: kept or open_lane_queue(fleet))
+            return _lane_queue_at(path, job_function)
+        return connections.kept(f"lane queue {path} {job_function}", lambda kept: kept or _lane_queue_at(path, job_function))
     except LaneQueueError as exc:
         note(f"lane queue: {exc}; lanes shown without their queues")
         return None
@@ -585,7 +613,7 @@ def memo_ports(options: PassOptions, connections: PassConnections | None = None)
             clock=system_clock(),
             probe=probe_live,
             open_registry=memo_registry_opener(options, connections=connections),
-            open_lane_queue=lambda fleet: lane_queue_if_configured(fleet, note=print_note, connections=connections),
+            open_lane_queue=memo_lane_queue_opener(connections),
             note=print_note,
         )
     finally:

@@ -35,7 +35,6 @@ templates and the rest of the engine are imported by the full pass alone
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -50,10 +49,9 @@ from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMem
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
 
 if TYPE_CHECKING:
-    from reconciler.core.desired.model import FleetConfig
     from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.reconcile import Converged, PassPorts, PassReport
-    from reconciler.ports import Audit, BeatRegistry, Clock, LaneQueue, MemoStore, PassWorld
+    from reconciler.ports import Audit, BeatLaneQueue, BeatRegistry, Clock, MemoStore, PassWorld
 
 # reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
 # (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
@@ -67,7 +65,7 @@ def _ignore(note: str) -> None:
     pass
 
 
-def _no_lane_queue(fleet: FleetConfig) -> LaneQueue | None:
+def _no_lane_queue(reach: Mapping[str, Any]) -> BeatLaneQueue | None:
     return None
 
 
@@ -85,9 +83,10 @@ class MemoPorts:
     # [registry], [timing], [flap] as the last full pass validated them), for
     # the memo's heartbeat (closed after).
     open_registry: Callable[[Mapping[str, Any]], BeatRegistry]
-    # Opens phaze's broker (the lane queue) for the lane jobs of that
-    # heartbeat; None: not configured or unreachable (closed after).
-    open_lane_queue: Callable[[FleetConfig], LaneQueue | None] = _no_lane_queue
+    # Opens phaze's broker (the lane queue) the memo names (PassMemo.lane_queue:
+    # fabric.toml's [phaze] queue_url_file and job_function) for the lane jobs
+    # of that heartbeat; None: not configured or unreachable (closed after).
+    open_lane_queue: Callable[[Mapping[str, Any]], BeatLaneQueue | None] = _no_lane_queue
     note: Callable[[str], None] = _ignore
 
 
@@ -248,9 +247,8 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     The record is the JSON the last full pass validated and sent, re-sent as
     it is but for what changes without drift: the lane jobs in `in_flight`
     (the units, and so the services running, are the memo's: no drift) and
-    the beat's time, which the registry stamps. No model is built, and none
-    imported on a host that runs no lane's jobs (a lane host reads fabric.toml
-    for its lanes' queues: `_lane_in_flight`)."""
+    the beat's time, which the registry stamps. No model is built or
+    imported (a lane host's memo keeps its lanes' queues: `_in_flight`)."""
     from reconciler.core.live.beat import heartbeat_note
     from reconciler.core.live.host_limits import lowered_note
     from reconciler.ports import LaneQueueError, RegistryError
@@ -267,9 +265,9 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
         ports.note(lowered)
     try:
         if memo.lanes_here:
-            in_flight = _in_flight(options, ports, memo)
+            in_flight = _in_flight(ports, memo)
             if in_flight is None:
-                return False  # fabric.toml unreadable, or a lane queue configured but unusable: the full pass says why
+                return False  # the lane queue configured but unusable: the full pass says why
             record = {**record, "in_flight": in_flight}
         stored = registry.heartbeat_json(record, memo.beat_ttl_s)
         ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
@@ -278,30 +276,23 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     return True
 
 
-def _in_flight(options: PassOptions, ports: MemoPorts, memo: PassMemo) -> int | None:
+def _in_flight(ports: MemoPorts, memo: PassMemo) -> int | None:
     """The heartbeat's in_flight now: the memo's services running (no drift)
     and the lane jobs of the lanes whose jobs run here, read afresh from their
-    queues (fabric.toml names them); None: a full pass must say why it cannot.
+    queues (the memo names them and the broker: fabric.toml's, part of its
+    key); None: a lane queue configured but unusable (the full pass says why).
     Raises LaneQueueError."""
-    from reconciler.core.desired.model import FleetConfig, lane_queue_name
-
-    try:
-        raw = ports.store.read(Path(options.desired) / "fabric.toml")
-        if raw is None:
-            return None
-        fleet = FleetConfig.model_validate(tomllib.loads(raw.decode("utf-8")))
-    except (OSError, ValueError):  # unreadable or bad input: the full pass names it
-        return None
-    queues = {lane.id: name for lane in fleet.backends if lane.id in memo.lanes_here and (name := lane_queue_name(fleet, lane))}
+    reach = memo.lane_queue or {"queue_url_file": None}
     in_flight: dict[str, int] = {}
-    lane_queue = ports.open_lane_queue(fleet)
-    if lane_queue is None and fleet.phaze.queue_url_file is not None:
+    lane_queue = ports.open_lane_queue(reach)
+    if lane_queue is None and reach.get("queue_url_file") is not None:
         return None  # configured but unusable
     if lane_queue is not None:
         try:
-            in_flight = {seen.id: seen.in_flight for seen in lane_queue.lane_states(queues)}
+            jobs = lane_queue.in_flight(list(memo.lane_queues.values()))
         finally:
             lane_queue.close()
+        in_flight = {lane: jobs.get(queue, 0) for lane, queue in memo.lane_queues.items()}
     return HostLoad(memo.load_services, lane_jobs_running(memo.lanes_here, in_flight)).in_flight
 
 
@@ -398,6 +389,8 @@ def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> 
         beat_ttl_s=converged.beat_ttl_s,
         load_services=converged.load_services,
         lanes_here=converged.lanes_here,
+        lane_queues=converged.lane_queues,
+        lane_queue=converged.lane_queue,
         epoch=converged.registry_epoch,
         max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
     )

@@ -19,6 +19,10 @@ applied or written) leaves a memo in the state directory:
                   but the lane jobs: the drift check keeps it true)
     lanes_here    the lanes whose jobs run here: their jobs start and end
                   without any drift, so each memoized pass reads them
+    lane_queues   each of those lanes' queue on phaze's broker, and lane_queue
+                  how to reach the broker ([phaze] queue_url_file, None when
+                  not configured, and job_function): fabric.toml's, part of
+                  the key, so a memoized pass validates no fabric.toml for them
     epoch         the registry's plan epoch the pass saw (None: no registry)
 
 The next pass computes the key of its own inputs first; when the key is the
@@ -45,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 3
+MEMO_VERSION = 4
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -71,6 +75,8 @@ class PassMemo:
     beat_ttl_s: float | None = None
     load_services: int = 0
     lanes_here: Sequence[str] = ()
+    lane_queues: Mapping[str, str] = field(default_factory=dict)
+    lane_queue: Mapping[str, Any] | None = None
     epoch: int | None = None
     max_age_s: float = MAX_AGE_S
 
@@ -96,6 +102,9 @@ class PassMemo:
             or not isinstance(memo.load_services, int)
             or not isinstance(memo.lanes_here, list | tuple)
             or not all(isinstance(lane, str) for lane in memo.lanes_here)
+            or not isinstance(memo.lane_queues, dict)
+            or not all(isinstance(queue, str) for queue in memo.lane_queues.values())
+            or not isinstance(memo.lane_queue, dict | None)
         ):
             raise ValueError("not a pass memo: malformed fields")
         return memo

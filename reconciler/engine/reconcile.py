@@ -230,6 +230,10 @@ class Converged:
     # and the lanes whose jobs a memoized pass reads afresh.
     load_services: int = 0
     lanes_here: tuple[str, ...] = ()
+    # Their queues on phaze's broker, and how to reach it (lane_queue_reach),
+    # so that a memoized pass reads their jobs without loading fabric.toml.
+    lane_queues: dict[str, str] = field(default_factory=dict)
+    lane_queue: dict[str, Any] | None = None
     # How a memoized pass reaches the registry without loading fabric.toml
     # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
     registry: dict[str, Any] | None = None
@@ -569,6 +573,7 @@ def _converged(
     uses_registry = isinstance(options.plan, PlanFromRegistry)
     measured, record = beat if beat is not None else (None, None)
     fleet = prepared.desired.fleet
+    lanes = measured.lanes if measured is not None else ()
     if record is None and uses_registry:
         # No beat after activation (the registry could not be reached): the
         # memo keeps the first beat's record, or the unmeasured one, with no
@@ -585,7 +590,9 @@ def _converged(
         may_lead=uses_registry and prepared.host in prepared.desired.fleet.fleet.leader_candidates,
         fleet_view_max_age_s=float(prepared.desired.fleet.timing.node_timeout_s) if showed_fleet else None,
         load_services=measured.load.services if measured is not None else 0,
-        lanes_here=measured.lanes if measured is not None else (),
+        lanes_here=lanes,
+        lane_queues={lane.id: queue for lane in prepared.desired.lanes if lane.id in lanes and (queue := prepared.desired.queue_for(lane))},
+        lane_queue=lane_queue_reach(fleet) if lanes else None,
         registry=registry_reach(fleet) if uses_registry else None,
         beat_ttl_s=float(heartbeat_timeout(fleet.timing, bool(prepared.facts.tailscale_relayed))) if uses_registry else None,
     )
@@ -594,6 +601,13 @@ def _converged(
 def registry_reach(fleet: FleetConfig) -> dict[str, Any]:
     """What opening the registry needs of fabric.toml, as JSON (PassMemo.registry)."""
     return {section: getattr(fleet, section).model_dump(mode="json") for section in ("registry", "timing", "flap")}
+
+
+def lane_queue_reach(fleet: FleetConfig) -> dict[str, Any]:
+    """What opening the lane queue needs of fabric.toml, as JSON (PassMemo.lane_queue;
+    queue_url_file None: not configured)."""
+    phaze = fleet.phaze
+    return {"queue_url_file": None if phaze.queue_url_file is None else str(phaze.queue_url_file), "job_function": phaze.job_function}
 
 
 def _pass_report(result: PassResult) -> PassReport:

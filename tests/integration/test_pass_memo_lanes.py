@@ -73,3 +73,31 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
     finally:
         workers.close()
         lanes.close()
+
+
+def test_a_lane_hosts_memo_hit_imports_no_model_and_its_passes_no_saq(tmp_path: Path, broker_dsn: str) -> None:
+    """Whole `fabric reconcile` processes of x86-spill with a real broker
+    (tests/unit/test_pass_imports.py's child notes sys.modules): the memo
+    names the lanes' queues and the broker, so a hit validates no fabric.toml
+    (no pydantic, no core.desired) and reads the in_flight in plain SQL;
+    no pass imports saq or what its worker needs (croniter, dateutil)."""
+    from tests.unit.test_pass_imports import loaded, one_pass
+
+    spill = Sandbox(tmp_path, host="x86-spill")
+    url_file = tmp_path / "queue_url"
+    url_file.write_text(broker_dsn)
+    url_file.chmod(0o600)
+    fleet_file = spill.desired / "fabric.toml"
+    fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
+    in_use = PostgresLaneQueue(broker_dsn, WallClock())
+    in_use.jobs()  # a broker in use: saq's tables are there (a first read would make them)
+    in_use.close()
+    saq = ("saq", "croniter", "dateutil", "psycopg_pool")
+    full = one_pass(spill)
+    assert full.at_activation is not None and "psycopg" in full.at_end, full.stderr
+    assert loaded(full.at_end, *saq) == []
+    hit = one_pass(spill)
+    assert hit.at_activation is None and memoized(hit.stderr), hit.stderr
+    assert "note: heartbeat: x86-spill tier relay, in_flight 0" in hit.stderr, hit.stderr
+    assert "psycopg" in hit.at_end
+    assert loaded(hit.at_end, *saq, "pydantic", "reconciler.core.desired") == []

@@ -214,6 +214,21 @@ def test_a_memoized_pass_that_heartbeats_to_the_registry_imports_no_model(tmp_pa
     assert state.record.timeout_s == memo.beat_ttl_s == 90.0
 
 
+def test_a_memoized_pass_of_a_lane_host_imports_no_model(tmp_path: Path) -> None:
+    """a1-arm64 runs a compute lane's jobs: its memoized heartbeat counts them
+    afresh on the lanes' queues, which the memo names with the broker
+    (fabric.toml's, part of the memo's key): no fabric.toml is validated for
+    them. With a real broker: tests/integration/test_pass_memo_lanes.py."""
+    s = Sandbox(tmp_path, host="a1-arm64")
+    heavy = ("pydantic", "jinja2", "reconciler.core.desired", "reconciler.core.desired.model", "reconciler.engine.reconcile")
+    first, second_err = two_passes_noting_imports(s.argv(), heavy)
+    assert "reconciler.core.desired.model" in first
+    assert "note: heartbeat: a1-arm64 tier" in second_err, second_err
+    memo = PassMemo.from_json(s.memo_file.read_bytes())
+    assert memo.lanes_here == ["a1-arm64"] and memo.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64"}
+    assert memo.lane_queue == {"queue_url_file": None, "job_function": "process_file"}
+
+
 def edit_desired(s: Sandbox) -> None:
     host_file = s.desired / "racknerd.toml"
     host_file.write_text(host_file.read_text() + "\n# an operator's comment\n")
