@@ -211,6 +211,16 @@ def test_the_wheel_carries_the_templates_and_one_version(installed: tuple[Path, 
     assert where[2] == version
 
 
+def test_the_installed_wheel_reads_its_version_beside_it_without_importlib_metadata(installed: tuple[Path, Path]) -> None:
+    """pip puts the package beside its dist-info (as Nix's Python builder
+    does): reconciler.__version__ reads that METADATA directly, so a memoized
+    pass, whose key holds the version, imports no importlib.metadata."""
+    venv, _ = installed
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    code = "import sys, reconciler; print(reconciler.__version__, 'importlib.metadata' in sys.modules)"
+    assert run([venv / "bin" / "python", "-c", code], cwd=venv.parent).stdout.split() == [version, "False"]
+
+
 def _pass(fabric: list[str | Path], host: str, desired: Path, root: Path, registry: Path, plan_key: Path) -> None:
     run(
         [
