@@ -10,7 +10,11 @@ load, in two admin API calls:
 2. POST /load with that JSON. Caddy starts the new config and only then stops
    the old one; if the new one fails (a port already taken, say) Caddy keeps
    the old one serving and answers with an error.
-Either error becomes an ActivationError with Caddy's own message.
+Either error becomes an ActivationError with Caddy's own message. The admin
+API is reached with http.client, imported by the first request: a pass that
+loads nothing into Caddy (any host but the edge, and the edge when its
+snippet did not change) pays for no HTTP client, and a proxy in the
+environment never sees the requests.
 
 Between the two steps the adapter checks, and refuses the config if not:
 - that it keeps the admin endpoint where it is now: a Caddyfile without the same
@@ -29,17 +33,12 @@ from __future__ import annotations
 import errno
 import json
 import socket
-import urllib.error
-import urllib.request
 from typing import Any
 
 from reconciler.ports import ActivationError, CommandRunner
 
 # Where Caddy listens for admin requests when the config does not say.
 CADDY_DEFAULT_ADMIN = "localhost:2019"
-
-# The admin API is local: an http_proxy in the environment must never see it.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class CaddyAdmin:
@@ -101,17 +100,20 @@ class CaddyAdmin:
         return self._request("POST", path, body, content_type, what)
 
     def _request(self, method: str, path: str, body: bytes | None, content_type: str | None, what: str) -> Any:
-        request = urllib.request.Request(f"http://{self._admin_address}{path}", data=body, method=method)
-        if content_type is not None:
-            request.add_header("Content-Type", content_type)
+        import http.client
+
+        # host:port straight to the admin API: no proxy, no redirects (Caddy's admin API answers or refuses).
+        connection = http.client.HTTPConnection(self._admin_address, timeout=self._timeout)
         try:
-            with _DIRECT.open(request, timeout=self._timeout) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            raise ActivationError(f"caddy {what} rejected the config: {_caddy_error(exc.read().decode(errors='replace'))}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ActivationError(f"caddy {what}: cannot reach the admin API at {self._admin_address}: {reason}") from exc
+            connection.request(method, path, body=body, headers={"Content-Type": content_type} if content_type is not None else {})
+            response = connection.getresponse()
+            payload = response.read()
+        except (http.client.HTTPException, OSError) as exc:
+            raise ActivationError(f"caddy {what}: cannot reach the admin API at {self._admin_address}: {exc}") from exc
+        finally:
+            connection.close()
+        if not 200 <= response.status < 300:
+            raise ActivationError(f"caddy {what} rejected the config: {_caddy_error(payload.decode(errors='replace'))}")
         if not payload.strip():
             return None
         try:

@@ -129,3 +129,34 @@ def test_a_lane_hosts_pass_imports_no_saq_to_read_its_lanes(tmp_path: Path) -> N
     assert "note: lane queue: phaze's broker:" in full.stderr, full.stderr
     assert loaded(full.at_end, "reconciler.adapters.lane_queue_pg", "psycopg") == ["psycopg", "reconciler.adapters.lane_queue_pg"]
     assert loaded(full.at_end, "saq", "croniter", "dateutil", "psycopg_pool") == []
+
+
+CADDY = """
+import socket, sys
+from reconciler.adapters.caddy import CaddyAdmin
+from reconciler.ports import ActivationError
+
+http = ("http.client", "urllib.request", "email")
+with socket.socket() as closed:
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: the admin API is not there
+    caddy = CaddyAdmin(None, admin_address=f"127.0.0.1:{closed.getsockname()[1]}", timeout=5)
+    print(sorted(m for m in http if m in sys.modules))
+    try:
+        caddy.current_config()
+    except ActivationError as exc:
+        print(exc)
+print(sorted(m for m in http if m in sys.modules))
+"""
+
+
+def test_the_caddy_adapter_imports_no_http_client_until_it_talks_to_caddy() -> None:
+    """Every activating pass builds the Caddy adapter (validate runs `caddy
+    validate`); only a pass that loads a new snippet talks to the admin API,
+    over http.client, imported then (urllib.request is not needed at all)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", CADDY], capture_output=True, text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    before, reached, after = done.stdout.splitlines()
+    assert before == "[]"
+    assert "caddy read config: cannot reach the admin API at 127.0.0.1:" in reached and "Connection refused" in reached, reached
+    assert after == "['email', 'http.client']"
