@@ -29,11 +29,13 @@ entering the applier, `Applier.run`; a memo hit never gets there) and the
 modules the pass imported (sys.modules, beyond the interpreter's own start),
 at activation and at the end; beside them, in the same run, the interpreter
 alone and `import reconciler`, and each case's CPU as a multiple of the
-interpreter's. --against DIR runs every case a second time with the
-`reconciler` package of another checkout (its children put DIR first on
-sys.path; the sandbox, the registry and the broker are this run's), and
-prints that checkout's figures and the ratio of this one's to them.
-Prints figures; asserts nothing.
+interpreter's. Each checkout's package is imported as installed: from a
+site directory holding a link to it beside a dist-info of its version (as
+pip and Nix's Python builder leave a wheel), first on the children's
+sys.path. --against DIR runs every case a second time with the `reconciler`
+package of another checkout (the sandbox, the registry and the broker are
+this run's), and prints that checkout's figures and the ratio of this one's
+to them. Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ CHILD_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBY
 # sys.meta_path, so the child imports nothing the pass would not.
 CHILD = r"""
 import json, sys, time
-code_dir, report, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-sys.path.insert(0, code_dir)
+site, report, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+sys.path.insert(0, site)
 at_start = len(sys.modules)
 seen = {}
 
@@ -124,11 +126,11 @@ class Sample:
     modules_at_activation: int | None
 
 
-def run_child(code_dir: Path, argv: list[str], report: Path, *, full: bool | None = None) -> Sample:
-    """One child, `fabric ARGV` with `code_dir`'s reconciler; `full`: its log
+def run_child(site: Path, argv: list[str], report: Path, *, full: bool | None = None) -> Sample:
+    """One child, `fabric ARGV` with the reconciler installed in `site`; `full`: its log
     must (True) or must not (False) say the memo made way for a full pass."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(code_dir), str(report), *argv], cwd="/", capture_output=True, text=True, env=CHILD_ENV)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(site), str(report), *argv], cwd="/", capture_output=True, text=True, env=CHILD_ENV)
     # run() has reaped the child: its usage is what RUSAGE_CHILDREN grew by.
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -138,6 +140,19 @@ def run_child(code_dir: Path, argv: list[str], report: Path, *, full: bool | Non
     seen = json.loads(report.read_text())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return Sample(cpu, seen.get("cpu_at_activation"), seen["modules"], seen.get("modules_at_activation"))
+
+
+def installed_layout(code_dir: Path, site: Path) -> Path:
+    """`site` holding `code_dir`'s package beside a dist-info of its version, as an installed wheel's."""
+    import tomllib
+
+    version = tomllib.loads((code_dir / "pyproject.toml").read_text())["project"]["version"]
+    site.mkdir(parents=True)
+    (site / "reconciler").symlink_to(code_dir / "reconciler")
+    dist_info = site / f"fabric_reconciler-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fabric-reconciler\nVersion: {version}\n")
+    return site
 
 
 def git_checkout(directory: Path) -> None:
@@ -208,6 +223,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
         report = tmp / "child.json"
+        sites = {tree: installed_layout(code, tmp / "site" / tree) for tree, code in trees.items()}
         fleet = signed_example_fleet(tmp)
         desired = fleet.desired
         pg = stack.enter_context(postgres_server())
@@ -231,24 +247,24 @@ def main() -> None:
             return argv + (["--registry-path", str(registry_file)] if registry_file is not None else [])
 
         # lux leads once and publishes the plan; each host's first pass writes generation 1 and its memo.
-        for tree, code in trees.items():
+        for tree in trees:
             for host in ("lux", *HOSTS):
-                run_child(code, pass_argv(host, tree), report)
-            run_child(code, [], report)  # warm the bytecode cache of both trees
+                run_child(sites[tree], pass_argv(host, tree), report)
+            run_child(sites[tree], [], report)  # warm the bytecode cache of both trees
         cases = ("interpreter", "import reconciler", *(f"{h}, {c}" for c in ("new plan", "memo hit") for h in HOSTS))
         samples: dict[tuple[str, str], list[Sample]] = {(tree, case): [] for tree in trees for case in cases}
         for _ in range(args.repeats):  # interleaved: a busy moment of the machine falls on every case
-            for tree, code in trees.items():
-                samples[(tree, "interpreter")].append(run_child(code, [], report))
-                samples[(tree, "import reconciler")].append(run_child(code, ["--import", "reconciler"], report))
+            for tree in trees:
+                samples[(tree, "interpreter")].append(run_child(sites[tree], [], report))
+                samples[(tree, "import reconciler")].append(run_child(sites[tree], ["--import", "reconciler"], report))
                 bump_epoch(desired, registry_file)
                 for host in HOSTS:
-                    samples[(tree, f"{host}, new plan")].append(run_child(code, pass_argv(host, tree), report, full=True))
+                    samples[(tree, f"{host}, new plan")].append(run_child(sites[tree], pass_argv(host, tree), report, full=True))
                 for host in HOSTS:
-                    samples[(tree, f"{host}, memo hit")].append(run_child(code, pass_argv(host, tree), report, full=False))
+                    samples[(tree, f"{host}, memo hit")].append(run_child(sites[tree], pass_argv(host, tree), report, full=False))
         print(f"CPU of one process, median of {args.repeats}; {args.registry} registry, phaze's broker on PostgreSQL, --no-activate, --replay:")
-        for tree, code in trees.items():
-            print(f"{code}{' (this checkout)' if tree == 'this' else ''}:")
+        for tree in trees:
+            print(f"{trees[tree]}{' (this checkout)' if tree == 'this' else ''}:")
             floor = median([s.cpu_s for s in samples[(tree, "interpreter")]])
             print(f"  {'case':<22} {'CPU s':>7} {'x interp.':>9} {'CPU s to activation':>20} {'modules':>8} {'to activation':>14}")
             for case in cases:
