@@ -86,6 +86,7 @@ def main() -> None:
         registry = SqliteRegistry(str(Path(tmp) / "r.sqlite"), timing=desired.fleet.timing, flap=desired.fleet.flap, clock=clock)
         beat_example_fleet(registry)
         lanes = PostgresLaneQueue(dsn, clock)
+        lanes.jobs()  # the first use that needs them makes saq's tables and the fabric's
         workers_beat(dsn, [t.queue for t in targets.values()])
         ids = [f"bench-{i:05d}" for i in range(args.jobs)]
         started = time.perf_counter()
@@ -109,7 +110,9 @@ def main() -> None:
         held = sum(1 for e in events if e.hold)
 
         race_dsn = pg.database("race")
-        PostgresLaneQueue(race_dsn, clock).close()
+        made = PostgresLaneQueue(race_dsn, clock)
+        made.jobs()  # the first use that needs them makes saq's tables and the fabric's
+        made.close()
         for label, name in (("one", "r1"), ("eight", "r8")):
             with psycopg.connect(race_dsn, autocommit=True) as conn:
                 conn.execute("DELETE FROM fabric_lane_jobs")
