@@ -102,10 +102,13 @@ class CaddyAdmin:
     def _request(self, method: str, path: str, body: bytes | None, content_type: str | None, what: str) -> Any:
         import http.client
 
-        # host:port straight to the admin API: no proxy, no redirects (Caddy's admin API answers or refuses).
+        # host:port straight to the admin API: no proxy, no redirects (Caddy's
+        # admin API answers or refuses); one request per connection, said so
+        # (Connection: close, as urllib sent it), so nothing between waits for more.
+        headers = {"Connection": "close"} | ({"Content-Type": content_type} if content_type is not None else {})
         connection = http.client.HTTPConnection(self._admin_address, timeout=self._timeout)
         try:
-            connection.request(method, path, body=body, headers={"Content-Type": content_type} if content_type is not None else {})
+            connection.request(method, path, body=body, headers=headers)
             response = connection.getresponse()
             payload = response.read()
         except (http.client.HTTPException, OSError) as exc:
