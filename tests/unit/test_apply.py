@@ -17,6 +17,7 @@ FakeMachine keeps its state in a JSON file, so the crash tests
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -964,6 +965,25 @@ def test_fabric_reconcile_writes_then_does_nothing(tmp_path: Path, capsys: pytes
         0,
         "plan epoch 0 is older than the newest applied (7): this host's own plan does not replace the fleet's: running static; generation 1 stays\n",
     )
+
+
+def test_fabric_reconcile_runs_its_pass_without_the_cyclic_collector(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """A pass is a short process; the collector would only cost it CPU (reconciler.cli.reconcile)."""
+    from reconciler.engine import memoized_pass
+
+    seen: list[bool] = []
+    real = memoized_pass.run_memoized_pass
+
+    def noting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memoized_pass, "run_memoized_pass", noting)
+    fleet = Fleet(tmp_path)
+    assert gc.isenabled()
+    code, _, _ = fabric(capsys, *cli_pass(fleet, "--plan-file", str(GOLDEN / "fleet-plan.json")))
+    assert code == 0 and seen == [False]
+    assert gc.isenabled(), "on again for the caller once the pass is over"
 
 
 def test_fabric_reconcile_exits_2_on_bad_input_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
