@@ -8,9 +8,10 @@ keys; sqlite: a read every --poll-interval) and starts fabric-reconcile.service
 over D-Bus (StartUnit, mode "replace") when one changed: at once for a new
 part of the plan, --window after a drain request or node state (the plan the
 leader publishes in answer usually follows), never while a pass runs (it
-waits for that pass to end). An unreachable registry or systemd is retried,
-doubling the wait up to --retry-max; fabric-reconcile.timer goes on passing
-meanwhile.
+waits for that pass to end, and starts none when that pass took the plan:
+its record in --state-dir names the plan's epoch). An unreachable registry
+or systemd is retried, doubling the wait up to --retry-max;
+fabric-reconcile.timer goes on passing meanwhile.
 
 Exit 2: bad options or desired state; exit 1: the registry refused this
 identity (a retry would not help).
@@ -23,14 +24,16 @@ import functools
 import os
 import signal
 import sys
+from pathlib import Path
 
 from reconciler.cli import EXIT_OK, InvalidInput
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import host_name, pass_starter, system_clock
+from reconciler.cli.wiring import host_name, local_tree, pass_starter, system_clock
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
-from reconciler.core.live.watching import WatchTimings
+from reconciler.core.live.watching import PLAN_TAKEN, WatchTimings, epoch_taken
 from reconciler.engine.desired_load import load_for_part
+from reconciler.engine.pass_options import STATE_DIR
 from reconciler.engine.watch import Watcher
 
 DEFAULTS = WatchTimings()
@@ -51,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_registry_options(p)
     p.add_argument("--host", metavar="NAME", help="this host's name (default: this machine's)")
     p.add_argument("--unit", default=RECONCILE_SERVICE, help=f"the unit to start (default: {RECONCILE_SERVICE})")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        type=Path,
+        default=Path("/") / STATE_DIR,
+        help=f"the pass's state directory, where it records the plan it took (default: /{STATE_DIR})",
+    )
     p.add_argument(
         "--systemd-bus",
         metavar="ADDRESS",
@@ -97,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
     with desired_and_registry(args) as (_, registry), pass_starter(args.unit, args.systemd_bus) as starter:
         # Read again at each new plan: a route or host added since the watcher started counts.
         desired_for = functools.partial(load_for_part, args.desired, host)
-        watcher = Watcher(registry, starter, system_clock(), host, desired_for, timings=timings, log=_log)
+        record = local_tree(args.state_dir)
+        watcher = Watcher(
+            registry, starter, system_clock(), host, desired_for, timings=timings, epoch_taken=lambda: epoch_taken(record.read(PLAN_TAKEN)), log=_log
+        )
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: watcher.stop())
         _log(f"watching {host}'s part of the plan and its entries; starting {args.unit} on a change")

@@ -85,6 +85,15 @@ class PlanSource:
     # The record this pass's heartbeat sent before activation (None: none sent).
     heartbeat: NodeRecord | None = None
 
+    @property
+    def epoch_read(self) -> int | None:
+        """The registry's epoch this plan is the newest plan at: the newer of
+        the epoch read before it and its own (a plan published between the
+        two reads is newer than the first). None: not from the registry."""
+        if self.registry_epoch is None:
+            return None
+        return max(self.registry_epoch, self.plan.epoch)
+
 
 @dataclass(frozen=True)
 class FleetView:
@@ -331,9 +340,9 @@ def epoch_moved_past(connect: Callable[[], Registry], source: PlanSource) -> int
     its own. None when it did not, when `source` did not come from the
     registry or kept the host static, or when the registry cannot be read
     now: then the next pass (the watcher's or the timer's) sees it."""
-    if source.registry_epoch is None or source.static is not None:
+    seen = source.epoch_read
+    if seen is None or source.static is not None:
         return None
-    seen = max(source.registry_epoch, source.plan.epoch)
     try:
         registry = connect()
         try:

@@ -47,6 +47,7 @@ from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
 from reconciler.core.desired.problems import ProblemsError
 from reconciler.core.live.host_limits import effective_limits, lowered_note
 from reconciler.core.live.host_load import service_units
+from reconciler.core.live.watching import PLAN_TAKEN, plan_taken_record
 from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
@@ -479,6 +480,8 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         if converged and len(rounds) + 1 < PASS_ROUNDS:
             moved = epoch_moved_past(functools.partial(ports.open_registry, prepared.desired.fleet), prepared.source)
         if moved is None:
+            if converged:
+                _record_plan_taken(store, prepared.source)
             view = records(result.ok, result.outcome == "rolled-back")
             if converged:
                 report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
@@ -489,6 +492,15 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             prepared = _plan_and_render(options, ports, prepared.loaded, prepared.host, prepared.facts, prepared.probe_history, write=True)
         except _BadInput as bad:
             return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
+
+
+def _record_plan_taken(store: GenerationStore, source: PlanSource) -> None:
+    """Say which registry plan this pass took (core.live.watching.PLAN_TAKEN):
+    the watcher then starts no pass for it, or for any plan before it, once
+    this one has ended. Not for a plan file or a host alone (no registry)."""
+    if source.epoch_read is None or source.static is not None:
+        return
+    store.tree.write(f"{store.state_dir}/{PLAN_TAKEN}", plan_taken_record(source.epoch_read))
 
 
 def another_round_note(epoch: int, read: int) -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started
+from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started, taken
 from reconciler.core.render.plan_part import plan_part
 from reconciler.ports import ActivationError, Clock, PassStarter, Registry, RegistryError, RegistryUnavailable
 
@@ -54,6 +54,9 @@ class Watcher:
     # DesiredStateError (or OSError) when it cannot be read.
     desired_for: Callable[[FleetPlan], DesiredState]
     timings: WatchTimings = field(default_factory=WatchTimings)
+    # The epoch of the plan the last pass took (its PLAN_TAKEN record; None:
+    # none). Read only when changes wait and no pass runs.
+    epoch_taken: Callable[[], int | None] = lambda: None
     log: Callable[[str], None] = print
     # Wait between steps (a threading.Event's wait in production; tests may
     # pass a fake that only records the delays asked for).
@@ -64,8 +67,8 @@ class Watcher:
     _outage: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _wake_in: float | None = None
-    # The registry's last plan version and the part version it was turned into.
-    _plan_seen: tuple[str, str] | None = None
+    # The registry's last plan version, the part version it was turned into and the plan's epoch.
+    _plan_seen: tuple[str, str, int | None] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -96,7 +99,12 @@ class Watcher:
             self._wake_in = None
             return 0.0
         try:
-            decision = decide(self.state, self.clock.now(), self.starter.pass_running(), self.timings)
+            running = self.starter.pass_running()
+            if not running and not self._taken_by_the_last_pass():
+                self._recovered()
+                self._wake_in = None
+                return 0.0
+            decision = decide(self.state, self.clock.now(), running, self.timings)
             if decision.start:
                 self.starter.start_pass()
         except ActivationError as exc:
@@ -107,6 +115,16 @@ class Watcher:
             self.state = started(self.state)
         self._wake_in = decision.wake_in_s
         return 0.0
+
+    def _taken_by_the_last_pass(self) -> bool:
+        """Drop the pending parts of the plan the last pass took (`taken`);
+        False when nothing is left pending."""
+        epoch = self.epoch_taken()
+        left = taken(self.state, epoch)
+        if left.pending_since is None:
+            self.log(f"the last pass took plan epoch {epoch}: {', '.join(change.describe() for change in self.state.pending)} needs no pass")
+        self.state = left
+        return left.pending_since is not None
 
     def _part_of(self, entry: EntryVersion) -> EntryVersion:
         """The plan entry with, as its version, the digest of this host's part
@@ -125,22 +143,24 @@ class Watcher:
             self._plan_seen = None
             return entry
         if self._plan_seen is not None and self._plan_seen[0] == entry.version:
-            return dataclasses.replace(entry, version=self._plan_seen[1])
+            return dataclasses.replace(entry, version=self._plan_seen[1], epoch=self._plan_seen[2])
         before = self._plan_seen[1] if self._plan_seen is not None else None
+        epoch = None
         try:
             plan = self.registry.newest_plan()
             if plan is None:
                 version = ""
             else:
                 version = plan_part(self.desired_for(plan), plan, self.host).digest
+                epoch = plan.epoch
                 if version == before:
                     self.log(f"plan epoch {plan.epoch} leaves {self.host}'s part as it was: no pass")
         except (RegistryError, DesiredStateError, ValueError, OSError) as exc:
             # Counted as a change (a version no part digest can equal): the pass reads it again and says why.
             self.log(f"cannot tell {self.host}'s part of the plan ({entry.version}): {exc}")
             version = f"unread {entry.version}"
-        self._plan_seen = (entry.version, version)
-        return dataclasses.replace(entry, version=version)
+        self._plan_seen = (entry.version, version, epoch)
+        return dataclasses.replace(entry, version=version, epoch=epoch)
 
     def _failed(self, reason: str) -> float:
         self.failures += 1

@@ -21,9 +21,10 @@ from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.watching import PLAN_TAKEN, epoch_taken
 from reconciler.engine import plan_source
 from reconciler.engine.apply import GenerationStore
-from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
+from reconciler.engine.pass_options import STATE_DIR, PassOptions, PlanFromRegistry
 from reconciler.engine.reconcile import PASS_ROUNDS, PassPorts, run_pass
 from reconciler.ports import LockBusy, RegistryUnavailable
 from tests.conftest import REPO
@@ -125,6 +126,11 @@ class Edge:
         manifest = store.manifest(store.current())
         return manifest.epoch if manifest is not None else None
 
+    def taken(self) -> int | None:
+        """The epoch the pass recorded as taken (the watcher's PLAN_TAKEN)."""
+        path = self.root / STATE_DIR / PLAN_TAKEN
+        return epoch_taken(path.read_bytes() if path.exists() else None)
+
     def caddy_loads(self) -> int:
         return sum(1 for action, _ in self.machine.calls if action == CADDY_LOAD)
 
@@ -149,7 +155,7 @@ def test_a_plan_published_while_the_pass_activates_is_applied_by_another_round_o
     # Two rounds: the first loaded Caddy with the plan it read, the second with the one published meanwhile.
     assert edge.caddy_loads() == 2
     assert edge.rounds_noted() == [f"registry epoch {published[0]} since this pass read plan epoch {published[0] - 2}: another round"]
-    assert edge.applied_epoch() == published[0]
+    assert edge.applied_epoch() == edge.taken() == published[0]
     assert report.stdout.count("generation ") == 2 and report.stdout.rstrip().endswith("generation 2 is active"), report.stdout
     # Nothing is left for the next pass: it finds the newest plan applied.
     again = run_pass(edge.options, edge.ports())
@@ -175,6 +181,8 @@ def test_a_pass_takes_at_most_pass_rounds_rounds_however_many_plans_come(tmp_pat
     assert len(edge.rounds_noted()) == PASS_ROUNDS - 1
     # The last round's plan is applied; the one published during it is the next pass's.
     assert edge.applied_epoch() == moves[-2] < moves[-1]
+    # The watcher starts a pass for the last one: the record names the one before.
+    assert edge.taken() == moves[-2]
     assert report.converged is not None and report.converged.registry_epoch == moves[-2]
 
 
@@ -202,6 +210,35 @@ def test_a_new_leader_term_without_a_new_plan_costs_a_round_that_changes_nothing
     # The second round had nothing to do; the pass still applied what it applied.
     assert report.outcome == "applied", report
     assert report.stdout.rstrip().endswith("nothing to do (generation 1)"), report.stdout
+
+
+def test_a_pass_that_runs_static_records_no_plan_taken(tmp_path, fleet, leading) -> None:
+    """Neither a plan it refused nor one it could not read: the watcher still starts a pass for what comes next."""
+    edge = Edge(tmp_path, fleet, leading)
+    assert run_pass(edge.options, edge.ports()).outcome == "applied"
+    before = edge.taken()
+    assert before is not None
+    # An unsigned plan, published by a term of its own: refused, the host stays static.
+    registry = leading.connect()
+    try:
+        newest = registry.newest_plan()
+        term = registry.campaign("qfox-1", 30.0)
+        assert newest is not None and term is not None
+        forged = registry.publish_plan(term, newest.model_copy(update={"signature": None, "leader": "qfox-1"}))
+        registry.resign(term)
+    finally:
+        registry.close()
+    refused = run_pass(edge.options, edge.ports())
+    assert refused.outcome == "static" and "running static" in refused.stdout, refused
+    assert edge.taken() == before < forged.epoch
+
+    def unreachable(_fleet):  # type: ignore[no-untyped-def]
+        raise RegistryUnavailable("etcd: connection refused")
+
+    ports = edge.ports()
+    ports.open_registry = unreachable
+    assert run_pass(edge.options, ports).outcome == "static"
+    assert edge.taken() == before
 
 
 class TakenAfterFirst:

@@ -24,9 +24,12 @@ from reconciler.core.live.watching import (
     WatchTimings,
     concerns,
     decide,
+    epoch_taken,
     observe,
+    plan_taken_record,
     retry_delay,
     started,
+    taken,
 )
 from reconciler.core.render.plan_part import plan_part
 from reconciler.engine.watch import Watcher
@@ -124,6 +127,43 @@ def test_no_pass_is_started_while_one_runs_and_the_change_waits_for_it() -> None
     # The pass that ran may have read the registry before the change: once
     # it has ended, the pending change still starts one.
     assert decide(state, T0 + 61, False, TIMINGS).start is True
+
+
+def test_a_part_of_the_plan_the_last_pass_took_needs_no_pass() -> None:
+    """A pass that ran when the plan came took it in another round (or read it
+    anyway) and says so in its record: no pass follows for it."""
+    state = observe(observe(WatchState(), baseline(), HOST, T0), [EntryVersion(PLAN, "", "8", epoch=12)], HOST, T0 + 1)
+    assert taken(state, 12) == WatchState(seen=state.seen)
+    assert taken(state, 13).pending_since is None
+    # An older record, or none, leaves it pending.
+    assert taken(state, 11) == state
+    assert taken(state, None) == state
+
+
+def test_a_drain_a_node_state_or_a_plan_that_could_not_be_read_stays_pending_whatever_the_record() -> None:
+    base = observe(WatchState(), baseline(), HOST, T0)
+    state = observe(base, [EntryVersion(STATE, HOST, "s2"), EntryVersion(PLAN, "", "8", epoch=12)], HOST, T0 + 1)
+    left = taken(state, 12)
+    assert left.pending == (EntryVersion(STATE, HOST, "s2"),) and left.pending_since == T0 + 1
+    unread = observe(base, [EntryVersion(PLAN, "", "unread 8")], HOST, T0 + 1)
+    assert taken(unread, 99) == unread
+
+
+@pytest.mark.parametrize(
+    ("record", "epoch"),
+    [
+        (plan_taken_record(12), 12),
+        (None, None),
+        (b"", None),
+        (b"{not json", None),
+        (b'{"epoch": "12"}', None),
+        (b'{"epoch": true}', None),
+        (b"[12]", None),
+    ],
+    ids=["written", "none", "empty", "not json", "a string", "a bool", "not an object"],
+)
+def test_the_pass_records_the_epoch_it_took_and_anything_else_reads_as_no_record(record: bytes | None, epoch: int | None) -> None:
+    assert epoch_taken(record) == epoch
 
 
 def test_a_clock_that_went_back_does_not_hold_a_start() -> None:
@@ -278,6 +318,33 @@ def test_the_loop_waits_for_a_running_pass_then_starts_one() -> None:
     # Started only once the pass had ended, looked at every running_poll_s
     # (not every poll_s: a pass the timer started just before the plan must
     # not hold it back by a whole registry poll).
+    assert [start - T0 for start in starter.starts] == [pytest.approx(2 * TIMINGS.running_poll_s)]
+
+
+def test_the_loop_starts_no_pass_after_a_running_one_that_took_the_plan() -> None:
+    starter = FakeStarter(running=[True, True, False])
+    w, _, starter, log = watcher([baseline(), [EntryVersion(PLAN, "", "8")], [], [], []], starter)
+    reads: list[int] = []
+
+    def record() -> int:
+        # That pass's record: the epoch of plan version 8 (the golden plan's next).
+        reads.append(1)
+        return 8
+
+    w.epoch_taken = record
+    for _ in range(5):
+        w.step()
+    assert starter.starts == [] and w.state.pending == ()
+    assert len(reads) == 1, "read once the pass had ended, not while it ran"
+    assert log[-1] == f"the last pass took plan epoch 8: this host's part of the plan ({part_digest('8')[:12]}) needs no pass"
+
+
+def test_the_loop_starts_a_pass_after_a_running_one_that_took_an_older_plan() -> None:
+    starter = FakeStarter(running=[True, True, False])
+    w, _, starter, _ = watcher([baseline(), [EntryVersion(PLAN, "", "8")], [], [], []], starter)
+    w.epoch_taken = lambda: 7
+    for _ in range(5):
+        w.step()
     assert [start - T0 for start in starter.starts] == [pytest.approx(2 * TIMINGS.running_poll_s)]
 
 

@@ -29,7 +29,10 @@ a plan arriving in it starts the pass then. No pass is started while one
 runs: systemd merges a StartUnit into the start job of a oneshot that is
 already running (no second run is queued), and that pass may have read the
 registry before the change; so the changes stay pending and the next pass
-starts when it has finished (looked at every `running_poll_s`). The pass's
+starts when it has finished (looked at every `running_poll_s`), unless that
+pass took the plan (`taken`: it read the registry's epoch again after
+activating and took a plan published meanwhile in another round; its record,
+`PLAN_TAKEN`, names the epoch of the plan it rendered). The pass's
 own lock (flock in the state directory) remains what guarantees one pass at
 a time: the timer or an operator may start one at any moment.
 
@@ -39,6 +42,7 @@ from `retry_min_s` up to `retry_max_s`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -59,6 +63,9 @@ class EntryVersion:
     node_id: str
     # Changes whenever the entry does; "" when the entry is absent.
     version: str
+    # The plan's epoch, when the watcher read the plan (None: a drain
+    # request, a node state, or a plan it could not read).
+    epoch: int | None = None
 
     def describe(self) -> str:
         # The plan's version is a digest (engine.watch): a prefix is enough to tell two apart in the log.
@@ -156,6 +163,42 @@ def decide(state: WatchState, now: float, pass_running: bool, timings: WatchTimi
     if now >= due or now < state.pending_since:
         return Decision(start=True)
     return Decision(start=False, wake_in_s=due - now)
+
+
+def taken(state: WatchState, epoch: int | None) -> WatchState:
+    """`state` without the pending parts of the plan a pass has taken: those
+    of a plan of `epoch` or older (what the last pass recorded, `PLAN_TAKEN`;
+    None: no record). A pass that ran when the plan came took it in another
+    round, or read it anyway: no pass needs to follow for it. A drain
+    request or node state stays pending (a pass reads what follows from it)."""
+    if epoch is None or state.pending_since is None:
+        return state
+    left = tuple(change for change in state.pending if change.entry != PLAN or change.epoch is None or change.epoch > epoch)
+    if not left:
+        return WatchState(seen=state.seen)
+    return WatchState(seen=state.seen, pending_since=state.pending_since, pending=left)
+
+
+# The last pass's record of the plan it took, in its state directory:
+# {"epoch": N}, the epoch of the plan it rendered and activated (or found
+# nothing to do for), so any plan up to N is no news to this host
+# (reconciler.engine.reconcile writes it).
+PLAN_TAKEN = "plan-taken.json"
+
+
+def plan_taken_record(epoch: int) -> bytes:
+    return json.dumps({"epoch": epoch}).encode()
+
+
+def epoch_taken(record: bytes | None) -> int | None:
+    """The epoch in a PLAN_TAKEN record; None when there is none or it does not parse."""
+    if record is None:
+        return None
+    try:
+        epoch = json.loads(record).get("epoch")
+    except (ValueError, AttributeError):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def started(state: WatchState) -> WatchState:
