@@ -35,9 +35,9 @@ def installed_version() -> str:
     except OSError:
         beside = []
     if len(beside) == 1:
-        version = _metadata_version(os.path.join(site, beside[0], "METADATA"))
-        if version is not None:
-            return version
+        found = _metadata_version(os.path.join(site, beside[0], "METADATA"))
+        if found is not None:
+            return found
     from importlib.metadata import PackageNotFoundError, version
 
     try:
