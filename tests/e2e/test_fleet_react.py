@@ -287,6 +287,7 @@ def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_ac
     published = utc(moving.created)
     assert published >= offline and victim not in placed(moving).get(SERVICE, [])
     (replacement,) = placed(moving)[SERVICE]
+    took: dict[str, float] = {}
     for host in (replacement, fleet.edge):
         # A pass started by its watcher, or the pass its timer started just
         # before: the lapse comes a node timeout after the lost node's last
@@ -295,12 +296,16 @@ def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_ac
         # read it, or in another round once it read the registry again.
         taken = plan_taken(fleet, host, moving.epoch, published)
         assert taken is not None, f"{host}: no pass took the moving plan"
-        acted = (taken - published).total_seconds()
+        took[host] = acted = (taken - published).total_seconds()
         assert acted <= ACTED_ON_S, f"{host} took the moving plan {acted:.2f} s after its publication (goal {ACTED_ON_S:g} s)"
     served_after = (served - last_beat).total_seconds()
+    started, loaded = unit_active_since(fleet, replacement, UNIT), first_after(caddy_loads(fleet, fleet.edge), published)
     print(
-        f"node loss: {victim} offline {silent_for:.2f} s after its last beat, plan {(published - last_beat).total_seconds():.2f} s, "
-        f"served by {replacement} {served_after:.2f} s (goal {goal:g} s)"
+        f"node loss: {victim} offline {silent_for:.2f} s after its last beat, plan {(published - last_beat).total_seconds():.2f} s; "
+        f"after the plan: {replacement} took it {took[replacement]:.2f} s, started {SERVICE} "
+        f"{(started - published).total_seconds() if started else float('nan'):.2f} s, the edge took it {took[fleet.edge]:.2f} s, "
+        f"loaded Caddy {(loaded - published).total_seconds() if loaded else float('nan'):.2f} s; "
+        f"served by {replacement} {served_after:.2f} s after the last beat (goal {goal:g} s)"
     )
     assert served_after <= goal, f"{ROUTE} first served by {replacement} {served_after:.2f} s after {victim}'s last beat (goal {goal:g} s)"
 
