@@ -110,13 +110,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.install.units import PASS_DIRECTORIES, RECONCILE_SERVICE, RECONCILE_TIMER
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.timestamps import utc
 from tests.harness.etcd import TestPki
 from tests.harness.postgres import PostgresServer, postgres_server
 from tests.harness.postgres import stop_by_pid as stop_postgres
@@ -1149,14 +1150,22 @@ def plan_taken(fleet: Fleet, host: str, epoch: int, since: datetime) -> datetime
 
 
 def first_taking(starts: list[datetime], lines: list[tuple[datetime, str]], epoch: int, since: datetime) -> datetime | None:
-    """The first of: a pass started at or after `since` (it reads the newest
-    plan), or a line of a pass running then that read the plan of `epoch`
-    or a later one, or took it into another round."""
+    """From when a pass of the host was on its way to the plan of `epoch`
+    published at `since` (or a later plan): a pass that started at or after
+    `since`, which reads the newest plan; a round that a running pass began
+    for it (its note); or, when a pass, or a round of one, that was already
+    under way at `since` read it, `since` itself: that pass was on its way
+    then, as one the watcher started a moment later would be."""
     moments = [m for m in starts if m >= since]
+    rounds = [(m, int(said.group(1))) for m, message in lines if (said := _ANOTHER_ROUND.search(message))]
+    moments += [m for m, round_epoch in rounds if m >= since and round_epoch >= epoch]
     for moment, message in lines:
-        said = _PLAN_READ.search(message) or _ANOTHER_ROUND.search(message)
-        if moment >= since and said is not None and int(said.group(1)) >= epoch:
-            moments.append(moment)
+        read = _PLAN_READ.search(message)
+        if read is None or moment < since or int(read.group(1)) < epoch:
+            continue
+        # The pass start or round this read belongs to: the last one before it.
+        under_way = max([m for m in starts if m <= moment] + [m for m, _ in rounds if m <= moment], default=since)
+        moments.append(max(under_way, since))
     return min(moments, default=None)
 
 
@@ -1254,6 +1263,89 @@ def _timer_usec(fleet: Fleet, host: str, prop: str) -> int | None:
 
 def pass_running(fleet: Fleet, host: str) -> bool:
     return fleet.container(host).systemctl("is-active", RECONCILE_SERVICE).stdout.strip() in ("activating", "active", "deactivating")
+
+
+# --- a move between ticks (tests/e2e/test_fleet_react.py, bench/convergence) ---
+
+# How often move_applied looks: its moments come from the journals and
+# systemd, whenever they are read, so a slow poll measures the same and
+# leaves the two cores to the passes it measures (three nsenter processes
+# of about 10 ms of CPU each, every 0.1 s, took some 15 % of them).
+APPLIED_POLL_S = 0.5
+
+
+def agent_unit(service: str) -> str:
+    return f"fabric-agent-{service}.service"
+
+
+def plan_moving(fleet: Fleet, service: str, since: FleetPlan, away_from: str, *, timeout: float) -> FleetPlan:
+    """The first plan after `since` that places `service` on another host than `away_from`."""
+
+    def moved() -> FleetPlan | None:
+        plan = newest_plan(fleet)
+        if plan is None or plan.epoch <= since.epoch or placed(plan).get(service, [away_from]) == [away_from]:
+            return None
+        return plan
+
+    return wait_for(moved, timeout=timeout, what=f"a plan moving {service} off {away_from}", interval=0.05)
+
+
+def move_applied(fleet: Fleet, service: str, plan: FleetPlan, serving: str, *, within: float) -> dict[str, datetime]:
+    """When each host the move of `service` concerns applied `plan`: the host
+    it left stopped its unit, the replacement started it, the edge loaded
+    Caddy (each after the plan's publication)."""
+    published = utc(plan.created)
+    (replacement,) = placed(plan)[service]
+    unit = agent_unit(service)
+
+    def applied() -> dict[str, datetime] | None:
+        done = {
+            serving: first_after(unit_stops(fleet, serving, unit), published),
+            replacement: unit_active_since(fleet, replacement, unit),
+            fleet.edge: first_after(caddy_loads(fleet, fleet.edge), published),
+        }
+        if any(moment is None or moment < published for moment in done.values()):
+            return None
+        return done  # type: ignore[return-value]
+
+    return wait_for(applied, timeout=within, what=f"{service}'s move from {serving} to {replacement} applied", interval=APPLIED_POLL_S)
+
+
+def far_from_every_tick(fleet: Fleet, hosts: tuple[str, ...], far_s: float) -> dict[str, datetime] | None:
+    """Every host's next timer tick, when each is at least `far_s` away and no
+    pass runs; None otherwise."""
+    if any(pass_running(fleet, host) for host in hosts):
+        return None
+    soonest = datetime.now(UTC) + timedelta(seconds=far_s)
+    ticks = {host: next_tick(fleet, host) for host in hosts}
+    if any(tick is None or tick < soonest for tick in ticks.values()):
+        return None
+    return ticks  # type: ignore[return-value]
+
+
+def align_timers(fleet: Fleet, hosts: tuple[str, ...], *, far_s: float, timeout: float) -> dict[str, datetime]:
+    """A pass on every host now, so every timer's next tick (OnUnitActiveSec
+    counts from the last pass) is an interval away; then wait until they have
+    ended and every tick is still at least `far_s` away."""
+
+    def aligned() -> dict[str, datetime] | None:
+        ticks = far_from_every_tick(fleet, hosts, far_s)
+        if ticks is None and not any(pass_running(fleet, host) for host in hosts):
+            for host in hosts:
+                fleet.container(host).systemctl("start", "--no-block", RECONCILE_SERVICE)
+        return ticks
+
+    return wait_for(aligned, timeout=timeout, what="every timer far from its next tick", interval=0.5)
+
+
+def drain(fleet: Fleet, host: str, reason: str = "e2e: move its work") -> None:
+    with fleet.registry() as registry:
+        registry.set_drain(host, 0, reason=reason)
+
+
+def undrain(fleet: Fleet, host: str) -> None:
+    with fleet.registry() as registry:
+        registry.clear_drain(host)
 
 
 def lanes_on(desired: DesiredState, host: str) -> set[str]:

@@ -48,24 +48,29 @@ from tests.e2e.fleet import (
     HOST_OCTETS,
     Fleet,
     FleetSettings,
+    agent_unit,
+    align_timers,
     caddy_loads,
     converged,
+    drain,
     edge_reaches,
     first_after,
     first_answer,
     last_timer_trigger,
-    next_tick,
+    move_applied,
+    newest_plan,
     pass_running,
     pass_starts,
     placed,
+    plan_moving,
     plan_taken,
     routed_services,
     running_agents,
     span_seconds,
     static_passes,
+    undrain,
     unit_active_since,
     unit_invocation,
-    unit_stops,
     wait_for,
     watcher_says,
     watcher_starts,
@@ -79,12 +84,10 @@ INTERVAL_S = span_seconds(FLEET_SETTINGS.pass_interval)
 HOSTS = tuple(HOST_OCTETS)
 SERVICE = "vaapi-encode"
 ROUTE = "encode.researchstack.info"
-UNIT = f"fabric-agent-{SERVICE}.service"
+UNIT = agent_unit(SERVICE)
 # The goals of issue 14.
 ACTED_ON_S = 1.0
 SERVED_AFTER_TIMEOUT_S = 2.0
-# How often move_applied looks (see there).
-APPLIED_POLL_S = 0.5
 # "Far from its next tick": a pass started sooner than this after the
 # publication cannot be the timer's.
 FAR_S = 10.0
@@ -100,74 +103,6 @@ def wait_converged(fleet: Fleet, desired: DesiredState, hosts: tuple[str, ...] =
     return wait_for(lambda: converged(fleet, desired, hosts), timeout=CONVERGE_S, what=f"convergence of {', '.join(hosts)}", interval=0.5)
 
 
-def newest_plan(fleet: Fleet) -> FleetPlan | None:
-    with fleet.registry() as registry:
-        return registry.newest_plan()
-
-
-def plan_moving(fleet: Fleet, since: FleetPlan, away_from: str) -> FleetPlan:
-    """The first plan after `since` that places SERVICE on another host than `away_from`."""
-
-    def moved() -> FleetPlan | None:
-        plan = newest_plan(fleet)
-        if plan is None or plan.epoch <= since.epoch or placed(plan).get(SERVICE, [away_from]) == [away_from]:
-            return None
-        return plan
-
-    return wait_for(moved, timeout=deadline_for(INTERVAL_S), what=f"a plan moving {SERVICE} off {away_from}", interval=0.05)
-
-
-def move_applied(fleet: Fleet, plan: FleetPlan, serving: str, *, within: float) -> dict[str, datetime]:
-    """When each host the move of SERVICE concerns applied `plan`: the host it
-    left stopped its unit, the replacement started it, the edge loaded Caddy
-    (each after the plan's publication)."""
-    published = utc(plan.created)
-    (replacement,) = placed(plan)[SERVICE]
-
-    def applied() -> dict[str, datetime] | None:
-        done = {
-            serving: first_after(unit_stops(fleet, serving, UNIT), published),
-            replacement: unit_active_since(fleet, replacement, UNIT),
-            fleet.edge: first_after(caddy_loads(fleet, fleet.edge), published),
-        }
-        if any(moment is None or moment < published for moment in done.values()):
-            return None
-        return done  # type: ignore[return-value]
-
-    # The moments come from the journals and systemd, whenever they are read:
-    # a slow poll measures the same and leaves the two cores to the passes
-    # it measures (three nsenter processes of about 10 ms of CPU each, every
-    # 0.1 s, took some 15 % of them).
-    return wait_for(applied, timeout=within, what=f"{SERVICE}'s move from {serving} to {replacement} applied", interval=APPLIED_POLL_S)
-
-
-def far_from_every_tick(fleet: Fleet, hosts: tuple[str, ...]) -> dict[str, datetime] | None:
-    """Every host's next timer tick, when each is at least FAR_S away and no
-    pass runs; None otherwise."""
-    if any(pass_running(fleet, host) for host in hosts):
-        return None
-    soonest = datetime.now(UTC) + timedelta(seconds=FAR_S)
-    ticks = {host: next_tick(fleet, host) for host in hosts}
-    if any(tick is None or tick < soonest for tick in ticks.values()):
-        return None
-    return ticks  # type: ignore[return-value]
-
-
-def align_timers(fleet: Fleet, hosts: tuple[str, ...]) -> dict[str, datetime]:
-    """A pass on every host now, so every timer's next tick (OnUnitActiveSec
-    counts from the last pass) is an interval away; then wait until they have
-    ended and every tick is still far."""
-
-    def aligned() -> dict[str, datetime] | None:
-        ticks = far_from_every_tick(fleet, hosts)
-        if ticks is None and not any(pass_running(fleet, host) for host in hosts):
-            for host in hosts:
-                fleet.container(host).systemctl("start", "--no-block", "fabric-reconcile.service")
-        return ticks
-
-    return wait_for(aligned, timeout=deadline_for(INTERVAL_S), what="every timer far from its next tick", interval=0.5)
-
-
 def placed_on(plan: FleetPlan, host: str) -> set[str]:
     return {p.service for p in plan.placements if p.node == host}
 
@@ -176,16 +111,6 @@ def unconcerned_hosts(fleet: Fleet, before: FleetPlan, after: FleetPlan, drained
     """The hosts whose services `after` leaves as `before` placed them, other
     than the drained one and the edge (whose upstreams moved)."""
     return tuple(host for host in HOSTS if host not in (drained, fleet.edge) and placed_on(before, host) == placed_on(after, host))
-
-
-def drain(fleet: Fleet, host: str) -> None:
-    with fleet.registry() as registry:
-        registry.set_drain(host, 0, reason="e2e: move its work")
-
-
-def undrain(fleet: Fleet, host: str) -> None:
-    with fleet.registry() as registry:
-        registry.clear_drain(host)
 
 
 # --------------------------------------------------------------------------
@@ -203,14 +128,14 @@ def test_every_host_runs_its_watcher_beside_the_production_timer(fleet: Fleet, d
 def test_a_plan_published_far_from_every_tick_is_applied_by_the_hosts_it_concerns_within_a_second(fleet: Fleet, desired: DesiredState) -> None:
     before = wait_converged(fleet, desired)
     (serving,) = placed(before)[SERVICE]
-    ticks = align_timers(fleet, HOSTS)
+    ticks = align_timers(fleet, HOSTS, far_s=FAR_S, timeout=deadline_for(INTERVAL_S))
 
     drain(fleet, serving)
     try:
-        plan = plan_moving(fleet, before, serving)
+        plan = plan_moving(fleet, SERVICE, before, serving, timeout=deadline_for(INTERVAL_S))
         published = utc(plan.created)
         assert all(published + timedelta(seconds=FAR_S) <= tick for tick in ticks.values()), "every timer was still far from its tick"
-        done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        done = move_applied(fleet, SERVICE, plan, serving, within=deadline_for(INTERVAL_S))
         print(
             "plan between ticks applied "
             + ", ".join(f"by {host} {(applied_at - published).total_seconds():.2f} s" for host, applied_at in done.items())
@@ -292,8 +217,9 @@ def test_a_lost_node_is_offline_at_its_lapse_and_its_replacement_and_the_edge_ac
         # A pass started by its watcher, or the pass its timer started just
         # before: the lapse comes a node timeout after the lost node's last
         # pass, which the plan before aligned with the other hosts' timers,
-        # so it often falls on their ticks. That pass took the plan when it
-        # read it, or in another round once it read the registry again.
+        # so it often falls on their ticks. That pass was on its way to the
+        # plan from its publication when it read it, or took it in another
+        # round once it read the registry again (fleet.first_taking).
         taken = plan_taken(fleet, host, moving.epoch, published)
         assert taken is not None, f"{host}: no pass took the moving plan"
         took[host] = acted = (taken - published).total_seconds()
@@ -318,11 +244,11 @@ def test_with_every_watcher_stopped_the_hosts_converge_on_their_timers_alone(fle
         fleet.container(host).systemctl("stop", "fabric-watch.service")
     try:
         drain(fleet, serving)
-        plan = plan_moving(fleet, before, serving)
+        plan = plan_moving(fleet, SERVICE, before, serving, timeout=deadline_for(INTERVAL_S))
         published = utc(plan.created)
         # Each host's next tick is at most an interval away (and its pass a
         # few seconds long on a loaded machine).
-        done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        done = move_applied(fleet, SERVICE, plan, serving, within=deadline_for(INTERVAL_S))
         for host in done:
             assert first_after(watcher_starts(fleet, host), published) is None, f"{host}'s watcher is stopped"
             assert first_after(pass_starts(fleet, host), published) is not None, f"{host}'s timer started a pass"
@@ -400,9 +326,9 @@ def test_with_the_registry_unreachable_the_hosts_fail_static_on_their_timers_and
     # 2. A drain at once, while the watchers are still backing off.
     drain(fleet, serving)
     try:
-        plan = plan_moving(fleet, before, serving)
+        plan = plan_moving(fleet, SERVICE, before, serving, timeout=deadline_for(INTERVAL_S))
         published = utc(plan.created)
-        done = move_applied(fleet, plan, serving, within=deadline_for(INTERVAL_S))
+        done = move_applied(fleet, SERVICE, plan, serving, within=deadline_for(INTERVAL_S))
         for host, applied_at in done.items():
             started = first_after(pass_starts(fleet, host), published)
             assert started is not None and started <= applied_at, f"{host}: no pass applied the move"

@@ -28,9 +28,15 @@ def test_a_pass_started_after_the_publication_takes_the_plan() -> None:
     assert first_taking([at(-30), at(0.05)], [(at(0.6), read(12, 11))], 12, PUBLISHED) == at(0.05)
 
 
-def test_a_running_pass_that_read_the_plan_took_it_when_it_read_it() -> None:
-    # Its timer's pass began before the publication and read the plan after it.
-    assert first_taking([at(-0.4)], [(at(-0.1), "note: heartbeat: racknerd tier relay"), (at(0.2), read(12, 11))], 12, PUBLISHED) == at(0.2)
+def test_a_pass_under_way_at_the_publication_that_read_the_plan_was_on_its_way_to_it_from_then() -> None:
+    # Its timer's pass began before the publication and read the plan after
+    # it: as on its way as a pass the watcher would have started then.
+    lines = [(at(-0.1), "note: heartbeat: racknerd tier relay"), (at(0.8), read(12, 11))]
+    assert first_taking([at(-0.4)], lines, 12, PUBLISHED) == PUBLISHED
+
+
+def test_a_read_by_a_pass_that_started_after_the_publication_counts_from_its_start() -> None:
+    assert first_taking([at(-30), at(0.3)], [(at(0.9), read(12, 11))], 12, PUBLISHED) == at(0.3)
 
 
 def test_a_running_pass_that_read_the_plan_before_takes_it_in_another_round() -> None:
@@ -38,8 +44,15 @@ def test_a_running_pass_that_read_the_plan_before_takes_it_in_another_round() ->
     assert first_taking([at(-0.5)], lines, 12, PUBLISHED) == at(0.4)
 
 
+def test_a_round_under_way_at_the_publication_that_read_the_plan_was_on_its_way_to_it_from_then() -> None:
+    # A round for the plan before began just before this one's publication, and read this one.
+    lines = [(at(-0.6), read(11, 10)), (at(-0.2), f"note: {another_round_note(11, 10)}"), (at(0.3), read(12, 10))]
+    assert first_taking([at(-1.0)], lines, 12, PUBLISHED) == PUBLISHED
+
+
 def test_an_older_plan_read_or_a_round_for_an_older_epoch_is_not_taking_it() -> None:
     lines = [(at(0.1), read(11, 10)), (at(0.2), f"note: {another_round_note(11, 10)}"), (at(0.3), read(11, 11))]
     assert first_taking([at(-0.5)], lines, 12, PUBLISHED) is None
-    # A later plan read counts: it supersedes the one published.
-    assert first_taking([], [(at(0.7), read(13, 11))], 12, PUBLISHED) == at(0.7)
+    # A later plan read counts: it supersedes the one published (its pass
+    # started after it here).
+    assert first_taking([at(0.2)], [(at(0.7), read(13, 11))], 12, PUBLISHED) == at(0.2)
