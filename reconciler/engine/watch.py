@@ -20,8 +20,9 @@ One `step()`:
   1. wait for the registry (at most `poll_s`, or until the window of pending
      changes ends), turn a new plan version into this host's part's digest,
      and note what changed (`observe`);
-  2. with changes pending: ask systemd whether a pass runs, and start one
-     when `decide` says so.
+  2. with changes pending: ask systemd whether a pass runs; when none does,
+     drop the parts of the plan the last pass took (`taken`, its record read
+     through `epoch_taken`), then start one when `decide` says so.
 A registry or systemd that cannot be reached is said once per outage and
 retried after `retry_delay` (doubling up to `retry_max_s`); pending changes
 stay pending through an outage of systemd. The timer remains the backstop.
