@@ -481,6 +481,15 @@ def add_port_map(fleet: Fleet, name: str, listen_port: int) -> str:
     return f"fabric-socat-{name}.service"
 
 
+def assert_reloaded_first(fleet: Fleet) -> None:
+    """A pass that reloads systemd before any job, says so, and converges."""
+    report = fleet.reconcile()
+    assert report.ok
+    assert fleet.machine.calls[0] == ("daemon-reload", "")
+    assert "reloaded the systemd manager configuration (daemon-reload)\n" in report.stdout
+    assert_converged(fleet.machine, fleet.root)
+
+
 def test_a_new_unit_is_started_without_daemon_reload_and_a_changed_held_one_with(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     assert fleet.reconcile().ok
@@ -495,11 +504,7 @@ def test_a_new_unit_is_started_without_daemon_reload_and_a_changed_held_one_with
     fleet.machine.forget_calls()
     fleet.edit_fleet("target_port = 22\n", "target_port = 2022\n")
     add_port_map(fleet, "lux-afp", 5548)
-    report = fleet.reconcile()
-    assert report.ok
-    assert fleet.machine.calls[0] == ("daemon-reload", "")
-    assert "reloaded the systemd manager configuration (daemon-reload)\n" in report.stdout
-    assert_converged(fleet.machine, fleet.root)
+    assert_reloaded_first(fleet)
 
 
 def test_on_a_systemd_older_than_246_a_new_unit_is_reloaded_before_its_start(tmp_path: Path) -> None:
@@ -545,11 +550,7 @@ class HeldUnknown(FakeMachine):
 def test_when_systemd_cannot_say_what_it_holds_every_unit_change_reloads(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     fleet.machine = HeldUnknown(fleet.root, tmp_path / "machine-unknown.json")
-    report = fleet.reconcile()
-    assert report.ok
-    assert fleet.machine.calls[0] == ("daemon-reload", "")
-    assert "reloaded the systemd manager configuration (daemon-reload)\n" in report.stdout
-    assert_converged(fleet.machine, fleet.root)
+    assert_reloaded_first(fleet)
 
 
 def test_a_rollback_goes_through_the_same_rule(tmp_path: Path) -> None:

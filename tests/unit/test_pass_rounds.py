@@ -10,6 +10,7 @@ step), so the registry moves on while the pass activates the plan it read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,28 +29,13 @@ from reconciler.engine.pass_options import STATE_DIR, PassOptions, PlanFromRegis
 from reconciler.engine.reconcile import PASS_ROUNDS, PassPorts, run_pass
 from reconciler.ports import LockBusy, RegistryUnavailable
 from tests.conftest import REPO
-from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet
 from tests.unit.test_apply import FakeMachine, FakeVerifier, RecordingAudit, fake_pass_ports
 from tests.unit.test_plan_source import facts
 
 EDGE = "racknerd"
 SERVICE = "vaapi-encode"
 CADDY_LOAD = "caddy-load"
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> SignedFleet:
-    return signed_example_fleet(tmp_path_factory.mktemp("fleet"))
-
-
-@pytest.fixture(scope="module")
-def state(fleet: SignedFleet) -> DesiredState:
-    return load_desired(fleet.desired)
-
-
-@pytest.fixture(scope="module")
-def signers(fleet: SignedFleet) -> dict[str, FakeSigner]:
-    return {host: fleet.signer(host) for host in CANDIDATES}
 
 
 class Leading:
@@ -65,23 +51,32 @@ class Leading:
         """`host`'s heartbeat and leader step, as its own pass makes them (nobody leads between steps)."""
         plan_source.read_registry(self.connect, self.state, host, facts(host), write=True, signer=self.signers[host])
 
-    def serving(self) -> list[str]:
+    def newest_plan(self) -> FleetPlan:
         registry = self.connect()
         try:
             plan = registry.newest_plan()
         finally:
             registry.close()
         assert plan is not None
-        return sorted(p.node for p in plan.placements if p.service == SERVICE)
+        return plan
+
+    def serving(self) -> list[str]:
+        return sorted(p.node for p in self.newest_plan().placements if p.service == SERVICE)
 
     def newest_epoch(self) -> int:
-        registry = self.connect()
-        try:
-            plan = registry.newest_plan()
-        finally:
-            registry.close()
-        assert plan is not None
-        return plan.epoch
+        return self.newest_plan().epoch
+
+    def moving_once(self, host: str) -> tuple[Callable[[], None], list[int]]:
+        """A hook that, the first time it is called, drains `host` and leads
+        (the plan moves SERVICE off it), and the list of that plan's epoch."""
+        published: list[int] = []
+
+        def publish_once() -> None:
+            if not published:
+                self.drain(host)
+                published.append(self.newest_epoch())
+
+        return publish_once, published
 
     def drain(self, host: str, *, lift: str | None = None) -> None:
         """Drain `host` (and lift the drain of `lift`), then lead once: the plan moves SERVICE."""
@@ -96,8 +91,14 @@ class Leading:
 
 
 @pytest.fixture
-def leading(tmp_path: Path, state: DesiredState, signers: dict[str, FakeSigner]) -> Leading:
-    leading = Leading(tmp_path / "registry.sqlite", state, signers)
+def fleet(signed_fleet: SignedFleet) -> SignedFleet:
+    """The example fleet whose candidates sign with throwaway keys (tests/conftest.py)."""
+    return signed_fleet
+
+
+@pytest.fixture
+def leading(tmp_path: Path, fleet: SignedFleet) -> Leading:
+    leading = Leading(tmp_path / "registry.sqlite", load_desired(fleet.desired), {host: fleet.signer(host) for host in CANDIDATES})
     leading.beat_and_lead("lux")
     leading.beat_and_lead("qfox-1")  # both nodes in the plan: SERVICE on the better one
     return leading
@@ -141,13 +142,7 @@ class Edge:
 def test_a_plan_published_while_the_pass_activates_is_applied_by_another_round_of_it(tmp_path, fleet, leading) -> None:
     (first,) = leading.serving()
     edge = Edge(tmp_path, fleet, leading)
-    published: list[int] = []
-
-    def publish_once() -> None:
-        if not published:
-            leading.drain(first)
-            published.append(leading.newest_epoch())
-
+    publish_once, published = leading.moving_once(first)
     report = run_pass(edge.options, edge.ports(at_caddy_load=publish_once))
     assert report.outcome == "applied", report
     (moved_to,) = leading.serving()
@@ -259,13 +254,7 @@ class TakenAfterFirst:
 def test_a_later_round_that_finds_the_lock_taken_leaves_the_new_plan_to_the_pass_that_holds_it(tmp_path, fleet, leading) -> None:
     (first,) = leading.serving()
     edge = Edge(tmp_path, fleet, leading)
-    published: list[int] = []
-
-    def publish_once() -> None:
-        if not published:
-            leading.drain(first)
-            published.append(leading.newest_epoch())
-
+    publish_once, published = leading.moving_once(first)
     ports = edge.ports(at_caddy_load=publish_once)
     ports.lock = TakenAfterFirst()
     report = run_pass(edge.options, ports)
