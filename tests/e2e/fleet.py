@@ -1267,11 +1267,14 @@ def pass_running(fleet: Fleet, host: str) -> bool:
 
 # --- a move between ticks (tests/e2e/test_fleet_react.py, bench/convergence) ---
 
-# How often move_applied looks: its moments come from the journals and
-# systemd, whenever they are read, so a slow poll measures the same and
-# leaves the two cores to the passes it measures (three nsenter processes
-# of about 10 ms of CPU each, every 0.1 s, took some 15 % of them).
+# How often move_applied looks, and how long after the plan's publication it
+# first does: its moments come from the journals and systemd, whenever they
+# are read, so a late and slow poll measures the same and leaves the two
+# cores to the passes it measures (three nsenter processes of about 10 ms of
+# CPU each, every 0.1 s from the publication on, took some 15 % of them
+# while those passes ran). The first look comes at issue 14's goal.
 APPLIED_POLL_S = 0.5
+APPLIED_FIRST_LOOK_S = 1.0
 
 
 def agent_unit(service: str) -> str:
@@ -1281,13 +1284,18 @@ def agent_unit(service: str) -> str:
 def plan_moving(fleet: Fleet, service: str, since: FleetPlan, away_from: str, *, timeout: float) -> FleetPlan:
     """The first plan after `since` that places `service` on another host than `away_from`."""
 
-    def moved() -> FleetPlan | None:
-        plan = newest_plan(fleet)
-        if plan is None or plan.epoch <= since.epoch or placed(plan).get(service, [away_from]) == [away_from]:
-            return None
-        return plan
+    # One connection for the whole wait: each of fleet.registry() loads the
+    # client's desired state and opens etcd over TLS, some 50 ms of CPU,
+    # just as the passes of the hosts the plan concerns begin.
+    with fleet.registry() as registry:
 
-    return wait_for(moved, timeout=timeout, what=f"a plan moving {service} off {away_from}", interval=0.05)
+        def moved() -> FleetPlan | None:
+            plan = registry.newest_plan()
+            if plan is None or plan.epoch <= since.epoch or placed(plan).get(service, [away_from]) == [away_from]:
+                return None
+            return plan
+
+        return wait_for(moved, timeout=timeout, what=f"a plan moving {service} off {away_from}", interval=0.05)
 
 
 def move_applied(fleet: Fleet, service: str, plan: FleetPlan, serving: str, *, within: float) -> dict[str, datetime]:
@@ -1298,7 +1306,11 @@ def move_applied(fleet: Fleet, service: str, plan: FleetPlan, serving: str, *, w
     (replacement,) = placed(plan)[service]
     unit = agent_unit(service)
 
+    first_look = published + timedelta(seconds=APPLIED_FIRST_LOOK_S)
+
     def applied() -> dict[str, datetime] | None:
+        if datetime.now(UTC) < first_look:
+            return None
         done = {
             serving: first_after(unit_stops(fleet, serving, unit), published),
             replacement: unit_active_since(fleet, replacement, unit),
