@@ -46,7 +46,8 @@ class GitSource:
             return True, result.stdout.strip()
         return False, result.failure() or "git failed"
 
-    def _head(self) -> str | None:
+    def head(self) -> str | None:
+        """The commit the checkout is at (None: no checkout yet)."""
         if not (self._checkout / ".git").exists():
             return None
         ok, out = self._git("rev-parse", "HEAD", cwd=self._checkout)
@@ -68,7 +69,7 @@ class GitSource:
         return None if ok else f"commit {commit[:12]} is not signed by an allowed signer ({out})"
 
     def update(self) -> PullOutcome:
-        head = self._head()
+        head = self.head()
         if head is None:
             return self._clone()
         ok, out = self._git(

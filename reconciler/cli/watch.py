@@ -9,7 +9,10 @@ over D-Bus (StartUnit, mode "replace") when one changed: at once for a new
 part of the plan, --window after a drain request or node state (the plan the
 leader publishes in answer usually follows), never while a pass runs (it
 waits for that pass to end, and starts none when that pass took the plan:
-its record in --state-dir names the plan's epoch). An unreachable registry
+its record in --state-dir names the plan's epoch). Before it starts one it
+records its ask there: with a git [source], `fabric pull` (the pass's
+ExecStartPre) then does not fetch first while its last fetch is recent.
+An unreachable registry
 or systemd is retried, doubling the wait up to --retry-max;
 fabric-reconcile.timer goes on passing meanwhile.
 
@@ -31,7 +34,7 @@ from reconciler.cli.registry_options import add_registry_options, desired_and_re
 from reconciler.cli.wiring import host_name, local_tree, pass_starter, system_clock
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
-from reconciler.core.live.watching import PLAN_TAKEN, WatchTimings, epoch_taken
+from reconciler.core.live.watching import PASS_ASKED, PLAN_TAKEN, WatchTimings, epoch_taken, moment_record
 from reconciler.engine.desired_load import load_for_part
 from reconciler.engine.pass_options import STATE_DIR
 from reconciler.engine.watch import Watcher
@@ -59,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         type=Path,
         default=Path("/") / STATE_DIR,
-        help=f"the pass's state directory, where it records the plan it took (default: /{STATE_DIR})",
+        help=f"the pass's state directory: the pass records there the plan it took, the watcher its ask for a pass (default: /{STATE_DIR})",
     )
     p.add_argument(
         "--systemd-bus",
@@ -107,9 +110,18 @@ def run(args: argparse.Namespace) -> int:
     with desired_and_registry(args) as (_, registry), pass_starter(args.unit, args.systemd_bus) as starter:
         # Read again at each new plan: a route or host added since the watcher started counts.
         desired_for = functools.partial(load_for_part, args.desired, host)
-        record = local_tree(args.state_dir)
+        records = local_tree(args.state_dir)
+        clock = system_clock()
         watcher = Watcher(
-            registry, starter, system_clock(), host, desired_for, timings=timings, epoch_taken=lambda: epoch_taken(record.read(PLAN_TAKEN)), log=_log
+            registry,
+            starter,
+            clock,
+            host,
+            desired_for,
+            timings=timings,
+            epoch_taken=lambda: epoch_taken(records.read(PLAN_TAKEN)),
+            record_ask=lambda: records.write(PASS_ASKED, moment_record(clock.now())),
+            log=_log,
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: watcher.stop())

@@ -22,7 +22,9 @@ One `step()`:
      and note what changed (`observe`);
   2. with changes pending: ask systemd whether a pass runs; when none does,
      drop the parts of the plan the last pass took (`taken`, its record read
-     through `epoch_taken`), then start one when `decide` says so.
+     through `epoch_taken`), then start one when `decide` says so, its
+     ask recorded first (`record_ask`: a pass that reacts to the registry
+     does not wait for a git fetch).
 A registry or systemd that cannot be reached is said once per outage and
 retried after `retry_delay` (doubling up to `retry_max_s`); pending changes
 stay pending through an outage of systemd. The timer remains the backstop.
@@ -58,6 +60,12 @@ class Watcher:
     # The epoch of the plan the last pass took (its PLAN_TAKEN record; None:
     # none). Read only when changes wait and no pass runs.
     epoch_taken: Callable[[], int | None] = lambda: None
+    # Records the watcher's ask just before it starts a pass (cli.watch: the
+    # PASS_ASKED record in the state directory), so that the pass does not
+    # fetch git first (`fabric pull`, reconciler.core.install.fetching).
+    # Raises OSError when it cannot: the pass then fetches, and starts all
+    # the same.
+    record_ask: Callable[[], None] = lambda: None
     log: Callable[[str], None] = print
     # Wait between steps (a threading.Event's wait in production; tests may
     # pass a fake that only records the delays asked for).
@@ -107,6 +115,7 @@ class Watcher:
                 return 0.0
             decision = decide(self.state, self.clock.now(), running, self.timings)
             if decision.start:
+                self._record_ask()
                 self.starter.start_pass()
         except ActivationError as exc:
             return self._failed(f"cannot start a pass: {exc}")
@@ -116,6 +125,12 @@ class Watcher:
             self.state = started(self.state)
         self._wake_in = decision.wake_in_s
         return 0.0
+
+    def _record_ask(self) -> None:
+        try:
+            self.record_ask()
+        except OSError as exc:
+            self.log(f"cannot record the ask for a pass ({exc}): with a git source it fetches first")
 
     def _taken_by_the_last_pass(self) -> bool:
         """Drop the pending parts of the plan the last pass took (`taken`);

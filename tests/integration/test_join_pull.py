@@ -7,11 +7,14 @@ real SSH signatures (ssh-keygen keys, gpg.format=ssh).
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from reconciler.cli import main
+from reconciler.core.install.fetching import FETCH_EVERY_INTERVALS, FETCHED
+from reconciler.core.live.watching import PASS_ASKED, moment_record
 from tests.conftest import EXAMPLE_FLEET, require
 
 pytestmark = pytest.mark.integration
@@ -132,3 +135,52 @@ def test_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     config.write_text('[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n')
     assert main(["pull", "--config", str(config)]) == 2
     assert f"{config}: source.allowed_signers_file: required when require_signed_commits is true" in capsys.readouterr().err
+
+
+def ask_for_a_pass(fleet: dict[str, Path], at: float | None = None) -> Path:
+    """fabric-watch's ask for the next pass, in node.state_dir, as it leaves it before a start."""
+    ask = fleet["root"] / "state" / PASS_ASKED
+    ask.parent.mkdir(exist_ok=True)
+    ask.write_bytes(moment_record(time.time() if at is None else at))
+    return ask
+
+
+def test_a_pass_the_watcher_asked_for_is_not_kept_waiting_by_the_remote(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The reacting pass renders from the checkout it has, even with the remote
+    gone (no fetch tried, so no timeout waited for); the next start without an
+    ask (the timer's) tries, and says the remote cannot be reached."""
+    config = node_toml(fleet, signed=False)
+    assert main(["pull", "--config", str(config)]) == 0
+    head = git("rev-parse", "HEAD", cwd=fleet["root"] / "state" / "desired")
+    fleet["remote"].rename(fleet["root"] / "gone.git")
+    ask = ask_for_a_pass(fleet)
+    capsys.readouterr()
+    assert main(["pull", "--config", str(config)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("pull: not fetching: fabric-watch asked for this pass") and out.rstrip().endswith(f"staying at {head[:12]}")
+    assert err == "" and not ask.exists()
+    assert main(["pull", "--config", str(config)]) == 0
+    assert "cannot fetch" in capsys.readouterr().err
+
+
+def test_an_asked_pass_fetches_when_the_last_fetch_is_stale_or_there_is_no_checkout(
+    fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = node_toml(fleet, signed=False)
+    desired = fleet["root"] / "state" / "desired"
+    ask_for_a_pass(fleet)
+    assert main(["pull", "--config", str(config)]) == 0, "no checkout yet: the ask cannot spare the clone"
+    assert (desired / "fabric.toml").exists()
+
+    (fleet["work"] / "NOTE").write_text("changed\n")
+    git("add", "NOTE", cwd=fleet["work"])
+    git("commit", "--quiet", "-m", "note", cwd=fleet["work"])
+    git("push", "--quiet", "origin", "main", cwd=fleet["work"])
+    # The last fetch two timer intervals ago (node.toml's default 30 s): the
+    # watcher's passes have kept the timer from firing that long.
+    (fleet["root"] / "state" / FETCHED).write_bytes(moment_record(time.time() - FETCH_EVERY_INTERVALS * 30))
+    ask_for_a_pass(fleet)
+    capsys.readouterr()
+    assert main(["pull", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.startswith("pull: now at")
+    assert (desired / "NOTE").read_text() == "changed\n"

@@ -8,7 +8,9 @@ The edge host "racknerd" of the example fleet with the embedded sqlite
 registry in /var/lib/fabric; the test publishes plans into that file from
 outside, as a leader would. The pass the watcher starts is the rendered
 fabric-reconcile.service; whether it succeeds does not matter here, only
-that systemd started it (a new InvocationID).
+that systemd started it (a new InvocationID). The desired state comes from
+a git [source] (a bare repository in the container), so each pass runs
+`fabric pull` first, as a production host's does.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.adapters.systemd_dbus import UnitPassStarter
-from reconciler.core.install.nodeconfig import NodeConfig, NodeSection
+from reconciler.core.install.nodeconfig import NodeConfig, NodeSection, SourceSection
 from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Install, host_units
-from reconciler.core.live.watching import WatchTimings
+from reconciler.core.live.watching import PASS_ASKED, WatchTimings
 from reconciler.ports import ActivationError
 from tests.conftest import REPO
 from tests.harness.systemd import SystemdContainer
@@ -33,13 +35,23 @@ pytestmark = pytest.mark.integration
 
 FABRIC = "/usr/local/bin/fabric"
 REGISTRY = "/var/lib/fabric/registry.sqlite"
+REMOTE = "/srv/fleet.git"
+WORK = "/srv/fleet"
+NODE_TOML = f"""[node]
+host = "racknerd"
+desired = "{DESIRED}"
+registry_path = "{REGISTRY}"
+
+[source]
+remote = "{REMOTE}"
+"""
 # The unit's own timings: fabric watch's defaults.
 TIMINGS = WatchTimings()
 
 
 @pytest.fixture(scope="module")
 def edge() -> Iterator[SystemdContainer]:
-    with edge_container() as container:
+    with edge_container("git") as container:
         # The `fabric` program as an installed one would be: the package
         # copied beside its dependencies (edge_container copies those). Not
         # run from the checkout: the rendered units have PrivateTmp=, and a
@@ -50,7 +62,14 @@ def edge() -> Iterator[SystemdContainer]:
             f'#!/bin/sh\nexport PYTHONPATH={SITE} PYTHONDONTWRITEBYTECODE=1\nexec python3 -m reconciler "$@"\n',
             mode=0o755,
         )
-        node = NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY))
+        # The fleet's remote: the example fleet committed to a bare repository.
+        for argv in (("init", "--quiet", "--bare", "--initial-branch=main", REMOTE), ("clone", "--quiet", REMOTE, WORK)):
+            assert container.run("git", *argv).returncode == 0
+        for toml in container.host_path(DESIRED).glob("*.toml"):
+            container.write_file(f"{WORK}/{toml.name}", toml.read_text())
+        commit_and_push(container, "fleet")
+        container.write_file("/etc/fabric/node.toml", NODE_TOML)
+        node = NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY), source=SourceSection(remote=REMOTE))
         install = Install(fabric_bin=FABRIC, node=node, search_path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         for unit in host_units(install, leader_candidate=False):
             if unit.name in (WATCH_SERVICE, RECONCILE_SERVICE):
@@ -59,6 +78,18 @@ def edge() -> Iterator[SystemdContainer]:
         started = container.systemctl("start", WATCH_SERVICE)
         assert started.returncode == 0, started.stderr
         yield container
+
+
+def commit_and_push(container: SystemdContainer, message: str) -> str:
+    """Commit all of WORK and push it to the remote, as an operator would; returns the commit."""
+    for argv in (
+        ("add", "--all"),
+        ("-c", "user.name=op", "-c", "user.email=op@fleet", "commit", "--quiet", "-m", message),
+        ("push", "--quiet", "origin", "HEAD:main"),
+    ):
+        done = container.run("git", "-C", WORK, *argv)
+        assert done.returncode == 0, done.stderr
+    return container.run("git", "-C", WORK, "rev-parse", "HEAD").stdout.strip()
 
 
 # Run inside the container: sqlite resolves the symbolic link /proc/PID/root
@@ -244,3 +275,43 @@ def test_a_start_that_systemd_runs_nothing_for_is_refused_not_taken_for_a_pass(e
         starter.close()
         edge.systemctl("stop", LIMITED_TIMER)
         edge.systemctl("reset-failed", LIMITED_PASS)
+
+
+def pulls(container: SystemdContainer) -> list[str]:
+    """What `fabric pull` (the pass's ExecStartPre) said, one line per pass, oldest first."""
+    return [line for line in container.journal("-u", RECONCILE_SERVICE, "-o", "cat").splitlines() if line.startswith("pull: ")]
+
+
+def pass_idle(container: SystemdContainer) -> bool:
+    return container.systemctl("show", RECONCILE_SERVICE, "-p", "ActiveState", "--value").stdout.strip() in ("inactive", "failed")
+
+
+def next_pull(container: SystemdContainer, seen: int, what: str) -> str:
+    """The line of the pass after the first `seen`, once that pass has ended."""
+    said = wait_until(lambda: len(lines := pulls(container)) > seen and pass_idle(container) and lines, timeout=300, what=what)
+    assert len(said) == seen + 1, said
+    return said[-1]
+
+
+def test_a_pass_the_watcher_starts_does_not_wait_for_git_the_timers_and_an_operators_fetch(edge: SystemdContainer) -> None:
+    """With a git [source] every start of fabric-reconcile.service runs `fabric
+    pull` first. The pass the watcher starts for a plan reacts to the
+    registry: a fetch (ssh to the remote) would spend the second it has; the
+    watcher's ask makes its pull skip the fetch while the last one tried is
+    recent. A start without an ask (the timer's, an operator's) fetches."""
+    wait_until(lambda: pass_idle(edge), timeout=300, what="the passes before to end")
+    seen = len(pulls(edge))
+    edge.systemctl("start", RECONCILE_SERVICE)  # waits for the oneshot; its outcome does not matter here
+    assert next_pull(edge, seen, "the operator's pass").startswith(("pull: up to date at", "pull: now at"))
+
+    (edge.host_path(WORK) / "NOTE").write_text("pushed after the last fetch\n")
+    pushed = commit_and_push(edge, "a push the reacting pass does not wait for")
+    publish_plan(edge, ("braid", "qfox-1"), ("lupine", "qfox-1"))
+    said = next_pull(edge, seen + 1, "the pass the watcher started for the plan")
+    assert said.startswith("pull: not fetching: fabric-watch asked for this pass (the registry changed, not git)"), said
+    assert not edge.host_path(f"{DESIRED}/NOTE").exists()
+    assert not edge.host_path(f"/var/lib/fabric/{PASS_ASKED}").exists(), "the ask counts for one pass only"
+
+    edge.systemctl("start", RECONCILE_SERVICE)
+    assert next_pull(edge, seen + 2, "the operator's second pass") == f"pull: now at {pushed[:12]}"
+    assert edge.host_path(f"{DESIRED}/NOTE").read_text() == "pushed after the last fetch\n"

@@ -339,6 +339,33 @@ def test_the_loop_starts_no_pass_after_a_running_one_that_took_the_plan() -> Non
     assert log[-1] == f"the last pass took plan epoch 8: this host's part of the plan ({part_digest('8')[:12]}) needs no pass"
 
 
+def test_the_loop_records_its_ask_just_before_each_start() -> None:
+    # Plan 8 moves braid here, plan 7 back: two starts.
+    w, _, starter, _ = watcher([baseline(), [EntryVersion(PLAN, "", "8")], [], [EntryVersion(PLAN, "", "7")], []])
+    events: list[str] = []
+    w.record_ask = lambda: events.append(f"ask before start {len(starter.starts) + 1}")
+    for _ in range(5):
+        w.step()
+    assert len(starter.starts) == 2
+    assert events == ["ask before start 1", "ask before start 2"]
+
+
+def test_an_ask_that_cannot_be_recorded_still_starts_the_pass() -> None:
+    w, _, starter, log = watcher([baseline(), [EntryVersion(PLAN, "", "8")], []])
+
+    def read_only() -> None:
+        raise PermissionError(13, "Permission denied", "/var/lib/fabric/pass-asked.json")
+
+    w.record_ask = read_only
+    for _ in range(3):
+        w.step()
+    assert starter.starts == [T0]
+    assert (
+        "cannot record the ask for a pass ([Errno 13] Permission denied: '/var/lib/fabric/pass-asked.json'): with a git source it fetches first"
+        in log
+    )
+
+
 def test_the_loop_starts_a_pass_after_a_running_one_that_took_an_older_plan() -> None:
     starter = FakeStarter(running=[True, True, False])
     w, _, starter, _ = watcher([baseline(), [EntryVersion(PLAN, "", "8")], [], [], []], starter)

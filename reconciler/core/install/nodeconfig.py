@@ -17,6 +17,7 @@ Secrets never appear here, only paths to files holding them (`*_file`).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from typing import Annotated
 
@@ -33,6 +34,16 @@ TimeSpan = Annotated[
     str,
     StringConstraints(pattern=r"^[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?(?:\s+[0-9]+(?:\.[0-9]+)?\s*(?:us|ms|s|sec|m|min|h|hr|d)?)*$"),
 ]
+_SPAN_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(us|ms|sec|s|min|m|hr|h|d)?")
+_SPAN_UNIT_SECONDS = {"us": 1e-6, "ms": 1e-3, "": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
+
+
+def timespan_seconds(span: str) -> float:
+    """The seconds in a TimeSpan, read as systemd.time(7) does: the parts add
+    up ("1h 30s"), "m" is minutes, a bare number is seconds."""
+    return sum(float(number) * _SPAN_UNIT_SECONDS[unit] for number, unit in _SPAN_PART.findall(span))
+
+
 # A git remote: ssh (git@host:path, ssh://...), https or a local path.
 GitRemote = Annotated[
     str,

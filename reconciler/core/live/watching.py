@@ -201,6 +201,29 @@ def epoch_taken(record: bytes | None) -> int | None:
     return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
+# The watcher's ask, in the pass's state directory, written just before it
+# starts a pass: {"at": seconds since the epoch}. `fabric pull`, the pass's
+# ExecStartPre with a git [source], reads and removes it: a pass that reacts
+# to the registry does not wait for a fetch (reconciler.core.install.fetching).
+PASS_ASKED = "pass-asked.json"
+
+
+def moment_record(at: float) -> bytes:
+    """A record of one moment: {"at": seconds since the epoch}."""
+    return json.dumps({"at": at}).encode()
+
+
+def recorded_moment(record: bytes | None) -> float | None:
+    """The moment in a `moment_record`; None when there is none or it does not parse."""
+    if record is None:
+        return None
+    try:
+        at = json.loads(record).get("at")
+    except (ValueError, AttributeError):
+        return None
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+
+
 def started(state: WatchState) -> WatchState:
     """`state` once a pass was started for its pending changes."""
     return WatchState(seen=state.seen)
