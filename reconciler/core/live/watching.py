@@ -190,15 +190,22 @@ def plan_taken_record(epoch: int) -> bytes:
     return json.dumps({"epoch": epoch}).encode()
 
 
-def epoch_taken(record: bytes | None) -> int | None:
-    """The epoch in a PLAN_TAKEN record; None when there is none or it does not parse."""
+def _number_in(record: bytes | None, key: str) -> int | float | None:
+    """The number under `key` in a JSON object record; None when there is no
+    record, it does not parse or the value is no number (a bool is none)."""
     if record is None:
         return None
     try:
-        epoch = json.loads(record).get("epoch")
+        value = json.loads(record).get(key)
     except (ValueError, AttributeError):
         return None
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def epoch_taken(record: bytes | None) -> int | None:
+    """The epoch in a PLAN_TAKEN record; None when there is none or it does not parse."""
+    epoch = _number_in(record, "epoch")
+    return epoch if isinstance(epoch, int) else None
 
 
 # The watcher's ask, in the pass's state directory, written just before it
@@ -215,13 +222,8 @@ def moment_record(at: float) -> bytes:
 
 def recorded_moment(record: bytes | None) -> float | None:
     """The moment in a `moment_record`; None when there is none or it does not parse."""
-    if record is None:
-        return None
-    try:
-        at = json.loads(record).get("at")
-    except (ValueError, AttributeError):
-        return None
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    at = _number_in(record, "at")
+    return None if at is None else float(at)
 
 
 def started(state: WatchState) -> WatchState:
