@@ -89,8 +89,9 @@ class PlanSource:
     def epoch_read(self) -> int | None:
         """The registry's epoch this plan is the newest plan at: the newer of
         the epoch read before it and its own (a plan published between the
-        two reads is newer than the first). None: not from the registry."""
-        if self.registry_epoch is None:
+        two reads is newer than the first). None: not from the registry, or
+        the host runs static (it took no plan)."""
+        if self.registry_epoch is None or self.static is not None:
             return None
         return max(self.registry_epoch, self.plan.epoch)
 
@@ -337,11 +338,11 @@ def read_registry(
 def epoch_moved_past(connect: Callable[[], Registry], source: PlanSource) -> int | None:
     """The registry's epoch now, when it moved past the plan `source` was
     read with: a plan published (or a leader elected) since this pass read
-    its own. None when it did not, when `source` did not come from the
-    registry or kept the host static, or when the registry cannot be read
-    now: then the next pass (the watcher's or the timer's) sees it."""
+    its own. None when it did not, when `source` read no registry plan
+    (`PlanSource.epoch_read`: none, or the host static), or when the registry
+    cannot be read now: then the next pass (the watcher's or the timer's) sees it."""
     seen = source.epoch_read
-    if seen is None or source.static is not None:
+    if seen is None:
         return None
     try:
         registry = connect()

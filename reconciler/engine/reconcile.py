@@ -498,9 +498,8 @@ def _record_plan_taken(store: GenerationStore, source: PlanSource) -> None:
     """Say which registry plan this pass took (core.live.watching.PLAN_TAKEN):
     the watcher then starts no pass for it, or for any plan before it, once
     this one has ended. Not for a plan file or a host alone (no registry)."""
-    if source.epoch_read is None or source.static is not None:
-        return
-    store.tree.write(f"{store.state_dir}/{PLAN_TAKEN}", plan_taken_record(source.epoch_read))
+    if source.epoch_read is not None:
+        store.tree.write(f"{store.state_dir}/{PLAN_TAKEN}", plan_taken_record(source.epoch_read))
 
 
 def another_round_note(epoch: int, read: int) -> str:
