@@ -329,20 +329,30 @@ class SystemdDbus:
             self._retries_not_found = major is not None and major >= RETRIES_NOT_FOUND_SINCE
         return self._retries_not_found
 
-    async def _load_state(self, unit: str) -> str:
-        """The unit's LoadState once LoadUnit made sure systemd looked at it
-        (as `_unit_properties` does)."""
-        bus = await self._connected()
+    async def _load_unit(self, bus: MessageBus, unit: str) -> str | None:
+        """The unit's object path once systemd looked at it; None when systemd
+        refuses to load it at all (NoSuchUnit).
+
+        LoadUnit rather than GetUnit: a unit that went inactive may already be
+        unloaded (garbage-collected); loading it again reports its real
+        LoadState instead of pretending it does not exist."""
         try:
             reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "LoadUnit", "s", [unit], what="LoadUnit")
         except _DbusCallError as exc:
             if exc.name == NO_SUCH_UNIT:
-                return "not-found"
+                return None
             raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
+        path: str = reply.body[0]
+        return path
+
+    async def _load_state(self, unit: str) -> str:
+        """The unit's LoadState once systemd looked at it (`_load_unit`)."""
+        bus = await self._connected()
+        unit_path = await self._load_unit(bus, unit)
+        if unit_path is None:
+            return "not-found"
         try:
-            state = await self._call(
-                bus, SYSTEMD_BUS_NAME, reply.body[0], PROPERTIES_INTERFACE, "Get", "ss", [UNIT_INTERFACE, "LoadState"], what="Get"
-            )
+            state = await self._call(bus, SYSTEMD_BUS_NAME, unit_path, PROPERTIES_INTERFACE, "Get", "ss", [UNIT_INTERFACE, "LoadState"], what="Get")
         except _DbusCallError as exc:
             raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
         return str(state.body[0].value)
@@ -441,26 +451,19 @@ class SystemdDbus:
 
     async def _unit_properties(self, unit: str) -> dict[str, Any]:
         bus = await self._connected()
-        try:
-            # LoadUnit rather than GetUnit: a unit that went inactive may already be
-            # unloaded (garbage-collected); loading it again reports its real
-            # LoadState instead of pretending it does not exist.
-            reply = await self._call(bus, SYSTEMD_BUS_NAME, MANAGER_PATH, MANAGER_INTERFACE, "LoadUnit", "s", [unit], what="LoadUnit")
-        except _DbusCallError as exc:
-            if exc.name == NO_SUCH_UNIT:
-                return {
-                    "ActiveState": "inactive",
-                    "SubState": "dead",
-                    "LoadState": "not-found",
-                    "Result": "",
-                    "MainPID": 0,
-                    "ExecMainStatus": 0,
-                    "NRestarts": 0,
-                    "InvocationID": "",
-                    "JobQueued": False,
-                }
-            raise ActivationError(f"{unit}: {exc.text or exc.name}") from exc
-        unit_path: str = reply.body[0]
+        unit_path = await self._load_unit(bus, unit)
+        if unit_path is None:
+            return {
+                "ActiveState": "inactive",
+                "SubState": "dead",
+                "LoadState": "not-found",
+                "Result": "",
+                "MainPID": 0,
+                "ExecMainStatus": 0,
+                "NRestarts": 0,
+                "InvocationID": "",
+                "JobQueued": False,
+            }
         unit_props = await self._get_all(bus, unit_path, UNIT_INTERFACE)
         properties: dict[str, Any] = {
             "ActiveState": unit_props["ActiveState"],
