@@ -11,10 +11,9 @@ leader publishes in answer usually follows), never while a pass runs (it
 waits for that pass to end, and starts none when that pass took the plan:
 its record in --state-dir names the plan's epoch). Before it starts one it
 records its ask there: with a git [source], `fabric pull` (the pass's
-ExecStartPre) then does not fetch first while its last fetch is recent.
-An unreachable registry
-or systemd is retried, doubling the wait up to --retry-max;
-fabric-reconcile.timer goes on passing meanwhile.
+ExecStartPre) then does not fetch first while its last fetch is recent. An
+unreachable registry or systemd is retried, doubling the wait up to
+--retry-max; fabric-reconcile.timer goes on passing meanwhile.
 
 Exit 2: bad options or desired state; exit 1: the registry refused this
 identity (a retry would not help).

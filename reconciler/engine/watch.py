@@ -104,15 +104,11 @@ class Watcher:
             self.log(f"following {', '.join(entry.describe() for entry in entries)}")
         self.state = observe(self.state, entries, self.host, self.clock.now())
         if self.state.pending_since is None:
-            self._recovered()
-            self._wake_in = None
-            return 0.0
+            return self._nothing_pending()
         try:
             running = self.starter.pass_running()
             if not running and not self._taken_by_the_last_pass():
-                self._recovered()
-                self._wake_in = None
-                return 0.0
+                return self._nothing_pending()
             decision = decide(self.state, self.clock.now(), running, self.timings)
             if decision.start:
                 self._record_ask()
@@ -124,6 +120,11 @@ class Watcher:
             self.log(f"started a pass of {self.host}: {', '.join(change.describe() for change in self.state.pending)} changed")
             self.state = started(self.state)
         self._wake_in = decision.wake_in_s
+        return 0.0
+
+    def _nothing_pending(self) -> float:
+        self._recovered()
+        self._wake_in = None
         return 0.0
 
     def _record_ask(self) -> None:
