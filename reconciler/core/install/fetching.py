@@ -4,16 +4,16 @@ With a git [source], fabric-reconcile.service's ExecStartPre `fabric pull`
 fetches the remote before each pass: the timer's passes are how a push
 reaches the host. A pass fabric-watch starts reacts to the registry (a new
 plan, a drain request, a node state) and should act within a second; a fetch
-first (ssh to the remote and back, and up to its timeout while the
-remote is unreachable) would spend that second for nothing that changed. So
-the watcher records its ask (`reconciler.core.live.watching.PASS_ASKED`)
-just before it starts the pass, and the pull of an asked pass skips the
-fetch while the last fetch it tried (`FETCHED`, reachable or not) is recent:
-the pass renders from the checkout the host has. The timer's pass and an operator's `systemctl start` leave no
-ask and fetch as before. Each pass restarts the timer's interval
-(OnUnitActiveSec), so passes the watcher starts often enough would keep the
-timer from firing: past `FETCH_EVERY_INTERVALS` intervals an asked pass
-fetches too.
+first (ssh to the remote and back, and up to its timeout while the remote is
+unreachable) would spend that second for nothing that changed. So the
+watcher records its ask (`reconciler.core.live.watching.PASS_ASKED`) just
+before it starts the pass, and the pull of an asked pass skips the fetch
+while the last fetch it tried (`FETCHED`, reachable or not) is recent: the
+pass renders from the checkout the host has. The timer's pass and an
+operator's `systemctl start` leave no ask and fetch as before. Each pass
+restarts the timer's interval (OnUnitActiveSec), so passes the watcher
+starts often enough would keep the timer from firing: past
+`FETCH_EVERY_INTERVALS` intervals an asked pass fetches too.
 """
 
 from __future__ import annotations
