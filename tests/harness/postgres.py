@@ -178,3 +178,18 @@ def postgres_server(directory: Path | None = None, *, listen_on: str | None = No
         stop_by_pid(pid)
         if made:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def broker_url_file(directory: Path, dsn: str) -> Path:
+    """`dsn` in `directory`/queue_url, mode 0600: the file fabric.toml's
+    [phaze] queue_url_file names on a host (`naming_broker`)."""
+    url_file = directory / "queue_url"
+    url_file.write_text(dsn)
+    url_file.chmod(0o600)
+    return url_file
+
+
+def naming_broker(fabric_toml: str, url_file: Path) -> str:
+    """fabric.toml's text with [phaze] queue_url_file set to `url_file`."""
+    assert "[phaze]\n" in fabric_toml
+    return fabric_toml.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1)

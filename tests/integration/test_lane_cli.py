@@ -15,6 +15,7 @@ from reconciler.cli import main
 from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from tests.conftest import EXAMPLE_FLEET
+from tests.harness.postgres import broker_url_file
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import beat_example_fleet
@@ -27,9 +28,7 @@ A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
 @pytest.fixture
 def lane(tmp_path, capsys, broker_dsn):
     dsn = broker_dsn
-    url_file = tmp_path / "queue_url"
-    url_file.write_text(dsn + "\n")
-    url_file.chmod(0o600)
+    url_file = broker_url_file(tmp_path, dsn + "\n")  # the line's end is stripped
     registry = tmp_path / "registry.sqlite"
     # Every example host beats (a lane is as healthy as its agent host).
     store = open_registry(load_desired(EXAMPLE_FLEET).fleet, sqlite_path=registry)

@@ -27,6 +27,7 @@ from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
+from tests.harness.postgres import broker_url_file, naming_broker
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import EXAMPLE_HOSTS, beat_example_fleet, status_of
@@ -46,9 +47,7 @@ class Fleet:
     def __init__(self, store, tmp_path, capsys, broker_dsn) -> None:
         store.config = {"timing": TIMING}
         self.dsn = broker_dsn
-        url_file = tmp_path / "queue_url"
-        url_file.write_text(broker_dsn)
-        url_file.chmod(0o600)
+        url_file = broker_url_file(tmp_path, broker_dsn)
         self.workers = LaneWorkers(broker_dsn)
         for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
             self.workers.start(queue)
@@ -59,7 +58,7 @@ class Fleet:
         timing = re.search(r"(?ms)^\[timing\]\n.*?(?=^\[)", text)
         assert timing is not None
         text = text.replace(timing.group(0), "[timing]\n" + "".join(f"{k} = {v}\n" for k, v in TIMING.items()) + "\n")
-        toml.write_text(text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
+        toml.write_text(naming_broker(text, url_file))
         self.desired = load_desired(self.desired_dir)
         assert self.desired.fleet.timing.node_timeout_s == NODE_TIMEOUT_S
         self.registry = store.open()

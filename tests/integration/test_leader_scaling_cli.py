@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.harness.postgres import broker_url_file, naming_broker
 from tests.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ def desired_dir(tmp: Path, registry: Path, hook_out: Path, url_file: Path) -> tu
     hook = json.dumps([sys.executable, "-c", HOOK, str(hook_out), "batch", "two words", "$HOME"])
     text = text[:hooks_start] + f"[scaling.cloud_hooks]\nbatch = {hook}" + text[hooks_end:]
     text = text.replace(registry_old, f'path = "{registry}"').replace(window_old, "burst_window_s = 1")
-    text = text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1)
+    text = naming_broker(text, url_file)
     (target / "fabric.toml").write_text(text)
     return target, signed.key_file("lux")
 
@@ -50,9 +51,7 @@ def desired_dir(tmp: Path, registry: Path, hook_out: Path, url_file: Path) -> tu
 def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_path, broker_dsn):
     registry = tmp_path / "registry.sqlite"
     hook_out = tmp_path / "hooks.jsonl"
-    url_file = tmp_path / "queue_url"
-    url_file.write_text(broker_dsn)
-    url_file.chmod(0o600)
+    url_file = broker_url_file(tmp_path, broker_dsn)
     desired, lux_key = desired_dir(tmp_path, registry, hook_out, url_file)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FABRIC_REGISTRY", None)

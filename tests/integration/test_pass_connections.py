@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ import pytest
 from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
 from reconciler.adapters.registry_etcd import EtcdRegistry
 from tests.harness.etcd import EtcdCluster
-from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, run
+from tests.harness.postgres import broker_url_file, naming_broker
+from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, run
 
 pytestmark = pytest.mark.integration
 
@@ -54,12 +56,10 @@ def test_a_lane_host_s_pass_opens_the_registry_and_the_broker_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], etcd: EtcdCluster, broker_dsn: str, counted: Counter[str]
 ) -> None:
     spill = Sandbox(tmp_path, host="x86-spill")
-    url_file = tmp_path / "queue_url"
-    url_file.write_text(broker_dsn)
-    url_file.chmod(0o600)
+    url_file = broker_url_file(tmp_path, broker_dsn)
     fleet_file = spill.desired / "fabric.toml"
     text = fleet_file.read_text().split("[[plan_keys]]")[0]
-    text = text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1)
+    text = naming_broker(text, url_file)
     endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
     registry = f'[registry]\nbackend = "etcd"\nendpoints = [{endpoints}]\nprefix = "/t{uuid.uuid4().hex[:12]}"\n'
     fleet_file.write_text(re.sub(r"(?ms)^\[registry\]\n.*?(?=^\[)", registry + "\n", text, count=1))
@@ -76,12 +76,8 @@ def test_a_lane_host_s_pass_opens_the_registry_and_the_broker_once(
     from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
 
-    leader = open_registry(load_desired(spill.desired).fleet)
-    try:
-        leadership = leader.campaign("lux", 30.0)
-        assert leadership is not None
-        leader.resign(leadership)  # the epoch moves on: the memo's check makes way for a full pass
-    finally:
-        leader.close()
+    # The epoch moves on: the memo's check makes way for a full pass.
+    with closing(open_registry(load_desired(spill.desired).fleet)) as leader:
+        new_term_without_a_plan(leader)
     one_pass(memo=False)
     one_pass(memo=True)

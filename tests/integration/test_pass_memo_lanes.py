@@ -16,6 +16,7 @@ import pytest
 from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
 from reconciler.core.desired.load import load_desired
 from reconciler.engine.lane_states import lane_targets
+from tests.harness.postgres import broker_url_file, naming_broker
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_registry_epoch, reported_in_flight, run
@@ -33,13 +34,11 @@ class WallClock:
 def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsys: pytest.CaptureFixture[str], broker_dsn: str) -> None:
     """Lane jobs start and end without any drift: each memoized heartbeat reads them afresh."""
     spill = Sandbox(tmp_path, host="x86-spill")
-    url_file = tmp_path / "queue_url"
-    url_file.write_text(broker_dsn)
-    url_file.chmod(0o600)
+    url_file = broker_url_file(tmp_path, broker_dsn)
     # The golden plan places flac-fft on x86-spill (published unsigned: the copy lists no plan keys).
     fleet_file = spill.desired / "fabric.toml"
     text = fleet_file.read_text().split("[[plan_keys]]")[0]
-    fleet_file.write_text(text.replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
+    fleet_file.write_text(naming_broker(text, url_file))
     new_registry_epoch(spill)
     code, _, err = run(capsys, spill.argv())
     assert code == 0 and not memoized(err), err

@@ -12,6 +12,7 @@ phaze's broker: tests/integration/test_pass_connections.py.
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 from reconciler.adapters.pass_connections import PassConnections
 from reconciler.adapters.registry_sqlite_file import SqliteFile
 from reconciler.ports import RegistryUnavailable
-from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, open_registry, run
+from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, open_registry, run
 
 __all__ = ["audit_on_stderr"]  # its autouse fixture applies here too
 
@@ -100,13 +101,8 @@ def test_a_connection_that_cannot_be_opened_is_not_kept() -> None:
 
 def won_campaign(s: Sandbox) -> None:
     """A campaign won and resigned: the registry's epoch moves on, no plan is published."""
-    registry = open_registry(s)
-    try:
-        leadership = registry.campaign("lux", 30.0)
-        assert leadership is not None
-        registry.resign(leadership)
-    finally:
-        registry.close()
+    with closing(open_registry(s)) as registry:
+        new_term_without_a_plan(registry)
 
 
 @pytest.fixture

@@ -244,6 +244,13 @@ def change_probe(s: Sandbox) -> None:
     meminfo.write_text(meminfo.read_text().replace("MemTotal:", "MemTotal:  ", 1))
 
 
+def new_term_without_a_plan(registry: Registry, candidate: str = "lux") -> None:
+    """A term won and given up before its leader published: the registry's epoch moves on, the plan stays."""
+    term = registry.campaign(candidate, 30.0)
+    assert term is not None
+    registry.resign(term)
+
+
 def new_registry_epoch(s: Sandbox) -> None:
     """A leader publishes a plan: the registry's epoch moves on."""
     from reconciler.core.live.models import FleetPlan

@@ -11,6 +11,7 @@ step), so the registry moves on while the pass activates the plan it read.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from reconciler.ports import LockBusy, RegistryUnavailable
 from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet
 from tests.unit.test_apply import FakeMachine, FakeVerifier, RecordingAudit, fake_pass_ports
+from tests.unit.test_pass_memo import new_term_without_a_plan
 from tests.unit.test_plan_source import facts
 
 EDGE = "racknerd"
@@ -187,14 +189,8 @@ def test_a_new_leader_term_without_a_new_plan_costs_a_round_that_changes_nothing
 
     def new_term_once() -> None:
         if not stepped:
-            # A term won and given up before its leader published: the epoch moves, the plan stays.
-            registry = leading.connect()
-            try:
-                term = registry.campaign("qfox-1", 30.0)
-                assert term is not None
-                registry.resign(term)
-            finally:
-                registry.close()
+            with closing(leading.connect()) as registry:
+                new_term_without_a_plan(registry, "qfox-1")
             stepped.append(True)
 
     before = leading.newest_epoch()
