@@ -15,7 +15,7 @@ import pytest
 from reconciler.adapters.files import FlockLock, LocalTree
 from reconciler.adapters.systemd_dbus import SystemdDbus
 from reconciler.core.render.artifacts import Artifact
-from reconciler.engine.apply import Activators, Applier
+from reconciler.engine.apply import STATE_DIR, Activators, Applier
 from reconciler.ports import ActivationError, JobOutcome
 from tests.conftest import require, require_root
 from tests.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
@@ -291,14 +291,7 @@ def test_the_applier_rolls_back_a_batch_with_a_service_that_exits_at_once(contai
     artifacts = [Artifact(f"etc/systemd/system/{name}", text, 0o644, "unit") for name, text in zip(names, texts, strict=True)]
     audit = RecordingAudit()
     with SystemdDbus(container.bus_address, startup_grace=deadline_for(0.5, at_least=2.0)) as watchful:
-        applier = Applier(
-            LocalTree(container.root),
-            FlockLock(container.host_path("/var/lib/fabric/lock")),
-            audit,
-            FixedClock(),
-            validators=None,
-            activators=Activators(watchful, NO_NFT_OR_CADDY, NO_NFT_OR_CADDY),  # type: ignore[arg-type]
-        )
+        applier = applier_on(container, watchful, audit, STATE_DIR)
         result = applier.run(artifacts, host="batch", epoch=None)
         assert result.outcome == "rolled-back" and result.generation is None, result
         assert re.fullmatch(
