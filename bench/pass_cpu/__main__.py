@@ -58,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.harness.pass_child import CHILD  # noqa: E402
 from tests.harness.postgres import postgres_server  # noqa: E402
 from tests.plan_keys import signed_example_fleet  # noqa: E402
 
@@ -67,55 +68,6 @@ HOSTS = ("a1-arm64", "racknerd")
 # Children compile to bytecode once, into a cache outside the tree, as an
 # installed package would have it precompiled (see bench/reconcile_noop).
 CHILD_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
-
-# The child: runs `fabric ARGV...` (or imports a module, or nothing) and
-# writes what it saw to REPORT as JSON. Applier.run is wrapped when
-# reconciler.engine.apply is first imported, by a finder first on
-# sys.meta_path, so the child imports nothing the pass would not.
-CHILD = r"""
-import json, sys, time
-site, report, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-sys.path.insert(0, site)
-at_start = len(sys.modules)
-seen = {}
-
-class MarkActivation:
-    def find_spec(self, name, path=None, target=None):
-        if name != "reconciler.engine.apply":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            run = module.Applier.run
-
-            def marked(self, *args, **kwargs):
-                seen.setdefault("cpu_at_activation", time.process_time())
-                seen.setdefault("modules_at_activation", len(sys.modules) - at_start)
-                return run(self, *args, **kwargs)
-
-            module.Applier.run = marked
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, MarkActivation())
-code = 0
-try:
-    if argv[:1] == ["--import"]:
-        __import__(argv[1])
-    elif argv:
-        from reconciler.cli import main
-        code = main(argv)
-finally:
-    seen["modules"] = len(sys.modules) - at_start
-    with open(report, "w") as out:
-        json.dump(seen, out)
-sys.exit(code)
-"""
 
 
 @dataclass(frozen=True)
@@ -139,7 +91,9 @@ def run_child(site: Path, argv: list[str], report: Path, *, full: bool | None = 
         raise SystemExit(f"fabric {' '.join(argv)}: expected {'a full pass' if full else 'a memo hit'}, got:\n{proc.stderr}")
     seen = json.loads(report.read_text())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Sample(cpu, seen.get("cpu_at_activation"), seen["modules"], seen.get("modules_at_activation"))
+    at_start = len(seen["at_start"])
+    at_activation = len(seen["at_activation"]) - at_start if "at_activation" in seen else None
+    return Sample(cpu, seen.get("cpu_at_activation"), len(seen["at_end"]) - at_start, at_activation)
 
 
 def installed_layout(code_dir: Path, site: Path) -> Path:

@@ -19,47 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.pass_child import CHILD
 from tests.unit.test_pass_memo import REPO, Sandbox
-
-# The child: `fabric ARGV`, noting sys.modules at Applier.run (wrapped when
-# reconciler.engine.apply is first imported, so nothing else is imported early) and at the end.
-CHILD = r"""
-import json, sys
-report, argv = sys.argv[1], sys.argv[2:]
-seen = {}
-
-class NoteActivation:
-    def find_spec(self, name, path=None, target=None):
-        if name != "reconciler.engine.apply":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            run = module.Applier.run
-
-            def noted(self, *args, **kwargs):
-                seen.setdefault("at_activation", sorted(sys.modules))
-                return run(self, *args, **kwargs)
-
-            module.Applier.run = noted
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, NoteActivation())
-from reconciler.cli import main
-try:
-    code = main(argv)
-finally:
-    seen["at_end"] = sorted(sys.modules)
-    with open(report, "w") as out:
-        json.dump(seen, out)
-sys.exit(code)
-"""
 
 
 @dataclass(frozen=True)
@@ -72,7 +33,7 @@ class Imported:
 def one_pass(s: Sandbox, *extra: str) -> Imported:
     report = s.root.parent / "imports.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(report), *s.argv(*extra)], capture_output=True, text=True, env=env, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", CHILD, "", str(report), *s.argv(*extra)], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     seen = json.loads(report.read_text())
     at = seen.get("at_activation")
