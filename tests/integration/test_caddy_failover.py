@@ -33,7 +33,7 @@ from reconciler.core.templating import environment
 from tests.conftest import require, require_root
 from tests.harness.caddy import RunningCaddy, free_port, running_caddy
 from tests.harness.upstream_process import upstream_process
-from tests.harness.waiting import deadline_for, wait_until
+from tests.harness.waiting import SLOWDOWN, deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +70,12 @@ def ask(url: str, timeout: float, *, body: bytes | None = None) -> Answer:
         return Answer(exc.code, exc.read().decode(errors="replace"))
     except OSError as exc:
         return Answer(None, str(exc))
+
+
+def retry_cadence_s(edge: EdgeSettings) -> float:
+    """How often Caddy tries a waiting request again at an upstream that
+    failed it: after the fail memory has let it back in, at the next retry."""
+    return (edge.fail_memory_ms + edge.retry_interval_ms) / 1000
 
 
 def attempts_at(caddy: RunningCaddy, address: str, *, after: int = 0) -> list[float]:
@@ -187,16 +193,27 @@ def test_an_upstream_down_at_the_reload_gets_a_waiting_request_as_soon_as_it_ans
             request = threading.Thread(target=lambda: waiting.append(ask(caddy.site_url, deadline_for(edge.retry_window_ms / 1000))))
             request.start()
             try:
-                # The request reached Caddy and its first attempt found nobody.
+                # The request reached Caddy, and its attempts (the first and
+                # two retries) found nobody.
                 wait_until(
-                    lambda: attempts_at(caddy, replacement.address),
-                    what="the request's first attempt at the replacement (an active health check that found it down keeps every request away)",
+                    lambda: len(attempts_at(caddy, replacement.address)) >= 3,
+                    timeout=deadline_for(3 * retry_cadence_s(edge)),
+                    what="the request's attempts at the replacement (an active health check that found it down keeps every request away)",
                 )
                 replacement.start()
             finally:
                 request.join()
 
             assert waiting == [Answer(200, "replacement")]
+            # "As soon as it answers": Caddy tried the waiting request again
+            # at its retry cadence while the replacement was down, and so
+            # once more soon after it came up (the attempt that it answered).
+            # Caddy's own timestamps; a loaded machine's SLOWDOWN allowed.
+            stamps = attempts_at(caddy, replacement.address)
+            gaps = [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
+            assert len(gaps) >= 3 and max(gaps) <= SLOWDOWN * retry_cadence_s(edge), (
+                f"attempts at the replacement {gaps} s apart (retry cadence {retry_cadence_s(edge):g} s)"
+            )
             assert ask(caddy.site_url, deadline_for(edge.retry_window_ms / 1000)) == Answer(200, "replacement")
 
 
