@@ -68,8 +68,12 @@ sys.path.insert(0, str(REPO))
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.core.timestamps import utc  # noqa: E402
 from tests.e2e.fleet import (  # noqa: E402
+    ACTED_ON_S,
+    FAR_S,
     HOST_OCTETS,
+    SERVED_AFTER_TIMEOUT_S,
     FleetSettings,
+    agent_unit,
     align_timers,
     caddy_loads,
     converged,
@@ -89,19 +93,11 @@ from tests.e2e.fleet import (  # noqa: E402
 
 SERVICE = "vaapi-encode"
 ROUTE = "encode.researchstack.info"
-# The goal of issue 14: served this long after the node timeout, and a plan
-# acted on by every affected host this long after its publication.
-SERVED_AFTER_TIMEOUT_S = 2.0
-ACTED_ON_S = 1.0
 PHASES = ("offline", "plan", "pass", "started", "edge pass", "caddy", "served")
 
 
 def _since(moment: datetime | None, origin: datetime) -> float:
     return (moment - origin).total_seconds() if moment is not None else float("nan")
-
-
-# "Far from every tick": no timer pass can be the one that applies the plan.
-FAR_S = 10.0
 
 
 def between_ticks(fleet, desired, hosts) -> dict[str, float | str]:
@@ -152,7 +148,7 @@ def one_run(fleet, desired, hosts) -> dict[str, float | str]:
         "offline": offline,
         "plan": published,
         "pass": plan_taken(fleet, replacement, new_plan.epoch, published),
-        "started": unit_active_since(fleet, replacement, f"fabric-agent-{SERVICE}.service"),
+        "started": unit_active_since(fleet, replacement, agent_unit(SERVICE)),
         "edge pass": plan_taken(fleet, fleet.edge, new_plan.epoch, published),
         "caddy": first_after(caddy_loads(fleet, fleet.edge), published),
         "served": served,

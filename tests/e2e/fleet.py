@@ -115,8 +115,10 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.install.nodeconfig import TimerSection, timespan_seconds
 from reconciler.core.install.units import PASS_DIRECTORIES, RECONCILE_SERVICE, RECONCILE_TIMER
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.timestamps import utc
 from tests.harness.etcd import TestPki
 from tests.harness.postgres import PostgresServer, postgres_server
@@ -1105,15 +1107,13 @@ def placed(plan: FleetPlan) -> dict[str, list[str]]:
 UNIT_STARTING = "7d4958e842da4a758f6c1cdc7b36dcc5"
 # systemd's "unit stopped" entry (SD_MESSAGE_UNIT_STOPPED).
 UNIT_STOPPED = "9d1aaa27d60140bd96365438aad20286"
-_SPAN_UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
 def span_seconds(span: str) -> float:
-    """A one-unit systemd time span ("30s", "1min", "500ms", "2") in seconds."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*", span)
-    if match is None or match.group(2) not in ("", *_SPAN_UNITS):
-        raise ValueError(f"not a time span this harness reads: {span!r}")
-    return float(match.group(1)) * _SPAN_UNITS.get(match.group(2), 1.0)
+    """A systemd time span as node.toml's [timer] takes it ("30s", "1min",
+    "500ms", "2") in seconds, read as the pass reads it; ValueError (pydantic's)
+    when [timer] would refuse it."""
+    return timespan_seconds(TimerSection(interval=span).interval)
 
 
 def _journal_json(fleet: Fleet, host: str, *args: str) -> list[dict[str, Any]]:
@@ -1275,10 +1275,14 @@ def pass_running(fleet: Fleet, host: str) -> bool:
 # while those passes ran). The first look comes at issue 14's goal.
 APPLIED_POLL_S = 0.5
 APPLIED_FIRST_LOOK_S = 1.0
-
-
-def agent_unit(service: str) -> str:
-    return f"fabric-agent-{service}.service"
+# Issue 14's goals: each affected host acts on a new plan within ACTED_ON_S of
+# its publication; a lost node's work is served within SERVED_AFTER_TIMEOUT_S
+# of its node timeout.
+ACTED_ON_S = 1.0
+SERVED_AFTER_TIMEOUT_S = 2.0
+# "Far from its next tick": a pass started sooner than this after a plan's
+# publication cannot be the timer's.
+FAR_S = 10.0
 
 
 def plan_moving(fleet: Fleet, service: str, since: FleetPlan, away_from: str, *, timeout: float) -> FleetPlan:
@@ -1323,29 +1327,21 @@ def move_applied(fleet: Fleet, service: str, plan: FleetPlan, serving: str, *, w
     return wait_for(applied, timeout=within, what=f"{service}'s move from {serving} to {replacement} applied", interval=APPLIED_POLL_S)
 
 
-def far_from_every_tick(fleet: Fleet, hosts: tuple[str, ...], far_s: float) -> dict[str, datetime] | None:
-    """Every host's next timer tick, when each is at least `far_s` away and no
-    pass runs; None otherwise."""
-    if any(pass_running(fleet, host) for host in hosts):
-        return None
-    soonest = datetime.now(UTC) + timedelta(seconds=far_s)
-    ticks = {host: next_tick(fleet, host) for host in hosts}
-    if any(tick is None or tick < soonest for tick in ticks.values()):
-        return None
-    return ticks  # type: ignore[return-value]
-
-
 def align_timers(fleet: Fleet, hosts: tuple[str, ...], *, far_s: float, timeout: float) -> dict[str, datetime]:
     """A pass on every host now, so every timer's next tick (OnUnitActiveSec
     counts from the last pass) is an interval away; then wait until they have
-    ended and every tick is still at least `far_s` away."""
+    ended and every tick is still at least `far_s` away: each host's next tick."""
 
     def aligned() -> dict[str, datetime] | None:
-        ticks = far_from_every_tick(fleet, hosts, far_s)
-        if ticks is None and not any(pass_running(fleet, host) for host in hosts):
-            for host in hosts:
-                fleet.container(host).systemctl("start", "--no-block", RECONCILE_SERVICE)
-        return ticks
+        if any(pass_running(fleet, host) for host in hosts):
+            return None
+        soonest = datetime.now(UTC) + timedelta(seconds=far_s)
+        ticks = {host: next_tick(fleet, host) for host in hosts}
+        if all(tick is not None and tick >= soonest for tick in ticks.values()):
+            return ticks  # type: ignore[return-value]
+        for host in hosts:
+            fleet.container(host).systemctl("start", "--no-block", RECONCILE_SERVICE)
+        return None
 
     return wait_for(aligned, timeout=timeout, what="every timer far from its next tick", interval=0.5)
 

@@ -53,7 +53,10 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.timestamps import utc
 from tests.e2e.fleet import (
+    ACTED_ON_S,
+    FAR_S,
     HOST_OCTETS,
+    SERVED_AFTER_TIMEOUT_S,
     Fleet,
     FleetSettings,
     agent_unit,
@@ -93,12 +96,6 @@ HOSTS = tuple(HOST_OCTETS)
 SERVICE = "vaapi-encode"
 ROUTE = "encode.researchstack.info"
 UNIT = agent_unit(SERVICE)
-# The goals of issue 14.
-ACTED_ON_S = 1.0
-SERVED_AFTER_TIMEOUT_S = 2.0
-# "Far from its next tick": a pass started sooner than this after the
-# publication cannot be the timer's.
-FAR_S = 10.0
 # The leader steps three times per lease TTL (timing.heartbeat_s) when
 # nothing wakes it.
 LEADER_STEP_S = FLEET_SETTINGS.heartbeat_s / 3
