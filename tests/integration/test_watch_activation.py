@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.adapters.systemd_dbus import UnitPassStarter
-from reconciler.core.install.nodeconfig import NodeConfig, NodeSection, SourceSection
+from reconciler.core.install.nodeconfig import NodeConfig, NodeSection, parse_node_config
 from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Install, host_units
 from reconciler.core.live.watching import PASS_ASKED, WatchTimings
 from reconciler.ports import ActivationError
@@ -69,7 +69,7 @@ def edge() -> Iterator[SystemdContainer]:
             container.write_file(f"{WORK}/{toml.name}", toml.read_text())
         commit_and_push(container, "fleet")
         container.write_file("/etc/fabric/node.toml", NODE_TOML)
-        node = NodeConfig(node=NodeSection(host="racknerd", desired=DESIRED, registry_path=REGISTRY), source=SourceSection(remote=REMOTE))
+        node = parse_node_config(NODE_TOML)
         install = Install(fabric_bin=FABRIC, node=node, search_path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         for unit in host_units(install, leader_candidate=False):
             if unit.name in (WATCH_SERVICE, RECONCILE_SERVICE):
