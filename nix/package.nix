@@ -9,7 +9,7 @@
 let
   # The version is written in pyproject.toml only.
   pyproject = lib.importTOML ../pyproject.toml;
-  # phaze's queue library (reconciler/adapters/lane_queue_pg.py), not in nixpkgs.
+  # phaze's queue library (reconciler/adapters/lane_broker_pg.py), not in nixpkgs.
   saq = python3Packages.buildPythonPackage rec {
     pname = "saq";
     version = "0.26.4";

@@ -305,7 +305,7 @@ class PlanSigner(Protocol):
 #   leader key under the leader's lease, plans are published in
 #   transactions, and a watch wakes `wait_for_change` at once.
 #
-# `reconciler.cli.wiring.open_registry(fleet_config)` picks one from
+# `reconciler.wiring.open_registry(fleet_config)` picks one from
 # fabric.toml's [registry] (only `reconciler.cli` calls it).
 #
 # The API is synchronous: every method blocks until the registry answered and
@@ -322,7 +322,7 @@ class PlanSigner(Protocol):
 #
 # Trust: the registry holds facts and placements (host names, service ids,
 # counts), never commands, paths or configuration text. Lane jobs are not here:
-# they live on phaze's broker (`LaneQueue` below); the leader's scaling record
+# they live on phaze's broker (`LaneBroker` below); the leader's scaling record
 # keeps windows, concurrency overrides and how each cloud hook last ended (exit
 # status only: the hook's argv stays in the desired state, its output in the log).
 
@@ -466,7 +466,7 @@ class RayState(Protocol):
 
 # --------------------------------------------------------------------------
 # The lane queue: phaze's broker (SAQ on PostgreSQL, PHAZE_QUEUE_URL) as the
-# fabric sees it. The adapter is reconciler.adapters.lane_queue_pg.
+# fabric sees it. The adapter is reconciler.adapters.lane_broker_pg.
 #
 # Jobs the job system hands the fabric wait in a table of the fabric's own in
 # the broker's database (an id, when it was enqueued, its attempts and
@@ -476,16 +476,16 @@ class RayState(Protocol):
 # what its SAQ queue holds, its workers what saq's worker stats show.
 
 
-class LaneQueueError(Exception):
+class LaneBrokerError(Exception):
     """The lane queue refused or could not do something; the message says what."""
 
 
-class LaneQueueUnavailable(LaneQueueError):
+class LaneBrokerUnavailable(LaneBrokerError):
     """The broker cannot be reached (PostgreSQL down, the DSN file unreadable):
     jobs wait meanwhile."""
 
 
-class StaleDispatcher(LaneQueueError):
+class StaleDispatcher(LaneBrokerError):
     """A dispatch carried an older epoch than one the lane queue has already
     seen: a newer leader's dispatcher runs, this one must stop."""
 
@@ -501,7 +501,7 @@ class LaneTarget:
     cloud: bool
 
 
-class LaneQueue(Protocol):
+class LaneBroker(Protocol):
     def enqueue(self, jobs: Sequence[tuple[str, float | None]]) -> list[QueuedJob]:
         """Add each (job id, duration in seconds or None) as waiting, enqueued
         now with no attempts; a job already known is left as it is. Returns
@@ -572,10 +572,10 @@ class BeatRegistry(Protocol):
     def close(self) -> None: ...
 
 
-class BeatLaneQueue(Protocol):
+class BeatLaneBroker(Protocol):
     """What a memoized pass asks of the lane queue: the in_flight of the
     lanes whose jobs run here (jobs queued or active on each queue, 0 for one
-    with none), counted as `LaneQueue.lane_states` counts it, no model built."""
+    with none), counted as `LaneBroker.lane_states` counts it, no model built."""
 
     def in_flight(self, queues: Sequence[str]) -> dict[str, int]: ...
 
@@ -609,7 +609,7 @@ class MemoStore(Protocol):
         ...
 
 
-class PassWorld(Protocol):
+class MemoReader(Protocol):
     """What the pass memo is checked against and its inputs key computed from."""
 
     def read(self, path: str) -> bytes | None:

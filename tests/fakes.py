@@ -21,8 +21,8 @@ class FakeClock:
         self.t += seconds
 
 
-class FakeLaneQueue:
-    """The `LaneQueue` port in memory, with the adapter's rules: a dispatch
+class FakeLaneBroker:
+    """The `LaneBroker` port in memory, with the adapter's rules: a dispatch
     takes a waiting job into a lane only below its cap (counting what the
     lane's queue holds, `held`), refuses an epoch older than one seen, and
     `settle` turns what the test's "workers" finished (`finish`) into gone

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import psycopg  # noqa: E402
 
 from reconciler.adapters.clock import SystemClock  # noqa: E402
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue  # noqa: E402
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.engine.dispatch import dispatch_pass  # noqa: E402
@@ -52,7 +52,7 @@ def workers_beat(dsn: str, queues: list[str]) -> None:
 
 
 def race(dsn: str, target, threads: int, jobs: list[str]) -> float:
-    queues = [PostgresLaneQueue(dsn, SystemClock()) for _ in range(threads)]
+    queues = [PostgresLaneBroker(dsn, SystemClock()) for _ in range(threads)]
     attempts = [0] * threads
     start = threading.Barrier(threads)
 
@@ -85,7 +85,7 @@ def main() -> None:
         clock = SystemClock()
         registry = SqliteRegistry(str(Path(tmp) / "r.sqlite"), timing=desired.fleet.timing, flap=desired.fleet.flap, clock=clock)
         beat_example_fleet(registry)
-        lanes = PostgresLaneQueue(dsn, clock)
+        lanes = PostgresLaneBroker(dsn, clock)
         lanes.jobs()  # the first use that needs them makes saq's tables and the fabric's
         workers_beat(dsn, [t.queue for t in targets.values()])
         ids = [f"bench-{i:05d}" for i in range(args.jobs)]
@@ -110,7 +110,7 @@ def main() -> None:
         held = sum(1 for e in events if e.hold)
 
         race_dsn = pg.database("race")
-        made = PostgresLaneQueue(race_dsn, clock)
+        made = PostgresLaneBroker(race_dsn, clock)
         made.jobs()  # the first use that needs them makes saq's tables and the fabric's
         made.close()
         for label, name in (("one", "r1"), ("eight", "r8")):
@@ -118,7 +118,7 @@ def main() -> None:
                 conn.execute("DELETE FROM fabric_lane_jobs")
                 conn.execute("DELETE FROM saq_jobs")
             jobs = [f"{name}-{i:03d}" for i in range(200)]
-            setup = PostgresLaneQueue(race_dsn, clock)
+            setup = PostgresLaneBroker(race_dsn, clock)
             setup.enqueue([(j, None) for j in jobs])
             setup.close()
             rate = race(race_dsn, targets["a1-arm64"], 1 if label == "one" else 8, jobs)

@@ -148,8 +148,8 @@ def etcd_registry(tmp: Path) -> Iterator[dict[str, str]]:
 
 def bump_epoch(desired: Path, registry_file: Path | None) -> None:
     """A won campaign and a resignation: the registry's epoch moves on, the plan stays."""
-    from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
+    from reconciler.wiring import open_registry
 
     registry = open_registry(load_desired(desired).fleet, sqlite_path=registry_file)
     try:

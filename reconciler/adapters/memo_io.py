@@ -2,7 +2,7 @@
 
 A memoized pass must cost no more than starting the interpreter a few times
 over, so nothing here imports a model, a template or `reconciler.ports` (the
-classes at the end implement its MemoStore, PassWorld and Audit structurally).
+classes at the end implement its MemoStore, MemoReader and Audit structurally).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class MemoFiles:
 
 
 class MemoWorld:
-    """reconciler.ports.PassWorld: files under the root, and with activation
+    """reconciler.ports.MemoReader: files under the root, and with activation
     systemd's unit states (D-Bus, connected when first asked) and the
     nftables table; stat fingerprints, git commits and PATH."""
 

@@ -8,7 +8,7 @@ client is a thread, a gRPC channel and a TLS handshake, the broker a
 PostgreSQL session, all on the CPU that the passes of a new plan share.
 
 `PassConnections.kept(key, open)` keeps one connection per key (the backend
-and the settings it is opened with; cli/wiring.py makes the keys) and hands
+and the settings it is opened with; wiring.py makes the keys) and hands
 each user a `Kept` handle on it. The engine closes what it opened, as
 before: a handle's close() leaves the connection to the next user, and
 `PassConnections.close()`, when the pass process ends, closes each once.

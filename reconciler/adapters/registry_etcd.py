@@ -38,7 +38,7 @@ the facts, read beside them), and parses a value it read or wrote before only on
 nodes only through `ignored_nodes` (names of undeclared nodes); a plan over
 `TXN_CHUNK_BYTES` is refused here with a clear error instead of etcd's.
 
-Lane jobs are not here: they live on phaze's broker (reconciler.ports.LaneQueue).
+Lane jobs are not here: they live on phaze's broker (reconciler.ports.LaneBroker).
 The read still skips P/jobs/, where fabrics before the lane queue kept them.
 
 The API is synchronous. aetcd is asyncio-only, so the registry runs one event

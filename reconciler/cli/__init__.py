@@ -3,7 +3,7 @@
 Each subcommand lives in its own module under `reconciler.cli` and exposes
 `register(subparsers)`, which adds its parser and sets `func` to a function
 taking the parsed arguments and returning the exit status. Real adapters are
-built in one module, `reconciler.cli.wiring`; the work itself is in
+built in one module, `reconciler.wiring`; the work itself is in
 `reconciler.engine` and the pure core.
 
 Exit status: 0 success; 1 the action failed (a rolled-back pass, an unreachable

@@ -20,9 +20,9 @@ from pathlib import Path
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.cli.wiring import bootstrap_io, bootstrap_programs, host_name, probe_facts
 from reconciler.core.install.bootstrap import bootstrap_files, plan_bootstrap, socat_units
 from reconciler.ports import BootstrapError, CaptureError
+from reconciler.wiring import bootstrap_io, bootstrap_programs, host_name, probe_facts
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -53,8 +53,8 @@ def add_node_config(parser: argparse.ArgumentParser) -> None:
 
 def load_node_config(path: Path, *, must_exist: bool = False) -> NodeConfig:
     """node.toml, all defaults when absent; its problems end the command with exit 2."""
-    from reconciler.cli.wiring import read_text_or_none
     from reconciler.core.install.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
+    from reconciler.wiring import read_text_or_none
 
     text = read_text_or_none(path)
     if text is None:

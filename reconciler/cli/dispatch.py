@@ -12,8 +12,8 @@ seed's `select_worker`, fall back as far as there is anything. Prints
 "inadmissible:" when no node of the fleet could ever take it).
 
 `--lane`: a job for a lane (reconciler.core.scheduling.lanes), given how long it has
-waited and how many cloud attempts failed. Prints `{"backend": ID, "hold": null}`
-or `{"backend": null, "hold": REASON}`.
+waited and how many cloud attempts failed. Prints `{"lane": ID, "hold": null}`
+or `{"lane": null, "hold": REASON}`.
 
 Exit status: 0 a decision was made (a deferral or a hold is a decision); 1 the
 registry could not be read; 2 bad input.

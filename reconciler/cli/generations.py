@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from reconciler.cli import EXIT_OK
-from reconciler.cli.wiring import local_tree
 from reconciler.engine.apply import STATE_DIR, GenerationStore, list_generations
+from reconciler.wiring import local_tree
 
 
 def register(sub: argparse._SubParsersAction) -> None:

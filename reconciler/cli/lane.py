@@ -42,12 +42,12 @@ import threading
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.registry_options import add_queue_url_option, add_registry_options, desired_and_registry, opened_lane_queue
+from reconciler.cli.registry_options import add_queue_url_option, add_registry_options, desired_and_registry, opened_lane_broker
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
 from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, lane_status, run_dispatcher
-from reconciler.ports import LaneQueue, Registry, StaleDispatcher
+from reconciler.ports import LaneBroker, Registry, StaleDispatcher
 
 
 def _interval(text: str) -> float:
@@ -97,14 +97,14 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"lane {args.action} takes no job ids")
     if args.duration is not None and args.action != "enqueue":
         parser.error("--duration goes with enqueue")
-    with desired_and_registry(args) as (desired, registry), opened_lane_queue(args, desired) as lane_queue:
+    with desired_and_registry(args) as (desired, registry), opened_lane_broker(args, desired) as lane_broker:
         try:
             if args.action == "enqueue":
-                _enqueue(lane_queue, args.jobs, args.duration, as_json=args.json)
+                _enqueue(lane_broker, args.jobs, args.duration, as_json=args.json)
             elif args.action == "status":
-                _status(registry, lane_queue, desired, as_json=args.json)
+                _status(registry, lane_broker, desired, as_json=args.json)
             else:
-                _dispatch(registry, lane_queue, desired, once=args.once, interval=args.interval, as_json=args.json)
+                _dispatch(registry, lane_broker, desired, once=args.once, interval=args.interval, as_json=args.json)
         except StaleDispatcher as exc:
             raise CommandError(f"fabric lane {args.action}: {exc}") from None
         except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _enqueue(lane_queue: LaneQueue, job_ids: list[str], duration: float | None, *, as_json: bool) -> None:
-    for job in lane_queue.enqueue([(job_id, duration) for job_id in job_ids]):
+def _enqueue(lane_broker: LaneBroker, job_ids: list[str], duration: float | None, *, as_json: bool) -> None:
+    for job in lane_broker.enqueue([(job_id, duration) for job_id in job_ids]):
         seconds = f", {job.duration_s:g} s long" if job.duration_s is not None else ""
         print(
             json.dumps({"job": job.job_id, "enqueued_at": job.enqueued_at.isoformat(), "attempts": job.attempts, "duration_s": job.duration_s})
@@ -122,7 +122,7 @@ def _enqueue(lane_queue: LaneQueue, job_ids: list[str], duration: float | None, 
         )
 
 
-def _dispatch(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> None:
+def _dispatch(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, once: bool, interval: float, as_json: bool) -> None:
     stop = threading.Event()
     if not once:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -136,11 +136,11 @@ def _dispatch(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, 
     def log(message: str) -> None:
         print(f"fabric lane dispatch: {message}", file=sys.stderr, flush=True)
 
-    run_dispatcher(registry, lane_queue, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
+    run_dispatcher(registry, lane_broker, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
 
 
-def _status(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, as_json: bool) -> None:
-    status = lane_status(registry, lane_queue, desired)
+def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, as_json: bool) -> None:
+    status = lane_status(registry, lane_broker, desired)
     document = status.as_json()
     if as_json:
         print(json.dumps(document, indent=2))

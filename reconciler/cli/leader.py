@@ -37,14 +37,14 @@ from pydantic import ValidationError
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import generate_plan_key, host_name, lane_queue_if_configured, leader_ports, plan_signer, ray_state, system_clock
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
 from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, CommandRunner, LaneQueue, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.ports import Audit, CommandRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.wiring import generate_plan_key, host_name, lane_broker_if_configured, leader_ports, plan_signer, ray_state, system_clock
 
 
 def _ttl(text: str) -> float:
@@ -183,12 +183,12 @@ def _run_loop(args: argparse.Namespace) -> int:
 
 
 def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
-    lane_queue = lane_queue_if_configured(desired.fleet, note=_log)
+    lane_broker = lane_broker_if_configured(desired.fleet, note=_log)
     try:
-        return _candidate(args, desired, registry, runner, audit, signer, lane_queue)
+        return _candidate(args, desired, registry, runner, audit, signer, lane_broker)
     finally:
-        if lane_queue is not None:
-            lane_queue.close()
+        if lane_broker is not None:
+            lane_broker.close()
 
 
 def _candidate(
@@ -198,7 +198,7 @@ def _candidate(
     runner: CommandRunner,
     audit: Audit | None,
     signer: PlanSigner,
-    lane_queue: LaneQueue | None,
+    lane_broker: LaneBroker | None,
 ) -> int:
     loop = candidate_loop(
         registry,
@@ -211,7 +211,7 @@ def _candidate(
         log=_log,
         signer=signer,
         ray_state=_ray_state(args.ray_address, desired),
-        lane_queue=lane_queue,
+        lane_broker=lane_broker,
         clock=system_clock(),
     )
     if args.once:

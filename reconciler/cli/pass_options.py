@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, add_registry_path
-from reconciler.cli.wiring import host_name
 
 # The defaults live with PassOptions, in a module light enough that parsing
 # the arguments of a pass imports no model or template (a memoized pass never does).
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, DEFAULT_PLAN_KEY_FILE, STATE_DIR, UNIT_DIR
+from reconciler.wiring import host_name
 
 if TYPE_CHECKING:
-    from reconciler.engine.pass_options import PassOptions, PlanChoice
+    from reconciler.engine.pass_options import PassOptions, PlanSource
     from reconciler.engine.reconcile import PassReport
 
 # The environment variable naming a candidate's plan signing key file (a *_FILE path, never the key).
@@ -98,7 +98,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def plan_choice(args: argparse.Namespace) -> PlanChoice:
+def plan_source_from(args: argparse.Namespace) -> PlanSource:
     from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
 
     if args.plan_file is not None:
@@ -118,7 +118,7 @@ def pass_options(args: argparse.Namespace) -> PassOptions:
         state_dir=args.state_dir,
         unit_dir=args.unit_dir,
         replay=args.replay,
-        plan=plan_choice(args),
+        plan=plan_source_from(args),
         no_activate=args.no_activate,
         validate=args.validate,
         caddy_main=args.caddy_main,

@@ -15,8 +15,8 @@ import json
 
 from reconciler.cli import EXIT_OK
 from reconciler.cli.pass_options import add_pass_options, finish, pass_options
-from reconciler.cli.wiring import real_pass_ports
 from reconciler.engine.reconcile import Preview, preview_pass
+from reconciler.wiring import real_pass_ports
 
 
 def register(sub: argparse._SubParsersAction) -> None:

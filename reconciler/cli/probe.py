@@ -1,7 +1,7 @@
 """fabric probe: what this machine is and can do (tier, labels, limitations).
 
 fabric probe                  probe this machine, print a summary
-fabric probe --json           the NodeFacts JSON the registry stores
+fabric probe --json           the HostFacts JSON the registry stores
 fabric probe --capture DIR    also keep the raw outputs in DIR (new or empty)
 fabric probe --replay DIR     re-parse a capture instead of probing
 fabric probe --host NAME      report as fabric host NAME (k3s host name, role label)
@@ -13,11 +13,11 @@ import argparse
 import re
 
 from reconciler.cli import EXIT_OK, InvalidInput
-from reconciler.cli.wiring import capture_store, command_runner, local_files
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine.probe import collect_live
 from reconciler.ports import CaptureError
+from reconciler.wiring import capture_store, command_runner, local_files
 
 _HOST_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -30,7 +30,7 @@ def _host_name(value: str) -> str:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="probe this machine's hardware: tier, labels, limitations")
-    p.add_argument("--json", action="store_true", help="print the NodeFacts JSON instead of a summary")
+    p.add_argument("--json", action="store_true", help="print the HostFacts JSON instead of a summary")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--capture", metavar="DIR", help="save the raw outputs in DIR (must be new or empty)")
     source.add_argument("--replay", metavar="DIR", help="re-parse the raw outputs saved in DIR")
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def summary(facts: NodeFacts) -> str:
+def summary(facts: HostFacts) -> str:
     """A human-readable account of one probe."""
     hw = facts.hardware
     rows: list[tuple[str, str]] = [("host", f"{facts.k3s_hostname} (tailnet name {facts.tailnet_name})")]

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config
-from reconciler.cli.wiring import desired_source, local_tree, system_clock
 from reconciler.core.install.fetching import FETCHED, fetch_choice
 from reconciler.core.install.nodeconfig import timespan_seconds
 from reconciler.core.live.watching import PASS_ASKED, moment_record, recorded_moment
 from reconciler.ports import FileTree
+from reconciler.wiring import desired_source, local_tree, system_clock
 
 
 def register(sub: argparse._SubParsersAction) -> None:

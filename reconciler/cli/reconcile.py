@@ -15,7 +15,7 @@ An unchanged pass stops early on the pass memo (it heart-beats, checks the
 registry's epoch and audits, importing no model). The pass, memo included, is
 `reconciler.engine.memoized_pass.run_memoized_pass`; this module parses the
 options (shared with `fabric plan`, reconciler.cli.pass_options), takes the
-real ports from reconciler.cli.wiring and prints the outcome.
+real ports from reconciler.wiring and prints the outcome.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from reconciler.cli import wiring
+    from reconciler import wiring
     from reconciler.engine.memoized_pass import MemoHit, run_memoized_pass
 
     options = pass_options(args)

@@ -26,9 +26,9 @@ import argparse
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.registry_options import add_identity_options, add_registry_options, desired_and_registry, live_snapshot, with_identity
-from reconciler.cli.wiring import registry_auth
 from reconciler.core.desired.registry_access import auth_steps, registry_access
 from reconciler.ports import RegistryError
+from reconciler.wiring import registry_auth
 
 
 def register(sub: argparse._SubParsersAction) -> None:

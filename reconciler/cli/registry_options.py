@@ -27,12 +27,12 @@ from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import CommandError, InvalidInput
 from reconciler.cli.common import add_desired, add_registry_path, load_or_fail
-from reconciler.cli.wiring import lane_queue_if_configured, open_existing_registry, open_lane_queue, open_registry
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.desired.problems import key_path, problem_from_json_error
 from reconciler.core.live.models import Placement, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.engine.lane_states import with_lane_states
-from reconciler.ports import LaneQueue, LaneQueueError, Registry, RegistryError
+from reconciler.ports import LaneBroker, LaneBrokerError, Registry, RegistryError
+from reconciler.wiring import lane_broker_if_configured, open_existing_registry, open_lane_broker, open_registry
 
 
 def add_registry_options(parser: argparse.ArgumentParser) -> None:
@@ -105,16 +105,16 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def opened_lane_queue(args: argparse.Namespace, desired: DesiredState) -> Iterator[LaneQueue]:
-    """phaze's broker as the lane queue, closed afterwards; a LaneQueueError,
+def opened_lane_broker(args: argparse.Namespace, desired: DesiredState) -> Iterator[LaneBroker]:
+    """phaze's broker as the lane queue, closed afterwards; a LaneBrokerError,
     opening it or inside, ends the command with exit 1: `fabric COMMAND: lane queue: REASON`."""
     try:
-        lane_queue = open_lane_queue(desired.fleet, dsn_file=getattr(args, "queue_url_file", None))
+        lane_broker = open_lane_broker(desired.fleet, dsn_file=getattr(args, "queue_url_file", None))
         try:
-            yield lane_queue
+            yield lane_broker
         finally:
-            lane_queue.close()
-    except LaneQueueError as exc:
+            lane_broker.close()
+    except LaneBrokerError as exc:
         raise CommandError(f"fabric {args.command}: lane queue: {exc}") from None
 
 
@@ -195,12 +195,12 @@ def live_snapshot(args: argparse.Namespace, desired: DesiredState, registry: Reg
     phaze's broker when [phaze] queue_url_file names it (a note on stderr
     when it cannot be read: the lanes then carry no load)."""
     snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
-    lane_queue = lane_queue_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
-    if lane_queue is None:
+    lane_broker = lane_broker_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
+    if lane_broker is None:
         return snapshot
     try:
-        return with_lane_states(snapshot, lane_queue, desired)
-    except LaneQueueError as exc:
+        return with_lane_states(snapshot, lane_broker, desired)
+    except LaneBrokerError as exc:
         raise CommandError(f"fabric {args.command}: lane queue: {exc}") from None
     finally:
-        lane_queue.close()
+        lane_broker.close()

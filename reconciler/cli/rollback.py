@@ -16,9 +16,9 @@ import argparse
 from pathlib import Path
 
 from reconciler.cli.pass_options import finish
-from reconciler.cli.wiring import real_rollback_ports
 from reconciler.engine.apply import STATE_DIR
 from reconciler.engine.reconcile import RollbackOptions, roll_back
+from reconciler.wiring import real_rollback_ports
 
 
 def register(sub: argparse._SubParsersAction) -> None:

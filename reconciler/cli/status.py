@@ -32,12 +32,12 @@ from pydantic import BaseModel, ValidationError
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.cli.wiring import lane_queue_if_configured
 from reconciler.core.desired.problems import key_path
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.status import StatusInputs, live_status, saved_status
-from reconciler.ports import LaneQueueError
+from reconciler.ports import LaneBrokerError
+from reconciler.wiring import lane_broker_if_configured
 
 DEFAULT_WATCH_S = 2.0
 # Home the cursor and clear the screen: one redraw per refresh, no scrollback spam.
@@ -107,14 +107,14 @@ def gather(args: argparse.Namespace) -> StatusInputs:
     if args.snapshot is None:
         # Looking must not create a sqlite registry that is not there.
         with opened_registry(args, desired, existing=True) as registry:
-            lane_queue = lane_queue_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
+            lane_broker = lane_broker_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
             try:
-                return live_status(desired, registry, lane_queue)
-            except LaneQueueError as exc:
+                return live_status(desired, registry, lane_broker)
+            except LaneBrokerError as exc:
                 raise CommandError(f"fabric status: lane queue: {exc}") from None
             finally:
-                if lane_queue is not None:
-                    lane_queue.close()
+                if lane_broker is not None:
+                    lane_broker.close()
     snapshot = load_json_model(args.snapshot, Snapshot)
     plan = load_json_model(args.plan, FleetPlan) if args.plan is not None else None
     return saved_status(desired, snapshot, plan)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from reconciler.cli import EXIT_OK, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config
-from reconciler.cli.wiring import write_atomic
 from reconciler.core.install.units import Install, UnitsError, host_units, units_json
+from reconciler.wiring import write_atomic
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -30,13 +30,13 @@ from pathlib import Path
 
 from reconciler.cli import EXIT_OK, InvalidInput
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.cli.wiring import host_name, local_tree, pass_starter, system_clock
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
 from reconciler.core.live.watching import PASS_ASKED, PLAN_TAKEN, WatchTimings, epoch_taken, moment_record
 from reconciler.engine.desired_load import load_for_part
 from reconciler.engine.pass_options import STATE_DIR
 from reconciler.engine.watch import Watcher
+from reconciler.wiring import host_name, local_tree, pass_starter, system_clock
 
 DEFAULTS = WatchTimings()
 

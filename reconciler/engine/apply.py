@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from reconciler.core.render.actions import HostActions, configured_unit, is_dropin, plan_actions
+from reconciler.core.render.actions import HostActions, configured_unit, host_actions, is_dropin
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config
 from reconciler.ports import (
     ActivationError,
@@ -277,7 +277,7 @@ class Validators:
 
 
 @dataclass
-class PassResult:
+class ApplyResult:
     outcome: str  # "noop", "applied", "written" (no activation), "invalid", "rolled-back", "failed"
     actions: HostActions
     generation: int | None = None
@@ -405,7 +405,7 @@ class Applier:
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
         tracked_restarts = self._tracked_restarts()
-        actions = plan_actions(
+        actions = host_actions(
             artifacts,
             installed,
             tracked,
@@ -420,14 +420,14 @@ class Applier:
 
     # ---- the pass
 
-    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None) -> PassResult:
+    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None) -> ApplyResult:
         self.lock.acquire()
         try:
             return self._run(list(artifacts), host, epoch)
         finally:
             self.lock.release()
 
-    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None) -> PassResult:
+    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None) -> ApplyResult:
         for name in self.store.sweep_staging():
             self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
         for path in self._sweep_temp_files([a.path for a in artifacts]):
@@ -439,7 +439,7 @@ class Applier:
                 # Killed after activating everything but before marking it good.
                 self.store.set_good(current)
             self.audit.record("noop", "ok", generation=str(current or ""))
-            return PassResult("noop", actions, current)
+            return ApplyResult("noop", actions, current)
 
         current_manifest = self.store.manifest(current)
         proposed = manifest_for(0, "", host, epoch, artifacts)
@@ -453,7 +453,7 @@ class Applier:
                 problem = self._validate(f"{self.store.dir}/{number}", artifacts)
                 if problem is not None:
                     self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                    return PassResult("invalid", actions, current, [problem])
+                    return ApplyResult("invalid", actions, current, [problem])
         else:
             number = self.store.next_number()
             created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
@@ -465,12 +465,12 @@ class Applier:
                 # (the next pass sweeps the partial staging directory).
                 message = f"cannot write generation {number} under {self.store.dir}: {exc}"
                 self.audit.record("generation", "failed", generation=str(number), reason=message)
-                return PassResult("failed", actions, current, [message])
+                return ApplyResult("failed", actions, current, [message])
             problem = self._validate(staging, self._not_checked(artifacts))
             if problem is not None:
                 self.tree.remove_tree(staging)
                 self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                return PassResult("invalid", actions, current, [problem])
+                return ApplyResult("invalid", actions, current, [problem])
             self.audit.record("validate", "ok" if self.validators else "skipped", generation=str(number), hash=manifest.digest)
             self.checkpoint("publish generation")
             self.store.publish(staging, number)
@@ -488,7 +488,7 @@ class Applier:
                 # activation.
                 raise ActivationError(f"installing the files failed: {exc}") from exc
             if self.activators is None:
-                return PassResult("written", actions, number)
+                return ApplyResult("written", actions, number)
             self._activate(actions, by_path, number, self.activators)
         except ActivationError as exc:
             message = f"activation of generation {number} failed: {exc}"
@@ -500,17 +500,17 @@ class Applier:
                 messages.append(
                     f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
                 )
-                return PassResult("rolled-back", actions, good, messages)
+                return ApplyResult("rolled-back", actions, good, messages)
             except (ActivationError, OSError) as again:  # OSError: the rollback's own writes (a full disk)
                 messages.append(f"rollback to generation {good} failed too: {again}")
                 self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
-                return PassResult("failed", actions, number, messages)
+                return ApplyResult("failed", actions, number, messages)
         self.checkpoint("mark good")
         self.store.set_good(number)
         self.audit.record("activate", "ok", generation=str(number))
         for n in self.store.prune():
             self.audit.record("prune", "ok", generation=str(n))
-        return PassResult("applied", actions, number)
+        return ApplyResult("applied", actions, number)
 
     def _not_checked(self, artifacts: Sequence[Artifact]) -> list[Artifact]:
         """The artifacts whose content has not passed the checks here: all but
@@ -633,7 +633,7 @@ class Applier:
         # What runs now is (at most) the failed generation: plan from it.
         running = {**installed, **failed}
         tracked_restarts = self._tracked_restarts()
-        actions = plan_actions(
+        actions = host_actions(
             old,
             installed,
             tracked,

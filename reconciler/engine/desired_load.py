@@ -97,7 +97,7 @@ def named_hosts(fleet: FleetConfig, host: str, control: Iterable[str], *, edge: 
         names.add(ray.head)
     if edge:
         names |= set(control)
-        names |= {lane.push_host for lane in fleet.backends if lane.kind == "compute" and lane.push_host}
+        names |= {lane.push_host for lane in fleet.lanes if lane.kind == "compute" and lane.push_host}
         names |= set(fleet.fleet.leader_candidates)
     return names
 

@@ -1,14 +1,14 @@
 """The lane dispatcher: waiting lane jobs, oldest first, into lane queues (multi-compute.md).
 
 The job system (phaze's control plane) hands jobs to the lane queue
-(`LaneQueue.enqueue`: an id and the file's duration); `fabric lane dispatch`
+(`LaneBroker.enqueue`: an id and the file's duration); `fabric lane dispatch`
 runs `dispatch_pass` over them:
 
     settle: jobs whose SAQ job ended leave (complete) or wait again (failed:
             one more cloud attempt when they ran in a compute lane)
     for each waiting job, oldest enqueued first:
         choose_lane(lanes, LaneJob(waited_s, attempts, duration_s))   (reconciler.core.scheduling.lanes, pure)
-        a lane  -> LaneQueue.dispatch(job, LaneTarget(lane, queue, cap), epoch):
+        a lane  -> LaneBroker.dispatch(job, LaneTarget(lane, queue, cap), epoch):
                    one transaction under the lane queue's lock that puts the
                    job on the lane's SAQ queue only while the job still waits
                    and the queue holds fewer than `cap` jobs, so however many
@@ -51,7 +51,7 @@ from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, s
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import LaneQueue, LaneQueueError, LaneQueueUnavailable, Registry, RegistryUnavailable
+from reconciler.ports import LaneBroker, LaneBrokerError, LaneBrokerUnavailable, Registry, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -82,7 +82,7 @@ class DispatchEvent:
     def as_json(self) -> dict:
         return {
             "job": self.job,
-            "backend": self.lane,
+            "lane": self.lane,
             "slot": self.slot,
             "hold": self.hold,
             "waited_s": round(self.waited_s, 3),
@@ -108,8 +108,8 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
     return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
 
 
-def current_lanes(registry: Registry, lane_queue: LaneQueue, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
-    snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_queue, desired)
+def current_lanes(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+    snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_broker, desired)
     return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
 
 
@@ -131,16 +131,16 @@ def dispatcher_epoch(registry: Registry) -> int:
     return leader.epoch if leader is not None else registry.epoch()
 
 
-def dispatch_pass(registry: Registry, lane_queue: LaneQueue, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
+def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
     newer dispatcher runs."""
     settings = desired.fleet.scheduler
     targets = lane_targets(desired)
     fence = dispatcher_epoch(registry) if epoch is None else epoch
-    events = [_settled_event(job) for job in lane_queue.settle()]
-    views, now = current_lanes(registry, lane_queue, desired)
-    for job in lane_queue.jobs():
+    events = [_settled_event(job) for job in lane_broker.settle()]
+    views, now = current_lanes(registry, lane_broker, desired)
+    for job in lane_broker.jobs():
         if not job.waiting:
             continue
         wanted = job_view(job, now)
@@ -152,18 +152,18 @@ def dispatch_pass(registry: Registry, lane_queue: LaneQueue, desired: DesiredSta
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, hold=decision.hold)
                 break
             slot = views[decision.lane].in_flight
-            started = lane_queue.dispatch(job.job_id, targets[decision.lane], fence)
+            started = lane_broker.dispatch(job.job_id, targets[decision.lane], fence)
             if started is not None:
                 views = _started(views, decision.lane)
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, lane=decision.lane, slot=slot)
                 break
-            again = next((j for j in lane_queue.jobs() if j.job_id == job.job_id), None)
+            again = next((j for j in lane_broker.jobs() if j.job_id == job.job_id), None)
             if again is None or not again.waiting:
                 event = DispatchEvent(job.job_id, wanted.waited_s, wanted.attempts, taken_elsewhere=True)
                 break
-            views, _ = current_lanes(registry, lane_queue, desired)
+            views, _ = current_lanes(registry, lane_broker, desired)
         if event is None:
-            raise LaneQueueError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
+            raise LaneBrokerError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
         events.append(event)
     return events
 
@@ -186,7 +186,7 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
 
 def run_dispatcher(
     registry: Registry,
-    lane_queue: LaneQueue,
+    lane_broker: LaneBroker,
     desired: DesiredState,
     *,
     emit: Callable[[DispatchEvent], None],
@@ -201,9 +201,9 @@ def run_dispatcher(
     so); with `once` it raises. A StaleDispatcher always ends it."""
     while True:
         try:
-            for event in dispatch_pass(registry, lane_queue, desired):
+            for event in dispatch_pass(registry, lane_broker, desired):
                 emit(event)
-        except (RegistryUnavailable, LaneQueueUnavailable) as exc:
+        except (RegistryUnavailable, LaneBrokerUnavailable) as exc:
             if once:
                 raise
             log(f"unreachable, retrying: {exc}")
@@ -273,7 +273,7 @@ class LaneStatus:
             "now": self.now.isoformat(),
             "queue_depth": self.queue_depth,
             "lanes": [self.lane_json(v) for v in self.lanes],
-            "new_job": {"backend": self.new_job.lane, "hold": self.new_job.hold},
+            "new_job": {"lane": self.new_job.lane, "hold": self.new_job.hold},
             "waiting": [{**self.predicted[j.job_id].as_json(), "enqueued_at": j.enqueued_at.isoformat()} for j in self.waiting],
             "running": [
                 {
@@ -290,9 +290,9 @@ class LaneStatus:
         }
 
 
-def lane_status(registry: Registry, lane_queue: LaneQueue, desired: DesiredState) -> LaneStatus:
-    views, now = current_lanes(registry, lane_queue, desired)
-    jobs = lane_queue.jobs()
+def lane_status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
+    views, now = current_lanes(registry, lane_broker, desired)
+    jobs = lane_broker.jobs()
     decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)
     return LaneStatus(
         now=now,

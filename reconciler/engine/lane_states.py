@@ -1,7 +1,7 @@
 """The lanes' load and workers, as phaze's broker shows them, in a snapshot.
 
 The registry's snapshot carries the declared lanes with no load: lane jobs
-live on phaze's broker (`LaneQueue`). Every reader of lanes (the dispatcher,
+live on phaze's broker (`LaneBroker`). Every reader of lanes (the dispatcher,
 `fabric lane status`, `fabric status`, the leader's plan, the edge's status
 page, a host's heartbeat) puts the lane queue's view in with
 `with_lane_states` before `lanes.lane_views` reads it.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Snapshot
-from reconciler.ports import LaneQueue, LaneTarget
+from reconciler.ports import LaneBroker, LaneTarget
 
 
 def lane_targets(desired: DesiredState) -> dict[str, LaneTarget]:
@@ -24,11 +24,11 @@ def lane_targets(desired: DesiredState) -> dict[str, LaneTarget]:
     return targets
 
 
-def with_lane_states(snapshot: Snapshot, lane_queue: LaneQueue | None, desired: DesiredState) -> Snapshot:
+def with_lane_states(snapshot: Snapshot, lane_broker: LaneBroker | None, desired: DesiredState) -> Snapshot:
     """`snapshot` whose lanes are the lane queue's now (jobs queued or active,
     SAQ workers); without a lane queue (no [phaze] queue_url_file) the
     declared lanes with no load and no word on workers."""
-    if lane_queue is None:
+    if lane_broker is None:
         return snapshot
     queues = {lane_id: target.queue for lane_id, target in lane_targets(desired).items()}
-    return snapshot.model_copy(update={"lanes": lane_queue.lane_states(queues)})
+    return snapshot.model_copy(update={"lanes": lane_broker.lane_states(queues)})

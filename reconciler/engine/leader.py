@@ -20,7 +20,7 @@ One `step()`:
      snapshot, the queue depth (waiting lane jobs + replicas deferred for
      capacity) and the persisted state, and carry the actions out
      (`reconciler.engine.scaling_step`: the only place they are executed);
-  5. leading, with a `lane_queue` (phaze's broker, `[phaze] queue_url_file`):
+  5. leading, with a `lane_broker` (phaze's broker, `[phaze] queue_url_file`):
      the lane dispatcher's pass (`engine.dispatch.dispatch_pass`): finished
      lane jobs settled, waiting ones into lane slots by multi-compute.md's
      rules, fenced by this term's epoch, so a deposed leader's dispatch is
@@ -76,8 +76,8 @@ from reconciler.ports import (
     Audit,
     Clock,
     CommandRunner,
-    LaneQueue,
-    LaneQueueError,
+    LaneBroker,
+    LaneBrokerError,
     NotLeader,
     PlanSigner,
     PlanSigningError,
@@ -148,7 +148,7 @@ class LeaderLoop:
     ray_workers: list[RayWorkerAction] = field(default_factory=list)
     # phaze's broker: the lanes' jobs and workers in the snapshot the plan is
     # made from (None: no [phaze] queue_url_file, the lanes carry no load).
-    lane_queue: LaneQueue | None = None
+    lane_broker: LaneBroker | None = None
     # The registry's clock (lapses are its times); None: no wake at a lapse,
     # only the registry's own (a one-shot leader step never waits).
     clock: Clock | None = None
@@ -211,8 +211,8 @@ class LeaderLoop:
             # stored, and the snapshot shows the states just stored.
             view = self.registry.lead(self.leadership, lanes=[lane.id for lane in self.desired.lanes])
             try:
-                view = replace(view, snapshot=with_lane_states(view.snapshot, self.lane_queue, self.desired))
-            except LaneQueueError as exc:
+                view = replace(view, snapshot=with_lane_states(view.snapshot, self.lane_broker, self.desired))
+            except LaneBrokerError as exc:
                 # The plan goes on without the lanes' load (the next step reads it again).
                 self.log(f"lane queue unreachable, planning without the lanes' jobs: {exc}")
             self._note_lapse(view.next_lapse)
@@ -231,15 +231,15 @@ class LeaderLoop:
     def _dispatch(self) -> None:
         """Step 5: the lane jobs, fenced by this term (module docstring)."""
         assert self.desired is not None and self.leadership is not None
-        if self.lane_queue is None or not self.desired.fleet.phaze.leader_dispatches:
+        if self.lane_broker is None or not self.desired.fleet.phaze.leader_dispatches:
             return
         try:
-            events = dispatch_pass(self.registry, self.lane_queue, self.desired, epoch=self.leadership.epoch)
+            events = dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch)
         except StaleDispatcher as exc:
             # A newer term dispatches: this one's lease is gone or going.
             self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")
             return
-        except LaneQueueError as exc:
+        except LaneBrokerError as exc:
             self.log(f"lane queue unreachable, no dispatch this step: {exc}")
             return
         for event in events:
@@ -423,7 +423,7 @@ def candidate_loop(
     log: Callable[[str], None],
     signer: PlanSigner | None = None,
     ray_state: RayState | None = None,
-    lane_queue: LaneQueue | None = None,
+    lane_broker: LaneBroker | None = None,
     clock: Clock | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan (with Ray's view when the fleet
@@ -436,7 +436,7 @@ def candidate_loop(
         audit=audit,
         # Hooks run inside the step: they must leave time to renew the lease.
         hook_budget_s=lease_ttl_s / 2,
-        lane_queue=lane_queue,
+        lane_broker=lane_broker,
     )
     return LeaderLoop(
         registry=registry,
@@ -448,6 +448,6 @@ def candidate_loop(
         scaling=scaling,
         signer=signer,
         ray_state=ray_state,
-        lane_queue=lane_queue,
+        lane_broker=lane_broker,
         clock=clock,
     )

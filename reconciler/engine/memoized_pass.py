@@ -5,7 +5,7 @@
     1 the inputs key: options, this program's version, the programs on PATH,
       the desired state (git commit or stat), the main Caddyfile, the capture
       or plan file (stat), the live probe's parsed facts (MemoPorts.probe, once;
-      core.probe.facts_key: no model, NodeFacts are built by the full pass alone)
+      core.probe.facts_key: no model, HostFacts are built by the full pass alone)
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: when it names a registry, the registry's epoch first (moved: a new
       plan, the full pass at once, which compares the world itself and beats;
@@ -50,14 +50,14 @@ from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, P
 
 if TYPE_CHECKING:
     from reconciler.core.probe.raw import RawCapture
-    from reconciler.engine.reconcile import Converged, PassPorts, PassReport
-    from reconciler.ports import Audit, BeatLaneQueue, BeatRegistry, Clock, MemoStore, PassWorld
+    from reconciler.engine.reconcile import MemoSeed, PassPorts, PassReport
+    from reconciler.ports import Audit, BeatLaneBroker, BeatRegistry, Clock, MemoReader, MemoStore
 
 # reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
 # (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
 PASS_COUNTERS = "pass-counters.json"
 TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
-# The programs the rendered units name (reconciler.cli.wiring.program_paths finds them the same way).
+# The programs the rendered units name (reconciler.wiring.program_paths finds them the same way).
 PROGRAMS = ("socat", "podman", "nft", "ray")
 
 
@@ -65,7 +65,7 @@ def _ignore(note: str) -> None:
     pass
 
 
-def _no_lane_queue(reach: Mapping[str, Any]) -> BeatLaneQueue | None:
+def _no_lane_broker(reach: Mapping[str, Any]) -> BeatLaneBroker | None:
     return None
 
 
@@ -74,7 +74,7 @@ class MemoPorts:
     """What the memo's side of a pass reaches outside the process."""
 
     store: MemoStore  # the memo, the pass counters, the textfile, the pass lock
-    world: PassWorld  # what the memo is checked against; stat fingerprints, git commit, PATH
+    world: MemoReader  # what the memo is checked against; stat fingerprints, git commit, PATH
     audit: Audit  # the memoized pass's one audit line
     clock: Clock
     # This machine's raw probe outputs, collected live (a replay is fingerprinted, not probed here).
@@ -83,10 +83,10 @@ class MemoPorts:
     # [registry], [timing], [flap] as the last full pass validated them), for
     # the memo's heartbeat (closed after).
     open_registry: Callable[[Mapping[str, Any]], BeatRegistry]
-    # Opens phaze's broker (the lane queue) the memo names (PassMemo.lane_queue:
+    # Opens phaze's broker (the lane queue) the memo names (PassMemo.lane_broker:
     # fabric.toml's [phaze] queue_url_file and job_function) for the lane jobs
     # of that heartbeat; None: not configured or unreachable (closed after).
-    open_lane_queue: Callable[[Mapping[str, Any]], BeatLaneQueue | None] = _no_lane_queue
+    open_lane_broker: Callable[[Mapping[str, Any]], BeatLaneBroker | None] = _no_lane_broker
     note: Callable[[str], None] = _ignore
 
 
@@ -119,12 +119,12 @@ def run_memoized_pass(
     return _full_pass(options, ports, full_pass_ports, memo_file, key, capture, nft_reload=verdict == "nft")
 
 
-def pass_inputs(options: PassOptions, capture: RawCapture | None, world: PassWorld) -> dict[str, str | None]:
+def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoReader) -> dict[str, str | None]:
     """What a pass's outcome depends on, each as a digest or a plain value.
     The desired-state tree is fingerprinted from stat alone (its size must not
     make every host's pass slower); the live probe by its parsed facts, what
-    NodeFacts are built from (the raw outputs hold counters that change every
-    second; building NodeFacts would import the models)."""
+    HostFacts are built from (the raw outputs hold counters that change every
+    second; building HostFacts would import the models)."""
     root = options.root
     plan = options.plan
     plan_file = plan.path if isinstance(plan, PlanFile) else None
@@ -158,7 +158,7 @@ def pass_inputs(options: PassOptions, capture: RawCapture | None, world: PassWor
     }
 
 
-def desired_digest(desired: Path, host: str, world: PassWorld) -> str:
+def desired_digest(desired: Path, host: str, world: MemoReader) -> str:
     """The desired state's identity. A git checkout (what `fabric pull` keeps):
     its commit, plus fabric.toml and this host's file by stat, so a host's
     pass costs the same in a fleet of five or ten thousand; an uncommitted
@@ -251,7 +251,7 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     imported (a lane host's memo keeps its lanes' queues: `_in_flight`)."""
     from reconciler.core.live.beat import heartbeat_note
     from reconciler.core.live.host_limits import lowered_note
-    from reconciler.ports import LaneQueueError, RegistryError
+    from reconciler.ports import LaneBrokerError, RegistryError
 
     assert memo.node_record is not None and memo.beat_ttl_s is not None
     try:
@@ -271,7 +271,7 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
             record = {**record, "in_flight": in_flight}
         stored = registry.heartbeat_json(record, memo.beat_ttl_s)
         ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
-    except (RegistryError, LaneQueueError):
+    except (RegistryError, LaneBrokerError):
         return False
     return True
 
@@ -281,17 +281,17 @@ def _in_flight(ports: MemoPorts, memo: PassMemo) -> int | None:
     and the lane jobs of the lanes whose jobs run here, read afresh from their
     queues (the memo names them and the broker: fabric.toml's, part of its
     key); None: a lane queue configured but unusable (the full pass says why).
-    Raises LaneQueueError."""
-    reach = memo.lane_queue or {"queue_url_file": None}
+    Raises LaneBrokerError."""
+    reach = memo.lane_broker or {"queue_url_file": None}
     in_flight: dict[str, int] = {}
-    lane_queue = ports.open_lane_queue(reach)
-    if lane_queue is None and reach.get("queue_url_file") is not None:
+    lane_broker = ports.open_lane_broker(reach)
+    if lane_broker is None and reach.get("queue_url_file") is not None:
         return None  # configured but unusable
-    if lane_queue is not None:
+    if lane_broker is not None:
         try:
-            jobs = lane_queue.in_flight(list(memo.lane_queues.values()))
+            jobs = lane_broker.in_flight(list(memo.lane_queues.values()))
         finally:
-            lane_queue.close()
+            lane_broker.close()
         in_flight = {lane: jobs.get(queue, 0) for lane, queue in memo.lane_queues.items()}
     return HostLoad(memo.load_services, lane_jobs_running(memo.lanes_here, in_flight)).in_flight
 
@@ -359,7 +359,7 @@ def _full_pass(
     return report
 
 
-def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> PassMemo | None:
+def memo_after(converged: MemoSeed, key: str, world: MemoReader, now: float) -> PassMemo | None:
     """The memo of a pass that converged: the world as it left it (None: it cannot be read now)."""
     files = {}
     for path in converged.files:
@@ -390,7 +390,7 @@ def memo_after(converged: Converged, key: str, world: PassWorld, now: float) -> 
         load_services=converged.load_services,
         lanes_here=converged.lanes_here,
         lane_queues=converged.lane_queues,
-        lane_queue=converged.lane_queue,
+        lane_broker=converged.lane_broker,
         epoch=converged.registry_epoch,
         max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
     )

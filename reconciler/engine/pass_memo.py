@@ -19,7 +19,7 @@ applied or written) leaves a memo in the state directory:
                   but the lane jobs: the drift check keeps it true)
     lanes_here    the lanes whose jobs run here: their jobs start and end
                   without any drift, so each memoized pass reads them
-    lane_queues   each of those lanes' queue on phaze's broker, and lane_queue
+    lane_queues   each of those lanes' queue on phaze's broker, and lane_broker
                   how to reach the broker ([phaze] queue_url_file, None when
                   not configured, and job_function): fabric.toml's, part of
                   the key, so a memoized pass validates no fabric.toml for them
@@ -76,7 +76,7 @@ class PassMemo:
     load_services: int = 0
     lanes_here: Sequence[str] = ()
     lane_queues: Mapping[str, str] = field(default_factory=dict)
-    lane_queue: Mapping[str, Any] | None = None
+    lane_broker: Mapping[str, Any] | None = None
     epoch: int | None = None
     max_age_s: float = MAX_AGE_S
 
@@ -104,7 +104,7 @@ class PassMemo:
             or not all(isinstance(lane, str) for lane in memo.lanes_here)
             or not isinstance(memo.lane_queues, dict)
             or not all(isinstance(queue, str) for queue in memo.lane_queues.values())
-            or not isinstance(memo.lane_queue, dict | None)
+            or not isinstance(memo.lane_broker, dict | None)
         ):
             raise ValueError("not a pass memo: malformed fields")
         return memo

@@ -46,7 +46,7 @@ class PlanFromRegistry:
     sqlite_path: Path | None = None
 
 
-PlanChoice = PlanFile | PlanAlone | PlanFromRegistry
+PlanSource = PlanFile | PlanAlone | PlanFromRegistry
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class PassOptions:
     unit_dir: str = UNIT_DIR
     # A saved probe capture (fabric probe --capture) instead of probing.
     replay: str | None = None
-    plan: PlanChoice = PlanFromRegistry()
+    plan: PlanSource = PlanFromRegistry()
     no_activate: bool = False
     # With no_activate: still run systemd-analyze, nft -c and caddy validate.
     validate: bool = False

@@ -15,19 +15,20 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
 from reconciler.engine.desired_load import named_hosts
-from reconciler.engine.plan_source import FleetView, PlanSource
+from reconciler.engine.fleet_view import FleetView
+from reconciler.engine.plan_fence import PassPlan
 from reconciler.ports import FileTree
 
 PROBE_HISTORY = "probe-history.json"
 PASS_COUNTERS = "pass-counters.json"
 
 
-def damped_facts(tree: FileTree, state_dir: str, desired: DesiredState, observed: NodeFacts, now: datetime) -> tuple[NodeFacts, ProbeHistory]:
+def damped_facts(tree: FileTree, state_dir: str, desired: DesiredState, observed: HostFacts, now: datetime) -> tuple[HostFacts, ProbeHistory]:
     """The facts this pass uses (a lower tier only after `missed_beats` passes
     in a row) and the history to keep; `save_probe_history` keeps it once the
     pass's inputs all checked out, so bad input still changes nothing."""
@@ -46,7 +47,7 @@ def save_probe_history(tree: FileTree, state_dir: str, history: ProbeHistory) ->
 
 
 @dataclass(frozen=True)
-class PassOutcome:
+class PassFigures:
     succeeded: bool
     rolled_back: bool
     generation: int | None
@@ -58,14 +59,14 @@ def write_pass_records(
     state_dir: str,
     desired: DesiredState,
     host: str,
-    source: PlanSource,
-    outcome: PassOutcome,
+    source: PassPlan,
+    outcome: PassFigures,
     now: datetime,
     view: FleetView | None = None,
 ) -> str | None:
     """Write them; a note for the log when they cannot be written (the pass still counts).
     `view`: the registry's view of the fleet, read by an edge's pass
-    (`plan_source.read_fleet_view`): the fleet's metrics and the status page."""
+    (`fleet_view.read_fleet_view`): the fleet's metrics and the status page."""
     try:
         _write(tree, state_dir, desired, host, source, outcome, now, view)
     except OSError as exc:
@@ -73,7 +74,7 @@ def write_pass_records(
     return None
 
 
-def shows_fleet(desired: DesiredState, host: str, source: PlanSource) -> bool:
+def shows_fleet(desired: DesiredState, host: str, source: PassPlan) -> bool:
     """This pass reads the fleet's view and writes its status page: an edge
     host whose pass reached the registry (its plan came from it, or was
     refused there)."""
@@ -100,8 +101,8 @@ def _write(
     state_dir: str,
     desired: DesiredState,
     host: str,
-    source: PlanSource,
-    outcome: PassOutcome,
+    source: PassPlan,
+    outcome: PassFigures,
     now: datetime,
     view: FleetView | None,
 ) -> None:

@@ -26,7 +26,7 @@ activation is over (units started or stopped, a rollback) and beats only if
 that changed the record, so what the registry keeps, and what the memo
 re-sends, is the host after this pass.
 
-Everything outside the process goes through `PassPorts`; `reconciler.cli.wiring`
+Everything outside the process goes through `PassPorts`; `reconciler.wiring`
 builds the real ones and tests build fakes. The report is a value: what to
 print on stdout and stderr, and the outcome the exit status follows from.
 Notes (heartbeat, leader step, render notes) go out through `ports.note` as
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from reconciler.core.desired.load import DesiredStateError
-from reconciler.core.desired.model import DesiredState, FleetConfig, NodeFacts
+from reconciler.core.desired.model import DesiredState, FleetConfig, HostFacts
 from reconciler.core.desired.problems import ProblemsError
 from reconciler.core.live.host_limits import effective_limits, lowered_note
 from reconciler.core.live.host_load import service_units
@@ -55,30 +55,22 @@ from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agen
 from reconciler.core.render.ray_units import closed_reason
 from reconciler.core.scheduling.lifecycle import heartbeat_timeout
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, GenerationStore, PassResult, Validators, no_checkpoint
+from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, ApplyResult, GenerationStore, Validators, no_checkpoint
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
+from reconciler.engine.fleet_view import FleetView, read_fleet_view
+from reconciler.engine.heartbeat import Measured, UnitsSeen, beat_after_activation, node_record
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
-from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, shows_fleet, write_pass_records
-from reconciler.engine.plan_source import (
-    FleetView,
-    Measured,
-    PlanSource,
-    UnitsSeen,
-    beat_after_activation,
-    effective_facts,
-    epoch_moved_past,
-    fleet_plan_for,
-    node_record,
-    read_fleet_view,
-)
+from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, shows_fleet, write_pass_records
+from reconciler.engine.plan_fence import PassPlan
+from reconciler.engine.plan_source import effective_facts, epoch_moved_past, fleet_plan_for
 from reconciler.ports import (
     ActivationError,
     Audit,
     CaptureError,
     Clock,
     FileTree,
-    LaneQueue,
-    LaneQueueError,
+    LaneBroker,
+    LaneBrokerError,
     LockBusy,
     PassLock,
     PlanSigner,
@@ -114,7 +106,7 @@ class RollbackOptions:
 
 # This machine's facts for `host`, probed live or re-parsed from the capture
 # directory `replay`. Raises CaptureError for an unreadable capture.
-Probe = Callable[[str, str | None], NodeFacts]
+Probe = Callable[[str, str | None], HostFacts]
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ def _no_registry(fleet: FleetConfig) -> Registry:
     raise RegistryUnavailable("no registry is wired into this pass")
 
 
-def _no_lane_queue(fleet: FleetConfig) -> LaneQueue | None:
+def _no_lane_broker(fleet: FleetConfig) -> LaneBroker | None:
     return None
 
 
@@ -165,7 +157,7 @@ class PassPorts:
     open_registry: Callable[[FleetConfig], Registry] = _no_registry
     # Opens phaze's broker as the lane queue (None: not configured or not
     # reachable, said in a note); the pass closes it.
-    open_lane_queue: Callable[[FleetConfig], LaneQueue | None] = _no_lane_queue
+    open_lane_broker: Callable[[FleetConfig], LaneBroker | None] = _no_lane_broker
     # A leader candidate's plan key, for the pass's one-shot leader step (None: cannot sign).
     plan_signer: PlanSigner | None = None
     programs: ProgramPaths = field(default_factory=ProgramPaths)
@@ -185,7 +177,7 @@ class PassPorts:
 # --------------------------------------------------------------------------
 # The report
 
-Outcome = Literal[
+PassOutcome = Literal[
     "noop",  # nothing to do
     "applied",  # a generation written and activated
     "written",  # a generation written, not activated
@@ -212,7 +204,7 @@ class Preview:
 
 
 @dataclass(frozen=True)
-class Converged:
+class MemoSeed:
     """What a pass that left the world as the desired state wants it knows,
     for the pass memo (reconciler.engine.pass_memo): the files it installed,
     the units to watch, the heartbeat it sent and the registry epoch it saw."""
@@ -231,10 +223,10 @@ class Converged:
     # and the lanes whose jobs a memoized pass reads afresh.
     load_services: int = 0
     lanes_here: tuple[str, ...] = ()
-    # Their queues on phaze's broker, and how to reach it (lane_queue_reach),
+    # Their queues on phaze's broker, and how to reach it (lane_broker_settings),
     # so that a memoized pass reads their jobs without loading fabric.toml.
     lane_queues: dict[str, str] = field(default_factory=dict)
-    lane_queue: dict[str, Any] | None = None
+    lane_broker: dict[str, Any] | None = None
     # How a memoized pass reaches the registry without loading fabric.toml
     # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
     registry: dict[str, Any] | None = None
@@ -243,11 +235,11 @@ class Converged:
 
 @dataclass(frozen=True)
 class PassReport:
-    outcome: Outcome
+    outcome: PassOutcome
     stdout: str = ""  # what a person reads: the actions and the closing line, newline-terminated
     stderr: tuple[str, ...] = ()  # one line each: why it failed or stopped
     preview: Preview | None = None  # preview_pass, when it planned
-    converged: Converged | None = None  # run_pass, when the world is as the desired state wants it
+    converged: MemoSeed | None = None  # run_pass, when the world is as the desired state wants it
 
     @property
     def ok(self) -> bool:
@@ -272,14 +264,14 @@ class _BadInput(Exception):
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class _PreparedPass:
     desired: DesiredState
     loaded: LoadedDesired  # how it was loaded (the verdict to record)
     host: str
-    source: PlanSource
+    source: PassPlan
     rendered: Rendered
     probe_history: ProbeHistory
-    facts: NodeFacts  # effective
+    facts: HostFacts  # effective
 
 
 def _now(clock: Clock) -> datetime:
@@ -297,7 +289,7 @@ def caddy_main_path(tree: FileTree, given: str | None) -> str:
     return next((c for c in CADDY_MAIN_CANDIDATES if tree.read(c) is not None), CADDY_MAIN)
 
 
-def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepared:
+def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _PreparedPass:
     """Load, probe, read the plan and render; raises _BadInput before anything is written.
 
     `write=False` (fabric plan) reads the registry's plan but sends no
@@ -334,8 +326,8 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
 
 
 def _plan_and_render(
-    options: PassOptions, ports: PassPorts, loaded: LoadedDesired, host: str, facts: NodeFacts, probe_history: ProbeHistory, *, write: bool
-) -> _Prepared:
+    options: PassOptions, ports: PassPorts, loaded: LoadedDesired, host: str, facts: HostFacts, probe_history: ProbeHistory, *, write: bool
+) -> _PreparedPass:
     """The fleet plan (through the fence) and this host's artifacts from it,
     for the desired state and probe a pass loaded; a later round of the pass
     (`run_pass`) starts here again. Raises _BadInput."""
@@ -350,7 +342,7 @@ def _plan_and_render(
             host,
             facts,
             connect=lambda: ports.open_registry(desired.fleet),
-            open_lanes=lambda: ports.open_lane_queue(desired.fleet),
+            open_lanes=lambda: ports.open_lane_broker(desired.fleet),
             applied_epoch=manifest.epoch if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
@@ -381,7 +373,7 @@ def _plan_and_render(
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:
         ports.note(note)
-    return _Prepared(desired, loaded, host, source, rendered, probe_history, facts)
+    return _PreparedPass(desired, loaded, host, source, rendered, probe_history, facts)
 
 
 def units_seen(ports: PassPorts, store: GenerationStore, desired: DesiredState) -> UnitsSeen:
@@ -448,7 +440,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
 
     def records(succeeded: bool, rolled_back: bool) -> FleetView | None:
         # Once per pass, of its last round (`prepared` is that round's).
-        outcome = PassOutcome(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
+        outcome = PassFigures(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
         view, desired = _fleet_view(ports, prepared)
         note = write_pass_records(store.tree, store.state_dir, desired, prepared.host, prepared.source, outcome, _now(ports.clock), view=view)
         if note is not None:
@@ -494,7 +486,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
 
 
-def _record_plan_taken(store: GenerationStore, source: PlanSource) -> None:
+def _record_plan_taken(store: GenerationStore, source: PassPlan) -> None:
     """Say which registry plan this pass took (core.live.watching.PLAN_TAKEN):
     the watcher then starts no pass for it, or for any plan before it, once
     this one has ended. Not for a plan file or a host alone (no registry)."""
@@ -524,9 +516,9 @@ def _after_rounds(rounds: list[PassReport], last: PassReport) -> PassReport:
     return replace(last, outcome=outcome, stdout=stdout, stderr=stderr)
 
 
-def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None, DesiredState]:
+def _fleet_view(ports: PassPorts, prepared: _PreparedPass) -> tuple[FleetView | None, DesiredState]:
     """The fleet's view for an edge's status page and fleet metrics, read
-    once activation is over (plan_source.read_fleet_view), and the desired
+    once activation is over (fleet_view.read_fleet_view), and the desired
     state with the files of the nodes it shows; (None, the pass's desired
     state) for any other host, or when the view cannot be read now (a note
     says why: the page keeps its last version)."""
@@ -534,7 +526,7 @@ def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None
     if not shows_fleet(desired, prepared.host, prepared.source):
         return None, desired
     try:
-        view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, lambda: ports.open_lane_queue(desired.fleet))
+        view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, lambda: ports.open_lane_broker(desired.fleet))
         # From the pass's desired state: the plan's hosts are loaded already, only the snapshot's nodes may be new.
         page_desired = with_plan_hosts(replace(prepared.loaded, desired=desired), prepared.source.plan, view.snapshot)
     except RegistryError as exc:
@@ -548,7 +540,7 @@ def _fleet_view(ports: PassPorts, prepared: _Prepared) -> tuple[FleetView | None
     return view, page_desired
 
 
-def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: GenerationStore) -> tuple[Measured, str] | None:
+def _beat_after_activation(ports: PassPorts, prepared: _PreparedPass, store: GenerationStore) -> tuple[Measured, str] | None:
     """Beat again with the load after activation (see the module docstring):
     what was measured and the record's JSON, or None when this pass sent no
     heartbeat or the registry is gone now (the next pass beats)."""
@@ -564,9 +556,9 @@ def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: Generat
             prepared.facts,
             units_seen(ports, store, desired),
             first,
-            open_lanes=lambda: ports.open_lane_queue(desired.fleet),
+            open_lanes=lambda: ports.open_lane_broker(desired.fleet),
         )
-    except (RegistryError, LaneQueueError) as exc:
+    except (RegistryError, LaneBrokerError) as exc:
         ports.note(
             f"heartbeat after activation: {'registry' if isinstance(exc, RegistryError) else 'lane queue'} unreachable ({exc}); the next pass beats"
         )
@@ -577,8 +569,8 @@ def _beat_after_activation(ports: PassPorts, prepared: _Prepared, store: Generat
 
 
 def _converged(
-    options: PassOptions, prepared: _Prepared, generation: int | None, beat: tuple[Measured, str] | None, *, showed_fleet: bool
-) -> Converged:
+    options: PassOptions, prepared: _PreparedPass, generation: int | None, beat: tuple[Measured, str] | None, *, showed_fleet: bool
+) -> MemoSeed:
     artifacts = prepared.rendered.artifacts
     source = prepared.source
     uses_registry = isinstance(options.plan, PlanFromRegistry)
@@ -592,7 +584,7 @@ def _converged(
         # full one, which measures again.
         first = source.heartbeat or node_record(prepared.desired, prepared.host, prepared.facts)
         record = first.model_dump_json()
-    return Converged(
+    return MemoSeed(
         generation=generation,
         files=tuple(a.path for a in artifacts),
         units=tuple(a.unit for a in artifacts if a.unit),
@@ -603,25 +595,25 @@ def _converged(
         load_services=measured.load.services if measured is not None else 0,
         lanes_here=lanes,
         lane_queues={lane.id: queue for lane in prepared.desired.lanes if lane.id in lanes and (queue := prepared.desired.queue_for(lane))},
-        lane_queue=lane_queue_reach(fleet) if lanes else None,
-        registry=registry_reach(fleet) if uses_registry else None,
+        lane_broker=lane_broker_settings(fleet) if lanes else None,
+        registry=registry_settings(fleet) if uses_registry else None,
         beat_ttl_s=float(heartbeat_timeout(fleet.timing, bool(prepared.facts.tailscale_relayed))) if uses_registry else None,
     )
 
 
-def registry_reach(fleet: FleetConfig) -> dict[str, Any]:
+def registry_settings(fleet: FleetConfig) -> dict[str, Any]:
     """What opening the registry needs of fabric.toml, as JSON (PassMemo.registry)."""
     return {section: getattr(fleet, section).model_dump(mode="json") for section in ("registry", "timing", "flap")}
 
 
-def lane_queue_reach(fleet: FleetConfig) -> dict[str, Any]:
-    """What opening the lane queue needs of fabric.toml, as JSON (PassMemo.lane_queue;
+def lane_broker_settings(fleet: FleetConfig) -> dict[str, Any]:
+    """What opening the lane queue needs of fabric.toml, as JSON (PassMemo.lane_broker;
     queue_url_file None: not configured)."""
     phaze = fleet.phaze
     return {"queue_url_file": None if phaze.queue_url_file is None else str(phaze.queue_url_file), "job_function": phaze.job_function}
 
 
-def _pass_report(result: PassResult) -> PassReport:
+def _pass_report(result: ApplyResult) -> PassReport:
     stdout, stderr = "", list(result.messages)
     if result.outcome == "noop":
         stdout = f"nothing to do (generation {result.generation})\n" if result.generation else "nothing to do\n"

@@ -3,7 +3,7 @@
 `reconciler.core.scheduling.scaling.decide_scaling` is pure and only decides; this module is
 where the leader loop (the only place scaling actions are executed) carries
 them out, through the Registry Protocol and the CommandRunner / Audit ports.
-It imports no adapter: `reconciler.cli.wiring.leader_ports` builds the real ones.
+It imports no adapter: `reconciler.wiring.leader_ports` builds the real ones.
 
 Queue depth (what the burst rule compares with `scaling.queue_high`):
 
@@ -60,7 +60,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
-from reconciler.ports import Audit, CommandResult, CommandRunner, LaneQueue, LaneQueueError, Registry
+from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, Registry
 
 # All cloud hooks of one pass share this many seconds (each gets its share as
 # its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
@@ -204,7 +204,7 @@ class ScalingStep:
     audit: Audit | None = None
     hook_budget_s: float = HOOK_BUDGET_S
     # phaze's broker: its waiting lane jobs count in the queue depth (None: none known).
-    lane_queue: LaneQueue | None = None
+    lane_broker: LaneBroker | None = None
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
         where = action.node or action.tier or "fleet"
@@ -221,8 +221,8 @@ class ScalingStep:
             self.log(f"scaling state unreadable, starting afresh: {exc.errors()[0]['msg']}")
             state = ScalingState()
         try:
-            waiting = self.lane_queue.jobs() if self.lane_queue is not None else []
-        except LaneQueueError as exc:
+            waiting = self.lane_broker.jobs() if self.lane_broker is not None else []
+        except LaneBrokerError as exc:
             self.log(f"lane queue unreachable, queue depth without lane jobs: {exc}")
             waiting = []
         depth = queue_depth(waiting, plan)

@@ -21,7 +21,7 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
-from reconciler.ports import LaneQueue, Registry
+from reconciler.ports import LaneBroker, Registry
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,11 @@ def fleet_history(registry: Registry) -> FleetHistory:
     return FleetHistory(nodes=tuple(registry.node_states()), leader=registry.leader(), scaling=registry.scaling_record())
 
 
-def live_status(desired: DesiredState, registry: Registry, lane_queue: LaneQueue | None = None) -> StatusInputs:
+def live_status(desired: DesiredState, registry: Registry, lane_broker: LaneBroker | None = None) -> StatusInputs:
     """The live registry: its snapshot now and the newest published plan;
-    the lanes' jobs and workers from phaze's broker (`lane_queue`)."""
+    the lanes' jobs and workers from phaze's broker (`lane_broker`)."""
     # Every declared lane, so a lane nobody reported yet still gets a card.
-    snapshot = with_lane_states(registry.snapshot([lane.id for lane in desired.lanes]), lane_queue, desired)
+    snapshot = with_lane_states(registry.snapshot([lane.id for lane in desired.lanes]), lane_broker, desired)
     plan = registry.newest_plan()
     history = fleet_history(registry)
     # The same check as every host's fence: a plan they refuse is not the fleet's.

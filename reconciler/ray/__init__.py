@@ -3,7 +3,7 @@
 The one package that imports `ray` at import time (an import-linter contract
 keeps it so; `ray` comes with the optional extra `ray`). It is a client of the
 fabric, like the command line, and sits above it: it opens the registry
-through `cli.wiring` as `fabric` does. The decisions are the core's
+through `reconciler.wiring` as `fabric` does. The decisions are the core's
 (`reconciler.core.scheduling.ray_tasks`, the scheduler's own rules); this
 package only reads the live registry and Ray's node table, and pins each
 call to the chosen Ray node:

@@ -61,7 +61,7 @@ def open_fabric_registry(where: str | Path) -> Registry:
     """The fleet's registry as `fabric` opens it: `where` is a desired-state
     directory (its fabric.toml's [registry]), a sqlite registry file, or an
     etcd endpoint URL (comma-separated for several)."""
-    from reconciler.cli.wiring import open_existing_registry
+    from reconciler.wiring import open_existing_registry
 
     text = str(where)
     if text.startswith(("http://", "https://")):

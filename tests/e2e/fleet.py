@@ -939,8 +939,8 @@ class Fleet:
     def registry(self, identity: str = ADMIN) -> Iterator[Any]:
         """The fleet's registry, opened from this host (it is on the bridge) as
         the etcd identity CN=`identity` (default the operator's, fabric-admin)."""
-        from reconciler.cli.wiring import open_registry
         from reconciler.core.desired.load import load_desired
+        from reconciler.wiring import open_registry
 
         fleet = load_desired(self.client_desired_dir).fleet
         cert, key = self.identity(identity)

@@ -27,10 +27,10 @@ sys.path[:] = [f"{PREFIX}/src"] + [p for p in sys.path if p not in before] + bef
 from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from reconciler.cli.wiring import open_registry  # noqa: E402
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.core.live.models import FleetPlan  # noqa: E402
 from reconciler.core.live.records import NodeRecord  # noqa: E402
+from reconciler.wiring import open_registry  # noqa: E402
 
 
 def main(desired_dir: str, other: str) -> int:

@@ -460,7 +460,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     # The job system enqueues a burst at once; nothing finishes meanwhile.
     lane(fleet, "enqueue", *jobs)
     events = {e["job"]: e for e in dispatched(fleet)}
-    started = [(job, events[job]["backend"]) for job in jobs if events[job]["backend"]]
+    started = [(job, events[job]["lane"]) for job in jobs if events[job]["lane"]]
     # Rank first: a1-arm64 fills to its room, then x86-spill spills over ...
     a1 = room["a1-arm64"]
     assert started == [(j, "a1-arm64") for j in jobs[:a1]] + [(j, "x86-spill") for j in jobs[a1:cloud]], events
@@ -472,7 +472,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     # Local takes one job (its cap) once that job has waited past the gate.
     def local_started() -> dict | None:
         for event in dispatched(fleet):
-            if event["backend"] == "local":
+            if event["lane"] == "local":
                 return event
         return None
 
@@ -481,7 +481,7 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
         assert spilled["job"] == jobs[cloud] and spilled["waited_s"] >= gate, spilled
     # Every lane full now: the last job holds for a free slot.
     (last,) = [e for e in dispatched(fleet) if e["job"] == jobs[-1]]
-    assert last["backend"] is None and last["hold"] == "no_free_slots", last
+    assert last["lane"] is None and last["hold"] == "no_free_slots", last
     status = lane(fleet, "status")[0]
     assert {v["id"]: v["in_flight"] for v in status["lanes"]} == caps, status["lanes"]
     assert all(v["full"] is not None for v in status["lanes"]), status["lanes"]
@@ -502,10 +502,10 @@ def test_burst_fills_lanes_by_rank_and_holds_with_reasons(fleet: Fleet, desired:
     lane_workers.finish(jobs[0])
 
     def held_one_moved() -> dict | None:
-        return next((e for e in dispatched(fleet) if e["job"] == jobs[-1] and e["backend"]), None)
+        return next((e for e in dispatched(fleet) if e["job"] == jobs[-1] and e["lane"]), None)
 
     moved = wait_for(held_one_moved, timeout=REACT_S, what=f"{jobs[-1]} to take the freed slot", interval=0.2)
-    assert moved["backend"] == started[0][1], (moved, started)
+    assert moved["lane"] == started[0][1], (moved, started)
 
     drain_lanes(fleet, lane_workers, REACT_S)
     status = lane(fleet, "status")[0]

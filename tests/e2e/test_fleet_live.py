@@ -100,7 +100,7 @@ def placed_units(plan: FleetPlan, host: str) -> set[str]:
     return {f"fabric-agent-{p.service}.service" for p in plan.placements if p.node == host}
 
 
-def drain_lane_queue(fleet: Fleet, workers: LaneWorkers) -> None:
+def drain_lane_broker(fleet: Fleet, workers: LaneWorkers) -> None:
     """Finish every running lane job on its worker and dispatch until the queue is empty."""
     drain_lanes(fleet, workers, deadline_for(SETTINGS.local_spill_after_s + BEAT_S))
 
@@ -142,12 +142,12 @@ def declared_tasks(fleet: Fleet, host: str, tasks: int) -> Iterator[None]:
 
 
 @pytest.fixture
-def empty_lane_queue(fleet: Fleet, lane_workers: LaneWorkers) -> Iterator[None]:
+def empty_lane_broker(fleet: Fleet, lane_workers: LaneWorkers) -> Iterator[None]:
     """The lane queue empty before and after the test (other tests share the
     fleet), every lane's SAQ worker running."""
-    drain_lane_queue(fleet, lane_workers)
+    drain_lane_broker(fleet, lane_workers)
     yield
-    drain_lane_queue(fleet, lane_workers)
+    drain_lane_broker(fleet, lane_workers)
 
 
 # --------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_qfox1_reports_the_services_it_runs(fleet: Fleet, desired: DesiredState)
 # 2. One account of capacity on a real host
 
 
-def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: DesiredState, empty_lane_queue: None) -> None:
+def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: DesiredState, empty_lane_broker: None) -> None:
     host = "a1-arm64"
     plan = wait_converged(fleet, desired)
     record = node_records(fleet)[host]["record"]
@@ -206,7 +206,7 @@ def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: Desire
     jobs = [f"fill-{n}" for n in range(limit + 1)]
     lane(fleet, "enqueue", *jobs)
     events = {e["job"]: e for e in dispatched(fleet)}
-    on_a1 = [j for j in jobs if events[j]["backend"] == host]
+    on_a1 = [j for j in jobs if events[j]["lane"] == host]
     assert on_a1 == jobs[:room], events
 
     card = lane_cards(fleet)[host]
@@ -215,7 +215,7 @@ def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: Desire
     # Its card says which account ran out: the host's when its limit (services
     # and jobs) runs out before the lane's cap, else the lane's own cap.
     assert card["full"] == ("host" if room < card["cap"] else "cap"), card
-    assert next_lane(fleet)["backend"] != host
+    assert next_lane(fleet)["lane"] != host
 
     # The host's own heartbeat counts both: the services its systemd runs
     # plus the jobs on its lane, within its limit; the leader's plan places
@@ -242,7 +242,7 @@ def test_a1_services_and_lane_jobs_share_its_limit(fleet: Fleet, desired: Desire
 
 
 def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(
-    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_queue: None
+    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_broker: None
 ) -> None:
     plan = wait_converged(fleet, desired)
     control = desired.hosts_with_role("control")[0]
@@ -258,7 +258,7 @@ def test_silent_lane_hosts_take_their_lanes_offline_and_jobs_go_elsewhere(
         return all(cards[h]["online"] and cards[h]["reason"] is None for h in stopped)
 
     wait_for(online, timeout=BACK_S, what=f"lanes {', '.join(stopped)} online again", interval=0.5)
-    assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
+    assert next_lane(fleet) == {"lane": "a1-arm64", "hold": None}
     wait_converged(fleet, desired, HOSTS)
 
 
@@ -278,7 +278,7 @@ def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState, workers: LaneWorke
         what="every lane online (its host active, its SAQ worker beating)",
         interval=0.5,
     )
-    assert next_lane(fleet) == {"backend": "a1-arm64", "hold": None}
+    assert next_lane(fleet) == {"lane": "a1-arm64", "hold": None}
     gate = desired.fleet.scheduler.local_spill_after_s
     stopped: list[str] = []
     try:
@@ -295,13 +295,13 @@ def lane_hosts_go_silent(fleet: Fleet, desired: DesiredState, workers: LaneWorke
             last_seen = node_records(fleet)[host]["last_seen"]
             assert card["reason"] == f"host {host} offline since {last_seen[11:19]}", (card, last_seen)
             assert CLOCK.fullmatch(card["reason"].rsplit(" ", 1)[1]), card
-            assert next_lane(fleet) == {"backend": then, "hold": None}, lane_cards(fleet)
+            assert next_lane(fleet) == {"lane": then, "hold": None}, lane_cards(fleet)
 
         # Every cloud lane offline: a job just enqueued goes local at once,
         # through the real queue, without waiting for the spill gate.
         lane(fleet, "enqueue", "live-local")
         (event,) = [e for e in dispatched(fleet) if e["job"] == "live-local"]
-        assert event["backend"] == "local" and event["waited_s"] < gate, event
+        assert event["lane"] == "local" and event["waited_s"] < gate, event
         local_queue = lane_cards(fleet)["local"]["queue"]
         wait_for(
             lambda: workers.running().get("live-local") == local_queue,
@@ -388,7 +388,7 @@ def stop_agent(agent: subprocess.Popen[bytes]) -> None:
 
 
 def test_agents_process_jobs_on_the_lanes_the_rules_chose(
-    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_queue: None, tmp_path: Path
+    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_broker: None, tmp_path: Path
 ) -> None:
     wait_converged(fleet, desired)
     cloud = ("a1-arm64", "x86-spill")
@@ -423,7 +423,7 @@ def test_agents_process_jobs_on_the_lanes_the_rules_chose(
             wait_for(agents_online, timeout=OFFLINE_S, what="both agents beating on their queues", interval=0.5)
             # A long file goes to the first rank, and its agent processes it.
             event = dispatch_one("agent-long-1", long_s)
-            assert event["backend"] == "a1-arm64", (event, lane_cards(fleet))
+            assert event["lane"] == "a1-arm64", (event, lane_cards(fleet))
             wait_for(lambda: ran_on("agent-long-1"), timeout=BEAT_S, what="agent-long-1 processed", interval=0.2)
             assert ran_on("agent-long-1") == queues["a1-arm64"]
             # Complete on the broker before its agent stops.
@@ -440,7 +440,7 @@ def test_agents_process_jobs_on_the_lanes_the_rules_chose(
             card = wait_for(a1_offline, timeout=OFFLINE_S, what="lane a1-arm64 offline once its agent stopped", interval=0.5)
             assert card["reason"].startswith(f"no SAQ worker on {queues['a1-arm64']}"), card
             event = dispatch_one("agent-long-2", long_s)
-            assert event["backend"] == "x86-spill", (event, lane_cards(fleet))
+            assert event["lane"] == "x86-spill", (event, lane_cards(fleet))
             wait_for(lambda: ran_on("agent-long-2"), timeout=BEAT_S, what="agent-long-2 processed", interval=0.2)
             assert ran_on("agent-long-2") == queues["x86-spill"]
 
@@ -455,7 +455,7 @@ def test_agents_process_jobs_on_the_lanes_the_rules_chose(
                 card = lane_cards(fleet)["x86-spill"]
                 assert card["online"] and card["in_flight"] < card["cap"], card
                 event = dispatch_one("agent-short", short_s)
-                assert event["backend"] == "local", (event, lane_cards(fleet))
+                assert event["lane"] == "local", (event, lane_cards(fleet))
             wait_for(
                 lambda: lane_workers.running().get("agent-short") == queues["local"],
                 timeout=BEAT_S,
@@ -465,7 +465,7 @@ def test_agents_process_jobs_on_the_lanes_the_rules_chose(
             assert ran_on("agent-short") is None
             lane_workers.finish("agent-short")
             # Each agent's jobs end on their own: the next passes settle them.
-            drain_lane_queue(fleet, lane_workers)
+            drain_lane_broker(fleet, lane_workers)
     finally:
         for lane_id in cloud:
             lane_workers.start(queues[lane_id], concurrency=caps[lane_id])

@@ -6,7 +6,7 @@ qfox-1, a1-arm64 and lux, each with exactly the resources and labels
 `render.ray_node.ray_node_spec` gives for the host's effective facts and
 limits (lux's tier is pinned to cpu_ffmpeg by its host file) but
 `num_cpus=1` (four raylets on a 2-core machine). The hosts' heartbeats
-(`engine.plan_source.node_record` of the same facts) are in a real sqlite
+(`engine.heartbeat.node_record` of the same facts) are in a real sqlite
 registry of the example fleet (signed plans: `signed.signer(host)`).
 """
 
@@ -22,12 +22,13 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.render.ray_node import RayNodeSpec, ray_node_spec
-from reconciler.engine.plan_source import effective_facts, node_record
+from reconciler.engine.heartbeat import node_record
+from reconciler.engine.plan_source import effective_facts
+from reconciler.wiring import open_registry
 from tests.plan_keys import SignedFleet, signed_example_fleet
 
 PROBES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
@@ -52,8 +53,8 @@ class RayFleet:
         return {node.node_id: host for host, node in self.nodes.items()}
 
 
-def replayed(desired: DesiredState, host: str) -> NodeFacts:
-    facts = NodeFacts.model_validate(json.loads((PROBES / host / "expected.json").read_text()))
+def replayed(desired: DesiredState, host: str) -> HostFacts:
+    facts = HostFacts.model_validate(json.loads((PROBES / host / "expected.json").read_text()))
     return effective_facts(desired, host, facts)
 
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.model import FleetConfig
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
 from reconciler.ports import Clock, Registry
+from reconciler.wiring import open_registry
 from tests.plan_keys import SignedFleet, signed_example_fleet
 
 # The example fleet's [registry] lines, replaced to point at a store.

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts
+from reconciler.core.desired.model import DesiredState, Hardware, HostFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import render
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
@@ -51,9 +51,9 @@ TOKEN = "token-for-the-agent\n"
 PUSHER = "phaze"  # the example fleet's ssh_user
 
 
-def facts(host: str) -> NodeFacts:
+def facts(host: str) -> HostFacts:
     arch = "aarch64" if host == "a1-arm64" else "x86_64"
-    return NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg")  # type: ignore[arg-type]
+    return HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg")  # type: ignore[arg-type]
 
 
 def plan() -> FleetPlan:

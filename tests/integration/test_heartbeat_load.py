@@ -35,7 +35,7 @@ PYTHON = ["env", f"PYTHONPATH={SITE}:{REPO}", "PYTHONDONTWRITEBYTECODE=1", "pyth
 
 PUBLISH = f"""
 from datetime import UTC, datetime
-from reconciler.cli.wiring import open_registry
+from reconciler.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Placement
 registry = open_registry(load_desired({DESIRED!r}).fleet)
@@ -48,7 +48,7 @@ registry.close()
 """
 
 RECORD = f"""
-from reconciler.cli.wiring import open_registry
+from reconciler.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 registry = open_registry(load_desired({DESIRED!r}).fleet)
 print([s.record.model_dump_json() for s in registry.node_states() if s.record.node_id == "racknerd"][0])

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 
 from reconciler.cli import main
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
 from tests.harness.postgres import broker_url_file
 from tests.harness.saq_workers import LaneWorkers
@@ -58,7 +58,7 @@ def test_enqueue_dispatch_status_and_the_workers_finish_jobs(lane):
     assert lane("enqueue", "short", "--duration", "30")[0] == 0
     status, out, _ = lane("dispatch", "--once", "--json")
     assert status == 0
-    events = {e["job"]: e["backend"] or e["hold"] for e in map(json.loads, out.splitlines())}
+    events = {e["job"]: e["lane"] or e["hold"] for e in map(json.loads, out.splitlines())}
     assert events == {
         "job-0": "a1-arm64",
         "job-1": "a1-arm64",
@@ -76,7 +76,7 @@ def test_enqueue_dispatch_status_and_the_workers_finish_jobs(lane):
         ("local", "local", 99, 1, 1, LOCAL, True),
     ]
     assert [v["hold"] for v in document["lanes"]] == [f"full: 2/2 jobs in {A1}", f"full: 4/4 jobs in {X86}", "full: 1/1 jobs in phaze-local"]
-    assert document["new_job"] == {"backend": None, "hold": "no_free_slots"}
+    assert document["new_job"] == {"lane": None, "hold": "no_free_slots"}
     assert document["queue_depth"] == 2
     _, text, _ = lane("status")
     assert "waiting job-6" in text and "held: no_free_slots: every lane it may use is full or offline" in text  # local is full too (short)

@@ -97,7 +97,7 @@ class Fleet:
         return out
 
     def next_lane(self) -> str | None:
-        return json.loads(self.fabric("dispatch", "--lane", "--json"))["backend"]
+        return json.loads(self.fabric("dispatch", "--lane", "--json"))["lane"]
 
     def lanes(self) -> dict[str, dict]:
         return {lane["id"]: lane for lane in json.loads(self.fabric("lane", "status", "--json"))["lanes"]}
@@ -107,7 +107,7 @@ class Fleet:
         worker finishes it and the next dispatch pass settles it (the slot free again)."""
         self.fabric("lane", "enqueue", job)
         (event,) = [json.loads(line) for line in self.fabric("lane", "dispatch", "--once", "--json").splitlines()]
-        if event["backend"] is not None:
+        if event["lane"] is not None:
             wait_until(lambda: job in self.workers.ran, timeout=deadline_for(HEARTBEAT_S), what=f"a worker taking {job}")
             self.workers.finish(job)
             settled = wait_until(
@@ -116,7 +116,7 @@ class Fleet:
                 what=f"{job} settled",
             )
             assert settled[0]["outcome"] == "complete", settled
-        return event["backend"]
+        return event["lane"]
 
 
 @pytest.fixture
@@ -179,8 +179,8 @@ def test_services_and_lane_jobs_share_each_hosts_limit(fleet):
     events = [json.loads(line) for line in fleet.fabric("lane", "dispatch", "--once", "--json").splitlines()]
     started: dict[str, int] = {}
     for event in events:
-        if event["backend"] is not None:
-            started[event["backend"]] = started.get(event["backend"], 0) + 1
+        if event["lane"] is not None:
+            started[event["lane"]] = started.get(event["lane"], 0) + 1
     lanes = fleet.lanes()
     for lane in fleet.desired.lanes:
         host = lanes[lane.id]["host"]

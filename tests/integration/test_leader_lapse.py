@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
-from reconciler.cli.wiring import system_clock
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
@@ -33,6 +32,7 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import utc
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import Registry
+from reconciler.wiring import system_clock
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import Store
 from tests.plan_keys import SignedFleet, signed_example_fleet

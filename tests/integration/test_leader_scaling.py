@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
-from reconciler.cli.wiring import open_registry
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import NotLeader, Registry
+from reconciler.wiring import open_registry
 from tests.fakes import FakeClock
 from tests.plan_keys import signed_example_fleet
 
@@ -55,7 +55,7 @@ class Fleet:
     def __init__(self, settings: dict, sqlite_path: str | None, tmp: Path, broker_dsn: str) -> None:
         self.clock = FakeClock()
         # phaze's broker: the lane jobs waiting there count in the queue depth.
-        self.lanes = PostgresLaneQueue(broker_dsn, self.clock)
+        self.lanes = PostgresLaneBroker(broker_dsn, self.clock)
         self.settings = settings
         self.sqlite_path = sqlite_path
         self.hook_out = tmp / "hooks.jsonl"
@@ -88,7 +88,7 @@ class Fleet:
             audit=self.audit,
             log=self.logs.append,
             signer=self.signed.signer(host),
-            lane_queue=self.lanes,
+            lane_broker=self.lanes,
         )
 
     def beat(self, **in_flight: int) -> None:

@@ -3,10 +3,10 @@
 Nothing feeds `in_flight` by hand (tests/integration/test_leader_scaling.py
 does, to pin each rule): here every host of the example fleet runs its real
 `fabric reconcile` pass (engine.memoized_pass.run_memoized_pass on the
-command line's own ports, cli.wiring: files under a tmp root, its replayed
+command line's own ports, reconciler.wiring: files under a tmp root, its replayed
 probe capture, --no-activate, so a host's services are its placements), the
 lane jobs go through the real lane queue on phaze's broker (a real
-PostgreSQL: `PostgresLaneQueue.enqueue`, the dispatcher's
+PostgreSQL: `PostgresLaneBroker.enqueue`, the dispatcher's
 engine.dispatch.dispatch_pass, and real SAQ workers on every lane's queue
 that finish the jobs when the test says), and the real leader loop
 (engine.leader.candidate_loop, as fabric-leader.service builds it) decides
@@ -46,8 +46,7 @@ import psycopg
 import pytest
 
 from reconciler.adapters.commands import SubprocessRunner
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
-from reconciler.cli.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.scheduling.placement import schedule
@@ -58,6 +57,7 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions
 from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry
+from reconciler.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
 from tests.conftest import REPO
 from tests.fakes import FakeClock
 from tests.harness.saq_workers import LaneWorkers
@@ -113,7 +113,7 @@ class LiveFleet:
         self.workers = LaneWorkers(broker_dsn)
         for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
             self.workers.start(queue, concurrency=8)
-        self.lane_queues: list[PostgresLaneQueue] = []
+        self.lane_queues: list[PostgresLaneBroker] = []
         self.lanes = self._open_lanes()
         self.hook_out = tmp / "hook-runs.txt"
         self.signed: SignedFleet = signed_example_fleet(tmp / "fleet")
@@ -136,12 +136,12 @@ class LiveFleet:
             audit=RecordingAudit(),
             log=self.logs.append,
             signer=self.signed.signer("lux"),
-            lane_queue=self._open_lanes(),
+            lane_broker=self._open_lanes(),
         )
 
-    def _open_lanes(self, fleet: object = None) -> PostgresLaneQueue:
+    def _open_lanes(self, fleet: object = None) -> PostgresLaneBroker:
         """The lane queue on this fleet's clock (the passes' and the leader's)."""
-        queue = PostgresLaneQueue(self.dsn, self.clock)
+        queue = PostgresLaneBroker(self.dsn, self.clock)
         self.lane_queues.append(queue)
         return queue
 
@@ -201,7 +201,7 @@ class LiveFleet:
             with real_pass_ports(opts) as ports:
                 ports.clock = self.clock
                 ports.open_registry = self._connect
-                ports.open_lane_queue = self._open_lanes
+                ports.open_lane_broker = self._open_lanes
                 ports.audit = RecordingAudit()
                 ports.note = notes.append
                 yield ports
@@ -209,7 +209,7 @@ class LiveFleet:
         with memo_ports(options) as memo:
             memo.clock = self.clock
             memo.open_registry = memo_registry_opener(options, clock=self.clock)
-            memo.open_lane_queue = self._open_lanes
+            memo.open_lane_broker = self._open_lanes
             memo.audit = RecordingAudit()
             memo.note = notes.append
             outcome = run_memoized_pass(options, memo, full_pass_ports)

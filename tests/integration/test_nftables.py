@@ -20,7 +20,7 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import Hardware, NodeFacts, PortMap
+from reconciler.core.desired.model import Hardware, HostFacts, PortMap
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, nft_opening, render
 from reconciler.ports import ActivationError
@@ -315,7 +315,7 @@ def test_the_edge_table_with_allow_from_passes_nft_and_reloads_idempotently(tmp_
     fleet = fleet.replace("target_port = 22\n", 'target_port = 22\nallow_from = ["0.0.0.0/0", "::/0"]\n', 1)
     fleet = fleet.replace("target_port = 445\n", 'target_port = 445\nallow_from = ["10.250.2.0/24", "2001:db8:42::/48"]\n', 1)
     (desired / "fabric.toml").write_text(fleet)
-    facts = NodeFacts(node_id="racknerd", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
+    facts = HostFacts(node_id="racknerd", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
     plan = FleetPlan.model_validate_json((REPO / "tests" / "golden" / "fleet-plan.json").read_text())
     [ruleset] = [a.content for a in render(load_desired(desired), "racknerd", facts, plan).artifacts if a.kind == "nft"]
     assert "ip6 saddr 2001:db8:42::/48 tcp dport 4445 accept" in ruleset

@@ -6,7 +6,7 @@ heartbeats count its lane's jobs on phaze's broker. Its fabric.toml's
 [registry] is a private prefix of this module's etcd member (a real one),
 its [phaze] queue_url_file holds a real PostgreSQL's DSN. Each pass process
 (the first, full; one whose memo check finds a new epoch, and the full pass
-after it; a memo hit) builds one EtcdRegistry and one PostgresLaneQueue and
+after it; a memo hit) builds one EtcdRegistry and one PostgresLaneBroker and
 closes each once. The unit tests (tests/unit/test_pass_connections.py)
 count the sqlite file's connections and show that a failed one is not reused.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_etcd import EtcdRegistry
 from tests.harness.etcd import EtcdCluster
 from tests.harness.postgres import broker_url_file, naming_broker
@@ -36,7 +36,7 @@ __all__ = ["audit_on_stderr"]  # its autouse fixture applies here too
 def counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How many etcd clients and lane queues were built and closed."""
     seen: Counter[str] = Counter()
-    for cls, name in ((EtcdRegistry, "etcd"), (PostgresLaneQueue, "lane queue")):
+    for cls, name in ((EtcdRegistry, "etcd"), (PostgresLaneBroker, "lane queue")):
         init, close = cls.__init__, cls.close
 
         def counted_init(self, *args, _init=init, _name=name, **kwargs):  # type: ignore[no-untyped-def]
@@ -73,8 +73,8 @@ def test_a_lane_host_s_pass_opens_the_registry_and_the_broker_once(
 
     one_pass(memo=False)  # the first beat and plan read, the beat after activation
     one_pass(memo=True)
-    from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
+    from reconciler.wiring import open_registry
 
     # The epoch moves on: the memo's check makes way for a full pass.
     with closing(open_registry(load_desired(spill.desired).fleet)) as leader:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.engine.lane_states import lane_targets
 from tests.harness.postgres import broker_url_file, naming_broker
@@ -45,7 +45,7 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
     assert reported_in_flight(spill) == 1  # --no-activate: the one placement it runs
 
     targets = lane_targets(load_desired(spill.desired))
-    lanes = PostgresLaneQueue(broker_dsn, WallClock())
+    lanes = PostgresLaneBroker(broker_dsn, WallClock())
     workers = LaneWorkers(broker_dsn)
     try:
         workers.start("phaze-agent-x86-spill")
@@ -88,7 +88,7 @@ def test_a_lane_hosts_memo_hit_imports_no_model_and_its_passes_no_saq(tmp_path: 
     url_file.chmod(0o600)
     fleet_file = spill.desired / "fabric.toml"
     fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
-    in_use = PostgresLaneQueue(broker_dsn, WallClock())
+    in_use = PostgresLaneBroker(broker_dsn, WallClock())
     in_use.jobs()  # a broker in use: saq's tables are there (a first read would make them)
     in_use.close()
     saq = ("saq", "croniter", "dateutil", "psycopg_pool")

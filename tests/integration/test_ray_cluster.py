@@ -35,15 +35,15 @@ except ImportError:  # pragma: no cover - the message is the point
 
 from reconciler.adapters.ray_state import RayStateReader
 from reconciler.cli import main
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import TIER_SCORE, DesiredState
 from reconciler.core.live.models import Snapshot
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.heartbeat import node_record
 from reconciler.engine.leader import LeaderLoop
-from reconciler.engine.plan_source import node_record
 from reconciler.ray import CapacityError, Dispatcher, Requirement
+from reconciler.wiring import open_registry
 from tests.harness.ray_fleet import RayFleet, ray_fleet, replayed
 from tests.harness.waiting import wait_until
 

@@ -26,7 +26,7 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import Artifact, Layout, render
 from reconciler.core.render.ray_node import HOST_LABEL, RAY_HEAD_UNIT, RAY_WORKER_UNIT
@@ -57,8 +57,8 @@ def ray_program() -> Path:
     return program
 
 
-def probe(machine: str) -> NodeFacts:
-    return NodeFacts.model_validate(json.loads((PROBES / machine / "expected.json").read_text()))
+def probe(machine: str) -> HostFacts:
+    return HostFacts.model_validate(json.loads((PROBES / machine / "expected.json").read_text()))
 
 
 def ray_artifact(desired: DesiredState, host: str, ray: str) -> Artifact:

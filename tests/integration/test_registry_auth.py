@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from reconciler.cli import EXIT_FAILED, EXIT_OK, main
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
@@ -28,6 +27,7 @@ from reconciler.core.live.records import LeaderInfo, Leadership, NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import PermissionDenied, Registry
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, require
 from tests.harness.etcd import EtcdCluster, etcd_cluster
 from tests.harness.waiting import deadline_for, wait_until

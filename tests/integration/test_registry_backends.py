@@ -148,7 +148,7 @@ def test_several_processes_heart_beating_at_once(store):
     script = (
         "import json, sys, time\n"
         "from reconciler.core.desired.model import FleetConfig\n"
-        "from reconciler.cli.wiring import open_registry\n"
+        "from reconciler.wiring import open_registry\n"
         "from reconciler.core.live.records import NodeRecord\n"
         "cfg = json.loads(sys.argv[1])\n"
         "fleet = FleetConfig.model_validate({'fleet': {'domain': 't.example', 'leader_candidates': ['lux']}, 'registry': cfg['registry']})\n"

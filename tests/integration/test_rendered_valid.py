@@ -29,7 +29,7 @@ from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.nftables import NftCommand
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import Hardware, NodeFacts
+from reconciler.core.desired.model import Hardware, HostFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config, render
 from reconciler.ports import ActivationError, CommandResult
@@ -45,7 +45,7 @@ GOLDEN_PLAN = REPO / "tests" / "golden" / "fleet-plan.json"
 def rendered(host: str, plan: FleetPlan | None = None) -> list[Artifact]:
     state = load_desired(EXAMPLE_FLEET)
     arch = "aarch64" if host == "a1-arm64" else "x86_64"
-    facts = NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg")
+    facts = HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg")
     plan = plan or FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())
     return list(render(state, host, facts, plan).artifacts)
 
@@ -149,7 +149,7 @@ def test_co_located_agent_units_pass_systemd_analyze_verify(tmp_path: Path) -> N
     text = fleet.read_text()
     assert "# --- Tier 2" in text
     fleet.write_text(text.replace("# --- Tier 2", CO_LOCATED_LANE + "# --- Tier 2", 1))
-    facts = NodeFacts(node_id="a1-arm64", k3s_hostname="a1-arm64", hardware=Hardware(arch="aarch64"), tier="cpu_ffmpeg")
+    facts = HostFacts(node_id="a1-arm64", k3s_hostname="a1-arm64", hardware=Hardware(arch="aarch64"), tier="cpu_ffmpeg")
     artifacts = list(render(load_desired(desired), "a1-arm64", facts, FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())).artifacts)
     agents = sorted(a.unit for a in artifacts if a.unit and a.unit.startswith("fabric-agent-a1-arm64"))
     assert agents == ["fabric-agent-a1-arm64-b.service", "fabric-agent-a1-arm64.service"]
@@ -182,7 +182,7 @@ def test_agent_unit_with_a_scratch_dir_outside_var_lib_passes_systemd_analyze_ve
     old = 'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"'
     assert old in text
     fleet.write_text(text.replace(old, 'push_host = "x86-spill"\nscratch_dir = "/srv/scratch"'))
-    facts = NodeFacts(node_id="x86-spill", k3s_hostname="x86-spill", hardware=Hardware(arch="x86_64"), tier="cpu_ffmpeg")
+    facts = HostFacts(node_id="x86-spill", k3s_hostname="x86-spill", hardware=Hardware(arch="x86_64"), tier="cpu_ffmpeg")
     artifacts = list(render(load_desired(desired), "x86-spill", facts, FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())).artifacts)
     agent = next(a for a in artifacts if a.unit == "fabric-agent-x86-spill.service")
     assert "ReadWritePaths=-/srv/scratch\n" in agent.content
@@ -290,7 +290,7 @@ def test_systemd_runs_a_rendered_unit_with_exactly_the_declared_argv_and_environ
     note = 'a "note" with 50% \\ and $PATH'
     fleet.write_text(text.replace(old, f"command = {{ x86_64 = [{toml_argv}] }}\nenvironment = {{ NOTE = {json_string(note)} }}"))
     state = load(desired)
-    facts = NodeFacts(node_id="qfox-1", k3s_hostname="qfox-1", hardware=Hardware(arch="x86_64"), tier="gpu_cuda")
+    facts = HostFacts(node_id="qfox-1", k3s_hostname="qfox-1", hardware=Hardware(arch="x86_64"), tier="gpu_cuda")
     plan = FleetPlan.model_validate_json(GOLDEN_PLAN.read_text())
     lupine = next(a for a in render(state, "qfox-1", facts, plan).artifacts if a.path.endswith("fabric-agent-lupine.service"))
     with systemd_container() as container:

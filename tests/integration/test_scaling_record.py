@@ -1,4 +1,4 @@
-"""The leader's scaling record on both registry backends (lane jobs live on phaze's broker: test_lane_queue_pg.py).
+"""The leader's scaling record on both registry backends (lane jobs live on phaze's broker: test_lane_broker_pg.py).
 
 Every test runs twice (`store` = sqlite, etcd): a sqlite file, or a real etcd
 member started by this module (tests/harness/etcd.py) with a key prefix of

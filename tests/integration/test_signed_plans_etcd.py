@@ -2,7 +2,7 @@
 
 The example fleet (with throwaway plan keys, tests.plan_keys) over one real
 etcd member. Each host's pass is a real `run_pass` with the command line's
-own ports (`cli.wiring.real_pass_ports`: files under a tmp root, the etcd
+own ports (`reconciler.wiring.real_pass_ports`: files under a tmp root, the etcd
 registry of fabric.toml, its replayed probe capture; --no-activate), only
 the audit and the notes kept in lists. The leader is a real `LeaderLoop`
 step with lux's key file.
@@ -26,7 +26,6 @@ import aetcd
 import pytest
 
 from reconciler.adapters.files import LocalTree
-from reconciler.cli.wiring import open_registry, plan_signer, real_pass_ports
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Placement
 from reconciler.core.live.signing import canonical_plan, with_signature
@@ -35,6 +34,7 @@ from reconciler.engine.apply import GenerationStore
 from reconciler.engine.leader import LeaderLoop
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions, PassReport, run_pass
+from reconciler.wiring import open_registry, plan_signer, real_pass_ports
 from tests.conftest import REPO
 from tests.integration.registry_store import Store
 from tests.plan_keys import TestKey

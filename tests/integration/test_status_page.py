@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
@@ -35,6 +34,7 @@ from reconciler.core.render.status_site import STATUS_FILE, caddy_site, content_
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.page import render_status_page
 from reconciler.engine.status import fleet_history
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.fakes import FakeClock
 from tests.harness.caddy import free_port, running_caddy

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import pytest
 
 from reconciler.adapters.clock import SystemClock
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.live.models import FleetPlan, Placement
@@ -23,6 +22,7 @@ from reconciler.core.live.records import Leadership
 from reconciler.core.live.watching import WatchTimings
 from reconciler.engine.watch import Watcher
 from reconciler.ports import Clock, Registry, RegistryUnavailable
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, require
 from tests.fakes import FakeClock
 from tests.harness.etcd import etcd_cluster

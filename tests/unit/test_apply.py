@@ -27,7 +27,7 @@ import pytest
 
 from reconciler.adapters.files import FlockLock, LocalTree
 from reconciler.adapters.probe_io import CaptureDirectory
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier, GenerationStore, Validators, list_generations
@@ -311,7 +311,7 @@ def copy_fleet(tmp_path: Path) -> Path:
     return desired
 
 
-def replayed_probe(host: str, replay: str | None) -> NodeFacts:
+def replayed_probe(host: str, replay: str | None) -> HostFacts:
     """The probe port over a saved capture (every pass here replays one)."""
     assert replay is not None, "a test pass never probes the machine it runs on"
     outputs, errors = CaptureDirectory().load(replay)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from reconciler.adapters.files import FlockLock, LocalTree
 from reconciler.core.render.artifacts import Artifact
-from reconciler.engine.apply import Activators, Applier, PassResult, Validators
+from reconciler.engine.apply import Activators, Applier, ApplyResult, Validators
 from reconciler.ports import ActivationError, JobOutcome
 from tests.unit.test_apply import UNIT_DIR, FakeMachine, FakeVerifier, FixedClock, RecordingAudit
 
@@ -43,7 +43,7 @@ class Host:
             activators=Activators(self.machine, self.machine, self.machine),
         )
 
-    def apply(self, artifacts: Sequence[Artifact]) -> PassResult:
+    def apply(self, artifacts: Sequence[Artifact]) -> ApplyResult:
         self.machine.forget_calls()
         self.audit.records.clear()
         return self.applier.run(artifacts, host="racknerd", epoch=None)

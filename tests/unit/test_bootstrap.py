@@ -13,7 +13,7 @@ import pytest
 
 from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import Hardware, NodeFacts, OperatingSystem
+from reconciler.core.desired.model import Hardware, HostFacts, OperatingSystem
 from reconciler.core.install.bootstrap import (
     K3S_JOIN_DROPIN,
     NFT_FIX_DROPIN,
@@ -45,8 +45,8 @@ k3s_token_file = "/run/secrets/k3s-token"
 K3S_PATH = f"etc/rancher/k3s/config.yaml.d/{K3S_JOIN_DROPIN}"
 
 
-def facts(os_id: str = "debian", id_like: tuple[str, ...] = ()) -> NodeFacts:
-    return NodeFacts(
+def facts(os_id: str = "debian", id_like: tuple[str, ...] = ()) -> HostFacts:
+    return HostFacts(
         node_id="racknerd.tail-abc123.ts.net",
         k3s_hostname="racknerd",
         hardware=Hardware(arch="x86_64", cpu_cores=2, memory_mib=2048),
@@ -97,7 +97,7 @@ class FakeNode:
             self.socat_running |= set(socat_units(STATE, host))
 
 
-def run(node_state: FakeNode, host: str = "racknerd", node=NODE, probe: NodeFacts | None = None):
+def run(node_state: FakeNode, host: str = "racknerd", node=NODE, probe: HostFacts | None = None):
     plan = plan_bootstrap(node=node, desired=STATE, host=host, facts=probe or facts(), observed=node_state.observe(host, node))
     for step in plan.steps:
         node_state.apply(step, host)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.bootstrap_io import NodeIO
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import Hardware, NodeFacts
+from reconciler.core.desired.model import Hardware, HostFacts
 from reconciler.core.install.bootstrap import NFT_FIX_COMMENT, NFT_FIX_FILE, Step
 from reconciler.core.live.records import NodeRecord
 from reconciler.ports import BootstrapError, CommandResult
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
 
 STATE = load_desired(EXAMPLE_FLEET)
@@ -77,7 +77,7 @@ def test_tailscale_missing_or_stopped(tmp_path: Path, registry) -> None:
 
 def test_register_writes_a_heartbeat_the_next_observation_sees(tmp_path: Path, registry) -> None:
     io = NodeIO(ScriptedRunner({}), registry, root=tmp_path)
-    facts = NodeFacts(node_id="racknerd.ts.net", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
+    facts = HostFacts(node_id="racknerd.ts.net", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay")
     io.execute(Step("register", "new", record=NodeRecord.from_facts("racknerd", facts)))
     assert io.observe("racknerd", [], []).registered is True
 

@@ -3,7 +3,7 @@
 x86-spill of the example fleet: the golden plan places flac-fft there and
 its lane x86-spill's agent runs there. systemd, nft and Caddy are
 test_apply's FakeMachine; the registry is `RecordingRegistry` (every beat
-kept); the lane queue is tests.fakes.FakeLaneQueue, the jobs its queues hold
+kept); the lane queue is tests.fakes.FakeLaneBroker, the jobs its queues hold
 set by hand; the registry's plan is the golden one, unsigned (the copy's
 [[plan_keys]] are cut off).
 """
@@ -19,7 +19,7 @@ from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
-from tests.fakes import FakeLaneQueue
+from tests.fakes import FakeLaneBroker
 from tests.unit.test_apply import GOLDEN, Fleet
 
 SERVICE = "fabric-agent-flac-fft.service"
@@ -68,7 +68,7 @@ class SpillFleet(Fleet):
         text = fleet_file.read_text()
         fleet_file.write_text(text[: text.index("[[plan_keys]]")])
         self.registry = RecordingRegistry()
-        self.lanes = FakeLaneQueue()
+        self.lanes = FakeLaneBroker()
         self.lanes.held = {"phaze-agent-x86-spill": 3, "phaze-agent-a1-arm64": 2}
 
     def reconcile(self, **changes: object):  # type: ignore[no-untyped-def]
@@ -77,7 +77,7 @@ class SpillFleet(Fleet):
         options = self.options(plan=PlanFromRegistry(), **changes)
         ports = self.ports(activate=not options.no_activate)
         ports.open_registry = lambda fleet: self.registry  # type: ignore[assignment,return-value]
-        ports.open_lane_queue = lambda fleet: self.lanes  # type: ignore[assignment,return-value]
+        ports.open_lane_broker = lambda fleet: self.lanes  # type: ignore[assignment,return-value]
         return run_pass(options, ports)
 
 
@@ -183,11 +183,11 @@ def test_a_drained_hosts_pass_renders_its_ray_worker_closed_and_restarts_only_it
     assert f"{RAY_WORKER_UNIT}: closed to new Ray tasks (drained): no CPUs, GPUs or tiers offered" in fleet.notes
 
 
-class BrokerDown(FakeLaneQueue):
+class BrokerDown(FakeLaneBroker):
     def lane_states(self, queues):  # type: ignore[no-untyped-def]
-        from reconciler.ports import LaneQueueUnavailable
+        from reconciler.ports import LaneBrokerUnavailable
 
-        raise LaneQueueUnavailable("phaze's broker: connection refused")
+        raise LaneBrokerUnavailable("phaze's broker: connection refused")
 
 
 def test_a_broker_outage_leaves_the_pass_going_and_the_heartbeat_without_the_lane_jobs(tmp_path: Path) -> None:

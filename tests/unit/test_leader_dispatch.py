@@ -1,5 +1,5 @@
 """The leader's lane dispatcher (engine.leader step 5) on a real sqlite registry
-and a fake LaneQueue: each step dispatches the waiting jobs fenced by its term,
+and a fake LaneBroker: each step dispatches the waiting jobs fenced by its term,
 a deposed leader's dispatch is refused, and `fabric lane dispatch` under a
 leader carries the leader's term (engine.dispatch.dispatcher_epoch)."""
 
@@ -15,7 +15,7 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
-from tests.fakes import FakeLaneQueue
+from tests.fakes import FakeLaneBroker
 from tests.unit.test_leader_ray_state import beating_registry, signed_fleet
 
 
@@ -31,13 +31,13 @@ def registry(tmp_path: Path, fleet):
 
 
 @pytest.fixture
-def queue(fleet) -> FakeLaneQueue:
+def queue(fleet) -> FakeLaneBroker:
     """phaze's broker with a worker on every lane's queue."""
     desired = load_desired(fleet.desired)
-    return FakeLaneQueue(workers={lane_queue_name(desired.fleet, lane): 1 for lane in desired.lanes})
+    return FakeLaneBroker(workers={lane_queue_name(desired.fleet, lane): 1 for lane in desired.lanes})
 
 
-def leader(registry, fleet, queue: FakeLaneQueue, log: list[str], host: str = "lux") -> LeaderLoop:
+def leader(registry, fleet, queue: FakeLaneBroker, log: list[str], host: str = "lux") -> LeaderLoop:
     desired = load_desired(fleet.desired)
     return LeaderLoop(
         registry=registry,
@@ -47,7 +47,7 @@ def leader(registry, fleet, queue: FakeLaneQueue, log: list[str], host: str = "l
         lease_ttl_s=30,
         log=log.append,
         signer=fleet.signer(host),
-        lane_queue=queue,
+        lane_broker=queue,
     )
 
 

@@ -1,4 +1,4 @@
-"""One registry client and one lane queue per pass process (reconciler.adapters.pass_connections, cli/wiring.py).
+"""One registry client and one lane queue per pass process (reconciler.adapters.pass_connections, wiring.py).
 
 First the rule on fakes: a connection is opened once per key, every user's
 close() leaves it open, the process's close() closes it once; a connection

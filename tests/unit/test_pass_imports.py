@@ -88,7 +88,7 @@ def test_a_lane_hosts_pass_imports_no_saq_to_read_its_lanes(tmp_path: Path) -> N
         fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
         full = one_pass(s)
     assert "note: lane queue: phaze's broker:" in full.stderr, full.stderr
-    assert loaded(full.at_end, "reconciler.adapters.lane_queue_pg", "psycopg") == ["psycopg", "reconciler.adapters.lane_queue_pg"]
+    assert loaded(full.at_end, "reconciler.adapters.lane_broker_pg", "psycopg") == ["psycopg", "reconciler.adapters.lane_broker_pg"]
     assert loaded(full.at_end, "saq", "croniter", "dateutil", "psycopg_pool") == []
 
 

@@ -85,8 +85,8 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def open_registry(s: Sandbox) -> Registry:
-    from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
+    from reconciler.wiring import open_registry
 
     return open_registry(load_desired(s.desired).fleet, sqlite_path=s.registry_file)
 
@@ -163,7 +163,7 @@ def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> 
 
 
 def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> None:
-    """The live probe's key is made of the parsed raw outputs, not of NodeFacts:
+    """The live probe's key is made of the parsed raw outputs, not of HostFacts:
     a hit that probes this machine live imports no model either. With a plan
     file: the registry's heartbeat (NodeRecord) still needs the models."""
     argv = [a for a in sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json")) if a not in ("--replay", str(sandbox.capture))]
@@ -177,7 +177,7 @@ def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> 
         "reconciler.engine.reconcile",
     )
     first, _ = two_passes_noting_imports(argv, heavy)
-    assert "pydantic" in first and "reconciler.core.desired.model" in first  # the full pass builds NodeFacts
+    assert "pydantic" in first and "reconciler.core.desired.model" in first  # the full pass builds HostFacts
 
 
 def test_a_memoized_pass_that_heartbeats_to_the_registry_imports_no_model(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_memoized_pass_of_a_lane_host_imports_no_model(tmp_path: Path) -> None
     assert "note: heartbeat: a1-arm64 tier" in second_err, second_err
     memo = PassMemo.from_json(s.memo_file.read_bytes())
     assert memo.lanes_here == ["a1-arm64"] and memo.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64"}
-    assert memo.lane_queue == {"queue_url_file": None, "job_function": "process_file"}
+    assert memo.lane_broker == {"queue_url_file": None, "job_function": "process_file"}
 
 
 def edit_desired(s: Sandbox) -> None:
@@ -468,7 +468,7 @@ def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
     edit_desired(sandbox)
     edit = sandbox.desired / "fabric.toml"
     edit.write_text(edit.read_text().replace("listen_port = 2222", "listen_port = 2223"))
-    from reconciler.cli import wiring
+    from reconciler import wiring
 
     seen: list[bool] = []
     real = wiring.real_pass_ports
@@ -511,7 +511,7 @@ def test_a_new_plan_epoch_makes_a_full_pass_before_the_drift_check(sandbox: Sand
 
 
 class MemoWorldSeen:
-    """The PassWorld port, noting every look at the world the drift check takes (the key's inputs are constants)."""
+    """The MemoReader port, noting every look at the world the drift check takes (the key's inputs are constants)."""
 
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls

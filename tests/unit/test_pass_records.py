@@ -17,8 +17,9 @@ from reconciler.core.live.models import Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.views.metrics import format_value
-from reconciler.engine.pass_records import PassOutcome, damped_facts, save_probe_history, write_pass_records
-from reconciler.engine.plan_source import FleetView, PlanSource, empty_plan
+from reconciler.engine.fleet_view import FleetView
+from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, write_pass_records
+from reconciler.engine.plan_fence import PassPlan, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.harness.waiting import wait_until
 from tests.integration.registry_store import status_of
@@ -53,8 +54,8 @@ def test_a_torn_history_file_starts_afresh(tmp_path: Path) -> None:
     assert effective.tier == facts("lux").tier
 
 
-def outcome(ok: bool = True, rolled_back: bool = False) -> PassOutcome:
-    return PassOutcome(succeeded=ok, rolled_back=rolled_back, generation=3, duration_s=0.25)
+def outcome(ok: bool = True, rolled_back: bool = False) -> PassFigures:
+    return PassFigures(succeeded=ok, rolled_back=rolled_back, generation=3, duration_s=0.25)
 
 
 def metrics(root: Path) -> str:
@@ -63,7 +64,7 @@ def metrics(root: Path) -> str:
 
 def test_rollbacks_are_counted_across_passes_and_last_success_is_kept(tmp_path: Path) -> None:
     tree = LocalTree(tmp_path)
-    source = PlanSource(empty_plan(STATE, T0))
+    source = PassPlan(empty_plan(STATE, T0))
     write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(), T0)
     write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=30))
     write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=60))
@@ -76,7 +77,7 @@ def test_rollbacks_are_counted_across_passes_and_last_success_is_kept(tmp_path: 
 
 def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) -> None:
     snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="qfox-1", tier="gpu_cuda", max_concurrent_tasks=4)], leader="lux", epoch=7)
-    source = PlanSource(empty_plan(STATE, T0))
+    source = PassPlan(empty_plan(STATE, T0))
     write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert "a1-arm64" in page and "RANK 10" in page and "qfox-1" in page
@@ -93,7 +94,7 @@ def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_
         (desired / f"extra-{n}.toml").write_text(f'[host]\nname = "extra-{n}"\nroles = ["compute"]\naddress = "100.64.9.{n + 1}"\n')
     state = load_desired(desired)
     snapshot = Snapshot(now=T0, nodes=[SnapshotNode(node_id="extra-1", tier="relay", max_concurrent_tasks=1)], leader="lux", epoch=7)
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, state, "racknerd", PlanSource(empty_plan(state, T0)), outcome(), T0, view=FleetView(snapshot))
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, state, "racknerd", PassPlan(empty_plan(state, T0)), outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     shown = set(re.findall(r'fabric_node_status\{node="([a-z0-9-]+)",status="active"\}', metrics(tmp_path)))
     assert shown == {"a1-arm64", "extra-1", "lux", "qfox-1", "racknerd", "x86-spill"}
@@ -103,20 +104,20 @@ def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_
 def test_the_edges_page_says_when_the_registrys_plan_was_refused(tmp_path: Path) -> None:
     snapshot = Snapshot(now=T0, leader="lux", epoch=9)
     reason = "refused: plan epoch 9 is not signed, and fabric.toml lists plan keys"
-    source = PlanSource(empty_plan(STATE, T0), static=f"{reason}: running static", refused=reason)
+    source = PassPlan(empty_plan(STATE, T0), static=f"{reason}: running static", refused=reason)
     write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert 'id="plan-refused"' in page and "PLAN REFUSED" in page and "plan epoch 9 is not signed" in page
-    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", PlanSource(empty_plan(STATE, T0)), outcome(), T0, view=FleetView(snapshot))
+    write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", PassPlan(empty_plan(STATE, T0)), outcome(), T0, view=FleetView(snapshot))
     assert "PLAN REFUSED" not in (tmp_path / "var/lib/fabric/status/index.html").read_text()
 
 
 def test_records_that_cannot_be_written_are_a_note_not_a_failure(tmp_path: Path) -> None:
     (tmp_path / "var/lib").mkdir(parents=True)
     (tmp_path / "var/lib/node_exporter").write_text("a file where the textfile directory goes\n")
-    note = write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0)
+    note = write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "lux", PassPlan(empty_plan(STATE, T0)), outcome(), T0)
     assert note is not None and note.startswith("could not write metrics or the status page: ")
-    assert write_pass_records(LocalTree(tmp_path / "elsewhere"), STATE_DIR, STATE, "lux", PlanSource(empty_plan(STATE, T0)), outcome(), T0) is None
+    assert write_pass_records(LocalTree(tmp_path / "elsewhere"), STATE_DIR, STATE, "lux", PassPlan(empty_plan(STATE, T0)), outcome(), T0) is None
 
 
 class CallsSeen:
@@ -136,8 +137,9 @@ def test_the_edges_pass_puts_the_registrys_history_on_its_page(
     """A whole `fabric reconcile` of racknerd (the edge): its page's timeline is
     what the registry remembers, read by the pass, the node loss on top; read
     on the connection that read the fleet's snapshot, not on one of its own."""
-    from reconciler.cli import main, wiring
-    from reconciler.cli.wiring import open_registry
+    from reconciler import wiring
+    from reconciler.cli import main
+    from reconciler.wiring import open_registry
 
     desired = tmp_path / "desired"
     shutil.copytree(REPO / "hosts", desired)

@@ -24,7 +24,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import PLAN_TAKEN, epoch_taken
-from reconciler.engine import plan_source
+from reconciler.engine import plan_fence, plan_source
 from reconciler.engine.apply import GenerationStore
 from reconciler.engine.pass_options import STATE_DIR, PassOptions, PlanFromRegistry
 from reconciler.engine.reconcile import PASS_ROUNDS, PassPorts, run_pass
@@ -274,9 +274,9 @@ class EpochOnly:
         self.closed = True
 
 
-def _source(*, registry_epoch: int | None, plan_epoch: int, static: str | None = None) -> plan_source.PlanSource:
+def _source(*, registry_epoch: int | None, plan_epoch: int, static: str | None = None) -> plan_fence.PassPlan:
     plan = FleetPlan(epoch=plan_epoch, leader="lux", created=datetime(2026, 12, 1, tzinfo=UTC))
-    return plan_source.PlanSource(plan, static=static, registry_epoch=registry_epoch)
+    return plan_fence.PassPlan(plan, static=static, registry_epoch=registry_epoch)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
-"""plan: compare_units (NixOS switch-to-configuration style) and plan_actions."""
+"""plan: compare_units (NixOS switch-to-configuration style) and host_actions."""
 
 from __future__ import annotations
 
 import pytest
 
-from reconciler.core.render.actions import HostActions, UnitChange, compare_units, configured_unit, is_dropin, parse_unit, plan_actions
+from reconciler.core.render.actions import HostActions, UnitChange, compare_units, configured_unit, host_actions, is_dropin, parse_unit
 from reconciler.core.render.artifacts import Artifact
 
 BASE = """\
@@ -87,7 +87,7 @@ def test_make_plan_start_restart_stop_and_untracked_files() -> None:
         "etc/fabric/fabric.nft": b"table inet fabric {}\n",
     }
     tracked = {U + "fabric-a.service": "unit", U + "fabric-b.service": "unit", U + "fabric-gone.service": "unit", "etc/fabric/fabric.nft": "nft"}
-    plan = plan_actions(desired, installed, tracked)
+    plan = host_actions(desired, installed, tracked)
     assert plan.write == (U + "fabric-b.service", U + "fabric-new.service")
     assert plan.remove == (U + "fabric-gone.service",)
     assert plan.stop == ("fabric-gone.service",)
@@ -103,12 +103,12 @@ def test_running_view_decides_activation_and_states_start_stopped_units() -> Non
     tracked = {a.path: "unit" for a in desired}
     # Files installed by a killed pass, last activated with older content.
     running = {U + "fabric-a.service": changed("Restart=always", "Restart=no").encode()}
-    plan = plan_actions(desired, installed, tracked, running=running, unit_states={"fabric-a.service": "active"})
+    plan = host_actions(desired, installed, tracked, running=running, unit_states={"fabric-a.service": "active"})
     assert plan.write == () and plan.daemon_reload
     assert plan.restart == ("fabric-a.service",) and plan.start == ("fabric-b.service",)
     # Same files, both running: nothing. One failed: started again.
-    assert plan_actions(desired, installed, tracked, unit_states={"fabric-a.service": "active", "fabric-b.service": "active"}).empty
-    again = plan_actions(desired, installed, tracked, unit_states={"fabric-a.service": "failed", "fabric-b.service": "active"})
+    assert host_actions(desired, installed, tracked, unit_states={"fabric-a.service": "active", "fabric-b.service": "active"}).empty
+    again = host_actions(desired, installed, tracked, unit_states={"fabric-a.service": "failed", "fabric-b.service": "active"})
     assert again.start == ("fabric-a.service",) and again.reasons["fabric-a.service"] == "not running (failed)"
     assert not again.daemon_reload
 
@@ -116,7 +116,7 @@ def test_running_view_decides_activation_and_states_start_stopped_units() -> Non
 def test_caddy_snippet_leaving_the_plan_reloads_caddy() -> None:
     tracked = {"etc/caddy/fabric.caddy": "caddy"}
     installed = {"etc/caddy/fabric.caddy": b"a.example {\n}\n"}
-    plan = plan_actions([], installed, tracked)
+    plan = host_actions([], installed, tracked)
     assert plan.remove == ("etc/caddy/fabric.caddy",) and plan.caddy_reload
 
 
@@ -146,7 +146,7 @@ def test_a_changed_file_restarts_the_units_that_read_it_at_startup() -> None:
     # file it reads at startup restarts it, as a changed unit file would.
     old, new = '[[backends]]\nid = "a"\ncap = 1\n', '[[backends]]\nid = "a"\ncap = 2\n'
     tracked = {BACKENDS: "file"}
-    plan = plan_actions([backends(new)], {BACKENDS: old.encode()}, tracked)
+    plan = host_actions([backends(new)], {BACKENDS: old.encode()}, tracked)
     assert plan.write == (BACKENDS,) and plan.restart == PHAZE
     assert plan.reasons["phaze-api.service"] == f"{BACKENDS} changed"
     assert not plan.daemon_reload and plan.start == ()
@@ -155,18 +155,18 @@ def test_a_changed_file_restarts_the_units_that_read_it_at_startup() -> None:
     )
     # Unchanged: nothing. Written for the first time: restarted too (they
     # started without it).
-    assert plan_actions([backends(new)], {BACKENDS: new.encode()}, tracked).empty
-    assert plan_actions([backends(new)], {}, {}).restart == PHAZE
+    assert host_actions([backends(new)], {BACKENDS: new.encode()}, tracked).empty
+    assert host_actions([backends(new)], {}, {}).restart == PHAZE
     # Written but not activated by a killed pass: what ran decides.
-    assert plan_actions([backends(new)], {BACKENDS: new.encode()}, tracked, running={BACKENDS: old.encode()}).restart == PHAZE
+    assert host_actions([backends(new)], {BACKENDS: new.encode()}, tracked, running={BACKENDS: old.encode()}).restart == PHAZE
     # A unit known not to run reads the file when it starts: left alone.
     states = {"phaze-api.service": "active", "phaze-worker.service": "inactive"}
-    assert plan_actions([backends(new)], {BACKENDS: old.encode()}, tracked, dependent_states=states).restart == ("phaze-api.service",)
+    assert host_actions([backends(new)], {BACKENDS: old.encode()}, tracked, dependent_states=states).restart == ("phaze-api.service",)
 
 
 def test_a_removed_file_restarts_the_units_its_generation_named() -> None:
     tracked = {BACKENDS: "file"}
-    plan = plan_actions([], {BACKENDS: b"[[backends]]\n"}, tracked, tracked_restarts={BACKENDS: PHAZE})
+    plan = host_actions([], {BACKENDS: b"[[backends]]\n"}, tracked, tracked_restarts={BACKENDS: PHAZE})
     assert plan.remove == (BACKENDS,) and plan.restart == PHAZE
     assert plan.reasons["phaze-worker.service"] == f"{BACKENDS} removed"
 
@@ -187,7 +187,7 @@ def reload_planned(
     *,
     running: dict[str, bytes] | None = None,
 ) -> HostActions:
-    return plan_actions(desired, installed, tracked, running=running, units_held=units_held)
+    return host_actions(desired, installed, tracked, running=running, units_held=units_held)
 
 
 def test_a_new_unit_systemd_does_not_hold_is_started_without_daemon_reload() -> None:

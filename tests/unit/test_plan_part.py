@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, Hardware, NodeFacts
+from reconciler.core.desired.model import DesiredState, Hardware, HostFacts
 from reconciler.core.live.models import Deferred, FleetPlan, Placement
 from reconciler.core.render.artifacts import render
 from reconciler.core.render.plan_part import hosts_the_part_reads, plan_part
@@ -45,7 +45,7 @@ def digest(plan: FleetPlan, host: str, desired: DesiredState | None = None) -> s
 
 
 def artifacts(plan: FleetPlan, host: str) -> dict[str, str]:
-    facts = NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch="aarch64" if host == "a1-arm64" else "x86_64"), tier="cpu_ffmpeg")
+    facts = HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch="aarch64" if host == "a1-arm64" else "x86_64"), tier="cpu_ffmpeg")
     return {a.path: a.content for a in render(example(), host, facts, plan).artifacts}
 
 

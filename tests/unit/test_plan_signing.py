@@ -25,7 +25,7 @@ from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.leader import LeaderLoop
-from reconciler.engine.plan_source import UNSIGNED_NOTE, Offer, admit
+from reconciler.engine.plan_fence import UNSIGNED_NOTE, PlanOffer, admit
 from reconciler.engine.status import live_status
 from tests.plan_keys import SignedFleet, TestKey, signed_example_fleet, with_plan_keys
 
@@ -173,7 +173,7 @@ def desired(fleet):
 
 
 def test_admit_refuses_an_unsigned_registry_plan_and_keeps_the_generation(desired) -> None:
-    source = admit(Offer("registry", plan()), desired, applied_epoch=3, has_generation=True, now=T0)
+    source = admit(PlanOffer("registry", plan()), desired, applied_epoch=3, has_generation=True, now=T0)
     assert source.static == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys: running static"
     assert source.refused == "refused: plan epoch 7 is not signed, and fabric.toml lists plan keys"
     assert UNSIGNED_NOTE not in source.notes
@@ -183,20 +183,20 @@ def test_a_merely_stale_plan_is_static_but_not_refused_as_forged(desired, fleet)
     """The status page's PLAN REFUSED is for plans that are not the leader's,
     not for a lagging registry serving an older genuine plan."""
     genuine = signed(plan(), fleet.keys["lux"])
-    source = admit(Offer("registry", genuine), desired, applied_epoch=9, has_generation=True, now=T0)
+    source = admit(PlanOffer("registry", genuine), desired, applied_epoch=9, has_generation=True, now=T0)
     assert source.static is not None and "older than the newest applied" in source.static
     assert source.refused is None
 
 
 def test_admit_applies_a_plan_signed_by_the_named_candidate(desired, fleet) -> None:
     good = signed(plan(), fleet.keys["lux"])
-    source = admit(Offer("registry", good), desired, applied_epoch=3, has_generation=True, now=T0)
+    source = admit(PlanOffer("registry", good), desired, applied_epoch=3, has_generation=True, now=T0)
     assert source.static is None and source.plan == good
 
 
 def test_plan_files_and_no_registry_plans_are_the_operators_choice(desired) -> None:
     for origin in ("file", "alone"):
-        source = admit(Offer(origin, plan()), desired, applied_epoch=3, has_generation=True, now=T0)  # type: ignore[arg-type]
+        source = admit(PlanOffer(origin, plan()), desired, applied_epoch=3, has_generation=True, now=T0)  # type: ignore[arg-type]
         assert source.static is None, origin
         assert UNSIGNED_NOTE not in source.notes
 
@@ -207,7 +207,7 @@ def test_without_plan_keys_a_registry_plan_is_taken_with_a_note(tmp_path: Path) 
     fleet_toml.write_text(with_plan_keys(fleet_toml.read_text(), []))
     unsigned_fleet = load_desired(fleet.desired)
     assert unsigned_fleet.fleet.plan_keys == []
-    source = admit(Offer("registry", plan()), unsigned_fleet, applied_epoch=3, has_generation=True, now=T0)
+    source = admit(PlanOffer("registry", plan()), unsigned_fleet, applied_epoch=3, has_generation=True, now=T0)
     assert source.static is None
     assert source.notes.count(UNSIGNED_NOTE) == 1
 

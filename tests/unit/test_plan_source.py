@@ -15,13 +15,15 @@ from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.probe import RawCapture, facts_from_capture
-from reconciler.engine import plan_source
+from reconciler.engine import plan_fence, plan_source
+from reconciler.engine.fleet_view import read_fleet_view
+from reconciler.engine.heartbeat import node_record
 from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
-from reconciler.engine.plan_source import effective_facts, fleet_plan_for, node_record, read_fleet_view
+from reconciler.engine.plan_source import effective_facts, fleet_plan_for
 from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
@@ -45,7 +47,7 @@ def signers(fleet: SignedFleet) -> dict[str, FakeSigner]:
     return {host: fleet.signer(host) for host in CANDIDATES}
 
 
-def facts(host: str) -> NodeFacts:
+def facts(host: str) -> HostFacts:
     outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
     return facts_from_capture(RawCapture(outputs, errors), host=host)
 
@@ -193,13 +195,13 @@ class CountingLanes:
         return None
 
 
-def test_a_pass_opens_the_lane_queue_only_for_what_reads_it(connect, state) -> None:
+def test_a_pass_opens_the_lane_broker_only_for_what_reads_it(connect, state) -> None:
     """The broker's client costs a pass its import and a connection: the
     edge's plan read (its page's view comes after activation), a worker host
     without lanes, and a leader candidate under a running leader never open it."""
     opens = CountingLanes()
 
-    def offer(host: str) -> plan_source.Offer:
+    def offer(host: str) -> plan_fence.PlanOffer:
         return plan_source.read_registry(connect, state, host, facts(host), write=True, signer=SIGNERS.get(host), open_lanes=opens)
 
     offer("qfox-1")  # a candidate (running no lane's jobs) with nobody leading: its one leader step reads the lanes
@@ -275,7 +277,7 @@ def test_every_plan_source_passes_the_one_fence_exactly_once(connect, registry, 
         calls.append(verdict)
         return verdict
 
-    monkeypatch.setattr(plan_source, "accept_plan", counting_fence)
+    monkeypatch.setattr(plan_fence, "accept_plan", counting_fence)
     saved = tmp_path / "plan.json"
     saved.write_text(FleetPlan(epoch=3, leader="lux", created=NOW).model_dump_json())
     for choice in (PlanFromRegistry(), PlanFile(saved), PlanAlone()):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.probe_io import CaptureDirectory
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, Command, File, PerRenderNode, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, parse_dri
@@ -248,7 +248,7 @@ class NoFiles:
 def test_a_machine_where_everything_goes_wrong_still_probes(answer, reason):
     capture = collect_live(ScriptedRunner(answer), NoFiles())
     facts = facts_from_capture(capture)
-    assert isinstance(facts, NodeFacts)
+    assert isinstance(facts, HostFacts)
     assert facts.tier == "relay"
     assert facts.missing["pci"] == reason
     assert facts.missing["cpu"] == "/proc/cpuinfo: Permission denied"

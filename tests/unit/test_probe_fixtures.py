@@ -2,7 +2,7 @@
 
 Every directory under tests/fixtures/probe/ is one machine: its raw files
 under the fixed capture names (DESIGN.md "Probe"), optionally errors.json (why
-an absent file is absent), and expected.json (the whole NodeFacts the probe
+an absent file is absent), and expected.json (the whole HostFacts the probe
 must derive). Adding a directory adds its tests; no code changes.
 
 To add a machine: `fabric probe --capture DIR` on it (or write the files by
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES
 from reconciler.core.probe.identity import probed_tailnet_name, tailnet_name_note
@@ -97,13 +97,13 @@ def test_raw_output_parses_as_the_machine_expects(machine, raw):
 def test_machine_probes_to_its_expected_facts(machine):
     facts = facts_from_capture(load_capture(machine))
     assert facts.model_dump(mode="json") == expected_facts(machine)
-    # expected.json is itself a valid NodeFacts document (what the registry stores).
-    assert NodeFacts.model_validate(expected_facts(machine)) == facts
+    # expected.json is itself a valid HostFacts document (what the registry stores).
+    assert HostFacts.model_validate(expected_facts(machine)) == facts
 
 
 @pytest.mark.parametrize("machine", MACHINES)
 def test_every_absent_fact_says_why(machine):
-    facts = NodeFacts.model_validate(expected_facts(machine))
+    facts = HostFacts.model_validate(expected_facts(machine))
     parsed = parse_capture(load_capture(machine))
     assert set(parsed.missing) <= set(facts.missing)
     for fact in FACTS:
@@ -116,7 +116,7 @@ def test_fleet_host_capture_matches_its_host_file(host):
     """The e2e fleet replays these captures for the example hosts: each must
     name itself as the host file does and sit at its declared tailnet address."""
     declared = tomllib.loads((EXAMPLE_FLEET / f"{host}.toml").read_text())["host"]
-    facts = NodeFacts.model_validate(expected_facts(host))
+    facts = HostFacts.model_validate(expected_facts(host))
     assert facts.k3s_hostname == host
     assert facts.tailscale_ip == declared["address"]
     assert facts.tailnet_name == declared["tailnet_name"]
@@ -129,11 +129,11 @@ BOTH_PCI_SOURCES = [m for m in MACHINES if (FIXTURES / m / "lspci").is_file() an
 NO_LSPCI = ("rx6600-debian-no-lspci", "intel-adl-laptop-no-lspci", "ryzen-780m-no-lspci", "pi-zero-framebuffer")
 
 
-def _gpu_view(facts: NodeFacts) -> list[tuple]:
+def _gpu_view(facts: HostFacts) -> list[tuple]:
     return [(g.vendor, g.pci_slot, g.render_node, g.integrated, g.tier) for g in facts.hardware.gpus]
 
 
-def _unusable_gpus(facts: NodeFacts) -> set[str]:
+def _unusable_gpus(facts: HostFacts) -> set[str]:
     return {key for key in facts.missing if key.startswith("gpu ")}
 
 
@@ -164,7 +164,7 @@ def test_without_lspci_sysfs_finds_the_same_gpus(machine):
 def test_machines_without_pciutils_are_not_relays(machine):
     assert not (FIXTURES / machine / "lspci").is_file()
     assert (FIXTURES / machine / NOTE).is_file(), "say where the raw files come from"
-    facts = NodeFacts.model_validate(expected_facts(machine))
+    facts = HostFacts.model_validate(expected_facts(machine))
     expected_tier = {
         "rx6600-debian-no-lspci": "gpu_vaapi",
         "intel-adl-laptop-no-lspci": "gpu_apu",
@@ -187,7 +187,7 @@ def test_the_tailnet_name_keeps_its_json_key_node_id():
     document = json.loads(facts.model_dump_json())
     assert document["node_id"] == facts.tailnet_name == "qfox-1.tail-abc123.ts.net"
     assert "tailnet_name" not in document and "tailnet_name" not in facts.model_dump(by_alias=True)
-    assert NodeFacts.model_validate_json(facts.model_dump_json()) == facts
+    assert HostFacts.model_validate_json(facts.model_dump_json()) == facts
     assert facts.model_copy(update={"tailnet_name": "x.ts.net"}).tailnet_name == "x.ts.net"
 
 

@@ -3,9 +3,9 @@
 Two probes of an unchanged machine differ in their raw outputs (free memory,
 CPU clocks, tailnet traffic counters and timestamps change every second):
 their key must be the same, or a live pass would never be a memo hit. Anything
-NodeFacts are built from (a GPU, the memory size, the CPU count, the tailnet
+HostFacts are built from (a GPU, the memory size, the CPU count, the tailnet
 name) must change it, or a memo hit would vouch for facts the machine no
-longer has. Each case also checks NodeFacts, so the key and the facts agree.
+longer has. Each case also checks HostFacts, so the key and the facts agree.
 """
 
 from __future__ import annotations

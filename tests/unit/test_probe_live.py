@@ -20,7 +20,7 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.probe_io import LocalFiles
 from reconciler.cli import main
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.probe import facts_from_capture
 from reconciler.core.probe.facts import FACTS, Command, Fact
 from reconciler.core.probe.parsers import parse_uname_m
@@ -99,7 +99,7 @@ def test_cli_capture_then_replay_gives_the_same_facts(tmp_path, capsys):
     assert (target / "uname-m").is_file() and (target / "cpuinfo").is_file()
     assert main(["probe", "--replay", str(target), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == captured
-    NodeFacts.model_validate(captured)
+    HostFacts.model_validate(captured)
 
 
 def test_cli_host_option_names_the_fleet_host(capsys):

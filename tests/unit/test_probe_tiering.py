@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from reconciler.core.desired.model import TIER_SCORE, Gpu, LabelKey, LabelValue, NodeFacts
+from reconciler.core.desired.model import TIER_SCORE, Gpu, HostFacts, LabelKey, LabelValue
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.probe.damping import DEMOTE_AFTER_PASSES, ProbeHistory, damp
 from reconciler.core.probe.parsers import (
@@ -121,7 +121,7 @@ def _parsed(pci=(), nvidia=None, render=None, va=None, ffmpeg=FFMPEG, missing=No
     return ParsedFacts({k: v for k, v in values.items() if v is not None}, dict(missing or {}))
 
 
-def _gpu_tiers(facts: NodeFacts) -> list[tuple[str, str]]:
+def _gpu_tiers(facts: HostFacts) -> list[tuple[str, str]]:
     return [(g.pci_slot, g.tier) for g in facts.hardware.gpus]
 
 
@@ -237,7 +237,7 @@ def test_limitations_are_bounded_and_monotonic(cores, memory, vram, more_cores, 
 # ---------------------------------------------------------------- damping
 
 
-def _qfox(nvidia_answers: bool = True, memory_kb: int | None = None) -> NodeFacts:
+def _qfox(nvidia_answers: bool = True, memory_kb: int | None = None) -> HostFacts:
     capture = load_capture("qfox-1")
     outputs, errors = dict(capture.outputs), dict(capture.errors)
     if not nvidia_answers:

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.core.desired.model import NodeFacts
+from reconciler.core.desired.model import HostFacts
 from reconciler.core.live.host_limits import EffectiveLimits
 from reconciler.core.render.ray_node import HOST_LABEL, offered_tiers, ray_node_spec, tier_resource
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
 
 
-def facts(machine: str) -> NodeFacts:
-    return NodeFacts.model_validate(json.loads((FIXTURES / machine / "expected.json").read_text()))
+def facts(machine: str) -> HostFacts:
+    return HostFacts.model_validate(json.loads((FIXTURES / machine / "expected.json").read_text()))
 
 
 def test_a_cuda_node_offers_every_tier_down_to_relay_as_many_as_its_limit():

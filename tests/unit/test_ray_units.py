@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.desired.load import DesiredStateError, load_desired
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
@@ -40,8 +40,8 @@ GOLDEN_PLAN = REPO / "tests" / "golden" / "fleet-plan.json"
 NOW = datetime(2026, 12, 1, 2, 0, tzinfo=UTC)
 
 
-def probe(machine: str) -> NodeFacts:
-    return NodeFacts.model_validate(json.loads((PROBES / machine / "expected.json").read_text()))
+def probe(machine: str) -> HostFacts:
+    return HostFacts.model_validate(json.loads((PROBES / machine / "expected.json").read_text()))
 
 
 def plan() -> FleetPlan:
@@ -71,7 +71,7 @@ def problems(directory: Path) -> list[tuple[str, str, str]]:
     return [(Path(p.file).name, p.path, p.reason) for p in caught.value.problems]
 
 
-def ray_unit_text(state: DesiredState, host: str, facts: NodeFacts | None = None, **kw: object) -> str | None:
+def ray_unit_text(state: DesiredState, host: str, facts: HostFacts | None = None, **kw: object) -> str | None:
     rendered = render(state, host, facts or probe(host), plan(), **kw)  # type: ignore[arg-type]
     texts = [a.content for a in rendered.artifacts if a.unit in (RAY_HEAD_UNIT, RAY_WORKER_UNIT)]
     assert len(texts) <= 1

@@ -17,7 +17,7 @@ import pytest
 from jinja2 import PackageLoader, StrictUndefined, UndefinedError
 
 from reconciler.core.desired.load import DesiredStateError, load_desired
-from reconciler.core.desired.model import DesiredState, EdgeSettings, Hardware, NodeFacts, OperatingSystem
+from reconciler.core.desired.model import DesiredState, EdgeSettings, Hardware, HostFacts, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
 from reconciler.core.templating import environment as template_environment
@@ -33,9 +33,9 @@ def golden_plan(**changes: object) -> FleetPlan:
     return plan.model_copy(update=changes)
 
 
-def facts(host: str, arch: str | None = None, **extra: object) -> NodeFacts:
+def facts(host: str, arch: str | None = None, **extra: object) -> HostFacts:
     arch = arch or ("aarch64" if host == "a1-arm64" else "x86_64")
-    return NodeFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg", **extra)  # type: ignore[arg-type]
+    return HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg", **extra)  # type: ignore[arg-type]
 
 
 def example() -> DesiredState:
@@ -260,7 +260,7 @@ def test_the_control_host_gets_phazes_backends_toml_equal_to_the_declared_lanes(
         ]
     }
     assert tomllib.loads(backends.content)["backends"] == [
-        lane.model_dump(include=set(BACKEND_KEYS), exclude_none=True) for lane in state.fleet.backends
+        lane.model_dump(include=set(BACKEND_KEYS), exclude_none=True) for lane in state.fleet.lanes
     ]
     assert backends.kind == "file" and backends.mode == 0o644
     # A change of it restarts phaze's control plane (it reads the file at startup only).
@@ -274,7 +274,7 @@ def test_without_declared_lanes_there_is_no_backends_toml(tmp_path: Path) -> Non
     text = (REPO / "hosts" / "fabric.toml").read_text()
     declared = text[text.index("# --- Tier 1") : text.index("# Services exercising")]
     state = edited(tmp_path, declared, "")
-    assert not state.fleet.backends
+    assert not state.fleet.lanes
     assert "etc/phaze/backends.toml" not in files(state, "lux")
 
 

@@ -223,33 +223,33 @@ def test_dispatch_text(tmp_path, capsys):
 
 
 LANE_TABLE = [
-    ("cheapest lane", [], [], {"backend": "a1-arm64", "hold": None}),
-    ("a1 offline: x86", ["a1-arm64"], [], {"backend": "x86-spill", "hold": None}),
+    ("cheapest lane", [], [], {"lane": "a1-arm64", "hold": None}),
+    ("a1 offline: x86", ["a1-arm64"], [], {"lane": "x86-spill", "hold": None}),
     (
         "cloud full: hold",
         [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}],
         [],
-        {"backend": None, "hold": "local_spill_not_reached"},
+        {"lane": None, "hold": "local_spill_not_reached"},
     ),
     (
         "cloud full, waited: local",
         [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}],
         ["--waited-s", "900"],
-        {"backend": "local", "hold": None},
+        {"lane": "local", "hold": None},
     ),
     (
         "cloud offline: local at once",
         ["a1-arm64", "x86-spill"],
         [],
-        {"backend": "local", "hold": None},
+        {"lane": "local", "hold": None},
     ),
-    ("attempts spent: local", [], ["--attempts", "3"], {"backend": "local", "hold": None}),
-    ("attempts spent, local full", [{"id": "local", "in_flight": 1}], ["--attempts", "3"], {"backend": None, "hold": "cloud_attempts_exhausted"}),
+    ("attempts spent: local", [], ["--attempts", "3"], {"lane": "local", "hold": None}),
+    ("attempts spent, local full", [{"id": "local", "in_flight": 1}], ["--attempts", "3"], {"lane": None, "hold": "cloud_attempts_exhausted"}),
     (
         "all full",
         [{"id": "a1-arm64", "in_flight": 2}, {"id": "x86-spill", "in_flight": 4}, {"id": "local", "in_flight": 1}],
         ["--waited-s", "5000"],
-        {"backend": None, "hold": "no_free_slots"},
+        {"lane": None, "hold": "no_free_slots"},
     ),
 ]
 

@@ -294,7 +294,7 @@ def test_services_and_lane_jobs_on_a_host_never_exceed_its_limit(nodes, services
     to them, so a host is never refused work it has room for by that count."""
     declared, running = lanes
     state = _desired(services, NAMES)
-    state = state.model_copy(update={"fleet": state.fleet.model_copy(update={"backends": [Lane.model_validate(b) for b in declared]})})
+    state = state.model_copy(update={"fleet": state.fleet.model_copy(update={"lanes": [Lane.model_validate(b) for b in declared]})})
     old = [Placement(service=s, replica=r, node=n, tier="relay") for s, r, n in existing]
     snap = Snapshot(now=NOW, nodes=nodes, placements=old, lanes=[SnapshotLane(id=k, in_flight=v) for k, v in running.items()])
     plan = schedule(snap, state)

@@ -61,7 +61,7 @@ def hosts_up(*changes: tuple[str, dict]) -> list[SnapshotNode]:
 
 
 def with_backends(desired: DesiredState, backends: list) -> DesiredState:
-    return desired.model_copy(update={"fleet": desired.fleet.model_copy(update={"backends": backends})})
+    return desired.model_copy(update={"fleet": desired.fleet.model_copy(update={"lanes": backends})})
 
 
 # --------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_without_colour_there_is_no_escape_sequence(desired, snapshot, plan):
 
 
 def test_cards_are_sorted_rank_ascending_whatever_the_declaration_order(desired, snapshot):
-    shuffled = with_backends(desired, list(reversed(desired.fleet.backends)))
+    shuffled = with_backends(desired, list(reversed(desired.fleet.lanes)))
 
     cards = fleet_status(shuffled, snapshot, None, NOW).lanes
 
@@ -125,7 +125,7 @@ def test_cards_are_sorted_rank_ascending_whatever_the_declaration_order(desired,
 
 
 def test_equal_ranks_order_by_utilization_then_id(desired):
-    lanes = [b.model_copy(update={"rank": 10}) for b in desired.fleet.backends[:2]]
+    lanes = [b.model_copy(update={"rank": 10}) for b in desired.fleet.lanes[:2]]
     snapshot = Snapshot(now=NOW, nodes=hosts_up(), lanes=[SnapshotLane(id="a1-arm64", in_flight=2), SnapshotLane(id="x86-spill", in_flight=1)])
 
     cards = fleet_status(with_backends(desired, lanes), snapshot, None, NOW).lanes

@@ -216,12 +216,12 @@ def test_bad_input_mid_watch_is_shown_and_watching_goes_on(capsys, tmp_path, mon
 
 
 def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, signed_fleet):
-    from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
     from reconciler.core.live.models import FleetPlan
     from reconciler.core.live.records import NodeRecord
     from reconciler.core.scheduling.placement import schedule
     from reconciler.engine.leader import sign_plan, signing_key
+    from reconciler.wiring import open_registry
 
     # lux signs what it publishes (throwaway keys: tests.plan_keys).
     desired = load_desired(signed_fleet.desired)
@@ -321,10 +321,10 @@ def test_watch_on_a_terminal_clears_and_redraws(monkeypatch):
 def test_a_forged_plan_in_the_registry_shows_as_refused(capsys, tmp_path, signed_fleet):
     """An unsigned plan naming lux (what any registry client could write):
     `fabric status` leaves its placements out and says why, in text and JSON."""
-    from reconciler.cli.wiring import open_registry
     from reconciler.core.desired.load import load_desired
     from reconciler.core.live.records import NodeRecord
     from reconciler.core.scheduling.placement import schedule
+    from reconciler.wiring import open_registry
 
     desired = load_desired(signed_fleet.desired)
     path = tmp_path / "registry.sqlite"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from reconciler.cli.wiring import open_registry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import sign_plan, signing_key
 from reconciler.engine.status import live_status, saved_status
+from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO
 from tests.fakes import FakeClock
 

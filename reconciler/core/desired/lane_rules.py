@@ -25,7 +25,7 @@ def _within(inner: str, outer: str) -> bool:
 
 def lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
     problems: list[Problem] = []
-    backends = fleet.backends
+    backends = fleet.lanes
     compute = [(i, b) for i, b in enumerate(backends) if b.kind == "compute"]
 
     # Co-located agents: one scratch dir each. Nested dirs are one dir too:

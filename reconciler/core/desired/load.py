@@ -248,7 +248,7 @@ def fleet_rules(
             )
 
     # Lanes (multi-compute.md's startup validators).
-    backends = fleet.backends
+    backends = fleet.lanes
     problems += _duplicates(file, "backends", "id", [b.id for b in backends])
     problems += _duplicates(file, "backends", "agent_ref", [b.agent_ref for b in backends])
     problems += lane_rules(file, fleet)
@@ -328,7 +328,7 @@ def fleet_rules(
 def summary(desired: DesiredState) -> str:
     """The one line `fabric validate` prints for a valid desired state."""
     lanes = desired.lanes
-    implicit = "" if desired.fleet.backends else " (implicit)"
+    implicit = "" if desired.fleet.lanes else " (implicit)"
     return (
         f"{desired.fleet_file}: valid: fleet {desired.fleet.fleet.name!r}, {len(desired.hosts)} hosts, "
         f"{len(lanes)} lanes{implicit}, {len(desired.fleet.services)} services, "

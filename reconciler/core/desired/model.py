@@ -6,7 +6,7 @@ validator here, so `fabric validate` reports it with the key path.
 
 Desired state  = what an operator declares in git (`FleetConfig`, `HostConfig`,
                  combined into `DesiredState` by `reconciler.core.desired.load`).
-Live state     = what a host observes and reports (`NodeFacts` from the probe).
+Live state     = what a host observes and reports (`HostFacts` from the probe).
 """
 
 from __future__ import annotations
@@ -690,7 +690,8 @@ class FleetConfig(Strict):
     scaling: ScalingSettings = ScalingSettings()
     agent: AgentSettings | None = None
     phaze: PhazeSettings = PhazeSettings()
-    backends: list[Lane] = []
+    # The lanes, under phaze's name for them: fabric.toml's [[backends]].
+    lanes: list[Lane] = Field(default=[], alias="backends")
     services: list[Service] = []
     port_maps: list[PortMap] = []
     # Leader candidates' public keys: when any are listed, hosts apply only
@@ -788,7 +789,7 @@ class DesiredState(BaseModel):
     @property
     def lanes(self) -> list[Lane]:
         """The declared lanes, or the implicit single local lane."""
-        return list(self.fleet.backends) or [IMPLICIT_LOCAL_LANE]
+        return list(self.fleet.lanes) or [IMPLICIT_LOCAL_LANE]
 
     def service(self, service_id: str) -> Service | None:
         return next((s for s in self.fleet.services if s.id == service_id), None)
@@ -890,7 +891,7 @@ class OperatingSystem(BaseModel):
         return self.id == "arch" or "arch" in self.id_like
 
 
-class NodeFacts(BaseModel):
+class HostFacts(BaseModel):
     """One probe of one machine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -85,16 +85,21 @@ def _inner_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def _fields_at(model: type[BaseModel] | None, loc: Sequence[str | int]) -> list[str]:
-    """Known keys of the table at `loc` in `model`, for 'did you mean'."""
+    """Known keys of the table at `loc` in `model`, for 'did you mean' (a
+    field's TOML key is its alias where it has one: `[[backends]]` is `lanes`)."""
     current = model
     for part in loc:
         if isinstance(part, int) or current is None:
             continue
-        field = current.model_fields.get(str(part))
+        field = _keys(current).get(str(part))
         if field is None:
             return []
         current = _inner_model(field.annotation)
-    return list(current.model_fields) if current is not None else []
+    return list(_keys(current)) if current is not None else []
+
+
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def problems_from_validation(

@@ -11,7 +11,7 @@ The seed's order, and where each part lives:
                       on the tailnet (the key is read by tailscale from the
                       file; it never appears on a command line or in a log)
 2. detect_hardware    the probe (reconciler.core.probe), done by the caller: its
-   build_labels       NodeFacts and labels are an input here
+   build_labels       HostFacts and labels are an input here
 3. register           a first heartbeat into the registry, unless the
                       registry already knows the node
 4. join_k3s           the k3s join settings as a config.yaml.d drop-in:
@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.install.nodeconfig import NodeConfig
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.records import NodeRecord
@@ -100,7 +100,7 @@ class Step:
 
 
 @dataclass(frozen=True)
-class BootstrapPlan:
+class BootstrapSteps:
     steps: tuple[Step, ...]
     # Things that stop the bootstrap (bad configuration for this node).
     problems: tuple[str, ...] = ()
@@ -157,17 +157,17 @@ def plan_bootstrap(
     node: NodeConfig,
     desired: DesiredState,
     host: str,
-    facts: NodeFacts,
+    facts: HostFacts,
     observed: Observed,
     programs: Programs = Programs(),
-) -> BootstrapPlan:
+) -> BootstrapSteps:
     """The steps this node still needs, in the seed's order."""
     steps: list[Step] = []
     problems: list[str] = []
     notes: list[str] = []
     boot = node.bootstrap
     if host not in desired.hosts:
-        return BootstrapPlan((), (f"host {host!r} is not in the desired state (hosts: {', '.join(sorted(desired.hosts))})",))
+        return BootstrapSteps((), (f"host {host!r} is not in the desired state (hosts: {', '.join(sorted(desired.hosts))})",))
     host_config = desired.hosts[host]
 
     # 1. Tailscale
@@ -230,7 +230,7 @@ def plan_bootstrap(
     elif not observed.timer_active:
         steps.append(Step("run_pass", "no pass has run on this node yet"))
 
-    return BootstrapPlan(tuple(steps), tuple(problems), tuple(notes))
+    return BootstrapSteps(tuple(steps), tuple(problems), tuple(notes))
 
 
 def bootstrap_files(node: NodeConfig) -> list[str]:

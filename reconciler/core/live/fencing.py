@@ -15,7 +15,7 @@ key listed for that candidate (`reconciler.core.live.signing.verify_plan`);
 both are checked before the epoch, so a forged plan is refused whatever
 epoch it claims, and it never becomes the epoch this host has applied.
 
-This is the one fence: the pass (`reconciler.engine.plan_source.admit`)
+This is the one fence: the pass (`reconciler.engine.plan_fence.admit`)
 calls it exactly once, whatever the plan came from (the registry, a
 --plan-file, or --no-registry's plan of this host alone)::
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import NAME_PATTERN, NodeFacts, Tier
+from reconciler.core.desired.model import NAME_PATTERN, HostFacts, Tier
 from reconciler.core.live import beat
 
 # Re-exported for the engine, adapters and CLI until they import them from
@@ -84,7 +84,7 @@ class NodeRecord(_Record):
     def from_facts(
         cls,
         host: str,
-        facts: NodeFacts,
+        facts: HostFacts,
         *,
         tier: Tier | None = None,
         in_flight: int = 0,

@@ -25,7 +25,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from reconciler.core.desired.model import TIER_SCORE, NodeFacts, Tier
+from reconciler.core.desired.model import TIER_SCORE, HostFacts, Tier
 from reconciler.core.probe.tiering import LABEL_PREFIX
 
 DEMOTE_AFTER_PASSES = 3
@@ -38,7 +38,7 @@ class ProbeHistory(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     # The facts last reported as effective (None before the first pass).
-    effective: NodeFacts | None = None
+    effective: HostFacts | None = None
     # A lower tier seen on consecutive passes but not yet taken.
     lower_tier: Tier | None = None
     lower_passes: int = 0
@@ -46,7 +46,7 @@ class ProbeHistory(BaseModel):
     updated: datetime | None = None
 
 
-def _keep_capabilities(kept: NodeFacts, observed: NodeFacts, note: str) -> NodeFacts:
+def _keep_capabilities(kept: HostFacts, observed: HostFacts, note: str) -> HostFacts:
     labels = {k: v for k, v in observed.labels.items() if k not in _CAPABILITY_LABELS}
     labels.update({k: v for k, v in kept.labels.items() if k in _CAPABILITY_LABELS})
     return observed.model_copy(
@@ -59,7 +59,7 @@ def _keep_capabilities(kept: NodeFacts, observed: NodeFacts, note: str) -> NodeF
     )
 
 
-def damp(history: ProbeHistory, observed: NodeFacts, now: datetime, passes: int = DEMOTE_AFTER_PASSES) -> tuple[NodeFacts, ProbeHistory]:
+def damp(history: ProbeHistory, observed: HostFacts, now: datetime, passes: int = DEMOTE_AFTER_PASSES) -> tuple[HostFacts, ProbeHistory]:
     """(effective facts for this pass, history to keep for the next)."""
     previous = history.effective
     if previous is None or TIER_SCORE[observed.tier] >= TIER_SCORE[previous.tier]:

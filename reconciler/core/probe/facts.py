@@ -65,7 +65,7 @@ Source = Command | File | DriListing | PerRenderNode | SysfsPci
 
 @dataclass(frozen=True)
 class Fact:
-    name: str  # key in NodeFacts.missing and in parsed values
+    name: str  # key in HostFacts.missing and in parsed values
     raw: str  # file name in a capture directory (fixed by DESIGN.md)
     sources: tuple[Source, ...]  # tried in order; the first that answers wins
     parser: Callable[[str], Any]

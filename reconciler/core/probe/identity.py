@@ -10,10 +10,10 @@ address other hosts reach this one on is declared separately.
 
 from __future__ import annotations
 
-from reconciler.core.desired.model import DesiredState, NodeFacts
+from reconciler.core.desired.model import DesiredState, HostFacts
 
 
-def probed_tailnet_name(facts: NodeFacts) -> str | None:
+def probed_tailnet_name(facts: HostFacts) -> str | None:
     """The machine's tailnet DNS name, or None when the probe did not get one.
 
     Without one the probe reports the host name in its place (see
@@ -24,7 +24,7 @@ def probed_tailnet_name(facts: NodeFacts) -> str | None:
     return facts.tailnet_name
 
 
-def tailnet_name_note(desired: DesiredState, host: str, facts: NodeFacts) -> str | None:
+def tailnet_name_note(desired: DesiredState, host: str, facts: HostFacts) -> str | None:
     """A note when the probe's tailnet name differs from the one `host`'s file declares; else None."""
     config = desired.hosts.get(host)
     declared = config.host.tailnet_name if config is not None else None

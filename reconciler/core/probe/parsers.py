@@ -4,7 +4,7 @@ Every parser takes the exact text a command printed or a file held and either
 returns a value or raises `ParseError` with a reason a human can act on. They
 never raise anything else, whatever the text (a property test feeds them
 random text), so an odd machine can never crash the probe: the caller records
-the reason under `NodeFacts.missing` instead.
+the reason under `HostFacts.missing` instead.
 
 Where one part of an output is odd but the rest is usable (one GPU reports
 `[N/A]` for its memory, one render node's vainfo failed), the parser keeps the

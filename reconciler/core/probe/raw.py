@@ -63,7 +63,7 @@ def parse_capture(capture: RawCapture, facts: tuple[Fact, ...] = FACTS) -> Parse
 
 def facts_key(parsed: ParsedFacts) -> str:
     """The parsed facts as one canonical text: equal for two probes of an
-    unchanged machine, different when anything NodeFacts is built from
+    unchanged machine, different when anything HostFacts is built from
     differs (tiering.build_node_facts reads nothing but `parsed` and the host).
 
     The parsers already keep only what does not change by itself (the total
@@ -71,7 +71,7 @@ def facts_key(parsed: ParsedFacts) -> str:
     tailnet name, not its traffic), so the raw outputs' per-second counters
     never reach this text, while a GPU, a memory size, a CPU count or a
     tailnet name that changes does. The pass memo keys a live probe on it
-    without importing the models that NodeFacts needs."""
+    without importing the models that HostFacts needs."""
     return json.dumps({"values": _plain(parsed.values), "missing": parsed.missing}, sort_keys=True)
 
 

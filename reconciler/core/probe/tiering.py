@@ -1,4 +1,4 @@
-"""Parsed facts -> `NodeFacts`: GPUs, tier, labels, limitations (pure).
+"""Parsed facts -> `HostFacts`: GPUs, tier, labels, limitations (pure).
 
 Tier rule (the seed's tiers, best first; the node takes its best GPU's tier):
 
@@ -36,8 +36,8 @@ from reconciler.core.desired.model import (
     Gpu,
     GpuVendor,
     Hardware,
+    HostFacts,
     Limitations,
-    NodeFacts,
     OperatingSystem,
     Storage,
     StorageType,
@@ -480,7 +480,7 @@ def limitations_for(cpu_cores: int | None, memory_mib: int | None, tier: str, gp
 # Everything together
 
 
-def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
+def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> HostFacts:
     """The probe's answer. `host` is the fabric host name to report (the
     desired state's name); without it the machine's own host name is used."""
     missing = dict(parsed.missing)
@@ -512,7 +512,7 @@ def build_node_facts(parsed: ParsedFacts, host: str | None = None) -> NodeFacts:
     os_release: OsRelease | None = parsed.get("os")
     pci_known = parsed.get("pci") is not None or parsed.get("pci_sysfs") is not None
 
-    return NodeFacts(
+    return HostFacts(
         tailnet_name=(tailscale.dns_name if tailscale and tailscale.dns_name else None) or hostname or "unknown",
         tailscale_ip=tailscale.ipv4 if tailscale else None,
         tailscale_relayed=tailscale.relayed if tailscale else None,

@@ -1,6 +1,6 @@
 """Host actions of a pass: the rendered artifacts against what is on disk and what runs.
 
-Pure: `plan_actions()` compares contents it is given (read elsewhere through the
+Pure: `host_actions()` compares contents it is given (read elsewhere through the
 FileTree port) and returns a `HostActions`, the list of actions `reconciler.engine.apply`
 executes; `HostActions.text()` is what `fabric plan` prints.
 
@@ -260,7 +260,7 @@ def is_dropin(path: str) -> bool:
     return configured_unit(path) != _unit_name(path)
 
 
-def plan_actions(
+def host_actions(
     desired: Iterable[Artifact],
     installed: Mapping[str, bytes],
     tracked: Mapping[str, str],

@@ -53,8 +53,8 @@ from reconciler.core.desired.model import (
     PHAZE_BACKENDS_FILE,
     DesiredState,
     HostConfig,
+    HostFacts,
     Lane,
-    NodeFacts,
     PortMap,
     RunsOn,
     Service,
@@ -190,7 +190,7 @@ def _template(template_name: str, templates_dir: Path | None, /, **values: objec
 _ARCH_ALIASES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
 
 
-def host_arch(host: HostConfig, facts: NodeFacts) -> str | None:
+def host_arch(host: HostConfig, facts: HostFacts) -> str | None:
     """The architecture the host runs: the operator's override, else the probe's."""
     if host.overrides.arch is not None:
         return host.overrides.arch
@@ -223,7 +223,7 @@ def exposure_note(pm: PortMap) -> str:
     return f"{where} is open beyond the tailnet to {cidrs} (allow_from)"
 
 
-def needs_nftables_fix(host: HostConfig, facts: NodeFacts) -> bool:
+def needs_nftables_fix(host: HostConfig, facts: HostFacts) -> bool:
     """The CachyOS/Arch nftables fix: the host file decides, else the probe's os-release."""
     if host.host.nftables_fix is not None:
         return host.host.nftables_fix
@@ -481,7 +481,7 @@ def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None
     keys phaze knows that are set (not the fabric's own `queue`, `token_file`).
     No secrets are in it; phaze's control-plane units read it at startup."""
     backends = []
-    for lane in desired.fleet.backends:
+    for lane in desired.fleet.lanes:
         fields = []
         for key in PHAZE_BACKEND_FIELDS:
             value = getattr(lane, key)
@@ -501,7 +501,7 @@ def k8s_label_value(value: str) -> str:
     return value.replace(":", "-")
 
 
-def _labels(host: HostConfig, facts: NodeFacts, notes: list[str]) -> list[tuple[str, str]]:
+def _labels(host: HostConfig, facts: HostFacts, notes: list[str]) -> list[tuple[str, str]]:
     """The probe's labels, then the host file's (the operator wins), as k3s takes them."""
     labels: dict[str, str] = {}
     for key, value in {**facts.labels, **host.labels}.items():
@@ -516,7 +516,7 @@ def _labels(host: HostConfig, facts: NodeFacts, notes: list[str]) -> list[tuple[
 def render(
     desired: DesiredState,
     host_name: str,
-    facts: NodeFacts,
+    facts: HostFacts,
     plan: FleetPlan,
     *,
     layout: Layout = Layout(),
@@ -661,7 +661,7 @@ def render(
         )
 
     # phaze's control plane reads its lanes from backends.toml.
-    if "control" in host.host.roles and desired.fleet.backends:
+    if "control" in host.host.roles and desired.fleet.lanes:
         artifacts.append(phaze_backends(desired, layout, templates))
 
     # k3s node labels from the probe (and the host file).

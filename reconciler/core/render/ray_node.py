@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, NodeFacts
+from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, HostFacts
 from reconciler.core.live.host_limits import EffectiveLimits
 from reconciler.core.probe.tiering import LABEL_PREFIX, OS_RESERVE_MIB
 
@@ -73,7 +73,7 @@ class RayNodeSpec:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def ray_node_spec(host: str, facts: NodeFacts, limits: EffectiveLimits) -> RayNodeSpec:
+def ray_node_spec(host: str, facts: HostFacts, limits: EffectiveLimits) -> RayNodeSpec:
     slots = limits.max_concurrent_tasks
     memory_mib = facts.hardware.memory_mib
     labels = {key: ray_label_value(value) for key, value in facts.labels.items() if key.startswith(LABEL_PREFIX)}

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from reconciler.core.desired.model import DesiredState, NodeFacts, RaySettings
+from reconciler.core.desired.model import DesiredState, HostFacts, RaySettings
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.models import SnapshotNode
 from reconciler.core.render.ray_node import RAY_HEAD_UNIT, RAY_WORKER_UNIT, RayNodeSpec, ray_node_spec
@@ -100,7 +100,7 @@ def ray_labels(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
-def ray_unit(desired: DesiredState, host: str, facts: NodeFacts, ray_command: str, closed: str | None = None) -> RayUnit | None:
+def ray_unit(desired: DesiredState, host: str, facts: HostFacts, ray_command: str, closed: str | None = None) -> RayUnit | None:
     """The Ray node unit `host` runs, or None when it runs none."""
     ray = desired.fleet.ray
     role = ray_role(ray, host)

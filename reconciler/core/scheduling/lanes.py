@@ -116,7 +116,7 @@ class LaneDecision:
     hold: HoldReason | None
 
     def as_json(self) -> dict[str, str | None]:
-        return {"backend": self.lane, "hold": self.hold}
+        return {"lane": self.lane, "hold": self.hold}
 
 
 @dataclass(frozen=True)

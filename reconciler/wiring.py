@@ -9,7 +9,7 @@ Commands parse their arguments, take their adapters from here, and hand them
 `sqlite_path` forces the sqlite backend at that file whatever [registry]
 says (tests and the demo run a fleet on one machine without etcd).
 
-    lane_queue = open_lane_queue(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file
+    lane_broker = open_lane_broker(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file
 
 A `fabric reconcile` process opens each of them once (`pass_connections`):
 the memo's side, the full pass and the edge's fleet view share one registry
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from reconciler.adapters.bootstrap_io import NodeIO
     from reconciler.adapters.git_source import GitSource
-    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
     from reconciler.adapters.pass_connections import PassConnections
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
     # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
-    from reconciler.core.desired.model import FlapSettings, FleetConfig, NodeFacts, RegistrySettings, TimingSettings
+    from reconciler.core.desired.model import FlapSettings, FleetConfig, HostFacts, RegistrySettings, TimingSettings
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
     from reconciler.core.probe.raw import RawCapture
@@ -40,14 +40,14 @@ if TYPE_CHECKING:
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
     from reconciler.ports import (
         Audit,
-        BeatLaneQueue,
+        BeatLaneBroker,
         BeatRegistry,
         CaptureStore,
         Clock,
         CommandRunner,
         FileReader,
         FileTree,
-        LaneQueue,
+        LaneBroker,
         PassStarter,
         PlanSigner,
         RayState,
@@ -134,36 +134,36 @@ def queue_url_file(fleet: FleetConfig, override: str | Path | None = None) -> Pa
     return Path(chosen) if chosen else None
 
 
-def open_lane_queue(fleet: FleetConfig, *, dsn_file: str | Path | None = None, clock: Clock | None = None) -> LaneQueue:
+def open_lane_broker(fleet: FleetConfig, *, dsn_file: str | Path | None = None, clock: Clock | None = None) -> LaneBroker:
     """The lane queue on phaze's broker (SAQ on PostgreSQL). The DSN is read
-    from its file here and goes nowhere else. Raises LaneQueueUnavailable
+    from its file here and goes nowhere else. Raises LaneBrokerUnavailable
     (naming the file, never its content) when there is no file to read, it
     cannot be read, or the broker does not answer."""
-    from reconciler.ports import LaneQueueUnavailable
+    from reconciler.ports import LaneBrokerUnavailable
 
     path = queue_url_file(fleet, dsn_file)
     if path is None:
-        raise LaneQueueUnavailable("fabric.toml: phaze.queue_url_file: not set (the file holding phaze's PHAZE_QUEUE_URL)")
-    return _lane_queue_at(path, fleet.phaze.job_function, clock)
+        raise LaneBrokerUnavailable("fabric.toml: phaze.queue_url_file: not set (the file holding phaze's PHAZE_QUEUE_URL)")
+    return _lane_broker_at(path, fleet.phaze.job_function, clock)
 
 
-def _lane_queue_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneQueue:
-    from reconciler.ports import LaneQueueUnavailable
+def _lane_broker_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneBroker:
+    from reconciler.ports import LaneBrokerUnavailable
 
     try:
         dsn = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise LaneQueueUnavailable(f"{path}: cannot read phaze's queue URL: {getattr(exc, 'strerror', None) or exc}") from None
+        raise LaneBrokerUnavailable(f"{path}: cannot read phaze's queue URL: {getattr(exc, 'strerror', None) or exc}") from None
     if not dsn.startswith(("postgresql://", "postgres://")):
-        raise LaneQueueUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
+        raise LaneBrokerUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
     # Imported once there is a broker to reach (psycopg is a large part of a pass's imports).
-    from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
-    return PostgresLaneQueue(dsn, clock or system_clock(), job_function=job_function)
+    return PostgresLaneBroker(dsn, clock or system_clock(), job_function=job_function)
 
 
-def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None) -> LaneQueue | None:
-    """`open_lane_queue` for readers that carry on without it (a pass, the
+def lane_broker_if_configured(fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None) -> LaneBroker | None:
+    """`open_lane_broker` for readers that carry on without it (a pass, the
     leader, `fabric status`): None, with a note, when the broker cannot be
     used; None silently when no queue URL file is configured at all.
     `connections`: the lane queue kept there for the same file (opened if
@@ -171,31 +171,31 @@ def lane_queue_if_configured(fleet: FleetConfig, *, note: Callable[[str], None],
     path = queue_url_file(fleet)
     if path is None:
         return None
-    return _lane_queue_noted(path, fleet.phaze.job_function, note, connections)
+    return _lane_broker_noted(path, fleet.phaze.job_function, note, connections)
 
 
-def memo_lane_queue_opener(connections: PassConnections | None = None) -> Callable[[Mapping[str, Any]], BeatLaneQueue | None]:
-    """Opens the lane queue a pass memo names (PassMemo.lane_queue: fabric.toml's
-    [phaze] queue_url_file and job_function) as `lane_queue_if_configured`
+def memo_lane_broker_opener(connections: PassConnections | None = None) -> Callable[[Mapping[str, Any]], BeatLaneBroker | None]:
+    """Opens the lane queue a pass memo names (PassMemo.lane_broker: fabric.toml's
+    [phaze] queue_url_file and job_function) as `lane_broker_if_configured`
     opens it from fabric.toml (no model imported); kept in `connections`,
     when given, for the full pass that may follow."""
 
-    def connect(reach: Mapping[str, Any]) -> BeatLaneQueue | None:
+    def connect(reach: Mapping[str, Any]) -> BeatLaneBroker | None:
         if reach.get("queue_url_file") is None:
             return None
-        return _lane_queue_noted(Path(reach["queue_url_file"]), reach["job_function"], print_note, connections)
+        return _lane_broker_noted(Path(reach["queue_url_file"]), reach["job_function"], print_note, connections)
 
     return connect
 
 
-def _lane_queue_noted(path: Path, job_function: str, note: Callable[[str], None], connections: PassConnections | None) -> PostgresLaneQueue | None:
-    from reconciler.ports import LaneQueueError
+def _lane_broker_noted(path: Path, job_function: str, note: Callable[[str], None], connections: PassConnections | None) -> PostgresLaneBroker | None:
+    from reconciler.ports import LaneBrokerError
 
     try:
         if connections is None:
-            return _lane_queue_at(path, job_function)
-        return connections.kept(f"lane queue {path} {job_function}", lambda kept: kept or _lane_queue_at(path, job_function))
-    except LaneQueueError as exc:
+            return _lane_broker_at(path, job_function)
+        return connections.kept(f"lane queue {path} {job_function}", lambda kept: kept or _lane_broker_at(path, job_function))
+    except LaneBrokerError as exc:
         note(f"lane queue: {exc}; lanes shown without their queues")
         return None
 
@@ -239,7 +239,7 @@ def capture_store() -> CaptureStore:
     return CaptureDirectory()
 
 
-def probe_facts(host: str | None, replay: str | None) -> NodeFacts:
+def probe_facts(host: str | None, replay: str | None) -> HostFacts:
     """This machine's facts, probed live or re-parsed from the capture in `replay`.
     Raises `CaptureError` for an unreadable capture directory."""
     from reconciler.core.probe import RawCapture, facts_from_capture
@@ -509,7 +509,7 @@ def real_pass_ports(options: PassOptions, connections: PassConnections | None = 
         startup_grace=options.startup_grace,
     ) as ports:
         ports.open_registry = registry_opener(options, connections)
-        ports.open_lane_queue = lambda fleet: lane_queue_if_configured(fleet, note=print_note, connections=connections)
+        ports.open_lane_broker = lambda fleet: lane_broker_if_configured(fleet, note=print_note, connections=connections)
         ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 
@@ -613,7 +613,7 @@ def memo_ports(options: PassOptions, connections: PassConnections | None = None)
             clock=system_clock(),
             probe=probe_live,
             open_registry=memo_registry_opener(options, connections=connections),
-            open_lane_queue=memo_lane_queue_opener(connections),
+            open_lane_broker=memo_lane_broker_opener(connections),
             note=print_note,
         )
     finally:

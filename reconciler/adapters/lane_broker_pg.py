@@ -32,7 +32,7 @@ how it ended and deletes it. A worker that dies mid-job leaves an active row
 whose lock nobody holds: saq's sweep (any worker's) marks it failed.
 
 The DSN never leaves this module: it is read from the file the desired state
-names (`[phaze] queue_url_file`) by reconciler.cli.wiring and handed in.
+names (`[phaze] queue_url_file`) by reconciler.wiring and handed in.
 
 What a pass does with the broker is read: each lane's in_flight and workers
 (`lane_states`; a memoized pass only the in_flight, `in_flight`), plain SQL
@@ -55,7 +55,7 @@ import psycopg
 from psycopg import sql
 
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.ports import Clock, LaneQueueError, LaneQueueUnavailable, LaneTarget, StaleDispatcher
+from reconciler.ports import Clock, LaneBrokerError, LaneBrokerUnavailable, LaneTarget, StaleDispatcher
 
 if TYPE_CHECKING:
     from saq.queue.postgres import PostgresQueue
@@ -151,8 +151,8 @@ def _bounded(timeout_s: float) -> dict[str, int]:
     return {"connect_timeout": max(1, int(timeout_s)), "tcp_user_timeout": max(1, int(timeout_s * 1000))}
 
 
-class PostgresLaneQueue:
-    """`reconciler.ports.LaneQueue` on one PostgreSQL database (see the module docstring)."""
+class PostgresLaneBroker:
+    """`reconciler.ports.LaneBroker` on one PostgreSQL database (see the module docstring)."""
 
     def __init__(self, dsn: str, clock: Clock, *, job_function: str = "process_file", connect_timeout_s: float = 5.0) -> None:
         self._dsn = dsn
@@ -166,7 +166,7 @@ class PostgresLaneQueue:
         # saq's tables and the fabric's made (`_prepare`).
         self._prepared = False
         with self._connection():
-            pass  # a broker that does not answer: LaneQueueUnavailable now, as the callers expect of opening
+            pass  # a broker that does not answer: LaneBrokerUnavailable now, as the callers expect of opening
 
     def _prepare(self) -> None:
         """saq's tables (its migrations, when the database is not at saq's
@@ -179,9 +179,9 @@ class PostgresLaneQueue:
         try:
             _saq_tables(self._dsn, self._timeout)
         except (psycopg.OperationalError, OSError, PoolTimeout, TimeoutError) as exc:
-            raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+            raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc)}") from None
         except psycopg.Error as exc:
-            raise LaneQueueError(f"phaze's broker refused: {_first_line(exc)}") from None
+            raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc)}") from None
         with self._connection() as conn, conn.transaction():
             conn.execute(_SCHEMA)
         self._prepared = True
@@ -208,9 +208,9 @@ class PostgresLaneQueue:
                 yield self._conn
             except psycopg.OperationalError as exc:
                 self._drop()
-                raise LaneQueueUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+                raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc)}") from None
             except psycopg.Error as exc:
-                raise LaneQueueError(f"phaze's broker refused: {_first_line(exc)}") from None
+                raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc)}") from None
 
     def _drop(self) -> None:
         if self._conn is not None:

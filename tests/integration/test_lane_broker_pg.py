@@ -20,7 +20,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
@@ -52,12 +52,12 @@ class Lanes:
         fleet = desired.fleet
         self.registry = SqliteRegistry(str(tmp_path / "registry.sqlite"), timing=fleet.timing, flap=fleet.flap, clock=self.clock)
         beat_example_fleet(self.registry)
-        self.queue = PostgresLaneQueue(dsn, self.clock)
+        self.queue = PostgresLaneBroker(dsn, self.clock)
         self.workers = LaneWorkers(dsn, heartbeat_s=HEARTBEAT_S)
         self.opened = [self.queue]
 
-    def another_queue(self) -> PostgresLaneQueue:
-        queue = PostgresLaneQueue(self.dsn, self.clock)
+    def another_queue(self) -> PostgresLaneBroker:
+        queue = PostgresLaneBroker(self.dsn, self.clock)
         self.opened.append(queue)
         return queue
 
@@ -237,7 +237,7 @@ def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lane
             lease_ttl_s=30,
             log=log.append,
             signer=fleet.signer(host),
-            lane_queue=lanes.queue,
+            lane_broker=lanes.queue,
         )
 
     for queue in (A1, X86, LOCAL):
@@ -329,10 +329,10 @@ def test_200_racing_dispatches_from_several_dispatchers_never_exceed_a_cap(lanes
 def test_a_broker_that_accepts_but_never_answers_is_unavailable_not_a_hung_pass():
     """A pass holds its host's lock while it reads the lanes: a broker whose
     port accepts connections but never answers (a wedged server, a half-open
-    path) must end in LaneQueueUnavailable, never in a wait without end."""
+    path) must end in LaneBrokerUnavailable, never in a wait without end."""
     import socket
 
-    from reconciler.ports import LaneQueueUnavailable
+    from reconciler.ports import LaneBrokerUnavailable
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -342,7 +342,7 @@ def test_a_broker_that_accepts_but_never_answers_is_unavailable_not_a_hung_pass(
 
     def open_queue() -> None:
         try:
-            PostgresLaneQueue(f"postgresql://postgres@127.0.0.1:{port}/phaze", FakeClock(), connect_timeout_s=1)
+            PostgresLaneBroker(f"postgresql://postgres@127.0.0.1:{port}/phaze", FakeClock(), connect_timeout_s=1)
             outcome.append(None)
         except BaseException as exc:  # the outcome is the assertion below
             outcome.append(exc)
@@ -353,26 +353,26 @@ def test_a_broker_that_accepts_but_never_answers_is_unavailable_not_a_hung_pass(
         # libpq's connect_timeout (1 s) bounds it; the deadline only keeps a regression from hanging the suite.
         opener.join(timeout=deadline_for(HEARTBEAT_S) * 4)
         assert not opener.is_alive(), "opening the lane queue on a silent broker did not return"
-        assert len(outcome) == 1 and isinstance(outcome[0], LaneQueueUnavailable), outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], LaneBrokerUnavailable), outcome
         assert "phaze's broker" in str(outcome[0])
     finally:
         silent.close()
 
 
-def test_the_saq_tables_the_lane_queue_spells_are_saqs() -> None:
+def test_the_saq_tables_the_lane_broker_spells_are_saqs() -> None:
     """Reading the lanes imports no saq: the adapter spells saq 0.26's table names itself."""
     from saq.queue import postgres
 
-    from reconciler.adapters import lane_queue_pg
+    from reconciler.adapters import lane_broker_pg
 
-    assert (lane_queue_pg.JOBS_TABLE, lane_queue_pg.STATS_TABLE) == (postgres.JOBS_TABLE, postgres.STATS_TABLE)
+    assert (lane_broker_pg.JOBS_TABLE, lane_broker_pg.STATS_TABLE) == (postgres.JOBS_TABLE, postgres.STATS_TABLE)
 
 
 def test_reading_the_lanes_of_a_broker_nobody_used_yet_makes_saqs_tables_first(broker_dsn: str) -> None:
     """Opening the queue makes no table any more: a read that finds saq's
     tables missing makes them (saq's migrations), then reads; a dispatch's
     first use makes the fabric's own."""
-    queue = PostgresLaneQueue(broker_dsn, FakeClock())
+    queue = PostgresLaneBroker(broker_dsn, FakeClock())
     try:
         with psycopg.connect(broker_dsn) as conn:
             assert conn.execute("SELECT to_regclass('saq_jobs'), to_regclass('fabric_lane_jobs')").fetchone() == (None, None)
@@ -388,14 +388,14 @@ def test_reading_the_lanes_of_a_broker_nobody_used_yet_makes_saqs_tables_first(b
 
 READER = """
 import json, sys, time
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
 class Clock:
     def now(self):
         return time.time()
 
 heavy = ("saq", "croniter", "dateutil", "psycopg_pool", "pydantic")
-queue = PostgresLaneQueue(sys.argv[1], Clock())
+queue = PostgresLaneBroker(sys.argv[1], Clock())
 seen = {"in_flight": queue.in_flight(["phaze-agent-a1-arm64"])}
 seen["after in_flight"] = sorted(m for m in heavy if m in sys.modules)
 seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "phaze-agent-a1-arm64"})]

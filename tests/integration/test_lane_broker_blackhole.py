@@ -31,10 +31,10 @@ TIMEOUT_S = 2.0
 CLIENT = """
 import sys, time
 from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.lane_queue_pg import PostgresLaneQueue
-from reconciler.ports import LaneQueueUnavailable
+from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
+from reconciler.ports import LaneBrokerUnavailable
 
-queue = PostgresLaneQueue(sys.argv[1], SystemClock(), connect_timeout_s=float(sys.argv[2]))
+queue = PostgresLaneBroker(sys.argv[1], SystemClock(), connect_timeout_s=float(sys.argv[2]))
 queue.lane_states({"lane-a": "fabric-lane-a"})
 print("ready", flush=True)
 sys.stdin.readline()
@@ -42,7 +42,7 @@ started = time.monotonic()
 try:
     queue.lane_states({"lane-a": "fabric-lane-a"})
     print("answered", flush=True)
-except LaneQueueUnavailable as exc:
+except LaneBrokerUnavailable as exc:
     print(f"unavailable after {time.monotonic() - started:.1f} s: {exc}", flush=True)
 """
 
