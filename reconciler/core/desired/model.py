@@ -89,6 +89,11 @@ _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 _SERVICE_UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.@-]{0,246}\.service$")
 
 
+def is_name(value: str) -> bool:
+    """A safe name (host, service, lane): one that may become part of a path."""
+    return bool(_NAME_RE.match(value))
+
+
 def _name(value: str) -> str:
     if not _NAME_RE.match(value):
         raise ValueError(
