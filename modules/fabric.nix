@@ -59,6 +59,7 @@ let
       source = dropNulls {
         inherit (cfg.desired.git) remote branch;
         ssh_key_file = cfg.desired.git.sshKeyFile;
+        ssh_host_key = cfg.desired.git.sshHostKey;
         require_signed_commits = cfg.desired.git.requireSignedCommits;
         allowed_signers_file = cfg.desired.git.allowedSignersFile;
       };
@@ -215,8 +216,18 @@ in
         };
         requireSignedCommits = lib.mkOption {
           type = lib.types.bool;
-          default = false;
-          description = "Accept a fetched commit only if its SSH signature verifies against `allowedSignersFile`; otherwise keep the last good checkout.";
+          default = true;
+          description = ''
+            Accept a fetched commit only if its SSH signature verifies against `allowedSignersFile`; otherwise keep the
+            last good checkout. On by default: whoever can push to the remote runs anything as root on this host, so
+            turning it off is an explicit choice (`fabric status` says so while it is off).
+          '';
+        };
+        sshHostKey = lib.mkOption {
+          type = lib.types.nullOr lib.types.str;
+          default = null;
+          example = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";
+          description = "The ssh remote's host key as `ssh-keyscan HOST` prints it after the host name; required for an ssh remote (pinned: no key is accepted on first use).";
         };
         allowedSignersFile = lib.mkOption {
           type = lib.types.nullOr lib.types.str;
@@ -341,8 +352,8 @@ in
             message = "services.fabric.desired.path must be under /var/lib/fabric with a git remote (the only directory a pass may write).";
           }
           {
-            assertion = !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
-            message = "services.fabric.desired.git.requireSignedCommits needs services.fabric.desired.git.allowedSignersFile.";
+            assertion = cfg.desired.git.remote == null || !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
+            message = "services.fabric.desired.git needs allowedSignersFile: commits must be signed unless requireSignedCommits = false says otherwise.";
           }
         ];
 

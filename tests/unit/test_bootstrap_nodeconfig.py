@@ -40,7 +40,20 @@ def test_absent_sections_are_defaults() -> None:
         ('[source]\nbranch = "main"\n', "node.toml: source.remote: required key is missing"),
         (
             '[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n',
-            "node.toml: source.allowed_signers_file: required when require_signed_commits is true",
+            "node.toml: source.allowed_signers_file: required: commits must be signed",
+        ),
+        (
+            # The gate is on unless node.toml turns it off in so many words.
+            '[source]\nremote = "/srv/fleet.git"\n',
+            "node.toml: source.allowed_signers_file: required: commits must be signed (require_signed_commits is true unless",
+        ),
+        (
+            '[source]\nremote = "git@git.example:fleet.git"\nrequire_signed_commits = false\n',
+            "node.toml: source.ssh_host_key: required for an ssh remote",
+        ),
+        (
+            '[source]\nremote = "ssh://git@git.example/fleet.git"\nrequire_signed_commits = false\nssh_host_key = "ssh-ed25519 not base64!"\n',
+            "node.toml: source.ssh_host_key: String should match pattern",
         ),
         ('[bootstrap]\nk3s_token_file = "/run/secrets/k3s"\n', "node.toml: bootstrap.k3s_server: k3s_server and k3s_token_file go together"),
         (
@@ -53,7 +66,7 @@ def test_absent_sections_are_defaults() -> None:
         ),
         ("[node\n", "node.toml: line 1: TOML syntax error:"),
         (
-            '[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\n',
+            '[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n',
             "node.toml: node.desired: with [source] the checkout must be inside node.state_dir (/var/lib/fabric)",
         ),
     ],
@@ -99,7 +112,7 @@ def test_units_text_lists_repeated_settings_once_each() -> None:
 
 def test_units_cli_json_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "node.toml"
-    config.write_text('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    config.write_text('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n')
     args = ["units", "--config", str(config), "--fabric-bin", "/opt/fabric/bin/fabric"]
     assert main([*args, "--json"]) == 0
     units = json.loads(capsys.readouterr().out)
@@ -126,7 +139,7 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     hardening option would otherwise be dropped silently)."""
     require("systemd-analyze")
     fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
-    node = parse_node_config('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    node = parse_node_config('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n')
     install = Install(fabric_bin=fabric_bin, node=node, search_path="/usr/bin:/bin")
     paths = []
     for unit in host_units(install, leader_candidate=True):

@@ -111,7 +111,8 @@ CONFIGS = {
     "edge-with-git": (
         '{ hostName = "racknerd"; interval = "45s"; randomizedDelaySec = "10s";'
         ' desired.git = { remote = "git@github.com:researchstack/fleet.git"; branch = "prod";'
-        ' sshKeyFile = "/run/secrets/deploy"; requireSignedCommits = true;'
+        ' sshKeyFile = "/etc/fabric/deploy-key"; requireSignedCommits = true;'
+        ' sshHostKey = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";'
         ' allowedSignersFile = "/etc/fabric/allowed_signers"; }; }',
         {"caddyEnable": "true"},
     ),
@@ -231,12 +232,18 @@ def test_no_pull_without_a_git_remote() -> None:
 def test_signed_commits_need_allowed_signers() -> None:
     result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = true; }; }')
     assert [a["assertion"] for a in result["assertions"]] == [True, True, False]
+    # On by default: a remote alone is refused until signers are named or signing is turned off in so many words.
+    result = evaluate('{ desired.git.remote = "/srv/fleet.git"; }')
+    assert [a["assertion"] for a in result["assertions"]] == [True, True, False]
+    result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = false; }; }')
+    assert all(a["assertion"] for a in result["assertions"])
+    assert NodeConfig.model_validate(result["node"]).source.require_signed_commits is False  # type: ignore[union-attr]
     result = evaluate(CONFIGS["edge-with-git"][0])
     assert all(a["assertion"] for a in result["assertions"])
 
 
 def test_git_checkout_must_be_in_the_state_directory() -> None:
-    result = evaluate('{ desired = { path = "/srv/fleet"; git.remote = "/srv/fleet.git"; }; }')
+    result = evaluate('{ desired = { path = "/srv/fleet"; git = { remote = "/srv/fleet.git"; requireSignedCommits = false; }; }; }')
     assert [a["assertion"] for a in result["assertions"]] == [True, False, True]
     with pytest.raises(ValidationError, match="the checkout must be inside node.state_dir"):
         NodeConfig.model_validate(result["node"])
