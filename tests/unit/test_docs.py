@@ -20,7 +20,7 @@ README_MAX_LINES = 250
 
 FENCE_RE = re.compile(r"^(```|~~~)")
 LINK_RE = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-INLINE_CODE_RE = re.compile(r"(`+)(.+?)\1")
+INLINE_CODE_RE = re.compile(r"(`+)(.+?)\1", re.DOTALL)  # a code span may wrap onto the next line
 # A command line in a code block: optional prompt, sudo or VAR=value first.
 COMMAND_LINE_RE = re.compile(r"^\s*(?:\$ )?(?:sudo )?(?:[A-Z_]+=\S+ )*fabric\s+(.*)$")
 WORD_RE = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -46,7 +46,7 @@ def blocks(text: str) -> tuple[list[str], list[str]]:
 
 def inline_code(prose: list[str]) -> list[str]:
     text = "\n".join(prose)
-    return [m.group(2).strip() for m in INLINE_CODE_RE.finditer(text)]
+    return [" ".join(m.group(2).split()) for m in INLINE_CODE_RE.finditer(text)]
 
 
 def slug(heading: str) -> str:
