@@ -598,7 +598,7 @@ def test_failed_validation_writes_nothing(tmp_path: Path) -> None:
     assert "ExecStrat" in report.stderr[0] and report.stderr[-1] == "pass stopped before installing anything"
     assert installed_contents(fleet.root) == before, "nothing installed, no generation published, no staging left"
     # ...and the failure is what monitoring sees.
-    assert "\nfabric_reconcile_success 0\n" in (fleet.root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
+    assert "\nfabric_reconcile_success 0.0\n" in (fleet.root / "var/lib/node_exporter/textfile/fabric.prom").read_text()
     assert fleet.machine.calls == []
     assert any(r["action"] == "validate" and r["outcome"] == "failed" for r in fleet.audit.records)
 

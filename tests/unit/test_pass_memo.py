@@ -163,6 +163,15 @@ def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> 
     assert "HEAVY jinja2,pydantic" in first  # the full pass renders
 
 
+def test_only_the_full_pass_imports_prometheus_client(sandbox: Sandbox) -> None:
+    """The full pass writes the metrics textfile with prometheus_client; the
+    memoized pass rewrites this host's pass series in it as text and does not
+    pay for the library's import (docs/pass.md gives the figure)."""
+    argv = sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json"))
+    first, _ = two_passes_noting_imports(argv, ("prometheus_client",))
+    assert "HEAVY prometheus_client" in first
+
+
 def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> None:
     """The live probe's key is made of the parsed raw outputs, not of HostFacts:
     a hit that probes this machine live imports no model either. With a plan
@@ -443,7 +452,7 @@ def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(s
     run(capsys, sandbox.argv())
     textfile = sandbox.root / "var/lib/node_exporter/textfile/fabric.prom"
     counters = sandbox.root / STATE / "pass-counters.json"
-    textfile.write_text(textfile.read_text().replace("fabric_reconcile_success 1\n", "fabric_reconcile_success 0\n"))
+    textfile.write_text(textfile.read_text().replace("fabric_reconcile_success 1.0\n", "fabric_reconcile_success 0.0\n"))
     stale = textfile.read_text()
     counters.write_text(json.dumps({"rollbacks_total": 2, "last_success": "2000-01-01T00:00:00+00:00"}))
     code, _, err = run(capsys, sandbox.argv())
