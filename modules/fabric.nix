@@ -119,7 +119,7 @@ let
     ];
 
   # Shared by the pass, the leader and the watcher; reasons in reconciler/core/install/units.py (HARDENING).
-  # No PrivateDevices: the probe must see /dev/dri and /dev/nvidia*.
+  # No PrivateDevices in the pass: the probe must see /dev/dri and /dev/nvidia*.
   hardening = {
     ProtectSystem = "strict";
     ReadWritePaths = [
@@ -149,6 +149,45 @@ let
     SystemCallArchitectures = "native";
     RestrictAddressFamilies = "AF_UNIX AF_INET AF_INET6 AF_NETLINK";
     UMask = "0022";
+  };
+
+  # The trust anchors stay read-only inside every fabric unit (units.py TRUST_ANCHORS).
+  trustAnchors = [
+    "-/etc/fabric/node.toml"
+    "-/etc/fabric/allowed_signers"
+    "-/etc/fabric/plan-signing.key"
+    "-/etc/fabric/deploy-key"
+    "-/etc/fabric/etcd"
+  ];
+
+  # The pass: what activation needs and no more (units.py PASS_HARDENING).
+  passHardening = hardening // {
+    ReadOnlyPaths = trustAnchors;
+    CapabilityBoundingSet = "CAP_NET_ADMIN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN";
+    KeyringMode = "private";
+    ProtectProc = "invisible";
+    SystemCallFilter = [ "@system-service" ];
+    SystemCallErrorNumber = "EPERM";
+  };
+
+  # The watcher and the leader: no capability, nothing writable but their
+  # state directory (units.py DAEMON_HARDENING).
+  daemonHardening = (builtins.removeAttrs hardening [ "ReadWritePaths" ]) // {
+    CapabilityBoundingSet = "";
+    AmbientCapabilities = "";
+    PrivateDevices = true;
+    DevicePolicy = "closed";
+    ProtectProc = "invisible";
+    ProcSubset = "pid";
+    PrivateIPC = true;
+    RemoveIPC = true;
+    KeyringMode = "private";
+    RestrictAddressFamilies = "AF_UNIX AF_INET AF_INET6";
+    SystemCallFilter = [
+      "@system-service"
+      "~@privileged @resources"
+    ];
+    SystemCallErrorNumber = "EPERM";
   };
 
   # The programs a pass calls.
@@ -387,7 +426,7 @@ in
           path = runtimePath;
           environment = passEnvironment;
           serviceConfig =
-            hardening
+            passHardening
             // {
               Type = "oneshot";
               SyslogIdentifier = "fabric-reconcile";
@@ -408,7 +447,7 @@ in
           after = [ "network-online.target" ];
           path = runtimePath;
           environment = passEnvironment;
-          serviceConfig = hardening // {
+          serviceConfig = daemonHardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-watch";
             Restart = "on-failure";
@@ -457,7 +496,7 @@ in
           after = [ "network-online.target" ];
           path = runtimePath;
           environment = passEnvironment;
-          serviceConfig = hardening // {
+          serviceConfig = daemonHardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-leader";
             Restart = "always";

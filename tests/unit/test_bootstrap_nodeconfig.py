@@ -13,7 +13,16 @@ from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.cli import main
 from reconciler.core.install.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
-from reconciler.core.install.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer, watch_service
+from reconciler.core.install.units import (
+    DAEMON_HARDENING,
+    HARDENING,
+    Install,
+    host_units,
+    reconcile_argv,
+    reconcile_service,
+    reconcile_timer,
+    watch_service,
+)
 from tests.conftest import require
 
 
@@ -94,6 +103,12 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     assert "ExecStartPre" not in service
     for key, value in HARDENING.items():
         assert service[key] == value
+    # The trust anchors stay read-only though the pass writes the nft file beside them.
+    assert "-/etc/fabric" in service["ReadWritePaths"]
+    assert {"-/etc/fabric/node.toml", "-/etc/fabric/allowed_signers", "-/etc/fabric/plan-signing.key", "-/etc/fabric/etcd"} <= set(
+        service["ReadOnlyPaths"]
+    )
+    assert set(service["CapabilityBoundingSet"].split()) == {"CAP_NET_ADMIN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_CHOWN"}
     timer = reconcile_timer(install).values("Timer")
     assert timer["OnUnitActiveSec"] == "45s" and timer["Persistent"] == "true" and timer["AccuracySec"] == "1s"
     assert [u.name for u in host_units(install, leader_candidate=True)] == [
@@ -149,10 +164,11 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     SystemdAnalyzeVerifier(SubprocessRunner()).verify(paths)
 
 
-def test_watch_service_restarts_on_failure_hardened_like_the_pass(tmp_path: Path) -> None:
+def test_watch_service_restarts_on_failure_hardened_as_a_daemon(tmp_path: Path) -> None:
     """fabric-watch.service: `fabric watch` with the pass's desired state,
-    host and registry, the pass's hardening, brought back only after a
-    failure; `systemd-analyze verify` knows every key of it."""
+    host and registry, the daemons' hardening (no capability, nothing
+    writable but its state), brought back only after a failure;
+    `systemd-analyze verify` knows every key of it."""
     require("systemd-analyze")
     node = parse_node_config('[node]\nhost = "lux"\nregistry_path = "/var/lib/fabric/registry.sqlite"\n')
     fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
@@ -161,8 +177,9 @@ def test_watch_service_restarts_on_failure_hardened_like_the_pass(tmp_path: Path
     assert service["ExecStart"] == f"{fabric_bin} watch --desired /var/lib/fabric/desired --host lux"
     assert service["Type"] == "simple" and service["Restart"] == "on-failure"
     assert service["Environment"] == ("FABRIC_REGISTRY=/var/lib/fabric/registry.sqlite", "HOME=/var/lib/fabric")
-    for key, value in HARDENING.items():
+    for key, value in DAEMON_HARDENING.items():
         assert service[key] == value, key
+    assert "ReadWritePaths" not in service and service["CapabilityBoundingSet"] == ""
     assert unit.values("Install")["WantedBy"] == "multi-user.target"
     path = tmp_path / unit.name
     path.write_text(unit.text())

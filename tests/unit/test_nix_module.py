@@ -19,8 +19,10 @@ from pydantic import ValidationError
 from reconciler.cli import main
 from reconciler.core.install.nodeconfig import NodeConfig
 from reconciler.core.install.units import (
+    DAEMON_HARDENING,
     HARDENING,
     PASS_DIRECTORIES,
+    PASS_HARDENING,
     PASS_HOME,
     Install,
     leader_service,
@@ -36,7 +38,7 @@ PACKAGE = "/nix/store/11111111111111111111111111111111-fabric-reconciler-0.1.0"
 NODE_TOML = "/etc/fabric/node.toml"
 
 # Settings a unit may give several times: a single Nix string is one of them.
-LIST_KEYS = {"ReadWritePaths", "ExecStartPre"}
+LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre"}
 
 
 def nix_files() -> list[Path]:
@@ -184,10 +186,16 @@ def test_watch_service_on_every_host_matches_python(name: str) -> None:
 def test_hardening_is_shared_and_complete() -> None:
     result = evaluate("{ }")
     service_config = normalized(result["services"]["fabric-reconcile"]["serviceConfig"])
-    for key, value in HARDENING.items():
+    for key, value in PASS_HARDENING.items():
         assert service_config[key] == value, key
-    # The probe must see GPUs: no PrivateDevices on either side.
+    # The probe must see GPUs: no PrivateDevices in the pass on either side.
     assert "PrivateDevices" not in service_config
+    for key, value in HARDENING.items():
+        assert PASS_HARDENING[key] == value, key
+    watch_config = normalized(result["services"]["fabric-watch"]["serviceConfig"])
+    for key, value in DAEMON_HARDENING.items():
+        assert watch_config[key] == value, key
+    assert "ReadWritePaths" not in watch_config
 
 
 def test_settings_reach_node_toml_and_the_command() -> None:
