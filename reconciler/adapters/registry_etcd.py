@@ -49,7 +49,9 @@ out) the next is used, and `RegistryUnavailable` is raised only when none does.
 
 TLS: an https:// endpoint is reached over TLS with the CA and client
 certificate from [registry] ca_file / cert_file / key_file (read at open; the
-key stays in memory only).
+key stays in memory only). The key file is refused unless it is owned by root
+or this process's user and no one else may read it
+(reconciler.adapters.secret_files): the error names its path and mode.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, key_text, parse_int, parse_record, require
+from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
@@ -295,9 +298,13 @@ class EtcdRegistry(LifecycleMixin):
         try:
             ca = Path(ca_file).read_bytes() if ca_file else None
             cert = Path(cert_file).read_bytes() if cert_file else None
-            key = Path(key_file).read_bytes() if key_file else None
         except OSError as exc:
             raise RegistryError(f"etcd TLS file: {exc}") from exc
+        try:
+            # The key is a secret: only a file no one else may read (secret_files).
+            key = read_secret_file(key_file, "the etcd client key") if key_file else None
+        except SecretFileRefused as exc:
+            raise RegistryError(f"etcd TLS file: {exc}") from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     # -- the loop thread and endpoint failover ------------------------------------
