@@ -35,6 +35,7 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.scheduling.placement import schedule
+from reconciler.core.views.page import render_status_page
 from reconciler.engine.leader import candidate_loop
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
@@ -314,3 +315,14 @@ def test_the_snapshot_carries_its_problems_through_a_saved_copy() -> None:
     snapshot = Snapshot(unreadable=[UnreadableRecord(key="facts/x86-spill", node="x86-spill", what="heartbeat record", reason="empty")])
     again = Snapshot.model_validate_json(snapshot.model_dump_json())
     assert [p.line() for p in again.unreadable] == ["x86-spill: unreadable heartbeat record: empty"]
+
+
+def test_the_status_page_names_each_unreadable_record_once_escaped() -> None:
+    desired = load_desired(REPO / "hosts")
+    problem = UnreadableRecord(key="facts/x86-spill", node="x86-spill", what="heartbeat record", reason="labels[...]: <b>not</b> a string")
+    snapshot = Snapshot(now=datetime(2026, 11, 29, 18, 30, tzinfo=UTC), unreadable=[problem, problem.model_copy(update={"key": "nodes/x86-spill"})])
+    page = render_status_page(desired, snapshot, None, snapshot.now)
+    assert page.count('<li class="unreadable">') == 1
+    assert "x86-spill: unreadable heartbeat record: labels[...]: &lt;b&gt;not&lt;/b&gt; a string" in page
+    assert "<b>not</b>" not in page
+    assert '<ul id="unreadable"' not in render_status_page(desired, Snapshot(now=snapshot.now), None, snapshot.now)
