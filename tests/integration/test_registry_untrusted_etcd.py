@@ -213,31 +213,50 @@ json_values = st.recursive(
     max_leaves=12,
 )
 
+# Known attacks, each tried (the property below draws among them too).
+ATTACKS: list[bytes] = [
+    b"",
+    b"[" * 5000 + b"]" * 5000,
+    b'{"node_id": "x86-spill", "tier": "batch", "labels": ' + b"{" * 3000 + b"}" * 3000 + b"}",
+    json.dumps({**VALID, "node_id": "lux"}).encode(),
+    json.dumps({**VALID, "timeout_s": 1e308, "beat_at": "2026-12-01T00:00:00Z"}).encode(),
+    json.dumps({**VALID, "beat_at": "9999-12-31T23:59:59Z", "timeout_s": 90}).encode(),
+    json.dumps({**VALID, "in_flight": 10**400}).encode(),
+    b"x" * (MAX_RECORD_BYTES + 1),
+    json.dumps({**VALID, "labels": {f"k{i}": "v" * 100 for i in range(4000)}}).encode(),
+    b"not json",
+    json.dumps({**VALID, "labels": {"a": ["[" * 3000]}}).encode(),
+]
+
 hostile_values = st.one_of(
     st.binary(max_size=300),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.tuples(st.sampled_from(sorted(VALID)), json_values | st.integers(min_value=2**31, max_value=2**200)).map(
         lambda pair: json.dumps({**VALID, pair[0]: pair[1]}).encode()
     ),
-    st.sampled_from(
-        [
-            b"",
-            b"[" * 5000 + b"]" * 5000,
-            b'{"node_id": "x86-spill", "tier": "batch", "labels": ' + b"{" * 3000 + b"}" * 3000 + b"}",
-            json.dumps({**VALID, "node_id": "lux"}).encode(),
-            json.dumps({**VALID, "timeout_s": 1e308, "beat_at": "2026-12-01T00:00:00Z"}).encode(),
-            json.dumps({**VALID, "beat_at": "9999-12-31T23:59:59Z", "timeout_s": 90}).encode(),
-            json.dumps({**VALID, "in_flight": 10**400}).encode(),
-            b"x" * (MAX_RECORD_BYTES + 1),
-            json.dumps({**VALID, "labels": {f"k{i}": "v" * 100 for i in range(4000)}}).encode(),
-        ]
-    ),
+    st.sampled_from(ATTACKS),
 )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(value=hostile_values)
 def test_whatever_a_host_writes_into_its_own_keys_every_reader_finishes(fleet: EtcdFleet, value: bytes) -> None:
+    every_reader_finishes(fleet, value)
+
+
+@pytest.mark.parametrize("value", ATTACKS, ids=range(len(ATTACKS)))
+def test_each_known_attack_is_skipped_named_and_every_reader_finishes(fleet: EtcdFleet, value: bytes) -> None:
+    fleet.write_own_keys(value)
+    registry = fleet.connect("a1-arm64")
+    try:
+        named = {p.line() for p in registry.snapshot().unreadable}
+    finally:
+        registry.close()
+    assert len(named) == 1 and next(iter(named)).startswith("x86-spill: unreadable heartbeat record: "), named
+    every_reader_finishes(fleet, value)
+
+
+def every_reader_finishes(fleet: EtcdFleet, value: bytes) -> None:
     fleet.write_own_keys(value)
     fleet.leader.step()
     assert fleet.leader.leadership is not None, fleet.log[-5:]

@@ -152,36 +152,54 @@ def _with_field(pair: tuple[str, object]) -> str:
     return json.dumps({**VALID, field: value})
 
 
+# Known attacks, each tried (the property below draws among them too).
+ATTACKS: list[bytes | str | int] = [
+    "",
+    "not json",
+    "null",
+    "[]",
+    "{}",
+    "[" * 5000 + "]" * 5000,
+    json.dumps({**VALID, "labels": {"a": ["[" * 3000]}}),  # a label that is not a string
+    '{"node_id": "x86-spill", "tier": "batch", "labels": ' + "{" * 3000 + "}" * 3000 + "}",
+    json.dumps({**VALID, "node_id": "lux"}),  # another host's name
+    json.dumps({**VALID, "timeout_s": 1e308, "beat_at": "2026-12-01T00:00:00Z"}),
+    json.dumps({**VALID, "beat_at": "9999-12-31T23:59:59Z", "timeout_s": 90}),
+    json.dumps({**VALID, "in_flight": 10**400, "max_concurrent_tasks": 1}),
+    json.dumps({**VALID, "labels": {f"k{i}": "v" * 100 for i in range(4000)}}),  # oversized
+    "x" * (MAX_RECORD_BYTES + 1),
+    b"\x00\xff\xfe",  # not text at all (a BLOB)
+    12345,  # sqlite keeps an INTEGER in any column
+]
+
 hostile_values = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=300),
     json_values.map(json.dumps),
     # A record of the right shape with one field of a wrong type or out of range.
     st.tuples(st.sampled_from(sorted(VALID)), json_values | st.integers(min_value=2**31, max_value=2**200)).map(_with_field),
-    st.sampled_from(
-        [
-            "",
-            "not json",
-            "null",
-            "[]",
-            "{}",
-            "[" * 5000 + "]" * 5000,
-            json.dumps({**VALID, "labels": {"a": "[" * 3000}}),
-            '{"node_id": "x86-spill", "tier": "batch", "labels": ' + "{" * 3000 + "}" * 3000 + "}",
-            json.dumps({**VALID, "node_id": "lux"}),  # another host's name
-            json.dumps({**VALID, "timeout_s": 1e308, "beat_at": "2026-12-01T00:00:00Z"}),
-            json.dumps({**VALID, "beat_at": "9999-12-31T23:59:59Z", "timeout_s": 90}),
-            json.dumps({**VALID, "in_flight": 10**400, "max_concurrent_tasks": 1}),
-            json.dumps({**VALID, "labels": {f"k{i}": "v" * 100 for i in range(4000)}}),  # oversized
-            "x" * (MAX_RECORD_BYTES + 1),
-        ]
-    ),
+    st.sampled_from(ATTACKS),
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(value=hostile_values)
 def test_whatever_a_host_writes_into_its_own_record_every_reader_finishes(hostile_fleet: Fleet, capsys, value) -> None:
+    every_reader_finishes(hostile_fleet, capsys, value)
+
+
+@pytest.mark.parametrize("value", ATTACKS, ids=range(len(ATTACKS)))
+def test_each_known_attack_is_skipped_and_every_reader_finishes(hostile_fleet: Fleet, capsys, value) -> None:
+    every_reader_finishes(hostile_fleet, capsys, value)
+    registry = hostile_fleet.connect()
+    try:
+        named = [p.line() for p in registry.snapshot().unreadable]
+    finally:
+        registry.close()
+    assert len(named) == 1 and named[0].startswith("x86-spill: unreadable heartbeat record: "), named
+
+
+def every_reader_finishes(hostile_fleet: Fleet, capsys, value) -> None:
     hostile_fleet.write_own_record(value)
     registry = hostile_fleet.connect()
     try:
