@@ -149,12 +149,14 @@ class EtcdFleet:
         )
 
     def write_own_keys(self, value: bytes) -> None:
-        """With x86-spill's own certificate: both keys it may write."""
+        """With x86-spill's own certificate: both keys it may write, its beat
+        under a lease of its own (as a beat is)."""
         for kind in ("nodes", "facts"):
             key = f"{PREFIX}/{kind}/{HOSTILE}".encode()
 
-            async def op(c, key=key):
-                await c.put(key, value)
+            async def op(c, key=key, kind=kind):
+                lease = (await c.lease(60)).id if kind == "nodes" else None
+                await c.put(key, value, lease=lease)
 
             self.hostile._call(op, f"a put of {key.decode()}")  # type: ignore[attr-defined]
 
