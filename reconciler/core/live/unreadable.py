@@ -36,7 +36,9 @@ class UnreadableRecord(BaseModel):
     def line(self) -> str:
         """`x86-spill: unreadable heartbeat record: <reason>` (the key when
         the record is no node's)."""
-        return f"{self.node or self.key}: unreadable {self.what}: {self.reason}"
+        line = f"{self.node or self.key}: unreadable {self.what}: {self.reason}"
+        # A key is bytes someone wrote too: no control character reaches a terminal or the journal.
+        return "".join(c if c.isprintable() else "?" for c in line)
 
 
 def problem_lines(problems: list[UnreadableRecord] | tuple[UnreadableRecord, ...]) -> list[str]:
