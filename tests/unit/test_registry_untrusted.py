@@ -44,6 +44,8 @@ from tests.conftest import REPO
 from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 
 HOSTILE = "x86-spill"
+# Every command that only reads the registry.
+READ_ONLY_COMMANDS = (("nodes",), ("status",), ("leader",), ("schedule",), ("registry", "export"))
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +219,8 @@ def every_reader_finishes(hostile_fleet: Fleet, capsys, value) -> None:
     assert hostile_fleet.leader.leadership is not None
     assert hostile_fleet.pass_of("a1-arm64").static is None
     desired = hostile_fleet.desired
-    for command in ("nodes", "status"):
-        code, _ = run_cli(capsys, command, "--desired", desired, "--registry-path", str(hostile_fleet.path))
+    for command in READ_ONLY_COMMANDS:
+        code, _ = run_cli(capsys, *command, "--desired", desired, "--registry-path", str(hostile_fleet.path))
         assert code == EXIT_OK, command
     assert {s.node_id for s in states} >= {"a1-arm64", "racknerd"}
 
