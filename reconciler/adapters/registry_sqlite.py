@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
-from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, require
+from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, require, validation_reason
 from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
@@ -47,7 +47,7 @@ from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.ports import Clock, NotLeader
+from reconciler.ports import Clock, NotLeader, RegistryError
 
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
@@ -216,8 +216,11 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
                 self._bump(db, CHANGES)
 
     def leader(self) -> LeaderInfo | None:
-        with self._tx(write=False) as db:
-            current = self._current_leader(db, self._now())
+        try:
+            with self._tx(write=False) as db:
+                current = self._current_leader(db, self._now())
+        except ValidationError as exc:  # never trusted: the port's error, not a parse error
+            raise RegistryError(f"sqlite registry {self.path}: unreadable leader record: {validation_reason(exc)}") from None
         return current[0] if current else None
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:

@@ -38,7 +38,7 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
-from reconciler.ports import PermissionDenied, Registry
+from reconciler.ports import PermissionDenied, Registry, RegistryError
 from reconciler.wiring import open_registry
 from tests.conftest import REPO, require
 from tests.harness.etcd import EtcdCluster, etcd_cluster
@@ -270,3 +270,31 @@ def every_reader_finishes(fleet: EtcdFleet, value: bytes) -> None:
         assert status == EXIT_OK and "Traceback" not in err, (command, err)
     # The hostile host's own pass still beats over whatever it left there.
     assert fleet.pass_of(HOSTILE).static is None
+
+
+def test_every_other_key_that_does_not_parse_is_skipped_named_or_the_registrys_error(fleet: EtcdFleet) -> None:
+    """Keys only a candidate (or root) writes, read the same way: the full read
+    skips and names each; a read of one key alone raises the port's
+    RegistryError, never a parse error (here root's identity, under a prefix
+    of its own, so the module's fleet is not touched)."""
+    root_fleet = fleet.states["root"].fleet
+    other = f"{PREFIX}-other"
+    registry = open_registry(root_fleet.model_copy(update={"registry": root_fleet.registry.model_copy(update={"prefix": other})}))
+    try:
+        garbage = {"state/lux": b"[", "drain/lux": b"{}", "plan": b"not json", "leader": b"\x00", "epoch": b"ten", "scaling": b"[]"}
+        for key, value in garbage.items():
+
+            async def op(c, key=key, value=value):
+                await c.put(f"{other}/{key}".encode(), value)
+
+            registry._call(op, f"a put of {key}")  # type: ignore[attr-defined]
+        snapshot = registry.snapshot()
+        assert sorted(p.key for p in snapshot.unreadable) == sorted(garbage)
+        assert snapshot.leader is None and snapshot.epoch == 0 and snapshot.placements == []
+        for read, what in ((registry.newest_plan, "plan"), (registry.leader, "leader record"), (registry.epoch, "epoch")):
+            with pytest.raises(RegistryError, match=f"etcd {other}/.*: unreadable {what}: "):
+                read()
+        assert registry.scaling_record().concurrency == {}
+        assert registry.node_states() == []
+    finally:
+        registry.close()

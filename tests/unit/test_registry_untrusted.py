@@ -308,6 +308,20 @@ def test_every_other_record_that_does_not_parse_is_skipped_and_named(hostile_fle
     assert result.static is None and result.plan.epoch >= 1
 
 
+def test_an_unreadable_leader_record_is_skipped_by_the_read_and_the_registrys_error_alone(hostile_fleet: Fleet) -> None:
+    with sqlite3.connect(hostile_fleet.path) as db:
+        db.execute("UPDATE leader SET info = '{\"candidate\": 5}' WHERE id = 1")
+    registry = hostile_fleet.connect()
+    try:
+        snapshot = registry.snapshot()
+        assert [p.line() for p in snapshot.unreadable] == ["leader: unreadable leader record: candidate: Input should be a valid string (and 3 more)"]
+        assert snapshot.leader is None
+        with pytest.raises(RegistryError, match="unreadable leader record: candidate: Input should be a valid string"):
+            registry.leader()
+    finally:
+        registry.close()
+
+
 def test_an_epoch_counter_that_is_not_a_number_is_the_registrys_error(hostile_fleet: Fleet) -> None:
     with sqlite3.connect(hostile_fleet.path) as db:
         db.execute("UPDATE meta SET value = 'x' WHERE key = 'epoch'")
