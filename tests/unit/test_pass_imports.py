@@ -84,6 +84,7 @@ def test_a_lane_hosts_pass_imports_no_saq_to_read_its_lanes(tmp_path: Path) -> N
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
         url_file = tmp_path / "queue_url"
         url_file.write_text(f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/phaze\n")
+        url_file.chmod(0o600)  # a secret: refused unless private
         fleet_file = s.desired / "fabric.toml"
         fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
         full = one_pass(s)

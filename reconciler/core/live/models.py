@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from reconciler.core.desired.model import Tier
+from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.timestamps import utc_now
 
 NodeStatus = Literal["active", "draining", "offline", "dead"]
@@ -141,6 +142,9 @@ class Snapshot(_Live):
     placements: list[Placement] = []
     leader: str | None = None
     epoch: int = 0
+    # Registry records that did not parse or validate, skipped by the read
+    # (reconciler.core.live.unreadable): their nodes count as not beating.
+    unreadable: list[UnreadableRecord] = []
 
 
 class PlanSignature(_Live):

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
 from reconciler.core.views.timeline import FleetHistory, TimelineEvent, timeline
@@ -223,6 +224,9 @@ class FleetStatus:
     # Why the registry's newest plan is not the fleet's (forged, or signed by
     # a key fabric.toml does not list): hosts refuse it, so it is not shown.
     plan_refused: str | None = None
+    # Registry records that did not parse or validate, one line each
+    # ("x86-spill: unreadable heartbeat record: ..."): skipped, their nodes not beating.
+    unreadable: tuple[str, ...] = ()
     # Port maps open beyond the tailnet (their allow_from); empty: tailnet only.
     exposure: tuple[ExposureRow, ...] = ()
     # Recent events, newest first; `timeline_known` False when no registry
@@ -285,6 +289,7 @@ def fleet_status(
         waiting=_deferred(plan, inadmissible=False),
         inadmissible=_deferred(plan, inadmissible=True),
         plan_refused=plan_refused,
+        unreadable=tuple(problem_lines(snapshot.unreadable)),
         exposure=exposure(desired),
         timeline=timeline(history, plan) if history is not None else (),
         timeline_known=history is not None,
@@ -424,6 +429,9 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
     out = [status.headline]
     if status.plan_refused:
         out.append(f"PLAN REFUSED · hosts keep their generations: {status.plan_refused}")
+    if status.unreadable:
+        out += ["", f"UNREADABLE RECORDS · skipped, their nodes count as not beating ({len(status.unreadable)})"]
+        out += [f"  {line}" for line in status.unreadable]
     out += ["", "LANES"]
     out += [lane_card_line(card, color=color) for card in status.lanes]
     out += ["", "NODES"]
@@ -486,6 +494,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
         "leader": status.leader,
         "epoch": status.epoch,
         "plan_refused": status.plan_refused,
+        "unreadable": list(status.unreadable),
         "lanes": [
             {
                 "id": c.id,
