@@ -41,6 +41,7 @@ FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 
 # Few tiers per fleet make ties and fallbacks between them common.
 tiers = st.sampled_from(["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "relay"])
+costs = st.sampled_from(["free", "owned", "paid"])
 
 
 @st.composite
@@ -60,6 +61,7 @@ def nodes_strategy(draw, min_size=0):
                 max_concurrent_tasks=draw(st.integers(0, 6)),
                 arch=draw(st.sampled_from(["x86_64", "x86_64", "aarch64", None])),
                 labels=draw(st.sampled_from([{}, {"zone": "a"}, {"zone": "b"}, {"zone": "a", "gpu": "yes"}])),
+                cost=draw(costs),
             )
         )
     return out
@@ -74,6 +76,7 @@ def requests_strategy(draw):
         floor=TIER_ORDER[bottom],
         arch=frozenset(draw(st.sets(st.sampled_from(["x86_64", "aarch64"]), max_size=1))),
         labels=draw(st.sampled_from([(), (), (("zone", "a"),), (("gpu", "yes"),)])),
+        cost_first=draw(st.booleans()),
     )
 
 

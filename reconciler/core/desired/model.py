@@ -54,6 +54,24 @@ Tier = Literal[
 TIER_ORDER: tuple[Tier, ...] = get_args(Tier)
 TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
 
+# A host's cost class, cheapest first: placement prefers a cheaper host among
+# hosts of the same tier (reconciler.core.scheduling.placement). "free": no
+# bill at all (an always-free cloud box); "owned": hardware at hand, paid for
+# whether it works or not; "paid": billed while it runs work (a spill box).
+Cost = Literal["free", "owned", "paid"]
+COST_ORDER: tuple[Cost, ...] = get_args(Cost)
+COST_RANK: dict[str, int] = {c: i for i, c in enumerate(COST_ORDER)}
+# A host file without `cost`: owned. It claims no saving and no bill, so a
+# fleet that marks no host plans exactly as before cost existed, and only a
+# host an operator marks paid is kept for overflow.
+DEFAULT_COST: Cost = "owned"
+# Where cost ranks among the placement rules ([scheduler] cost_order, or a
+# service's own): "within_tier" (default) keeps the tier order first and lets
+# the cheaper host win among hosts of one tier; "before_tier" takes the
+# cheapest class with room first, then the tier order (down to the floor),
+# for work that does not care for speed.
+CostOrder = Literal["within_tier", "before_tier"]
+
 Arch = Literal["x86_64", "aarch64"]
 ARCHES: tuple[Arch, ...] = get_args(Arch)
 # A service's command or image is keyed by architecture, or "any" for both.
@@ -337,6 +355,10 @@ class SchedulerSettings(Strict):
     # highest_tier: the seed's rule (best tier first). best_fit: the lowest tier
     # that satisfies, so CUDA boxes stay free for CUDA-only work.
     strategy: Literal["highest_tier", "best_fit"] = "highest_tier"
+    # Cost among the rules (CostOrder): within_tier by default, since a tier
+    # is a speed promise a service asked for; a service that does not care
+    # for speed says cost_order = "before_tier" itself.
+    cost_order: CostOrder = "within_tier"
     # multi-compute.md's staleness gate: a lane job reaches the local lane once
     # it has waited this long with every cloud lane full.
     local_spill_after_s: Seconds = 900
@@ -541,6 +563,9 @@ class Service(Strict):
     environment: Environment = {}
     # name -> absolute path on the host, delivered with LoadCredential=.
     credentials: dict[Name, AbsPath] = {}
+    # This service's place of cost among the placement rules; None: the
+    # fleet's [scheduler] cost_order.
+    cost_order: CostOrder | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> Service:
@@ -754,6 +779,9 @@ class HostSettings(Strict):
     tailnet_name: HostName | None = None
     # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
     nftables_fix: bool | None = None
+    # The host's cost class (COST_ORDER): reported in its heartbeat, so the
+    # leader places on cheaper hosts first and brings work home from paid ones.
+    cost: Cost = DEFAULT_COST
 
     @model_validator(mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import Tier
+from reconciler.core.desired.model import DEFAULT_COST, Cost, Tier
 from reconciler.core.timestamps import utc_now
 
 NodeStatus = Literal["active", "draining", "offline", "dead"]
@@ -59,6 +59,8 @@ class SnapshotNode(_Live):
     # Tasks other engines run there (Ray's, as the leader reads Ray's state
     # API: core.scheduling.ray_tasks.with_ray_view); part of in_flight.
     engine_tasks: int = Field(default=0, ge=0)
+    # The host's cost class, from its record (NodeRecord.cost).
+    cost: Cost = DEFAULT_COST
 
     @property
     def utilization(self) -> float:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import NAME_PATTERN, HostFacts, Tier
+from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, HostFacts, Tier
 from reconciler.core.live import beat
 
 # Re-exported for the engine, adapters and CLI until they import them from
@@ -49,6 +49,10 @@ class NodeRecord(_Record):
     labels: dict[str, str] = {}
     max_concurrent_tasks: int = Field(default=1, ge=0)
     max_concurrent_ceiling: int | None = None
+    # The host file's cost class (`[host] cost`): the leader places from the
+    # live record, so it travels with the beat (an older host's beat lacks
+    # it: the default, as for a host file that says nothing).
+    cost: Cost = DEFAULT_COST
     # Measured by the node's pass: the placed service units active here plus
     # the lane jobs running on the lanes whose jobs run here (one account).
     in_flight: int = Field(default=0, ge=0)
@@ -94,6 +98,7 @@ class NodeRecord(_Record):
         units: dict[str, str] | None = None,
         lowered_limits: list[str] | None = None,
         services_running: int | None = None,
+        cost: Cost = DEFAULT_COST,
     ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
@@ -114,6 +119,7 @@ class NodeRecord(_Record):
             units=dict(units or {}),
             lowered_limits=list(lowered_limits or []),
             services_running=services_running,
+            cost=cost,
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,

@@ -14,8 +14,15 @@ Eligible node (for NEW work)
 Choosing
     Candidates are the eligible nodes at or above `min_tier`. Strategy
     "highest_tier" (the seed's) prefers the highest tier; "best_fit" the lowest
-    tier that satisfies, so CUDA boxes stay free for CUDA-only work. Then the
-    lowest utilization (load / max_concurrent_tasks), then the node id.
+    tier that satisfies, so CUDA boxes stay free for CUDA-only work. Among
+    the nodes of one tier, the cheaper cost class (`SnapshotNode.cost`, from
+    the host file through its heartbeat: free, owned, paid) wins first, so a
+    paid host takes work only while the cheaper hosts of its tier are full.
+    Then the lowest utilization (load / max_concurrent_tasks), then the node
+    id. A request with `cost_first` (a service's or the fleet's cost_order
+    "before_tier": work that does not care for speed) takes the cheapest
+    class first and, within it, the tier order down to the floor
+    (`preference_steps`); a floor is still a floor either way.
     Replicas of one service go to distinct nodes: a host runs one unit per
     service, so two replicas on one host would be one replica. A node running
     a sibling is not a candidate at all; a replica with no distinct node left
@@ -76,12 +83,12 @@ Trust
     registry writer can move declared work around but not add a target.
 
 Speed
-    Per (arch, labels) constraint and per tier, a heap keyed by
+    Per (arch, labels) constraint and per (tier, cost class), a heap keyed by
     (utilization, node id) holds the eligible nodes (the id as its rank in
     sorted order); a placement replaces the chosen node's entry in place and
     re-pushes it into its other heaps (stale entries are skipped on pop). A
     decision costs
-    O(log N) heap work per tier tried (at most 11 tiers), against O(N) for a
+    O(log N) heap work per pool tried (at most 11 tiers x 3 classes), against O(N) for a
     scan of every node; bench/scheduler measures both.
 """
 
@@ -94,7 +101,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
+from reconciler.core.desired.model import COST_ORDER, COST_RANK, TIER_ORDER, TIER_SCORE, CostOrder, DesiredState, Service, Tier
 from reconciler.core.live.host_load import RUNNING_STATES
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import account_load, agent_unit, lane_jobs_by_host, lane_views
@@ -120,6 +127,9 @@ class Request:
     arch: frozenset[str] = frozenset()
     # Labels the node must carry, sorted (key, value) pairs.
     labels: tuple[tuple[str, str], ...] = ()
+    # Cost before tier (CostOrder "before_tier"): the cheapest class with
+    # room first, then the tier order down to the floor.
+    cost_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("min_tier", "floor"):
@@ -129,12 +139,14 @@ class Request:
             raise ValueError(f"floor {self.floor!r} is above min_tier {self.min_tier!r}")
 
     @classmethod
-    def for_service(cls, service: Service) -> Request:
+    def for_service(cls, service: Service, cost_order: CostOrder = "within_tier") -> Request:
+        """`cost_order`: the fleet's ([scheduler] cost_order), unless the service says its own."""
         return cls(
             min_tier=service.min_tier,
             floor=service.floor,
             arch=frozenset(service.arch),
             labels=tuple(sorted(service.labels.items())),
+            cost_first=(service.cost_order or cost_order) == "before_tier",
         )
 
     @property
@@ -155,6 +167,11 @@ class Choice:
     fallback: bool
 
 
+# One step of a decision: the (tier, cost rank) heaps to try in order, each
+# with whether its tier is a fallback (below min_tier).
+Step = list[tuple[Tier, int, bool]]
+
+
 @dataclass(frozen=True)
 class NoChoice:
     reason: str
@@ -170,6 +187,22 @@ def tier_sequence(min_tier: Tier, floor: Tier, strategy: Strategy) -> tuple[list
         satisfying.reverse()
     fallback = list(TIER_ORDER[top + 1 : bottom + 1])
     return satisfying, fallback
+
+
+def preference_steps(min_tier: Tier, floor: Tier, strategy: Strategy, cost_first: bool) -> list[Step]:
+    """The order a request tries (tier, cost) pools in, as groups (a group's
+    avoided nodes are passed over only while another of the group will do).
+
+    Tier first (the default): the satisfying tiers as one group, each tier's
+    cost classes cheapest first, then each fallback tier with its classes.
+    Cost first: one group per cost class, cheapest first, each with every
+    tier from the strategy's satisfying order down to the floor."""
+    satisfying, fallback = tier_sequence(min_tier, floor, strategy)
+    tiers = [(t, False) for t in satisfying] + [(t, True) for t in fallback]
+    costs = range(len(COST_ORDER))
+    if cost_first:
+        return [[(t, c, fb) for t, fb in tiers] for c in costs]
+    return [[(t, c, False) for t in satisfying for c in costs]] + [[(t, c, True) for c in costs] for t in fallback]
 
 
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
@@ -237,10 +270,10 @@ class Placer:
         ]
         self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
         self._kept: Counter[str] = Counter()
-        # constraint -> tier -> heap of (utilization, node rank, stamp)
-        self._pools: dict[Constraint, dict[str, list[tuple[float, int, int]]]] = {}
-        # (min_tier, floor) -> the tier groups to try, in order
-        self._steps: dict[tuple[str, str], list[tuple[list[Tier], bool]]] = {}
+        # constraint -> (tier, cost rank) -> heap of (utilization, node rank, stamp)
+        self._pools: dict[Constraint, dict[tuple[str, int], list[tuple[float, int, int]]]] = {}
+        # (min_tier, floor, cost_first) -> the (tier, cost) groups to try, in order
+        self._steps: dict[tuple[str, str, bool], list[Step]] = {}
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
 
     # ------------------------------------------------------------------
@@ -296,14 +329,14 @@ class Placer:
         for request in requests:
             self._pool(request)
 
-    def _pool(self, request: Request) -> dict[str, list[tuple[float, int, int]]]:
+    def _pool(self, request: Request) -> dict[tuple[str, int], list[tuple[float, int, int]]]:
         key = request.constraint
         pool = self._pools.get(key)
         if pool is None:
             pool = defaultdict(list)
             for slot in self.slots.values():
                 if request.matches(slot.node):
-                    heap = pool[slot.node.tier]
+                    heap = pool[(slot.node.tier, COST_RANK[slot.node.cost])]
                     slot.heaps.append(heap)
                     if slot.load < slot.limit:
                         heap.append(slot.entry())
@@ -356,13 +389,12 @@ class Placer:
         # full would have been chosen instead of deferring). Clearing it here
         # made every deferral after a placement a scan of the whole fleet.
 
-    def _tier_steps(self, request: Request) -> list[tuple[list[Tier], bool]]:
-        """Satisfying tiers as one group, then each fallback tier on its own."""
-        key = (request.min_tier, request.floor)
+    def _tier_steps(self, request: Request) -> list[Step]:
+        """`preference_steps` of the request, computed once per shape."""
+        key = (request.min_tier, request.floor, request.cost_first)
         steps = self._steps.get(key)
         if steps is None:
-            satisfying, fallback = tier_sequence(request.min_tier, request.floor, self.strategy)
-            steps = self._steps[key] = [(satisfying, False)] + [([tier], True) for tier in fallback]
+            steps = self._steps[key] = preference_steps(request.min_tier, request.floor, self.strategy, request.cost_first)
         return steps
 
     # ------------------------------------------------------------------
@@ -378,10 +410,10 @@ class Placer:
         # Within the satisfying group, nodes not avoided first; then the same
         # for each fallback tier, best first.
         passes = (avoid, exclude) if avoid != exclude else (avoid,)
-        for group, is_fallback in self._tier_steps(request):
+        for group in self._tier_steps(request):
             for avoiding in passes:
-                for tier in group:
-                    heap = pool.get(tier)
+                for tier, cost, is_fallback in group:
+                    heap = pool.get((tier, cost))
                     if not heap:
                         continue
                     slot = self._best(heap, avoiding)
@@ -545,8 +577,9 @@ def schedule_with_placer(
     # 2. Place the rest, most demanding services first.
     placements: list[Placement] = list(kept.values())
     deferred: list[Deferred] = []
+    cost_order = desired.fleet.scheduler.cost_order
     for service in _placement_order(desired.fleet.services):
-        request = Request.for_service(service)
+        request = Request.for_service(service, cost_order)
         hosting = {p.node for key, p in kept.items() if key[0] == service.id}
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
