@@ -96,6 +96,11 @@ class Placement(_Live):
     node: str
     tier: Tier
     fallback: bool = False
+    # A move in progress, make-before-break (the come-home rule,
+    # core.scheduling.placement): this is the replica's new placement, and
+    # its placement on node `replaces` stays in the plan beside it until the
+    # service runs here; the edge routes to both meanwhile.
+    replaces: str | None = None
 
 
 class Deferred(_Live):
@@ -143,6 +148,8 @@ class Snapshot(_Live):
     placements: list[Placement] = []
     leader: str | None = None
     epoch: int = 0
+    # The last plan's `room_since` (the come-home rule's memory).
+    room_since: dict[str, datetime] = {}
 
 
 class PlanSignature(_Live):
@@ -165,6 +172,12 @@ class FleetPlan(_Live):
     # never given work (a registry writer cannot add a target), listed so an
     # operator sees them.
     ignored_nodes: list[str] = []
+    # The come-home rule's memory, kept only while work runs on paid hosts:
+    # each cheaper node that could take some of it, with the time since when
+    # it has had room (continuously, as the leader's steps saw it). A
+    # replica moves off a paid host only to a node with room for a stable
+    # window ([flap] window_s).
+    room_since: dict[str, datetime] = {}
     # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
     signature: PlanSignature | None = None
 

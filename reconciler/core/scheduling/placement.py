@@ -72,6 +72,22 @@ Existing placements (`snapshot.placements`)
     A held-off (flapping) node keeps what it runs - hold-off stops new
     placements, it does not evict - which is exactly the churn damping is for.
 
+Work comes home (`bring_home`, `split_moves`, `room_memory`)
+    Stickiness is not forever on a paid host. While replicas run on paid
+    hosts, the plan remembers (`FleetPlan.room_since`, read back as
+    `Snapshot.room_since`) since when each node they could come home to has
+    had room: a node of a cheaper class that the replica's request prefers
+    for tier and cost (`Placer.preferred_to`; with tier first, never a worse
+    tier). Once one has had room for [flap] window_s, one replica per
+    service moves: its new placement (`Placement.replaces` = the paid node)
+    is added beside the old one, holding a slot on the new node; the edge
+    routes to both. When the new node's heartbeat shows the service's unit
+    active, the old placement leaves the plan (make-before-break); a new unit
+    that failed gives the move up. The window is the hysteresis: a node
+    whose room comes and goes never attracts a move, and nothing moves onto
+    a paid host except as new work while the cheaper hosts are full. Lane
+    jobs are not placements: they finish where they run.
+
 Order
     Services with the highest `min_tier` (then the highest floor) are placed
     first, then in declaration order, so a CUDA-only service is not crowded
@@ -275,6 +291,8 @@ class Placer:
         # (min_tier, floor, cost_first) -> the (tier, cost) groups to try, in order
         self._steps: dict[tuple[str, str, bool], list[Step]] = {}
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
+        # (min_tier, floor, cost_first) -> (tier, cost rank) -> its place in the preference order
+        self._orders: dict[tuple[str, str, bool], dict[tuple[str, int], int]] = {}
 
     # ------------------------------------------------------------------
     # Loads
@@ -422,6 +440,44 @@ class Placer:
                         return Choice(slot.node.node_id, slot.node.tier, is_fallback)
         return self._explain(request, exclude)
 
+    # ------------------------------------------------------------------
+    # Work comes home (the come-home rule, `bring_home`)
+
+    def _order(self, request: Request) -> dict[tuple[str, int], int]:
+        key = (request.min_tier, request.floor, request.cost_first)
+        order = self._orders.get(key)
+        if order is None:
+            flat = [(tier, cost) for group in self._tier_steps(request) for tier, cost, _ in group]
+            order = self._orders[key] = {pool: i for i, pool in enumerate(flat)}
+        return order
+
+    def preferred_to(self, request: Request, than: SnapshotNode, node: SnapshotNode) -> bool:
+        """Whether `request` would rather run on `node` than on `than` for
+        their tier and cost alone (not load), and `node` is of a cheaper cost
+        class: where a replica on `than` may come home to."""
+        if COST_RANK[node.cost] >= COST_RANK[than.cost]:
+            return False
+        order = self._order(request)
+        mine = order.get((node.tier, COST_RANK[node.cost]))
+        theirs = order.get((than.tier, COST_RANK[than.cost]))
+        return mine is not None and theirs is not None and mine < theirs
+
+    def place_cheaper(self, request: Request, than: SnapshotNode, exclude: Iterable[str] = ()) -> Choice | None:
+        """Place one unit of work on the node `place` would choose among
+        those `preferred_to` `than` (None when none has room)."""
+        exclude = frozenset(exclude)
+        pool = self._pool(request)
+        for group in self._tier_steps(request):
+            for tier, cost, is_fallback in group:
+                heap = pool.get((tier, cost))
+                if not heap or cost >= COST_RANK[than.cost]:
+                    continue
+                slot = self._best(heap, exclude)
+                if slot is not None and self.preferred_to(request, than, slot.node):
+                    self._take(slot, heap)
+                    return Choice(slot.node.node_id, slot.node.tier, is_fallback)
+        return None
+
     def _explain(self, request: Request, exclude: frozenset[str]) -> NoChoice:
         key = (request.constraint, request.min_tier, request.floor, exclude)
         cached = self._deferral_cache.get(key)
@@ -502,6 +558,157 @@ def explain_deferral(
     )
 
 
+def split_moves(snapshot: Snapshot) -> tuple[list[Placement], list[Placement], set[str]]:
+    """The placements in force, the moves still under way (`Placement.replaces`)
+    and the nodes of the moves given up.
+
+    Make-before-break: a move whose new placement runs (its node's heartbeat
+    says the service's unit is active) is done, and the new placement stands
+    alone: the old one leaves the plan, so its host stops the unit and the
+    edge routes to the new one only. A move whose new unit failed is given
+    up (the old placement stays; its node's room counts from now, so the
+    come-home rule tries again only after another stable window). Otherwise
+    both stay."""
+    units = {n.node_id: n.units for n in snapshot.nodes}
+    in_force: list[Placement] = []
+    pending: list[Placement] = []
+    done: set[tuple[str, int, str]] = set()
+    given_up: set[str] = set()
+    for p in snapshot.placements:
+        if p.replaces is None:
+            continue
+        state = units.get(p.node, {}).get(agent_unit(p.service))
+        if state in RUNNING_STATES:
+            done.add((p.service, p.replica, p.replaces))
+            in_force.append(p.model_copy(update={"replaces": None}))
+        elif state == "failed":
+            given_up.add(p.node)
+        else:
+            pending.append(p)
+    in_force += [p for p in snapshot.placements if p.replaces is None and (p.service, p.replica, p.node) not in done]
+    return in_force, pending, given_up
+
+
+def keep_moves(
+    placer: Placer,
+    pending: Iterable[Placement],
+    services: Mapping[str, Service],
+    kept: dict[tuple[str, int], Placement],
+    kept_on: set[tuple[str, str]],
+) -> dict[tuple[str, int], Placement]:
+    """The moves under way that go on: the old placement is still kept and the
+    new one still fits its node (it holds its slot from the start). A move
+    whose old placement is gone (its host lost) leaves the new one as the
+    replica's placement, when it can stay. Updates `kept` and `kept_on`."""
+    moving: dict[tuple[str, int], Placement] = {}
+    for new in sorted(pending, key=lambda p: (p.service, p.replica)):
+        key = (new.service, new.replica)
+        service = services.get(new.service)
+        if service is None or new.replica >= service.replicas or key in moving or (new.service, new.node) in kept_on:
+            continue
+        old = kept.get(key)
+        if old is not None and old.node != new.replaces:
+            continue
+        if not placer.keep(new.node, Request.for_service(service)):
+            continue
+        kept_on.add((new.service, new.node))
+        tier = placer.nodes[new.node].tier
+        placement = Placement(
+            service=new.service,
+            replica=new.replica,
+            node=new.node,
+            tier=tier,
+            fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
+            replaces=new.replaces if old is not None else None,
+        )
+        if old is None:
+            kept[key] = placement
+        else:
+            moving[key] = placement
+    return moving
+
+
+def bring_home(
+    placer: Placer,
+    desired: DesiredState,
+    snapshot: Snapshot,
+    kept: Mapping[tuple[str, int], Placement],
+    moving: Mapping[tuple[str, int], Placement],
+) -> dict[tuple[str, int], Placement]:
+    """The come-home rule: new moves of replicas off paid hosts.
+
+    A replica kept on a paid host moves to a node that its request prefers
+    for tier and cost (`Placer.preferred_to`: of a cheaper class, and not of
+    a worse tier position) once such a node has had room for a stable
+    window: continuously since `snapshot.room_since` (the last plan's
+    memory), at least [flap] window_s ago. One move per service at a time,
+    never while one of its moves is under way; the new placement takes its
+    slot now (make-before-break: the old one stays until it runs,
+    `split_moves`). Nothing moves back: only paid hosts are left, and only
+    for cheaper ones. Lane jobs are not placements: they never move."""
+    now = utc(snapshot.now)
+    window = desired.fleet.flap.window_s
+    stable = {n for n, since in snapshot.room_since.items() if (now - utc(since)).total_seconds() >= window}
+    if not stable:
+        return {}
+    unstable = frozenset(placer.slots) - stable
+    cost_order = desired.fleet.scheduler.cost_order
+    busy = {service for service, _ in moving}
+    by_service: dict[str, list[Placement]] = defaultdict(list)
+    for key in sorted(kept):
+        by_service[key[0]].append(kept[key])
+    moves: dict[tuple[str, int], Placement] = {}
+    for service in _placement_order(desired.fleet.services):
+        if service.id in busy:
+            continue
+        request = Request.for_service(service, cost_order)
+        hosting = {p.node for p in by_service[service.id]}
+        for p in by_service[service.id]:
+            node = placer.nodes[p.node]
+            if node.cost != "paid":
+                continue
+            choice = placer.place_cheaper(request, node, exclude=hosting | unstable)
+            if choice is not None:
+                moves[(p.service, p.replica)] = Placement(
+                    service=p.service, replica=p.replica, node=choice.node, tier=choice.tier, fallback=choice.fallback, replaces=p.node
+                )
+                break
+    return moves
+
+
+# The come-home rule's memory holds at most this many nodes (the plan is one
+# registry key): those remembered longest first, then by node id.
+_ROOM_NODES = 256
+
+
+def room_memory(placer: Placer, desired: DesiredState, snapshot: Snapshot, placements: Iterable[Placement]) -> dict[str, datetime]:
+    """The plan's `room_since`: while replicas run on paid hosts, each node
+    they could come home to (`Placer.preferred_to`) that has room after this
+    plan's placements, since when it has had it (the last plan's time, or
+    now). Empty while no replica runs on a paid host."""
+    services = {s.id: s for s in desired.fleet.services}
+    cost_order = desired.fleet.scheduler.cost_order
+    shapes: dict[tuple[Request, str], SnapshotNode] = {}
+    for p in placements:
+        node = placer.nodes.get(p.node)
+        service = services.get(p.service)
+        if node is not None and service is not None and node.cost == "paid":
+            request = Request.for_service(service, cost_order)
+            shapes.setdefault((request, f"{node.tier}/{node.cost}"), node)
+    if not shapes:
+        return {}
+    now = utc(snapshot.now)
+    room: dict[str, datetime] = {}
+    for node_id, slot in placer.slots.items():
+        if slot.load >= slot.limit:
+            continue
+        if any(request.matches(slot.node) and placer.preferred_to(request, than, slot.node) for (request, _), than in shapes.items()):
+            since = snapshot.room_since.get(node_id)
+            room[node_id] = utc(since) if since is not None and utc(since) <= now else now
+    chosen = sorted(room, key=lambda n: (room[n], n))[:_ROOM_NODES]
+    return {n: room[n] for n in sorted(chosen)}
+
+
 def _placement_order(services: Sequence[Service]) -> list[Service]:
     """Most demanding first (min_tier, then floor), then declaration order."""
     indexed = list(enumerate(services))
@@ -554,10 +761,14 @@ def schedule_with_placer(
     services = {s.id: s for s in desired.fleet.services}
 
     # 1. Keep what is in force and still feasible, before anything new claims
-    #    the slots. The first record of a (service, replica) wins.
+    #    the slots. The first record of a (service, replica) wins. Moves under
+    #    way (make-before-break) are done, go on or are given up.
+    in_force, pending, given_up = split_moves(snapshot)
+    if given_up:
+        snapshot = snapshot.model_copy(update={"room_since": {n: t for n, t in snapshot.room_since.items() if n not in given_up}})
     kept: dict[tuple[str, int], Placement] = {}
     kept_on: set[tuple[str, str]] = set()  # (service, node): one replica per node
-    for old in sorted(snapshot.placements, key=lambda p: (p.service, p.replica)):
+    for old in sorted(in_force, key=lambda p: (p.service, p.replica)):
         service = services.get(old.service)
         if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
             continue
@@ -574,13 +785,15 @@ def schedule_with_placer(
                 fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
             )
 
+    moving = keep_moves(placer, pending, services, kept, kept_on)
+
     # 2. Place the rest, most demanding services first.
     placements: list[Placement] = list(kept.values())
     deferred: list[Deferred] = []
     cost_order = desired.fleet.scheduler.cost_order
     for service in _placement_order(desired.fleet.services):
         request = Request.for_service(service, cost_order)
-        hosting = {p.node for key, p in kept.items() if key[0] == service.id}
+        hosting = {p.node for key, p in kept.items() if key[0] == service.id} | {p.node for key, p in moving.items() if key[0] == service.id}
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
                 continue
@@ -591,7 +804,10 @@ def schedule_with_placer(
             else:
                 deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
 
-    placements.sort(key=lambda p: (p.service, p.replica))
+    # 3. Work comes home: replicas off paid hosts, one per service at a time.
+    moving |= bring_home(placer, desired, snapshot, kept, moving)
+    placements += moving.values()
+    placements.sort(key=lambda p: (p.service, p.replica, p.replaces is not None))
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,
         leader=leader or snapshot.leader or "what-if",
@@ -601,5 +817,6 @@ def schedule_with_placer(
         # The lanes beside the services this plan places (one account per host).
         lanes=lane_views(desired, snapshot, placements),
         ignored_nodes=ignored,
+        room_since=room_memory(placer, desired, snapshot, placements),
     )
     return placer, plan
