@@ -224,3 +224,14 @@ def test_cost_travels_from_the_host_file_through_the_heartbeat_and_snapshot_to_p
         ("braid", 0): "x86-spill",
         ("flac-fft", 0): "x86-spill",
     }
+
+
+def test_schedule_text_says_which_replica_is_coming_home(tmp_path, capsys):
+    desired = write_fleet(tmp_path / "fleet", services='[[services]]\nid = "web"\nmin_tier = "batch"\ncommand = { any = ["/bin/web"] }\n')
+    placements = [{"service": "web", "replica": 0, "node": "paid-d", "tier": "batch"}]
+    snap = snapshot(
+        tmp_path, [node("free-a", "batch"), node("paid-d", "batch")], placements=placements, room_since={"free-a": "2026-11-29T17:00:00Z"}
+    )
+    code, out, err = fabric(capsys, "schedule", "--desired", str(desired), "--snapshot", str(snap))
+    assert (code, err) == (0, "")
+    assert "  web[0]  paid-d  batch\n  web[0]  free-a  batch  coming home from paid-d (both run until it starts here)\n" in out
