@@ -9,12 +9,19 @@ them), at a time the test chooses.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+from reconciler.adapters.clock import SystemClock
+from reconciler.adapters.registry_sqlite import SqliteRegistry
+from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
 from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.signing import canonical_plan
 from reconciler.core.render.plan_part import plan_part
 from reconciler.core.scheduling.placement import schedule
+from reconciler.engine.leader import LeaderLoop
+from tests.plan_keys import signed_example_fleet
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 WINDOW = 300  # [flap] window_s, the default
@@ -199,3 +206,39 @@ def test_a_plan_without_moves_signs_as_before_the_come_home_fields():
     assert b"room_since" not in canonical_plan(plan) and b"replaces" not in canonical_plan(plan)
     moving = plan.model_copy(update={"room_since": {"free-a": T0}})
     assert b"room_since" in canonical_plan(moving)
+
+
+def test_a_forged_plans_room_memory_starts_no_move(tmp_path: Path):
+    """A registry writer who republishes the leader's placements with a
+    come-home memory of its own (unsigned) must not make the leader move
+    work: the leader schedules from its last verified plan, memory included."""
+    fleet = signed_example_fleet(tmp_path / "fleet")
+    state = load_desired(fleet.desired)
+    registry = SqliteRegistry(tmp_path / "registry.sqlite", timing=state.fleet.timing, flap=state.fleet.flap, clock=SystemClock())
+    try:
+        registry.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg", arch="x86_64", max_concurrent_tasks=4, cost="paid"), ttl_s=300)
+        leader = LeaderLoop(
+            registry=registry,
+            host="lux",
+            load_desired=lambda: state,
+            schedule=schedule,
+            lease_ttl_s=30,
+            log=lambda _: None,
+            signer=fleet.signer("lux"),
+        )
+        leader.step()
+        genuine = registry.newest_plan()
+        assert genuine is not None and {p.node for p in genuine.placements} == {"x86-spill"}
+        # The free box joins; the forger claims it has had room for an hour.
+        registry.heartbeat(NodeRecord(node_id="a1-arm64", tier="cpu_ffmpeg", arch="aarch64", max_concurrent_tasks=2, cost="free"), ttl_s=300)
+        assert leader.leadership is not None
+        long_ago = datetime.now(UTC) - timedelta(hours=1)
+        registry.publish_plan(leader.leadership, genuine.model_copy(update={"room_since": {"a1-arm64": long_ago}, "signature": None}))
+        leader.step()
+        healed = registry.newest_plan()
+        assert healed is not None and healed.signature is not None
+        assert [p for p in healed.placements if p.replaces is not None] == []
+        assert healed.room_since["a1-arm64"] > long_ago  # counted from the leader's own step
+        leader.step_and_resign()
+    finally:
+        registry.close()
