@@ -242,3 +242,16 @@ def test_a_forged_plans_room_memory_starts_no_move(tmp_path: Path):
         leader.step_and_resign()
     finally:
         registry.close()
+
+
+def test_only_the_replica_on_the_paid_host_comes_home_not_the_one_on_an_owned_host():
+    state = desired(replicas=2)
+    placements = [
+        Placement(service="web", replica=0, node="owned-c", tier="cpu_ffmpeg"),
+        Placement(service="web", replica=1, node="paid-d", tier="cpu_ffmpeg"),
+    ]
+    nodes = [node("free-a"), node("free-b"), node("owned-c", limit=4, web="active"), node("paid-d", limit=4, web="active")]
+    plan = step(state, T0, nodes, placements=placements)
+    assert plan.room_since == {"free-a": T0, "free-b": T0, "owned-c": T0}
+    plan = step(state, T0 + timedelta(seconds=WINDOW), nodes, plan)
+    assert where(plan) == [(0, "owned-c", None), (1, "paid-d", None), (1, "free-a", "paid-d")]
