@@ -255,3 +255,14 @@ def test_only_the_replica_on_the_paid_host_comes_home_not_the_one_on_an_owned_ho
     assert plan.room_since == {"free-a": T0, "free-b": T0, "owned-c": T0}
     plan = step(state, T0 + timedelta(seconds=WINDOW), nodes, plan)
     assert where(plan) == [(0, "owned-c", None), (1, "paid-d", None), (1, "free-a", "paid-d")]
+
+
+def test_a_move_never_goes_where_a_sibling_was_just_placed():
+    """Found by the property test: replica 1 is placed new on the only free
+    host in the same step; replica 0 must not come home on top of it."""
+    state = desired(replicas=2)
+    nodes = [node("free-a", limit=4), node("paid-d", limit=4, web="active")]
+    plan = step(state, T0, nodes, placements=ON_PAID)
+    plan = plan.model_copy(update={"placements": ON_PAID, "room_since": {"free-a": T0 - timedelta(seconds=WINDOW)}})
+    plan = step(state, T0, nodes, plan)
+    assert where(plan) == [(0, "paid-d", None), (1, "free-a", None)]

@@ -634,8 +634,11 @@ def bring_home(
     snapshot: Snapshot,
     kept: Mapping[tuple[str, int], Placement],
     moving: Mapping[tuple[str, int], Placement],
+    placed: Iterable[Placement] = (),
 ) -> dict[tuple[str, int], Placement]:
-    """The come-home rule: new moves of replicas off paid hosts.
+    """The come-home rule: new moves of replicas off paid hosts. `placed`:
+    every placement of this plan so far (a move never goes where a replica of
+    its service is placed, kept or new).
 
     A replica kept on a paid host moves to a node that its request prefers
     for tier and cost (`Placer.preferred_to`: of a cheaper class, and not of
@@ -657,12 +660,15 @@ def bring_home(
     by_service: dict[str, list[Placement]] = defaultdict(list)
     for key in sorted(kept):
         by_service[key[0]].append(kept[key])
+    hosting_of: dict[str, set[str]] = defaultdict(set)
+    for p in [*placed, *kept.values(), *moving.values()]:
+        hosting_of[p.service].add(p.node)
     moves: dict[tuple[str, int], Placement] = {}
     for service in _placement_order(desired.fleet.services):
         if service.id in busy:
             continue
         request = Request.for_service(service, cost_order)
-        hosting = {p.node for p in by_service[service.id]}
+        hosting = hosting_of[service.id]
         for p in by_service[service.id]:
             node = placer.nodes[p.node]
             if node.cost != "paid":
@@ -805,7 +811,7 @@ def schedule_with_placer(
                 deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
 
     # 3. Work comes home: replicas off paid hosts, one per service at a time.
-    moving |= bring_home(placer, desired, snapshot, kept, moving)
+    moving |= bring_home(placer, desired, snapshot, kept, moving, placements)
     placements += moving.values()
     placements.sort(key=lambda p: (p.service, p.replica, p.replaces is not None))
     plan = FleetPlan(
