@@ -21,6 +21,7 @@ from reconciler.core.live.signing import canonical_plan
 from reconciler.core.render.plan_part import plan_part
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
+from tests.fakes import FakeClock
 from tests.plan_keys import signed_example_fleet
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -266,3 +267,69 @@ def test_a_move_never_goes_where_a_sibling_was_just_placed():
     plan = plan.model_copy(update={"placements": ON_PAID, "room_since": {"free-a": T0 - timedelta(seconds=WINDOW)}})
     plan = step(state, T0, nodes, plan)
     assert where(plan) == [(0, "paid-d", None), (1, "free-a", None)]
+
+
+def test_the_leader_brings_work_home_through_the_registry(tmp_path: Path):
+    """The whole rule at the leader, over a real sqlite registry on a hand-moved
+    clock: lux (owned) is full, so the services spill to x86-spill (paid);
+    lux frees up; after [flap] window_s the leader publishes each service's
+    move beside its old placement; once lux's heartbeat shows the units
+    active, the old placements leave the plan."""
+    fleet = signed_example_fleet(tmp_path / "fleet")
+    state = load_desired(fleet.desired)
+    clock = FakeClock()
+    registry = SqliteRegistry(tmp_path / "registry.sqlite", timing=state.fleet.timing, flap=state.fleet.flap, clock=clock)
+
+    def beat(host: str, **record) -> None:
+        base = {"lux": ("cpu_ffmpeg", "owned"), "x86-spill": ("cpu_ffmpeg", "paid")}[host]
+        registry.heartbeat(NodeRecord(node_id=host, tier=base[0], arch="x86_64", max_concurrent_tasks=4, cost=base[1], **record), ttl_s=86_400)
+
+    def placements() -> list[tuple[str, int, str, str | None]]:
+        plan = registry.newest_plan()
+        assert plan is not None
+        return [(p.service, p.replica, p.node, p.replaces) for p in plan.placements]
+
+    try:
+        leader = LeaderLoop(
+            registry=registry,
+            host="lux",
+            load_desired=lambda: state,
+            schedule=schedule,
+            lease_ttl_s=30,
+            log=lambda _: None,
+            signer=fleet.signer("lux"),
+        )
+        beat("lux", in_flight=4)  # full of work of its own
+        beat("x86-spill")
+        leader.step()
+        spilled = [("braid", 0, "x86-spill", None), ("flac-fft", 0, "x86-spill", None), ("vaapi-encode", 0, "x86-spill", None)]
+        assert placements() == spilled
+        beat("lux", in_flight=0)  # lux frees up
+        leader.step()
+        assert placements() == [*spilled[:2], ("flac-fft", 1, "lux", None), spilled[2]]  # new work goes to lux at once
+        clock.advance(state.fleet.flap.window_s - 1)
+        leader.step()
+        assert [p for p in placements() if p[3]] == []  # not yet a stable window
+        clock.advance(1)
+        leader.step()
+        assert placements() == [
+            ("braid", 0, "x86-spill", None),
+            ("braid", 0, "lux", "x86-spill"),
+            ("flac-fft", 0, "x86-spill", None),  # lux runs flac-fft's other replica
+            ("flac-fft", 1, "lux", None),
+            ("vaapi-encode", 0, "x86-spill", None),
+            ("vaapi-encode", 0, "lux", "x86-spill"),
+        ]
+        # lux started braid, not yet vaapi-encode: only braid's old placement goes.
+        beat("lux", in_flight=2, services_running=2, units={"fabric-agent-braid.service": "active", "fabric-agent-flac-fft.service": "active"})
+        leader.step()
+        assert placements() == [
+            ("braid", 0, "lux", None),
+            ("flac-fft", 0, "x86-spill", None),
+            ("flac-fft", 1, "lux", None),
+            ("vaapi-encode", 0, "x86-spill", None),
+            ("vaapi-encode", 0, "lux", "x86-spill"),
+        ]
+        leader.step_and_resign()
+    finally:
+        registry.close()
