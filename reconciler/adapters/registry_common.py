@@ -122,6 +122,7 @@ def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]
         nodes=nodes,
         lanes=[SnapshotLane(id=lane) for lane in sorted(set(lanes))],
         placements=list(read.plan.placements) if read.plan else [],
+        room_since=dict(read.plan.room_since) if read.plan else {},
         leader=read.leader.candidate if read.leader else None,
         epoch=read.epoch,
         unreadable=list(read.problems),

@@ -340,7 +340,9 @@ class LeaderLoop:
         if untrusted:
             in_force = self.published if self.published is not None and verify_plan(self.published, keys) is None else None
             kept = list(in_force.placements) if in_force is not None else running_placements(self.desired, snapshot)
-            snapshot = snapshot.model_copy(update={"placements": kept})
+            # Nor does its come-home memory count: a forger must not start moves.
+            room = dict(in_force.room_since) if in_force is not None else {}
+            snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)

@@ -55,6 +55,24 @@ Tier = Literal[
 TIER_ORDER: tuple[Tier, ...] = get_args(Tier)
 TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
 
+# A host's cost class, cheapest first: placement prefers a cheaper host among
+# hosts of the same tier (reconciler.core.scheduling.placement). "free": no
+# bill at all (an always-free cloud box); "owned": hardware at hand, paid for
+# whether it works or not; "paid": billed while it runs work (a spill box).
+Cost = Literal["free", "owned", "paid"]
+COST_ORDER: tuple[Cost, ...] = get_args(Cost)
+COST_RANK: dict[str, int] = {c: i for i, c in enumerate(COST_ORDER)}
+# A host file without `cost`: owned. It claims no saving and no bill, so a
+# fleet that marks no host plans exactly as before cost existed, and only a
+# host an operator marks paid is kept for overflow.
+DEFAULT_COST: Cost = "owned"
+# Where cost ranks among the placement rules ([scheduler] cost_order, or a
+# service's own): "within_tier" (default) keeps the tier order first and lets
+# the cheaper host win among hosts of one tier; "before_tier" takes the
+# cheapest class with room first, then the tier order (down to the floor),
+# for work that does not care for speed.
+CostOrder = Literal["within_tier", "before_tier"]
+
 Arch = Literal["x86_64", "aarch64"]
 ARCHES: tuple[Arch, ...] = get_args(Arch)
 # A service's command or image is keyed by architecture, or "any" for both.
@@ -385,6 +403,13 @@ class SchedulerSettings(Strict):
         "highest_tier",
         description="highest_tier: the best tier first; best_fit: the lowest tier that satisfies, so CUDA boxes stay free for CUDA-only work.",
     )
+    # Cost among the rules (CostOrder): within_tier by default, since a tier
+    # is a speed promise a service asked for; a service that does not care
+    # for speed says cost_order = "before_tier" itself.
+    cost_order: CostOrder = Field(
+        "within_tier",
+        description="Where a host's cost class ranks among the placement rules: within_tier (the best tier first, then the cheaper host), before_tier (the cheaper host first, down to the floor).",
+    )
     # multi-compute.md's staleness gate: a lane job reaches the local lane once
     # it has waited this long with every cloud lane full.
     local_spill_after_s: Seconds = Field(
@@ -633,6 +658,9 @@ class Service(Strict):
     environment: Environment = Field({}, description="Its environment; secrets only as NAME_FILE absolute paths.")
     # name -> absolute path on the host, delivered with LoadCredential=.
     credentials: dict[Name, AbsPath] = Field({}, description="name -> absolute path on the host, delivered with LoadCredential=.")
+    # This service's place of cost among the placement rules; None: the
+    # fleet's [scheduler] cost_order.
+    cost_order: CostOrder | None = Field(None, description="This service's place of cost among the placement rules; unset: [scheduler] cost_order.")
 
     @model_validator(mode="after")
     def _rules(self) -> Service:
@@ -865,6 +893,12 @@ class HostSettings(Strict):
     tailnet_name: HostName | None = Field(None, description="The machine's DNS name on the tailnet; a pass whose probe finds another name says so.")
     # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
     nftables_fix: bool | None = Field(None, description="Whether the OS needs the nftables fix (CachyOS/Arch); unset: detect.")
+    # The host's cost class (COST_ORDER): reported in its heartbeat, so the
+    # leader places on cheaper hosts first and brings work home from paid ones.
+    cost: Cost = Field(
+        DEFAULT_COST,
+        description="The host's cost class, cheapest first: free, owned (the default: no saving, no bill) or paid (takes overflow, and work comes home from it).",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import NAME_PATTERN, HostFacts, Tier
+from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, HostFacts, Tier
 from reconciler.core.live import beat
 
 # Re-exported for the engine, adapters and CLI until they import them from
@@ -66,6 +66,10 @@ class NodeRecord(_Record):
     labels: dict[str, str] = {}
     max_concurrent_tasks: int = Field(default=1, ge=0, le=MAX_COUNT)
     max_concurrent_ceiling: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    # The host file's cost class (`[host] cost`): the leader places from the
+    # live record, so it travels with the beat (an older host's beat lacks
+    # it: the default, as for a host file that says nothing).
+    cost: Cost = DEFAULT_COST
     # Measured by the node's pass: the placed service units active here plus
     # the lane jobs running on the lanes whose jobs run here (one account).
     in_flight: int = Field(default=0, ge=0, le=MAX_COUNT)
@@ -111,6 +115,7 @@ class NodeRecord(_Record):
         units: dict[str, str] | None = None,
         lowered_limits: list[str] | None = None,
         services_running: int | None = None,
+        cost: Cost = DEFAULT_COST,
     ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
@@ -131,6 +136,7 @@ class NodeRecord(_Record):
             units=dict(units or {}),
             lowered_limits=list(lowered_limits or []),
             services_running=services_running,
+            cost=cost,
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,

@@ -11,8 +11,8 @@ requires so it never reads half a file) as
 Two kinds of series:
 - this host's pass: duration, last success time, success, live generation,
   the plan epoch it applied, rollbacks (a counter the apply step keeps);
-- the fleet as this host saw it (only when a snapshot is given): node status
-  and tier, node load, lane in-flight/cap/up, deferred work by reason, leader.
+- the fleet as this host saw it (only when a snapshot is given): node status,
+  tier and cost class, node load, the paid capacity in use, lane in-flight/cap/up, deferred work by reason, leader.
   Every host exports the same fleet series, told apart by node_exporter's
   `instance` label: aggregate with max by (node) / max by (lane).
 
@@ -170,7 +170,9 @@ def fleet_families(status: FleetStatus) -> list[Family]:
     held_off = Family("fabric_node_held_off", "gauge", "1 while a flapping node is held off new placements.")
     draining = Family("fabric_node_draining", "gauge", "1 while a node is drained or draining.")
     last_seen = Family("fabric_node_last_seen_timestamp_seconds", "gauge", "Unix time of a node's last heartbeat.")
+    cost = Family("fabric_node_cost_info", "gauge", "A node's cost class: free, owned or paid (always 1).")
     for node in status.nodes:
+        cost.add(1, node=node.node_id, cost=node.cost)
         current = node.status_id
         for state in NODE_STATES:
             node_status.add(1 if state == current else 0, node=node.node_id, status=state)
@@ -196,7 +198,16 @@ def fleet_families(status: FleetStatus) -> list[Family]:
         lane_rank.add(card.rank, **labels)
         lane_up.add(1 if card.available else 0, **labels)
 
-    families = [node_info, node_status, tier, in_flight, max_tasks, held_off, draining, last_seen]
+    paid_in_use = Family(
+        "fabric_paid_slots_in_use",
+        "gauge",
+        "Slots of paid capacity in use: the load of the paid nodes that are up (alert on min_over_time(...[1h]) > 0).",
+    )
+    paid_in_use.add(status.paid_slots_in_use)
+    paid_slots = Family("fabric_paid_slots", "gauge", "Capacity of the paid nodes that are up, in slots.")
+    paid_slots.add(status.paid_slots)
+
+    families = [node_info, node_status, tier, in_flight, max_tasks, held_off, draining, last_seen, cost, paid_in_use, paid_slots]
     families += [lane_in_flight, lane_cap, lane_rank, lane_up]
 
     if status.plan_known:
