@@ -162,11 +162,13 @@ DISPATCH_TABLE = [
         ["--min-tier", "gpu_apu"],
         {"node": "qfox-1", "tier": "gpu_cuda", "fallback": False},
     ),
-    ("CUDA box full: falls back", NODES, ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
+    # The host files' cost classes decide within a tier: a1-arm64 is free, x86-spill paid.
+    ("CUDA box full: falls back", NODES, ["--min-tier", "gpu_apu"], {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": True}),
     ("CUDA box offline: falls back", offline("qfox-1"), ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
     (
         "arch restriction",
-        limit(offline("qfox-1"), "a1-arm64", 3),
+        # The free a1-arm64 takes the services qfox-1 cannot (four): room for one more.
+        limit(offline("qfox-1"), "a1-arm64", 5),
         ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64"],
         {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": False},
     ),
