@@ -53,8 +53,8 @@ from tests.e2e.fleet import (
     running_agents,
     wait_for,
 )
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 

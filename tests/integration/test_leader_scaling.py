@@ -28,8 +28,8 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import NotLeader, Registry
 from reconciler.wiring import open_registry
-from tests.fakes import FakeClock
-from tests.plan_keys import signed_example_fleet
+from tests.support.clock import FakeClock
+from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 

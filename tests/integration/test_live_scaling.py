@@ -59,10 +59,10 @@ from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry
 from reconciler.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
 from tests.conftest import REPO
-from tests.fakes import FakeClock
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.clock import FakeClock
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,8 @@ import pytest
 
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_etcd import EtcdRegistry
-from tests.harness.etcd import EtcdCluster
-from tests.harness.postgres import broker_url_file, naming_broker
+from tests.support.harness.etcd import EtcdCluster
+from tests.support.harness.postgres import broker_url_file, naming_broker
 from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, run
 
 pytestmark = pytest.mark.integration

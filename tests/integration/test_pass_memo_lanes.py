@@ -16,9 +16,9 @@ import pytest
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.engine.lane_states import lane_targets
-from tests.harness.postgres import broker_url_file, naming_broker
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.postgres import broker_url_file, naming_broker
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
 from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_registry_epoch, reported_in_flight, run
 
 pytestmark = pytest.mark.integration

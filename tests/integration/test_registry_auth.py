@@ -2,7 +2,7 @@
 and etcd's auth, set up by `fabric registry init-auth`
 (reconciler.core.desired.registry_access).
 
-One etcd member for the module, started by tests/harness/etcd.py in TLS mode
+One etcd member for the module, started by tests/support/harness/etcd.py in TLS mode
 (`--client-cert-auth`, certificates of a test CA made with `cryptography`).
 The module's first test runs init-auth through the CLI, twice; the others
 act as each host with that host's own certificate.
@@ -29,8 +29,8 @@ from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import PermissionDenied, Registry
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.etcd import EtcdCluster, etcd_cluster
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

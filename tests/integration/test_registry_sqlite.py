@@ -18,7 +18,7 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, require_root
-from tests.fakes import FakeClock
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
 

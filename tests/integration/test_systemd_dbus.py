@@ -18,8 +18,8 @@ from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import STATE_DIR, Activators, Applier
 from reconciler.ports import ActivationError, JobOutcome
 from tests.conftest import require, require_root
-from tests.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
+from tests.support.harness.waiting import deadline_for, wait_until
 from tests.unit.test_apply import FixedClock, RecordingAudit
 
 pytestmark = pytest.mark.integration

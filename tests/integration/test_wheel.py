@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, require
-from tests.plan_keys import signed_example_fleet
+from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 

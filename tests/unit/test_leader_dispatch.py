@@ -15,7 +15,7 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
-from tests.fakes import FakeLaneBroker
+from tests.support.fakes import FakeLaneBroker
 from tests.unit.test_leader_ray_state import beating_registry, signed_fleet
 
 

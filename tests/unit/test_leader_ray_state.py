@@ -19,8 +19,8 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.core.scheduling.ray_tasks import RayView
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import RayStateUnavailable
-from tests.integration.registry_store import beat_example_fleet
-from tests.plan_keys import signed_example_fleet
+from tests.support.plan_keys import signed_example_fleet
+from tests.support.registry_store import beat_example_fleet
 
 
 class FakeRayState:

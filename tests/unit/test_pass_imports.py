@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.pass_child import CHILD
+from tests.support.harness.pass_child import CHILD
 from tests.unit.test_pass_memo import REPO, Sandbox
 
 

@@ -26,7 +26,7 @@ from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
 from reconciler.engine.plan_source import effective_facts, fleet_plan_for
 from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
-from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

@@ -223,7 +223,7 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     from reconciler.engine.leader import sign_plan, signing_key
     from reconciler.wiring import open_registry
 
-    # lux signs what it publishes (throwaway keys: tests.plan_keys).
+    # lux signs what it publishes (throwaway keys: tests.support.plan_keys).
     desired = load_desired(signed_fleet.desired)
     signer = signed_fleet.signer("lux")
     path = tmp_path / "registry.sqlite"

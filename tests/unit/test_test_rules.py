@@ -6,7 +6,7 @@
    nested function), and that loop checks something every round: its body has
    an `assert`, `break`, `return` or `raise`, or it is a `while` whose test is
    not a constant. A sleep anywhere else waits for something to happen and
-   hopes it did; wait on the condition instead (tests.harness.waiting.wait_until).
+   hopes it did; wait on the condition instead (tests.support.harness.waiting.wait_until).
    The only exceptions are in SLEEP_ALLOWED, each with its reason.
 2. No assertion on elapsed wall time: an `assert` whose condition subtracts
    from or subtracts a clock reading (time.monotonic/time/perf_counter) is
@@ -150,7 +150,7 @@ class _Checker(ast.NodeVisitor):
         if _is_call_to(node, SLEEPS, self.sleep_names):
             loops = self.loops[-1]
             if not loops or not _loop_checks_each_round(loops[-1]):
-                finding = self._finding(node, "a fixed sleep: wait on the condition (tests.harness.waiting.wait_until)")
+                finding = self._finding(node, "a fixed sleep: wait on the condition (tests.support.harness.waiting.wait_until)")
                 if (self.path, self.functions[-1]) in SLEEP_ALLOWED:
                     self.allowed_sleeps.append(finding)
                 else:

@@ -16,7 +16,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
 from reconciler.ports import Clock, Registry
 from reconciler.wiring import open_registry
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 # The example fleet's [registry] lines, replaced to point at a store.
 _EXAMPLE_REGISTRY = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'

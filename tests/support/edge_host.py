@@ -24,7 +24,7 @@ import typing_extensions
 import typing_inspection
 
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.systemd import SystemdContainer, systemd_container
 
 SITE = "/opt/fabric-test/site"
 DESIRED = "/var/lib/fabric/desired"
