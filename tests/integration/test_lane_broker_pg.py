@@ -387,15 +387,12 @@ def test_reading_the_lanes_of_a_broker_nobody_used_yet_makes_saqs_tables_first(b
 
 
 READER = """
-import json, sys, time
+import json, sys
+from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
-class Clock:
-    def now(self):
-        return time.time()
-
 heavy = ("saq", "croniter", "dateutil", "psycopg_pool", "pydantic")
-queue = PostgresLaneBroker(sys.argv[1], Clock())
+queue = PostgresLaneBroker(sys.argv[1], SystemClock())
 seen = {"in_flight": queue.in_flight(["phaze-agent-a1-arm64"])}
 seen["after in_flight"] = sorted(m for m in heavy if m in sys.modules)
 seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "phaze-agent-a1-arm64"})]

@@ -15,6 +15,7 @@ from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
+from tests.support.cli import fabric
 from tests.support.harness.postgres import broker_url_file
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
@@ -39,9 +40,7 @@ def lane(tmp_path, capsys, broker_dsn):
     workers = LaneWorkers(dsn)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file)])
-        out, err = capsys.readouterr()
-        return status, out, err
+        return fabric(capsys, "lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file))
 
     run.dsn = dsn
     run.workers = workers

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
+from tests.support.cli import fabric
 from tests.support.harness.postgres import broker_url_file, naming_broker
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
@@ -91,8 +91,7 @@ class Fleet:
         wait_until(marked, timeout=OFFLINE_WITHIN_S, interval=0.2, what=f"the leader marking {host} {status}")
 
     def fabric(self, *argv: str) -> str:
-        code = main([*argv, "--desired", str(self.desired_dir)])
-        out, err = self.capsys.readouterr()
+        code, out, err = fabric(self.capsys, *argv, "--desired", str(self.desired_dir))
         assert code == 0, err
         return out
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import REPO
-from tests.support.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile_argv
+from tests.support.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile
 from tests.support.harness.systemd import ManagerReloads, SystemdContainer
 from tests.support.harness.waiting import wait_until
 
@@ -55,10 +55,6 @@ def edge() -> Iterator[SystemdContainer]:
             started = container.systemctl("start", unit)
             assert started.returncode == 0, f"{unit}: {started.stderr}"
         yield container
-
-
-def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
-    return container.run(*reconcile_argv(), timeout=300)
 
 
 def edit_fleet(container: SystemdContainer, old: str, new: str) -> None:

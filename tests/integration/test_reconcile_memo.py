@@ -13,8 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_reconcile_activation import reconcile
-from tests.support.edge_host import edge_container, invocation
+from tests.support.edge_host import edge_container, invocation, reconcile
 from tests.support.harness.systemd import SystemdContainer
 from tests.support.harness.waiting import wait_until
 

@@ -36,6 +36,7 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions, PassReport, run_pass
 from reconciler.wiring import open_registry, plan_signer, real_pass_ports
 from tests.conftest import REPO
+from tests.support.audit import RecordingAudit
 from tests.support.plan_keys import TestKey
 from tests.support.registry_store import Store
 
@@ -43,14 +44,6 @@ pytestmark = pytest.mark.integration
 
 HOSTS = ("lux", "qfox-1", "racknerd", "a1-arm64", "x86-spill")
 PROBES = REPO / "tests" / "fixtures" / "probe"
-
-
-class RecordingAudit:
-    def __init__(self) -> None:
-        self.records: list[dict[str, str]] = []
-
-    def record(self, action: str, outcome: str, **fields: str) -> None:
-        self.records.append({"action": action, "outcome": outcome, **fields})
 
 
 @dataclasses.dataclass

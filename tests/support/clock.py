@@ -7,6 +7,9 @@ from datetime import UTC, datetime
 
 # A fixed instant the fake clock starts at (the seed's registry example time).
 T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC).timestamp()
+# The instant of every pass through tests/support/fleet.py's sandbox (2026-11-18T11:06:40Z:
+# the generations' CREATED column in tests/unit/test_apply.py).
+T_PASS = 1_795_000_000.0
 
 
 class FakeClock:

@@ -20,7 +20,7 @@ from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
 from tests.support.fakes import FakeLaneBroker
-from tests.unit.test_apply import GOLDEN, Fleet
+from tests.support.fleet import GOLDEN, Fleet
 
 SERVICE = "fabric-agent-flac-fft.service"
 AGENT = "fabric-agent-x86-spill.service"
