@@ -3,9 +3,9 @@ and rollback, against a model of systemd, nft and Caddy (`FakeMachine`,
 tests/support/machine.py, which says how it behaves like the real programs).
 
 The files are real (LocalTree under tmp_path); only the activation ports are
-fakes. "Converged" means: every desired unit is active and runs the desired
-content, nothing else the fabric wrote is active, nft and Caddy hold the
-desired texts (`assert_converged`).
+fakes. A machine has converged when every desired unit is active and runs
+the desired content, nothing else the fabric wrote is active, and nft and
+Caddy hold the desired texts (`assert_converged`).
 """
 
 from __future__ import annotations
