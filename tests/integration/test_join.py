@@ -27,10 +27,10 @@ import pytest
 from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import wait_until
-from tests.integration.test_wheel import runtime_requirements
-from tests.integration.test_wheel import wheelhouse as make_wheelhouse
+from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.waiting import wait_until
+from tests.support.wheel import runtime_requirements
+from tests.support.wheel import wheelhouse as make_wheelhouse
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ pass's plan read (a1-arm64) and the read-only commands (`fabric nodes`,
 `fabric status`) still finish; the record is skipped and named
 ("x86-spill: unreadable heartbeat record: ...").
 
-One TLS etcd member for the module (tests/harness/etcd.py), auth set up by
+One TLS etcd member for the module (tests/support/harness/etcd.py), auth set up by
 `fabric registry init-auth` as root, as in test_registry_auth.py. The sqlite
 counterpart is tests/unit/test_registry_untrusted.py.
 """
@@ -41,8 +41,8 @@ from reconciler.engine.plan_source import fleet_plan_for
 from reconciler.ports import PermissionDenied, Registry, RegistryError
 from reconciler.wiring import open_registry
 from tests.conftest import REPO, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.harness.etcd import EtcdCluster, etcd_cluster
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
 

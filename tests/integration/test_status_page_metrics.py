@@ -19,8 +19,8 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.harness.caddy import free_port
-from tests.harness.waiting import stop_process, wait_until
+from tests.support.harness.caddy import free_port
+from tests.support.harness.waiting import stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 

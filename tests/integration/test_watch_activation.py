@@ -27,9 +27,9 @@ from reconciler.core.install.units import RECONCILE_SERVICE, WATCH_SERVICE, Inst
 from reconciler.core.live.watching import PASS_ASKED, WatchTimings
 from reconciler.ports import ActivationError
 from tests.conftest import REPO
-from tests.harness.systemd import SystemdContainer
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.edge_host import DESIRED, SITE, edge_container, invocation
+from tests.support.edge_host import DESIRED, SITE, edge_container, invocation
+from tests.support.harness.systemd import SystemdContainer
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from reconciler.core.live.signing import canonical_plan
 from reconciler.core.render.plan_part import plan_part
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
-from tests.fakes import FakeClock
-from tests.plan_keys import signed_example_fleet
+from tests.support.clock import FakeClock
+from tests.support.plan_keys import signed_example_fleet
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 WINDOW = 300  # [flap] window_s, the default

@@ -5,7 +5,7 @@ paid capacity grows. Passes at chosen instants, the state carried between them
 
 from __future__ import annotations
 
-from tests.unit.test_scaling import Leader, kinds, node
+from tests.support.scaling import Leader, kinds, node
 
 
 def test_a_burst_activates_idle_free_capacity_before_idle_paid_groups():

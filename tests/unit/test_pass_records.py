@@ -21,8 +21,8 @@ from reconciler.engine.fleet_view import FleetView
 from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_fence import PassPlan, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
-from tests.harness.waiting import wait_until
-from tests.integration.registry_store import status_of
+from tests.support.harness.waiting import wait_until
+from tests.support.registry_store import status_of
 
 STATE_DIR = "var/lib/fabric"
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

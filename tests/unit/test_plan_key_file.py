@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from reconciler.adapters.plan_signing import KeyFileSigner, generate_key_file
 from reconciler.core.desired.load import load_desired
 from reconciler.ports import PlanSigningError
-from tests.plan_keys import TestKey, signed_example_fleet, with_plan_keys
+from tests.support.plan_keys import TestKey, signed_example_fleet, with_plan_keys
 
 
 def test_keygen_writes_a_0600_key_and_never_overwrites(tmp_path: Path) -> None:

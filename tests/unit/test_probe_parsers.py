@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reconciler.core.probe import parsers
 from reconciler.core.probe.facts import FACTS
 from reconciler.core.probe.parsers import ParseError
-from tests.unit.test_probe_fixtures import FIXTURES, MACHINES
+from tests.support.probe_fixtures import FIXTURES, MACHINES
 
 PARSERS = {fact.raw: fact.parser for fact in FACTS}
 REAL_OUTPUTS = sorted(

@@ -31,8 +31,7 @@ from reconciler.core.render.ray_node import RAY_HEAD_UNIT, RAY_WORKER_UNIT, ray_
 from reconciler.core.render.ray_units import RayStateSource, closed_reason, ray_labels, ray_state_source
 from reconciler.core.scheduling.lifecycle import NodeState
 from tests.conftest import REPO
-from tests.unit.test_apply import Fleet
-from tests.unit.test_plan_golden import fabric_plan
+from tests.support.fleet import Fleet, fabric_plan
 
 EXAMPLE = REPO / "hosts"
 PROBES = REPO / "tests" / "fixtures" / "probe"

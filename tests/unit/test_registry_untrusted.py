@@ -41,7 +41,7 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
 from reconciler.ports import RegistryError
 from tests.conftest import REPO
-from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 
 HOSTILE = "x86-spill"
 # Every command that only reads the registry.

@@ -13,6 +13,7 @@ import pytest
 from reconciler.cli import main
 from reconciler.core.live.models import FleetPlan
 from tests.conftest import EXAMPLE_FLEET
+from tests.support.cli import fabric
 
 NODES = [
     {"node_id": "qfox-1", "tier": "gpu_cuda", "status": "active", "in_flight": 0, "max_concurrent_tasks": 4, "arch": "x86_64", "labels": {}},
@@ -26,12 +27,6 @@ def write_snapshot(tmp_path, nodes=NODES, lanes=(), name="snapshot.json", **extr
     path = tmp_path / name
     path.write_text(json.dumps({"now": "2026-11-29T18:00:00Z", "nodes": list(nodes), "lanes": list(lanes), **extra}))
     return path
-
-
-def fabric(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def offline(node_id):

@@ -23,8 +23,8 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.ports import LaneBrokerUnavailable, PlanSigningError, RegistryError
 from reconciler.wiring import open_lane_broker
 from tests.conftest import EXAMPLE_FLEET, require_root
-from tests.fakes import FakeClock
-from tests.plan_keys import TestKey
+from tests.support.clock import FakeClock
+from tests.support.plan_keys import TestKey
 
 PASSWORD = "hunter2-Sekr1t"
 DSN = f"postgresql://phaze:{PASSWORD}@127.0.0.1:9/phaze"

@@ -10,6 +10,7 @@ fabric-reconcile.service would run them.
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,7 @@ import typing_extensions
 import typing_inspection
 
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.systemd import SystemdContainer, systemd_container
 
 SITE = "/opt/fabric-test/site"
 DESIRED = "/var/lib/fabric/desired"
@@ -83,6 +84,11 @@ def reconcile_argv(plan_file: str | Path = FLEET_PLAN, *options: str) -> list[st
         str(plan_file),
         *options,
     ]
+
+
+def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
+    """One `fabric reconcile` of racknerd inside the container (reconcile_argv's)."""
+    return container.run(*reconcile_argv(), timeout=300)
 
 
 def invocation(container: SystemdContainer, unit: str) -> str:
