@@ -163,7 +163,7 @@ let
   # The pass: what activation needs and no more (units.py PASS_HARDENING).
   passHardening = hardening // {
     ReadOnlyPaths = trustAnchors;
-    CapabilityBoundingSet = "CAP_NET_ADMIN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN";
+    CapabilityBoundingSet = "CAP_NET_ADMIN CAP_NET_BIND_SERVICE CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN";
     KeyringMode = "private";
     ProtectProc = "invisible";
     SystemCallFilter = [ "@system-service" ];

@@ -19,6 +19,7 @@ import annotated_types
 import dbus_fast
 import jinja2
 import markupsafe
+import prometheus_client
 import pydantic
 import pydantic_core
 import typing_extensions
@@ -43,7 +44,7 @@ def copy_dependencies(container: SystemdContainer) -> None:
     (its /tmp, where the venv lives, is the container's own)."""
     target = container.host_path(SITE)
     target.mkdir(parents=True)
-    for module in (pydantic, pydantic_core, jinja2, markupsafe, dbus_fast, annotated_types, typing_inspection):
+    for module in (pydantic, pydantic_core, jinja2, markupsafe, dbus_fast, annotated_types, typing_inspection, prometheus_client):
         source = Path(module.__file__).parent  # type: ignore[arg-type]
         shutil.copytree(source, target / source.name)
     shutil.copy(typing_extensions.__file__, target)  # type: ignore[arg-type]

@@ -108,7 +108,14 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     assert {"-/etc/fabric/node.toml", "-/etc/fabric/allowed_signers", "-/etc/fabric/plan-signing.key", "-/etc/fabric/etcd"} <= set(
         service["ReadOnlyPaths"]
     )
-    assert set(service["CapabilityBoundingSet"].split()) == {"CAP_NET_ADMIN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_CHOWN"}
+    assert set(service["CapabilityBoundingSet"].split()) == {
+        "CAP_NET_ADMIN",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_DAC_OVERRIDE",
+        "CAP_DAC_READ_SEARCH",
+        "CAP_FOWNER",
+        "CAP_CHOWN",
+    }
     timer = reconcile_timer(install).values("Timer")
     assert timer["OnUnitActiveSec"] == "45s" and timer["Persistent"] == "true" and timer["AccuracySec"] == "1s"
     assert [u.name for u in host_units(install, leader_candidate=True)] == [

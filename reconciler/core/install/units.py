@@ -115,15 +115,16 @@ TRUST_ANCHORS = (
     "-/etc/fabric/etcd",
 )
 # The pass keeps what activation needs and no more: root (systemd's bus,
-# files in root's directories), CAP_NET_ADMIN (nft loads its table), the
-# file capabilities a root process needs in directories and files it does not
+# files in root's directories), CAP_NET_ADMIN (nft loads its table),
+# CAP_NET_BIND_SERVICE (before loading Caddy, the pass checks that the edge's
+# ports, 80 and 443, can be bound), the file capabilities a root process needs in directories and files it does not
 # own (a Caddy snippet directory owned by caddy, a scratch dir's parent), the
 # devices (the probe must see /dev/dri and /dev/nvidia*) and netlink (nft):
 # what keeps its exposure above the watcher's and the leader's.
 PASS_HARDENING: dict[str, str | tuple[str, ...]] = {
     **HARDENING,
     "ReadOnlyPaths": TRUST_ANCHORS,
-    "CapabilityBoundingSet": "CAP_NET_ADMIN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN",
+    "CapabilityBoundingSet": "CAP_NET_ADMIN CAP_NET_BIND_SERVICE CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN",
     "KeyringMode": "private",
     "ProtectProc": "invisible",
     "SystemCallFilter": ("@system-service",),
