@@ -138,6 +138,43 @@ def _abs_path(value: str) -> str:
     return value
 
 
+# Directories no path the desired state hands to a unit may lie in, whatever a
+# host's node.toml allows: a commit must not make root chown /etc/systemd/system
+# (a scratch dir), bind-mount the fabric's state, or hand a dynamic user
+# /etc/shadow or the plan key through LoadCredential=.
+SYSTEM_DIRECTORIES = (
+    "/etc",
+    "/usr",
+    "/boot",
+    "/root",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/run/systemd",
+    "/var/lib/systemd",
+    "/var/lib/fabric",
+)
+
+
+def _unit_path(value: str) -> str:
+    """A path a unit gets from the desired state: absolute, and outside every system directory."""
+    _abs_path(value)
+    path = PurePosixPath(value)
+    if path == PurePosixPath("/"):
+        raise ValueError("'/' is not a path a unit may be handed")
+    for system in SYSTEM_DIRECTORIES:
+        if path == PurePosixPath(system) or PurePosixPath(system) in path.parents:
+            raise ValueError(
+                f"{value!r} lies in {system}, a system directory: no path the desired state hands to a unit may ({', '.join(SYSTEM_DIRECTORIES)})"
+            )
+    return value
+
+
 def _arg(value: str) -> str:
     if not _ARG_RE.match(value):
         raise ValueError("control characters (newlines, NUL) are not allowed")
@@ -206,6 +243,8 @@ HostName = Annotated[
     _schema(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$", "a DNS host name", maxLength=253),
 ]
 AbsPath = Annotated[str, AfterValidator(_abs_path), _schema("^/[^\\s\"'{};$`\\\\]*$", "an absolute path")]
+# A path handed to a unit (scratch dirs, tokens, credentials, NAME_FILE values).
+UnitPath = Annotated[str, AfterValidator(_unit_path), _schema("^/[^\\s\"'{};$`\\\\]*$", "an absolute path outside the system directories")]
 Arg = Annotated[str, AfterValidator(_arg)]
 # A description and the like: any text but a secret (checked first, so no other message quotes one).
 FreeText = Annotated[str, AfterValidator(_no_secret_text), AfterValidator(_arg)]
@@ -252,11 +291,11 @@ def refuse_inline_secrets(env: Any) -> Any:
 
 
 def check_environment(env: dict[str, str]) -> dict[str, str]:
-    """NAME_FILE values are absolute paths."""
+    """NAME_FILE values are absolute paths outside the system directories."""
     for key, value in env.items():
         if key.endswith("_FILE"):
             try:
-                _abs_path(value)
+                _unit_path(value)
             except ValueError as exc:
                 raise FieldProblem(key, str(exc)) from exc
     return env
@@ -489,7 +528,7 @@ class AgentSettings(Strict):
     # Each agent's token file is <token_dir>/<agent_ref>/token unless its lane
     # names one (`token_file`): phaze's worker checks the token's agent id
     # against its queue, so agents never share a token.
-    token_dir: AbsPath = Field(
+    token_dir: UnitPath = Field(
         DEFAULT_TOKEN_DIR, description="Each agent's token file is <token_dir>/<agent_ref>/token unless its lane names one (token_file)."
     )
     environment: Environment = Field(
@@ -534,7 +573,7 @@ class Lane(Strict):
         None, description="The compute lane's agent (its queue: <agent.queue_prefix><agent_ref>); compute lanes only, required there."
     )
     push_host: Name | None = Field(None, description="The host whose agent runs the lane's jobs; compute lanes only, required there.")
-    scratch_dir: AbsPath | None = Field(
+    scratch_dir: UnitPath | None = Field(
         None, description="Where phaze pushes the files (the agent's PHAZE_CLOUD_SCRATCH_DIR); compute lanes only, required there."
     )
     ssh_user: Name | None = Field(None, description="The user phaze pushes as; owns scratch_dir; compute lanes only, required there.")
@@ -546,7 +585,7 @@ class Lane(Strict):
         description="The lane's SAQ queue. A compute lane: must equal <queue_prefix><agent_ref> when given. The local lane: phaze-local unless given.",
     )
     # A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).
-    token_file: AbsPath | None = Field(None, description="A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).")
+    token_file: UnitPath | None = Field(None, description="A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).")
 
     @model_validator(mode="after")
     def _compute_fields(self) -> Lane:
@@ -657,7 +696,9 @@ class Service(Strict):
     route: Route | None = Field(None, description="Serve it through the edge's Caddy.")
     environment: Environment = Field({}, description="Its environment; secrets only as NAME_FILE absolute paths.")
     # name -> absolute path on the host, delivered with LoadCredential=.
-    credentials: dict[Name, AbsPath] = Field({}, description="name -> absolute path on the host, delivered with LoadCredential=.")
+    credentials: dict[Name, UnitPath] = Field(
+        {}, description="name -> absolute path on the host (never in a system directory), delivered with LoadCredential=."
+    )
     # This service's place of cost among the placement rules; None: the
     # fleet's [scheduler] cost_order.
     cost_order: CostOrder | None = Field(None, description="This service's place of cost among the placement rules; unset: [scheduler] cost_order.")
