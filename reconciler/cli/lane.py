@@ -46,7 +46,7 @@ from reconciler.cli.registry_options import add_queue_url_option, add_registry_o
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
-from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, lane_status, run_dispatcher
+from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, PhazeDispatches, lane_status, refuse_phaze_lanes, run_dispatcher
 from reconciler.ports import LaneBroker, Registry, StaleDispatcher
 
 
@@ -97,19 +97,34 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"lane {args.action} takes no job ids")
     if args.duration is not None and args.action != "enqueue":
         parser.error("--duration goes with enqueue")
-    with desired_and_registry(args) as (desired, registry), opened_lane_broker(args, desired) as lane_broker:
-        try:
-            if args.action == "enqueue":
-                _enqueue(lane_broker, args.jobs, args.duration, as_json=args.json)
-            elif args.action == "status":
-                _status(registry, lane_broker, desired, as_json=args.json)
-            else:
-                _dispatch(registry, lane_broker, desired, once=args.once, interval=args.interval, as_json=args.json)
-        except StaleDispatcher as exc:
-            raise CommandError(f"fabric lane {args.action}: {exc}") from None
-        except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
-            raise CommandError(f"fabric lane {args.action}: the lane queue holds an invalid record: {exc.errors()[0]['msg']}") from None
+    with desired_and_registry(args) as (desired, registry):
+        if args.action != "status":
+            _refuse_phaze_lanes(args.action, desired)
+        with opened_lane_broker(args, desired) as lane_broker:
+            _run_action(args, desired, registry, lane_broker)
     return EXIT_OK
+
+
+def _refuse_phaze_lanes(action: str, desired: DesiredState) -> None:
+    """enqueue and dispatch write jobs: never where phaze dispatches (exit 2, nothing opened)."""
+    try:
+        refuse_phaze_lanes(desired)
+    except PhazeDispatches as exc:
+        raise InvalidInput(f"fabric lane {action}: {exc}") from None
+
+
+def _run_action(args: argparse.Namespace, desired: DesiredState, registry: Registry, lane_broker: LaneBroker) -> None:
+    try:
+        if args.action == "enqueue":
+            _enqueue(lane_broker, args.jobs, args.duration, as_json=args.json)
+        elif args.action == "status":
+            _status(registry, lane_broker, desired, as_json=args.json)
+        else:
+            _dispatch(registry, lane_broker, desired, once=args.once, interval=args.interval, as_json=args.json)
+    except StaleDispatcher as exc:
+        raise CommandError(f"fabric lane {args.action}: {exc}") from None
+    except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
+        raise CommandError(f"fabric lane {args.action}: the lane queue holds an invalid record: {exc.errors()[0]['msg']}") from None
 
 
 def _enqueue(lane_broker: LaneBroker, job_ids: list[str], duration: float | None, *, as_json: bool) -> None:

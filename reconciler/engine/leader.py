@@ -233,6 +233,8 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         if self.lane_broker is None or not self.desired.fleet.phaze.leader_dispatches:
             return
+        if self.desired.fleet.phaze_dispatches:
+            return  # phaze's control plane dispatches its lanes (engine.dispatch.refuse_phaze_lanes)
         try:
             events = dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch)
         except StaleDispatcher as exc:

@@ -15,6 +15,7 @@ from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
+from tests.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes_fleet
 from tests.harness.postgres import broker_url_file
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
@@ -22,7 +23,7 @@ from tests.integration.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
-A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
+A1, X86, LOCAL = OWN_A1, OWN_X86, OWN_LOCAL
 
 
 @pytest.fixture
@@ -30,8 +31,9 @@ def lane(tmp_path, capsys, broker_dsn):
     dsn = broker_dsn
     url_file = broker_url_file(tmp_path, dsn + "\n")  # the line's end is stripped
     registry = tmp_path / "registry.sqlite"
+    fleet = own_lanes_fleet(tmp_path / "fleet")  # the example fleet is phaze's: phaze dispatches there
     # Every example host beats (a lane is as healthy as its agent host).
-    store = open_registry(load_desired(EXAMPLE_FLEET).fleet, sqlite_path=registry)
+    store = open_registry(load_desired(fleet).fleet, sqlite_path=registry)
     try:
         beat_example_fleet(store)
     finally:
@@ -39,7 +41,7 @@ def lane(tmp_path, capsys, broker_dsn):
     workers = LaneWorkers(dsn)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file)])
+        status = main(["lane", *argv, "--desired", str(fleet), "--registry-path", str(registry), "--queue-url-file", str(url_file)])
         out, err = capsys.readouterr()
         return status, out, err
 
@@ -113,3 +115,21 @@ def test_bad_input_exits_2_and_writes_nothing_and_an_unreadable_url_file_exits_1
         ["lane", "status", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "r.sqlite"), "--queue-url-file", str(missing)]
     )
     assert status == 1
+
+
+def test_in_a_phaze_fleet_enqueue_and_dispatch_refuse_and_write_nothing(lane, tmp_path, capsys):
+    """The example fleet names phaze's agent API ([phaze] api_url): phaze's
+    control plane dispatches into its phaze-agent-* queues, so the fabric
+    enqueues and dispatches nothing there (exit 2, the broker not even opened)."""
+    url_file = broker_url_file(tmp_path, lane.dsn)
+    for argv in (["enqueue", "job-1"], ["dispatch", "--once"], ["dispatch"]):
+        status = main(
+            ["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "r.sqlite"), "--queue-url-file", str(url_file)]
+        )
+        err = capsys.readouterr().err
+        assert status == 2, argv
+        assert err.startswith(f"fabric lane {argv[0]}: {EXAMPLE_FLEET}/fabric.toml: phaze.api_url: this is a phaze fleet"), err
+        assert "phaze-agent-* queues" in err, err
+    with psycopg.connect(lane.dsn) as conn:
+        assert conn.execute("SELECT to_regclass('fabric_lane_jobs')").fetchone()[0] is None
+        assert conn.execute("SELECT to_regclass('saq_jobs')").fetchone()[0] is None, "no SAQ queue written"

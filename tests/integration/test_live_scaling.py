@@ -60,6 +60,7 @@ from reconciler.ports import Registry
 from reconciler.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
 from tests.conftest import REPO
 from tests.fakes import FakeClock
+from tests.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes
 from tests.harness.saq_workers import LaneWorkers
 from tests.harness.waiting import deadline_for, wait_until
 from tests.plan_keys import SignedFleet, signed_example_fleet
@@ -111,7 +112,7 @@ class LiveFleet:
         # A worker on every lane's queue, each taking more than its cap: the
         # caps and the hosts' accounts are the dispatcher's to keep.
         self.workers = LaneWorkers(broker_dsn)
-        for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
+        for queue in (OWN_A1, OWN_X86, OWN_LOCAL):
             self.workers.start(queue, concurrency=8)
         self.lane_queues: list[PostgresLaneBroker] = []
         self.lanes = self._open_lanes()
@@ -167,7 +168,7 @@ class LiveFleet:
             line = re.search(rf"(?m)^{tier} = \[.*\]$", text)
             assert line is not None
             text = text.replace(line.group(0), f'{tier} = ["{hook}", "{self.hook_out}", "{tier}", "one group"]')
-        toml.write_text(text)
+        toml.write_text(own_lanes(text))  # the fabric's own lanes: the example fleet is phaze's
 
     def open(self) -> Registry:
         fleet = FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from reconciler.core.desired.model import FleetConfig, agent_token_file
+from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, FleetConfig, agent_token_file, lane_queue_name
 from reconciler.core.desired.problems import Problem
 
 
@@ -73,6 +73,23 @@ def lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
                     f"{b.id!r} is also the id of services[{k}]: a lane's agent and a service would both be fabric-agent-{b.id}.service",
                 )
             )
+
+    # The fabric's own lanes (no [phaze] api_url): it writes jobs into their
+    # queues, so none may be phaze's (phaze-agent-*, phaze dispatches there).
+    if not fleet.phaze_dispatches:
+        for i, b in enumerate(backends):
+            queue = lane_queue_name(fleet, b)
+            if queue is not None and queue.startswith(PHAZE_QUEUE_PREFIX):
+                problems.append(
+                    Problem(
+                        file,
+                        f"backends[{i}].queue",
+                        f"{queue!r} is phaze's (its agents' queues, where phaze's control plane dispatches): "
+                        "the fabric's own lanes use queues of their own, or give [phaze] api_url to make this a phaze fleet",
+                    )
+                )
+        if problems:
+            return problems
 
     # The local lane is phaze's own processing: its queue must not be one an agent consumes.
     if fleet.agent is not None:

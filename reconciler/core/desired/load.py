@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reconciler.core.desired.lane_rules import lane_rules
-from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig, lane_queue_name
 from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -258,6 +258,14 @@ def fleet_rules(
                 unknown_host(f"backends[{i}].push_host", b.push_host or "")
             if fleet.agent is None:
                 problems.append(Problem(file, f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)"))
+            elif b.queue is not None and fleet.phaze_dispatches:
+                problems.append(
+                    Problem(
+                        file,
+                        f"backends[{i}].queue",
+                        f"not used in a phaze fleet ([phaze] api_url): phaze's agent consumes {lane_queue_name(fleet, b)} (phaze-agent-<agent_ref>-<agent_lane>)",
+                    )
+                )
             elif b.queue is not None and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
                 problems.append(
                     Problem(

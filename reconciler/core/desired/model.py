@@ -375,6 +375,11 @@ class ArchAgent(Strict):
 
 
 DEFAULT_TOKEN_DIR = "/run/secrets/phaze/agents"
+# phaze's agents consume phaze-agent-<agent id>[-<lane>] (phaze's
+# agent_worker checks its token's agent id against PHAZE_AGENT_QUEUE, and
+# services/agent_task_router.py names the lane queues): phaze's control plane
+# writes jobs there, the fabric never does.
+PHAZE_QUEUE_PREFIX = "phaze-agent-"
 # Variables of a compute agent that the fabric sets per lane, and from what.
 PER_AGENT_VARIABLES = {
     "PHAZE_AGENT_QUEUE": "the lane's agent_ref (queue_prefix + agent_ref)",
@@ -393,12 +398,24 @@ class AgentSettings(Strict):
     """
 
     arch: dict[Arch, ArchAgent] = Field(min_length=1)
-    queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = "phaze-agent-"
+    # The prefix of the fabric's own lanes' queues (<queue_prefix><agent_ref>),
+    # never phaze's: in a phaze fleet the agents' queues are phaze's
+    # (PHAZE_QUEUE_PREFIX, `phaze_agent_queue`) and this is not used.
+    queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = "fabric-lane-"
     # Each agent's token file is <token_dir>/<agent_ref>/token unless its lane
     # names one (`token_file`): phaze's worker checks the token's agent id
     # against its queue, so agents never share a token.
     token_dir: AbsPath = DEFAULT_TOKEN_DIR
     environment: Environment = {}
+
+    @model_validator(mode="after")
+    def _own_prefix(self) -> AgentSettings:
+        if self.queue_prefix.startswith(PHAZE_QUEUE_PREFIX):
+            raise FieldProblem(
+                "queue_prefix",
+                f"{PHAZE_QUEUE_PREFIX}* queues are phaze's (its control plane dispatches into them): the fabric's own lanes need a prefix of their own",
+            )
+        return self
 
     @model_validator(mode="after")
     def _per_agent_variables(self) -> AgentSettings:
@@ -512,6 +529,15 @@ class PhazeSettings(Strict):
     # dispatcher). false: only `fabric lane dispatch` does, where the job
     # system or an operator drives each dispatch pass and reads its decisions.
     leader_dispatches: bool = True
+    # phaze's agent API (PHAZE_AGENT_API_URL: every agent asks it who it is at
+    # start). Giving it makes this a phaze fleet: the [[backends]] are phaze's,
+    # phaze's control plane selects and dispatches, and the fabric writes no
+    # job (`FleetConfig.phaze_dispatches`).
+    api_url: Annotated[str, StringConstraints(pattern=r"^https?://[A-Za-z0-9._~:/?#@!&'()*+,;=%\[\]-]+$")] | None = None
+    # The lane an agent serves (PHAZE_AGENT_LANE) and so the suffix of its
+    # queue, phaze-agent-<agent_ref>-<agent_lane>; "" for a phaze without
+    # lanes (its agents consume the bare phaze-agent-<agent_ref>).
+    agent_lane: Literal["analyze", ""] = "analyze"
 
 
 class Route(Strict):
@@ -667,15 +693,39 @@ class RaySettings(Strict):
         return (self.head, *self.workers)
 
 
+def phaze_agent_queue(agent_ref: str, agent_lane: str = "") -> str:
+    """phaze's queue of agent `agent_ref`: phaze-agent-<agent_ref> (its
+    PHAZE_AGENT_QUEUE), with `-<agent_lane>` the lane queue it consumes."""
+    return f"{PHAZE_QUEUE_PREFIX}{agent_ref}" + (f"-{agent_lane}" if agent_lane else "")
+
+
 def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
-    """The SAQ queue a lane's jobs go to: a compute lane's agent queue
-    (<queue_prefix><agent_ref>), the local lane's own (LOCAL_QUEUE by
-    default); None for a compute lane without an [agent] table."""
+    """The SAQ queue a lane's jobs run from: in a phaze fleet a compute lane's
+    is phaze's agent lane queue (phaze-agent-<agent_ref>-<agent_lane>); else
+    a compute lane's agent queue (<queue_prefix><agent_ref>); the local
+    lane's own (LOCAL_QUEUE by default); None for a compute lane of the
+    fabric's own without an [agent] table."""
     if lane.kind == "local":
         return lane.queue or LOCAL_QUEUE
+    if fleet.phaze_dispatches:
+        assert lane.agent_ref is not None  # a compute lane
+        return phaze_agent_queue(lane.agent_ref, fleet.phaze.agent_lane)
     if fleet.agent is None:
         return lane.queue
     return lane.queue or f"{fleet.agent.queue_prefix}{lane.agent_ref}"
+
+
+def agent_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
+    """A compute lane's agent's PHAZE_AGENT_QUEUE: phaze's base queue
+    phaze-agent-<agent_ref> in a phaze fleet (phaze's agent adds the lane's
+    suffix itself and checks the base against its token's agent id), else the
+    lane's queue; None for the local lane (no agent)."""
+    if lane.kind != "compute":
+        return None
+    if fleet.phaze_dispatches:
+        assert lane.agent_ref is not None  # a compute lane
+        return phaze_agent_queue(lane.agent_ref)
+    return lane_queue_name(fleet, lane)
 
 
 class FleetConfig(Strict):
@@ -699,6 +749,13 @@ class FleetConfig(Strict):
     plan_keys: list[PlanKey] = []
     # The fabric's Ray cluster (optional): no [ray], no Ray units.
     ray: RaySettings | None = None
+
+    @property
+    def phaze_dispatches(self) -> bool:
+        """A phaze fleet ([phaze] api_url): phaze's control plane selects a
+        lane and dispatches into its phaze-agent-* queues; the fabric deploys,
+        watches and steers, and never writes a job."""
+        return self.phaze.api_url is not None
 
 
 # --------------------------------------------------------------------------

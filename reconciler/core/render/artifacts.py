@@ -58,6 +58,7 @@ from reconciler.core.desired.model import (
     PortMap,
     RunsOn,
     Service,
+    agent_queue_name,
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
@@ -276,7 +277,7 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
     # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>, and the
     # worker checks its token's agent id against it: queue, token file and
     # scratch dir are the lane's own (the model refuses them in agent.environment).
-    queue = desired.queue_for(lane)
+    queue = agent_queue_name(desired.fleet, lane)
     token_file = desired.token_file_for(lane)
     # A compute lane, [agent] present; ssh_user is required by the model.
     assert queue is not None and token_file is not None and lane.scratch_dir is not None and lane.ssh_user is not None
