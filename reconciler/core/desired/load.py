@@ -256,6 +256,15 @@ def fleet_rules(
         if b.kind == "compute":
             if b.push_host not in hosts:
                 unknown_host(f"backends[{i}].push_host", b.push_host or "")
+            if b.ssh_user is None and fleet.phaze.push_ssh_user is None:
+                problems.append(
+                    Problem(
+                        file,
+                        f"backends[{i}].ssh_user",
+                        "required for a compute lane unless [phaze] push_ssh_user gives the fleet-wide default: "
+                        "its scratch_dir belongs to the user phaze pushes as",
+                    )
+                )
             if fleet.agent is None:
                 problems.append(Problem(file, f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)"))
             elif b.queue is not None and fleet.phaze_dispatches:

@@ -380,11 +380,24 @@ DEFAULT_TOKEN_DIR = "/run/secrets/phaze/agents"
 # services/agent_task_router.py names the lane queues): phaze's control plane
 # writes jobs there, the fabric never does.
 PHAZE_QUEUE_PREFIX = "phaze-agent-"
-# Variables of a compute agent that the fabric sets per lane, and from what.
+DEFAULT_AGENT_QUEUE_URL_FILE = "/run/secrets/phaze/queue_url"
+DEFAULT_MODELS_DIR = "/var/lib/phaze/models"
+# Variables of a compute agent that the fabric sets, per lane or from [phaze]
+# and [agent] (phaze's agent_worker and AgentSettings read them), and from
+# what: [agent.environment] cannot set them.
 PER_AGENT_VARIABLES = {
-    "PHAZE_AGENT_QUEUE": "the lane's agent_ref (queue_prefix + agent_ref)",
+    "PHAZE_ROLE": "phaze's agent role (agent)",
+    "PHAZE_AGENT_KIND": "the lane's kind (compute)",
+    "PHAZE_AGENT_QUEUE": "the lane's agent_ref (phaze-agent-<agent_ref>; queue_prefix + agent_ref for the fabric's own lanes)",
+    "PHAZE_AGENT_LANE": "phaze.agent_lane",
+    "PHAZE_LANE_ANALYZE_CONCURRENCY": "the lane's cap",
+    "WORKER_MAX_JOBS": "the lane's cap",
+    "PHAZE_AGENT_API_URL": "phaze.api_url",
     "PHAZE_AGENT_TOKEN_FILE": "the lane's token_file (default agent.token_dir/<agent_ref>/token)",
+    "PHAZE_QUEUE_URL_FILE": "agent.queue_url_file",
+    "PHAZE_AGENT_CA_FILE": "agent.ca_file",
     "PHAZE_CLOUD_SCRATCH_DIR": "the lane's scratch_dir",
+    "MODELS_PATH": "phaze.models_path (agent.models_dir bound there read-only)",
 }
 
 
@@ -406,6 +419,13 @@ class AgentSettings(Strict):
     # names one (`token_file`): phaze's worker checks the token's agent id
     # against its queue, so agents never share a token.
     token_dir: AbsPath = DEFAULT_TOKEN_DIR
+    # On each agent host: the file holding phaze's broker DSN (the agent's
+    # PHAZE_QUEUE_URL_FILE), the CA of phaze's agent API (PHAZE_AGENT_CA_FILE;
+    # phaze's agent reads /certs/phaze-ca.crt in its image when not given),
+    # and phaze's models, bound read-only at [phaze] models_path.
+    queue_url_file: AbsPath = DEFAULT_AGENT_QUEUE_URL_FILE
+    ca_file: AbsPath | None = None
+    models_dir: AbsPath = DEFAULT_MODELS_DIR
     environment: Environment = {}
 
     @model_validator(mode="after")
@@ -424,7 +444,7 @@ class AgentSettings(Strict):
         # agents one queue, one token or one scratch dir).
         for key, where in PER_AGENT_VARIABLES.items():
             if key in self.environment:
-                raise FieldProblem(f"environment.{key}", f"differs per agent: the fabric sets it from {where}")
+                raise FieldProblem(f"environment.{key}", f"the fabric sets it for each agent, from {where}: [agent.environment] cannot override it")
         return self
 
     @model_validator(mode="after")
@@ -465,11 +485,6 @@ class Lane(Strict):
             for key in ("agent_ref", "push_host", "scratch_dir"):
                 if getattr(self, key) is None:
                     raise FieldProblem(key, "required for a compute lane")
-            if self.ssh_user is None:
-                # phaze would fall back to its file server's user, which the
-                # desired state does not name: the fabric gives the agent's
-                # scratch dir to the user phaze pushes as, so it must know it.
-                raise FieldProblem("ssh_user", "required for a compute lane: its scratch_dir belongs to the user phaze pushes as")
         else:
             for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file"):
                 if getattr(self, key) is not None:
@@ -538,6 +553,12 @@ class PhazeSettings(Strict):
     # queue, phaze-agent-<agent_ref>-<agent_lane>; "" for a phaze without
     # lanes (its agents consume the bare phaze-agent-<agent_ref>).
     agent_lane: Literal["analyze", ""] = "analyze"
+    # phaze's MODELS_PATH: where its agents find the models (process_file's
+    # payload carries the control plane's, so agents use the same path).
+    models_path: AbsPath = "/models"
+    # The user phaze pushes files as (its file server's PHAZE_PUSH_SSH_USER):
+    # a compute lane without its own ssh_user uses it (`ssh_user_for`).
+    push_ssh_user: Name | None = None
 
 
 class Route(Strict):
@@ -871,6 +892,15 @@ class DesiredState(BaseModel):
     def queue_for(self, lane: Lane) -> str | None:
         """The queue a lane's jobs go to (`lane_queue_name`)."""
         return lane_queue_name(self.fleet, lane)
+
+    def ssh_user_for(self, lane: Lane) -> str | None:
+        """The user phaze pushes a compute lane's files as: its own ssh_user,
+        else [phaze] push_ssh_user; None for the local lane (nothing pushed).
+        The fabric gives the lane's scratch dir to that user and writes it
+        into backends.toml, so phaze's own fallback is never needed."""
+        if lane.kind != "compute":
+            return None
+        return lane.ssh_user or self.fleet.phaze.push_ssh_user
 
     def token_file_for(self, lane: Lane) -> str | None:
         """A compute lane's agent token file; None for the local lane (no agent)."""
