@@ -167,7 +167,8 @@ def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, 
         state = "" if v.available else f"  OFFLINE: {v.reason}"
         if v.available and v.full:
             state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
-        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{state}")
+        workers = "" if v.workers is None else f" ({v.workers} worker{'' if v.workers == 1 else 's'})"
+        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{workers}{state}")
     new = status.new_job
     print(f"a new job now: {f'-> {new.lane}' if new.lane else f'held: {new.hold}: {HOLD_MEANING[new.hold or str()]}'}")
     for j in status.running:

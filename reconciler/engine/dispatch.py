@@ -286,6 +286,7 @@ class LaneStatus:
             "full": view.full,
             "host": view.host,
             "host_free": view.host_free,
+            "workers": view.workers,
             "hold": lane_hold(view, self.queues.get(view.id), self.new_job),
         }
 

@@ -17,7 +17,7 @@ from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
 from tests.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes_fleet
 from tests.harness.postgres import broker_url_file
-from tests.harness.saq_workers import LaneWorkers
+from tests.harness.saq_workers import LaneWorkers, enqueue_as_phaze, phaze_payload
 from tests.harness.waiting import deadline_for, wait_until
 from tests.integration.registry_store import beat_example_fleet
 
@@ -133,3 +133,38 @@ def test_in_a_phaze_fleet_enqueue_and_dispatch_refuse_and_write_nothing(lane, tm
     with psycopg.connect(lane.dsn) as conn:
         assert conn.execute("SELECT to_regclass('fabric_lane_jobs')").fetchone()[0] is None
         assert conn.execute("SELECT to_regclass('saq_jobs')").fetchone()[0] is None, "no SAQ queue written"
+
+
+def test_in_a_phaze_fleet_lane_status_reads_each_lanes_real_queue(lane, tmp_path, capsys):
+    """The example fleet is phaze's: a compute lane's queue is phaze's
+    phaze-agent-<agent_ref>-analyze. Its in_flight is the jobs phaze put there
+    (queued or active), its workers the SAQ workers beating there; a lane
+    whose agent beats on no such queue is offline and says where it looked.
+    The fabric itself writes nothing to the broker's queues."""
+    a1 = "phaze-agent-a1-arm64-analyze"
+    lane.workers.start(a1, concurrency=1)
+    enqueue_as_phaze(lane.dsn, a1, [phaze_payload(f"0000000{i}-0000-4000-8000-000000000000", "a1-arm64") for i in (1, 2)])
+    wait_until(lambda: len(lane.workers.running()) == 1, timeout=deadline_for(1), what="a1's agent runs one of phaze's jobs")
+    url_file = broker_url_file(tmp_path, lane.dsn)
+    argv = [
+        "lane",
+        "status",
+        "--desired",
+        str(EXAMPLE_FLEET),
+        "--registry-path",
+        str(tmp_path / "registry.sqlite"),
+        "--queue-url-file",
+        str(url_file),
+    ]
+    assert main([*argv, "--json"]) == 0
+    lanes = {v["id"]: v for v in json.loads(capsys.readouterr().out)["lanes"]}
+    assert (lanes["a1-arm64"]["queue"], lanes["a1-arm64"]["in_flight"], lanes["a1-arm64"]["cap"], lanes["a1-arm64"]["workers"]) == (a1, 2, 2, 1)
+    assert lanes["a1-arm64"]["online"] and lanes["a1-arm64"]["full"] == "cap"
+    x86 = lanes["x86-spill"]
+    assert (x86["queue"], x86["in_flight"], x86["workers"], x86["online"]) == ("phaze-agent-x86-spill-analyze", 0, 0, False)
+    assert x86["reason"].startswith("no SAQ worker on phaze-agent-x86-spill-analyze"), x86["reason"]
+    assert main(argv) == 0
+    assert f"2/2  {a1} (1 worker)  FULL: lane cap" in capsys.readouterr().out
+    with psycopg.connect(lane.dsn) as conn:
+        keys = sorted(key for (key,) in conn.execute("SELECT key FROM saq_jobs").fetchall())
+    assert all(key.startswith("process_file:") for key in keys) and len(keys) == 2, keys

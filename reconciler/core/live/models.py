@@ -128,6 +128,11 @@ class LaneView(_Live):
     # two is the account; `lanes.account_load`). 0 when the node names its
     # services (then the account is services + lane jobs).
     host_slack: int = Field(default=0, ge=0)
+    # The lane's queue on phaze's broker and the SAQ workers beating on it
+    # now (saq_stats rows of that queue not yet expired); both None when the
+    # broker was not read.
+    queue: str | None = None
+    workers: int | None = None
 
 
 class Snapshot(_Live):
