@@ -559,6 +559,13 @@ class PhazeSettings(Strict):
     # The user phaze pushes files as (its file server's PHAZE_PUSH_SSH_USER):
     # a compute lane without its own ssh_user uses it (`ssh_user_for`).
     push_ssh_user: Name | None = None
+    # Steering (a phaze fleet): a compute lane dead this long (its host offline
+    # or suspected, its agent unit failed, no SAQ worker on its queue) leaves
+    # backends.toml; healthy this long, it comes back. phaze reads the file at
+    # start only, so each change restarts control_units: at most one change
+    # per restart_interval_s.
+    steering_window_s: Annotated[int, Field(ge=0, le=86_400)] = 120
+    restart_interval_s: Annotated[int, Field(ge=0, le=86_400)] = 600
 
 
 class Route(Strict):

@@ -157,6 +157,49 @@ class PlanSignature(_Live):
     value: str
 
 
+class SteeredLane(_Live):
+    """A compute lane the fabric left out of phaze's backends.toml (dead for
+    the steering window), since when and why (the lane view's reason then)."""
+
+    id: str
+    since: datetime
+    reason: str
+
+
+class LaneWatch(_Live):
+    """A lane whose health differs from its steering (dead but in, healthy but
+    out), since when: it changes once that lasts the steering window."""
+
+    id: str
+    dead: bool
+    since: datetime
+    reason: str | None = None
+
+
+class SteeringChange(_Live):
+    """One change of what phaze may choose: a lane left out or put back."""
+
+    at: datetime
+    lane: str
+    out: bool
+    reason: str
+
+
+class LaneSteering(_Live):
+    """What the leader decided about phaze's lanes (core.scheduling.lane_steering):
+    the lanes left out of backends.toml, the lanes being watched, when it last
+    changed (a change restarts phaze's control units: at most one per
+    interval), and the newest changes (the timeline's)."""
+
+    out: list[SteeredLane] = []
+    watching: list[LaneWatch] = []
+    changed_at: datetime | None = None
+    recent: list[SteeringChange] = []
+
+    def out_ids(self) -> list[str]:
+        return sorted(s.id for s in self.out)
+
+
 class FleetPlan(_Live):
     epoch: int = Field(ge=0)
     leader: str
@@ -168,6 +211,9 @@ class FleetPlan(_Live):
     # never given work (a registry writer cannot add a target), listed so an
     # operator sees them.
     ignored_nodes: list[str] = []
+    # A phaze fleet: the compute lanes left out of phaze's backends.toml (names
+    # of declared lanes only; the control host checks them against its desired state).
+    steering: LaneSteering = LaneSteering()
     # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
     signature: PlanSignature | None = None
 

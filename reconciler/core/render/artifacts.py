@@ -552,12 +552,16 @@ def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Path | None) 
     )
 
 
-def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None) -> Artifact:
-    """/etc/phaze/backends.toml: exactly the declared [[backends]], with the
-    keys phaze knows that are set (not the fabric's own `queue`, `token_file`).
-    No secrets are in it; phaze's control-plane units read it at startup."""
+def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None, left_out: tuple[str, ...] = ()) -> Artifact:
+    """/etc/phaze/backends.toml: the declared [[backends]] but the compute
+    lanes the leader left out (`left_out`: dead for the steering window,
+    core.scheduling.lane_steering), with the keys phaze knows that are set
+    (not the fabric's own `queue`, `token_file`). No secrets are in it;
+    phaze's control-plane units read it at startup."""
     backends = []
     for lane in desired.fleet.lanes:
+        if lane.id in left_out:
+            continue
         fields = []
         for key in PHAZE_BACKEND_FIELDS:
             # ssh_user: the lane's or the fleet-wide push_ssh_user, written out
@@ -566,7 +570,7 @@ def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None
             if value is not None:
                 fields.append((key, str(value) if isinstance(value, int) else toml_string(value)))
         backends.append(fields)
-    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends)
+    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends, left_out=list(left_out))
     return Artifact(layout.phaze_backends, text, 0o644, "file", restarts=tuple(desired.fleet.phaze.control_units))
 
 
@@ -740,7 +744,7 @@ def render(
 
     # phaze's control plane reads its lanes from backends.toml.
     if "control" in host.host.roles and desired.fleet.lanes:
-        artifacts.append(phaze_backends(desired, layout, templates))
+        artifacts.append(phaze_backends(desired, layout, templates, part.lanes_out))
 
     # k3s node labels from the probe (and the host file).
     labels = _labels(host, facts, notes)
