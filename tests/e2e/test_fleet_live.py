@@ -443,6 +443,14 @@ def phaze_queue_keys(fleet: Fleet) -> dict[str, list[str]]:
     return keys
 
 
+def refuses_without_its_role(fleet: Fleet, phaze: DesiredState, processed: Path) -> None:
+    """One variable of the rendered environment missing: phaze's agent refuses to start."""
+    with running_agent(fleet, phaze, "a1-arm64", processed, PHAZE_ROLE=None) as refused:
+        refused.wait(timeout=60)
+        assert refused.returncode != 0
+    assert "agent_worker requires PHAZE_ROLE=agent" in (processed / "a1-arm64.log").read_text()
+
+
 def test_phaze_shaped_agents_lanes_and_steering(fleet: Fleet, desired: DesiredState, tmp_path: Path) -> None:
     """issue 33's Done-when, phaze-shaped. The fleet becomes a phaze fleet:
     the stand-in agents (tests/e2e/agent_image, phaze's agent at its edges)
@@ -472,11 +480,7 @@ def test_phaze_shaped_agents_lanes_and_steering(fleet: Fleet, desired: DesiredSt
                 interval=0.5,
             )
 
-            # One variable of the rendered environment missing: phaze's agent refuses to start.
-            with running_agent(fleet, phaze, "a1-arm64", processed, PHAZE_ROLE=None) as refused:
-                refused.wait(timeout=60)
-                assert refused.returncode != 0
-            assert "agent_worker requires PHAZE_ROLE=agent" in (processed / "a1-arm64.log").read_text()
+            refuses_without_its_role(fleet, phaze, processed)
 
             with running_agent(fleet, phaze, "a1-arm64", processed) as a1_agent, running_agent(fleet, phaze, "x86-spill", processed):
 
