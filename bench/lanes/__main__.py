@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1000)
     args = parser.parse_args()
     # The fabric's own lanes: the example fleet is phaze's, where phaze dispatches.
-    desired = load_desired(own_lanes_fleet(Path(tempfile.mkdtemp(prefix="bench-lanes-")) / "fleet"))
+    with tempfile.TemporaryDirectory(prefix="bench-lanes-") as fleet_dir:
+        desired = load_desired(own_lanes_fleet(Path(fleet_dir) / "fleet"))
     targets = lane_targets(desired)
     with postgres_server() as pg, tempfile.TemporaryDirectory() as tmp:
         dsn = pg.database("bench")

@@ -98,6 +98,15 @@ def _name(value: str) -> str:
     return value
 
 
+_HTTP_URL_RE = re.compile(r"^https?://[A-Za-z0-9._~:/?#@!&'()*+,;=%\[\]-]+$")
+
+
+def _http_url(value: str) -> str:
+    if not _HTTP_URL_RE.match(value):
+        raise ValueError(f"{value!r} is not an http:// or https:// URL (no blanks, quotes or backslashes)")
+    return value
+
+
 def _hostname(value: str) -> str:
     if not _HOSTNAME_RE.match(value):
         raise ValueError(f"{value!r} is not a valid DNS host name (lowercase letters, digits, '-' and '.')")
@@ -548,7 +557,7 @@ class PhazeSettings(Strict):
     # start). Giving it makes this a phaze fleet: the [[backends]] are phaze's,
     # phaze's control plane selects and dispatches, and the fabric writes no
     # job (`FleetConfig.phaze_dispatches`).
-    api_url: Annotated[str, StringConstraints(pattern=r"^https?://[A-Za-z0-9._~:/?#@!&'()*+,;=%\[\]-]+$")] | None = None
+    api_url: Annotated[str, AfterValidator(_http_url)] | None = None
     # The lane an agent serves (PHAZE_AGENT_LANE) and so the suffix of its
     # queue, phaze-agent-<agent_ref>-<agent_lane>; "" for a phaze without
     # lanes (its agents consume the bare phaze-agent-<agent_ref>).
