@@ -15,6 +15,12 @@
                                              to each now, dispatched jobs, queue depth, and the
                                              leader's scaling decisions
 
+In a phaze fleet (fabric.toml names [phaze] api_url) phaze's control plane
+selects the lanes and dispatches into its phaze-agent-* queues: `enqueue`
+and `dispatch` refuse (exit 2, the broker not opened) and `status` shows
+each lane's real queue (phaze-agent-<agent_ref>-analyze), its jobs and its
+workers. The rest of this text is about the fabric's own lanes.
+
 There is no `done`/`fail`: the lane's SAQ workers (phaze's agents, the file
 server's processing) finish the jobs on the broker, and the next dispatch
 pass settles them (a failed job waits again, one more cloud attempt counted
@@ -28,7 +34,7 @@ or [phaze] queue_url_file names).
 
 Exit status: 0 done; 1 the registry or the broker could not be reached, or a
 newer dispatcher runs (this one's epoch is stale); 2 bad input (an invalid
-job id or duration, an invalid desired state).
+job id or duration, an invalid desired state, enqueue or dispatch in a phaze fleet).
 """
 
 from __future__ import annotations
