@@ -63,11 +63,12 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, PlanKey
-from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.models import FleetPlan, LaneSteering, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
+from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.engine.dispatch import dispatch_pass
@@ -252,6 +253,8 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         if self.lane_broker is None or not self.desired.fleet.phaze.leader_dispatches:
             return
+        if self.desired.fleet.phaze_dispatches:
+            return  # phaze's control plane dispatches its lanes (engine.dispatch.refuse_phaze_lanes)
         try:
             events = dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch)
         except StaleDispatcher as exc:
@@ -344,6 +347,7 @@ class LeaderLoop:
             room = dict(in_force.room_since) if in_force is not None else {}
             snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
+        plan = self._steered(plan, self.published if untrusted else newest, snapshot)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)
             self.log(
@@ -353,6 +357,21 @@ class LeaderLoop:
             # After the plan: its deferred replicas are part of the queue depth,
             # and what scaling changes shows in the next pass's snapshot.
             self.scaling.run(self.leadership, self.desired, snapshot, plan)
+
+    def _steered(self, plan: FleetPlan, previous: FleetPlan | None, snapshot: Snapshot) -> FleetPlan:
+        """A phaze fleet: `plan` with the lanes phaze may choose decided from
+        its live lane views (`core.scheduling.lane_steering`), going on from
+        the steering in force; each change is logged with its reason."""
+        assert self.desired is not None
+        if not self.desired.fleet.phaze_dispatches:
+            return plan
+        settings = self.desired.fleet.phaze
+        before = previous.steering if previous is not None else LaneSteering()
+        steering = decide_steering(before, plan.lanes, snapshot.now, window_s=settings.steering_window_s, interval_s=settings.restart_interval_s)
+        new = [c for c in steering.recent if c.at == steering.changed_at] if steering.changed_at != before.changed_at else []
+        for change in new:
+            self.log(f"lane {change.lane} {'left out of' if change.out else 'back in'} phaze's backends.toml: {change.reason}")
+        return plan.model_copy(update={"steering": steering})
 
     def step_and_resign(self) -> None:
         """One step, then resign: the next one-shot process (`fabric leader run

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from reconciler.core.desired.lane_rules import lane_rules
+from reconciler.core.desired.lane_rules import compute_lane_rules, lane_rules
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig, is_name
 from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
 
@@ -297,13 +297,14 @@ def fleet_rules(
     problems += _duplicates(file, "backends", "id", [b.id for b in backends])
     problems += _duplicates(file, "backends", "agent_ref", [b.agent_ref for b in backends])
     problems += lane_rules(file, fleet)
+    problems += compute_lane_rules(file, fleet)
     for i, b in enumerate(backends):
         if b.kind == "compute":
             if b.push_host not in hosts:
                 unknown_host(f"backends[{i}].push_host", b.push_host or "")
             if fleet.agent is None:
                 problems.append(Problem(file, f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)"))
-            elif b.queue is not None and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
+            elif b.queue is not None and not fleet.phaze_dispatches and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
                 problems.append(
                     Problem(
                         file,
