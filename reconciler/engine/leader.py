@@ -94,13 +94,15 @@ Scheduler = Callable[..., FleetPlan]
 # A lapse that is due but not shown by the registry yet is looked at again
 # this soon (etcd checks for expired leases twice a second).
 LAPSE_RECHECK_S = 0.25
+# A follower campaigns this long after the leader record's stale time.
+STALE_MARGIN_S = 0.05
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
     """Equal apart from who made it, when, under which epoch and signature."""
     if a is None or b is None:
         return a is b
-    ignore = {"epoch", "leader", "created", "signature"}
+    ignore = {"epoch", "leader", "created", "signature", "term", "fleet", "prefix"}
     return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
 
 
@@ -159,6 +161,8 @@ class LeaderLoop:
     _next_lapse: datetime | None = None
     _recheck_s: float = LAPSE_RECHECK_S
     _lapse_was_due: bool = False
+    # Following: when the leader record goes stale unless renewed (None: unknown, or no record).
+    _held_stale_at: datetime | None = None
 
     def _reload(self) -> None:
         try:
@@ -200,8 +204,10 @@ class LeaderLoop:
         if self.leadership is None:
             self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
             if self.leadership is None:
+                self._note_held()
                 return
-            self.log(f"{self.host} leads from epoch {self.leadership.epoch}")
+            self._held_stale_at = None
+            self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
         elif not self.registry.renew(self.leadership):
             self.log(f"{self.host} lost the lease of epoch {self.leadership.epoch}")
             self.leadership = None
@@ -293,12 +299,16 @@ class LeaderLoop:
         this leader raises the epoch while its term holds)."""
         assert self.desired is not None and self.leadership is not None
         keys = self.desired.fleet.plan_keys
+        # The plan names its term (the registry's), the fleet and the registry
+        # prefix, all under the signature: hosts apply it only as the plan of
+        # the registry's current term, in this fleet and registry.
+        scoped = {"term": self.leadership.term, "fleet": self.desired.fleet.fleet.name, "prefix": self.desired.fleet.registry.prefix}
         if not keys:
-            return self.registry.publish_plan(self.leadership, plan)
+            return self.registry.publish_plan(self.leadership, plan.model_copy(update=scoped))
         key = signing_key(self.signer, keys, self.host)
         assert self.signer is not None
         expected = self.registry.epoch() + 1
-        signed = sign_plan(plan.model_copy(update={"epoch": expected, "leader": self.host}), self.signer, key)
+        signed = sign_plan(plan.model_copy(update={**scoped, "epoch": expected, "leader": self.host}), self.signer, key)
         stored = self.registry.publish_plan(self.leadership, signed)
         if stored.epoch != expected or verify_plan(stored, keys) is not None:
             # The registry numbered it otherwise: hosts would refuse it. Say so;
@@ -323,7 +333,11 @@ class LeaderLoop:
             kept = list(in_force.placements) if in_force is not None else running_placements(self.desired, snapshot)
             snapshot = snapshot.model_copy(update={"placements": kept})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
-        if untrusted or not same_plan(plan, newest):
+        # A newest plan of another term (the one before this, or a replay) is
+        # refused by every host: this term publishes its own even when the
+        # placements are the same.
+        other_term = newest is not None and (newest.term != self.leadership.term or newest.leader != self.host)
+        if untrusted or other_term or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)
             self.log(
                 f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, {len(self.published.deferred)} deferred"
@@ -353,6 +367,13 @@ class LeaderLoop:
         # when the leader key goes; the timeout is the fallback (sqlite).
         return max(0.1, self.lease_ttl_s / 3)
 
+    def _note_held(self) -> None:
+        """Following: when the leader record goes stale unless renewed, so
+        this candidate campaigns then (and takes over a record someone keeps
+        alive without renewing it) instead of at its next periodic step."""
+        held = self.registry.leader_term()
+        self._held_stale_at = held.stale_at() if held is not None and not held.resigned else None
+
     def _note_lapse(self, lapse: datetime | None) -> None:
         """After a step: a lapse still ahead, or a new one, is waited for from
         scratch; a due one (the node still showed alive) is looked at again
@@ -370,6 +391,9 @@ class LeaderLoop:
         """`wait_s`, or less: until the next lapse (leading), or the recheck
         of one that is due."""
         periodic = self.wait_s()
+        if self.leadership is None and self._held_stale_at is not None and self.clock is not None:
+            # Just past the moment the record goes stale (STALE_MARGIN_S).
+            return max(STALE_MARGIN_S, min(periodic, self._held_stale_at.timestamp() - self.clock.now() + STALE_MARGIN_S))
         if self.leadership is None or self._next_lapse is None or self.clock is None:
             return periodic
         until = self._next_lapse.timestamp() - self.clock.now()
