@@ -123,6 +123,13 @@ def signing_key(signer: PlanSigner | None, keys: list[PlanKey], host: str) -> Pl
     return key
 
 
+def plan_in_term(plan: FleetPlan, leadership: Leadership, desired: DesiredState) -> FleetPlan:
+    """`plan` naming its term (the registry's, `Leadership.term`), the fleet
+    and the registry prefix: what the leader signs, so hosts apply it only as
+    the plan of the registry's current term in this fleet and registry."""
+    return plan.model_copy(update={"term": leadership.term, "fleet": desired.fleet.fleet.name, "prefix": desired.fleet.registry.prefix})
+
+
 def sign_plan(plan: FleetPlan, signer: PlanSigner, key: PlanKey) -> FleetPlan:
     """`plan` signed over its canonical form by `key`'s private half."""
     return with_signature(plan, key.id, signer.sign(canonical_plan(plan)))
@@ -300,15 +307,14 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         keys = self.desired.fleet.plan_keys
         # The plan names its term (the registry's), the fleet and the registry
-        # prefix, all under the signature: hosts apply it only as the plan of
-        # the registry's current term, in this fleet and registry.
-        scoped = {"term": self.leadership.term, "fleet": self.desired.fleet.fleet.name, "prefix": self.desired.fleet.registry.prefix}
+        # prefix, all under the signature (`plan_in_term`).
+        scoped = plan_in_term(plan, self.leadership, self.desired)
         if not keys:
-            return self.registry.publish_plan(self.leadership, plan.model_copy(update=scoped))
+            return self.registry.publish_plan(self.leadership, scoped)
         key = signing_key(self.signer, keys, self.host)
         assert self.signer is not None
         expected = self.registry.epoch() + 1
-        signed = sign_plan(plan.model_copy(update={**scoped, "epoch": expected, "leader": self.host}), self.signer, key)
+        signed = sign_plan(scoped.model_copy(update={"epoch": expected, "leader": self.host}), self.signer, key)
         stored = self.registry.publish_plan(self.leadership, signed)
         if stored.epoch != expected or verify_plan(stored, keys) is not None:
             # The registry numbered it otherwise: hosts would refuse it. Say so;

@@ -220,7 +220,7 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     from reconciler.core.live.models import FleetPlan
     from reconciler.core.live.records import NodeRecord
     from reconciler.core.scheduling.placement import schedule
-    from reconciler.engine.leader import sign_plan, signing_key
+    from reconciler.engine.leader import plan_in_term, sign_plan, signing_key
     from reconciler.wiring import open_registry
 
     # lux signs what it publishes (throwaway keys: tests.plan_keys).
@@ -234,7 +234,9 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
         leadership = registry.campaign("lux", ttl_s=60)
         assert leadership is not None
         plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired, leader="lux", epoch=registry.epoch() + 1)
-        published: FleetPlan = registry.publish_plan(leadership, sign_plan(plan, signer, signing_key(signer, desired.fleet.plan_keys, "lux")))
+        published: FleetPlan = registry.publish_plan(
+            leadership, sign_plan(plan_in_term(plan, leadership, desired), signer, signing_key(signer, desired.fleet.plan_keys, "lux"))
+        )
     finally:
         registry.close()
 
