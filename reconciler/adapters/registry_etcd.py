@@ -11,17 +11,30 @@ Keys under the configured prefix P (default "/fabric"):
                             an up node's last_seen (`stored_state`); a beat
                             alone does not change it
     P/drain/<host>          DrainRequest JSON (present = drained)
-    P/leader                LeaderInfo JSON under the leader's lease
+    P/leader                LeaderInfo JSON under the leader's lease; its create
+                            revision is the term; rewritten (renewed_at) at every
+                            renewal; kept, resigned and off the lease, on resignation
     P/epoch                 the epoch counter (decimal)
     P/plan                  the newest FleetPlan JSON
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
                             concurrency overrides; written under its fence)
 
 Election: a campaign grants a lease and, in one transaction, creates P/leader
-(only if absent) and raises P/epoch (only if unchanged since read). Every write
-that needs leadership (publish, lifecycle) is a transaction comparing P/leader
-with the leader's own value, which names its lease: when the lease lapses the
-key is gone and the write is refused (`NotLeader`).
+(only if absent) and raises P/epoch (only if unchanged since read). The term is
+the revision that created P/leader: etcd assigns it, no writer picks it, and a
+reader takes it from the key, never from its value. Every write that needs
+leadership (publish, lifecycle, scaling, renewal, resignation) is a
+transaction comparing P/leader's create revision with the term and its lease
+with the term's lease: when the lease lapses the key is gone, when a candidate
+took over it is another key, and the write is refused (`NotLeader`).
+
+Freshness: etcd does not check permissions on LeaseKeepAlive, and the lease id
+is in P/leader for any host to read, so a lease alone cannot end a term. The
+leader rewrites renewed_at at every renewal; a record not renewed within its
+TTL (or resigned, or unreadable) is taken over by a campaign with a
+compare-and-swap on its mod revision (delete), then the usual create: a new
+term. A renewal is not a membership change for `wait_for_change`; a new term,
+a resignation and the record's removal are.
 
 Limits: etcd refuses a transaction of more than --max-txn-ops operations
 (default 128) and any request over --max-request-bytes (default 1.5 MiB). No

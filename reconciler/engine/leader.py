@@ -44,6 +44,14 @@ If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait
 for the lease to lapse.
 
+Terms: the registry assigns each term (`Leadership.term`); every plan names
+its term, the fleet and the registry prefix (`plan_in_term`), and a new term
+publishes its own plan at its first step even when the placements are the
+same (hosts apply only the current term's plan). Following, a candidate
+wakes when the leader record goes stale unless renewed (`leader_term`'s
+renewed_at + TTL) and campaigns, which takes over a record whose lease someone
+keeps alive without renewing it.
+
 Signed plans: when fabric.toml lists plan keys, every plan is signed before
 it is published (`sign_plan`, through the `PlanSigner` port) under the epoch
 the registry will give it, and a candidate whose key is missing or not

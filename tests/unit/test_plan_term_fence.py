@@ -24,7 +24,7 @@ from reconciler.core.live.fencing import AppliedFence, RegistryTrust, accept_pla
 from reconciler.core.live.models import FleetPlan, Placement
 from reconciler.core.live.signing import canonical_plan, verify_plan, with_signature
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.leader import LeaderLoop
+from reconciler.engine.leader import STALE_MARGIN_S, LeaderLoop
 from tests.plan_keys import TestKey
 
 T0 = datetime(2026, 12, 2, 6, 0, tzinfo=UTC)
@@ -127,7 +127,7 @@ ROWS = [
         AppliedFence(HUGE, 7, "lux-a"),
         registry("lux", 8),
         True,
-        f"plan epoch 21 of term 8 replaces term 7 (epoch {HUGE} applied)",
+        f"plan epoch 21 is newer than {HUGE} applied: its term 8 replaces term 7",
     ),
     Row(
         "an older term than the one applied (a lagging registry member)",
@@ -272,5 +272,43 @@ def test_a_renewal_rewrites_the_record_and_a_lapsed_record_is_taken_over_with_a_
         taken = reg.campaign("qfox-1", 10)
         assert taken is not None and taken.term > term.term
         assert not reg.renew(term)
+    finally:
+        reg.close()
+
+
+def test_a_following_candidate_wakes_when_the_leader_record_goes_stale(tmp_path: Path, signed_desired) -> None:
+    """Not at its next periodic step: just after renewed_at + the record's TTL,
+    so a record nobody renews is taken over within one TTL."""
+    fleet, desired = signed_desired
+
+    class Clock:
+        t = 1_000_000.0
+
+        def now(self) -> float:
+            return self.t
+
+    clock = Clock()
+    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=clock)  # type: ignore[arg-type]
+    try:
+        lux = reg.campaign("lux", 10)
+        assert lux is not None
+        follower = LeaderLoop(
+            registry=reg,
+            host="qfox-1",
+            load_desired=lambda: desired,
+            schedule=schedule,
+            lease_ttl_s=90,  # its own periodic step: every 30 s
+            log=[].append,
+            signer=fleet.signer("qfox-1"),
+            clock=clock,  # type: ignore[arg-type]
+        )
+        clock.t += 4
+        follower.step()
+        assert follower.leadership is None
+        assert follower.until_next_step_s() == pytest.approx(6 + STALE_MARGIN_S)
+        clock.t += 6 + STALE_MARGIN_S
+        follower.step()
+        assert follower.leadership is not None and follower.leadership.term > lux.term
+        follower.step_and_resign()
     finally:
         reg.close()

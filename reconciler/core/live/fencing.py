@@ -145,7 +145,8 @@ def _fence(applied: AppliedFence | None, plan: FleetPlan, stale_cause: str) -> P
     if term is not None and plan.term < term:
         return PlanVerdict(False, f"plan epoch {plan.epoch} is of term {plan.term}, older than the term applied ({term}): {stale_cause}")
     if term is not None and plan.term > term and last is not None and plan.epoch <= last:
-        return PlanVerdict(True, f"plan epoch {plan.epoch} of term {plan.term} replaces term {term} (epoch {last} applied)")
+        # Newer by (term, step), whatever the epochs: said as every newer plan is.
+        return PlanVerdict(True, f"plan epoch {plan.epoch} is newer than {last} applied: its term {plan.term} replaces term {term}")
     if last is not None and plan.epoch < last:
         return PlanVerdict(False, f"plan epoch {plan.epoch} is older than the newest applied ({last}): {stale_cause}")
     if last is not None and plan.epoch == last:
