@@ -312,3 +312,32 @@ def test_a_following_candidate_wakes_when_the_leader_record_goes_stale(tmp_path:
         follower.step_and_resign()
     finally:
         reg.close()
+
+
+def test_fabric_status_refuses_a_plan_of_a_candidate_that_does_not_lead(tmp_path: Path, signed_desired) -> None:
+    """The status page never shows as the fleet's a plan every host refuses."""
+    import sqlite3
+
+    from reconciler.engine.status import live_status
+
+    fleet, desired = signed_desired
+    path = tmp_path / "registry.sqlite"
+    reg = SqliteRegistry(path, timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
+    try:
+        lux = LeaderLoop(
+            registry=reg, host="lux", load_desired=lambda: desired, schedule=schedule, lease_ttl_s=30, log=[].append, signer=fleet.signer("lux")
+        )
+        lux.step()
+        genuine = reg.newest_plan()
+        assert genuine is not None and live_status(desired, reg).plan_refused is None
+        # qfox-1's key, its own name, lux's term, a huge epoch: written straight into the file.
+        evil = genuine.model_copy(update={"leader": "qfox-1", "epoch": HUGE, "signature": None})
+        evil = with_signature(evil, "qfox-1-test", fleet.keys["qfox-1"].private.sign(canonical_plan(evil)))
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE plan SET epoch = ?, plan = ? WHERE id = 1", (HUGE, evil.model_dump_json()))
+        status = live_status(desired, reg)
+        assert status.plan is None and status.plan_refused is not None
+        assert "is signed by 'qfox-1', but the registry names 'lux' as leader" in status.plan_refused
+        lux.step_and_resign()
+    finally:
+        reg.close()
