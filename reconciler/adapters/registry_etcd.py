@@ -108,10 +108,13 @@ _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
 # etcd's defaults, which a fleet's etcd keeps: --max-txn-ops and --max-request-bytes.
 ETCD_MAX_TXN_OPS = 128
 ETCD_MAX_REQUEST_BYTES = 1536 * 1024
-# Writes per lifecycle transaction: etcd's limit, less the one fence compare
+# The compares of the term's fence (`EtcdRegistry._fence`): the leader key's
+# create revision and its lease.
+FENCE_COMPARES = 2
+# Writes per lifecycle transaction: etcd's limit, less the fence's compares
 # (etcd counts the longest of the compare/success/failure lists; counting
 # them together keeps us under it whichever way a version counts), less one.
-TXN_CHUNK_OPS = ETCD_MAX_TXN_OPS - 1 - 1
+TXN_CHUNK_OPS = ETCD_MAX_TXN_OPS - FENCE_COMPARES - 1
 # Bytes of keys and values per transaction: two thirds of the request limit,
 # leaving room for the fence compare and the protobuf framing of each op.
 TXN_CHUNK_BYTES = ETCD_MAX_REQUEST_BYTES * 2 // 3
