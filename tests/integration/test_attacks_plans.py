@@ -300,6 +300,10 @@ def test_a_plan_of_an_earlier_term_replayed_after_a_rollback_or_to_a_new_host_is
     # A new term (lux again, after a resignation) whose plan moves qfox-1's work: qfox-1 drained by the operator.
     fleet.registry("fabric-admin").set_drain("qfox-1")
     fleet.registry("lux").resign(lux.leadership)
+    # Resigned: nobody leads, and the record (its term) stays until the next campaign.
+    resigned = fleet.registry("racknerd").leader_term()
+    assert resigned is not None and resigned.resigned and resigned.term == old.term
+    assert fleet.registry("racknerd").leader() is None and fleet.registry("racknerd").snapshot().leader is None
     lux.leadership = None
     lux.step()
     assert lux.leadership is not None and lux.leadership.term > old.term
