@@ -393,16 +393,32 @@ class Registry(Protocol):
 
     # -- leadership and the plan -------------------------------------------
     def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
-        """Try once to become leader for `ttl_s` seconds; None if someone leads."""
+        """Try once to become leader for `ttl_s` seconds; None if someone leads.
+        A leader record that is resigned, or stale (not renewed within its
+        TTL, whoever keeps its lease alive), is taken over with a
+        compare-and-swap; the new term is one the registry assigns
+        (`Leadership.term`)."""
         ...
 
     def renew(self, leadership: Leadership) -> bool:
-        """Keep the term alive for another `ttl_s`; False when it is over."""
+        """Keep the term alive for another `ttl_s` and rewrite the record's
+        `renewed_at`; False when it is over."""
         ...
 
-    def resign(self, leadership: Leadership) -> None: ...
+    def resign(self, leadership: Leadership) -> None:
+        """End the term: the record stays, marked resigned (its term is still
+        the current one until a candidate campaigns)."""
+        ...
 
-    def leader(self) -> LeaderInfo | None: ...
+    def leader(self) -> LeaderInfo | None:
+        """The live leader (not resigned, renewed within its TTL), or None."""
+        ...
+
+    def leader_term(self) -> LeaderInfo | None:
+        """The leader record as the registry holds it, live, stale or
+        resigned, its `term` the registry's own (never read from a value a
+        writer chose); None: no record (or none that parses)."""
+        ...
 
     def epoch(self) -> int:
         """The newest epoch handed out (0 for a new registry)."""

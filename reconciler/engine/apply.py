@@ -102,6 +102,10 @@ class Manifest:
     host: str
     epoch: int | None
     entries: tuple[ManifestEntry, ...]
+    # The applied plan's term and signing key id (the host's fence is
+    # (term, epoch); None: a generation from before terms, or unsigned).
+    term: int | None = None
+    key_id: str | None = None
 
     @property
     def digest(self) -> str:
@@ -127,6 +131,8 @@ class Manifest:
                     "created": self.created,
                     "host": self.host,
                     "epoch": self.epoch,
+                    **({"term": self.term} if self.term is not None else {}),
+                    **({"key_id": self.key_id} if self.key_id is not None else {}),
                     "digest": self.digest,
                     "artifacts": [
                         {
@@ -152,14 +158,19 @@ class Manifest:
             created=str(data["created"]),
             host=str(data["host"]),
             epoch=data.get("epoch"),
+            term=data.get("term"),
+            key_id=data.get("key_id"),
             entries=tuple(
                 ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"], tuple(a.get("restarts", ()))) for a in data["artifacts"]
             ),
         )
 
 
-def manifest_for(number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact]) -> Manifest:
-    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256, a.restarts) for a in artifacts))
+def manifest_for(
+    number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact], *, term: int | None = None, key_id: str | None = None
+) -> Manifest:
+    entries = tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256, a.restarts) for a in artifacts)
+    return Manifest(number, created, host, epoch, entries, term=term, key_id=key_id)
 
 
 class GenerationStore:
@@ -420,14 +431,14 @@ class Applier:
 
     # ---- the pass
 
-    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None) -> ApplyResult:
+    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
         self.lock.acquire()
         try:
-            return self._run(list(artifacts), host, epoch)
+            return self._run(list(artifacts), host, epoch, term, key_id)
         finally:
             self.lock.release()
 
-    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None) -> ApplyResult:
+    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
         for name in self.store.sweep_staging():
             self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
         for path in self._sweep_temp_files([a.path for a in artifacts]):
@@ -457,7 +468,7 @@ class Applier:
         else:
             number = self.store.next_number()
             created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
-            manifest = manifest_for(number, created, host, epoch, artifacts)
+            manifest = manifest_for(number, created, host, epoch, artifacts, term=term, key_id=key_id)
             try:
                 staging = self.store.stage(manifest, artifacts, self.checkpoint)
             except OSError as exc:

@@ -45,6 +45,7 @@ from typing import Any
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostFacts
 from reconciler.core.desired.problems import ProblemsError
+from reconciler.core.live.fencing import AppliedFence
 from reconciler.core.live.host_limits import effective_limits, lowered_note
 from reconciler.core.live.host_load import service_units
 from reconciler.core.live.watching import PLAN_TAKEN, plan_taken_record
@@ -280,7 +281,7 @@ def _plan_and_render(
             facts,
             connect=lambda: ports.open_registry(desired.fleet),
             open_lanes=lambda: ports.open_lane_broker(desired.fleet),
-            applied_epoch=manifest.epoch if manifest is not None else None,
+            applied_epoch=AppliedFence(manifest.epoch, manifest.term, manifest.key_id) if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
             write=write,
@@ -395,7 +396,14 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             records(True, False)
             return _after_rounds(rounds, PassReport("static", f"{static}; generation {current} stays\n" if current else f"{static}\n"))
         try:
-            result = applier.run(prepared.rendered.artifacts, host=prepared.host, epoch=prepared.source.plan.epoch)
+            taken = prepared.source.plan
+            result = applier.run(
+                prepared.rendered.artifacts,
+                host=prepared.host,
+                epoch=taken.epoch,
+                term=taken.term,
+                key_id=taken.signature.key_id if taken.signature is not None else None,
+            )
         except LockBusy as exc:
             return _after_rounds(rounds, PassReport("busy", stderr=(f"fabric reconcile: {exc}",)))
         except ActivationError as exc:

@@ -214,8 +214,15 @@ class LaneSteering(_Live):
 
 
 class FleetPlan(_Live):
+    # The step within the term: the registry's epoch counter when published.
     epoch: int = Field(ge=0)
     leader: str
+    # The leader's term as the registry assigned it (LeaderInfo.term), the
+    # fleet's name and the registry prefix it was published under: all signed,
+    # so a plan of another term, fleet or registry never verifies here.
+    term: int = Field(default=0, ge=0)
+    fleet: str = ""
+    prefix: str = ""
     created: datetime
     placements: list[Placement] = []
     deferred: list[Deferred] = []
