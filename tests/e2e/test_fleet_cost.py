@@ -41,7 +41,22 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Placement
 from reconciler.core.timestamps import utc
-from tests.e2e.fleet import DESIRED_DIR, SERVICE_STUB, Fleet, FleetSettings, converged, in_container, placed, toml_text, wait_for
+from tests.e2e.fleet import (
+    DESIRED_DIR,
+    SERVICE_STUB,
+    Fleet,
+    FleetSettings,
+    agent_unit,
+    converged,
+    first_after,
+    in_container,
+    placed,
+    running_agents,
+    toml_text,
+    unit_active_since,
+    unit_stops,
+    wait_for,
+)
 from tests.support.e2e import HOSTS, wait_converged
 from tests.support.harness.waiting import deadline_for
 
@@ -192,6 +207,13 @@ class RequestLoop:
         return out
 
 
+def sources_text(loop: RequestLoop) -> str:
+    counts: dict[str, int] = {}
+    for status, body in loop.answers:
+        counts[f"{status} {body}"] = counts.get(f"{status} {body}", 0) + 1
+    return ", ".join(f"{n} x {what!r}" for what, n in counts.items())
+
+
 @dataclass
 class PlanWatch:
     """The distinct plans the registry held, polled while a move is awaited."""
@@ -318,7 +340,22 @@ def test_the_replica_comes_home_after_the_stable_window_with_no_failed_request(f
     new: list[Placement] = [p for p in first_pair.placements if p.replaces is not None]
     assert [(p.service, p.replica, p.node, p.replaces) for p in new] == [(WEB, 0, HOME, PAID)], new
     assert on(done, WEB) == [(HOME, None)] and on(done, FILLER) == [(HOME, None)], done.placements
+    # Make before break, on the machines: lux's unit was active before the
+    # plan let x86-spill's placement go, and x86-spill stopped its unit only
+    # after that (Caddy's retry window would hide a gap from the requests).
+    unit = agent_unit(WEB)
+    started = unit_active_since(fleet, HOME, unit)
+    stopped = first_after(unit_stops(fleet, PAID, unit), utc(first_pair.created))
+    assert started is not None and stopped is not None, (started, stopped)
+    order = f"move planned {first_pair.created}, {HOME} active {started}, {PAID} released {done.created}, stopped {stopped}"
+    assert utc(first_pair.created) <= started < utc(done.created) <= stopped, order
+    assert unit not in running_agents(fleet, PAID)
 
+    print(
+        f"[cost] {WEB} came home {waited:.1f} s after {HOME} had room (window {window} s); "
+        f"plans seen: {webs}; {len(loop.answers)} requests, answered by {sources_text(loop)}",
+        flush=True,
+    )
     # The edge's Caddy never failed a request: every answer a 200, from
     # x86-spill first and lux last.
     assert not loop.failed(), f"{len(loop.failed())} of {len(loop.answers)} requests failed: {loop.failed()[:10]}"
