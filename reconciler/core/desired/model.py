@@ -346,6 +346,17 @@ class SchedulerSettings(Strict):
     # below this many seconds goes to the local lane only. 0: every job may go
     # to the cloud.
     cloud_route_threshold_s: Annotated[int, Field(ge=0, le=86_400)] = 0
+    # The fabric's own lanes (core.scheduling.lanes, crashed runs): how often
+    # their SAQ workers write their stats (saq's worker_info timer, default
+    # 10 s; the row lives 1 s longer) ...
+    lane_worker_beat_s: Seconds = 10
+    # ... and how long past that row's expiry a worker may stay silent before
+    # the jobs it runs count as crashed and wait again.
+    lane_crash_grace_s: Annotated[int, Field(ge=0, le=3_600)] = 2
+    # The SAQ heartbeat a dispatched job carries (saq's Job.heartbeat): a
+    # worker must touch its job (`await job.update()`) at least this often,
+    # or saq's sweep and the dispatcher end the run. 0: none.
+    lane_job_heartbeat_s: Annotated[int, Field(ge=0, le=86_400)] = 0
 
 
 class ScalingSettings(Strict):
