@@ -135,15 +135,35 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
     return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome, reason=job.reason)
 
 
-def settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int) -> list[DispatchEvent]:
+def settle_crashed(
+    lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None = None
+) -> list[DispatchEvent]:
     """The runs whose worker is gone settled as crashed (their jobs wait
     again), then the late finishes of runs settled so before (superseded,
-    ignored). The facts are the broker's (`active_runs`, one transaction),
-    the decision core's (`crashed_runs`); raises StaleDispatcher when a
-    newer dispatcher runs."""
+    ignored); each event also to `emit` as soon as its change committed.
+    The facts are the broker's (`active_runs`, one transaction), the
+    decision core's (`crashed_runs`); raises StaleDispatcher when a newer
+    dispatcher runs."""
+    events: list[DispatchEvent] = []
+    out = _emitting(events, emit)
     crashed = crashed_runs(lane_broker.active_runs(), crash_timing(desired.fleet.scheduler))
-    settled = lane_broker.settle_crashed(crashed, epoch) if crashed else []
-    return [_settled_event(job) for job in (*settled, *lane_broker.sweep_superseded())]
+    for job in lane_broker.settle_crashed(crashed, epoch) if crashed else []:
+        out(_settled_event(job))
+    for job in lane_broker.sweep_superseded():
+        out(_settled_event(job))
+    return events
+
+
+def _emitting(events: list[DispatchEvent], emit: Callable[[DispatchEvent], None] | None) -> Callable[[DispatchEvent], None]:
+    """Append to `events` and hand to `emit` at once: a pass that fails later
+    (the broker gone, a newer dispatcher) has already told what it changed."""
+
+    def out(event: DispatchEvent) -> None:
+        events.append(event)
+        if emit is not None:
+            emit(event)
+
+    return out
 
 
 def dispatcher_epoch(registry: Registry) -> int:
@@ -155,15 +175,26 @@ def dispatcher_epoch(registry: Registry) -> int:
     return leader.epoch if leader is not None else registry.epoch()
 
 
-def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
+def dispatch_pass(
+    registry: Registry,
+    lane_broker: LaneBroker,
+    desired: DesiredState,
+    *,
+    epoch: int | None = None,
+    emit: Callable[[DispatchEvent], None] | None = None,
+) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
-    newer dispatcher runs."""
+    newer dispatcher runs. Each event also goes to `emit` as soon as its
+    change committed, so one that a pass failing later would not return
+    (a job settled complete, then the broker gone) is still told."""
     settings = desired.fleet.scheduler
     targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
     fence = dispatcher_epoch(registry) if epoch is None else epoch
-    events = settle_crashed(lane_broker, desired, fence)
-    events += [_settled_event(job) for job in lane_broker.settle()]
+    events = settle_crashed(lane_broker, desired, fence, emit)
+    out = _emitting(events, emit)
+    for settled in lane_broker.settle():
+        out(_settled_event(settled))
     views, now = current_lanes(registry, lane_broker, desired)
     for job in lane_broker.jobs():
         if not job.waiting:
@@ -189,7 +220,7 @@ def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredS
             views, _ = current_lanes(registry, lane_broker, desired)
         if event is None:
             raise LaneBrokerError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
-        events.append(event)
+        out(event)
     return events
 
 
@@ -226,8 +257,7 @@ def run_dispatcher(
     so); with `once` it raises. A StaleDispatcher always ends it."""
     while True:
         try:
-            for event in dispatch_pass(registry, lane_broker, desired):
-                emit(event)
+            dispatch_pass(registry, lane_broker, desired, emit=emit)
         except (RegistryUnavailable, LaneBrokerUnavailable) as exc:
             if once:
                 raise

@@ -61,7 +61,10 @@ async def _main(args: argparse.Namespace) -> None:
         while (left := end - time.monotonic()) > 0:
             await asyncio.sleep(min(left, args.touch) if args.touch > 0 else left)
             if args.touch > 0 and end - time.monotonic() > 0:
-                await job.update()
+                try:
+                    await job.update()
+                except Exception:  # the broker restarting: the work goes on, the next touch tells
+                    pass
         _line(fd, ev="end", job=job_id, key=job.key, lane=lane, worker=str(job.worker_id))
         return "done"
 
@@ -80,7 +83,7 @@ async def _main(args: argparse.Namespace) -> None:
         try:
             if str(worker.id) in {str(w) for w in (await queue.info())["workers"]}:
                 break
-        except Exception:  # noqa: BLE001  the tables another agent is making, a broker starting
+        except Exception:  # the tables another agent is making, a broker starting
             pass
         await asyncio.sleep(0.05)
     _line(fd, ev="ready", worker=str(worker.id), queue=args.queue)
