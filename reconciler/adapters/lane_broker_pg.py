@@ -558,17 +558,19 @@ def _active_run(job_id: str, lane: str, key: str, job: Any) -> ActiveRun:
 
 
 def _run_of(key: str, job: Any) -> tuple[str, str]:
-    """The job id and lane a set-aside run was for: its kwargs, else its key's job part."""
+    """The job id and lane a set-aside run was for: the job id from its key
+    (`<job id>.<n>`, written by `dispatch`; a worker cannot change a key),
+    the lane from its kwargs ("?" when they do not parse)."""
     import json
 
+    lane = "?"
     try:
         kwargs = json.loads(bytes(job)).get("kwargs") or {}
-        job_id, lane = kwargs["job_id"], kwargs["lane"]
-        if isinstance(job_id, str) and isinstance(lane, str):
-            return job_id, lane
-    except (ValueError, TypeError, KeyError, AttributeError):
+        if isinstance(kwargs.get("lane"), str):
+            lane = kwargs["lane"]
+    except (ValueError, TypeError, AttributeError):
         pass
-    return key.rsplit(".", 1)[0], "?"
+    return key.rsplit(".", 1)[0], lane
 
 
 class _NotMadeYet(Exception):

@@ -157,3 +157,39 @@ def test_an_unreadable_run_record_is_named_not_a_crash_of_the_pass(world: World)
         conn.execute("UPDATE saq_jobs SET status = 'active', job = 'not json' WHERE key = 'j1.1'")
     (run,) = world.broker.active_runs().runs
     assert (run.key, run.readable) == ("j1.1", False)
+
+
+def test_a_dispatched_job_carries_the_fleets_saq_heartbeat(broker_dsn: str, tmp_path: Path) -> None:
+    """scheduler.lane_job_heartbeat_s reaches the SAQ job, so saq's own sweep ends a run nobody touches."""
+    import json
+
+    world = World(broker_dsn, tmp_path)
+    try:
+        world.desired = own_lanes_fleet(tmp_path / "beating", beat_s=1, grace_s=1, job_heartbeat_s=30)
+        with psycopg.connect(broker_dsn) as conn:  # a1-arm64 online: a worker's stats row, as saq writes it
+            conn.execute(
+                "INSERT INTO saq_stats (worker_id, stats, queue_key, metadata, expire_at) VALUES ('w', '{}', %s, NULL, EXTRACT(EPOCH FROM NOW()) + 3600)",
+                (lane_targets(world.desired)["a1-arm64"].queue,),
+            )
+        world.broker.enqueue([("j1", None)])
+        assert [(e.job, e.lane) for e in world.dispatch()] == [("j1", "a1-arm64")]
+        with psycopg.connect(broker_dsn) as conn:
+            (job,) = conn.execute("SELECT job FROM saq_jobs WHERE key = 'j1.1'").fetchone()
+        assert json.loads(bytes(job))["heartbeat"] == 30
+    finally:
+        world.close()
+
+
+def test_a_run_saqs_sweep_is_aborting_is_set_aside_not_deleted(world: World) -> None:
+    """Its worker may still run it: off its queue (the slot free, the job
+    waiting again), the row kept so a late finish is seen and ignored."""
+    world.broker.enqueue([("j1", None)])
+    assert world.broker.dispatch("j1", lane_targets(world.desired)["a1-arm64"], epoch=1) is not None
+    with psycopg.connect(world.dsn) as conn:
+        conn.execute("UPDATE saq_jobs SET status = 'aborting' WHERE key = 'j1.1'")
+    settled = [(e.job, e.outcome) for e in world.dispatch() if e.outcome is not None]
+    assert settled == [("j1", "aborted")]
+    assert saq_rows(world.dsn)["j1.1"] == (SUPERSEDED_QUEUE, "aborting")
+    with psycopg.connect(world.dsn) as conn:
+        conn.execute("UPDATE saq_jobs SET status = 'failed' WHERE key = 'j1.1'")
+    assert [(e.job, e.outcome) for e in world.dispatch() if e.outcome is not None] == [("j1", "superseded")]

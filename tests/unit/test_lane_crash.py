@@ -83,3 +83,29 @@ def test_crashed_runs_keeps_the_order_and_names_each_reason() -> None:
         ("job-2.3", "its worker w2 stopped beating (100 s past its stats' expiry)"),
         ("job-3.1", "dequeued but never begun: its worker is gone"),
     ]
+
+
+def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled() -> None:
+    """A job settled complete is gone from the broker: a pass that fails
+    afterwards (the registry or the broker gone) must have told it already,
+    or the job system never hears that the job completed."""
+    from reconciler.core.desired.load import load_desired
+    from reconciler.engine.dispatch import dispatch_pass
+    from reconciler.engine.lane_states import lane_targets
+    from reconciler.ports import RegistryUnavailable
+    from tests.conftest import EXAMPLE_FLEET
+    from tests.fakes import FakeLaneBroker
+
+    class DownRegistry:
+        def snapshot(self, **_: object) -> None:
+            raise RegistryUnavailable("registry down")
+
+    desired = load_desired(EXAMPLE_FLEET)
+    broker = FakeLaneBroker()
+    broker.enqueue([("done-job", None)])
+    assert broker.dispatch("done-job", lane_targets(desired)["a1-arm64"], epoch=1) is not None
+    broker.finish("done-job")
+    heard = []
+    with pytest.raises(RegistryUnavailable):
+        dispatch_pass(DownRegistry(), broker, desired, epoch=1, emit=heard.append)  # type: ignore[arg-type]
+    assert [(e.job, e.outcome) for e in heard] == [("done-job", "complete")]
