@@ -155,8 +155,10 @@ def settle_crashed(
 
 
 def _emitting(events: list[DispatchEvent], emit: Callable[[DispatchEvent], None] | None) -> Callable[[DispatchEvent], None]:
-    """Append to `events` and hand to `emit` at once: a pass that fails later
-    (the broker gone, a newer dispatcher) has already told what it changed."""
+    """Append to `events` and hand to `emit` at once (`dispatch_pass`'s and
+    `settle_crashed`'s `emit`): a pass that fails after a change committed
+    (a job settled complete, then the broker gone or a newer dispatcher)
+    has already told it, though it returns nothing."""
 
     def out(event: DispatchEvent) -> None:
         events.append(event)
@@ -185,9 +187,7 @@ def dispatch_pass(
 ) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
-    newer dispatcher runs. Each event also goes to `emit` as soon as its
-    change committed, so one that a pass failing later would not return
-    (a job settled complete, then the broker gone) is still told."""
+    newer dispatcher runs."""
     settings = desired.fleet.scheduler
     targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
     fence = dispatcher_epoch(registry) if epoch is None else epoch
