@@ -85,22 +85,21 @@ def test_crashed_runs_keeps_the_order_and_names_each_reason() -> None:
     ]
 
 
-def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled() -> None:
+def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled(tmp_path) -> None:
     """A job settled complete is gone from the broker: a pass that fails
     afterwards (the registry or the broker gone) must have told it already,
     or the job system never hears that the job completed."""
-    from reconciler.core.desired.load import load_desired
     from reconciler.engine.dispatch import dispatch_pass
     from reconciler.engine.lane_states import lane_targets
     from reconciler.ports import RegistryUnavailable
-    from tests.conftest import EXAMPLE_FLEET
     from tests.fakes import FakeLaneBroker
+    from tests.integration.own_lanes import own_lanes_fleet
 
     class DownRegistry:
         def snapshot(self, **_: object) -> None:
             raise RegistryUnavailable("registry down")
 
-    desired = load_desired(EXAMPLE_FLEET)
+    desired = own_lanes_fleet(tmp_path / "fleet")
     broker = FakeLaneBroker()
     broker.enqueue([("done-job", None)])
     assert broker.dispatch("done-job", lane_targets(desired)["a1-arm64"], epoch=1) is not None
