@@ -449,15 +449,18 @@ class PostgresLaneBroker:
                 if status in ("complete", "failed"):
                     job_id, lane = _run_of(key, job)
                     now = conn.execute("SELECT attempts FROM fabric_lane_jobs WHERE job_id = %s", (job_id,)).fetchone()
-                    late.append(
-                        SettledJob(
-                            job_id=job_id,
-                            lane=lane,
-                            outcome="superseded",
-                            attempts=int(now[0]) if now else 0,
-                            reason=f"run {key} finished late ({status}) after it was settled as crashed: ignored",
+                    try:
+                        late.append(
+                            SettledJob(
+                                job_id=job_id,
+                                lane=lane,
+                                outcome="superseded",
+                                attempts=int(now[0]) if now else 0,
+                                reason=f"run {key} finished late ({status}) after it was settled as crashed: ignored",
+                            )
                         )
-                    )
+                    except ValueError:  # a row the fabric did not set aside (no job id of its own): cleared, not told
+                        pass
                 if status in ("complete", "failed", "aborted") or expired:
                     conn.execute(sql.SQL("DELETE FROM {} WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
                 elif status != "aborting":
