@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         SettledJob,
     )
     from reconciler.core.live.watching import EntryVersion
+    from reconciler.core.scheduling.lanes import BrokerRuns, CrashedRun
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
     from reconciler.core.scheduling.ray_tasks import RayView
 
@@ -515,6 +516,8 @@ class LaneTarget:
     queue: str
     cap: int
     cloud: bool
+    # The SAQ heartbeat the job carries (scheduler.lane_job_heartbeat_s; 0: none).
+    heartbeat_s: int = 0
 
 
 class LaneBroker(Protocol):
@@ -540,6 +543,27 @@ class LaneBroker(Protocol):
         """Dispatched jobs whose SAQ job ended: a complete one is gone, any
         other waits again (its enqueue time kept, one more attempt when it
         ran in a compute lane)."""
+        ...
+
+    def active_runs(self) -> BrokerRuns:
+        """In one transaction: the broker's clock and start time, and each
+        dispatched job's SAQ job that is active, with the worker that began
+        it and when that worker's stats row expires (core.scheduling.lanes
+        decides which of them crashed)."""
+        ...
+
+    def settle_crashed(self, crashed: Sequence[CrashedRun], epoch: int) -> list[SettledJob]:
+        """Each run of `crashed` that is still its job's active run: its SAQ
+        job set aside (aborting, off its queue: its slot is free and a late
+        finish of it changes nothing), the job waiting again (its enqueue
+        time kept, one more attempt when it ran in a compute lane). Raises
+        StaleDispatcher when `epoch` is older than one already seen."""
+        ...
+
+    def sweep_superseded(self) -> list[SettledJob]:
+        """Runs set aside by `settle_crashed` whose worker finished them
+        after all (outcome superseded: ignored, to be logged), cleared; those
+        their worker aborted, cleared silently."""
         ...
 
     def lane_states(self, queues: Mapping[str, str]) -> list[SnapshotLane]:

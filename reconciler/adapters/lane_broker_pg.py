@@ -27,9 +27,24 @@ Dispatch (`dispatch`) is one transaction:
 
 The SAQ job has no timeout (a file takes as long as it takes), one try (a
 failure comes back here: the fabric counts the cloud attempt and the lane
-rules choose again) and ttl 0 (saq keeps the finished row): `settle` reads
-how it ended and deletes it. A worker that dies mid-job leaves an active row
-whose lock nobody holds: saq's sweep (any worker's) marks it failed.
+rules choose again), the heartbeat the fleet asks for (none by default) and
+ttl 0 (saq keeps the finished row): `settle` reads how it ended and deletes
+it. Its key is `<job id>.<n>`, n counting the job's dispatches: each run of
+a job has a key of its own, so nothing written for one run can end another.
+
+A worker that dies mid-job leaves an active row for ever (saq sweeps only a
+job past its timeout or heartbeat, and only a worker of the same queue
+sweeps). The dispatcher settles it (`settle_crashed`): `active_runs` reads,
+in one transaction, each active run of the fabric's jobs with the worker
+that began it (the job's `worker_id`) and that worker's stats expiry, and
+the broker's clock and start time; core.scheduling.lanes decides which
+crashed; `settle_crashed`, fenced like `dispatch`, sets each one aside
+(status aborting, moved to SUPERSEDED_QUEUE, which no worker consumes) and
+puts its job back to wait. Set aside, the run frees its slot and nothing
+dequeues it again (not even a retry saq makes of it); a worker that lives
+after all still finds it by key: its abort check sees `aborting` and
+cancels it, or its late finish lands on the set-aside row, and
+`sweep_superseded` reports that finish (ignored) and clears the row.
 
 The DSN never leaves this module: it is read from the file the desired state
 names (`[phaze] queue_url_file`) by reconciler.wiring and handed in.
@@ -65,6 +80,7 @@ if TYPE_CHECKING:
 
     from reconciler.core.live.models import SnapshotLane
     from reconciler.core.live.records import QueuedJob, SettledJob
+    from reconciler.core.scheduling.lanes import ActiveRun, BrokerRuns, CrashedRun
 
 T = TypeVar("T")
 
@@ -77,6 +93,11 @@ STATS_TABLE = "saq_stats"
 LOCK_SPACE = 0x0FAB
 # saq_jobs statuses that hold a lane slot: everything not finished.
 UNFINISHED = ("new", "deferred", "queued", "active")
+# Where a run settled as crashed (or found aborting) is set aside: a queue no
+# worker consumes (see the module docstring) ...
+SUPERSEDED_QUEUE = "fabric-superseded"
+# ... kept this long when nobody finishes it (its worker is gone for good).
+SUPERSEDED_KEEP_S = 86_400
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS fabric_lane_jobs (
@@ -278,7 +299,7 @@ class PostgresLaneBroker:
             if held is not None and int(held[0]) >= target.cap:
                 return None
             key = f"{job_id}.{int(row[0]) + 1}"
-            self._put_saq_job(conn, target.queue, key, job_id, target.lane)
+            self._put_saq_job(conn, target.queue, key, job_id, target.lane, heartbeat_s=target.heartbeat_s)
             stored = conn.execute(
                 "UPDATE fabric_lane_jobs SET lane = %s, queue = %s, saq_key = %s, cloud = %s, dispatched_at = %s, dispatches = dispatches + 1"
                 f" WHERE job_id = %s RETURNING {_JOB_COLUMNS}",
@@ -286,14 +307,23 @@ class PostgresLaneBroker:
             ).fetchone()
         return _job(stored) if stored is not None else None
 
-    def _put_saq_job(self, conn: psycopg.Connection[Any], queue: str, key: str, job_id: str, lane: str) -> None:
+    def _put_saq_job(self, conn: psycopg.Connection[Any], queue: str, key: str, job_id: str, lane: str, *, heartbeat_s: int = 0) -> None:
         """The row saq's PostgresQueue._enqueue writes, in this transaction."""
         from saq import Job
         from saq.job import Status
         from saq.queue.postgres import CHANNEL, ENQUEUE
 
         saq_queue = self._serializer(queue)
-        job = Job(function=self._function, kwargs={"job_id": job_id, "lane": lane}, queue=saq_queue, key=key, timeout=0, retries=1, ttl=0)
+        job = Job(
+            function=self._function,
+            kwargs={"job_id": job_id, "lane": lane},
+            queue=saq_queue,
+            key=key,
+            timeout=0,
+            heartbeat=heartbeat_s,
+            retries=1,
+            ttl=0,
+        )
         job.status = Status.QUEUED
         job.queued = int(self._clock.now() * 1000)
         conn.execute(
@@ -321,8 +351,16 @@ class PostgresLaneBroker:
                 (list(UNFINISHED),),
             ).fetchall()
             for job_id, lane, key, status in rows:
-                outcome = "vanished" if status is None else ("complete" if status == "complete" else ("aborted" if status == "aborted" else "failed"))
-                conn.execute(sql.SQL("DELETE FROM {} WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
+                outcome = (
+                    "vanished"
+                    if status is None
+                    else ("complete" if status == "complete" else ("aborted" if status in ("aborted", "aborting") else "failed"))
+                )
+                if status == "aborting":
+                    # saq's sweep is aborting it: its worker may still run it, so it is set aside, not deleted.
+                    _set_aside(conn, key)
+                else:
+                    conn.execute(sql.SQL("DELETE FROM {} WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
                 if outcome == "complete":
                     gone = conn.execute("DELETE FROM fabric_lane_jobs WHERE job_id = %s RETURNING attempts", (job_id,)).fetchone()
                     attempts = int(gone[0]) if gone else 0
@@ -335,6 +373,108 @@ class PostgresLaneBroker:
                     attempts = int(back[0]) if back else 0
                 settled.append(SettledJob(job_id=job_id, lane=lane, outcome=outcome, attempts=attempts))
         return settled
+
+    def active_runs(self) -> BrokerRuns:
+        from reconciler.core.scheduling.lanes import BrokerRuns
+
+        self._prepare()
+        with self._connection() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            clock = conn.execute("SELECT EXTRACT(EPOCH FROM NOW()), EXTRACT(EPOCH FROM pg_postmaster_start_time())").fetchone()
+            assert clock is not None
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT f.job_id, f.lane, s.key, s.job FROM fabric_lane_jobs f JOIN {} s ON s.key = f.saq_key"
+                    " WHERE f.lane IS NOT NULL AND s.status = 'active' ORDER BY f.enqueued_at, f.seq"
+                ).format(sql.Identifier(JOBS_TABLE))
+            ).fetchall()
+            runs = [_active_run(job_id, lane, key, job) for job_id, lane, key, job in rows]
+            workers = sorted({run.worker for run in runs if run.worker is not None})
+            expiry = {
+                worker: float(expire_at)
+                for worker, expire_at in conn.execute(
+                    sql.SQL("SELECT worker_id, expire_at FROM {} WHERE worker_id = ANY(%s)").format(sql.Identifier(STATS_TABLE)), (workers,)
+                ).fetchall()
+                if expire_at is not None
+            }
+        from dataclasses import replace
+
+        return BrokerRuns(
+            now_s=float(clock[0]),
+            broker_up_s=float(clock[1]),
+            runs=tuple(replace(run, worker_expires_s=expiry.get(run.worker)) if run.worker else run for run in runs),
+        )
+
+    def settle_crashed(self, crashed: Sequence[CrashedRun], epoch: int) -> list[SettledJob]:
+        from reconciler.core.live.records import SettledJob
+
+        if not crashed:
+            return []
+        self._prepare()
+        settled = []
+        with self._connection() as conn, conn.transaction():
+            _fence(conn, epoch)
+            for item in crashed:
+                run = item.run
+                # Still this job's run and still active; a row another
+                # transaction holds (a worker finishing it, another
+                # dispatcher) is left to the next pass.
+                held = conn.execute(
+                    sql.SQL(
+                        "SELECT f.job_id FROM fabric_lane_jobs f JOIN {} s ON s.key = f.saq_key"
+                        " WHERE f.job_id = %s AND f.saq_key = %s AND s.status = 'active' FOR UPDATE OF f, s SKIP LOCKED"
+                    ).format(sql.Identifier(JOBS_TABLE)),
+                    (run.job_id, run.key),
+                ).fetchone()
+                if held is None:
+                    continue
+                _set_aside(conn, run.key)
+                back = conn.execute(
+                    "UPDATE fabric_lane_jobs SET lane = NULL, queue = NULL, saq_key = NULL, dispatched_at = NULL,"
+                    " attempts = attempts + CASE WHEN cloud THEN 1 ELSE 0 END, cloud = FALSE WHERE job_id = %s RETURNING attempts",
+                    (run.job_id,),
+                ).fetchone()
+                attempts = int(back[0]) if back else 0
+                settled.append(
+                    SettledJob(job_id=run.job_id, lane=run.lane, outcome="crashed", attempts=attempts, reason=f"run {run.key}: {item.reason}")
+                )
+        return settled
+
+    def sweep_superseded(self) -> list[SettledJob]:
+        from reconciler.core.live.records import SettledJob
+
+        self._prepare()
+        late = []
+        with self._connection() as conn, conn.transaction():
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT key, job, status, expire_at IS NOT NULL AND expire_at < EXTRACT(EPOCH FROM NOW()) FROM {}"
+                    " WHERE queue = %s ORDER BY key FOR UPDATE SKIP LOCKED"
+                ).format(sql.Identifier(JOBS_TABLE)),
+                (SUPERSEDED_QUEUE,),
+            ).fetchall()
+            for key, job, status, expired in rows:
+                if status in ("complete", "failed"):
+                    job_id, lane = _run_of(key, job)
+                    now = conn.execute("SELECT attempts FROM fabric_lane_jobs WHERE job_id = %s", (job_id,)).fetchone()
+                    try:
+                        late.append(
+                            SettledJob(
+                                job_id=job_id,
+                                lane=lane,
+                                outcome="superseded",
+                                attempts=int(now[0]) if now else 0,
+                                reason=f"run {key} finished late ({status}) after it was settled as crashed: ignored",
+                            )
+                        )
+                    except ValueError:  # a row the fabric did not set aside (no job id of its own): cleared, not told
+                        pass
+                if status in ("complete", "failed", "aborted") or expired:
+                    conn.execute(sql.SQL("DELETE FROM {} WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
+                elif status != "aborting":
+                    # Put back by its worker (a retry): aborting again, so a live worker cancels it.
+                    conn.execute(sql.SQL("UPDATE {} SET status = 'aborting' WHERE key = %s").format(sql.Identifier(JOBS_TABLE)), (key,))
+        return late
 
     def lane_states(self, queues: Mapping[str, str]) -> list[SnapshotLane]:
         from reconciler.core.live.models import SnapshotLane
@@ -379,6 +519,69 @@ class PostgresLaneBroker:
         names = sorted(set(queues))
         held = self._reading(lambda conn: _held(conn, names))
         return {queue: held.get(queue, 0) for queue in queues}
+
+
+def _fence(conn: psycopg.Connection[Any], epoch: int) -> None:
+    """`dispatch`'s fence: raise the stored epoch to `epoch` if newer, then
+    hold it (FOR SHARE) until commit; an older `epoch` is refused."""
+    conn.execute("UPDATE fabric_lane_fence SET epoch = %s WHERE id = 1 AND epoch < %s", (epoch, epoch))
+    fence = conn.execute("SELECT epoch FROM fabric_lane_fence WHERE id = 1 FOR SHARE").fetchone()
+    if fence is not None and int(fence[0]) > epoch:
+        raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {fence[0]} dispatches now")
+
+
+def _set_aside(conn: psycopg.Connection[Any], key: str) -> None:
+    """The run `key` aborting on SUPERSEDED_QUEUE, kept SUPERSEDED_KEEP_S (module docstring)."""
+    conn.execute(
+        sql.SQL("UPDATE {} SET status = 'aborting', queue = %s, expire_at = EXTRACT(EPOCH FROM NOW())::BIGINT + %s WHERE key = %s").format(
+            sql.Identifier(JOBS_TABLE)
+        ),
+        (SUPERSEDED_QUEUE, SUPERSEDED_KEEP_S, key),
+    )
+
+
+def _active_run(job_id: str, lane: str, key: str, job: Any) -> ActiveRun:
+    """The facts of one active SAQ job (saq's Job.to_dict as JSON); a record
+    that does not parse is named unreadable, never a crash."""
+    import json
+
+    from reconciler.core.scheduling.lanes import ActiveRun
+
+    try:
+        fields = json.loads(bytes(job))
+        if not isinstance(fields, dict):
+            raise ValueError("not an object")
+        worker = fields.get("worker_id")
+        touched = fields.get("touched") or fields.get("started") or 0
+        heartbeat = fields.get("heartbeat") or 0
+        if (worker is not None and not isinstance(worker, str)) or not isinstance(touched, int | float) or not isinstance(heartbeat, int | float):
+            raise ValueError("fields of the wrong type")
+    except (ValueError, TypeError):
+        return ActiveRun(job_id=job_id, lane=lane, key=key, readable=False)
+    return ActiveRun(
+        job_id=job_id,
+        lane=lane,
+        key=key,
+        worker=worker,
+        touched_s=float(touched) / 1000 if touched else None,
+        heartbeat_s=float(heartbeat),
+    )
+
+
+def _run_of(key: str, job: Any) -> tuple[str, str]:
+    """The job id and lane a set-aside run was for: the job id from its key
+    (`<job id>.<n>`, written by `dispatch`; a worker cannot change a key),
+    the lane from its kwargs ("?" when they do not parse)."""
+    import json
+
+    lane = "?"
+    try:
+        kwargs = json.loads(bytes(job)).get("kwargs") or {}
+        if isinstance(kwargs.get("lane"), str):
+            lane = kwargs["lane"]
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return key.rsplit(".", 1)[0], lane
 
 
 class _NotMadeYet(Exception):

@@ -4,6 +4,11 @@ The job system (phaze's control plane) hands jobs to the lane queue
 (`LaneBroker.enqueue`: an id and the file's duration); `fabric lane dispatch`
 runs `dispatch_pass` over them:
 
+    crashed: runs whose worker is gone (`settle_crashed`: the facts from
+            LaneBroker.active_runs, the decision core.scheduling.lanes'
+            crashed_runs) wait again, one more cloud attempt when they ran
+            in a compute lane; a run settled so that finished late after
+            all is reported (superseded) and ignored
     settle: jobs whose SAQ job ended leave (complete) or wait again (failed:
             one more cloud attempt when they ran in a compute lane)
     for each waiting job, oldest enqueued first:
@@ -41,13 +46,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, DesiredState
 from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
 from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
-from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key, take_slot
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing, crashed_runs, lane_views, sort_key, take_slot
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
@@ -76,8 +81,11 @@ class DispatchEvent:
     slot: int | None = None
     hold: HoldReason | None = None
     taken_elsewhere: bool = False
-    # A settled job: how its SAQ job ended in `lane` (complete, failed, aborted, vanished).
+    # A settled job: how its SAQ job ended in `lane` (complete, failed, aborted,
+    # vanished, crashed; superseded: a run settled as crashed finished late).
     outcome: str | None = None
+    # Why it crashed, or which superseded run finished how.
+    reason: str | None = None
 
     def as_json(self) -> dict:
         return {
@@ -89,12 +97,17 @@ class DispatchEvent:
             "attempts": self.attempts,
             "taken_elsewhere": self.taken_elsewhere,
             "outcome": self.outcome,
+            **({"reason": self.reason} if self.reason is not None else {}),
         }
 
     def text(self) -> str:
         seen = f"waited {self.waited_s:.0f}s, attempts {self.attempts}"
         if self.outcome == "complete":
             return f"{self.job} done in {self.lane}"
+        if self.outcome == "superseded":
+            return f"{self.job}: {self.reason}"
+        if self.outcome == "crashed":
+            return f"{self.job} crashed in {self.lane} ({self.reason}): waiting again (attempts {self.attempts})"
         if self.outcome is not None:
             return f"{self.job} {self.outcome} in {self.lane}: waiting again (attempts {self.attempts})"
         if self.lane is not None:
@@ -119,7 +132,40 @@ def _started(views: dict[str, LaneView], lane: str) -> dict[str, LaneView]:
 
 
 def _settled_event(job: SettledJob) -> DispatchEvent:
-    return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome)
+    return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome, reason=job.reason)
+
+
+def settle_crashed(
+    lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None = None
+) -> list[DispatchEvent]:
+    """The runs whose worker is gone settled as crashed (their jobs wait
+    again), then the late finishes of runs settled so before (superseded,
+    ignored); each event also to `emit` as soon as its change committed.
+    The facts are the broker's (`active_runs`, one transaction), the
+    decision core's (`crashed_runs`); raises StaleDispatcher when a newer
+    dispatcher runs."""
+    events: list[DispatchEvent] = []
+    out = _emitting(events, emit)
+    crashed = crashed_runs(lane_broker.active_runs(), crash_timing(desired.fleet.scheduler))
+    for job in lane_broker.settle_crashed(crashed, epoch) if crashed else []:
+        out(_settled_event(job))
+    for job in lane_broker.sweep_superseded():
+        out(_settled_event(job))
+    return events
+
+
+def _emitting(events: list[DispatchEvent], emit: Callable[[DispatchEvent], None] | None) -> Callable[[DispatchEvent], None]:
+    """Append to `events` and hand to `emit` at once (`dispatch_pass`'s and
+    `settle_crashed`'s `emit`): a pass that fails after a change committed
+    (a job settled complete, then the broker gone or a newer dispatcher)
+    has already told it, though it returns nothing."""
+
+    def out(event: DispatchEvent) -> None:
+        events.append(event)
+        if emit is not None:
+            emit(event)
+
+    return out
 
 
 class PhazeDispatches(ValueError):
@@ -151,15 +197,25 @@ def dispatcher_epoch(registry: Registry) -> int:
     return leader.epoch if leader is not None else registry.epoch()
 
 
-def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
+def dispatch_pass(
+    registry: Registry,
+    lane_broker: LaneBroker,
+    desired: DesiredState,
+    *,
+    epoch: int | None = None,
+    emit: Callable[[DispatchEvent], None] | None = None,
+) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
     newer dispatcher runs."""
     refuse_phaze_lanes(desired)
     settings = desired.fleet.scheduler
-    targets = lane_targets(desired)
+    targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
     fence = dispatcher_epoch(registry) if epoch is None else epoch
-    events = [_settled_event(job) for job in lane_broker.settle()]
+    events = settle_crashed(lane_broker, desired, fence, emit)
+    out = _emitting(events, emit)
+    for settled in lane_broker.settle():
+        out(_settled_event(settled))
     views, now = current_lanes(registry, lane_broker, desired)
     for job in lane_broker.jobs():
         if not job.waiting:
@@ -185,7 +241,7 @@ def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredS
             views, _ = current_lanes(registry, lane_broker, desired)
         if event is None:
             raise LaneBrokerError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
-        events.append(event)
+        out(event)
     return events
 
 
@@ -222,8 +278,7 @@ def run_dispatcher(
     so); with `once` it raises. A StaleDispatcher always ends it."""
     while True:
         try:
-            for event in dispatch_pass(registry, lane_broker, desired):
-                emit(event)
+            dispatch_pass(registry, lane_broker, desired, emit=emit)
         except (RegistryUnavailable, LaneBrokerUnavailable) as exc:
             if once:
                 raise

@@ -79,7 +79,7 @@ from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
-from reconciler.engine.dispatch import dispatch_pass
+from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
@@ -276,18 +276,20 @@ class LeaderLoop:
             return
         if self.desired.fleet.phaze_dispatches:
             return  # phaze's control plane dispatches its lanes (engine.dispatch.refuse_phaze_lanes)
+        def told(event: DispatchEvent) -> None:
+            # Each event as its change commits: a pass that fails halfway
+            # (a broker restart, a newer term) has told what it did.
+            if event.hold is None:
+                self.log(f"lane job {event.text()}")
+
         try:
-            events = dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch)
+            dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
         except StaleDispatcher as exc:
             # A newer term dispatches: this one's lease is gone or going.
             self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")
             return
         except LaneBrokerError as exc:
             self.log(f"lane queue unreachable, no dispatch this step: {exc}")
-            return
-        for event in events:
-            if event.hold is None:
-                self.log(f"lane job {event.text()}")
 
     def _with_ray(self, snapshot: Snapshot) -> Snapshot:
         """The snapshot with Ray's view joined (step 3b), or as it is without one."""

@@ -1,6 +1,6 @@
 """Attacks on the plan and the leader record, each with exactly the identity that could make it.
 
-A real etcd member with TLS and auth on (tests/harness/etcd.py, `fabric
+A real etcd member with TLS and auth on (tests/support/harness/etcd.py, `fabric
 registry init-auth` through the CLI, every identity its own client
 certificate, CN = host), the example fleet with throwaway plan keys
 (tests.plan_keys), each test under a prefix of its own. Hosts run real passes

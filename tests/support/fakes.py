@@ -78,6 +78,23 @@ class FakeLaneBroker:
         self._ended.clear()
         return out
 
+    def active_runs(self):
+        """No run of this fake ever crashes (tests/integration/test_lane_crash_pg.py has real ones)."""
+        from reconciler.core.scheduling.lanes import BrokerRuns
+
+        return BrokerRuns(now_s=self.clock.now(), broker_up_s=0.0)
+
+    def settle_crashed(self, crashed, epoch):
+        from reconciler.ports import StaleDispatcher
+
+        self.fence = max(self.fence, epoch)
+        if epoch < self.fence:
+            raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {self.fence} dispatches now")
+        return []
+
+    def sweep_superseded(self):
+        return []
+
     def lane_states(self, queues):
         from reconciler.core.live.models import SnapshotLane
 

@@ -474,6 +474,24 @@ class SchedulerSettings(Strict):
         0,
         description="phaze's PHAZE_CLOUD_ROUTE_THRESHOLD_SEC: a lane job shorter than this goes to the local lane only; 0: every job may go to the cloud.",
     )
+    # The fabric's own lanes (core.scheduling.lanes, crashed runs): how often
+    # their SAQ workers write their stats (saq's worker_info timer, default
+    # 10 s; the row lives 1 s longer) ...
+    lane_worker_beat_s: Seconds = Field(
+        10, description="The fabric's own lanes: how often their SAQ workers write their stats (saq's worker_info timer)."
+    )
+    # ... and how long past that row's expiry a worker may stay silent before
+    # the jobs it runs count as crashed and wait again.
+    lane_crash_grace_s: Annotated[int, Field(ge=0, le=3_600)] = Field(
+        2,
+        description="The fabric's own lanes: how long past its stats row's expiry a worker may stay silent before its jobs count as crashed and wait again.",
+    )
+    # The SAQ heartbeat a dispatched job carries (saq's Job.heartbeat): a
+    # worker must touch its job (`await job.update()`) at least this often,
+    # or saq's sweep and the dispatcher end the run. 0: none.
+    lane_job_heartbeat_s: Annotated[int, Field(ge=0, le=86_400)] = Field(
+        0, description="The SAQ heartbeat each dispatched job of the fabric's own lanes carries; its function must touch its job more often. 0: none."
+    )
 
 
 class ScalingSettings(Strict):

@@ -244,17 +244,21 @@ class QueuedJob(_Record):
 
 class SettledJob(_Record):
     """A dispatched job whose SAQ job ended: `complete` (the job is gone) or
-    failed, aborted or vanished from the broker (it waits again, one more
-    cloud attempt counted when it ran in a compute lane)."""
+    failed, aborted, vanished from the broker or crashed (its worker gone:
+    it waits again, one more cloud attempt counted when it ran in a compute
+    lane). `superseded`: a run the dispatcher had settled as crashed
+    finished late; it changed nothing (the job went on as it was)."""
 
     job_id: NodeId
     lane: str
-    outcome: Literal["complete", "failed", "aborted", "vanished"]
+    outcome: Literal["complete", "failed", "aborted", "vanished", "crashed", "superseded"]
     attempts: int = Field(ge=0)
+    # Why (crashed: which fact; superseded: the run and how it ended).
+    reason: str | None = None
 
     @property
     def requeued(self) -> bool:
-        return self.outcome != "complete"
+        return self.outcome not in ("complete", "superseded")
 
 
 class HookOutcome(_Record):

@@ -342,3 +342,117 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
     if compute_available and local_free and job.waited_s < settings.local_spill_after_s:
         return LaneDecision(lane=None, hold="local_spill_not_reached")
     return LaneDecision(lane=None, hold="no_free_slots")
+
+
+# -- crashed runs on the fabric's own lanes ----------------------------------
+#
+# A dispatched job runs as one SAQ job (a run, its key `<job id>.<n>`) on one
+# SAQ worker. A worker that dies mid-job (SIGKILL, a lost host) leaves the run
+# `active` for ever: no timeout, and its lock is nobody's. The dispatcher
+# settles such a run as crashed (its slot freed, the job waiting again under
+# the lane rules) once the facts below say the worker is gone. All times are
+# the broker's (PostgreSQL's clock), in epoch seconds, except `touched_s`,
+# which the worker's clock stamped.
+#
+#   lapse        a worker beats its stats row every `worker_beat_s`; the row
+#                lives 1 s longer (saq's ttl); silence past that expiry for
+#                `grace_s` more is a lapse. The goal: a killed worker's job
+#                waits again within worker_beat_s + 1 + grace_s (the lapse)
+#                plus one dispatch pass.
+#   broker up    a broker that (re)started less than one lapse ago gave no
+#                live worker the chance to beat since: nothing is crashed
+#                yet (a broker restart must not end runs that go on).
+#
+# `crashed_reason`, checked in this order (the first that holds is the reason):
+#   1. the run's record cannot be read (no SAQ worker can run it either);
+#   2. its own SAQ heartbeat (when it has one) lapsed: untouched for longer
+#      than heartbeat + grace since it was touched or the broker came up;
+#   3. no worker began it (dequeued, then its worker died before starting
+#      it) and it was dequeued more than one lapse ago;
+#   4. its worker has no stats row (swept after expiry, or never written)
+#      and the run was last touched more than one lapse ago;
+#   5. its worker's stats row expired more than `grace_s` ago.
+
+
+@dataclass(frozen=True)
+class CrashTiming:
+    """When a lane worker's silence means it is gone (see above)."""
+
+    worker_beat_s: float
+    grace_s: float
+
+    @property
+    def lapse_s(self) -> float:
+        """From a worker's last beat to its jobs counting as crashed, at most."""
+        return self.worker_beat_s + 1 + self.grace_s
+
+
+def crash_timing(settings: SchedulerSettings) -> CrashTiming:
+    return CrashTiming(worker_beat_s=settings.lane_worker_beat_s, grace_s=settings.lane_crash_grace_s)
+
+
+@dataclass(frozen=True)
+class ActiveRun:
+    """A dispatched job's SAQ job while `active`, as the broker shows it."""
+
+    job_id: str
+    lane: str
+    key: str
+    readable: bool = True
+    # The SAQ worker that began it (None: dequeued, not begun yet).
+    worker: str | None = None
+    touched_s: float | None = None
+    heartbeat_s: float = 0.0
+    # Its worker's stats row's expire_at (None: no row).
+    worker_expires_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BrokerRuns:
+    """The active runs of the fabric's jobs and the broker's clock, read in one transaction."""
+
+    now_s: float
+    broker_up_s: float
+    runs: tuple[ActiveRun, ...] = ()
+
+
+@dataclass(frozen=True)
+class CrashedRun:
+    run: ActiveRun
+    reason: str
+
+
+def crashed_reason(run: ActiveRun, *, now_s: float, broker_up_s: float, timing: CrashTiming) -> str | None:
+    """Why `run` counts as crashed at `now_s`, or None while it may still run (the rules above)."""
+    lapse = timing.lapse_s
+    if now_s - broker_up_s <= lapse:
+        return None
+    if not run.readable:
+        return "its SAQ job record is unreadable"
+    if run.heartbeat_s > 0 and run.touched_s is not None:
+        silent = now_s - max(run.touched_s, broker_up_s)
+        if silent > run.heartbeat_s + timing.grace_s:
+            return f"its SAQ heartbeat lapsed: untouched for {silent:.0f} s (heartbeat {run.heartbeat_s:g} s)"
+    idle = None if run.touched_s is None else now_s - run.touched_s
+    if run.worker is None:
+        if idle is None or idle > lapse:
+            return "dequeued but never begun: its worker is gone"
+        return None
+    if run.worker_expires_s is None:
+        if idle is None or idle > lapse:
+            return f"its worker {run.worker} is gone (no stats)"
+        return None
+    lapsed = now_s - run.worker_expires_s
+    if lapsed > timing.grace_s:
+        return f"its worker {run.worker} stopped beating ({lapsed:.0f} s past its stats' expiry)"
+    return None
+
+
+def crashed_runs(seen: BrokerRuns, timing: CrashTiming) -> list[CrashedRun]:
+    """The runs of `seen` that count as crashed, with their reasons, in `seen`'s order."""
+    out = []
+    for run in seen.runs:
+        reason = crashed_reason(run, now_s=seen.now_s, broker_up_s=seen.broker_up_s, timing=timing)
+        if reason is not None:
+            out.append(CrashedRun(run=run, reason=reason))
+    return out

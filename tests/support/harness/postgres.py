@@ -11,6 +11,7 @@ Usage::
 
     pg.dsn            postgresql://postgres@/postgres?host=<dir>
     pg.database(name) a fresh database on it (CREATE DATABASE), its DSN
+    pg.restart()      fast shutdown (by PID), then start again on the same data
 
     with postgres_server(listen_on="100.64.250.254", trusted_net="100.64.250.0/24") as pg:
         pg.tcp_dsn_of("phaze")   postgresql://postgres@100.64.250.254:5432/phaze
@@ -66,6 +67,8 @@ class PostgresServer:
     pid: int
     as_user: list[str]
     listen_on: str | None = None
+    # pg_ctl's start command line (`restart` runs it again).
+    start_argv: list[str] | None = None
 
     def tcp_dsn_of(self, database: str) -> str:
         assert self.listen_on is not None, "postgres_server(listen_on=...) listens on TCP"
@@ -86,6 +89,14 @@ class PostgresServer:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.dsn_of(name)
+
+    def restart(self) -> None:
+        """A broker restart: fast shutdown by PID (clients lose their
+        connections), then the same server starts again on the same data."""
+        assert self.start_argv is not None
+        stop_by_pid(self.pid)
+        self.pid = _start(self.start_argv, self.directory)
+        wait_until(lambda: (self.directory / ".s.PGSQL.5432").exists(), timeout=30, what="PostgreSQL's socket")
 
     def log(self) -> str:
         path = self.directory / "log"
@@ -147,37 +158,40 @@ def postgres_server(directory: Path | None = None, *, listen_on: str | None = No
     if listen_on is not None:
         with open(data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {trusted_net or listen_on + '/32'} trust\n")
-    started = subprocess.run(
-        [
-            *runas,
-            str(binaries / "pg_ctl"),
-            "-D",
-            str(data),
-            "-o",
-            f"-k {directory} -h '{listen_on or ''}' -c max_connections=300 -c fsync=off",
-            "-l",
-            str(directory / "log"),
-            "-w",
-            "start",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    pid_file = data / "postmaster.pid"
+    argv = [
+        *runas,
+        str(binaries / "pg_ctl"),
+        "-D",
+        str(data),
+        "-o",
+        f"-k {directory} -h '{listen_on or ''}' -c max_connections=300 -c fsync=off",
+        "-l",
+        str(directory / "log"),
+        "-w",
+        "start",
+    ]
+    pid = _start(argv, directory)
+    server = PostgresServer(directory=directory, pid=pid, as_user=runas, listen_on=listen_on, start_argv=argv)
+    try:
+        wait_until(lambda: (directory / ".s.PGSQL.5432").exists(), timeout=30, what="PostgreSQL's socket")
+        yield server
+    finally:
+        stop_by_pid(server.pid)
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start(argv: list[str], directory: Path) -> int:
+    """Run pg_ctl start (`argv`), return the postmaster's PID; fail with its log."""
+    started = subprocess.run(argv, capture_output=True, text=True)
+    pid_file = directory / "data" / "postmaster.pid"
     pid = int(pid_file.read_text().split()[0]) if pid_file.exists() else None
     if started.returncode != 0 or pid is None:
         if pid is not None:
             stop_by_pid(pid)
         log = (directory / "log").read_text(errors="replace") if (directory / "log").exists() else ""
         raise AssertionError(f"PostgreSQL did not start: {started.stderr or started.stdout}\n{log}")
-    server = PostgresServer(directory=directory, pid=pid, as_user=runas, listen_on=listen_on)
-    try:
-        wait_until(lambda: (directory / ".s.PGSQL.5432").exists(), timeout=30, what="PostgreSQL's socket")
-        yield server
-    finally:
-        stop_by_pid(pid)
-        if made:
-            shutil.rmtree(directory, ignore_errors=True)
+    return pid
 
 
 def broker_url_file(directory: Path, dsn: str) -> Path:
