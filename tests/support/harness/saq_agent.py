@@ -120,7 +120,7 @@ class AgentProcess:
     ended: dict[int, float] = field(default_factory=dict)
 
     def start(self) -> None:
-        repo = Path(__file__).resolve().parents[2]
+        repo = Path(__file__).resolve().parents[3]  # tests/support/harness/ -> the checkout
         argv = [sys.executable, "-m", "tests.support.harness.saq_agent", "--dsn", self.dsn, "--queue", self.queue, "--log", str(self.log)]
         argv += ["--concurrency", str(self.concurrency), "--beat", str(self.beat), "--touch", str(self.touch)]
         argv += ["--spread", f"{self.spread[0]},{self.spread[1]}"] if self.spread else ["--duration", str(self.duration)]
