@@ -51,7 +51,7 @@ from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, s
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import LaneBroker, LaneBrokerError, LaneBrokerUnavailable, Registry, RegistryUnavailable
+from reconciler.ports import FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -108,7 +108,7 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
     return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
 
 
-def current_lanes(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+def current_lanes(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
     snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_broker, desired)
     return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
 
@@ -122,7 +122,7 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
     return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome)
 
 
-def dispatcher_epoch(registry: Registry) -> int:
+def dispatcher_epoch(registry: RegistryReads) -> int:
     """The epoch a dispatcher is fenced by: the leader's term, as the leader's
     own dispatcher (`engine.leader`, step 5) carries it, so a dispatcher run
     by hand under that leader is not refused and a deposed leader's is. With
@@ -131,7 +131,7 @@ def dispatcher_epoch(registry: Registry) -> int:
     return leader.epoch if leader is not None else registry.epoch()
 
 
-def dispatch_pass(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
+def dispatch_pass(registry: RegistryReads, lane_broker: LaneBroker, desired: DesiredState, *, epoch: int | None = None) -> list[DispatchEvent]:
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
     newer dispatcher runs."""
@@ -185,7 +185,7 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
 
 
 def run_dispatcher(
-    registry: Registry,
+    registry: RegistryReads,
     lane_broker: LaneBroker,
     desired: DesiredState,
     *,
@@ -290,7 +290,7 @@ class LaneStatus:
         }
 
 
-def lane_status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
+def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
     views, now = current_lanes(registry, lane_broker, desired)
     jobs = lane_broker.jobs()
     decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)

@@ -2,7 +2,7 @@
 
 `reconciler.core.scheduling.scaling.decide_scaling` is pure and only decides; this module is
 where the leader loop (the only place scaling actions are executed) carries
-them out, through the Registry Protocol and the CommandRunner / Audit ports.
+them out, through the registry's `LeaderRegistry` role and the CommandRunner / Audit ports.
 It imports no adapter: `reconciler.wiring.leader_ports` builds the real ones.
 
 Queue depth (what the burst rule compares with `scaling.queue_high`):
@@ -60,7 +60,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
-from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, Registry
+from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, LeaderRegistry
 
 # All cloud hooks of one pass share this many seconds (each gets its share as
 # its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
@@ -223,7 +223,7 @@ def _same(a: ScalingRecord, b: ScalingRecord) -> bool:
 class ScalingStep:
     """Run by LeaderLoop.step while it leads, after the plan."""
 
-    registry: Registry
+    registry: LeaderRegistry
     runner: CommandRunner
     log: Callable[[str], None]
     audit: Audit | None = None
