@@ -385,17 +385,13 @@ def program_paths() -> ProgramPaths:
     (the module puts them on the pass's PATH), on Debian in /usr/bin."""
     import shutil
 
+    from reconciler.core.pass_files import PROGRAMS
     from reconciler.engine.reconcile import ProgramPaths
 
     default = ProgramPaths()
-    return ProgramPaths(
-        socat=shutil.which("socat") or default.socat,
-        podman=shutil.which("podman") or default.podman,
-        nft=shutil.which("nft") or default.nft,
-        systemd_tmpfiles=shutil.which("systemd-tmpfiles") or default.systemd_tmpfiles,
-        # [ray] command, when set, wins over this (reconciler.core.render.ray_units).
-        ray=shutil.which("ray") or default.ray,
-    )
+    # [ray] command, when set, wins over `ray` here (reconciler.core.render.ray_units).
+    fields = {program: program.replace("-", "_") for program in PROGRAMS}
+    return ProgramPaths(**{field: shutil.which(program) or getattr(default, field) for program, field in fields.items()})
 
 
 def print_note(note: str) -> None:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import sys
 
-from reconciler.cli import EXIT_OK
 from reconciler.cli.pass_options import add_pass_options, finish, pass_options
 
 
@@ -54,15 +52,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from reconciler import wiring
-    from reconciler.engine.memoized_pass import MemoHit, run_memoized_pass
+    from reconciler.engine.memoized_pass import run_memoized_pass
 
     options = pass_options(args)
     # One registry client and one lane queue for the whole process: the
     # memo's side and the full pass that may follow it share them.
     with wiring.pass_connections() as connections:
         with wiring.memo_ports(options, connections) as memo_ports:
-            outcome = run_memoized_pass(options, memo_ports, functools.partial(wiring.real_pass_ports, connections=connections))
-    if isinstance(outcome, MemoHit):
-        sys.stdout.write(outcome.stdout)
-        return EXIT_OK
-    return finish(outcome)
+            report = run_memoized_pass(options, memo_ports, functools.partial(wiring.real_pass_ports, connections=connections))
+    return finish(report)

@@ -17,7 +17,7 @@
       the lane jobs of the lanes whose jobs run here read afresh from the
       registry: they change without any drift; no NodeRecord is built), one
       audit line, this host's pass series refreshed
-      (pass_memo.refreshed_metrics); the outcome is a MemoHit
+      (pass_memo.refreshed_metrics); the report says memoized
     4 otherwise the full pass (reconciler.engine.reconcile.run_pass, on the
       ports `full_pass_ports` gives), which drops the memo before its first
       change and leaves a new one when it converges; the outcome is its PassReport
@@ -44,21 +44,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import reconciler
 from reconciler.core.live.host_load import HostLoad, lane_jobs_running
+from reconciler.core.pass_files import PASS_COUNTERS, PROGRAMS, TEXTFILE_PATH
 from reconciler.core.probe.raw import facts_key, parse_capture
-from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
+from reconciler.engine.pass_memo import MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
+from reconciler.engine.pass_report import PassReport
 
 if TYPE_CHECKING:
     from reconciler.core.probe.raw import RawCapture
-    from reconciler.engine.reconcile import MemoSeed, PassPorts, PassReport
+    from reconciler.engine.reconcile import PassPorts
     from reconciler.ports import Audit, BeatLaneBroker, BeatRegistry, Clock, MemoReader, MemoStore
-
-# reconciler.engine.pass_records.PASS_COUNTERS and reconciler.core.views.metrics.TEXTFILE_PATH
-# (tests/unit/test_pass_memo.py checks), spelled here so that a memoized pass imports neither.
-PASS_COUNTERS = "pass-counters.json"
-TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
-# The programs the rendered units name (reconciler.wiring.program_paths finds them the same way).
-PROGRAMS = ("socat", "podman", "nft", "ray")
 
 
 def _ignore(note: str) -> None:
@@ -90,17 +85,6 @@ class MemoPorts:
     note: Callable[[str], None] = _ignore
 
 
-@dataclass(frozen=True)
-class MemoHit:
-    """The pass memo stood for the pass: nothing to do, heartbeat sent, audited."""
-
-    generation: int | None
-
-    @property
-    def stdout(self) -> str:
-        return f"nothing to do (generation {self.generation})\n" if self.generation else "nothing to do\n"
-
-
 Verdict = Literal["hit", "nft", "full"]
 
 
@@ -108,14 +92,15 @@ def run_memoized_pass(
     options: PassOptions,
     ports: MemoPorts,
     full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
-) -> MemoHit | PassReport:
+) -> PassReport:
     started = ports.clock.now()
     memo_file = options.root / options.state_dir.strip("/") / MEMO_FILE
     capture = None if options.replay else ports.probe()
     key = inputs_key(pass_inputs(options, capture, ports.world))
     verdict, memo = _memoized(options, ports, memo_file, key, started)
     if verdict == "hit" and memo is not None:
-        return MemoHit(memo.generation)
+        generation = memo.seed.generation
+        return PassReport("noop", f"nothing to do (generation {generation})\n" if generation else "nothing to do\n", memoized=True)
     return _full_pass(options, ports, full_pass_ports, memo_file, key, capture, nft_reload=verdict == "nft")
 
 
@@ -188,7 +173,7 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
             return "full", None  # another pass runs: the full pass reports it busy
         registry = None
         try:
-            if memo.node_record is not None:
+            if memo.seed.node_record is not None:
                 registry = _registry_at_memo_epoch(ports, memo)
                 if registry is None:
                     return "full", None
@@ -206,7 +191,7 @@ def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str,
         finally:
             if registry is not None:
                 registry.close()
-        ports.audit.record("noop", "ok", generation=str(memo.generation or ""), memo="hit")
+        ports.audit.record("noop", "ok", generation=str(memo.seed.generation or ""), memo="hit")
         _refresh_records(options, ports, memo_file.parent, started)
     return "hit", memo
 
@@ -218,10 +203,10 @@ def _registry_at_memo_epoch(ports: MemoPorts, memo: PassMemo) -> BeatRegistry | 
     itself (a beat here would only delay the plan's pass). The caller closes it."""
     from reconciler.ports import RegistryError
 
-    if memo.registry is None or memo.beat_ttl_s is None:
+    if memo.seed.registry is None or memo.seed.beat_ttl_s is None:
         return None  # a memo the full pass wrote without them: measure again
     try:
-        registry = ports.open_registry(memo.registry)
+        registry = ports.open_registry(memo.seed.registry)
     except RegistryError:
         return None
     try:
@@ -232,8 +217,8 @@ def _registry_at_memo_epoch(ports: MemoPorts, memo: PassMemo) -> BeatRegistry | 
     except BaseException:
         registry.close()
         raise
-    if epoch != memo.epoch:
-        ports.note(f"registry epoch {epoch} (the last pass saw {memo.epoch}); full pass")
+    if epoch != memo.seed.registry_epoch:
+        ports.note(f"registry epoch {epoch} (the last pass saw {memo.seed.registry_epoch}); full pass")
         registry.close()
         return None
     return registry
@@ -253,9 +238,9 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     from reconciler.core.live.host_limits import lowered_note
     from reconciler.ports import LaneBrokerError, RegistryError
 
-    assert memo.node_record is not None and memo.beat_ttl_s is not None
+    assert memo.seed.node_record is not None and memo.seed.beat_ttl_s is not None
     try:
-        record = json.loads(memo.node_record)
+        record = json.loads(memo.seed.node_record)
     except ValueError:
         return False
     if not isinstance(record, dict):
@@ -264,12 +249,12 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     if lowered is not None:
         ports.note(lowered)
     try:
-        if memo.lanes_here:
+        if memo.seed.lanes_here:
             in_flight = _in_flight(ports, memo)
             if in_flight is None:
                 return False  # the lane queue configured but unusable: the full pass says why
             record = {**record, "in_flight": in_flight}
-        stored = registry.heartbeat_json(record, memo.beat_ttl_s)
+        stored = registry.heartbeat_json(record, memo.seed.beat_ttl_s)
         ports.note(heartbeat_note(stored["node_id"], stored["tier"], stored["in_flight"], stored.get("timeout_s")))
     except (RegistryError, LaneBrokerError):
         return False
@@ -282,18 +267,18 @@ def _in_flight(ports: MemoPorts, memo: PassMemo) -> int | None:
     queues (the memo names them and the broker: fabric.toml's, part of its
     key); None: a lane queue configured but unusable (the full pass says why).
     Raises LaneBrokerError."""
-    reach = memo.lane_broker or {"queue_url_file": None}
+    reach = memo.seed.lane_broker or {"queue_url_file": None}
     in_flight: dict[str, int] = {}
     lane_broker = ports.open_lane_broker(reach)
     if lane_broker is None and reach.get("queue_url_file") is not None:
         return None  # configured but unusable
     if lane_broker is not None:
         try:
-            jobs = lane_broker.in_flight(list(memo.lane_queues.values()))
+            jobs = lane_broker.in_flight(list(memo.seed.lane_queues.values()))
         finally:
             lane_broker.close()
-        in_flight = {lane: jobs.get(queue, 0) for lane, queue in memo.lane_queues.items()}
-    return HostLoad(memo.load_services, lane_jobs_running(memo.lanes_here, in_flight)).in_flight
+        in_flight = {lane: jobs.get(queue, 0) for lane, queue in memo.seed.lane_queues.items()}
+    return HostLoad(memo.seed.load_services, lane_jobs_running(memo.seed.lanes_here, in_flight)).in_flight
 
 
 def _refresh_records(options: PassOptions, ports: MemoPorts, state: Path, started: float) -> None:
@@ -347,8 +332,8 @@ def _full_pass(
 
         pass_ports.checkpoint = checkpoint
         report = run_pass(options, pass_ports)
-    if report.converged is not None and not report.converged.may_lead:
-        memo = memo_after(report.converged, key, ports.world, ports.clock.now())
+    if report.memo_seed is not None and not report.memo_seed.may_lead:
+        memo = memo_after(report.memo_seed, key, ports.world, ports.clock.now())
         if memo is not None:
             ports.store.write(memo_file, memo.to_json().encode())
         else:
@@ -359,10 +344,10 @@ def _full_pass(
     return report
 
 
-def memo_after(converged: MemoSeed, key: str, world: MemoReader, now: float) -> PassMemo | None:
-    """The memo of a pass that converged: the world as it left it (None: it cannot be read now)."""
+def memo_after(seed: MemoSeed, key: str, world: MemoReader, now: float) -> PassMemo | None:
+    """The memo of a pass that converged: its seed and the world as it left it (None: it cannot be read now)."""
     files = {}
-    for path in converged.files:
+    for path in seed.files:
         data = world.read(path)
         if data is None:
             return None
@@ -372,25 +357,9 @@ def memo_after(converged: MemoSeed, key: str, world: MemoReader, now: float) -> 
     unit_state, nft_digest = world.unit_state(), world.nft_digest()
     try:
         if unit_state is not None:
-            units = {unit: unit_state(unit) for unit in converged.units}
+            units = {unit: unit_state(unit) for unit in seed.units}
         if nft_digest is not None:
             nft = nft_digest()
     except Exception:  # systemd cannot be asked now: no memo, the next pass is full
         return None
-    return PassMemo(
-        key=key,
-        generation=converged.generation,
-        written_at=now,
-        files=files,
-        units=units,
-        nft=nft,
-        node_record=converged.node_record,
-        registry=converged.registry,
-        beat_ttl_s=converged.beat_ttl_s,
-        load_services=converged.load_services,
-        lanes_here=converged.lanes_here,
-        lane_queues=converged.lane_queues,
-        lane_broker=converged.lane_broker,
-        epoch=converged.registry_epoch,
-        max_age_s=min(MAX_AGE_S, converged.fleet_view_max_age_s or MAX_AGE_S),
-    )
+    return PassMemo(key=key, written_at=now, seed=seed, file_digests=files, unit_states=units, nft=nft)

@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 4
+MEMO_VERSION = 5
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -63,22 +63,52 @@ NFT_DRIFT = "the nftables table changed"
 
 
 @dataclass(frozen=True)
-class PassMemo:
-    key: str
+class MemoSeed:
+    """What a pass that left the world as the desired state wants it knows,
+    for the memo (the full pass's report carries it; `memo_after` adds what
+    the world holds then): the files it installed, the units to watch, the
+    heartbeat it sent and the registry epoch it saw."""
+
     generation: int | None
-    written_at: float
-    files: Mapping[str, str] = field(default_factory=dict)
-    units: Mapping[str, str] = field(default_factory=dict)
-    nft: str | None = None
-    node_record: str | None = None
-    registry: Mapping[str, Any] | None = None
-    beat_ttl_s: float | None = None
+    files: tuple[str, ...]  # every installed file of that generation
+    units: tuple[str, ...]  # each unit of the generation
+    node_record: str | None  # the heartbeat's record, JSON; None: no registry
+    registry_epoch: int | None
+    # A leader candidate's pass may lead: it is never memoized.
+    may_lead: bool
+    # The pass showed the fleet (an edge's status page and fleet metrics from
+    # the registry's snapshot): how stale that view may grow (the node timeout).
+    fleet_view_max_age_s: float | None = None
+    # The heartbeat's load apart from the lane jobs (running service units),
+    # and the lanes whose jobs a memoized pass reads afresh.
     load_services: int = 0
-    lanes_here: Sequence[str] = ()
-    lane_queues: Mapping[str, str] = field(default_factory=dict)
-    lane_broker: Mapping[str, Any] | None = None
-    epoch: int | None = None
-    max_age_s: float = MAX_AGE_S
+    lanes_here: tuple[str, ...] = ()
+    # Their queues on phaze's broker, and how to reach it (fabric.toml's
+    # [phaze] queue_url_file and job_function), so that a memoized pass reads
+    # their jobs without loading fabric.toml.
+    lane_queues: dict[str, str] = field(default_factory=dict)
+    lane_broker: dict[str, Any] | None = None
+    # How a memoized pass reaches the registry without loading fabric.toml
+    # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
+    registry: dict[str, Any] | None = None
+    beat_ttl_s: float | None = None
+
+    @property
+    def max_age_s(self) -> float:
+        """How long a memo of this pass may stand for the next ones."""
+        return min(MAX_AGE_S, self.fleet_view_max_age_s or MAX_AGE_S)
+
+
+@dataclass(frozen=True)
+class PassMemo:
+    """The seed of a converged pass, with the world as that pass left it."""
+
+    key: str
+    written_at: float
+    seed: MemoSeed
+    file_digests: Mapping[str, str] = field(default_factory=dict)  # seed.files' sha256
+    unit_states: Mapping[str, str] = field(default_factory=dict)  # seed.units' ActiveState (with activation)
+    nft: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"version": MEMO_VERSION, **asdict(self)}, sort_keys=True)
@@ -88,26 +118,44 @@ class PassMemo:
         """Raises ValueError for anything but a memo of this version."""
         try:
             data = json.loads(raw)
-            if not isinstance(data, dict) or data.pop("version", None) != MEMO_VERSION:
+            if not isinstance(data, dict) or data.pop("version", None) != MEMO_VERSION or not isinstance(data.get("seed"), dict):
                 raise ValueError("not a pass memo of this version")
-            memo = cls(**data)
+            seed = data.pop("seed")
+            seed = MemoSeed(
+                **{
+                    **seed,
+                    "files": tuple(seed.get("files") or ()),
+                    "units": tuple(seed.get("units") or ()),
+                    "lanes_here": tuple(seed.get("lanes_here") or ()),
+                }
+            )
+            memo = cls(seed=seed, **data)
         except (TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a pass memo: {exc}") from None
-        if (
-            not isinstance(memo.key, str)
-            or not isinstance(memo.files, dict)
-            or not isinstance(memo.units, dict)
-            or not isinstance(memo.registry, dict | None)
-            or not isinstance(memo.beat_ttl_s, int | float | None)
-            or not isinstance(memo.load_services, int)
-            or not isinstance(memo.lanes_here, list | tuple)
-            or not all(isinstance(lane, str) for lane in memo.lanes_here)
-            or not isinstance(memo.lane_queues, dict)
-            or not all(isinstance(queue, str) for queue in memo.lane_queues.values())
-            or not isinstance(memo.lane_broker, dict | None)
-        ):
+        if not _well_formed(memo):
             raise ValueError("not a pass memo: malformed fields")
         return memo
+
+
+def _well_formed(memo: PassMemo) -> bool:
+    seed = memo.seed
+    return (
+        isinstance(memo.key, str)
+        and isinstance(memo.written_at, int | float)
+        and isinstance(memo.file_digests, dict)
+        and isinstance(memo.unit_states, dict)
+        and isinstance(seed.generation, int | None)
+        and isinstance(seed.node_record, str | None)
+        and isinstance(seed.registry_epoch, int | None)
+        and isinstance(seed.registry, dict | None)
+        and isinstance(seed.beat_ttl_s, int | float | None)
+        and isinstance(seed.fleet_view_max_age_s, int | float | None)
+        and isinstance(seed.load_services, int)
+        and all(isinstance(lane, str) for lane in seed.lanes_here)
+        and isinstance(seed.lane_queues, dict)
+        and all(isinstance(queue, str) for queue in seed.lane_queues.values())
+        and isinstance(seed.lane_broker, dict | None)
+    )
 
 
 def inputs_key(parts: Mapping[str, str | None]) -> str:
@@ -131,21 +179,21 @@ def usable(memo: PassMemo | None, key: str, now: float) -> str | None:
         return "no memo"
     if memo.key != key:
         return "the inputs changed"
-    if not 0 <= now - memo.written_at <= memo.max_age_s:
+    if not 0 <= now - memo.written_at <= memo.seed.max_age_s:
         return "the memo is too old"
     return None
 
 
 def drift(memo: PassMemo, read: ReadFile, unit_state: UnitState | None, nft_digest: NftDigest | None) -> str | None:
     """The first difference between the world and what the memo's pass left, or None."""
-    for path, digest in memo.files.items():
+    for path, digest in memo.file_digests.items():
         data = read(path)
         if data is None:
             return f"{path} is missing"
         if sha256(data) != digest:
             return f"{path} was changed"
     if unit_state is not None:
-        for unit, state in memo.units.items():
+        for unit, state in memo.unit_states.items():
             now = unit_state(unit)
             if now != state:
                 return f"{unit} is {now}, was {state}"

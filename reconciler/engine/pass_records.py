@@ -17,6 +17,7 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.pass_files import PASS_COUNTERS, TEXTFILE_PATH
 from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
 from reconciler.engine.desired_load import named_hosts
@@ -25,7 +26,6 @@ from reconciler.engine.plan_fence import PassPlan
 from reconciler.ports import FileTree
 
 PROBE_HISTORY = "probe-history.json"
-PASS_COUNTERS = "pass-counters.json"
 
 
 def damped_facts(tree: FileTree, state_dir: str, desired: DesiredState, observed: HostFacts, now: datetime) -> tuple[HostFacts, ProbeHistory]:
@@ -108,7 +108,7 @@ def _write(
 ) -> None:
     # The metrics and the page are written once the pass has activated: their
     # views are imported here, not by a pass on its way to activation.
-    from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
+    from reconciler.core.views.metrics import PassMetrics, render_metrics
     from reconciler.core.views.page import render_status_page
 
     counters_path = f"{state_dir}/{PASS_COUNTERS}"

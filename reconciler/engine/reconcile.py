@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostFacts
@@ -59,8 +59,10 @@ from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, 
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.fleet_view import FleetView, read_fleet_view
 from reconciler.engine.heartbeat import Measured, UnitsSeen, beat_after_activation, node_record
+from reconciler.engine.pass_memo import MemoSeed
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, shows_fleet, write_pass_records
+from reconciler.engine.pass_report import PassReport
 from reconciler.engine.plan_fence import PassPlan
 from reconciler.engine.plan_source import effective_facts, epoch_moved_past, fleet_plan_for
 from reconciler.ports import (
@@ -177,21 +179,6 @@ class PassPorts:
 # --------------------------------------------------------------------------
 # The report
 
-PassOutcome = Literal[
-    "noop",  # nothing to do
-    "applied",  # a generation written and activated
-    "written",  # a generation written, not activated
-    "static",  # kept the current generation (fail static, or a fenced-off plan)
-    "planned",  # fabric plan: the actions shown
-    "restored",  # fabric rollback: an earlier generation reinstalled
-    "invalid",  # the new generation did not pass the checks; nothing installed
-    "rolled-back",  # activation failed; the last good generation is back
-    "failed",  # the pass (or rollback) could not finish
-    "busy",  # another pass holds the lock
-    "bad-input",  # bad desired state, host, capture or plan file; nothing written
-]
-SUCCEEDED = frozenset({"noop", "applied", "written", "static", "planned", "restored"})
-
 
 @dataclass(frozen=True)
 class Preview:
@@ -201,56 +188,6 @@ class Preview:
     actions: HostActions
     unfinished: bool  # the last pass did not finish activating; this one would
     render_notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class MemoSeed:
-    """What a pass that left the world as the desired state wants it knows,
-    for the pass memo (reconciler.engine.pass_memo): the files it installed,
-    the units to watch, the heartbeat it sent and the registry epoch it saw."""
-
-    generation: int | None
-    files: tuple[str, ...]
-    units: tuple[str, ...]
-    node_record: str | None  # the heartbeat's record, JSON; None: no registry
-    registry_epoch: int | None
-    # A leader candidate's pass may lead: it is never memoized.
-    may_lead: bool
-    # The pass showed the fleet (an edge's status page and fleet metrics from
-    # the registry's snapshot): how stale that view may grow (the node timeout).
-    fleet_view_max_age_s: float | None = None
-    # The heartbeat's load apart from the lane jobs (running service units),
-    # and the lanes whose jobs a memoized pass reads afresh.
-    load_services: int = 0
-    lanes_here: tuple[str, ...] = ()
-    # Their queues on phaze's broker, and how to reach it (lane_broker_settings),
-    # so that a memoized pass reads their jobs without loading fabric.toml.
-    lane_queues: dict[str, str] = field(default_factory=dict)
-    lane_broker: dict[str, Any] | None = None
-    # How a memoized pass reaches the registry without loading fabric.toml
-    # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
-    registry: dict[str, Any] | None = None
-    beat_ttl_s: float | None = None
-
-
-@dataclass(frozen=True)
-class PassReport:
-    outcome: PassOutcome
-    stdout: str = ""  # what a person reads: the actions and the closing line, newline-terminated
-    stderr: tuple[str, ...] = ()  # one line each: why it failed or stopped
-    preview: Preview | None = None  # preview_pass, when it planned
-    converged: MemoSeed | None = None  # run_pass, when the world is as the desired state wants it
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome in SUCCEEDED
-
-    @property
-    def exit_status(self) -> int:
-        """The command line's: 0 success, 1 the pass failed, 2 bad input (nothing changed)."""
-        if self.ok:
-            return 0
-        return 2 if self.outcome == "bad-input" else 1
 
 
 class _BadInput(Exception):
@@ -476,7 +413,7 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
                 _record_plan_taken(store, prepared.source)
             view = records(result.ok, result.outcome == "rolled-back")
             if converged:
-                report = replace(report, converged=_converged(options, prepared, result.generation, beat, showed_fleet=view is not None))
+                report = replace(report, memo_seed=_memo_seed(options, prepared, result.generation, beat, showed_fleet=view is not None))
             return _after_rounds(rounds, report)
         ports.note(another_round_note(moved, prepared.source.plan.epoch))
         rounds.append(report)
@@ -568,7 +505,7 @@ def _beat_after_activation(ports: PassPorts, prepared: _PreparedPass, store: Gen
     return measured, record.model_dump_json()
 
 
-def _converged(
+def _memo_seed(
     options: PassOptions, prepared: _PreparedPass, generation: int | None, beat: tuple[Measured, str] | None, *, showed_fleet: bool
 ) -> MemoSeed:
     artifacts = prepared.rendered.artifacts

@@ -52,7 +52,7 @@ from reconciler.core.desired.model import DesiredState, FleetConfig
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.dispatch import dispatch_pass
 from reconciler.engine.leader import LeaderLoop, candidate_loop
-from reconciler.engine.memoized_pass import MemoHit, run_memoized_pass
+from reconciler.engine.memoized_pass import run_memoized_pass
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions
 from reconciler.engine.scaling_step import queue_depth
@@ -213,7 +213,7 @@ class LiveFleet:
             memo.audit = RecordingAudit()
             memo.note = notes.append
             outcome = run_memoized_pass(options, memo, full_pass_ports)
-        if isinstance(outcome, MemoHit):
+        if outcome.memoized:
             return "memo"
         assert outcome.ok, (host, outcome)
         return outcome.outcome

@@ -95,8 +95,8 @@ def test_the_pass_beats_again_after_activation_with_the_units_it_started(tmp_pat
     assert after.units == {SERVICE: "active", AGENT: "active", "fabric-nftables.service": "active", RAY_WORKER_UNIT: "active"}
     assert "after activation, heartbeat: x86-spill tier relay, in_flight 4, alive for 90 s (1 services, 3 lane jobs)" in fleet.notes
     # The memo stands for this pass with the record after activation.
-    assert report.converged is not None and report.converged.node_record == after.model_dump_json()
-    assert (report.converged.load_services, report.converged.lanes_here) == (1, ("x86-spill",))
+    assert report.memo_seed is not None and report.memo_seed.node_record == after.model_dump_json()
+    assert (report.memo_seed.load_services, report.memo_seed.lanes_here) == (1, ("x86-spill",))
 
 
 def test_a_stopped_service_unit_drops_the_load_and_shows_in_the_units(tmp_path: Path) -> None:
@@ -163,10 +163,10 @@ def test_a_registry_lost_after_the_first_beat_leaves_a_memo_that_cannot_stand_fo
 
     registry.heartbeat = first_beat_only  # type: ignore[method-assign]
     report = fleet.reconcile()
-    assert report.outcome == "applied" and report.converged is not None
+    assert report.outcome == "applied" and report.memo_seed is not None
     assert any(n.startswith("heartbeat after activation: registry unreachable") for n in fleet.notes)
     # No epoch: the next memoized pass, once the registry answers, is a full one.
-    assert report.converged.registry_epoch is None
+    assert report.memo_seed.registry_epoch is None
 
 
 def test_a_drained_hosts_pass_renders_its_ray_worker_closed_and_restarts_only_it(tmp_path: Path) -> None:

@@ -153,6 +153,10 @@ def test_offline_node_is_dead_after_the_drain_grace_then_forgotten():
     assert "garbage-collected" in events[0].transition.reason
     assert fleet.states["a1-arm64"].record is None and "a1-arm64" not in fleet.records
     assert snapshot_node(fleet.states["a1-arm64"]) is None
+    # Dead for a second less than the drain grace: still remembered (its
+    # transitions, its hold-off), nothing forgotten yet.
+    events = fleet.tick(90 + 300 + 299)
+    assert fleet.status("a1-arm64") == "dead" and not any(e.forget for e in events)
     events = fleet.tick(90 + 600)
     assert "a1-arm64" not in fleet.states
     assert [e.forget for e in events] == [True]

@@ -15,10 +15,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, PassMemo, drift, sha256, usable
+from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, sha256, usable
 from reconciler.ports import Registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,12 +207,12 @@ def test_a_memoized_pass_that_heartbeats_to_the_registry_imports_no_model(tmp_pa
         registry.close()
     # What the registry keeps from the memoized beat is a valid record, as the full pass measured it.
     memo = PassMemo.from_json(s.memo_file.read_bytes())
-    assert memo.node_record is not None
-    kept = json.loads(memo.node_record)
+    assert memo.seed.node_record is not None
+    kept = json.loads(memo.seed.node_record)
     assert state.record.model_dump(mode="json", exclude={"beat_at", "timeout_s"}) == {
         k: v for k, v in kept.items() if k not in ("beat_at", "timeout_s")
     }
-    assert state.record.timeout_s == memo.beat_ttl_s == 90.0
+    assert state.record.timeout_s == memo.seed.beat_ttl_s == 90.0
 
 
 def test_a_memoized_pass_of_a_lane_host_imports_no_model(tmp_path: Path) -> None:
@@ -225,8 +226,8 @@ def test_a_memoized_pass_of_a_lane_host_imports_no_model(tmp_path: Path) -> None
     assert "reconciler.core.desired.model" in first
     assert "note: heartbeat: a1-arm64 tier" in second_err, second_err
     memo = PassMemo.from_json(s.memo_file.read_bytes())
-    assert memo.lanes_here == ["a1-arm64"] and memo.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64"}
-    assert memo.lane_broker == {"queue_url_file": None, "job_function": "process_file"}
+    assert memo.seed.lanes_here == ("a1-arm64",) and memo.seed.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64"}
+    assert memo.seed.lane_broker == {"queue_url_file": None, "job_function": "process_file"}
 
 
 def edit_desired(s: Sandbox) -> None:
@@ -370,7 +371,7 @@ def test_a_corrupt_or_missing_memo_means_a_full_pass(sandbox: Sandbox, capsys: p
     sandbox.memo_file.write_bytes(content)
     code, _, err = run(capsys, sandbox.argv())
     assert code == 0 and not memoized(err), err
-    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).generation == 1
+    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).seed.generation == 1
     sandbox.memo_file.unlink()
     code, _, err = run(capsys, sandbox.argv())
     assert code == 0 and not memoized(err)
@@ -398,8 +399,13 @@ def test_a_leader_candidate_is_never_memoized(tmp_path: Path, capsys: pytest.Cap
     assert not lux.memo_file.exists()
 
 
+def seed(**fields: Any) -> MemoSeed:
+    """A converged pass's seed for a memo: generation 1, no files or units unless given."""
+    return MemoSeed(**{"generation": 1, "files": (), "units": (), "node_record": None, "registry_epoch": None, "may_lead": False, **fields})
+
+
 def test_the_memo_is_too_old_after_max_age() -> None:
-    memo = PassMemo(key="k", generation=1, written_at=1000.0)
+    memo = PassMemo(key="k", written_at=1000.0, seed=seed())
     assert usable(memo, "k", 1000.0 + MAX_AGE_S) is None
     assert usable(memo, "k", 1000.0 + MAX_AGE_S + 1) == "the memo is too old"
     assert usable(memo, "k", 999.0) == "the memo is too old"  # a clock set back
@@ -409,7 +415,7 @@ def test_the_memo_is_too_old_after_max_age() -> None:
 
 def test_drift_sees_a_stopped_unit_and_a_changed_table() -> None:
 
-    memo = PassMemo(key="k", generation=1, written_at=0.0, files={"a": sha256(b"A")}, units={"u.service": "active"}, nft="n1")
+    memo = PassMemo(key="k", written_at=0.0, seed=seed(), file_digests={"a": sha256(b"A")}, unit_states={"u.service": "active"}, nft="n1")
     assert drift(memo, lambda p: b"A", lambda u: "active", lambda: "n1") is None
     assert drift(memo, lambda p: b"B", lambda u: "active", lambda: "n1") == "a was changed"
     assert drift(memo, lambda p: None, lambda u: "active", lambda: "n1") == "a is missing"
@@ -425,17 +431,12 @@ def test_the_light_defaults_of_the_options_agree_with_their_homes() -> None:
     from reconciler.cli import common
     from reconciler.core.install.nodeconfig import NODE_CONFIG_PATH
     from reconciler.core.render.artifacts import Layout
-    from reconciler.engine import apply, memoized_pass, pass_options, reconcile
+    from reconciler.engine import apply, pass_options, reconcile
 
     assert pass_options.STATE_DIR == apply.STATE_DIR
     assert pass_options.UNIT_DIR == Layout().unit_dir
     assert pass_options.CADDY_MAIN_CANDIDATES == reconcile.CADDY_MAIN_CANDIDATES
     assert common.NODE_CONFIG_PATH == NODE_CONFIG_PATH
-    from reconciler.core.views.metrics import TEXTFILE_PATH
-    from reconciler.engine.pass_records import PASS_COUNTERS
-
-    assert memoized_pass.TEXTFILE_PATH == TEXTFILE_PATH
-    assert memoized_pass.PASS_COUNTERS == PASS_COUNTERS
 
 
 def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
@@ -456,7 +457,7 @@ def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(s
     kept = json.loads(counters.read_text())
     assert kept["rollbacks_total"] == 2 and kept["last_success"] > "2000-01-01T00:00:00+00:00"
     # racknerd, the edge, shows the fleet: its memo lasts no longer than the node timeout.
-    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).max_age_s == 90.0
+    assert PassMemo.from_json(sandbox.memo_file.read_bytes()).seed.max_age_s == 90.0
 
 
 def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
@@ -604,15 +605,16 @@ def memo_side(tmp_path: Path, registry_epoch: int, unit_state: str = "active") -
     options = PassOptions(desired=tmp_path / "desired", host="racknerd", root=tmp_path / "root", replay=str(tmp_path / "capture"))
     memo = PassMemo(
         key=inputs_key(pass_inputs(options, None, world)),
-        generation=1,
         written_at=1000.0,
-        files={"etc/caddy/fabric.caddy": sha256(b"as installed")},
-        units={"fabric-nftables.service": unit_state},
+        seed=seed(
+            node_record=json.dumps({"node_id": "racknerd", "tier": "relay", "in_flight": 0}),
+            registry={"registry": {"backend": "sqlite", "path": "/unused"}},
+            beat_ttl_s=90.0,
+            registry_epoch=4,
+        ),
+        file_digests={"etc/caddy/fabric.caddy": sha256(b"as installed")},
+        unit_states={"fabric-nftables.service": unit_state},
         nft="table",
-        node_record=json.dumps({"node_id": "racknerd", "tier": "relay", "in_flight": 0}),
-        registry={"registry": {"backend": "sqlite", "path": "/unused"}},
-        beat_ttl_s=90.0,
-        epoch=4,
     )
     store = MemoFilesInMemory({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
 

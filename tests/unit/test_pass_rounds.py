@@ -157,7 +157,7 @@ def test_a_plan_published_while_the_pass_activates_is_applied_by_another_round_o
     # Nothing is left for the next pass: it finds the newest plan applied.
     again = run_pass(edge.options, edge.ports())
     assert again.outcome == "noop", again
-    assert again.converged is not None and again.converged.registry_epoch == published[0]
+    assert again.memo_seed is not None and again.memo_seed.registry_epoch == published[0]
 
 
 def test_a_pass_takes_at_most_pass_rounds_rounds_however_many_plans_come(tmp_path, fleet, leading) -> None:
@@ -180,7 +180,7 @@ def test_a_pass_takes_at_most_pass_rounds_rounds_however_many_plans_come(tmp_pat
     assert edge.applied_epoch() == moves[-2] < moves[-1]
     # The watcher starts a pass for the last one: the record names the one before.
     assert edge.taken() == moves[-2]
-    assert report.converged is not None and report.converged.registry_epoch == moves[-2]
+    assert report.memo_seed is not None and report.memo_seed.registry_epoch == moves[-2]
 
 
 def test_a_new_leader_term_without_a_new_plan_costs_a_round_that_changes_nothing(tmp_path, fleet, leading) -> None:

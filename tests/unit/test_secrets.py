@@ -68,6 +68,10 @@ SECRET_VALUES = [
     ("+Rzf0TmNZIT3BzxN4In0Bj5gxHP75su/", "a long random string"),  # 24 random bytes: 32 characters
     ("Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MEFCQ0RFRkdISUpL", "a long random string"),
     ("api:Xk9fQ2mZr7Lp3sTv8Wy1Bn4Hc6Jd0Ge5", "a long random string"),  # after a ':'
+    ("Authorization: Bearer abc123def456ghi789jkl", "a bearer token"),
+    ("bearer 0a1b2c3d4e5f6a7b8c9d", "a bearer token"),
+    ("9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "a 64-digit hex key"),  # openssl rand -hex 32
+    ("KEY=9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "a 64-digit hex key"),
 ]
 
 # Ordinary values that must pass.
@@ -90,8 +94,6 @@ PLAIN_VALUES = [
     f"ghcr.io/researchstack/phaze@sha256:{HEX64}",
     f"ghcr.io/researchstack/phaze:2026.11-arm64@sha256:{HEX64}",
     f"sha256:{HEX64}",
-    HEX64,
-    HEX64.upper(),
     "9cdc87d4a1b2c3d4e5f6a7b8c9d0a1b2c3d4e5f6",  # a git commit
     "123e4567-e89b-12d3-a456-426614174000",
     "123E4567-E89B-12D3-A456-426614174000",
@@ -126,9 +128,16 @@ PLAIN_VALUES = [
     "-----",
     "topology.researchstack.io/role=edge",
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef0123456789",
+    # A digest names its algorithm; a git commit is 40 hex digits.
+    "ghcr.io/org/img@sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "built from 3e80301c2b9d6f4a5e7a8b9c0d1e2f3a4b5c6d7e",
+    "the bearer of bad news",
 ]
 
 SECRET_NAMES = [
+    "MYSQL_PWD",
+    "PGPASSWORD",
     "API_KEY",
     "APIKEY",
     "STRIPE_APIKEY",
@@ -207,8 +216,11 @@ def test_the_high_entropy_thresholds() -> None:
     # 31 random-looking characters are too short; 32 are not.
     assert secret_value_kind("2BD5UzggxRaiEm0LqSquMNryAxfdqPH") is None
     assert secret_value_kind("2BD5UzggxRaiEm0LqSquMNryAxfdqPHj") == "a long random string"
-    # A hex key is let through: it cannot be told from a digest.
-    assert secret_value_kind(HEX64) is None
+    # A bare 64-digit hex string is a key (openssl rand -hex 32); a digest says
+    # which it is (sha256:...), and 63 or 65 digits are not the shape of one.
+    assert secret_value_kind(HEX64) == secret_value_kind(HEX64.upper()) == "a 64-digit hex key"
+    assert secret_value_kind(f"sha256:{HEX64}") is None
+    assert secret_value_kind(HEX64[:63]) is None and secret_value_kind(HEX64 + "a") is None
 
 
 def test_environment_rules() -> None:
@@ -251,6 +263,20 @@ def test_a_secret_argument_is_refused_without_repeating_it(value: str, kind: str
     assert line.startswith(f"fabric.toml: cloud_hooks.batch[2]: looks like {kind}, a secret given inline on a command line;")
     assert "absolute path" in line and "LoadCredential=" in line
     assert value not in line
+
+
+@pytest.mark.parametrize(("value", "kind"), SECRET_VALUES, ids=[kind + ": " + v[:24] for v, kind in SECRET_VALUES])
+def test_a_secret_in_a_description_is_refused_without_repeating_it(value: str, kind: str) -> None:
+    [line] = _problems(Service, {**SERVICE, "description": f"ping me: {value}"})
+    assert line.startswith(f"fabric.toml: description: looks like {kind}: the desired state is in git and on every host"), line
+    assert value not in line
+
+
+def test_a_secret_in_a_label_value_is_refused_without_repeating_it() -> None:
+    token = "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    [line] = _problems(Service, {**SERVICE, "labels": {"team": token}})
+    assert line.startswith("fabric.toml: labels.team: looks like a GitHub token:"), line
+    assert token not in line
 
 
 def test_every_argv_is_checked() -> None:

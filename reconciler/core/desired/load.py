@@ -1,7 +1,13 @@
 """Load and validate the desired state: fabric.toml plus one file per host.
 
 Pure apart from reading the files it is given (through `read_text`, so tests and
-the replay path can hand it anything). Every problem becomes a `Problem`
+the replay path can hand it anything). The files come from a commit anyone
+with push access wrote, and the pass reads them as root, so the reader
+(`read_desired_file`) takes regular files only (no symbolic link, FIFO or
+device: a link could point at /etc/shadow, a FIFO would hang the pass), of at
+most MAX_FILE_BYTES, as UTF-8; and the parser turns every way a file can be
+broken (syntax, nesting too deep for the parser, numbers too long) into a
+problem, never a traceback. Every problem becomes a `Problem`
 (file, key path, reason); all of them are collected before anything is
 reported, so an operator fixes a broken push in one round.
 
@@ -14,6 +20,7 @@ Layout of a desired-state directory DIR:
 from __future__ import annotations
 
 import difflib
+import stat
 import tomllib
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -24,12 +31,15 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reconciler.core.desired.lane_rules import lane_rules
-from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig, is_name
 from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
 
 Model = TypeVar("Model", bound=BaseModel)
 
 FLEET_FILE = "fabric.toml"
+# No desired-state file comes near this; a larger one is refused unread
+# (/dev/zero behind a link, a generated monster), before it can take memory.
+MAX_FILE_BYTES = 1024 * 1024
 
 
 class DesiredStateError(ProblemsError):
@@ -40,11 +50,19 @@ class DesiredStateError(ProblemsError):
 # Loading
 
 
+class UnreadableFile(OSError):
+    """A desired-state file the loader will not read (the reason says why)."""
+
+
 def _parse_toml(file: str, text: str) -> tuple[dict[str, Any] | None, list[Problem]]:
     try:
         return tomllib.loads(text), []
     except tomllib.TOMLDecodeError as exc:
         return None, [problem_from_toml_error(file, exc)]
+    except RecursionError:  # thousands of '[' or '{': deeper than the parser goes
+        return None, [Problem(file, "(syntax)", "TOML nested too deeply to parse")]
+    except ValueError as exc:  # an integer of more digits than Python converts
+        return None, [Problem(file, "(syntax)", f"TOML value out of range: {str(exc)[:120]}")]
 
 
 def _validate(file: str, model: type[Model], data: dict[str, Any]) -> tuple[Model | None, list[Problem]]:
@@ -52,12 +70,16 @@ def _validate(file: str, model: type[Model], data: dict[str, Any]) -> tuple[Mode
         return model.model_validate(data), []
     except ValidationError as exc:
         return None, problems_from_validation(file, exc, model)
+    except RecursionError:
+        return None, [Problem(file, "(file)", "nested too deeply to validate")]
 
 
 def host_files(directory: Path) -> list[Path]:
+    """Every host file of DIR: DIR/*.toml and DIR/hosts/*.toml (a hosts/ that
+    is a link is not followed: it could lead anywhere on the host)."""
     files = [p for p in directory.glob("*.toml") if p.name != FLEET_FILE]
     sub = directory / "hosts"
-    if sub.is_dir():
+    if sub.is_dir() and not sub.is_symlink():
         files += list(sub.glob("*.toml"))
     return sorted(files)
 
@@ -69,6 +91,8 @@ def _read_fleet(fleet_path: Path, read_text: Callable[[Path], str]) -> tuple[Fle
         fleet_text = read_text(fleet_path)
     except FileNotFoundError:
         raise DesiredStateError([Problem(fleet_name, "(file)", "not found: a desired-state directory needs fabric.toml")]) from None
+    except UnreadableFile as exc:
+        raise DesiredStateError([Problem(fleet_name, "(file)", str(exc))]) from None
     except OSError as exc:
         raise DesiredStateError([Problem(fleet_name, "(file)", f"cannot read: {exc.strerror or exc}")]) from None
     data, problems = _parse_toml(fleet_name, fleet_text)
@@ -82,6 +106,8 @@ def _read_host(path: Path, read_text: Callable[[Path], str]) -> tuple[HostConfig
     name = str(path)
     try:
         text = read_text(path)
+    except UnreadableFile as exc:
+        return None, [Problem(name, "(file)", str(exc))]
     except OSError as exc:
         return None, [Problem(name, "(file)", f"cannot read: {exc.strerror or exc}")]
     data, problems = _parse_toml(name, text)
@@ -96,11 +122,28 @@ def _misnamed(path: Path, host: HostConfig) -> Problem | None:
     return Problem(str(path), "host.name", f"{host.host.name!r} does not match the file name {path.stem!r}")
 
 
-def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8")
+def read_desired_file(path: Path) -> str:
+    """A desired-state file's text; raises UnreadableFile (why, never what it
+    holds) for anything but a regular UTF-8 file of at most MAX_FILE_BYTES,
+    and OSError (FileNotFoundError) when it cannot be read."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise UnreadableFile(f"is a symbolic link (to {path.readlink()}): desired-state files must be regular files inside the tree")
+    if not stat.S_ISREG(info.st_mode):
+        raise UnreadableFile("is not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise UnreadableFile(f"is {info.st_size} bytes, over the {MAX_FILE_BYTES} bytes a desired-state file may have")
+    with path.open("rb") as file:
+        data = file.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:  # it grew since: still refused
+        raise UnreadableFile(f"is over the {MAX_FILE_BYTES} bytes a desired-state file may have")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(f"is not UTF-8 text (byte {exc.start})") from None
 
 
-def load_desired(directory: Path | str, read_text: Callable[[Path], str] = _read_text) -> DesiredState:
+def load_desired(directory: Path | str, read_text: Callable[[Path], str] = read_desired_file) -> DesiredState:
     """Load and validate DIR; raise DesiredStateError with every problem."""
     directory = Path(directory)
     fleet_path = directory / FLEET_FILE
@@ -138,8 +181,10 @@ def load_desired(directory: Path | str, read_text: Callable[[Path], str] = _read
 
 
 def host_file(directory: Path, name: str, exists: Callable[[Path], bool] = Path.is_file) -> Path | None:
-    """Where host `name`'s file is (DIR/<name>.toml, else DIR/hosts/<name>.toml); None: not declared."""
-    if name == Path(FLEET_FILE).stem:
+    """Where host `name`'s file is (DIR/<name>.toml, else DIR/hosts/<name>.toml); None: not declared.
+    A name that is not a host name (it comes from a plan or the registry:
+    `../../etc/shadow`) names no file: no path is built from it."""
+    if name == Path(FLEET_FILE).stem or not is_name(name):
         return None
     for path in (directory / f"{name}.toml", directory / "hosts" / f"{name}.toml"):
         if exists(path):
@@ -150,7 +195,7 @@ def host_file(directory: Path, name: str, exists: Callable[[Path], bool] = Path.
 def load_hosts_of(
     directory: Path | str,
     names: Collection[str],
-    read_text: Callable[[Path], str] = _read_text,
+    read_text: Callable[[Path], str] = read_desired_file,
     exists: Callable[[Path], bool] = Path.is_file,
     *,
     fleet: FleetConfig | None = None,

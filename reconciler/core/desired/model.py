@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from reconciler.core.desired.secrets import argument_reason, environment_secret, secret_value_kind
+from reconciler.core.desired.secrets import argument_reason, environment_secret, free_text_reason, secret_value_kind
 
 # --------------------------------------------------------------------------
 # Tiers
@@ -89,6 +89,11 @@ _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 _SERVICE_UNIT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.@-]{0,246}\.service$")
 
 
+def is_name(value: str) -> bool:
+    """A safe name (host, service, lane): one that may become part of a path."""
+    return bool(_NAME_RE.match(value))
+
+
 def _name(value: str) -> str:
     if not _NAME_RE.match(value):
         raise ValueError(
@@ -124,6 +129,13 @@ def _no_secret_argument(value: str) -> str:
     kind = secret_value_kind(value)
     if kind is not None:
         raise ValueError(argument_reason(kind))
+    return value
+
+
+def _no_secret_text(value: str) -> str:
+    kind = secret_value_kind(value)
+    if kind is not None:
+        raise ValueError(free_text_reason(kind))
     return value
 
 
@@ -164,9 +176,11 @@ ServiceUnit = Annotated[str, AfterValidator(_service_unit)]
 HostName = Annotated[str, AfterValidator(_hostname)]
 AbsPath = Annotated[str, AfterValidator(_abs_path)]
 Arg = Annotated[str, AfterValidator(_arg)]
+# A description and the like: any text but a secret (checked first, so no other message quotes one).
+FreeText = Annotated[str, AfterValidator(_no_secret_text), AfterValidator(_arg)]
 Image = Annotated[str, AfterValidator(_image)]
 LabelKey = Annotated[str, AfterValidator(_label_key)]
-LabelValue = Annotated[str, AfterValidator(_label_value)]
+LabelValue = Annotated[str, AfterValidator(_no_secret_text), AfterValidator(_label_value)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[int, Field(ge=1, le=86_400)]
@@ -525,7 +539,7 @@ class Route(Strict):
 
 class Service(Strict):
     id: Name
-    description: Arg = ""
+    description: FreeText = ""
     min_tier: Tier
     # Lowest tier the service may fall back to. Equal to min_tier means hard
     # fail: deferred rather than degraded (the seed's LUPINE).

@@ -73,6 +73,10 @@ def secret_name(name: str) -> bool:
     if upper.endswith(SECRET_NAME_SUFFIXES):
         return True
     words = [w for w in upper.split("_") if w]
+    # PWD alone is the working directory; as the last word of a longer name
+    # it is a password (MYSQL_PWD, mysql's own variable for one).
+    if len(words) > 1 and words[-1] == "PWD":
+        return True
     return any(w in SECRET_WORDS or any(c in w for c in SECRET_COMPOUNDS) for w in words)
 
 
@@ -91,6 +95,12 @@ _TOKEN_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a Google API key", re.compile(_NOT_ALNUM_BEFORE + r"AIza[0-9A-Za-z_-]{35}")),
     ("an API secret key", re.compile(_NOT_ALNUM_BEFORE + r"(?:sk|rk)[-_](?:live_|test_|proj-)?[A-Za-z0-9_-]{20,}")),
     ("a JSON web token", re.compile(_NOT_ALNUM_BEFORE + r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
+    # An HTTP credential as a header carries it ("Authorization: Bearer ...").
+    ("a bearer token", re.compile(r"(?i)" + _NOT_ALNUM_BEFORE + r"bearer\s+[A-Za-z0-9._~+/=-]{16,}")),
+    # 64 hex digits: a 256-bit key as openssl rand -hex 32 prints it. A digest
+    # names its algorithm (sha256:..., @sha256:...), which this leaves alone;
+    # a git commit is 40 digits.
+    ("a 64-digit hex key", re.compile(r"(?<![A-Za-z0-9:@=-])[0-9a-fA-F]{64}(?![0-9a-fA-F])|(?<==)[0-9a-fA-F]{64}(?![0-9a-fA-F])")),
     # A password in a key=value connection string or option
     # ("host=db password=x", "--password=x", "?token=x"); "--password-file=" is not one.
     (
@@ -124,8 +134,8 @@ def _url_with_password(value: str) -> bool:
 #   random base64 of 32 characters scores 4.1-5.0 (4.56 on average), hex at
 #   most 4.0 (16 symbols) and 3.9 in practice;
 # - upper case, lower case and digits all present: hex digests (sha256:...,
-#   git commits), UUIDs, lower-case paths and words lack one of them. A
-#   hex-only key therefore passes: it cannot be told from a digest;
+#   git commits), UUIDs, lower-case paths and words lack one of them (a bare
+#   64-digit hex key is caught by its own shape above);
 # - the character class (upper, lower, digit, other) changes between at least
 #   HIGH_ENTROPY_MIN_SWITCHES (40 %) of neighbouring characters: random base64
 #   switches at 64 % on average (under 40 % for 1 in 100 of 32 characters),
@@ -218,6 +228,13 @@ def argument_reason(kind: str) -> str:
         f"looks like {kind}, a secret given inline on a command line; put it in a file on the host "
         "and pass the file's absolute path instead (for a service, as a <NAME>_FILE environment variable, "
         "read with LoadCredential=)"
+    )
+
+
+def free_text_reason(kind: str) -> str:
+    return (
+        f"looks like {kind}: the desired state is in git and on every host, and this text lands in "
+        "world-readable unit files and pages; keep secrets in files on the host"
     )
 
 

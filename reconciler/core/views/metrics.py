@@ -31,8 +31,6 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.timestamps import epoch_seconds
 from reconciler.core.views.cards import FleetStatus, fleet_status
 
-TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
-
 METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
