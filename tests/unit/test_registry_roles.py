@@ -43,8 +43,8 @@ def test_registry_is_the_union_of_the_groups_and_each_method_is_in_one_group() -
         for name in own_methods(group):
             assert name not in seen, f"{name} is in both {seen[name]} and {group.__name__}"
             seen[name] = group.__name__
-    assert methods(ports.Registry) == set(seen)
-    assert len(seen) == 19
+    assert methods(ports.Registry) == set(seen), "Registry defines nothing of its own: a new method goes into a group"
+    assert {"heartbeat", "newest_plan", "watch_host", "close"} <= set(seen)
 
 
 def test_the_adapters_implement_every_role_with_the_ports_signatures() -> None:
