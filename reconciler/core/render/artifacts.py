@@ -516,7 +516,8 @@ def _labels(host: HostConfig, facts: HostFacts, notes: list[str]) -> list[tuple[
 @dataclass
 class _HostRender:
     """What the per-artifact renderers share: the inputs, this host's part of
-    the plan, the notes, and the ports the renderers before nft opened."""
+    the plan, its workloads, the notes, and the ports the renderers before
+    nftables opened."""
 
     desired: DesiredState
     host_name: str
@@ -552,7 +553,6 @@ def _workloads_here(r: _HostRender) -> list[_Workload]:
 
 def _render_agents(r: _HostRender) -> list[Artifact]:
     """One agent unit per workload of this host; two workloads of one id are an error."""
-    r.workloads = _workloads_here(r)
     artifacts = []
     seen: dict[str, str] = {}
     for w in r.workloads:
@@ -713,6 +713,7 @@ def render(
     # against the desired state there): `fabric watch` starts a pass when it changes.
     part = plan_part(desired, plan, host_name, notes)
     r = _HostRender(desired, host_name, host, facts, layout, templates, ray_closed, notes, part, arch)
+    r.workloads = _workloads_here(r)
     artifacts = [artifact for renderer in _RENDERERS for artifact in renderer(r)]
     artifacts.sort(key=lambda a: a.path)
     return Rendered(tuple(artifacts), tuple(notes))
