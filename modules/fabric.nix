@@ -59,6 +59,7 @@ let
       source = dropNulls {
         inherit (cfg.desired.git) remote branch;
         ssh_key_file = cfg.desired.git.sshKeyFile;
+        ssh_host_key = cfg.desired.git.sshHostKey;
         require_signed_commits = cfg.desired.git.requireSignedCommits;
         allowed_signers_file = cfg.desired.git.allowedSignersFile;
       };
@@ -118,7 +119,7 @@ let
     ];
 
   # Shared by the pass, the leader and the watcher; reasons in reconciler/core/install/units.py (HARDENING).
-  # No PrivateDevices: the probe must see /dev/dri and /dev/nvidia*.
+  # No PrivateDevices in the pass: the probe must see /dev/dri and /dev/nvidia*.
   hardening = {
     ProtectSystem = "strict";
     ReadWritePaths = [
@@ -148,6 +149,45 @@ let
     SystemCallArchitectures = "native";
     RestrictAddressFamilies = "AF_UNIX AF_INET AF_INET6 AF_NETLINK";
     UMask = "0022";
+  };
+
+  # The trust anchors stay read-only inside every fabric unit (units.py TRUST_ANCHORS).
+  trustAnchors = [
+    "-/etc/fabric/node.toml"
+    "-/etc/fabric/allowed_signers"
+    "-/etc/fabric/plan-signing.key"
+    "-/etc/fabric/deploy-key"
+    "-/etc/fabric/etcd"
+  ];
+
+  # The pass: what activation needs and no more (units.py PASS_HARDENING).
+  passHardening = hardening // {
+    ReadOnlyPaths = trustAnchors;
+    CapabilityBoundingSet = "CAP_NET_ADMIN CAP_NET_BIND_SERVICE CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN";
+    KeyringMode = "private";
+    ProtectProc = "invisible";
+    SystemCallFilter = [ "@system-service" ];
+    SystemCallErrorNumber = "EPERM";
+  };
+
+  # The watcher and the leader: no capability, nothing writable but their
+  # state directory (units.py DAEMON_HARDENING).
+  daemonHardening = (builtins.removeAttrs hardening [ "ReadWritePaths" ]) // {
+    CapabilityBoundingSet = "";
+    AmbientCapabilities = "";
+    PrivateDevices = true;
+    DevicePolicy = "closed";
+    ProtectProc = "invisible";
+    ProcSubset = "pid";
+    PrivateIPC = true;
+    RemoveIPC = true;
+    KeyringMode = "private";
+    RestrictAddressFamilies = "AF_UNIX AF_INET AF_INET6";
+    SystemCallFilter = [
+      "@system-service"
+      "~@privileged @resources"
+    ];
+    SystemCallErrorNumber = "EPERM";
   };
 
   # The programs a pass calls.
@@ -215,8 +255,18 @@ in
         };
         requireSignedCommits = lib.mkOption {
           type = lib.types.bool;
-          default = false;
-          description = "Accept a fetched commit only if its SSH signature verifies against `allowedSignersFile`; otherwise keep the last good checkout.";
+          default = true;
+          description = ''
+            Accept a fetched commit only if its SSH signature verifies against `allowedSignersFile`; otherwise keep the
+            last good checkout. On by default: whoever can push to the remote runs anything as root on this host, so
+            turning it off is an explicit choice (`fabric status` says so while it is off).
+          '';
+        };
+        sshHostKey = lib.mkOption {
+          type = lib.types.nullOr lib.types.str;
+          default = null;
+          example = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";
+          description = "The ssh remote's host key as `ssh-keyscan HOST` prints it after the host name; required for an ssh remote (pinned: no key is accepted on first use).";
         };
         allowedSignersFile = lib.mkOption {
           type = lib.types.nullOr lib.types.str;
@@ -341,8 +391,8 @@ in
             message = "services.fabric.desired.path must be under /var/lib/fabric with a git remote (the only directory a pass may write).";
           }
           {
-            assertion = !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
-            message = "services.fabric.desired.git.requireSignedCommits needs services.fabric.desired.git.allowedSignersFile.";
+            assertion = cfg.desired.git.remote == null || !cfg.desired.git.requireSignedCommits || cfg.desired.git.allowedSignersFile != null;
+            message = "services.fabric.desired.git needs allowedSignersFile: commits must be signed unless requireSignedCommits = false says otherwise.";
           }
         ];
 
@@ -376,7 +426,7 @@ in
           path = runtimePath;
           environment = passEnvironment;
           serviceConfig =
-            hardening
+            passHardening
             // {
               Type = "oneshot";
               SyslogIdentifier = "fabric-reconcile";
@@ -397,7 +447,7 @@ in
           after = [ "network-online.target" ];
           path = runtimePath;
           environment = passEnvironment;
-          serviceConfig = hardening // {
+          serviceConfig = daemonHardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-watch";
             Restart = "on-failure";
@@ -446,7 +496,7 @@ in
           after = [ "network-online.target" ];
           path = runtimePath;
           environment = passEnvironment;
-          serviceConfig = hardening // {
+          serviceConfig = daemonHardening // {
             Type = "simple";
             SyslogIdentifier = "fabric-leader";
             Restart = "always";

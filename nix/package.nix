@@ -56,6 +56,7 @@ python3Packages.buildPythonApplication {
       cryptography
       psycopg
       psycopg.pool
+      prometheus-client
     ])
     ++ [ saq ];
 

@@ -148,16 +148,24 @@ def open_lane_broker(fleet: FleetConfig, *, dsn_file: str | Path | None = None, 
 
 
 def _lane_broker_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneBroker:
+    from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
     from reconciler.ports import LaneBrokerUnavailable
 
     try:
-        dsn = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LaneBrokerUnavailable(f"{path}: cannot read phaze's queue URL: {getattr(exc, 'strerror', None) or exc}") from None
+        # A secret: only a file no one else may read (adapters.secret_files).
+        dsn = read_secret_file(path, "phaze's queue URL").decode("utf-8").strip()
+    except SecretFileRefused as exc:
+        raise LaneBrokerUnavailable(str(exc)) from None
+    except UnicodeDecodeError:
+        raise LaneBrokerUnavailable(f"{path}: phaze's queue URL is not UTF-8 text") from None
     if not dsn.startswith(("postgresql://", "postgres://")):
         raise LaneBrokerUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
     # Imported once there is a broker to reach (psycopg is a large part of a pass's imports).
-    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
+    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker, dsn_problem
+
+    problem = dsn_problem(dsn)
+    if problem is not None:
+        raise LaneBrokerUnavailable(f"{path}: {problem}")
 
     return PostgresLaneBroker(dsn, clock or system_clock(), job_function=job_function)
 

@@ -13,7 +13,8 @@ VENV="${FABRIC_VENV:-$ROOT/.venv}"
 # alternatives or recommends) for the agent units, busybox-static for the image
 # tests/integration/test_agent_podman.py builds, rsync (phaze's push into a
 # lane's scratch dir, which that test makes as phaze does), postgresql
-# (phaze's broker for the lane queue: tests/harness/postgres.py, scripts/demo).
+# (phaze's broker for the lane queue: tests/support/harness/postgres.py, scripts/demo), strace
+# (the atomic write's system calls: tests/integration/test_atomic_write_syscalls.py).
 DEBIAN_PACKAGES=(nftables socat caddy etcd-server etcd-client systemd-container dbus iproute2 nix-bin python3-venv git chromium prometheus prometheus-node-exporter pciutils curl podman crun catatonit busybox-static rsync postgresql strace)
 
 install_debian_packages() {

@@ -11,7 +11,9 @@
 # the timer and the watcher and runs a first pass.
 #
 #   scripts/join.sh --source /path/to/fabric --host racknerd \
-#       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /root/.ssh/fleet
+#       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /etc/fabric/deploy-key \
+#       --ssh-host-key "$(ssh-keyscan -t ed25519 github.com 2>/dev/null | cut -d' ' -f2-)" \
+#       --allowed-signers /etc/fabric/allowed_signers
 #
 # Offline: --wheelhouse DIR installs the dependencies from wheels in DIR only
 # (make one elsewhere with `pip download -d DIR /path/to/fabric 'setuptools>=68'
@@ -30,7 +32,9 @@ UNIT_DIR=/etc/systemd/system
 GIT_REMOTE=""
 GIT_BRANCH=main
 SSH_KEY_FILE=""
+SSH_HOST_KEY=""
 ALLOWED_SIGNERS=""
+UNSIGNED_COMMITS=0
 INTERVAL=30s
 RANDOMIZED_DELAY=5s
 LEADER=0
@@ -53,8 +57,13 @@ usage: join.sh --source DIR|WHEEL [options]
   --desired DIR              desired-state directory (default /var/lib/fabric/desired)
   --git-remote URL           fetch the desired state from git before each pass
   --git-branch NAME          branch to follow (default main)
-  --ssh-key-file PATH        deploy key for the git remote
-  --allowed-signers PATH     accept only commits signed by these keys (ssh allowed signers file)
+  --ssh-key-file PATH        deploy key for the git remote (keep it where the pass unit reads
+                             it under its hardening: /etc/fabric/deploy-key, not /root)
+  --ssh-host-key 'TYPE KEY'  the ssh remote's host key, pinned (ssh-keyscan HOST | cut -d' ' -f2-);
+                             required for an ssh remote
+  --allowed-signers PATH     accept only commits signed by these keys (ssh allowed signers file);
+                             required with --git-remote unless --unsigned-commits
+  --unsigned-commits         accept unsigned commits: anyone who can push runs anything as root here
   --interval SPAN            time between passes (default 30s)
   --randomized-delay SPAN    random delay per pass (default 5s)
   --unit-dir DIR             where passes write rendered units (default /etc/systemd/system)
@@ -88,6 +97,8 @@ while [ $# -gt 0 ]; do
     --git-branch) GIT_BRANCH=${2:?}; shift 2 ;;
     --ssh-key-file) SSH_KEY_FILE=${2:?}; shift 2 ;;
     --allowed-signers) ALLOWED_SIGNERS=${2:?}; shift 2 ;;
+    --ssh-host-key) SSH_HOST_KEY=${2:?}; shift 2 ;;
+    --unsigned-commits) UNSIGNED_COMMITS=1; shift ;;
     --interval) INTERVAL=${2:?}; shift 2 ;;
     --randomized-delay) RANDOMIZED_DELAY=${2:?}; shift 2 ;;
     --unit-dir) UNIT_DIR=${2:?}; shift 2 ;;
@@ -206,7 +217,7 @@ echo "==> $CONFIG"
 mkdir -p "$(dirname "$CONFIG")"
 JOIN_HOST=$HOST JOIN_DESIRED=$DESIRED JOIN_UNIT_DIR=$UNIT_DIR JOIN_INTERVAL=$INTERVAL \
 JOIN_RANDOMIZED_DELAY=$RANDOMIZED_DELAY JOIN_GIT_REMOTE=$GIT_REMOTE JOIN_GIT_BRANCH=$GIT_BRANCH \
-JOIN_SSH_KEY_FILE=$SSH_KEY_FILE JOIN_ALLOWED_SIGNERS=$ALLOWED_SIGNERS \
+JOIN_SSH_KEY_FILE=$SSH_KEY_FILE JOIN_ALLOWED_SIGNERS=$ALLOWED_SIGNERS JOIN_SSH_HOST_KEY=$SSH_HOST_KEY JOIN_UNSIGNED_COMMITS=$UNSIGNED_COMMITS \
 JOIN_TAILSCALE_AUTH_KEY_FILE=$TAILSCALE_AUTH_KEY_FILE JOIN_K3S_SERVER=$K3S_SERVER JOIN_K3S_TOKEN_FILE=$K3S_TOKEN_FILE \
 "$PREFIX/bin/python" - "$CONFIG.new" <<'PY'
 import json, os, sys, tempfile
@@ -221,6 +232,12 @@ if e["git_remote"]:
     lines += ["", "[source]", f"remote = {q(e['git_remote'])}", f"branch = {q(e['git_branch'])}"]
     if e["ssh_key_file"]:
         lines.append(f"ssh_key_file = {q(e['ssh_key_file'])}")
+    if e["ssh_host_key"]:
+        lines.append(f"ssh_host_key = {q(e['ssh_host_key'])}")
+    # Signed commits unless --unsigned-commits says otherwise in so many words
+    # (node.toml then refuses a [source] without allowed signers).
+    if e["unsigned_commits"] == "1":
+        lines.append("require_signed_commits = false")
     if e["allowed_signers"]:
         lines += ["require_signed_commits = true", f"allowed_signers_file = {q(e['allowed_signers'])}"]
 boot = [k for k in ("tailscale_auth_key_file", "k3s_server", "k3s_token_file") if e[k]]

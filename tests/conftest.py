@@ -69,8 +69,8 @@ def require_root() -> None:
 @pytest.fixture
 def signed_fleet(tmp_path: Path):
     """A copy of the example fleet whose leader candidates sign plans with
-    throwaway keys (tests.plan_keys): the private halves of hosts/fabric.toml's
+    throwaway keys (tests.support.plan_keys): the private halves of hosts/fabric.toml's
     plan keys exist only on lux and qfox-1."""
-    from tests.plan_keys import signed_example_fleet
+    from tests.support.plan_keys import signed_example_fleet
 
     return signed_example_fleet(tmp_path / "signed-fleet")

@@ -2,7 +2,7 @@
 
 Run (root): .venv/bin/python bench/activation [--repeats N] [--grace S] [--sizes 1,4]
 
-Boots one systemd container (tests/harness/systemd.py) with simple services
+Boots one systemd container (tests/support/harness/systemd.py) with simple services
 (`ExecStart=/bin/sleep infinity`, as an agent's unit is Type=simple) and, for
 each size, starts that many through SystemdDbus with the startup grace the
 pass uses (PassOptions.startup_grace, 1 s):
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from reconciler.adapters.systemd_dbus import SystemdDbus  # noqa: E402
-from tests.harness.systemd import systemd_container  # noqa: E402
+from tests.support.harness.systemd import systemd_container  # noqa: E402
 
 UNIT = "[Service]\nExecStart=/bin/sleep infinity\nRestart=on-failure\n"
 

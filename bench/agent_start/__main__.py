@@ -2,7 +2,7 @@
 
 Run (root): .venv/bin/python bench/agent_start [--repeats N]
 
-Boots one systemd container (tests/harness/systemd.py, user_namespaces=True),
+Boots one systemd container (tests/support/harness/systemd.py, user_namespaces=True),
 builds the busybox image of tests/integration/test_agent_podman.py, renders the
 x86-spill lane agent twice through the real render code (the same unit, once
 with /usr/bin/podman, once with tests/e2e/podman_standin.py as its podman) and
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from reconciler.core.render.artifacts import Layout, render  # noqa: E402
-from tests.harness.agent_image import build_agent_image_archive  # noqa: E402
-from tests.harness.systemd import SystemdContainer, systemd_container  # noqa: E402
 from tests.integration import test_agent_podman as agent  # noqa: E402
+from tests.support.harness.agent_image import build_agent_image_archive  # noqa: E402
+from tests.support.harness.systemd import SystemdContainer, systemd_container  # noqa: E402
 
 STANDIN = "/usr/local/bin/podman-standin"
 STANDIN_UNIT = "fabric-agent-standin.service"

@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/lanes [--jobs N]
 
-A throwaway PostgreSQL (tests/harness/postgres.py) and a sqlite registry with
+A throwaway PostgreSQL (tests/support/harness/postgres.py) and a sqlite registry with
 the example fleet's heartbeats; no SAQ worker runs, so lanes are taken
 offline or online by writing worker stats rows as saq's workers do.
   - enqueue: N jobs in batches of 50 (jobs/s)
@@ -36,8 +36,8 @@ from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.engine.dispatch import dispatch_pass  # noqa: E402
 from reconciler.engine.lane_states import lane_targets  # noqa: E402
 from tests.conftest import EXAMPLE_FLEET  # noqa: E402
-from tests.harness.postgres import postgres_server  # noqa: E402
-from tests.integration.registry_store import beat_example_fleet  # noqa: E402
+from tests.support.harness.postgres import postgres_server  # noqa: E402
+from tests.support.registry_store import beat_example_fleet  # noqa: E402
 
 
 def workers_beat(dsn: str, queues: list[str]) -> None:

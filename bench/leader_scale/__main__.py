@@ -44,10 +44,10 @@ from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
 from reconciler.core.scheduling.placement import schedule  # noqa: E402
 from reconciler.engine.leader import LeaderLoop  # noqa: E402
-from tests.harness.etcd import etcd_cluster  # noqa: E402
-from tests.harness.etcd_requests import recording_requests  # noqa: E402
-from tests.integration.registry_store import EXAMPLE_HOSTS, scale_fleet_records  # noqa: E402
-from tests.plan_keys import signed_example_fleet  # noqa: E402
+from tests.support.harness.etcd import etcd_cluster  # noqa: E402
+from tests.support.harness.etcd_requests import recording_requests  # noqa: E402
+from tests.support.plan_keys import signed_example_fleet  # noqa: E402
+from tests.support.registry_store import EXAMPLE_HOSTS, scale_fleet_records  # noqa: E402
 
 GOAL_STEP_S = 1.0
 GOAL_GROWTH = 12.0

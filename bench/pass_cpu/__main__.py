@@ -7,10 +7,10 @@ its publication, and the affected hosts' passes start together and share the
 machine's cores, so what a pass spends before it activates is what counts.
 
 The example fleet (hosts/, a git checkout with throwaway plan keys), phaze's
-broker (a throwaway PostgreSQL, tests/harness/postgres.py, as [phaze]
+broker (a throwaway PostgreSQL, tests/support/harness/postgres.py, as [phaze]
 queue_url_file) and a registry: one sqlite file for every host (as
 scripts/demo runs them) or, with --registry etcd, one etcd member over TLS
-(tests/harness/etcd.py), as the fleet runs it. lux leads once and publishes
+(tests/support/harness/etcd.py), as the fleet runs it. lux leads once and publishes
 the plan; a1-arm64 (a compute lane's host: its heartbeat counts its lane's
 jobs on the broker) and racknerd (the edge: neither a lane's host nor a
 leader candidate) each run `fabric reconcile --no-activate` into a sandbox
@@ -58,9 +58,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.harness.pass_child import CHILD  # noqa: E402
-from tests.harness.postgres import postgres_server  # noqa: E402
-from tests.plan_keys import signed_example_fleet  # noqa: E402
+from tests.support.harness.pass_child import CHILD  # noqa: E402
+from tests.support.harness.postgres import postgres_server  # noqa: E402
+from tests.support.plan_keys import signed_example_fleet  # noqa: E402
 
 PROBES = ROOT / "tests" / "fixtures" / "probe"
 HOSTS = ("a1-arm64", "racknerd")
@@ -137,7 +137,7 @@ def with_section_lines(text: str, section: str, lines: dict[str, str]) -> str:
 
 @contextmanager
 def etcd_registry(tmp: Path) -> Iterator[dict[str, str]]:
-    from tests.harness.etcd import etcd_cluster
+    from tests.support.harness.etcd import etcd_cluster
 
     with etcd_cluster(members=1, tls=True) as cluster:
         tls = cluster.tls_settings("bench")

@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/ray_dispatch [--tasks N]   (needs the `ray` extra)
 
-On a real Ray cluster built as the fabric renders it (tests/harness/ray_fleet.py:
+On a real Ray cluster built as the fabric renders it (tests/support/harness/ray_fleet.py:
 qfox-1, a1-arm64 and lux from their replayed probes, a sqlite registry):
   - select_worker: one decision (registry snapshot read, Ray node table
     cached, the driver's running tasks pruned, the scheduler's rules)
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ray  # noqa: E402
 
 from reconciler.ray import Dispatcher, FallbackCount, Requirement  # noqa: E402
-from tests.harness.ray_fleet import ray_fleet  # noqa: E402
+from tests.support.harness.ray_fleet import ray_fleet  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

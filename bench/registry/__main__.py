@@ -32,7 +32,7 @@ from reconciler.adapters.registry_etcd import EtcdRegistry  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.model import FlapSettings, TimingSettings  # noqa: E402
 from reconciler.core.live.records import NodeRecord  # noqa: E402
-from tests.harness.etcd import etcd_cluster  # noqa: E402
+from tests.support.harness.etcd import etcd_cluster  # noqa: E402
 
 
 def ms(seconds: float) -> str:

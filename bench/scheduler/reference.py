@@ -28,6 +28,7 @@ TIERS = (
     "esp32",
     "relay",
 )  # best first
+COSTS = ("free", "owned", "paid")  # cheapest first
 
 
 class ScanningPlacer:
@@ -54,23 +55,50 @@ class ScanningPlacer:
         return all(node.labels.get(k) == v for k, v in request.labels)
 
     def place(self, request, avoid=(), exclude=()):
-        """(node id, tier, fallback) or None when the request is deferred."""
+        """(node id, tier, fallback) or None when the request is deferred.
+
+        Tier first: the satisfying tiers as one group (strategy order, then
+        the cheaper cost class), then each fallback tier. Cost first
+        (`request.cost_first`): one group per cost class, cheapest first,
+        each over every tier down to the floor (satisfying ones in strategy
+        order, then the fallback ones)."""
         top = TIERS.index(request.min_tier)
         bottom = TIERS.index(request.floor)
-        steps = [(set(TIERS[: top + 1]), False)] + [({t}, True) for t in TIERS[top + 1 : bottom + 1]]
         exclude = set(exclude)
         avoid = set(avoid) | exclude
 
-        def preference(node):
+        def tier_key(node):
             rank = TIERS.index(node.tier)
-            tier_key = rank if self.strategy == "highest_tier" else -rank
-            return (tier_key, Fraction(self.load[node.node_id], node.max_concurrent_tasks), node.node_id)
+            if rank > top:  # a fallback tier: after every satisfying one, best first
+                return (1, rank)
+            return (0, rank if self.strategy == "highest_tier" else -rank)
 
-        for tiers, fallback in steps:
+        def load(node):
+            return Fraction(self.load[node.node_id], node.max_concurrent_tasks)
+
+        if getattr(request, "cost_first", False):
+            steps = [(set(TIERS[: bottom + 1]), cost) for cost in COSTS]
+
+            def preference(node):
+                return (tier_key(node), load(node), node.node_id)
+        else:
+            steps = [(set(TIERS[: top + 1]), None)] + [({t}, None) for t in TIERS[top + 1 : bottom + 1]]
+
+            def preference(node):
+                return (tier_key(node), COSTS.index(getattr(node, "cost", "owned")), load(node), node.node_id)
+
+        for tiers, cost in steps:
             for avoiding in [avoid, exclude] if avoid != exclude else [avoid]:
-                candidates = [n for n in self.nodes if n.tier in tiers and n.node_id not in avoiding and self._eligible(n, request)]
+                candidates = [
+                    n
+                    for n in self.nodes
+                    if n.tier in tiers
+                    and (cost is None or getattr(n, "cost", "owned") == cost)
+                    and n.node_id not in avoiding
+                    and self._eligible(n, request)
+                ]
                 if candidates:
                     best = min(candidates, key=preference)
                     self.load[best.node_id] += 1
-                    return (best.node_id, best.tier, fallback)
+                    return (best.node_id, best.tier, TIERS.index(best.tier) > top)
         return None

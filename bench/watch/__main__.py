@@ -39,7 +39,7 @@ from reconciler.core.live.models import FleetPlan, Placement  # noqa: E402
 from reconciler.core.live.watching import WatchTimings  # noqa: E402
 from reconciler.engine.desired_load import load_for_part  # noqa: E402
 from reconciler.engine.watch import Watcher  # noqa: E402
-from tests.harness.etcd import etcd_cluster  # noqa: E402
+from tests.support.harness.etcd import etcd_cluster  # noqa: E402
 
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "hosts"
 

@@ -46,13 +46,16 @@ which is then made again.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, LaneBrokerError, LaneBrokerUnavailable, LaneTarget, StaleDispatcher
@@ -156,6 +159,11 @@ class PostgresLaneBroker:
 
     def __init__(self, dsn: str, clock: Clock, *, job_function: str = "process_file", connect_timeout_s: float = 5.0) -> None:
         self._dsn = dsn
+        # Never in a message (`_first_line`).
+        self._secrets = dsn_secrets(dsn)
+        problem = dsn_problem(dsn)
+        if problem is not None:
+            raise LaneBrokerUnavailable(problem)
         self._clock = clock
         self._function = job_function
         self._timeout = connect_timeout_s
@@ -179,9 +187,9 @@ class PostgresLaneBroker:
         try:
             _saq_tables(self._dsn, self._timeout)
         except (psycopg.OperationalError, OSError, PoolTimeout, TimeoutError) as exc:
-            raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+            raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, self._secrets)}") from None
         except psycopg.Error as exc:
-            raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc)}") from None
+            raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, self._secrets)}") from None
         with self._connection() as conn, conn.transaction():
             conn.execute(_SCHEMA)
         self._prepared = True
@@ -208,9 +216,9 @@ class PostgresLaneBroker:
                 yield self._conn
             except psycopg.OperationalError as exc:
                 self._drop()
-                raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc)}") from None
+                raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, self._secrets)}") from None
             except psycopg.Error as exc:
-                raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc)}") from None
+                raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, self._secrets)}") from None
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -407,6 +415,37 @@ def _job(row: tuple[Any, ...]) -> QueuedJob:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, secrets: Sequence[str] = ()) -> str:
+    """The first line of `exc`'s text, without any of `secrets` (the DSN and
+    its password: libpq and saq may quote them)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    for secret in sorted(secrets, key=len, reverse=True):
+        line = line.replace(secret, "***")
+    return line
+
+
+def dsn_secrets(dsn: str) -> tuple[str, ...]:
+    """What of `dsn` no message may show: the DSN itself and its password, as
+    written and percent-decoded (URL form) or as a `password=` value."""
+    found = [dsn]
+    try:
+        password = urlsplit(dsn).password
+    except ValueError:
+        password = None
+    if password:
+        found += [password, unquote(password)]
+    match = re.search(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)
+    if match:
+        found += [match.group(1), match.group(1).strip("'")]
+    return tuple(sorted({s for s in found if len(s) >= 2}, key=len, reverse=True))
+
+
+def dsn_problem(dsn: str) -> str | None:
+    """Why libpq cannot use `dsn`, in words that never quote it (libpq's own
+    message would: "invalid percent-encoded token: <the password>"), or None."""
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "phaze's queue URL does not parse as a PostgreSQL URL (libpq refuses it; its text is not shown)"
+    return None

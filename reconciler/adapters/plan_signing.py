@@ -3,7 +3,8 @@
 The key file is an unencrypted PKCS#8 PEM ed25519 private key, as
 `fabric leader keygen --out FILE` writes it (or `openssl genpkey -algorithm
 ed25519`). It lives only on its leader candidate, readable by root alone:
-a key file that its group or others may read is refused, as ssh refuses one.
+a key file owned by another user, or open to its group or others, is refused
+(reconciler.adapters.secret_files), as ssh refuses one.
 The key is read when first needed, so a host that never leads never needs
 the file. Messages name the file, never its content.
 """
@@ -11,12 +12,12 @@ the file. Messages name the file, never its content.
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
 from reconciler.ports import PlanSigningError
 
 
@@ -38,19 +39,10 @@ class KeyFileSigner:
         if self._key is not None:
             return self._key
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise PlanSigningError(f"{self.path}: cannot read the plan signing key: {exc.strerror or exc}") from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise PlanSigningError(f"{self.path}: the plan signing key is not a regular file")
-            if mode & 0o077:
-                raise PlanSigningError(f"{self.path}: the plan signing key is readable by others (mode {stat.S_IMODE(mode):04o}); chmod 600 it")
-            with os.fdopen(fd, "rb", closefd=False) as handle:
-                data = handle.read(64 * 1024)
-        finally:
-            os.close(fd)
+            # Not through a symbolic link: the key file itself is checked and read.
+            data = read_secret_file(self.path, "the plan signing key", follow_symlinks=False)
+        except SecretFileRefused as exc:
+            raise PlanSigningError(str(exc)) from None
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError):

@@ -19,6 +19,7 @@ from datetime import datetime
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
+from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, next_lapse, observe, snapshot_node, updated
 from reconciler.ports import LeaderView
 
@@ -39,6 +40,9 @@ class LiveRead:
     epoch: int = 0
     # The leader's scaling overrides of max_concurrent_tasks (ScalingRecord.concurrency).
     concurrency: dict[str, int] = field(default_factory=dict)
+    # The records that did not parse or validate, skipped by this read
+    # (reconciler.adapters.registry_records): the snapshot names them.
+    problems: tuple[UnreadableRecord, ...] = ()
 
 
 def with_override(node: SnapshotNode, override: int | None) -> SnapshotNode:
@@ -118,6 +122,8 @@ def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]
         nodes=nodes,
         lanes=[SnapshotLane(id=lane) for lane in sorted(set(lanes))],
         placements=list(read.plan.placements) if read.plan else [],
+        room_since=dict(read.plan.room_since) if read.plan else {},
         leader=read.leader.candidate if read.leader else None,
         epoch=read.epoch,
+        unreadable=list(read.problems),
     )

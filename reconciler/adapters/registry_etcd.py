@@ -49,7 +49,9 @@ out) the next is used, and `RegistryUnavailable` is raised only when none does.
 
 TLS: an https:// endpoint is reached over TLS with the CA and client
 certificate from [registry] ca_file / cert_file / key_file (read at open; the
-key stays in memory only).
+key stays in memory only). The key file is refused unless it is owned by root
+or this process's user and no one else may read it
+(reconciler.adapters.secret_files): the error names its path and mode.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ from aetcd import rpc, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, key_text, parse_int, parse_record, require
+from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
@@ -81,6 +85,7 @@ from reconciler.core.live.records import (
     ScalingRecord,
     check_node_id,
 )
+from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, lapsed_at, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
@@ -122,6 +127,15 @@ def _status(exc: BaseException) -> grpc.StatusCode | None:
         if isinstance(cause, grpc.aio.AioRpcError):
             return cause.code()
     return None
+
+
+def _json_or_none(value: bytes) -> Any:
+    """`value` as JSON, or None when it is not (a host may write anything
+    into its own keys, and its beat must still go through)."""
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return None
 
 
 def lifecycle_chunks(writes: Sequence[tuple[str, bytes, bytes | None]]) -> list[list[tuple[str, bytes, bytes | None]]]:
@@ -270,9 +284,9 @@ class EtcdRegistry(LifecycleMixin):
         self._host_follow: _HostFollow | None = None
         self._closed = False
         # Values of the last read (and the states this leader wrote since) by
-        # their bytes, parsed: see `_parsed`.
-        self._record_memo: dict[bytes, NodeRecord] = {}
-        self._state_memo: dict[bytes, NodeState] = {}
+        # their bytes, parsed (or why they do not parse): see `_parsed`.
+        self._record_memo: dict[bytes, NodeRecord | str] = {}
+        self._state_memo: dict[bytes, NodeState | str] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-etcd", daemon=True)
         self._thread.start()
@@ -284,9 +298,13 @@ class EtcdRegistry(LifecycleMixin):
         try:
             ca = Path(ca_file).read_bytes() if ca_file else None
             cert = Path(cert_file).read_bytes() if cert_file else None
-            key = Path(key_file).read_bytes() if key_file else None
         except OSError as exc:
             raise RegistryError(f"etcd TLS file: {exc}") from exc
+        try:
+            # The key is a secret: only a file no one else may read (secret_files).
+            key = read_secret_file(key_file, "the etcd client key") if key_file else None
+        except SecretFileRefused as exc:
+            raise RegistryError(f"etcd TLS file: {exc}") from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     # -- the loop thread and endpoint failover ------------------------------------
@@ -394,7 +412,7 @@ class EtcdRegistry(LifecycleMixin):
             # expects from the node's last beat, and never before it.
             stored = stamped(record, now=self._now(), ttl_s=ttl)
             if kv is not None and kv.lease:
-                previous = json.loads(kv.value)
+                previous = _json_or_none(kv.value)
                 if isinstance(previous, dict) and previous.get("timeout_s") == ttl:
                     reply = await c.refresh_lease(kv.lease)
                     if reply is not None and reply.TTL > 0:
@@ -502,7 +520,7 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> LeaderInfo | None:
             kv = await c.get(key)
-            return LeaderInfo.model_validate_json(kv.value) if kv is not None else None
+            return require(parse_record(LeaderInfo, kv.value, key="leader"), f"etcd {key.decode()}") if kv is not None else None
 
         return self._call(op, "reading the leader")
 
@@ -511,7 +529,7 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> int:
             kv = await c.get(key)
-            return int(kv.value) if kv is not None else 0
+            return require(parse_int(kv.value, key="epoch"), f"etcd {key.decode()}") if kv is not None else 0
 
         return self._call(op, "reading the epoch")
 
@@ -553,7 +571,7 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> FleetPlan | None:
             kv = await c.get(key)
-            return FleetPlan.model_validate_json(kv.value) if kv is not None else None
+            return require(parse_record(FleetPlan, kv.value, key="plan", limit=MAX_PLAN_BYTES), f"etcd {key.decode()}") if kv is not None else None
 
         return self._call(op, "reading the plan")
 
@@ -564,7 +582,10 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> ScalingRecord:
             kv = await c.get(key)
-            return ScalingRecord.model_validate_json(kv.value) if kv is not None else ScalingRecord()
+            # One that does not parse is skipped like any record (the full
+            # read names it): the leader starts a new memory and overwrites it.
+            record, _ = parse_record(ScalingRecord, kv.value, key="scaling", limit=MAX_PLAN_BYTES) if kv is not None else (None, None)
+            return record or ScalingRecord()
 
         return self._call(op, "reading the scaling record")
 
@@ -582,16 +603,22 @@ class EtcdRegistry(LifecycleMixin):
 
     # -- reading it all, and the leader's lifecycle -----------------------------------------
 
-    def _parsed(self, memo: dict[bytes, M], seen: dict[bytes, M], value: bytes, model: type[M]) -> M:
-        """`value` parsed as `model`, parsed once: the same bytes in the last
-        read (or just written by this leader) give the same model."""
+    def _parsed(
+        self, memo: dict[bytes, M | str], seen: dict[bytes, M | str], value: bytes, model: type[M], *, key: str, node: str
+    ) -> tuple[M | None, UnreadableRecord | None]:
+        """`value` parsed as `model` (or why it does not parse: `parse_record`),
+        parsed once: the same bytes in the last read (or just written by this
+        leader) give the same model, or the same reason."""
         parsed = seen.get(value)
         if parsed is None:
             parsed = memo.get(value)
             if parsed is None:
-                parsed = model.model_validate_json(value)
+                record, problem = parse_record(model, value, key=key, node=node)
+                parsed = record if record is not None else problem.reason if problem is not None else "unreadable"
             seen[value] = parsed
-        return parsed
+        if isinstance(parsed, str):
+            return None, UnreadableRecord(key=key, node=node, what=WHAT.get(key.split("/", 1)[0], "record"), reason=parsed)
+        return parsed, None
 
     def _read(self) -> LiveRead:
         base = self._prefix.encode() + b"/"
@@ -603,38 +630,55 @@ class EtcdRegistry(LifecycleMixin):
         facts: dict[str, NodeRecord] = {}
         stored: dict[str, NodeState] = {}
         drains: dict[str, DrainRequest] = {}
-        plan = leader = None
+        plan: FleetPlan | None = None
+        leader: LeaderInfo | None = None
         epoch = 0
         concurrency: dict[str, int] = {}
+        # Every value is parsed on its own: one that does not parse or
+        # validate is skipped and named (a host may write anything into its
+        # own keys); its node then counts as not beating.
+        problems: list[UnreadableRecord] = []
         # Between two leader steps most values are the same bytes: the states
         # this leader wrote, the facts of silent nodes. They are parsed once.
-        seen_records: dict[bytes, NodeRecord] = {}
-        seen_states: dict[bytes, NodeState] = {}
+        seen_records: dict[bytes, NodeRecord | str] = {}
+        seen_states: dict[bytes, NodeState | str] = {}
         pairs, beats = self._call(op, "reading the live state")
         for raw, value in pairs:
-            key = raw.decode()
+            key = key_text(raw)
             parts = key.split("/")
             kind = parts[0]
-            if kind == "facts" and len(parts) == 2:
-                record = self._parsed(self._record_memo, seen_records, value, NodeRecord)
+            node = parts[1] if len(parts) == 2 else ""
+            problem: UnreadableRecord | None = None
+            if kind == "facts" and node:
+                record, problem = self._parsed(self._record_memo, seen_records, value, NodeRecord, key=key, node=node)
                 # A host may write only its own keys; a record naming another
                 # host under them is not believed.
-                if record.node_id == parts[1]:
-                    facts[parts[1]] = record
-            elif kind == "state" and len(parts) == 2:
-                stored[parts[1]] = self._parsed(self._state_memo, seen_states, value, NodeState)
-            elif kind == "drain" and len(parts) == 2:
-                drains[parts[1]] = DrainRequest.model_validate_json(value)
+                if record is not None and record.node_id != node:
+                    problem = UnreadableRecord(key=key, node=node, what=WHAT[kind], reason=f"names another host ({record.node_id})")
+                elif record is not None:
+                    facts[node] = record
+            elif kind == "state" and node:
+                state, problem = self._parsed(self._state_memo, seen_states, value, NodeState, key=key, node=node)
+                if state is not None:
+                    stored[node] = state
+            elif kind == "drain" and node:
+                drain, problem = parse_record(DrainRequest, value, key=key, node=node)
+                if drain is not None:
+                    drains[node] = drain
             elif key == "plan":
-                plan = FleetPlan.model_validate_json(value)
+                plan, problem = parse_record(FleetPlan, value, key=key, limit=MAX_PLAN_BYTES)
             elif key == "leader":
-                leader = LeaderInfo.model_validate_json(value)
+                leader, problem = parse_record(LeaderInfo, value, key=key)
             elif key == "epoch":
-                epoch = int(value)
+                counter, problem = parse_int(value, key=key)
+                epoch = counter or 0
             elif key == "scaling":
-                concurrency = dict(ScalingRecord.model_validate_json(value).concurrency)
+                scaling, problem = parse_record(ScalingRecord, value, key=key, limit=MAX_PLAN_BYTES)
+                concurrency = dict(scaling.concurrency) if scaling is not None else {}
+            if problem is not None:
+                problems.append(problem)
         self._record_memo, self._state_memo = seen_records, seen_states
-        alive = {node.decode() for node in beats if b"/" not in node}
+        alive = {key_text(node) for node in beats if b"/" not in node}
         # The lease is the liveness, and etcd revokes an expired lease up to
         # its lessor's check interval (500 ms) late: a beat whose own expiry
         # (beat_at, stamped just before the lease was granted or refreshed,
@@ -647,9 +691,11 @@ class EtcdRegistry(LifecycleMixin):
         # facts: its record is read from its beat.
         missing = sorted(alive - set(facts))
         if missing:
-            for node, record in zip(missing, self._beats_of(missing), strict=True):
+            for node, (record, problem) in zip(missing, self._beats_of(missing), strict=True):
                 if record is not None and record.node_id == node:
                     facts[node] = record
+                elif problem is not None:
+                    problems.append(problem)
         # A state is stored without what the facts hold (`stored_state`).
         states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
         return LiveRead(
@@ -662,16 +708,22 @@ class EtcdRegistry(LifecycleMixin):
             leader=leader,
             epoch=epoch,
             concurrency=concurrency,
+            problems=tuple(problems),
         )
 
-    def _beats_of(self, nodes: Sequence[str]) -> list[NodeRecord | None]:
+    def _beats_of(self, nodes: Sequence[str]) -> list[tuple[NodeRecord | None, UnreadableRecord | None]]:
+        """The live beats of `nodes` (P/nodes/<node>), each parsed on its own."""
         keys = [self._key("nodes", n) for n in nodes]
 
-        async def op(c: _Client) -> list[NodeRecord | None]:
+        async def op(c: _Client) -> list[bytes | None]:
             found = [await c.get(key) for key in keys]
-            return [NodeRecord.model_validate_json(kv.value) if kv is not None else None for kv in found]
+            return [kv.value if kv is not None else None for kv in found]
 
-        return self._call(op, "reading live beats")
+        values = self._call(op, "reading live beats")
+        return [
+            parse_record(NodeRecord, value, key=f"nodes/{node}", node=node) if value is not None else (None, None)
+            for node, value in zip(nodes, values, strict=True)
+        ]
 
     def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
         """The changed states and deletions in chunks (`lifecycle_chunks`),

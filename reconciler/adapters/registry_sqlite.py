@@ -24,9 +24,14 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, require, validation_reason
 from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
@@ -38,13 +43,90 @@ from reconciler.core.live.records import (
     ScalingRecord,
     check_node_id,
 )
+from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.ports import Clock, NotLeader
+from reconciler.ports import Clock, NotLeader, RegistryError
+
+Parsed = TypeVar("Parsed", bound=BaseModel)
 
 # Polls of wait_for_change.
 POLL_S = 0.1
+
+Row = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows of one read, as sqlite gave them (any column may hold any type)."""
+
+    nodes: list[Row]
+    states: list[Row]
+    drains: list[Row]
+    plan: Row | None
+    leader: Row | None
+    epoch: Row | None
+    scaling: Row | None
+
+
+def _by_node(rows: list[Row], table: str, model: type[Parsed], problems: list[UnreadableRecord]) -> dict[str, Parsed]:
+    """Each row's record parsed on its own; one that does not parse, or that
+    names another node than its row's, is skipped and named in `problems`."""
+    out: dict[str, Parsed] = {}
+    for node_id, raw in rows:
+        node = str(node_id)
+        key = f"{table}/{node}"
+        parsed, problem = parse_record(model, raw, key=key, node=node)
+        named = getattr(parsed, "node_id", node)
+        if parsed is not None and named != node:
+            parsed, problem = None, UnreadableRecord(key=key, node=node, what=WHAT[table], reason=f"names another host ({named})")
+        if parsed is not None:
+            out[node] = parsed
+        elif problem is not None:
+            problems.append(problem)
+    return out
+
+
+def _parse_read(rows: _Rows, now: float) -> LiveRead:
+    """One read's rows, each parsed on its own: one that does not parse or
+    validate is skipped and named (`LiveRead.problems`); its node then counts
+    as not beating."""
+    moment = from_epoch_seconds(now)
+    problems: list[UnreadableRecord] = []
+    records = _by_node(rows.nodes, "nodes", NodeRecord, problems)
+    stored = _by_node(rows.states, "node_states", NodeState, problems)
+    drains = _by_node(rows.drains, "drains", DrainRequest, problems)
+    plan = leader = scaling = None
+    if rows.plan is not None:
+        plan, problem = parse_record(FleetPlan, rows.plan[0], key="plan", limit=MAX_PLAN_BYTES)
+        problems += [problem] if problem else []
+    if rows.leader is not None and isinstance(rows.leader[1], int | float) and rows.leader[1] > now:
+        leader, problem = parse_record(LeaderInfo, rows.leader[0], key="leader")
+        problems += [problem] if problem else []
+    if rows.scaling is not None:
+        scaling, problem = parse_record(ScalingRecord, rows.scaling[0], key="scaling", limit=MAX_PLAN_BYTES)
+        problems += [problem] if problem else []
+    epoch = 0
+    if rows.epoch is not None:
+        counter, problem = parse_int(str(rows.epoch[0]), key="epoch")
+        epoch = counter or 0
+        problems += [problem] if problem else []
+    # A state is stored without what the node's record holds
+    # (`stored_state`), so a beat alone rewrites no state.
+    states = {node_id: with_facts(state, records.get(node_id)) for node_id, state in stored.items()}
+    return LiveRead(
+        now=moment,
+        records=records,
+        alive=frozenset(alive_at(records, moment)),
+        states=states,
+        drains=drains,
+        plan=plan,
+        leader=leader,
+        epoch=epoch,
+        concurrency=dict(scaling.concurrency) if scaling is not None else {},
+        problems=tuple(problems),
+    )
 
 
 class SqliteRegistry(SqliteFile, LifecycleMixin):
@@ -134,8 +216,11 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
                 self._bump(db, CHANGES)
 
     def leader(self) -> LeaderInfo | None:
-        with self._tx(write=False) as db:
-            current = self._current_leader(db, self._now())
+        try:
+            with self._tx(write=False) as db:
+                current = self._current_leader(db, self._now())
+        except ValidationError as exc:  # never trusted: the port's error, not a parse error
+            raise RegistryError(f"sqlite registry {self.path}: unreadable leader record: {validation_reason(exc)}") from None
         return current[0] if current else None
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
@@ -152,14 +237,16 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
     def newest_plan(self) -> FleetPlan | None:
         with self._tx(write=False) as db:
             row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
-        return FleetPlan.model_validate_json(row[0]) if row else None
+        return require(parse_record(FleetPlan, row[0], key="plan", limit=MAX_PLAN_BYTES), f"sqlite registry {self.path}") if row else None
 
     # -- scaling --------------------------------------------------------------------------
 
-    @staticmethod
-    def _scaling(db: sqlite3.Connection) -> ScalingRecord:
+    def _scaling(self, db: sqlite3.Connection) -> ScalingRecord:
         row = db.execute("SELECT record FROM scaling WHERE id = 1").fetchone()
-        return ScalingRecord.model_validate_json(row[0]) if row else ScalingRecord()
+        # One that does not parse is skipped like any record (the full read
+        # names it): the leader starts a new memory and overwrites it.
+        record, _ = parse_record(ScalingRecord, row[0], key="scaling", limit=MAX_PLAN_BYTES) if row is not None else (None, None)
+        return record or ScalingRecord()
 
     def scaling_record(self) -> ScalingRecord:
         with self._tx(write=False) as db:
@@ -177,29 +264,17 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
 
     def _read(self) -> LiveRead:
         now = self._now()
-        moment = from_epoch_seconds(now)
         with self._tx(write=False) as db:
-            records = {node_id: NodeRecord.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, record FROM nodes")}
-            stored = {node_id: NodeState.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, state FROM node_states")}
-            drains = {node_id: DrainRequest.model_validate_json(raw) for node_id, raw in db.execute("SELECT node_id, request FROM drains")}
-            row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
-            leader = self._current_leader(db, now)
-            epoch = self._meta(db, EPOCH)
-            concurrency = dict(self._scaling(db).concurrency)
-        # A state is stored without what the node's record holds
-        # (`stored_state`), so a beat alone rewrites no state.
-        states = {node_id: with_facts(state, records.get(node_id)) for node_id, state in stored.items()}
-        return LiveRead(
-            now=moment,
-            records=records,
-            alive=frozenset(alive_at(records, moment)),
-            states=states,
-            drains=drains,
-            plan=FleetPlan.model_validate_json(row[0]) if row else None,
-            leader=leader[0] if leader else None,
-            epoch=epoch,
-            concurrency=concurrency,
-        )
+            rows = _Rows(
+                nodes=db.execute("SELECT node_id, record FROM nodes").fetchall(),
+                states=db.execute("SELECT node_id, state FROM node_states").fetchall(),
+                drains=db.execute("SELECT node_id, request FROM drains").fetchall(),
+                plan=db.execute("SELECT plan FROM plan WHERE id = 1").fetchone(),
+                leader=db.execute("SELECT info, expires_at FROM leader WHERE id = 1").fetchone(),
+                epoch=db.execute("SELECT value FROM meta WHERE key = ?", (EPOCH,)).fetchone(),
+                scaling=db.execute("SELECT record FROM scaling WHERE id = 1").fetchone(),
+            )
+        return _parse_read(rows, now)
 
     def _store_lifecycle(self, leadership: Leadership, changed: dict[str, NodeState], dead: set[str], forgotten: set[str]) -> None:
         now = self._now()

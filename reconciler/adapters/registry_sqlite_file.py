@@ -151,7 +151,14 @@ class SqliteFile:
     @staticmethod
     def _meta(db: sqlite3.Connection, key: str) -> int:
         row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return int(row[0]) if row else 0
+        if row is None:
+            return 0
+        if isinstance(row[0], int) and 0 <= row[0] < 2**63:
+            return row[0]
+        # Never trusted: a counter that is not one is the registry's error, not a crash.
+        from reconciler.ports import RegistryError
+
+        raise RegistryError(f"sqlite registry: unreadable {key} counter (not a number)")
 
     @staticmethod
     def _bump(db: sqlite3.Connection, key: str) -> int:

@@ -45,6 +45,7 @@ class InvalidInput(CommandError):
 # from the timer does not pay for importing every other command.
 COMMANDS = {
     "validate": "validate",
+    "schema": "schema",
     "probe": "probe",
     "units": "units",
     "pull": "pull",

@@ -5,7 +5,8 @@
 
 `--min-tier`: a task for a node. The desired state's services are scheduled
 over the snapshot first (they hold their slots), then the task is placed by
-the same rules (reconciler.core.scheduling.placement). The floor defaults to relay: like the
+the same rules (reconciler.core.scheduling.placement), cost as `[scheduler] cost_order`
+says. The floor defaults to relay: like the
 seed's `select_worker`, fall back as far as there is anything. Prints
 `{"node": ID, "tier": TIER, "fallback": BOOL}` or
 `{"node": null, "status": "deferred", "reason": TEXT}` (the reason starts with
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         floor=floor,
         arch=frozenset(args.arch),
         labels=tuple(sorted(dict(args.label).items())),
+        cost_first=desired.fleet.scheduler.cost_order == "before_tier",
     )
     placer, _ = schedule_with_placer(snapshot, desired)
     outcome = placer.place(request)

@@ -12,6 +12,7 @@ import json
 
 from reconciler.cli import EXIT_OK
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
+from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.core.timestamps import stamp
 
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     now = snapshot.now
     known = {s.node_id for s in states}
     never_seen = sorted(set(desired.hosts) - known)
+    # Records the registry holds that did not parse: skipped, their nodes not beating.
+    unreadable = problem_lines(snapshot.unreadable)
 
     if args.json:
         out = {
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 for s in states
             ],
             "never_seen": never_seen,
+            "unreadable": unreadable,
         }
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -71,4 +75,9 @@ def run(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if unreadable:
+        print()
+        print("UNREADABLE RECORDS (skipped: their nodes count as not beating)")
+        for line in unreadable:
+            print(f"  {line}")
     return EXIT_OK

@@ -30,6 +30,11 @@ from reconciler.wiring import desired_source, local_tree, system_clock
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="fetch the desired state from its git remote (node.toml [source])")
     add_node_config(p)
+    p.add_argument(
+        "--accept-rewind",
+        action="store_true",
+        help="take the branch's newest commit even when it does not descend from the current one (a force-push back); it must still be signed",
+    )
     p.set_defaults(func=run)
 
 
@@ -64,17 +69,19 @@ def run(args: argparse.Namespace) -> int:
     records = local_tree(Path(node.node.state_dir))
     now = system_clock().now()
     choice = fetch_choice(asked_at=_take_ask(records), fetched_at=_last_fetch(records), now=now, interval_s=timespan_seconds(node.timer.interval))
-    head = None if choice.fetch else source.head()
+    head = None if choice.fetch or args.accept_rewind else source.head()
     if head is not None:
         print(f"pull: not fetching: {choice.reason}; staying at {head[:12]}")
         return EXIT_OK
-    outcome = source.update()
+    outcome = source.update(accept_rewind=args.accept_rewind)
     try:
         records.write(FETCHED, moment_record(now))
     except OSError as exc:
         _warn(f"cannot record the fetch in {FETCHED}: {exc}")
     if outcome.problem:
         _warn(outcome.problem)
+    if not node.source.require_signed_commits:
+        _warn("unsigned commits are accepted (node.toml [source] require_signed_commits = false): anyone who can push runs anything here")
     if outcome.commit is None:
         raise CommandError("pull: no desired state checked out yet")
     if outcome.problem:

@@ -44,6 +44,7 @@ def render_plan(plan: FleetPlan, desired: DesiredState) -> str:
     lines = [
         f"plan at {plan.created.strftime('%Y-%m-%dT%H:%M:%SZ')}, epoch {plan.epoch}, leader {plan.leader}, "
         f"strategy {desired.fleet.scheduler.strategy}"
+        + (f", cost {desired.fleet.scheduler.cost_order}" if desired.fleet.scheduler.cost_order != "within_tier" else "")
     ]
     lines.append(f"placements ({len(plan.placements)}):")
     width = max([len(f"{p.service}[{p.replica}]") for p in plan.placements] + [0])
@@ -53,6 +54,8 @@ def render_plan(plan: FleetPlan, desired: DesiredState) -> str:
         note = ""
         if p.fallback and p.service in services:
             note = f"  fallback from {services[p.service].min_tier}"
+        if p.replaces is not None:
+            note += f"  coming home from {p.replaces} (both run until it starts here)"
         lines.append(f"  {f'{p.service}[{p.replica}]':<{width}}  {p.node:<{node_width}}  {p.tier:<{tier_width}}{note}".rstrip())
     if not plan.placements:
         lines.append("  none")

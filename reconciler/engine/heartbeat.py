@@ -79,6 +79,7 @@ def node_record(desired: DesiredState, host: str, facts: HostFacts, measured: Me
         services_running=measured.load.services if measured is not None else None,
         units=measured.units if measured is not None else None,
         lowered_limits=list(limits.lowered),
+        cost=declared.host.cost,
     )
 
 

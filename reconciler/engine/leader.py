@@ -66,6 +66,7 @@ from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
+from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
@@ -159,6 +160,9 @@ class LeaderLoop:
     _next_lapse: datetime | None = None
     _recheck_s: float = LAPSE_RECHECK_S
     _lapse_was_due: bool = False
+    # The registry's unreadable records as the last step's read named them
+    # (`problem_lines`): each is logged once, when it appears or goes.
+    _unreadable: tuple[str, ...] = ()
 
     def _reload(self) -> None:
         try:
@@ -216,6 +220,7 @@ class LeaderLoop:
                 # The plan goes on without the lanes' load (the next step reads it again).
                 self.log(f"lane queue unreachable, planning without the lanes' jobs: {exc}")
             self._note_lapse(view.next_lapse)
+            self._note_unreadable(view.snapshot)
             for event in view.events:
                 self.log(f"node {event}")
             self._publish(self._with_ray(view.snapshot), view.plan)
@@ -227,6 +232,20 @@ class LeaderLoop:
             # The key became unreadable or the plan was numbered otherwise:
             # nothing valid was published; keep the term and try next step.
             self.log(f"plan not published: {exc}")
+
+    def _note_unreadable(self, snapshot: Snapshot) -> None:
+        """Log each record the registry's read skipped once per change: when it
+        becomes unreadable (or for another reason) and when it no longer is."""
+        lines = tuple(problem_lines(snapshot.unreadable))
+        if lines == self._unreadable:
+            return
+        for line in lines:
+            if line not in self._unreadable:
+                self.log(f"{line} (skipped: the node counts as not beating)")
+        for line in self._unreadable:
+            if line not in lines:
+                self.log(f"no longer unreadable: {line}")
+        self._unreadable = lines
 
     def _dispatch(self) -> None:
         """Step 5: the lane jobs, fenced by this term (module docstring)."""
@@ -321,7 +340,9 @@ class LeaderLoop:
         if untrusted:
             in_force = self.published if self.published is not None and verify_plan(self.published, keys) is None else None
             kept = list(in_force.placements) if in_force is not None else running_placements(self.desired, snapshot)
-            snapshot = snapshot.model_copy(update={"placements": kept})
+            # Nor does its come-home memory count: a forger must not start moves.
+            room = dict(in_force.room_since) if in_force is not None else {}
+            snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         if untrusted or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)

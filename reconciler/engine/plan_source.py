@@ -92,6 +92,7 @@ def plan_alone(desired: DesiredState, host: str, facts: HostFacts, now: datetime
         max_concurrent_ceiling=record.max_concurrent_ceiling,
         arch=record.arch,
         labels=dict(record.labels),
+        cost=record.cost,
     )
     return schedule(Snapshot(now=now, nodes=[node]), desired, leader=host, epoch=0)
 

@@ -21,7 +21,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from tests.conftest import require, require_root
 from tests.e2e.fleet import Fleet, FleetSettings, running_fleet
-from tests.harness.saq_workers import LaneWorkers
+from tests.support.harness.saq_workers import LaneWorkers
 
 SETTINGS = FleetSettings()
 # What a failed e2e test's report shows of each running host's journal.

@@ -25,7 +25,7 @@ addresses would be dropped by the very rules under test). On it:
     .2 racknerd (edge)   .10 lux   .11 qfox-1   .21 a1-arm64   .22 x86-spill
     .5 etcd (its own namespace)   .100 client (its own namespace)   .254 this host
 
-phaze's broker, the lane queue (SAQ on PostgreSQL; tests/harness/postgres.py),
+phaze's broker, the lane queue (SAQ on PostgreSQL; tests/support/harness/postgres.py),
 listens on this host's bridge address (.254:5432, database `phaze`, trusted
 from the /24 only): the hosts' passes and the leaders in the containers read
 the lanes' load and workers from it, the test client dispatches into it. Its
@@ -33,7 +33,7 @@ DSN is /run/secrets/phaze/queue_url in each container and WORK/queue_url here
 (0600), named by [phaze] queue_url_file in each desired state.
 
 Each fabric host is systemd as PID 1 in its own namespaces
-(`tests.harness.systemd.systemd_container(private_network=True)`); a veth pair
+(`tests.support.harness.systemd.systemd_container(private_network=True)`); a veth pair
 is moved into its network namespace by PID, so stopping the container takes its
 link down with it, as a dead machine's would.
 
@@ -70,7 +70,7 @@ reconciler/cli/reconcile.py over /work/main/reconciler/cli/reconcile.py).
 
 Identities
 ----------
-`up()` makes a throwaway CA with `tests.harness.etcd.TestPki` (in WORK/pki):
+`up()` makes a throwaway CA with `tests.support.harness.etcd.TestPki` (in WORK/pki):
 etcd's server certificate for its bridge address, a client certificate per
 host and for `root` and `fabric-admin`; and a plan signing key per leader
 candidate with `fabric leader keygen` (in WORK/plan-keys), whose public
@@ -120,10 +120,10 @@ from reconciler.core.install.units import PASS_DIRECTORIES, RECONCILE_SERVICE, R
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.timestamps import utc
-from tests.harness.etcd import TestPki
-from tests.harness.postgres import PostgresServer, postgres_server
-from tests.harness.postgres import stop_by_pid as stop_postgres
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.etcd import TestPki
+from tests.support.harness.postgres import PostgresServer, postgres_server
+from tests.support.harness.postgres import stop_by_pid as stop_postgres
+from tests.support.harness.systemd import SystemdContainer, systemd_container
 
 REPO = Path(__file__).resolve().parent.parent.parent
 EXAMPLE_FLEET = REPO / "hosts"

@@ -50,9 +50,9 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.scheduling.lanes import agent_unit
 from tests.e2e.conftest import SETTINGS
 from tests.e2e.fleet import DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
-from tests.e2e.test_fleet import HOSTS, dispatched, drain_lanes, lane, wait_converged
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for
+from tests.support.e2e import HOSTS, dispatched, drain_lanes, lane, wait_converged
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 

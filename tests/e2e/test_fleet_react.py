@@ -86,7 +86,7 @@ from tests.e2e.fleet import (
     watcher_says,
     watcher_starts,
 )
-from tests.harness.waiting import deadline_for
+from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,9 @@ import pytest
 
 from reconciler.ports import Clock
 from tests.conftest import require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
-from tests.harness.postgres import PostgresServer, postgres_server
-from tests.integration.registry_store import Store
+from tests.support.harness.etcd import EtcdCluster, etcd_cluster
+from tests.support.harness.postgres import PostgresServer, postgres_server
+from tests.support.registry_store import Store
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@
 - Real podman: a lane agent unit rendered by the real render code (the
   fleet's image replaced by one built here, since nothing can be pulled) runs
   its container with the host's podman inside a systemd container (systemd as
-  PID 1, tests/harness/systemd.py), rootless as the unit's dynamic user; the
+  PID 1, tests/support/harness/systemd.py), rootless as the unit's dynamic user; the
   container reads its *_FILE secret and writes its scratch directory; stopping
   the unit removes the container. Two co-located agents (two lanes on one
   host) run side by side, each with its own queue, token and scratch dir.
@@ -15,7 +15,7 @@
   appears beside it at the real path; the agent cannot write a directory of
   that user's group outside its scratch dir.
 
-The image is built here (tests/harness/agent_image.py: a static busybox and
+The image is built here (tests/support/harness/agent_image.py: a static busybox and
 an agent script, `podman import`, saved as an OCI archive the unit names).
 """
 
@@ -35,9 +35,9 @@ from reconciler.core.desired.model import DesiredState, Hardware, HostFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import render
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, build_agent_image_archive
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import wait_until
+from tests.support.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, build_agent_image_archive
+from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.waiting import wait_until
 
 HOSTS = ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"]
 GOLDEN_PLAN = REPO / "tests" / "golden" / "fleet-plan.json"

@@ -11,8 +11,8 @@ import pytest
 
 from reconciler.adapters.journal import JournalAudit
 from tests.conftest import require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import wait_until
+from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.ports import ActivationError
 from tests.conftest import EXAMPLE_FLEET, require, require_root
-from tests.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
+from tests.support.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ Each test renders templates/fabric.caddy.j2 with the `[edge]` settings
 (`EdgeSettings`, through `proxy_timings`) for one site on loopback, runs a real
 Caddy on it, and sends requests through it one after another, the way a
 stream of clients would. The upstreams are processes of their own
-(tests/harness/upstream_process.py), killed and started by PID.
+(tests/support/harness/upstream_process.py), killed and started by PID.
 
 Which upstream Caddy tried for each attempt comes from its own debug log
 ("selected upstream", with its timestamp): a dead upstream answers nothing, so
@@ -31,9 +31,9 @@ from reconciler.core.desired.model import EdgeSettings
 from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.templating import environment
 from tests.conftest import require, require_root
-from tests.harness.caddy import RunningCaddy, free_port, running_caddy
-from tests.harness.upstream_process import upstream_process
-from tests.harness.waiting import SLOWDOWN, deadline_for, wait_until
+from tests.support.harness.caddy import RunningCaddy, free_port, running_caddy
+from tests.support.harness.upstream_process import upstream_process
+from tests.support.harness.waiting import SLOWDOWN, deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ kills it by PID with SIGKILL once it is, by condition, at one of these points:
     old one, whole.
 (c) a Caddy load: an nft redirect in the container sends the pass's
     connections to Caddy's admin API (127.0.0.1:2019) through a proxy
-    (tests/harness/held_requests_proxy.py) that holds `POST /load` while
+    (tests/support/harness/held_requests_proxy.py) that holds `POST /load` while
     /run/fabric-crash/caddy/hold exists. The pass is waiting for Caddy's
     answer when it dies; Caddy still runs the old config, whole.
 
@@ -57,9 +57,9 @@ import pytest
 from reconciler.adapters.files import LocalTree
 from reconciler.engine.apply import GenerationStore
 from tests.conftest import REPO
-from tests.harness.systemd import SystemdContainer
-from tests.harness.waiting import wait_until
-from tests.integration.edge_host import DESIRED, FLEET_PLAN, QFOX_ADDRESS, QFOX_ECHO_UNIT, echo_through, edge_container, reconcile_argv
+from tests.support.edge_host import DESIRED, FLEET_PLAN, QFOX_ADDRESS, QFOX_ECHO_UNIT, echo_through, edge_container, reconcile_argv
+from tests.support.harness.systemd import SystemdContainer
+from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,7 @@ table ip fabric_crash_test {{
 
 PROXY_UNIT = f"""\
 [Service]
-ExecStart=/usr/bin/python3 {REPO}/tests/harness/held_requests_proxy.py {PROXY_PORT} 2019 {PROXY_SOURCE} "POST /load " {CRASH}/caddy
+ExecStart=/usr/bin/python3 {REPO}/tests/support/harness/held_requests_proxy.py {PROXY_PORT} 2019 {PROXY_SOURCE} "POST /load " {CRASH}/caddy
 """
 
 

@@ -1,6 +1,6 @@
 """The heartbeat's load measured on a real host: systemd as PID 1 in a container.
 
-The edge host "racknerd" of the example fleet (tests/integration/edge_host.py)
+The edge host "racknerd" of the example fleet (tests/support/edge_host.py)
 with the embedded sqlite registry inside the container. A plan that places
 flac-fft and vaapi-encode on racknerd is published there (unsigned: the
 copy's [[plan_keys]] are cut off); their programs become `sleep`, flac-fft's
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import REPO
-from tests.harness.systemd import SystemdContainer
-from tests.integration.edge_host import DESIRED, REPLAYED_PROBE, SITE, edge_container
+from tests.support.edge_host import DESIRED, REPLAYED_PROBE, SITE, edge_container
+from tests.support.harness.systemd import SystemdContainer
 
 pytestmark = pytest.mark.integration
 

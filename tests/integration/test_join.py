@@ -27,10 +27,10 @@ import pytest
 from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.install.units import Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import wait_until
-from tests.integration.test_wheel import runtime_requirements
-from tests.integration.test_wheel import wheelhouse as make_wheelhouse
+from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.waiting import wait_until
+from tests.support.wheel import runtime_requirements
+from tests.support.wheel import wheelhouse as make_wheelhouse
 
 pytestmark = pytest.mark.integration
 
@@ -223,19 +223,24 @@ def test_bootstrap_after_join_opens_the_distro_ruleset_and_is_idempotent(joined:
 
 
 def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
-    """join.sh with --git-remote: each pass first runs `fabric pull` (ExecStartPre)
-    under the same hardening, and the pass then runs on the checkout."""
+    """join.sh with --git-remote and its signers: each pass first runs `fabric
+    pull` (ExecStartPre) under the same hardening, takes only signed commits
+    that descend from the one it runs, and the pass then runs on the checkout."""
     container, _ = joined
     remote = "/srv/fleet.git"
     seed = "/srv/fleet-seed"
     for toml in sorted(EXAMPLE_FLEET.glob("*.toml")):
         container.write_file(f"{seed}/{toml.name}", container.read_file(f"/var/lib/fabric/desired/{toml.name}"))
-    ident = ["-c", "user.name=op", "-c", "user.email=op@fleet"]
+    # The operator's signing key (ssh signatures) and the hosts' allowed signers.
+    done = container.run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "op@fleet", "-f", "/srv/signer")
+    assert done.returncode == 0, done.stderr
+    container.write_file("/etc/fabric/allowed_signers", f'op@fleet namespaces="git" {container.read_file("/srv/signer.pub").strip()}\n')
+    ident = ["-c", "user.name=op", "-c", "user.email=op@fleet", "-c", "gpg.format=ssh", "-c", "user.signingkey=/srv/signer"]
     for argv in (
         ["git", "init", "--quiet", "--bare", "--initial-branch=main", remote],
         ["git", "-C", seed, "init", "--quiet", "--initial-branch=main"],
         ["git", "-C", seed, "add", "."],
-        ["git", "-C", seed, *ident, "commit", "--quiet", "-m", "fleet"],
+        ["git", "-C", seed, *ident, "commit", "--quiet", "-S", "-m", "fleet"],
         ["git", "-C", seed, "push", "--quiet", remote, "main"],
     ):
         done = container.run(*argv)
@@ -259,7 +264,11 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
             lambda: container.systemctl("show", "-P", "ActiveState", "fabric-reconcile.service").stdout.strip() == "activating", what="the held pass"
         )
         rejoining: list[subprocess.CompletedProcess[str]] = []
-        joiner = threading.Thread(target=lambda: rejoining.append(run_join(container, "--host", "racknerd", "--git-remote", remote, timeout=600)))
+        joiner = threading.Thread(
+            target=lambda: rejoining.append(
+                run_join(container, "--host", "racknerd", "--git-remote", remote, "--allowed-signers", "/etc/fabric/allowed_signers", timeout=600)
+            )
+        )
         joiner.start()
         # join.sh stops the timer, then waits for the running pass.
         wait_until(lambda: timer_state() == "inactive" or not joiner.is_alive(), timeout=120, what="join.sh to stop the timer")
@@ -283,6 +292,31 @@ def test_git_desired_state_is_pulled_by_the_hardened_service(joined: tuple[Syste
     assert "pull: now at" in container.journal("-u", "fabric-reconcile.service", "-o", "cat")
     assert timer_state() == "active"
     assert container.host_path("/var/lib/fabric/desired.before-git/fabric.toml").exists()
+
+    def pull_said(text: str) -> bool:
+        assert container.systemctl("start", "fabric-reconcile.service").returncode in (0, 1)
+        return text in container.journal("-u", "fabric-reconcile.service", "-o", "cat")
+
+    # An unsigned commit is refused; the host stays at the signed one.
+    container.write_file(f"{seed}/NOTE", "unsigned\n")
+    for argv in (
+        ["git", "-C", seed, "add", "."],
+        ["git", "-C", seed, *ident, "commit", "--quiet", "-m", "unsigned"],
+        ["git", "-C", seed, "push", "--quiet", remote, "main"],
+    ):
+        assert container.run(*argv).returncode == 0, argv
+    wait_until(lambda: pull_said("is not signed by an allowed signer"), timeout=120, what="the pass unit's pull to refuse the unsigned commit")
+    assert container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip() == remote_main
+    # A force-push back to the first (signed) commit is refused as a rewind.
+    newer = ["git", "-C", seed, *ident, "commit", "--quiet", "-S", "--amend", "-m", "signed"]
+    assert container.run(*newer).returncode == 0
+    assert container.run("git", "-C", seed, "push", "--quiet", "--force", remote, "main").returncode == 0
+    wait_until(lambda: pull_said("pull: now at"), timeout=120, what="the signed commit")
+    signed = container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip()
+    assert signed != remote_main
+    assert container.run("git", "-C", seed, "push", "--quiet", "--force", remote, f"{remote_main}:refs/heads/main").returncode == 0
+    wait_until(lambda: pull_said("(a rewind or a force-push)"), timeout=120, what="the pull to refuse the rewind")
+    assert container.run("git", "-C", "/var/lib/fabric/desired", "rev-parse", "HEAD").stdout.strip() == signed
 
 
 def test_leader_without_a_host_name_is_refused(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:

@@ -67,6 +67,8 @@ branch = "main"
 """
     if signed:
         text += f'require_signed_commits = true\nallowed_signers_file = "{fleet["signers"]}"\n'
+    else:  # the gate is on by default: off only in so many words
+        text += "require_signed_commits = false\n"
     path = root / "node.toml"
     path.write_text(text)
     return path
@@ -114,6 +116,40 @@ def test_unsigned_commit_is_refused_and_the_last_good_one_kept(fleet: dict[str, 
     assert (desired / "fabric.toml").read_text().endswith("# signed\n")
 
 
+def test_a_force_pushed_older_signed_commit_is_refused_until_an_operator_accepts_the_rewind(
+    fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = node_toml(fleet, signed=True)
+    desired = fleet["root"] / "state" / "desired"
+    assert main(["pull", "--config", str(config)]) == 0
+    old = git("rev-parse", "HEAD", cwd=desired)
+    (fleet["work"] / "fabric.toml").write_text((EXAMPLE_FLEET / "fabric.toml").read_text() + "\n# newer\n")
+    git("commit", "--quiet", "-S", "-am", "newer", cwd=fleet["work"])
+    git("push", "--quiet", "origin", "main", cwd=fleet["work"])
+    assert main(["pull", "--config", str(config)]) == 0
+    newer = git("rev-parse", "HEAD", cwd=desired)
+    assert newer != old
+
+    # Someone with push access rewinds the branch to the older (still signed) commit.
+    git("push", "--quiet", "--force", "origin", f"{old}:refs/heads/main", cwd=fleet["work"])
+    capsys.readouterr()
+    assert main(["pull", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert f"commit {old[:12]} does not descend from {newer[:12]}, the commit this host runs (a rewind or a force-push)" in err
+    assert "keeping the last good commit" in err
+    assert git("rev-parse", "HEAD", cwd=desired) == newer
+
+    # The operator takes it, explicitly.
+    assert main(["pull", "--config", str(config), "--accept-rewind"]) == 0
+    assert git("rev-parse", "HEAD", cwd=desired) == old
+
+
+def test_an_unsigned_desired_state_is_said_on_every_pull(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    config = node_toml(fleet, signed=False)
+    assert main(["pull", "--config", str(config)]) == 0
+    assert "unsigned commits are accepted (node.toml [source] require_signed_commits = false)" in capsys.readouterr().err
+
+
 def test_unreachable_remote_keeps_the_checkout(fleet: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     config = node_toml(fleet, signed=False)
     assert main(["pull", "--config", str(config)]) == 0
@@ -134,7 +170,7 @@ def test_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     config = tmp_path / "node.toml"
     config.write_text('[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n')
     assert main(["pull", "--config", str(config)]) == 2
-    assert f"{config}: source.allowed_signers_file: required when require_signed_commits is true" in capsys.readouterr().err
+    assert f"{config}: source.allowed_signers_file: required: commits must be signed" in capsys.readouterr().err
 
 
 def ask_for_a_pass(fleet: dict[str, Path], at: float | None = None) -> Path:

@@ -20,9 +20,9 @@ import sys
 import pytest
 
 from tests.conftest import REPO, require, require_root
-from tests.harness.netns import network_lab
-from tests.harness.postgres import postgres_server
-from tests.harness.waiting import deadline_for
+from tests.support.harness.netns import network_lab
+from tests.support.harness.postgres import postgres_server
+from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.integration
 

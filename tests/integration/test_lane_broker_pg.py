@@ -1,9 +1,9 @@
 """The lane queue on a real PostgreSQL with real SAQ workers: dispatch by rank and cap, holds, races, workers.
 
-A PostgreSQL 15 started by this module (tests/harness/postgres.py), a fresh
+A PostgreSQL 15 started by this module (tests/support/harness/postgres.py), a fresh
 database per test; the registry is a sqlite file with the example fleet's
 heartbeats (its lanes' hosts are up). Lane workers are real `saq.Worker`s
-(tests/harness/saq_workers.py) whose jobs end when the test says. The
+(tests/support/harness/saq_workers.py) whose jobs end when the test says. The
 example fleet: a1-arm64 (compute, rank 10, cap 2), x86-spill (compute, rank
 20, cap 4), local (rank 99, cap 1); spill after 900 s, 3 cloud attempts,
 route threshold 600 s. Time for the rules (waits, the spill gate) is an
@@ -27,10 +27,10 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.engine.dispatch import dispatch_pass, lane_status, lane_targets
 from reconciler.ports import StaleDispatcher
 from tests.conftest import EXAMPLE_FLEET
-from tests.fakes import FakeClock
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import beat_example_fleet
+from tests.support.clock import FakeClock
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -223,7 +223,7 @@ def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lane
     dispatch is refused by the broker."""
     from reconciler.core.scheduling.placement import schedule
     from reconciler.engine.leader import LeaderLoop
-    from tests.plan_keys import signed_example_fleet
+    from tests.support.plan_keys import signed_example_fleet
 
     fleet = signed_example_fleet(tmp_path / "signed")
     signed = load_desired(fleet.desired)
@@ -387,15 +387,12 @@ def test_reading_the_lanes_of_a_broker_nobody_used_yet_makes_saqs_tables_first(b
 
 
 READER = """
-import json, sys, time
+import json, sys
+from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
-class Clock:
-    def now(self):
-        return time.time()
-
 heavy = ("saq", "croniter", "dateutil", "psycopg_pool", "pydantic")
-queue = PostgresLaneBroker(sys.argv[1], Clock())
+queue = PostgresLaneBroker(sys.argv[1], SystemClock())
 seen = {"in_flight": queue.in_flight(["phaze-agent-a1-arm64"])}
 seen["after in_flight"] = sorted(m for m in heavy if m in sys.modules)
 seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "phaze-agent-a1-arm64"})]

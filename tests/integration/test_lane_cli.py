@@ -15,10 +15,11 @@ from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
-from tests.harness.postgres import broker_url_file
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import beat_example_fleet
+from tests.support.cli import fabric
+from tests.support.harness.postgres import broker_url_file
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +40,7 @@ def lane(tmp_path, capsys, broker_dsn):
     workers = LaneWorkers(dsn)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        status = main(["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file)])
-        out, err = capsys.readouterr()
-        return status, out, err
+        return fabric(capsys, "lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file))
 
     run.dsn = dsn
     run.workers = workers

@@ -12,7 +12,7 @@ a1-arm64 offline with the reason; x86-spill's host silent too -> the next job
 goes to local at once; the hosts beat again -> the lanes are back.
 
 Real time (the heartbeat TTL is an etcd lease): every wait is a wait_until
-with a deadline from the configured timings (tests/harness/waiting.py).
+with a deadline from the configured timings (tests/support/harness/waiting.py).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
-from tests.harness.postgres import broker_url_file, naming_broker
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import EXAMPLE_HOSTS, beat_example_fleet, status_of
+from tests.support.cli import fabric
+from tests.support.harness.postgres import broker_url_file, naming_broker
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.registry_store import EXAMPLE_HOSTS, beat_example_fleet, status_of
 
 pytestmark = pytest.mark.integration
 
@@ -91,8 +91,7 @@ class Fleet:
         wait_until(marked, timeout=OFFLINE_WITHIN_S, interval=0.2, what=f"the leader marking {host} {status}")
 
     def fabric(self, *argv: str) -> str:
-        code = main([*argv, "--desired", str(self.desired_dir)])
-        out, err = self.capsys.readouterr()
+        code, out, err = fabric(self.capsys, *argv, "--desired", str(self.desired_dir))
         assert code == 0, err
         return out
 

@@ -33,9 +33,9 @@ from reconciler.core.timestamps import utc
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import Registry
 from reconciler.wiring import system_clock
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import Store
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.registry_store import Store
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """The leader's step at fleet scale on a real etcd with its default limits.
 
 etcd refuses a transaction of more than 128 operations (--max-txn-ops) and a
-request over 1.5 MiB (--max-request-bytes); the module's etcd (tests/harness/etcd.py)
+request over 1.5 MiB (--max-request-bytes); the module's etcd (tests/support/harness/etcd.py)
 is started without either option, so these are the limits in force.
 
   1 1,000 nodes heartbeat through the registry adapter (the 5 example hosts and
@@ -23,10 +23,10 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
-from tests.harness.etcd import EtcdCluster
-from tests.harness.etcd_requests import recording_requests
-from tests.harness.waiting import wait_until
-from tests.integration.registry_store import EXAMPLE_HOSTS, Store, scale_fleet_records
+from tests.support.harness.etcd import EtcdCluster
+from tests.support.harness.etcd_requests import recording_requests
+from tests.support.harness.waiting import wait_until
+from tests.support.registry_store import EXAMPLE_HOSTS, Store, scale_fleet_records
 
 pytestmark = pytest.mark.integration
 

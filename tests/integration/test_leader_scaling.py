@@ -28,8 +28,9 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import NotLeader, Registry
 from reconciler.wiring import open_registry
-from tests.fakes import FakeClock
-from tests.plan_keys import signed_example_fleet
+from tests.support.audit import RecordingAudit
+from tests.support.clock import FakeClock
+from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -37,16 +38,6 @@ LONG = 10**6  # leases and heartbeats that outlive every window of a test
 HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
 # Arguments a shell would split, expand or act on.
 TRICKY = ["a b; touch /tmp/not-a-shell", "$HOME", "*"]
-
-
-class RecordingAudit:
-    """The Audit port, kept in a list: (action, outcome, unit)."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[str, str, str | None]] = []
-
-    def record(self, action: str, outcome: str, **fields: str) -> None:
-        self.entries.append((action, outcome, fields.get("unit")))
 
 
 class Fleet:
@@ -194,7 +185,8 @@ def test_a_one_shot_step_resigns_and_the_next_one_campaigns_anew_and_audits_what
     fleet.clock.advance(30)
     leader.step_and_resign()
     assert fleet.registry.leader() is None
-    assert ("scaling-activate_idle", "ok", "lux") in fleet.audit.entries, "the burst window outlived the first term"
+    entries = [(r["action"], r["outcome"], r.get("unit")) for r in fleet.audit.records]
+    assert ("scaling-activate_idle", "ok", "lux") in entries, "the burst window outlived the first term"
 
 
 def test_sustained_high_utilization_raises_concurrency_within_the_ceiling_and_the_next_plan_uses_it(fleet):

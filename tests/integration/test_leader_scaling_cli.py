@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.harness.postgres import broker_url_file, naming_broker
-from tests.plan_keys import signed_example_fleet
+from tests.support.harness.postgres import broker_url_file, naming_broker
+from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 

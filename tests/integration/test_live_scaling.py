@@ -59,10 +59,11 @@ from reconciler.engine.scaling_step import queue_depth
 from reconciler.ports import Registry
 from reconciler.wiring import memo_ports, memo_registry_opener, open_registry, real_pass_ports
 from tests.conftest import REPO
-from tests.fakes import FakeClock
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.audit import RecordingAudit
+from tests.support.clock import FakeClock
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -89,14 +90,6 @@ SCALING = (
 )
 # The cloud hook: appends the wall time and its argv, one line a run.
 HOOK_SCRIPT = '#!/bin/sh\nout="$1"; shift\nprintf \'%s %s\\n\' "$(date -u +%Y-%m-%dT%H:%M:%S.%N)" "$*" >> "$out"\n'
-
-
-class RecordingAudit:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str]] = []
-
-    def record(self, action: str, outcome: str, **fields: str) -> None:
-        self.records.append((action, outcome))
 
 
 class LiveFleet:

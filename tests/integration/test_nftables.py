@@ -25,7 +25,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, nft_opening, render
 from reconciler.ports import ActivationError
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.netns import Namespace, network_lab, tcp_probe
+from tests.support.harness.netns import Namespace, network_lab, tcp_probe
 
 pytestmark = pytest.mark.integration
 

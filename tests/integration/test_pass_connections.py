@@ -1,6 +1,6 @@
 """One etcd client and one lane queue per `fabric reconcile` process (reconciler.adapters.pass_connections).
 
-x86-spill of the example fleet (tests/unit/test_pass_memo.py's Sandbox:
+x86-spill of the example fleet (tests/support/memo_sandbox.py's Sandbox:
 `fabric reconcile --no-activate` in one process), a compute lane's host: its
 heartbeats count its lane's jobs on phaze's broker. Its fabric.toml's
 [registry] is a private prefix of this module's etcd member (a real one),
@@ -23,9 +23,10 @@ import pytest
 
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_etcd import EtcdRegistry
-from tests.harness.etcd import EtcdCluster
-from tests.harness.postgres import broker_url_file, naming_broker
-from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, run
+from tests.support.cli import fabric
+from tests.support.harness.etcd import EtcdCluster
+from tests.support.harness.postgres import broker_url_file, naming_broker
+from tests.support.memo_sandbox import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +67,7 @@ def test_a_lane_host_s_pass_opens_the_registry_and_the_broker_once(
 
     def one_pass(memo: bool) -> None:
         counted.clear()
-        code, _, err = run(capsys, spill.argv())
+        code, _, err = fabric(capsys, *spill.argv())
         assert code == 0 and memoized(err) == memo, err
         assert "heartbeat: x86-spill" in err, err
         assert counted == {"etcd opened": 1, "etcd closed": 1, "lane queue opened": 1, "lane queue closed": 1}, counted

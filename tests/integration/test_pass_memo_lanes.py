@@ -1,34 +1,31 @@
 """A memoized pass reads the lane jobs of its host afresh, from phaze's broker (a real PostgreSQL, a real SAQ worker).
 
-x86-spill of the example fleet in a sandbox (tests/unit/test_pass_memo.py's
+x86-spill of the example fleet in a sandbox (tests/support/memo_sandbox.py's
 Sandbox: `fabric reconcile --no-activate` in one process); its desired
 state's [phaze] queue_url_file names a file holding the broker's DSN.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.engine.lane_states import lane_targets
-from tests.harness.postgres import broker_url_file, naming_broker
-from tests.harness.saq_workers import LaneWorkers
-from tests.harness.waiting import deadline_for, wait_until
-from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_registry_epoch, reported_in_flight, run
+from tests.support.cli import fabric
+from tests.support.harness.postgres import broker_url_file, naming_broker
+from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.memo_sandbox import Sandbox, audit_on_stderr, memoized, new_registry_epoch, reported_in_flight
+from tests.support.pass_imports import loaded, one_pass
 
 pytestmark = pytest.mark.integration
 
 __all__ = ["audit_on_stderr"]  # its autouse fixture applies here too
-
-
-class WallClock:
-    def now(self) -> float:
-        return time.time()
 
 
 def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsys: pytest.CaptureFixture[str], broker_dsn: str) -> None:
@@ -40,19 +37,19 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
     text = fleet_file.read_text().split("[[plan_keys]]")[0]
     fleet_file.write_text(naming_broker(text, url_file))
     new_registry_epoch(spill)
-    code, _, err = run(capsys, spill.argv())
+    code, _, err = fabric(capsys, *spill.argv())
     assert code == 0 and not memoized(err), err
     assert reported_in_flight(spill) == 1  # --no-activate: the one placement it runs
 
     targets = lane_targets(load_desired(spill.desired))
-    lanes = PostgresLaneBroker(broker_dsn, WallClock())
+    lanes = PostgresLaneBroker(broker_dsn, SystemClock())
     workers = LaneWorkers(broker_dsn)
     try:
         workers.start("phaze-agent-x86-spill")
         lanes.enqueue([("job-1", None), ("job-2", None)])
         assert lanes.dispatch("job-1", targets["x86-spill"], epoch=1) is not None
         assert lanes.dispatch("job-2", targets["a1-arm64"], epoch=1) is not None  # another host's lane
-        code, _, err = run(capsys, spill.argv())
+        code, _, err = fabric(capsys, *spill.argv())
         assert code == 0 and memoized(err), err
         assert "note: heartbeat: x86-spill tier relay, in_flight 2, alive for 90 s" in err
         assert reported_in_flight(spill) == 2
@@ -66,7 +63,7 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
             return row is not None and row[0] == "complete"
 
         wait_until(done, timeout=deadline_for(1), what="SAQ completed job-1")
-        code, _, err = run(capsys, spill.argv())
+        code, _, err = fabric(capsys, *spill.argv())
         assert code == 0 and memoized(err), err
         assert reported_in_flight(spill) == 1
     finally:
@@ -76,19 +73,17 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
 
 def test_a_lane_hosts_memo_hit_imports_no_model_and_its_passes_no_saq(tmp_path: Path, broker_dsn: str) -> None:
     """Whole `fabric reconcile` processes of x86-spill with a real broker
-    (tests/unit/test_pass_imports.py's child notes sys.modules): the memo
+    (tests/support/pass_imports.py's child notes sys.modules): the memo
     names the lanes' queues and the broker, so a hit validates no fabric.toml
     (no pydantic, no core.desired) and reads the in_flight in plain SQL;
     no pass imports saq or what its worker needs (croniter, dateutil)."""
-    from tests.unit.test_pass_imports import loaded, one_pass
-
     spill = Sandbox(tmp_path, host="x86-spill")
     url_file = tmp_path / "queue_url"
     url_file.write_text(broker_dsn)
     url_file.chmod(0o600)
     fleet_file = spill.desired / "fabric.toml"
     fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
-    in_use = PostgresLaneBroker(broker_dsn, WallClock())
+    in_use = PostgresLaneBroker(broker_dsn, SystemClock())
     in_use.jobs()  # a broker in use: saq's tables are there (a first read would make them)
     in_use.close()
     saq = ("saq", "croniter", "dateutil", "psycopg_pool")

@@ -1,7 +1,7 @@
 """reconciler.ray on a real multi-node Ray cluster (issue 13).
 
 Ray's own `ray.cluster_utils.Cluster` on this machine, started once for the
-module (tests/harness/ray_fleet.py): one Ray node per replayed probe of
+module (tests/support/harness/ray_fleet.py): one Ray node per replayed probe of
 qfox-1, a1-arm64 and lux with the resources and labels the fabric renders,
 the hosts' heartbeats in a real sqlite registry, which the driver opens the
 way `fabric` does (`Dispatcher.connect(path)`); the real leader loop reads
@@ -44,8 +44,8 @@ from reconciler.engine.heartbeat import node_record
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ray import CapacityError, Dispatcher, Requirement
 from reconciler.wiring import open_registry
-from tests.harness.ray_fleet import RayFleet, ray_fleet, replayed
-from tests.harness.waiting import wait_until
+from tests.support.harness.ray_fleet import RayFleet, ray_fleet, replayed
+from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -32,8 +32,8 @@ from reconciler.core.render.artifacts import Artifact, Layout, render
 from reconciler.core.render.ray_node import HOST_LABEL, RAY_HEAD_UNIT, RAY_WORKER_UNIT
 from reconciler.ports import ActivationError
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

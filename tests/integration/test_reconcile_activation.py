@@ -20,7 +20,7 @@ visible there), exactly as fabric-reconcile.service would run them:
    daemon-reload, and systemd forgets the unit.
 
 systemd's own count of its reloads (its Reloading signal,
-tests.harness.systemd.ManagerReloads) says which passes reloaded.
+tests.support.harness.systemd.ManagerReloads) says which passes reloaded.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import REPO
-from tests.harness.systemd import ManagerReloads, SystemdContainer
-from tests.harness.waiting import wait_until
-from tests.integration.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile_argv
+from tests.support.edge_host import DESIRED, QFOX_ADDRESS, QFOX_ECHO_UNIT, SITE, echo_through, edge_container, invocation, reconcile
+from tests.support.harness.systemd import ManagerReloads, SystemdContainer
+from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +55,6 @@ def edge() -> Iterator[SystemdContainer]:
             started = container.systemctl("start", unit)
             assert started.returncode == 0, f"{unit}: {started.stderr}"
         yield container
-
-
-def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
-    return container.run(*reconcile_argv(), timeout=300)
 
 
 def edit_fleet(container: SystemdContainer, old: str, new: str) -> None:

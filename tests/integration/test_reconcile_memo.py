@@ -3,7 +3,7 @@ changes, and the world's drift (a rendered file edited, a unit stopped, the
 table flushed) makes the next pass a full one that repairs it.
 
 The edge host "racknerd" of the example fleet in a systemd container, as in
-test_reconcile_activation.py (tests/integration/edge_host.py, and its pass).
+test_reconcile_activation.py (tests/support/edge_host.py, and its pass).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness.systemd import SystemdContainer
-from tests.harness.waiting import wait_until
-from tests.integration.edge_host import edge_container, invocation
-from tests.integration.test_reconcile_activation import reconcile
+from tests.support.edge_host import edge_container, invocation, reconcile
+from tests.support.harness.systemd import SystemdContainer
+from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

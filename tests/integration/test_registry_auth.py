@@ -2,7 +2,7 @@
 and etcd's auth, set up by `fabric registry init-auth`
 (reconciler.core.desired.registry_access).
 
-One etcd member for the module, started by tests/harness/etcd.py in TLS mode
+One etcd member for the module, started by tests/support/harness/etcd.py in TLS mode
 (`--client-cert-auth`, certificates of a test CA made with `cryptography`).
 The module's first test runs init-auth through the CLI, twice; the others
 act as each host with that host's own certificate.
@@ -10,8 +10,6 @@ act as each host with that host's own certificate.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cli import EXIT_FAILED, EXIT_OK, main
+from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
@@ -29,8 +27,9 @@ from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import PermissionDenied, Registry
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, require
-from tests.harness.etcd import EtcdCluster, etcd_cluster
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.cli import fabric_captured
+from tests.support.harness.etcd import EtcdCluster, etcd_cluster
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,17 +90,10 @@ def desired_root(cluster: EtcdCluster, tmp_path_factory: pytest.TempPathFactory)
     return write_desired(tmp_path_factory.mktemp("root"), cluster, "root")
 
 
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def init_auth(desired_root: Path) -> list[tuple[int, str, str]]:
     """`fabric registry init-auth` run twice as root (the module's tests need auth on)."""
-    return [run_cli("registry", "init-auth", "--desired", str(desired_root)) for _ in range(2)]
+    return [fabric_captured("registry", "init-auth", "--desired", str(desired_root)) for _ in range(2)]
 
 
 @pytest.fixture
@@ -158,7 +150,7 @@ def test_init_auth_creates_every_identity_then_has_nothing_to_do(init_auth):
 
 def test_init_auth_with_a_host_certificate_is_refused(init_auth, cluster, tmp_path):
     desired = write_desired(tmp_path / "x86-spill", cluster, "x86-spill")
-    status, out, err = run_cli("registry", "init-auth", "--desired", str(desired))
+    status, out, err = fabric_captured("registry", "init-auth", "--desired", str(desired))
     assert status == EXIT_FAILED
     assert "permission denied" in err and "Traceback" not in err, err
 
@@ -167,7 +159,7 @@ def test_init_auth_takes_an_admin_certificate_on_the_command_line(init_auth, clu
     """On a host (its own certificate in [registry]), --cert-file/--key-file name root's."""
     desired = write_desired(tmp_path / "lux", cluster, "lux")
     cert, key = cluster.pki.client("root")
-    status, out, err = run_cli("registry", "init-auth", "--desired", str(desired), "--cert-file", str(cert), "--key-file", str(key))
+    status, out, err = fabric_captured("registry", "init-auth", "--desired", str(desired), "--cert-file", str(cert), "--key-file", str(key))
     assert (status, out.startswith("nothing to do")) == (EXIT_OK, True), out + err
 
 

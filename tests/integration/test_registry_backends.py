@@ -1,7 +1,7 @@
 """The same registry behaviour on both backends: a sqlite file and a real etcd.
 
 Every test runs twice (`backend` = sqlite, etcd). etcd is one real member
-started by this module (tests/harness/etcd.py) on loopback; each test uses its
+started by this module (tests/support/harness/etcd.py) on loopback; each test uses its
 own key prefix, or its own sqlite file. Real time and short TTLs (1-2 s) here:
 what is tested is what real processes and real leases do. The timing rules
 themselves are tested with an injected clock in tests/unit/test_lifecycle.py
@@ -21,9 +21,9 @@ import pytest
 
 from reconciler.ports import NotLeader
 from tests.conftest import REPO
-from tests.fakes import FakeClock
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import a_plan, leader_name, record, status_of
+from tests.support.clock import FakeClock
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.registry_store import a_plan, leader_name, record, status_of
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import require
-from tests.harness.etcd import EtcdCluster, etcd_cluster, free_port
-from tests.harness.etcd_requests import recording_requests
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.etcd import EtcdCluster, etcd_cluster, free_port
+from tests.support.harness.etcd_requests import recording_requests
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

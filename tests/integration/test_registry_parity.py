@@ -23,9 +23,9 @@ import pytest
 
 from reconciler.core.live.records import ScalingRecord
 from reconciler.ports import NotLeader, Registry
-from tests.fakes import FakeClock
-from tests.harness.waiting import deadline_for
-from tests.integration.registry_store import Store, a_plan, leader_name, record, status_of
+from tests.support.clock import FakeClock
+from tests.support.harness.waiting import deadline_for
+from tests.support.registry_store import Store, a_plan, leader_name, record, status_of
 
 pytestmark = pytest.mark.integration
 

@@ -11,14 +11,15 @@ from datetime import UTC, datetime
 import pytest
 
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK, main
+from reconciler.cli import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import NotLeader, RegistryUnavailable
 from tests.conftest import EXAMPLE_FLEET, require_root
-from tests.fakes import FakeClock
+from tests.support.cli import fabric
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
 
@@ -223,12 +224,6 @@ def test_leader_loop_step_schedules_and_publishes_only_when_the_plan_changes(reg
 
 
 # -- the CLI ---------------------------------------------------------------------------------
-
-
-def fabric(capsys, *argv: str) -> tuple[int, str, str]:
-    status = main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch, signed_fleet):

@@ -34,7 +34,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config, render
 from reconciler.ports import ActivationError, CommandResult
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.netns import network_lab
+from tests.support.harness.netns import network_lab
 
 pytestmark = pytest.mark.integration
 
@@ -272,8 +272,8 @@ def test_systemd_runs_a_rendered_unit_with_exactly_the_declared_argv_and_environ
     require_root()
     require("unshare", "nsenter", "chroot", "python3")
     from reconciler.core.desired.load import load_desired as load
-    from tests.harness.systemd import systemd_container
-    from tests.harness.waiting import wait_until
+    from tests.support.harness.systemd import systemd_container
+    from tests.support.harness.waiting import wait_until
 
     nasty = ['say "hi"', "100% $HOME ${X} %n", "back\\slash\\", "  spaced  ", "'single'"]
     dump = "import json,os,sys; json.dump([sys.argv[1:], os.environ.get('NOTE')], open('seen.json','w'))"

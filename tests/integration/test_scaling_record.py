@@ -1,7 +1,7 @@
 """The leader's scaling record on both registry backends (lane jobs live on phaze's broker: test_lane_broker_pg.py).
 
 Every test runs twice (`store` = sqlite, etcd): a sqlite file, or a real etcd
-member started by this module (tests/harness/etcd.py) with a key prefix of
+member started by this module (tests/support/harness/etcd.py) with a key prefix of
 its own.
 """
 
@@ -16,7 +16,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import ScalingRecord
 from reconciler.ports import NotLeader
 from tests.conftest import EXAMPLE_FLEET
-from tests.fakes import FakeClock
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
 

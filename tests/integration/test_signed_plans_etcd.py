@@ -1,6 +1,6 @@
 """Signed fleet plans against a real etcd: a forged plan keeps every host on its generation.
 
-The example fleet (with throwaway plan keys, tests.plan_keys) over one real
+The example fleet (with throwaway plan keys, tests.support.plan_keys) over one real
 etcd member. Each host's pass is a real `run_pass` with the command line's
 own ports (`reconciler.wiring.real_pass_ports`: files under a tmp root, the etcd
 registry of fabric.toml, its replayed probe capture; --no-activate), only
@@ -36,21 +36,14 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.reconcile import PassOptions, PassReport, run_pass
 from reconciler.wiring import open_registry, plan_signer, real_pass_ports
 from tests.conftest import REPO
-from tests.integration.registry_store import Store
-from tests.plan_keys import TestKey
+from tests.support.audit import RecordingAudit
+from tests.support.plan_keys import TestKey
+from tests.support.registry_store import Store
 
 pytestmark = pytest.mark.integration
 
 HOSTS = ("lux", "qfox-1", "racknerd", "a1-arm64", "x86-spill")
 PROBES = REPO / "tests" / "fixtures" / "probe"
-
-
-class RecordingAudit:
-    def __init__(self) -> None:
-        self.records: list[dict[str, str]] = []
-
-    def record(self, action: str, outcome: str, **fields: str) -> None:
-        self.records.append({"action": action, "outcome": outcome, **fields})
 
 
 @dataclasses.dataclass

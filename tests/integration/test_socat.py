@@ -28,9 +28,9 @@ from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.core.render.artifacts import TEMPLATES_DIR, systemd_quote
 from reconciler.ports import ActivationError
 from tests.conftest import require, require_root
-from tests.harness.caddy import free_port, http_get, http_upstream
-from tests.harness.systemd import SystemdContainer, run_job, systemd_container
-from tests.harness.waiting import deadline_for, wait_until
+from tests.support.harness.caddy import free_port, http_get, http_upstream
+from tests.support.harness.systemd import SystemdContainer, run_job, systemd_container
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -36,9 +36,9 @@ from reconciler.core.views.page import render_status_page
 from reconciler.engine.status import fleet_history
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.fakes import FakeClock
-from tests.harness.caddy import free_port, running_caddy
-from tests.integration.registry_store import EXAMPLE_HOSTS
+from tests.support.clock import FakeClock
+from tests.support.harness.caddy import free_port, running_caddy
+from tests.support.registry_store import EXAMPLE_HOSTS
 
 pytestmark = pytest.mark.integration
 

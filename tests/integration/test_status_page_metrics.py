@@ -19,8 +19,8 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
 from tests.conftest import EXAMPLE_FLEET, REPO, require
-from tests.harness.caddy import free_port
-from tests.harness.waiting import stop_process, wait_until
+from tests.support.harness.caddy import free_port
+from tests.support.harness.waiting import stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -125,6 +125,6 @@ def test_node_exporter_serves_the_textfile(node_exporter, textfile):
 
 def test_node_exporter_flags_a_file_it_cannot_read(node_exporter, textfile):
     # The collector's own error gauge is what the test above relies on: show it moves.
-    node_exporter.write("fabric.prom", textfile.replace("fabric_generation 12", "fabric_generation 12 1795977000000"))
+    node_exporter.write("fabric.prom", textfile.replace("fabric_generation 12.0\n", "fabric_generation 12.0 1795977000000\n"))
 
     assert "node_textfile_scrape_error 1" in node_exporter.scrape().splitlines()

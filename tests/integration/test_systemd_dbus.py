@@ -18,9 +18,10 @@ from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import STATE_DIR, Activators, Applier
 from reconciler.ports import ActivationError, JobOutcome
 from tests.conftest import require, require_root
-from tests.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
-from tests.harness.waiting import deadline_for, wait_until
-from tests.unit.test_apply import FixedClock, RecordingAudit
+from tests.support.audit import RecordingAudit
+from tests.support.clock import T_PASS, FakeClock
+from tests.support.harness.systemd import ManagerReloads, SystemdContainer, run_job, systemd_container
+from tests.support.harness.waiting import deadline_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -326,7 +327,7 @@ def applier_on(container: SystemdContainer, systemd: SystemdDbus, audit: Recordi
         LocalTree(container.root),
         FlockLock(container.host_path("/var/lib/fabric/lock")),
         audit,
-        FixedClock(),
+        FakeClock(T_PASS),
         validators=None,
         activators=Activators(systemd, NO_NFT_OR_CADDY, NO_NFT_OR_CADDY),  # type: ignore[arg-type]
         state_dir=state_dir,

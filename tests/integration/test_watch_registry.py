@@ -24,10 +24,10 @@ from reconciler.engine.watch import Watcher
 from reconciler.ports import Clock, Registry, RegistryUnavailable
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, require
-from tests.fakes import FakeClock
-from tests.harness.etcd import etcd_cluster
-from tests.harness.waiting import deadline_for, wait_until
-from tests.integration.registry_store import Store, a_plan, record
+from tests.support.clock import FakeClock
+from tests.support.harness.etcd import etcd_cluster
+from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.registry_store import Store, a_plan, record
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,9 @@ from reconciler.adapters.files import FlockLock, LocalTree
 from reconciler.core.render.artifacts import Artifact
 from reconciler.engine.apply import Activators, Applier, ApplyResult, Validators
 from reconciler.ports import ActivationError, JobOutcome
-from tests.unit.test_apply import UNIT_DIR, FakeMachine, FakeVerifier, FixedClock, RecordingAudit
+from tests.support.audit import RecordingAudit
+from tests.support.clock import T_PASS, FakeClock
+from tests.support.machine import UNIT_DIR, FakeMachine, FakeVerifier
 
 
 def unit(name: str, exec_start: str = "/bin/sleep infinity", *, reload_trigger: str | None = None) -> Artifact:
@@ -38,7 +40,7 @@ class Host:
             LocalTree(self.root),
             FlockLock(self.root / "var/lib/fabric/lock"),
             self.audit,
-            FixedClock(),
+            FakeClock(T_PASS),
             validators=Validators(FakeVerifier(), self.machine, self.machine),
             activators=Activators(self.machine, self.machine, self.machine),
         )

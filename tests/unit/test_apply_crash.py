@@ -34,16 +34,9 @@ from reconciler.adapters.files import LocalTree  # noqa: E402
 from reconciler.engine.apply import GenerationStore, no_checkpoint  # noqa: E402
 from reconciler.engine.pass_options import PlanFile  # noqa: E402
 from reconciler.engine.reconcile import run_pass  # noqa: E402
-from tests.unit.test_apply import (  # noqa: E402
-    GOLDEN,
-    FakeMachine,
-    FakeVerifier,
-    RecordingAudit,
-    assert_converged,
-    copy_fleet,
-    fake_pass_ports,
-    pass_options,
-)
+from tests.support.audit import RecordingAudit  # noqa: E402
+from tests.support.fleet import GOLDEN, copy_fleet, fake_pass_ports, pass_options  # noqa: E402
+from tests.support.machine import FakeMachine, FakeVerifier, assert_converged  # noqa: E402
 
 
 def kill_at_step(target: int) -> Callable[[str], None]:

@@ -13,7 +13,16 @@ from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
 from reconciler.cli import main
 from reconciler.core.install.nodeconfig import NodeConfig, NodeConfigError, parse_node_config
-from reconciler.core.install.units import HARDENING, Install, host_units, reconcile_argv, reconcile_service, reconcile_timer, watch_service
+from reconciler.core.install.units import (
+    DAEMON_HARDENING,
+    HARDENING,
+    Install,
+    host_units,
+    reconcile_argv,
+    reconcile_service,
+    reconcile_timer,
+    watch_service,
+)
 from tests.conftest import require
 
 
@@ -40,7 +49,20 @@ def test_absent_sections_are_defaults() -> None:
         ('[source]\nbranch = "main"\n', "node.toml: source.remote: required key is missing"),
         (
             '[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = true\n',
-            "node.toml: source.allowed_signers_file: required when require_signed_commits is true",
+            "node.toml: source.allowed_signers_file: required: commits must be signed",
+        ),
+        (
+            # The gate is on unless node.toml turns it off in so many words.
+            '[source]\nremote = "/srv/fleet.git"\n',
+            "node.toml: source.allowed_signers_file: required: commits must be signed (require_signed_commits is true unless",
+        ),
+        (
+            '[source]\nremote = "git@git.example:fleet.git"\nrequire_signed_commits = false\n',
+            "node.toml: source.ssh_host_key: required for an ssh remote",
+        ),
+        (
+            '[source]\nremote = "ssh://git@git.example/fleet.git"\nrequire_signed_commits = false\nssh_host_key = "ssh-ed25519 not base64!"\n',
+            "node.toml: source.ssh_host_key: String should match pattern",
         ),
         ('[bootstrap]\nk3s_token_file = "/run/secrets/k3s"\n', "node.toml: bootstrap.k3s_server: k3s_server and k3s_token_file go together"),
         (
@@ -53,7 +75,7 @@ def test_absent_sections_are_defaults() -> None:
         ),
         ("[node\n", "node.toml: line 1: TOML syntax error:"),
         (
-            '[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\n',
+            '[node]\ndesired = "/srv/fleet"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n',
             "node.toml: node.desired: with [source] the checkout must be inside node.state_dir (/var/lib/fabric)",
         ),
     ],
@@ -81,6 +103,19 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
     assert "ExecStartPre" not in service
     for key, value in HARDENING.items():
         assert service[key] == value
+    # The trust anchors stay read-only though the pass writes the nft file beside them.
+    assert "-/etc/fabric" in service["ReadWritePaths"]
+    assert {"-/etc/fabric/node.toml", "-/etc/fabric/allowed_signers", "-/etc/fabric/plan-signing.key", "-/etc/fabric/etcd"} <= set(
+        service["ReadOnlyPaths"]
+    )
+    assert set(service["CapabilityBoundingSet"].split()) == {
+        "CAP_NET_ADMIN",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_DAC_OVERRIDE",
+        "CAP_DAC_READ_SEARCH",
+        "CAP_FOWNER",
+        "CAP_CHOWN",
+    }
     timer = reconcile_timer(install).values("Timer")
     assert timer["OnUnitActiveSec"] == "45s" and timer["Persistent"] == "true" and timer["AccuracySec"] == "1s"
     assert [u.name for u in host_units(install, leader_candidate=True)] == [
@@ -99,7 +134,7 @@ def test_units_text_lists_repeated_settings_once_each() -> None:
 
 def test_units_cli_json_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "node.toml"
-    config.write_text('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    config.write_text('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n')
     args = ["units", "--config", str(config), "--fabric-bin", "/opt/fabric/bin/fabric"]
     assert main([*args, "--json"]) == 0
     units = json.loads(capsys.readouterr().out)
@@ -126,7 +161,7 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     hardening option would otherwise be dropped silently)."""
     require("systemd-analyze")
     fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
-    node = parse_node_config('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\n')
+    node = parse_node_config('[node]\nhost = "lux"\n[source]\nremote = "/srv/fleet.git"\nrequire_signed_commits = false\n')
     install = Install(fabric_bin=fabric_bin, node=node, search_path="/usr/bin:/bin")
     paths = []
     for unit in host_units(install, leader_candidate=True):
@@ -136,10 +171,11 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     SystemdAnalyzeVerifier(SubprocessRunner()).verify(paths)
 
 
-def test_watch_service_restarts_on_failure_hardened_like_the_pass(tmp_path: Path) -> None:
+def test_watch_service_restarts_on_failure_hardened_as_a_daemon(tmp_path: Path) -> None:
     """fabric-watch.service: `fabric watch` with the pass's desired state,
-    host and registry, the pass's hardening, brought back only after a
-    failure; `systemd-analyze verify` knows every key of it."""
+    host and registry, the daemons' hardening (no capability, nothing
+    writable but its state), brought back only after a failure;
+    `systemd-analyze verify` knows every key of it."""
     require("systemd-analyze")
     node = parse_node_config('[node]\nhost = "lux"\nregistry_path = "/var/lib/fabric/registry.sqlite"\n')
     fabric_bin = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
@@ -148,8 +184,9 @@ def test_watch_service_restarts_on_failure_hardened_like_the_pass(tmp_path: Path
     assert service["ExecStart"] == f"{fabric_bin} watch --desired /var/lib/fabric/desired --host lux"
     assert service["Type"] == "simple" and service["Restart"] == "on-failure"
     assert service["Environment"] == ("FABRIC_REGISTRY=/var/lib/fabric/registry.sqlite", "HOME=/var/lib/fabric")
-    for key, value in HARDENING.items():
+    for key, value in DAEMON_HARDENING.items():
         assert service[key] == value, key
+    assert "ReadWritePaths" not in service and service["CapabilityBoundingSet"] == ""
     assert unit.values("Install")["WantedBy"] == "multi-user.target"
     path = tmp_path / unit.name
     path.write_text(unit.text())

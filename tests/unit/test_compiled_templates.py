@@ -11,19 +11,11 @@ import pytest
 
 from reconciler.adapters.compiled_templates import CompiledTemplates, cache_directory
 from reconciler.core.templating import environment, keep_compiled_templates
+from tests.support.cli import fabric
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
 STATE = "var/lib/fabric"
-
-
-def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    from reconciler.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def pass_argv(desired: Path, root: Path, host: str, plan: Path) -> list[str]:
@@ -52,14 +44,14 @@ def test_a_pass_keeps_its_compiled_templates_and_the_next_loads_them(tmp_path: P
     shutil.copytree(REPO / "hosts", desired)
     root = tmp_path / "root"
     argv = pass_argv(desired, root, "racknerd", GOLDEN / "fleet-plan.json")
-    code, _, err = run(capsys, argv)
+    code, _, err = fabric(capsys, *argv)
     assert code == 0, err
     kept = entries(cache_directory(root, STATE))
     # racknerd's units, nftables, the Caddyfile, the status page (and what they include).
     assert len(kept) >= 5
     # A full pass again (memo dropped) compiles nothing: it loads every template kept, rewrites none.
     (root / STATE / "pass-memo.json").unlink()
-    code, _, err = run(capsys, argv)
+    code, _, err = fabric(capsys, *argv)
     assert code == 0, err
     assert entries(cache_directory(root, STATE)) == kept
 

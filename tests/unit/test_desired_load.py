@@ -20,7 +20,8 @@ from reconciler.core.render.artifacts import render
 from reconciler.core.render.plan_part import plan_part
 from reconciler.engine.desired_load import VERDICT_FILE, LoadedDesired, load_for_part, load_for_pass, with_plan_hosts
 from reconciler.engine.plan_source import plan_from_file
-from tests.unit.test_probe_fixtures import load_capture
+from tests.support.cli import fabric
+from tests.support.probe_fixtures import load_capture
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -59,15 +60,6 @@ def verdict_at(directory: Path, commit: str, version: str = reconciler.__version
 # fabric reconcile, end to end
 
 
-def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    from reconciler.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def pass_argv(desired: Path, root: Path, host: str) -> list[str]:
     return [
         "reconcile",
@@ -94,7 +86,7 @@ def drop_memo(root: Path) -> None:
 
 def full_pass(capsys: pytest.CaptureFixture[str], argv: list[str], root: Path) -> tuple[int, str, str]:
     drop_memo(root)
-    return run(capsys, argv)
+    return fabric(capsys, *argv)
 
 
 def test_a_host_that_does_not_lead_converges_at_a_seen_commit_despite_a_broken_unrelated_file_and_a_new_commit_is_refused(
@@ -102,7 +94,7 @@ def test_a_host_that_does_not_lead_converges_at_a_seen_commit_despite_a_broken_u
 ) -> None:
     root = tmp_path / "root"
     argv = pass_argv(desired, root, "x86-spill")
-    code, out, err = run(capsys, argv)
+    code, out, err = fabric(capsys, *argv)
     assert code == 0, err
     assert (root / STATE / VERDICT_FILE).exists()
     # qfox-1's file breaks in the checkout: x86-spill's pass does not read it at this commit.
@@ -114,7 +106,7 @@ def test_a_host_that_does_not_lead_converges_at_a_seen_commit_despite_a_broken_u
     commit_all(desired, "qfox-1: broken")
     drop_memo(root)
     before = tree(root)
-    code, out, err = run(capsys, argv)
+    code, out, err = fabric(capsys, *argv)
     assert (code, out) == (2, "") and str(broken) in err, err
     assert tree(root) == before
 
@@ -131,19 +123,19 @@ def test_a_leader_candidate_refuses_a_broken_file_at_a_seen_commit_and_the_edge_
     commit_all(desired, "extra-1")
     roots = {host: tmp_path / f"root-{host}" for host in ("lux", "racknerd")}
     for host, root in roots.items():
-        code, _, err = run(capsys, pass_argv(desired, root, host))
+        code, _, err = fabric(capsys, *pass_argv(desired, root, host))
         assert code == 0, err
         assert (root / STATE / VERDICT_FILE).exists()
     break_file(extra)
     drop_memo(roots["racknerd"])
-    code, out, err = run(capsys, pass_argv(desired, roots["racknerd"], "racknerd"))
+    code, out, err = fabric(capsys, *pass_argv(desired, roots["racknerd"], "racknerd"))
     assert (code, out) == (0, "nothing to do (generation 1)\n"), err
     broken = desired / "x86-spill.toml"
     break_file(broken)
     for host, root in roots.items():
         drop_memo(root)
         before = tree(root)
-        code, out, err = run(capsys, pass_argv(desired, root, host))
+        code, out, err = fabric(capsys, *pass_argv(desired, root, host))
         assert (code, out) == (2, "") and str(broken if host == "racknerd" else extra) in err, (host, err)
         assert tree(root) == before
 
@@ -155,12 +147,12 @@ def test_the_verdict_is_recorded_under_the_commit_and_a_new_commit_records_its_o
 
     root = tmp_path / "root"
     argv = pass_argv(desired, root, "x86-spill")
-    assert run(capsys, argv)[0] == 0
+    assert fabric(capsys, *argv)[0] == 0
     first = json.loads((root / STATE / VERDICT_FILE).read_text())
     assert first == {"directory": str(desired.absolute()), "commit": git_commit(desired), "version": reconciler.__version__, "control": ["lux"]}
     (desired / "qfox-1.toml").write_text((desired / "qfox-1.toml").read_text() + "# a comment\n")
     commit_all(desired, "qfox-1: a comment")
-    assert run(capsys, argv)[0] == 0
+    assert fabric(capsys, *argv)[0] == 0
     second = json.loads((root / STATE / VERDICT_FILE).read_text())
     assert second["commit"] == git_commit(desired) != first["commit"]
 
@@ -169,11 +161,11 @@ def test_bad_input_at_a_new_commit_records_no_verdict(desired: Path, tmp_path: P
     root = tmp_path / "root"
     break_file(desired / "qfox-1.toml")
     commit_all(desired, "qfox-1: broken")
-    code, _, err = run(capsys, pass_argv(desired, root, "x86-spill"))
+    code, _, err = fabric(capsys, *pass_argv(desired, root, "x86-spill"))
     assert code == 2 and str(desired / "qfox-1.toml") in err
     assert not (root / STATE / VERDICT_FILE).exists()
     # And the next pass is refused again: no verdict stands for the broken commit.
-    assert run(capsys, pass_argv(desired, root, "x86-spill"))[0] == 2
+    assert fabric(capsys, *pass_argv(desired, root, "x86-spill"))[0] == 2
 
 
 # --------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 x86-spill of the example fleet: the golden plan places flac-fft there and
 its lane x86-spill's agent runs there. systemd, nft and Caddy are
 test_apply's FakeMachine; the registry is `RecordingRegistry` (every beat
-kept); the lane queue is tests.fakes.FakeLaneBroker, the jobs its queues hold
+kept); the lane queue is tests.support.fakes.FakeLaneBroker, the jobs its queues hold
 set by hand; the registry's plan is the golden one, unsigned (the copy's
 [[plan_keys]] are cut off).
 """
@@ -19,8 +19,8 @@ from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lifecycle import NodeState
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
-from tests.fakes import FakeLaneBroker
-from tests.unit.test_apply import GOLDEN, Fleet
+from tests.support.fakes import FakeLaneBroker
+from tests.support.fleet import GOLDEN, Fleet
 
 SERVICE = "fabric-agent-flac-fft.service"
 AGENT = "fabric-agent-x86-spill.service"

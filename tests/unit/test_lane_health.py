@@ -20,7 +20,7 @@ from reconciler.core.render.artifacts import Layout
 from reconciler.core.scheduling.lanes import LaneDecision, LaneJob, agent_unit, choose_lane, free_slots, lane_views, take_slot
 from reconciler.core.scheduling.placement import schedule
 from tests.conftest import EXAMPLE_FLEET
-from tests.unit.test_render import files
+from tests.support.render import files
 
 NOW = datetime(2026, 11, 30, 4, 5, 0, tzinfo=UTC)
 SETTINGS = SchedulerSettings(local_spill_after_s=900, cloud_attempts=3)

@@ -15,13 +15,14 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
-from tests.fakes import FakeLaneBroker
-from tests.unit.test_leader_ray_state import beating_registry, signed_fleet
+from tests.support.fakes import FakeLaneBroker
+from tests.support.plan_keys import signed_example_fleet
+from tests.support.registry_store import beating_registry
 
 
 @pytest.fixture
 def fleet(tmp_path: Path):
-    return signed_fleet(tmp_path)
+    return signed_example_fleet(tmp_path / "fleet")
 
 
 @pytest.fixture

@@ -4,14 +4,10 @@ and an unreadable Ray is said and skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
@@ -19,8 +15,8 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.core.scheduling.ray_tasks import RayView
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import RayStateUnavailable
-from tests.integration.registry_store import beat_example_fleet
-from tests.plan_keys import signed_example_fleet
+from tests.support.plan_keys import signed_example_fleet
+from tests.support.registry_store import beating_registry
 
 
 class FakeRayState:
@@ -36,18 +32,6 @@ class FakeRayState:
 def signed_fleet(tmp_path: Path):
     """The example fleet with throwaway plan keys (its candidates can sign)."""
     return signed_example_fleet(tmp_path / "fleet")
-
-
-@contextmanager
-def beating_registry(tmp_path: Path, fleet) -> Iterator[SqliteRegistry]:
-    """A real sqlite registry with every example host's heartbeat."""
-    desired = load_desired(fleet.desired)
-    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
-    try:
-        beat_example_fleet(reg)
-        yield reg
-    finally:
-        reg.close()
 
 
 @pytest.fixture

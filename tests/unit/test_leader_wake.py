@@ -13,8 +13,8 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import LeaderInfo, Leadership
 from reconciler.engine.leader import LAPSE_RECHECK_S, LeaderLoop
 from reconciler.ports import LeaderView
-from tests.fakes import FakeClock
-from tests.plan_keys import signed_example_fleet
+from tests.support.clock import FakeClock
+from tests.support.plan_keys import signed_example_fleet
 
 LEASE_TTL_S = 30.0  # a renewal every 10 s
 

@@ -19,7 +19,6 @@ from reconciler.core.live.models import Deferred, FleetPlan, Snapshot
 from reconciler.core.views.metrics import (
     Family,
     PassMetrics,
-    escape_label_value,
     exposition,
     format_value,
     render_metrics,
@@ -192,6 +191,7 @@ def test_the_pass_and_fleet_families_parse_with_help_and_type(fleet_text):
         "fabric_lane_rank",
         "fabric_lane_up",
         "fabric_leader_info",
+        "fabric_node_cost_info",
         "fabric_node_draining",
         "fabric_node_held_off",
         "fabric_node_in_flight",
@@ -200,6 +200,8 @@ def test_the_pass_and_fleet_families_parse_with_help_and_type(fleet_text):
         "fabric_node_max_concurrent_tasks",
         "fabric_node_status",
         "fabric_node_tier_score",
+        "fabric_paid_slots",
+        "fabric_paid_slots_in_use",
         "fabric_plan_epoch",
         "fabric_reconcile_duration_seconds",
         "fabric_reconcile_last_success_timestamp_seconds",
@@ -322,10 +324,24 @@ def test_a_family_refuses_reserved_label_names():
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(1, "1"), (True, "1"), (False, "0"), (1.25, "1.25"), (3.0, "3"), (float("nan"), "NaN"), (float("inf"), "+Inf"), (-float("inf"), "-Inf")],
+    [
+        (1, "1.0"),
+        (True, "1.0"),
+        (False, "0.0"),
+        (1.25, "1.25"),
+        (3.0, "3.0"),
+        (1795977000.125, "1.795977000125e+09"),  # a timestamp keeps every digit
+        (float("nan"), "NaN"),
+        (float("inf"), "+Inf"),
+        (-float("inf"), "-Inf"),
+    ],
 )
 def test_values_are_written_as_the_format_spells_them(value, text):
+    """prometheus_client's spelling (Go's float format), which the textfile collector parses."""
     assert format_value(value) == text
+    family = Family("fabric_x", "gauge", "help")
+    family.add(value)
+    assert exposition([family]).splitlines()[-1] == f"fabric_x {text}"
 
 
 def test_help_text_escapes_backslash_and_newline():
@@ -339,4 +355,10 @@ def test_help_text_escapes_backslash_and_newline():
 
 
 def test_label_escaping_matches_the_format():
-    assert escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+    family = Family("fabric_x", "gauge", "help")
+    family.add(1, node='a"b\\c\nd')
+
+    text = exposition([family])
+
+    assert text.splitlines()[-1] == 'fabric_x{node="a\\"b\\\\c\\nd"} 1.0'
+    assert parse_exposition(text)["fabric_x"].value(node='a"b\\c\nd') == 1

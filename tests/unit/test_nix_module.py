@@ -19,8 +19,10 @@ from pydantic import ValidationError
 from reconciler.cli import main
 from reconciler.core.install.nodeconfig import NodeConfig
 from reconciler.core.install.units import (
+    DAEMON_HARDENING,
     HARDENING,
     PASS_DIRECTORIES,
+    PASS_HARDENING,
     PASS_HOME,
     Install,
     leader_service,
@@ -36,7 +38,7 @@ PACKAGE = "/nix/store/11111111111111111111111111111111-fabric-reconciler-0.1.0"
 NODE_TOML = "/etc/fabric/node.toml"
 
 # Settings a unit may give several times: a single Nix string is one of them.
-LIST_KEYS = {"ReadWritePaths", "ExecStartPre"}
+LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre"}
 
 
 def nix_files() -> list[Path]:
@@ -111,7 +113,8 @@ CONFIGS = {
     "edge-with-git": (
         '{ hostName = "racknerd"; interval = "45s"; randomizedDelaySec = "10s";'
         ' desired.git = { remote = "git@github.com:researchstack/fleet.git"; branch = "prod";'
-        ' sshKeyFile = "/run/secrets/deploy"; requireSignedCommits = true;'
+        ' sshKeyFile = "/etc/fabric/deploy-key"; requireSignedCommits = true;'
+        ' sshHostKey = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";'
         ' allowedSignersFile = "/etc/fabric/allowed_signers"; }; }',
         {"caddyEnable": "true"},
     ),
@@ -183,10 +186,16 @@ def test_watch_service_on_every_host_matches_python(name: str) -> None:
 def test_hardening_is_shared_and_complete() -> None:
     result = evaluate("{ }")
     service_config = normalized(result["services"]["fabric-reconcile"]["serviceConfig"])
-    for key, value in HARDENING.items():
+    for key, value in PASS_HARDENING.items():
         assert service_config[key] == value, key
-    # The probe must see GPUs: no PrivateDevices on either side.
+    # The probe must see GPUs: no PrivateDevices in the pass on either side.
     assert "PrivateDevices" not in service_config
+    for key, value in HARDENING.items():
+        assert PASS_HARDENING[key] == value, key
+    watch_config = normalized(result["services"]["fabric-watch"]["serviceConfig"])
+    for key, value in DAEMON_HARDENING.items():
+        assert watch_config[key] == value, key
+    assert "ReadWritePaths" not in watch_config
 
 
 def test_settings_reach_node_toml_and_the_command() -> None:
@@ -231,12 +240,18 @@ def test_no_pull_without_a_git_remote() -> None:
 def test_signed_commits_need_allowed_signers() -> None:
     result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = true; }; }')
     assert [a["assertion"] for a in result["assertions"]] == [True, True, False]
+    # On by default: a remote alone is refused until signers are named or signing is turned off in so many words.
+    result = evaluate('{ desired.git.remote = "/srv/fleet.git"; }')
+    assert [a["assertion"] for a in result["assertions"]] == [True, True, False]
+    result = evaluate('{ desired.git = { remote = "/srv/fleet.git"; requireSignedCommits = false; }; }')
+    assert all(a["assertion"] for a in result["assertions"])
+    assert NodeConfig.model_validate(result["node"]).source.require_signed_commits is False  # type: ignore[union-attr]
     result = evaluate(CONFIGS["edge-with-git"][0])
     assert all(a["assertion"] for a in result["assertions"])
 
 
 def test_git_checkout_must_be_in_the_state_directory() -> None:
-    result = evaluate('{ desired = { path = "/srv/fleet"; git.remote = "/srv/fleet.git"; }; }')
+    result = evaluate('{ desired = { path = "/srv/fleet"; git = { remote = "/srv/fleet.git"; requireSignedCommits = false; }; }; }')
     assert [a["assertion"] for a in result["assertions"]] == [True, False, True]
     with pytest.raises(ValidationError, match="the checkout must be inside node.state_dir"):
         NodeConfig.model_validate(result["node"])

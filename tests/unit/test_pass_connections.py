@@ -3,7 +3,7 @@
 First the rule on fakes: a connection is opened once per key, every user's
 close() leaves it open, the process's close() closes it once; a connection
 a call failed through is closed by that user and never handed out again.
-Then whole `fabric reconcile` processes (tests/unit/test_pass_memo.py's
+Then whole `fabric reconcile` processes (tests/support/memo_sandbox.py's
 Sandbox: the edge racknerd, --no-activate, the sqlite registry under the
 root), counting the connections opened to the registry's file. etcd and
 phaze's broker: tests/integration/test_pass_connections.py.
@@ -20,7 +20,8 @@ import pytest
 from reconciler.adapters.pass_connections import PassConnections
 from reconciler.adapters.registry_sqlite_file import SqliteFile
 from reconciler.ports import RegistryUnavailable
-from tests.unit.test_pass_memo import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, open_registry, run
+from tests.support.cli import fabric
+from tests.support.memo_sandbox import Sandbox, audit_on_stderr, memoized, new_term_without_a_plan, open_registry
 
 __all__ = ["audit_on_stderr"]  # its autouse fixture applies here too
 
@@ -128,16 +129,16 @@ def sandbox(tmp_path: Path) -> Sandbox:
 def test_a_pass_opens_the_registry_once_for_its_memo_check_its_beats_and_the_fleet_view(
     sandbox: Sandbox, capsys: pytest.CaptureFixture[str], registry_connects: list[str]
 ) -> None:
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err), err
     assert len(registry_connects) == 1, "the first beat and plan read, the beat after activation and the fleet view share it"
     won_campaign(sandbox)
     registry_connects.clear()
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err) and "full pass" in err, err
     assert len(registry_connects) == 1, "the memo's side opened it; the full pass after it works on that connection"
     registry_connects.clear()
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and memoized(err), err
     assert len(registry_connects) == 1
 
@@ -147,8 +148,8 @@ def test_a_registry_connection_that_failed_in_the_memo_check_is_not_the_full_pas
 ) -> None:
     """The memo's side reads the epoch on a connection that then breaks: the
     full pass opens its own and converges instead of failing static."""
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     real_epoch = SqliteFile.epoch
     broken: list[SqliteFile] = []
 
@@ -161,7 +162,7 @@ def test_a_registry_connection_that_failed_in_the_memo_check_is_not_the_full_pas
 
     monkeypatch.setattr(SqliteFile, "epoch", epoch_breaking_once)
     registry_connects.clear()
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert broken, "the memo's side read the epoch"
     assert code == 0 and not memoized(err), err
     assert "running static" not in out + err and out == "nothing to do (generation 1)\n", out + err

@@ -1,7 +1,7 @@
 """What a pass imports on its way to activation, and after it: the cost a new plan's passes pay before they act.
 
 Each test runs whole `fabric reconcile --no-activate` processes into a
-sandbox root (tests/unit/test_pass_memo.py's Sandbox: the example fleet, a
+sandbox root (tests/support/memo_sandbox.py's Sandbox: the example fleet, a
 recorded probe, the sqlite registry under the root), in a child interpreter
 that notes sys.modules when the pass enters the applier (`Applier.run`,
 where activation starts; a memo hit never gets there) and when it ends.
@@ -10,39 +10,16 @@ The memo hit's own contracts (no model, no template) are in test_pass_memo.py.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.harness.pass_child import CHILD
-from tests.unit.test_pass_memo import REPO, Sandbox
-
-
-@dataclass(frozen=True)
-class Imported:
-    at_activation: frozenset[str] | None  # None: the pass never got to the applier (a memo hit)
-    at_end: frozenset[str]
-    stderr: str
-
-
-def one_pass(s: Sandbox, *extra: str) -> Imported:
-    report = s.root.parent / "imports.json"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", CHILD, "", str(report), *s.argv(*extra)], capture_output=True, text=True, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(report.read_text())
-    at = seen.get("at_activation")
-    return Imported(frozenset(at) if at is not None else None, frozenset(seen["at_end"]), done.stderr)
-
-
-def loaded(modules: frozenset[str], *packages: str) -> list[str]:
-    """Which of `packages` (or their submodules) are in `modules`."""
-    return sorted(p for p in packages if any(m == p or m.startswith(f"{p}.") for m in modules))
+from tests.conftest import REPO
+from tests.support.memo_sandbox import Sandbox
+from tests.support.pass_imports import loaded, one_pass
 
 
 @pytest.mark.parametrize("host", ["racknerd", "a1-arm64"])
@@ -84,6 +61,7 @@ def test_a_lane_hosts_pass_imports_no_saq_to_read_its_lanes(tmp_path: Path) -> N
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
         url_file = tmp_path / "queue_url"
         url_file.write_text(f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/phaze\n")
+        url_file.chmod(0o600)  # a secret: refused unless private
         fleet_file = s.desired / "fabric.toml"
         fleet_file.write_text(fleet_file.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{url_file}"\n', 1))
         full = one_pass(s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,86 +19,23 @@ from typing import Any
 import pytest
 
 from reconciler.engine.pass_memo import MAX_AGE_S, MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, sha256, usable
-from reconciler.ports import Registry
+from tests.conftest import REPO
+from tests.support.cli import fabric
+from tests.support.memo_sandbox import (
+    GOLDEN,
+    STATE,
+    Sandbox,
+    audit_on_stderr,
+    memoized,
+    new_registry_epoch,
+    open_registry,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-GOLDEN = REPO / "tests" / "golden"
-STATE = "var/lib/fabric"
-
-
-class Sandbox:
-    """The example fleet's desired state, a root, and racknerd's passes into it."""
-
-    def __init__(self, tmp_path: Path, host: str = "racknerd") -> None:
-        self.desired = tmp_path / "desired"
-        shutil.copytree(REPO / "hosts", self.desired)
-        self.capture = tmp_path / "capture"
-        shutil.copytree(GOLDEN / "probe" / "x86_64", self.capture)
-        self.root = tmp_path / "root"
-        self.host = host
-
-    def argv(self, *extra: str) -> list[str]:
-        return [
-            "reconcile",
-            "--desired",
-            str(self.desired),
-            "--host",
-            self.host,
-            "--root",
-            str(self.root),
-            "--replay",
-            str(self.capture),
-            "--no-activate",
-            *extra,
-        ]
-
-    @property
-    def memo_file(self) -> Path:
-        return self.root / STATE / MEMO_FILE
-
-    @property
-    def registry_file(self) -> Path:
-        return self.root / "var/lib/fabric/registry.sqlite"
-
-
-def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    from reconciler.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def audit_lines(err: str) -> list[dict[str, str]]:
-    return [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-
-
-def memoized(err: str) -> bool:
-    """The pass was the memo's: one audit line, noop, memo hit."""
-    lines = audit_lines(err)
-    return len(lines) == 1 and lines[0]["action"] == "noop" and lines[0].get("memo") == "hit"
+__all__ = ["audit_on_stderr"]  # its autouse fixture applies here
 
 
 def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def open_registry(s: Sandbox) -> Registry:
-    from reconciler.core.desired.load import load_desired
-    from reconciler.wiring import open_registry
-
-    return open_registry(load_desired(s.desired).fleet, sqlite_path=s.registry_file)
-
-
-@pytest.fixture(autouse=True)
-def audit_on_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The audit lines as JSON on stderr, where these tests read them, even on a machine with journald."""
-    from reconciler.adapters.journal import JournalAudit
-
-    defaults = JournalAudit.__init__.__defaults__
-    assert defaults is not None
-    monkeypatch.setattr(JournalAudit.__init__, "__defaults__", ("/nonexistent/journal/socket", *defaults[1:]))
 
 
 @pytest.fixture
@@ -108,29 +44,20 @@ def sandbox(tmp_path: Path) -> Sandbox:
 
 
 def test_an_unchanged_pass_is_memoized_and_still_heartbeats_and_audits(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and "generation 1 written" in out and not memoized(err)
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert (code, out) == (0, "nothing to do (generation 1)\n")
     assert memoized(err), err
     assert f"note: heartbeat: {sandbox.host} tier" in err
     # The heartbeat really reaches the registry: a registry that lost the
     # record (here: a new one) has it again after a memoized pass.
     sandbox.registry_file.unlink()
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and memoized(err), err
     registry = open_registry(sandbox)
     try:
         assert [state.record.node_id for state in registry.node_states()] == [sandbox.host]
-    finally:
-        registry.close()
-
-
-def reported_in_flight(s: Sandbox) -> int:
-    registry = open_registry(s)
-    try:
-        (state,) = [state for state in registry.node_states() if state.record.node_id == s.host]
-        return state.record.in_flight
     finally:
         registry.close()
 
@@ -161,6 +88,15 @@ def test_a_memoized_pass_with_a_plan_file_imports_no_model(sandbox: Sandbox) -> 
     argv = sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json"))
     first, _ = two_passes_noting_imports(argv, ("pydantic", "jinja2", "reconciler.core.desired.model", "reconciler.engine.reconcile"))
     assert "HEAVY jinja2,pydantic" in first  # the full pass renders
+
+
+def test_only_the_full_pass_imports_prometheus_client(sandbox: Sandbox) -> None:
+    """The full pass writes the metrics textfile with prometheus_client; the
+    memoized pass rewrites this host's pass series in it as text and does not
+    pay for the library's import (docs/pass.md gives the figure)."""
+    argv = sandbox.argv("--plan-file", str(GOLDEN / "fleet-plan.json"))
+    first, _ = two_passes_noting_imports(argv, ("prometheus_client",))
+    assert "HEAVY prometheus_client" in first
 
 
 def test_a_memoized_pass_that_probes_live_imports_no_model(sandbox: Sandbox) -> None:
@@ -245,27 +181,6 @@ def change_probe(s: Sandbox) -> None:
     meminfo.write_text(meminfo.read_text().replace("MemTotal:", "MemTotal:  ", 1))
 
 
-def new_term_without_a_plan(registry: Registry, candidate: str = "lux") -> None:
-    """A term won and given up before its leader published: the registry's epoch moves on, the plan stays."""
-    term = registry.campaign(candidate, 30.0)
-    assert term is not None
-    registry.resign(term)
-
-
-def new_registry_epoch(s: Sandbox) -> None:
-    """A leader publishes a plan: the registry's epoch moves on."""
-    from reconciler.core.live.models import FleetPlan
-
-    registry = open_registry(s)
-    try:
-        leadership = registry.campaign("lux", 30.0)
-        assert leadership is not None
-        registry.publish_plan(leadership, FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_bytes()))
-        registry.resign(leadership)
-    finally:
-        registry.close()
-
-
 def options_changed(s: Sandbox) -> None:
     pass  # the pass below adds --unit-dir
 
@@ -282,26 +197,26 @@ def options_changed(s: Sandbox) -> None:
     ids=["host-file-edited", "another-host-edited", "probe-changed", "new-plan-epoch", "options-changed"],
 )
 def test_a_change_of_any_input_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], change, extra) -> None:  # type: ignore[no-untyped-def]
-    run(capsys, sandbox.argv())
-    code, _, err = run(capsys, sandbox.argv())
+    fabric(capsys, *sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and memoized(err)
     change(sandbox)
-    code, out, err = run(capsys, sandbox.argv(*extra))
+    code, out, err = fabric(capsys, *sandbox.argv(*extra))
     assert code == 0, err
     assert not memoized(err), err
     # ...and the full pass leaves a memo again when it converged.
     if sandbox.memo_file.exists():
-        code, out, err = run(capsys, sandbox.argv(*extra))
+        code, out, err = fabric(capsys, *sandbox.argv(*extra))
         assert code == 0 and memoized(err), err
 
 
 def test_a_new_plan_epoch_makes_a_full_pass_that_beats_once(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
     """The memo's side reads the epoch before it would beat: the full pass a
     new plan needs sends the pass's heartbeat, not a second one after the memo's."""
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     new_registry_epoch(sandbox)
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err), err
     assert "full pass" in err and err.count("note: heartbeat:") == 1, err
 
@@ -315,29 +230,29 @@ def test_in_a_git_checkout_a_new_commit_or_an_edit_of_the_own_files_makes_a_full
     git(sandbox.desired, "init", "-q")
     git(sandbox.desired, "add", "-A")
     git(sandbox.desired, "commit", "-q", "-m", "fleet")
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     edit_other_host(sandbox)
     git(sandbox.desired, "commit", "-q", "-am", "qfox-1: a comment")
-    assert not memoized(run(capsys, sandbox.argv())[2])
-    assert memoized(run(capsys, sandbox.argv())[2])
+    assert not memoized(fabric(capsys, *sandbox.argv())[2])
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     edit_desired(sandbox)  # not committed: this host's own file is watched by itself
-    assert not memoized(run(capsys, sandbox.argv())[2])
+    assert not memoized(fabric(capsys, *sandbox.argv())[2])
     fleet_file = sandbox.desired / "fabric.toml"
     fleet_file.write_text(fleet_file.read_text() + "\n# uncommitted\n")
-    assert not memoized(run(capsys, sandbox.argv())[2])
+    assert not memoized(fabric(capsys, *sandbox.argv())[2])
 
 
 def test_a_new_plan_file_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text((GOLDEN / "fleet-plan.json").read_text())
     argv = sandbox.argv("--plan-file", str(plan))
-    run(capsys, argv)
-    assert memoized(run(capsys, argv)[2])
+    fabric(capsys, *argv)
+    assert memoized(fabric(capsys, *argv)[2])
     data = json.loads(plan.read_text())
     data["epoch"] += 1
     plan.write_text(json.dumps(data))
-    code, _, err = run(capsys, argv)
+    code, _, err = fabric(capsys, *argv)
     assert code == 0 and not memoized(err), err
 
 
@@ -348,44 +263,44 @@ def test_a_new_plan_file_makes_a_full_pass(sandbox: Sandbox, capsys: pytest.Capt
 def test_a_rendered_file_edited_or_removed_is_repaired_by_the_next_pass(
     sandbox: Sandbox, capsys: pytest.CaptureFixture[str], path: str, how: str
 ) -> None:
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     rendered = sandbox.root / path
     good = rendered.read_bytes()
     if how == "edit":
         rendered.write_bytes(good + b"# edited by hand\n")
     else:
         rendered.unlink()
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err), err
     assert f"drift since the last pass: {path} {'was changed' if how == 'edit' else 'is missing'}" in err
     assert f"  {path}\n" in out
     assert rendered.read_bytes() == good
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert (code, out) == (0, "nothing to do (generation 1)\n") and memoized(err)
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"version": 999, "key": "x"}', b'{"version": 1, "key": 3}'])
 def test_a_corrupt_or_missing_memo_means_a_full_pass(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], content: bytes) -> None:
-    run(capsys, sandbox.argv())
+    fabric(capsys, *sandbox.argv())
     sandbox.memo_file.write_bytes(content)
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err), err
     assert PassMemo.from_json(sandbox.memo_file.read_bytes()).seed.generation == 1
     sandbox.memo_file.unlink()
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err)
-    assert memoized(run(capsys, sandbox.argv())[2])
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
 
 
 @pytest.mark.parametrize("where", ["fabric.toml", "qfox-1.toml"])
 def test_bad_input_after_a_memoized_pass_is_refused_and_changes_nothing(sandbox: Sandbox, capsys: pytest.CaptureFixture[str], where: str) -> None:
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     before = tree(sandbox.root)
     broken = sandbox.desired / where
     broken.write_text(broken.read_text() + "\n[this is not = valid\n")
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert (code, out) == (2, "") and str(broken) in err
     assert tree(sandbox.root) == before
 
@@ -393,8 +308,8 @@ def test_bad_input_after_a_memoized_pass_is_refused_and_changes_nothing(sandbox:
 def test_a_leader_candidate_is_never_memoized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Its pass may have to lead (nobody leads): it always runs whole."""
     lux = Sandbox(tmp_path, host="lux")
-    run(capsys, lux.argv())
-    code, _, err = run(capsys, lux.argv())
+    fabric(capsys, *lux.argv())
+    code, _, err = fabric(capsys, *lux.argv())
     assert code == 0 and not memoized(err), err
     assert not lux.memo_file.exists()
 
@@ -440,13 +355,13 @@ def test_the_light_defaults_of_the_options_agree_with_their_homes() -> None:
 
 
 def test_a_memoized_pass_refreshes_this_hosts_pass_series_and_keeps_the_fleets(sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
-    run(capsys, sandbox.argv())
+    fabric(capsys, *sandbox.argv())
     textfile = sandbox.root / "var/lib/node_exporter/textfile/fabric.prom"
     counters = sandbox.root / STATE / "pass-counters.json"
-    textfile.write_text(textfile.read_text().replace("fabric_reconcile_success 1\n", "fabric_reconcile_success 0\n"))
+    textfile.write_text(textfile.read_text().replace("fabric_reconcile_success 1.0\n", "fabric_reconcile_success 0.0\n"))
     stale = textfile.read_text()
     counters.write_text(json.dumps({"rollbacks_total": 2, "last_success": "2000-01-01T00:00:00+00:00"}))
-    code, _, err = run(capsys, sandbox.argv())
+    code, _, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and memoized(err), err
     fresh = textfile.read_text()
     changed = {a.split(" ")[0] for a, b in zip(stale.splitlines(), fresh.splitlines(), strict=True) if a != b}
@@ -464,7 +379,7 @@ def test_a_pass_that_changes_something_drops_the_memo_before_its_first_change(
     sandbox: Sandbox, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pass killed half-way must leave no memo that vouches for the half-done world."""
-    run(capsys, sandbox.argv())
+    fabric(capsys, *sandbox.argv())
     assert sandbox.memo_file.exists()
     edit_desired(sandbox)
     edit = sandbox.desired / "fabric.toml"
@@ -499,13 +414,13 @@ def test_a_new_plan_epoch_makes_a_full_pass_before_the_drift_check(sandbox: Sand
     """A plan published since the last pass makes the pass whole at once: the
     memo's side does not hash the files (nor, with activation, read the units
     and the table) first; the full pass compares them itself and repairs what drifted."""
-    run(capsys, sandbox.argv())
-    assert memoized(run(capsys, sandbox.argv())[2])
+    fabric(capsys, *sandbox.argv())
+    assert memoized(fabric(capsys, *sandbox.argv())[2])
     rendered = sandbox.root / "etc/caddy/fabric.caddy"
     good = rendered.read_bytes()
     rendered.write_bytes(good + b"# edited by hand\n")
     new_registry_epoch(sandbox)
-    code, out, err = run(capsys, sandbox.argv())
+    code, out, err = fabric(capsys, *sandbox.argv())
     assert code == 0 and not memoized(err), err
     assert "note: registry epoch" in err and "drift since the last pass" not in err, err
     assert err.count("note: heartbeat:") == 1, err
@@ -598,7 +513,8 @@ def memo_side(tmp_path: Path, registry_epoch: int, unit_state: str = "active") -
     from reconciler.engine.memoized_pass import MemoPorts, pass_inputs, run_memoized_pass
     from reconciler.engine.pass_memo import inputs_key
     from reconciler.engine.pass_options import PassOptions
-    from tests.unit.test_apply import RecordingAudit
+    from tests.support.audit import RecordingAudit
+    from tests.support.clock import FakeClock
 
     calls: list[str] = []
     world = MemoWorldSeen(calls)
@@ -618,15 +534,11 @@ def memo_side(tmp_path: Path, registry_epoch: int, unit_state: str = "active") -
     )
     store = MemoFilesInMemory({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
 
-    class Clock:
-        def now(self) -> float:
-            return 1010.0
-
     ports = MemoPorts(
         store=store,
         world=world,  # type: ignore[arg-type]
         audit=RecordingAudit(),
-        clock=Clock(),
+        clock=FakeClock(1010.0),
         probe=lambda: None,  # type: ignore[arg-type,return-value]
         open_registry=lambda reach: BeatsSeen(calls, registry_epoch),
     )

@@ -21,8 +21,8 @@ from reconciler.engine.fleet_view import FleetView
 from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, write_pass_records
 from reconciler.engine.plan_fence import PassPlan, empty_plan
 from tests.conftest import EXAMPLE_FLEET, REPO
-from tests.harness.waiting import wait_until
-from tests.integration.registry_store import status_of
+from tests.support.harness.waiting import wait_until
+from tests.support.registry_store import status_of
 
 STATE_DIR = "var/lib/fabric"
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -69,8 +69,8 @@ def test_rollbacks_are_counted_across_passes_and_last_success_is_kept(tmp_path: 
     write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=30))
     write_pass_records(tree, STATE_DIR, STATE, "lux", source, outcome(ok=False, rolled_back=True), T0 + timedelta(seconds=60))
     text = metrics(tmp_path)
-    assert "\nfabric_rollbacks_total 2\n" in text
-    assert "\nfabric_reconcile_success 0\n" in text
+    assert "\nfabric_rollbacks_total 2.0\n" in text
+    assert "\nfabric_reconcile_success 0.0\n" in text
     assert f"\nfabric_reconcile_last_success_timestamp_seconds {format_value(T0.timestamp())}\n" in text
     assert not (tmp_path / "var/lib/fabric/status").exists(), "only the edge writes the status page"
 
@@ -81,7 +81,7 @@ def test_the_edge_writes_the_status_page_from_the_registry_view(tmp_path: Path) 
     write_pass_records(LocalTree(tmp_path), STATE_DIR, STATE, "racknerd", source, outcome(), T0, view=FleetView(snapshot))
     page = (tmp_path / "var/lib/fabric/status/index.html").read_text()
     assert "a1-arm64" in page and "RANK 10" in page and "qfox-1" in page
-    assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4\n' in metrics(tmp_path)
+    assert '\nfabric_node_max_concurrent_tasks{node="qfox-1"} 4.0\n' in metrics(tmp_path)
 
 
 def test_the_edges_page_lists_the_registrys_nodes_and_the_hosts_the_fleet_names_not_every_declared_host(tmp_path: Path) -> None:

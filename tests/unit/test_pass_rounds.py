@@ -30,10 +30,12 @@ from reconciler.engine.pass_options import STATE_DIR, PassOptions, PlanFromRegis
 from reconciler.engine.reconcile import PASS_ROUNDS, PassPorts, run_pass
 from reconciler.ports import LockBusy, RegistryUnavailable
 from tests.conftest import REPO
-from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet
-from tests.unit.test_apply import FakeMachine, FakeVerifier, RecordingAudit, fake_pass_ports
-from tests.unit.test_pass_memo import new_term_without_a_plan
-from tests.unit.test_plan_source import facts
+from tests.support.audit import RecordingAudit
+from tests.support.fleet import fake_pass_ports
+from tests.support.machine import FakeMachine, FakeVerifier
+from tests.support.memo_sandbox import new_term_without_a_plan
+from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet
+from tests.support.probe_fixtures import fixture_facts as facts
 
 EDGE = "racknerd"
 SERVICE = "vaapi-encode"

@@ -4,7 +4,7 @@ Each step runs the engine's `preview_pass` (what `fabric plan --no-activate`
 prints) and `run_pass` (fabric reconcile) against a sandbox root, with the
 probe replayed from tests/golden/probe/ and the fleet plan from
 tests/golden/fleet-plan.json; the activation ports are FakeMachine
-(test_apply.py). The plan text must equal the file in tests/golden/plan/
+(tests/support/machine.py). The plan text must equal the file in tests/golden/plan/
 exactly. --json, a format of the command line, runs the real `fabric plan`. After an intended change of the text, regenerate
 them with `UPDATE_GOLDEN=1 pytest tests/unit/test_plan_golden.py` and review
 the diff.
@@ -18,15 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_apply import GOLDEN, Fleet, cli_pass, fabric
+from tests.support.cli import fabric
+from tests.support.fleet import GOLDEN, Fleet, cli_pass, fabric_plan
 
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-
-
-def fabric_plan(fleet: Fleet, **changes: object) -> str:
-    report = fleet.preview(no_activate=True, **changes)
-    assert report.outcome == "planned", report.stderr
-    return report.stdout
 
 
 def fabric_plan_asking_systemd(fleet: Fleet, **changes: object) -> str:

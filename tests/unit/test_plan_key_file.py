@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from reconciler.adapters.plan_signing import KeyFileSigner, generate_key_file
 from reconciler.core.desired.load import load_desired
 from reconciler.ports import PlanSigningError
-from tests.plan_keys import TestKey, signed_example_fleet, with_plan_keys
+from tests.support.plan_keys import TestKey, signed_example_fleet, with_plan_keys
 
 
 def test_keygen_writes_a_0600_key_and_never_overwrites(tmp_path: Path) -> None:
@@ -36,7 +36,7 @@ def test_a_key_file_readable_by_others_is_refused_without_quoting_it(tmp_path: P
     os.chmod(key, 0o644)
     with pytest.raises(PlanSigningError) as refused:
         KeyFileSigner(key).public_key()
-    assert str(refused.value) == f"{key}: the plan signing key is readable by others (mode 0644); chmod 600 it"
+    assert str(refused.value) == f"{key}: the plan signing key is open to group or others (mode 0644); chmod 600 it"
 
 
 def test_a_missing_or_foreign_key_file_is_refused(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 The pure part builds plans and keys in memory. The leader part runs
 LeaderLoop steps over the embedded sqlite registry (a file in tmp_path) with
-the PlanSigner port faked by an in-memory key (tests.plan_keys).
+the PlanSigner port faked by an in-memory key (tests.support.plan_keys).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from reconciler.core.views.cards import fleet_status, render_text, status_docume
 from reconciler.engine.leader import LeaderLoop
 from reconciler.engine.plan_fence import UNSIGNED_NOTE, PlanOffer, admit
 from reconciler.engine.status import live_status
-from tests.plan_keys import SignedFleet, TestKey, signed_example_fleet, with_plan_keys
+from tests.support.plan_keys import SignedFleet, TestKey, signed_example_fleet, with_plan_keys
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=UTC)
 CANDIDATES = ["lux", "qfox-1"]

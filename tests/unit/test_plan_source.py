@@ -12,13 +12,11 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, HostFacts
+from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.engine import plan_fence, plan_source
 from reconciler.engine.fleet_view import read_fleet_view
 from reconciler.engine.heartbeat import node_record
@@ -26,7 +24,8 @@ from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanFromRegistry
 from reconciler.engine.plan_source import effective_facts, fleet_plan_for
 from reconciler.ports import PermissionDenied, RegistryUnavailable
 from tests.conftest import REPO
-from tests.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.support.probe_fixtures import fixture_facts as facts
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -45,11 +44,6 @@ def state(fleet: SignedFleet) -> DesiredState:
 @pytest.fixture(scope="module")
 def signers(fleet: SignedFleet) -> dict[str, FakeSigner]:
     return {host: fleet.signer(host) for host in CANDIDATES}
-
-
-def facts(host: str) -> HostFacts:
-    outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
-    return facts_from_capture(RawCapture(outputs, errors), host=host)
 
 
 @pytest.fixture
@@ -340,7 +334,9 @@ def test_the_edge_loads_caddy_before_it_reads_the_fleets_view_for_its_page(tmp_p
     page's reads (the snapshot, the history, the broker's lanes): the view is
     read once activation is over, and the page still shows it."""
     from reconciler.engine.reconcile import PassOptions, run_pass
-    from tests.unit.test_apply import FakeMachine, FakeVerifier, RecordingAudit, fake_pass_ports
+    from tests.support.audit import RecordingAudit
+    from tests.support.fleet import fake_pass_ports
+    from tests.support.machine import FakeMachine, FakeVerifier
 
     plan_source.read_registry(connect, state, "lux", facts("lux"), write=True, signer=SIGNERS["lux"])  # lux leads once: a signed plan
     root = tmp_path / "root"

@@ -21,11 +21,13 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, PortMap
 from reconciler.core.desired.problems import ProblemsError
 from reconciler.core.live.models import Snapshot
+from reconciler.core.render.artifacts import render
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.core.views.page import render_status_page
 from tests.conftest import EXAMPLE_FLEET
-from tests.unit.test_apply import GOLDEN, Fleet, cli_pass, fabric
-from tests.unit.test_render import facts, files, golden_plan, render
+from tests.support.cli import fabric
+from tests.support.fleet import GOLDEN, Fleet, cli_pass
+from tests.support.render import facts, files, golden_plan
 
 NOW = datetime(2026, 11, 29, 18, 30, tzinfo=UTC)
 

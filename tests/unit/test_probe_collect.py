@@ -24,7 +24,7 @@ from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES, Command, 
 from reconciler.core.probe.parsers import VAINFO_HEADER, parse_dri
 from reconciler.engine.probe import collect_live
 from reconciler.ports import CaptureError, CommandResult
-from tests.unit.test_probe_fixtures import FIXTURES, MACHINES, expected_facts, load_capture
+from tests.support.probe_fixtures import FIXTURES, MACHINES, expected_facts, load_capture
 
 # Program -> raw file, from the catalogue itself.
 _PROGRAM_RAW = {s.argv[0]: f.raw for f in FACTS for s in f.sources if isinstance(s, Command | PerRenderNode)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -25,29 +24,12 @@ from reconciler.core.probe.facts import ERRORS_FILE, FACTS, RAW_NAMES
 from reconciler.core.probe.identity import probed_tailnet_name, tailnet_name_note
 from reconciler.core.probe.raw import parse_capture
 from tests.conftest import EXAMPLE_FLEET
+from tests.support.probe_fixtures import EXPECTED, FIXTURES, MACHINES, expected_facts, load_capture
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
-MACHINES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-EXPECTED = "expected.json"
 # Where a fixture's raw files come from (a published output, or assembled).
 NOTE = "NOTE"
 # The hosts of the example fleet: the fleet end-to-end tests replay these.
 FLEET_HOSTS = ("qfox-1", "a1-arm64", "x86-spill", "lux", "racknerd")
-
-
-def load_capture(machine: str) -> RawCapture:
-    directory = FIXTURES / machine
-    outputs = {name: (directory / name).read_text() for name in RAW_NAMES if (directory / name).is_file()}
-    errors_path = directory / ERRORS_FILE
-    errors = json.loads(errors_path.read_text()) if errors_path.is_file() else {}
-    return RawCapture(outputs, errors)
-
-
-def expected_facts(machine: str) -> dict:
-    path = FIXTURES / machine / EXPECTED
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `fabric probe --replay {path.parent} --json > {path}` and review it line by line")
-    return json.loads(path.read_text())
 
 
 RAW_CASES = [

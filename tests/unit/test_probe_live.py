@@ -26,7 +26,7 @@ from reconciler.core.probe.facts import FACTS, Command, Fact
 from reconciler.core.probe.parsers import parse_uname_m
 from reconciler.core.probe.raw import parse_capture
 from reconciler.engine.probe import collect_live
-from tests.unit.test_probe_fixtures import FIXTURES, expected_facts
+from tests.support.probe_fixtures import FIXTURES, expected_facts
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ text at all can make a parser raise anything but ParseError."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from reconciler.core.probe import parsers
 from reconciler.core.probe.facts import FACTS
 from reconciler.core.probe.parsers import ParseError
-from tests.unit.test_probe_fixtures import FIXTURES, MACHINES
+from tests.support.probe_fixtures import FIXTURES, MACHINES
 
 PARSERS = {fact.raw: fact.parser for fact in FACTS}
 REAL_OUTPUTS = sorted(
@@ -264,6 +265,8 @@ def _status(peers, state="Running"):
             ],
             False,
         ),
+        # A peer relay (tailscale >= 1.86) is not DERP, though CurAddr is empty and Relay set.
+        ([{"Online": True, "Active": True, "Relay": "nyc", "CurAddr": "", "PeerRelay": "198.51.100.23:7777:vni:182"}], False),
         # Idle peers have no CurAddr whatever the path: they say nothing.
         ([{"Online": True, "Active": False, "Relay": "nyc", "CurAddr": ""}], None),
         ([{"Online": False, "Active": True, "Relay": "nyc", "CurAddr": ""}], None),
@@ -274,6 +277,12 @@ def test_tailscale_relayed_is_judged_by_active_peers(peers, relayed):
     status = parsers.parse_tailscale_status(_status(peers))
     assert status.relayed is relayed
     assert status.dns_name == "node.tail-abc123.ts.net" and status.ipv4 == "100.64.0.9"
+
+
+def test_a_status_whose_peers_all_go_through_a_peer_relay_is_not_derp_relayed():
+    text = (Path(__file__).resolve().parents[1] / "fixtures" / "tailscale" / "peer-relay-1.86.json").read_text()
+    status = parsers.parse_tailscale_status(text)
+    assert status.relayed is False and status.relayed_peers == ()
 
 
 @pytest.mark.parametrize("state", ["NeedsLogin", "Stopped", "Starting", None])

@@ -33,7 +33,7 @@ from reconciler.core.probe.tiering import (
     storage_type,
     usable_hardware_encoders,
 )
-from tests.unit.test_probe_fixtures import MACHINES, load_capture
+from tests.support.probe_fixtures import MACHINES, load_capture
 
 LABELS = TypeAdapter(dict[LabelKey, LabelValue])
 T0 = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)

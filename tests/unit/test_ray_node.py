@@ -26,7 +26,7 @@ def test_a_cuda_node_offers_every_tier_down_to_relay_as_many_as_its_limit():
     assert spec.resources[tier_resource("gpu_apu")] == 4.0
     assert spec.resources[tier_resource("relay")] == 4.0
     assert spec.num_cpus == 4
-    assert spec.num_gpus == len(qfox.hardware.gpus) >= 1
+    assert spec.num_gpus == sum(gpu.tier == "gpu_cuda" for gpu in qfox.hardware.gpus) == 1
     assert spec.labels[HOST_LABEL] == "qfox-1"
     assert spec.labels["topology.researchstack.io/tier"] == "gpu_cuda"
 
@@ -50,3 +50,12 @@ def test_offered_tiers_are_the_own_and_the_lower_ones_best_first():
 def test_an_unknown_tier_has_no_resource():
     with pytest.raises(ValueError, match="unknown tier"):
         tier_resource("quantum")
+
+
+@pytest.mark.parametrize(("machine", "cuda_gpus"), [("radeon-desktop", 0), ("intel-nuc", 0), ("amd-apu-laptop", 0), ("multi-gpu-server", 2)])
+def test_ray_is_offered_only_the_gpus_cuda_can_use(machine: str, cuda_gpus: int) -> None:
+    """A VA-API GPU or an APU is a tier resource, never a Ray GPU: Ray hands GPUs out as CUDA devices."""
+    host = facts(machine)
+    spec = ray_node_spec(machine, host, EffectiveLimits(2, 2))
+    assert spec.num_gpus == cuda_gpus
+    assert spec.resources[tier_resource(host.tier)] == 2.0

@@ -31,8 +31,7 @@ from reconciler.core.render.ray_node import RAY_HEAD_UNIT, RAY_WORKER_UNIT, ray_
 from reconciler.core.render.ray_units import RayStateSource, closed_reason, ray_labels, ray_state_source
 from reconciler.core.scheduling.lifecycle import NodeState
 from tests.conftest import REPO
-from tests.unit.test_apply import Fleet
-from tests.unit.test_plan_golden import fabric_plan
+from tests.support.fleet import Fleet, fabric_plan
 
 EXAMPLE = REPO / "hosts"
 PROBES = REPO / "tests" / "fixtures" / "probe"
@@ -194,7 +193,10 @@ def test_a_worker_offers_its_probe_and_limits_and_joins_the_heads_tailnet_addres
     assert flag(words, "address") == "100.101.7.10:6379"  # lux's declared address, [ray] port
     assert flag(words, "node-ip-address") == "100.88.57.96"  # qfox-1's
     assert flag(words, "num-cpus") == "4"
-    assert flag(words, "num-gpus") == str(len(qfox.hardware.gpus)) == "2"
+    # Only the GPUs CUDA can use: qfox-1's RTX 4070, not its AMD Raphael iGPU
+    # (Ray would hand out CUDA_VISIBLE_DEVICES=1, a device CUDA does not have).
+    assert [gpu.tier for gpu in qfox.hardware.gpus].count("gpu_cuda") == 1 and len(qfox.hardware.gpus) == 2
+    assert flag(words, "num-gpus") == "1"
     assert flag(words, "memory") == str(spec.memory_bytes)
     resources = json.loads(flag(words, "resources"))
     assert resources == spec.resources

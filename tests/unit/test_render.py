@@ -17,25 +17,16 @@ import pytest
 from jinja2 import PackageLoader, StrictUndefined, UndefinedError
 
 from reconciler.core.desired.load import DesiredStateError, load_desired
-from reconciler.core.desired.model import DesiredState, EdgeSettings, Hardware, HostFacts, OperatingSystem
+from reconciler.core.desired.model import DesiredState, EdgeSettings, OperatingSystem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import TEMPLATES_DIR, Layout, RenderError, render, systemd_env, systemd_quote
 from reconciler.core.templating import environment as template_environment
+from tests.support.render import facts, files, golden_plan
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 HOSTS = ["racknerd", "qfox-1", "a1-arm64", "x86-spill", "lux"]
-
-
-def golden_plan(**changes: object) -> FleetPlan:
-    plan = FleetPlan.model_validate_json((GOLDEN / "fleet-plan.json").read_text())
-    return plan.model_copy(update=changes)
-
-
-def facts(host: str, arch: str | None = None, **extra: object) -> HostFacts:
-    arch = arch or ("aarch64" if host == "a1-arm64" else "x86_64")
-    return HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg", **extra)  # type: ignore[arg-type]
 
 
 def example() -> DesiredState:
@@ -49,11 +40,6 @@ def edited(tmp_path: Path, old: str, new: str) -> DesiredState:
     assert old in text
     (desired / "fabric.toml").write_text(text.replace(old, new))
     return load_desired(desired)
-
-
-def files(state: DesiredState, host: str, plan: FleetPlan | None = None, **kw: object) -> dict[str, str]:
-    rendered = render(state, host, kw.pop("node_facts", None) or facts(host), plan or golden_plan(), **kw)  # type: ignore[arg-type]
-    return {a.path: a.content for a in rendered.artifacts}
 
 
 def unit(texts: dict[str, str], name: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 from reconciler.cli import main
 from reconciler.core.live.models import FleetPlan
 from tests.conftest import EXAMPLE_FLEET
+from tests.support.cli import fabric
 
 NODES = [
     {"node_id": "qfox-1", "tier": "gpu_cuda", "status": "active", "in_flight": 0, "max_concurrent_tasks": 4, "arch": "x86_64", "labels": {}},
@@ -26,12 +27,6 @@ def write_snapshot(tmp_path, nodes=NODES, lanes=(), name="snapshot.json", **extr
     path = tmp_path / name
     path.write_text(json.dumps({"now": "2026-11-29T18:00:00Z", "nodes": list(nodes), "lanes": list(lanes), **extra}))
     return path
-
-
-def fabric(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def offline(node_id):
@@ -162,11 +157,13 @@ DISPATCH_TABLE = [
         ["--min-tier", "gpu_apu"],
         {"node": "qfox-1", "tier": "gpu_cuda", "fallback": False},
     ),
-    ("CUDA box full: falls back", NODES, ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
+    # The host files' cost classes decide within a tier: a1-arm64 is free, x86-spill paid.
+    ("CUDA box full: falls back", NODES, ["--min-tier", "gpu_apu"], {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": True}),
     ("CUDA box offline: falls back", offline("qfox-1"), ["--min-tier", "gpu_apu"], {"node": "x86-spill", "tier": "cpu_ffmpeg", "fallback": True}),
     (
         "arch restriction",
-        limit(offline("qfox-1"), "a1-arm64", 3),
+        # The free a1-arm64 takes the services qfox-1 cannot (four): room for one more.
+        limit(offline("qfox-1"), "a1-arm64", 5),
         ["--min-tier", "cpu_ffmpeg", "--arch", "aarch64"],
         {"node": "a1-arm64", "tier": "cpu_ffmpeg", "fallback": False},
     ),

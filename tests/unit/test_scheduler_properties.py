@@ -41,6 +41,7 @@ FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 
 # Few tiers per fleet make ties and fallbacks between them common.
 tiers = st.sampled_from(["gpu_cuda", "gpu_vaapi", "gpu_apu", "cpu_ffmpeg", "batch", "relay"])
+costs = st.sampled_from(["free", "owned", "paid"])
 
 
 @st.composite
@@ -60,6 +61,7 @@ def nodes_strategy(draw, min_size=0):
                 max_concurrent_tasks=draw(st.integers(0, 6)),
                 arch=draw(st.sampled_from(["x86_64", "x86_64", "aarch64", None])),
                 labels=draw(st.sampled_from([{}, {"zone": "a"}, {"zone": "b"}, {"zone": "a", "gpu": "yes"}])),
+                cost=draw(costs),
             )
         )
     return out
@@ -74,6 +76,7 @@ def requests_strategy(draw):
         floor=TIER_ORDER[bottom],
         arch=frozenset(draw(st.sets(st.sampled_from(["x86_64", "aarch64"]), max_size=1))),
         labels=draw(st.sampled_from([(), (), (("zone", "a"),), (("gpu", "yes"),)])),
+        cost_first=draw(st.booleans()),
     )
 
 
@@ -343,3 +346,53 @@ def test_services_and_lane_jobs_on_a_host_never_exceed_its_limit(nodes, services
 def accepts_lane_work(node: SnapshotNode) -> bool:
     held = node.held_off_until is not None and node.held_off_until > NOW
     return node.status == "active" and not node.drained and not held
+
+
+# --------------------------------------------------------------------------
+# Work comes home (issue 32): moves off paid hosts, make-before-break
+
+
+@FAST
+@given(nodes=nodes_strategy(min_size=1), services=services_strategy(), data=st.data())
+def test_moves_come_home_one_per_service_and_keep_every_limit(nodes, services, data):
+    """Whatever the plan in force (moves under way included) and the room
+    remembered: each replica is placed once, or twice while it moves (the new
+    placement names the old one's node); at most one move per service; a new
+    move leaves a paid host for a cheaper one; no node over its limit, the
+    moves' slots counted."""
+    running = data.draw(st.sampled_from([None, "active", "activating", "failed"]))
+    nodes = [n.model_copy(update={"units": {f"fabric-agent-svc{i}.service": running for i in range(5)} if running else {}}) for n in nodes]
+    # Placements in force mostly on paid hosts, some of them moves under way.
+    paid = [n.node_id for n in nodes if n.cost == "paid"] or [nodes[0].node_id]
+    on = st.sampled_from(paid * 3 + [n.node_id for n in nodes])
+    existing = data.draw(
+        st.lists(
+            st.tuples(st.sampled_from([f"svc{i}" for i in range(4)]), st.integers(0, 3), on, st.sampled_from([None] * 4 + NAMES[:4])), max_size=10
+        )
+    )
+    roomy = data.draw(st.one_of(st.just(set(NAMES)), st.sets(st.sampled_from(NAMES))))
+    state = _desired(services, NAMES)
+    old = [Placement(service=s, replica=r, node=n, tier="relay", replaces=m) for s, r, n, m in existing]
+    long_ago = NOW - timedelta(hours=1)
+    plan = schedule(Snapshot(now=NOW, nodes=nodes, placements=old, room_since=dict.fromkeys(roomy, long_ago)), state)
+    by_id = {n.node_id: n for n in nodes}
+    ranks = {"free": 0, "owned": 1, "paid": 2}
+
+    slots = Counter((p.service, p.replica) for p in plan.placements)
+    movers = [p for p in plan.placements if p.replaces is not None]
+    for p in movers:
+        assert slots[(p.service, p.replica)] == 2
+        [source] = [q for q in plan.placements if (q.service, q.replica) == (p.service, p.replica) and q is not p]
+        assert source.node == p.replaces and source.replaces is None
+    assert all(count == 1 for key, count in slots.items() if key not in {(p.service, p.replica) for p in movers})
+    assert len({p.service for p in movers}) == len(movers)
+    started = {(p.service, p.replica, p.node) for p in movers} - {(p.service, p.replica, p.node) for p in old if p.replaces is not None}
+    for service, replica, node_id in started:
+        source = next(q for q in plan.placements if (q.service, q.replica) == (service, replica) and q.replaces is None)
+        assert by_id[source.node].cost == "paid"
+        assert ranks[by_id[node_id].cost] < ranks["paid"]
+    # One host, one replica of a service: moves included.
+    assert len({(p.service, p.node) for p in plan.placements}) == len(plan.placements)
+    placed = Counter(p.node for p in plan.placements)
+    for node_id, count in placed.items():
+        assert count <= by_id[node_id].max_concurrent_tasks

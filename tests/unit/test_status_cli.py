@@ -13,6 +13,7 @@ import pytest
 from reconciler.cli import EXIT_INVALID, EXIT_OK, main
 from reconciler.cli import status as status_cli
 from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.support.cli import fabric
 
 FIXTURES = REPO / "tests" / "fixtures" / "status"
 SNAPSHOT = FIXTURES / "snapshot.json"
@@ -20,9 +21,7 @@ PLAN = FIXTURES / "plan.json"
 
 
 def fabric_status(capsys, *args: str, desired: Path = EXAMPLE_FLEET) -> tuple[int, str, str]:
-    code = main(["status", "--desired", str(desired), *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return fabric(capsys, "status", "--desired", str(desired), *args)
 
 
 def test_saved_snapshot_shows_cards_nodes_and_the_schedulers_plan(capsys):
@@ -223,7 +222,7 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     from reconciler.engine.leader import sign_plan, signing_key
     from reconciler.wiring import open_registry
 
-    # lux signs what it publishes (throwaway keys: tests.plan_keys).
+    # lux signs what it publishes (throwaway keys: tests.support.plan_keys).
     desired = load_desired(signed_fleet.desired)
     signer = signed_fleet.signer("lux")
     path = tmp_path / "registry.sqlite"

@@ -10,7 +10,7 @@ from reconciler.engine.leader import sign_plan, signing_key
 from reconciler.engine.status import live_status, saved_status
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO
-from tests.fakes import FakeClock
+from tests.support.clock import FakeClock
 
 SNAPSHOT = REPO / "tests" / "fixtures" / "status" / "snapshot.json"
 

@@ -6,7 +6,7 @@
    nested function), and that loop checks something every round: its body has
    an `assert`, `break`, `return` or `raise`, or it is a `while` whose test is
    not a constant. A sleep anywhere else waits for something to happen and
-   hopes it did; wait on the condition instead (tests.harness.waiting.wait_until).
+   hopes it did; wait on the condition instead (tests.support.harness.waiting.wait_until).
    The only exceptions are in SLEEP_ALLOWED, each with its reason.
 2. No assertion on elapsed wall time: an `assert` whose condition subtracts
    from or subtracts a clock reading (time.monotonic/time/perf_counter) is
@@ -14,6 +14,9 @@
 3. No Hypothesis deadline: every `settings(...)` / `register_profile(...)`
    that names a `deadline` sets it to None (a loaded machine blows any
    per-example deadline and fails a correct test), and the loaded profile has none.
+4. Test modules do not import each other: what they share lives in
+   tests/support (lint-imports checks the contract in pyproject.toml; here,
+   that the contract names every test module, so a new one is not left out).
 
 Sleeps inside strings (child-process scripts) are not calls here and are not checked.
 """
@@ -21,6 +24,7 @@ Sleeps inside strings (child-process scripts) are not calls here and are not che
 from __future__ import annotations
 
 import ast
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +154,7 @@ class _Checker(ast.NodeVisitor):
         if _is_call_to(node, SLEEPS, self.sleep_names):
             loops = self.loops[-1]
             if not loops or not _loop_checks_each_round(loops[-1]):
-                finding = self._finding(node, "a fixed sleep: wait on the condition (tests.harness.waiting.wait_until)")
+                finding = self._finding(node, "a fixed sleep: wait on the condition (tests.support.harness.waiting.wait_until)")
                 if (self.path, self.functions[-1]) in SLEEP_ALLOWED:
                     self.allowed_sleeps.append(finding)
                 else:
@@ -205,6 +209,23 @@ def test_every_allowed_sleep_is_still_there():
 
 def test_the_loaded_hypothesis_profile_has_no_deadline():
     assert settings.default.deadline is None
+
+
+TEST_MODULES_CONTRACT = "test modules do not import each other: what they share is in tests.support"
+
+
+def _named_by(module: str, expressions: list[str]) -> bool:
+    """`tests.unit.*` names the modules right under tests.unit; any other expression one module."""
+    return any(module == e or (e.endswith(".*") and module.rpartition(".")[0] == e[:-2]) for e in expressions)
+
+
+def test_the_import_contract_names_every_test_module():
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"] == TEST_MODULES_CONTRACT]
+    test_modules = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in TESTS.glob("*/test_*.py")]
+    assert len(test_modules) > 100
+    missing = [m for m in sorted(test_modules) if not _named_by(m, contract["modules"])]
+    assert not missing, f"add to the contract {TEST_MODULES_CONTRACT!r} in pyproject.toml: {missing}"
 
 
 # -- the checker itself, on small sources --------------------------------------------

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import reconciler
-from tests.unit.test_pass_memo import REPO, Sandbox, memoized
+from tests.conftest import REPO
+from tests.support.memo_sandbox import Sandbox, memoized
 
 INSTALLED = "9.8.7"
 

@@ -34,7 +34,7 @@ from reconciler.core.live.watching import (
 from reconciler.core.render.plan_part import plan_part
 from reconciler.engine.watch import Watcher
 from reconciler.ports import ActivationError, RegistryUnavailable
-from tests.fakes import T0, FakeClock
+from tests.support.clock import T0, FakeClock
 
 HOST = "lux"
 TIMINGS = WatchTimings(window_s=0.2, poll_s=0.5, running_poll_s=0.1, retry_min_s=0.5, retry_max_s=30.0)

@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     StringConstraints,
+    WithJsonSchema,
     model_serializer,
     model_validator,
 )
@@ -53,6 +54,24 @@ Tier = Literal[
 # Best first, with the seed's scores (gpu_cuda 10 ... relay 0).
 TIER_ORDER: tuple[Tier, ...] = get_args(Tier)
 TIER_SCORE: dict[str, int] = {t: len(TIER_ORDER) - 1 - i for i, t in enumerate(TIER_ORDER)}
+
+# A host's cost class, cheapest first: placement prefers a cheaper host among
+# hosts of the same tier (reconciler.core.scheduling.placement). "free": no
+# bill at all (an always-free cloud box); "owned": hardware at hand, paid for
+# whether it works or not; "paid": billed while it runs work (a spill box).
+Cost = Literal["free", "owned", "paid"]
+COST_ORDER: tuple[Cost, ...] = get_args(Cost)
+COST_RANK: dict[str, int] = {c: i for i, c in enumerate(COST_ORDER)}
+# A host file without `cost`: owned. It claims no saving and no bill, so a
+# fleet that marks no host plans exactly as before cost existed, and only a
+# host an operator marks paid is kept for overflow.
+DEFAULT_COST: Cost = "owned"
+# Where cost ranks among the placement rules ([scheduler] cost_order, or a
+# service's own): "within_tier" (default) keeps the tier order first and lets
+# the cheaper host win among hosts of one tier; "before_tier" takes the
+# cheapest class with room first, then the tier order (down to the floor),
+# for work that does not care for speed.
+CostOrder = Literal["within_tier", "before_tier"]
 
 Arch = Literal["x86_64", "aarch64"]
 ARCHES: tuple[Arch, ...] = get_args(Arch)
@@ -119,6 +138,43 @@ def _abs_path(value: str) -> str:
     return value
 
 
+# Directories no path the desired state hands to a unit may lie in, whatever a
+# host's node.toml allows: a commit must not make root chown /etc/systemd/system
+# (a scratch dir), bind-mount the fabric's state, or hand a dynamic user
+# /etc/shadow or the plan key through LoadCredential=.
+SYSTEM_DIRECTORIES = (
+    "/etc",
+    "/usr",
+    "/boot",
+    "/root",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/run/systemd",
+    "/var/lib/systemd",
+    "/var/lib/fabric",
+)
+
+
+def _unit_path(value: str) -> str:
+    """A path a unit gets from the desired state: absolute, and outside every system directory."""
+    _abs_path(value)
+    path = PurePosixPath(value)
+    if path == PurePosixPath("/"):
+        raise ValueError("'/' is not a path a unit may be handed")
+    for system in SYSTEM_DIRECTORIES:
+        if path == PurePosixPath(system) or PurePosixPath(system) in path.parents:
+            raise ValueError(
+                f"{value!r} lies in {system}, a system directory: no path the desired state hands to a unit may ({', '.join(SYSTEM_DIRECTORIES)})"
+            )
+    return value
+
+
 def _arg(value: str) -> str:
     if not _ARG_RE.match(value):
         raise ValueError("control characters (newlines, NUL) are not allowed")
@@ -171,17 +227,31 @@ def _service_unit(value: str) -> str:
     return value
 
 
-Name = Annotated[str, AfterValidator(_name)]
-ServiceUnit = Annotated[str, AfterValidator(_service_unit)]
-HostName = Annotated[str, AfterValidator(_hostname)]
-AbsPath = Annotated[str, AfterValidator(_abs_path)]
+# Each safe type's JSON Schema (`fabric schema`, for editors) says what its
+# validator checks, as far as a pattern can (no lookahead: editors' regex
+# engines lack it); the validators stay the judges.
+def _schema(pattern: str, description: str, **extra: Any) -> WithJsonSchema:
+    # x-constraint: the words docs/reference.md shows for the pattern (a keyword validators ignore).
+    return WithJsonSchema({"type": "string", "pattern": pattern, "description": description, "x-constraint": description, **extra})
+
+
+Name = Annotated[str, AfterValidator(_name), _schema(NAME_PATTERN, "a safe name: a-z, 0-9, '-', '_', at most 63 characters")]
+ServiceUnit = Annotated[str, AfterValidator(_service_unit), _schema(r"^[A-Za-z0-9][A-Za-z0-9:_.@-]{0,246}\.service$", "a systemd service unit name")]
+HostName = Annotated[
+    str,
+    AfterValidator(_hostname),
+    _schema(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$", "a DNS host name", maxLength=253),
+]
+AbsPath = Annotated[str, AfterValidator(_abs_path), _schema("^/[^\\s\"'{};$`\\\\]*$", "an absolute path")]
+# A path handed to a unit (scratch dirs, tokens, credentials, NAME_FILE values).
+UnitPath = Annotated[str, AfterValidator(_unit_path), _schema("^/[^\\s\"'{};$`\\\\]*$", "an absolute path outside the system directories")]
 Arg = Annotated[str, AfterValidator(_arg)]
 # A description and the like: any text but a secret (checked first, so no other message quotes one).
 FreeText = Annotated[str, AfterValidator(_no_secret_text), AfterValidator(_arg)]
-Image = Annotated[str, AfterValidator(_image)]
+Image = Annotated[str, AfterValidator(_image), _schema(_IMAGE_RE.pattern, "an image reference")]
 LabelKey = Annotated[str, AfterValidator(_label_key)]
 LabelValue = Annotated[str, AfterValidator(_no_secret_text), AfterValidator(_label_value)]
-EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvName = Annotated[str, AfterValidator(_env_name), _schema(_ENV_NAME_RE.pattern, "an environment variable name")]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[int, Field(ge=1, le=86_400)]
 Milliseconds = Annotated[int, Field(ge=1, le=600_000)]
@@ -221,11 +291,11 @@ def refuse_inline_secrets(env: Any) -> Any:
 
 
 def check_environment(env: dict[str, str]) -> dict[str, str]:
-    """NAME_FILE values are absolute paths."""
+    """NAME_FILE values are absolute paths outside the system directories."""
     for key, value in env.items():
         if key.endswith("_FILE"):
             try:
-                _abs_path(value)
+                _unit_path(value)
             except ValueError as exc:
                 raise FieldProblem(key, str(exc)) from exc
     return env
@@ -239,21 +309,29 @@ Environment = Annotated[dict[EnvName, Arg], BeforeValidator(refuse_inline_secret
 
 
 class FleetSettings(Strict):
-    name: Name = "fabric"
-    domain: HostName
-    leader_candidates: list[Name] = Field(min_length=1)
+    name: Name = Field("fabric", description="The fleet's name.")
+    domain: HostName = Field(description="The fleet's DNS domain; the fleet's own sites (the status page) live under it.")
+    leader_candidates: list[Name] = Field(min_length=1, description="Hosts that campaign for leadership (the scheduler runs on the leader).")
     # Sites served for the fleet itself (status page) live under this domain.
-    status_subdomain: Name = "status"
+    status_subdomain: Name = Field("status", description="Subdomain of `domain` that serves the status page.")
 
 
 class TimingSettings(Strict):
-    heartbeat_s: Seconds = 30
-    node_timeout_s: Seconds = 90
+    heartbeat_s: Seconds = Field(30, description="Seconds between a node's heartbeats (one per reconcile pass).")
+    node_timeout_s: Seconds = Field(90, description="Seconds without a heartbeat after which a node is offline; at least heartbeat_s.")
     # A node whose Tailscale path is relayed (DERP) gets a longer per-beat
     # timeout: 200-500 ms of DERP latency must not read as a missed beat.
-    relayed_heartbeat_s: Seconds = 45
-    missed_beats: Annotated[int, Field(ge=1, le=100)] = 3
-    drain_grace_s: Seconds = 300
+    relayed_heartbeat_s: Seconds = Field(
+        45,
+        description="Per-beat timeout of a node whose Tailscale path is relayed (DERP): its 200-500 ms of extra latency must not read as a missed beat; at least heartbeat_s.",
+    )
+    missed_beats: Annotated[int, Field(ge=1, le=100)] = Field(
+        3,
+        description="A relayed node's timeout is relayed_heartbeat_s x missed_beats (when longer than node_timeout_s); a lower probed tier is taken after this many passes.",
+    )
+    drain_grace_s: Seconds = Field(
+        300, description="How long a draining node keeps its work, an offline node stays before it is dead, and a dead one before it is forgotten."
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> TimingSettings:
@@ -282,13 +360,18 @@ class EdgeSettings(Strict):
     # answers. 5 s covers a move: the edge routes to a replacement whose
     # service is still starting (a process start, a second or two) or to a
     # host that vanished (one dial_timeout_ms, then another upstream).
-    retry_window_ms: Milliseconds = 5000
+    retry_window_ms: Milliseconds = Field(
+        5000,
+        description="Caddy's lb_try_duration: how long a request may wait for an upstream that answers (covers a move to a replacement that is still starting).",
+    )
     # lb_try_interval: the pause before a failed attempt is tried again. It
     # is the delay a request pays when it hit a dead upstream, and how late
     # a waiting request sees an upstream come back; 100 ms keeps both small,
     # and 10 tries a second per waiting request cost nothing (while every
     # upstream is left out, a try is a lookup, not a dial).
-    retry_interval_ms: Milliseconds = 100
+    retry_interval_ms: Milliseconds = Field(
+        100, description="Caddy's lb_try_interval: the pause before a failed attempt is tried again; shorter than retry_window_ms."
+    )
     # fail_duration: how long an upstream that failed a request is left out.
     # 250 ms. In a move, the edge routes to the replacement as soon as the
     # plan says so, often before its service listens: each refused attempt
@@ -299,12 +382,15 @@ class EdgeSettings(Strict):
     # refuses costs a request retry_interval_ms, one that vanished a
     # dial_timeout_ms (the request then goes elsewhere), until the node
     # timeout takes it out of the plan.
-    fail_memory_ms: Milliseconds = 250
+    fail_memory_ms: Milliseconds = Field(250, description="Caddy's fail_duration: how long an upstream that failed a request is left out.")
     # transport dial_timeout: how long a connection to an upstream may take
     # before the attempt counts as failed. 1 s is twice the slowest tailnet
     # round trip (a DERP relay adds 200-500 ms, see relayed_heartbeat_s);
     # Caddy's default of 3 s would hold each request that long per vanished host.
-    dial_timeout_ms: Milliseconds = 1000
+    dial_timeout_ms: Milliseconds = Field(
+        1000,
+        description="Caddy's transport dial_timeout: how long a connection to an upstream may take before the attempt fails; shorter than retry_window_ms.",
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> EdgeSettings:
@@ -322,19 +408,21 @@ class EdgeSettings(Strict):
 
 
 class FlapSettings(Strict):
-    window_s: Seconds = 300
-    toggles: Annotated[int, Field(ge=2, le=100)] = 3
-    hold_off_s: Seconds = 600
+    window_s: Seconds = Field(300, description="Window in which a node's state toggles are counted.")
+    toggles: Annotated[int, Field(ge=2, le=100)] = Field(3, description="Toggles within window_s that make a node flapping.")
+    hold_off_s: Seconds = Field(600, description="How long a flapping node is held off new placements.")
 
 
 class RegistrySettings(Strict):
-    backend: Literal["sqlite", "etcd"] = "sqlite"
-    path: AbsPath = "/var/lib/fabric/registry.sqlite"
-    endpoints: list[Annotated[str, StringConstraints(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+$")]] = []
-    prefix: Annotated[str, StringConstraints(pattern=r"^/[a-z0-9/_-]*$")] = "/fabric"
-    ca_file: AbsPath | None = None
-    cert_file: AbsPath | None = None
-    key_file: AbsPath | None = None
+    backend: Literal["sqlite", "etcd"] = Field("sqlite", description="Where the live state lives: sqlite (one host, embedded) or etcd (a fleet).")
+    path: AbsPath = Field("/var/lib/fabric/registry.sqlite", description="The sqlite registry's file.")
+    endpoints: list[Annotated[str, StringConstraints(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+$")]] = Field(
+        [], description="etcd endpoints (http:// or https://); required with backend etcd."
+    )
+    prefix: Annotated[str, StringConstraints(pattern=r"^/[a-z0-9/_-]*$")] = Field("/fabric", description="Key prefix of the fabric's keys in etcd.")
+    ca_file: AbsPath | None = Field(None, description="CA certificate that signs etcd's server certificate (with cert_file and key_file).")
+    cert_file: AbsPath | None = Field(None, description="This host's etcd client certificate (CN = host name).")
+    key_file: AbsPath | None = Field(None, description="The client certificate's private key.")
 
     @model_validator(mode="after")
     def _etcd_needs_endpoints(self) -> RegistrySettings:
@@ -350,29 +438,56 @@ class RegistrySettings(Strict):
 class SchedulerSettings(Strict):
     # highest_tier: the seed's rule (best tier first). best_fit: the lowest tier
     # that satisfies, so CUDA boxes stay free for CUDA-only work.
-    strategy: Literal["highest_tier", "best_fit"] = "highest_tier"
+    strategy: Literal["highest_tier", "best_fit"] = Field(
+        "highest_tier",
+        description="highest_tier: the best tier first; best_fit: the lowest tier that satisfies, so CUDA boxes stay free for CUDA-only work.",
+    )
+    # Cost among the rules (CostOrder): within_tier by default, since a tier
+    # is a speed promise a service asked for; a service that does not care
+    # for speed says cost_order = "before_tier" itself.
+    cost_order: CostOrder = Field(
+        "within_tier",
+        description="Where a host's cost class ranks among the placement rules: within_tier (the best tier first, then the cheaper host), before_tier (the cheaper host first, down to the floor).",
+    )
     # multi-compute.md's staleness gate: a lane job reaches the local lane once
     # it has waited this long with every cloud lane full.
-    local_spill_after_s: Seconds = 900
+    local_spill_after_s: Seconds = Field(
+        900, description="Staleness gate: a lane job reaches the local lane once it has waited this long with every cloud lane full."
+    )
     # ...or once this many cloud attempts failed.
-    cloud_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+    cloud_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
+        3, description="A lane job also reaches the local lane once this many cloud attempts failed."
+    )
     # phaze's PHAZE_CLOUD_ROUTE_THRESHOLD_SEC: a lane job whose duration is
     # below this many seconds goes to the local lane only. 0: every job may go
     # to the cloud.
-    cloud_route_threshold_s: Annotated[int, Field(ge=0, le=86_400)] = 0
+    cloud_route_threshold_s: Annotated[int, Field(ge=0, le=86_400)] = Field(
+        0,
+        description="phaze's PHAZE_CLOUD_ROUTE_THRESHOLD_SEC: a lane job shorter than this goes to the local lane only; 0: every job may go to the cloud.",
+    )
 
 
 class ScalingSettings(Strict):
-    queue_high: Annotated[int, Field(ge=1)] = 10
-    burst_window_s: Seconds = 30
-    group_interval_s: Seconds = 60
-    scale_up_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8
-    scale_up_window_s: Seconds = 300
-    scale_down_utilization: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    scale_down_window_s: Seconds = 900
+    queue_high: Annotated[int, Field(ge=1)] = Field(10, description="Queue depth above which a burst begins (once held for burst_window_s).")
+    burst_window_s: Seconds = Field(30, description="How long the queue depth must stay above queue_high to be a burst.")
+    group_interval_s: Seconds = Field(60, description="At most one new worker group per tier, and one re-activation per node, in this many seconds.")
+    scale_up_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.8,
+        description="A node's utilization (in_flight / max_concurrent_tasks) above which its concurrency is raised; above scale_down_utilization.",
+    )
+    scale_up_window_s: Seconds = Field(300, description="How long a node's utilization must stay above scale_up_utilization.")
+    scale_down_utilization: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.1, description="A node's utilization below which its worker group is scaled down."
+    )
+    scale_down_window_s: Seconds = Field(
+        900, description="How long a node's utilization must stay below scale_down_utilization (with no burst under way)."
+    )
     # Per cloud tier, the argv that deploys one more worker group (e.g. a
     # workflow dispatch). Never a shell string.
-    cloud_hooks: dict[Tier, NonEmptyArgv] = {}
+    cloud_hooks: dict[Tier, NonEmptyArgv] = Field(
+        {},
+        description="Per cloud tier, the argv that deploys one more worker group (a workflow dispatch, say); never a shell string, no inline secret.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ScalingSettings:
@@ -384,8 +499,8 @@ class ScalingSettings(Strict):
 class ArchAgent(Strict):
     """One architecture's compute-agent image and launch command."""
 
-    image: Image
-    command: NonEmptyArgv
+    image: Image = Field(description="The compute agent's image for this architecture (aarch64: the '-arm64' tag).")
+    command: NonEmptyArgv = Field(description="The agent's launch command (argv; aarch64: no 'uv run', the arm64 image has no .venv).")
 
 
 DEFAULT_TOKEN_DIR = "/run/secrets/phaze/agents"
@@ -406,13 +521,20 @@ class AgentSettings(Strict):
     rejected here.
     """
 
-    arch: dict[Arch, ArchAgent] = Field(min_length=1)
-    queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = "phaze-agent-"
+    arch: dict[Arch, ArchAgent] = Field(min_length=1, description="Per architecture (x86_64, aarch64), the agent's image and command.")
+    queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = Field(
+        "phaze-agent-", description="A compute lane's SAQ queue is <queue_prefix><agent_ref>."
+    )
     # Each agent's token file is <token_dir>/<agent_ref>/token unless its lane
     # names one (`token_file`): phaze's worker checks the token's agent id
     # against its queue, so agents never share a token.
-    token_dir: AbsPath = DEFAULT_TOKEN_DIR
-    environment: Environment = {}
+    token_dir: UnitPath = Field(
+        DEFAULT_TOKEN_DIR, description="Each agent's token file is <token_dir>/<agent_ref>/token unless its lane names one (token_file)."
+    )
+    environment: Environment = Field(
+        {},
+        description="Environment of every agent; secrets only as NAME_FILE absolute paths; not the per-agent PHAZE_AGENT_QUEUE, PHAZE_AGENT_TOKEN_FILE, PHAZE_CLOUD_SCRATCH_DIR.",
+    )
 
     @model_validator(mode="after")
     def _per_agent_variables(self) -> AgentSettings:
@@ -441,20 +563,29 @@ class AgentSettings(Strict):
 class Lane(Strict):
     """One lane: a `[[backends]]` entry of multi-compute.md (phaze calls lanes backends)."""
 
-    kind: Literal["compute", "local"]
-    id: Name
-    rank: Annotated[int, Field(ge=0, le=999)]
-    cap: Annotated[int, Field(ge=1, le=999)]
-    agent_ref: Name | None = None
-    push_host: Name | None = None
-    scratch_dir: AbsPath | None = None
-    ssh_user: Name | None = None
+    kind: Literal["compute", "local"] = Field(
+        description="compute: an agent on push_host runs its jobs; local: phaze's own processing on the control host."
+    )
+    id: Name = Field(description="The lane's id.")
+    rank: Annotated[int, Field(ge=0, le=999)] = Field(description="Lanes fill in rank order, lowest first.")
+    cap: Annotated[int, Field(ge=1, le=999)] = Field(description="Most jobs queued or active on the lane at once.")
+    agent_ref: Name | None = Field(
+        None, description="The compute lane's agent (its queue: <agent.queue_prefix><agent_ref>); compute lanes only, required there."
+    )
+    push_host: Name | None = Field(None, description="The host whose agent runs the lane's jobs; compute lanes only, required there.")
+    scratch_dir: UnitPath | None = Field(
+        None, description="Where phaze pushes the files (the agent's PHAZE_CLOUD_SCRATCH_DIR); compute lanes only, required there."
+    )
+    ssh_user: Name | None = Field(None, description="The user phaze pushes as; owns scratch_dir; compute lanes only, required there.")
     # A compute lane: must equal <queue_prefix><agent_ref> when given; derived
     # otherwise. The local lane: the queue of the file server's own processing
     # (phaze's, no agent of the fabric's), LOCAL_QUEUE unless given.
-    queue: Name | None = None
+    queue: Name | None = Field(
+        None,
+        description="The lane's SAQ queue. A compute lane: must equal <queue_prefix><agent_ref> when given. The local lane: phaze-local unless given.",
+    )
     # A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).
-    token_file: AbsPath | None = None
+    token_file: UnitPath | None = Field(None, description="A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).")
 
     @model_validator(mode="after")
     def _compute_fields(self) -> Lane:
@@ -514,47 +645,63 @@ class PhazeSettings(Strict):
 
     # Its units: they read backends.toml at startup only, so a pass that
     # changes the file restarts those that run.
-    control_units: Annotated[list[ServiceUnit], AfterValidator(listed_once("control_units"))] = []
+    control_units: Annotated[list[ServiceUnit], AfterValidator(listed_once("control_units"))] = Field(
+        [],
+        description="phaze's units on the control host: they read backends.toml at startup only, so a pass that changes it restarts those that run.",
+    )
     # The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL): the
     # lane queue (`fabric lane`, the leader, `fabric status`) reads it there.
     # Never the DSN itself: it carries a password and TOML is world-readable.
-    queue_url_file: AbsPath | None = None
+    queue_url_file: AbsPath | None = Field(
+        None, description="The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL); never the DSN itself."
+    )
     # The SAQ function a lane job runs on its lane's workers (phaze's agent
     # worker and the file server's processing both register it).
-    job_function: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")] = "process_file"
+    job_function: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")] = Field(
+        "process_file", description="The SAQ function a lane job runs on its lane's workers."
+    )
     # The leader dispatches the lane jobs at each step (the fleet's one
     # dispatcher). false: only `fabric lane dispatch` does, where the job
     # system or an operator drives each dispatch pass and reads its decisions.
-    leader_dispatches: bool = True
+    leader_dispatches: bool = Field(True, description="The leader dispatches the lane jobs at each step; false: only `fabric lane dispatch` does.")
 
 
 class Route(Strict):
-    host: HostName
-    path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/"
+    host: HostName = Field(description="The DNS name the edge serves the service on.")
+    path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = Field("/", description="The path prefix routed to the service.")
     # Not rendered since the edge dropped Caddy's active health checks (they
     # held a new upstream out until their next probe; see fabric.caddy.j2);
     # kept so that fleet files which set it stay valid.
-    health_path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = "/healthz"
+    health_path: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9._~/-]*$")] = Field(
+        "/healthz", description="Not rendered (the edge has no active health checks); kept so that files which set it stay valid."
+    )
 
 
 class Service(Strict):
-    id: Name
-    description: FreeText = ""
-    min_tier: Tier
+    id: Name = Field(description="The service's id (its unit is fabric-agent-<id>.service).")
+    description: FreeText = Field("", description="A line for the unit's Description= (free text, never a secret).")
+    min_tier: Tier = Field(description="The tier the service wants.")
     # Lowest tier the service may fall back to. Equal to min_tier means hard
     # fail: deferred rather than degraded (the seed's LUPINE).
-    floor: Tier = "relay"
-    replicas: Annotated[int, Field(ge=1, le=64)] = 1
-    arch: list[Arch] = []
-    labels: dict[LabelKey, LabelValue] = {}
+    floor: Tier = Field("relay", description="The lowest tier it may fall back to; equal to min_tier: deferred rather than degraded.")
+    replicas: Annotated[int, Field(ge=1, le=64)] = Field(1, description="Replicas, each on a distinct node.")
+    arch: list[Arch] = Field([], description="Architectures it may run on (empty: any).")
+    labels: dict[LabelKey, LabelValue] = Field({}, description="Host labels a node must carry to take it.")
     # Exactly one of command / image, keyed by architecture ("any" for both).
-    command: dict[RunsOn, NonEmptyArgv] = {}
-    image: dict[RunsOn, Image] = {}
-    port: Annotated[int, Field(ge=1024, le=65535)] | None = None
-    route: Route | None = None
-    environment: Environment = {}
+    command: dict[RunsOn, NonEmptyArgv] = Field(
+        {}, description="The program to run, per architecture ('any' for both); exactly one of command and image."
+    )
+    image: dict[RunsOn, Image] = Field({}, description="The container image to run with podman, per architecture ('any' for both).")
+    port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(None, description="The port it listens on; required with route.")
+    route: Route | None = Field(None, description="Serve it through the edge's Caddy.")
+    environment: Environment = Field({}, description="Its environment; secrets only as NAME_FILE absolute paths.")
     # name -> absolute path on the host, delivered with LoadCredential=.
-    credentials: dict[Name, AbsPath] = {}
+    credentials: dict[Name, UnitPath] = Field(
+        {}, description="name -> absolute path on the host (never in a system directory), delivered with LoadCredential=."
+    )
+    # This service's place of cost among the placement rules; None: the
+    # fleet's [scheduler] cost_order.
+    cost_order: CostOrder | None = Field(None, description="This service's place of cost among the placement rules; unset: [scheduler] cost_order.")
 
     @model_validator(mode="after")
     def _rules(self) -> Service:
@@ -599,15 +746,17 @@ EVERYONE = ("0.0.0.0/0", "::/0")
 class PortMap(Strict):
     """A permanent socat redirect on one host (the seed's edge port maps)."""
 
-    name: Name
-    host: Name
-    protocol: Literal["tcp", "udp"] = "tcp"
-    listen_port: Port
-    target_host: Name
-    target_port: Port
+    name: Name = Field(description="The port map's name (its unit is fabric-socat-<name>.service).")
+    host: Name = Field(description="The host that listens.")
+    protocol: Literal["tcp", "udp"] = Field("tcp", description="tcp or udp.")
+    listen_port: Port = Field(description="The port it listens on.")
+    target_host: Name = Field(description="The host it forwards to.")
+    target_port: Port = Field(description="The port it forwards to.")
     # Who besides the tailnet may reach listen_port: CIDRs, IPv4 and IPv6;
     # 0.0.0.0/0 and ::/0 are everyone. Empty (the default): the tailnet only.
-    allow_from: Annotated[list[Cidr], AfterValidator(listed_once("allow_from"))] = []
+    allow_from: Annotated[list[Cidr], AfterValidator(listed_once("allow_from"))] = Field(
+        [], description="Who besides the tailnet may reach listen_port: CIDRs, IPv4 and IPv6 (0.0.0.0/0 and ::/0: everyone). Empty: the tailnet only."
+    )
 
     @property
     def open_to_everyone(self) -> bool:
@@ -633,9 +782,11 @@ class PlanKey(Strict):
     (`fabric leader keygen`). A candidate may have several (rotation): a plan
     signed by any of them verifies; removing one retires it."""
 
-    host: Name
-    id: Name
-    public_key: Annotated[str, AfterValidator(_ed25519_public_key)]
+    host: Name = Field(description="The leader candidate whose key this is.")
+    id: Name = Field(description="The key's id (several per candidate: rotation).")
+    public_key: Annotated[str, AfterValidator(_ed25519_public_key)] = Field(
+        description="The raw 32-byte ed25519 public key, base64, as `fabric leader keygen` prints it."
+    )
 
     def public_bytes(self) -> bytes:
         return base64.b64decode(self.public_key)
@@ -652,21 +803,21 @@ class RaySettings(Strict):
     offering what its probe and limits allow (reconciler.core.render.ray_node).
     The hosts are checked against the declared ones when the files are loaded."""
 
-    head: Name
+    head: Name = Field(description="The host of the Ray head (a Ray node itself: not listed in workers).")
     # The head's GCS port, where the workers join (tailnet only: the head's
     # nftables opens it to the tailnet and drops it from elsewhere).
-    port: Port = RAY_DEFAULT_PORT
+    port: Port = Field(RAY_DEFAULT_PORT, description="The head's GCS port, where the workers join (tailnet only).")
     # The hosts whose worker joins the head. The head is a Ray node itself
     # (with its own resources), so it is not listed here.
-    workers: Annotated[list[Name], AfterValidator(listed_once("workers"))] = []
+    workers: Annotated[list[Name], AfterValidator(listed_once("workers"))] = Field([], description="The hosts whose Ray worker joins the head.")
     # The `ray` program the units run (a virtualenv's bin/ray, a Nix store
     # path); None: the one on the pass's PATH (the NixOS module's
     # services.fabric.ray.package puts it there), else /usr/bin/ray.
-    command: AbsPath | None = None
+    command: AbsPath | None = Field(None, description="The `ray` program the units run; unset: the one on the pass's PATH, else /usr/bin/ray.")
     # Ray's dashboard on the head: off unless asked for (it listens on the
     # tailnet address and has no authentication).
-    dashboard: bool = False
-    dashboard_port: Port = RAY_DEFAULT_DASHBOARD_PORT
+    dashboard: bool = Field(False, description="Ray's dashboard on the head (on the tailnet address, no authentication).")
+    dashboard_port: Port = Field(RAY_DEFAULT_DASHBOARD_PORT, description="The dashboard's port; not the head's port.")
 
     @model_validator(mode="after")
     def _head_is_no_worker(self) -> RaySettings:
@@ -695,24 +846,30 @@ def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
 class FleetConfig(Strict):
     """The whole of fabric.toml."""
 
-    fleet: FleetSettings
-    timing: TimingSettings = TimingSettings()
-    flap: FlapSettings = FlapSettings()
-    edge: EdgeSettings = EdgeSettings()
-    registry: RegistrySettings = RegistrySettings()
-    scheduler: SchedulerSettings = SchedulerSettings()
-    scaling: ScalingSettings = ScalingSettings()
-    agent: AgentSettings | None = None
-    phaze: PhazeSettings = PhazeSettings()
+    fleet: FleetSettings = Field(description="The fleet's name, domain and leader candidates.")
+    timing: TimingSettings = Field(TimingSettings(), description="Heartbeats and node timeouts.")
+    flap: FlapSettings = Field(FlapSettings(), description="When a node that comes and goes is held off new placements.")
+    edge: EdgeSettings = Field(EdgeSettings(), description="How the edge's Caddy moves traffic between a service's upstreams.")
+    registry: RegistrySettings = Field(RegistrySettings(), description="Where the live state lives.")
+    scheduler: SchedulerSettings = Field(SchedulerSettings(), description="Placement and lane routing.")
+    scaling: ScalingSettings = Field(ScalingSettings(), description="Bursts and vertical and cloud scaling.")
+    agent: AgentSettings | None = Field(None, description="The compute agent run once per compute lane.")
+    phaze: PhazeSettings = Field(PhazeSettings(), description="phaze's control plane on the control host and its broker.")
     # The lanes, under phaze's name for them: fabric.toml's [[backends]].
-    lanes: list[Lane] = Field(default=[], alias="backends")
-    services: list[Service] = []
-    port_maps: list[PortMap] = []
+    lanes: list[Lane] = Field(
+        default=[],
+        alias="backends",
+        description="The lanes (phaze's name: backends): rank/cap queues of phaze's jobs. None declared: one local lane.",
+    )
+    services: list[Service] = Field([], description="Long-running programs the scheduler places.")
+    port_maps: list[PortMap] = Field([], description="Permanent socat redirects (the edge's port maps).")
     # Leader candidates' public keys: when any are listed, hosts apply only
     # registry plans signed by a key of the candidate the plan names.
-    plan_keys: list[PlanKey] = []
+    plan_keys: list[PlanKey] = Field(
+        [], description="Leader candidates' public keys: when any are listed, hosts apply only plans signed by a key of the candidate the plan names."
+    )
     # The fabric's Ray cluster (optional): no [ray], no Ray units.
-    ray: RaySettings | None = None
+    ray: RaySettings | None = Field(None, description="The fabric's Ray cluster (optional: no [ray], no Ray units).")
 
 
 # --------------------------------------------------------------------------
@@ -730,9 +887,13 @@ def _tailnet_ip(value: str) -> str:
 
 
 class HostLimits(Strict):
-    max_concurrent_tasks: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_concurrent_tasks: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        None, description="Most tasks at once on this host (bounded by the probe unless overrides.limits_above_probe)."
+    )
     # Concurrency may be raised by vertical scaling up to this ceiling.
-    max_concurrent_ceiling: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_concurrent_ceiling: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        None, description="Vertical scaling may raise concurrency up to this; at least max_concurrent_tasks."
+    )
 
     @model_validator(mode="after")
     def _ceiling(self) -> HostLimits:
@@ -748,26 +909,37 @@ class HostLimits(Strict):
 class HostOverrides(Strict):
     # Pin the tier below what the probe finds (never above it: the probe's
     # tier is a ceiling, so a typo cannot send CUDA work to a CPU box).
-    tier: Tier | None = None
-    arch: Arch | None = None
+    tier: Tier | None = Field(None, description="Pin the tier below what the probe finds (never above it: the probe's tier is a ceiling).")
+    arch: Arch | None = Field(None, description="Pin the architecture.")
     # Let [limits] stand above what the probe measured (a host whose probe
     # undercounts it). Without it the effective limits are the smaller of the
     # declared and the probed (reconciler.core.live.host_limits).
-    limits_above_probe: bool = False
+    limits_above_probe: bool = Field(
+        False,
+        description="Let [limits] stand above what the probe measured; without it the effective limits are the smaller of the declared and the probed.",
+    )
 
 
 class HostSettings(Strict):
-    name: Name
-    roles: list[Role] = []
+    name: Name = Field(description="The host's name (its file's name).")
+    roles: list[Role] = Field([], description="Its roles: edge, compute, control, fileserver.")
     # The address other hosts and the edge reach this host on (its tailnet IP).
     # Declared in git, not taken from the registry: a registry writer must not be
     # able to point the edge at an address of its choosing.
-    address: Annotated[str, AfterValidator(_tailnet_ip)]
+    address: Annotated[str, AfterValidator(_tailnet_ip)] = Field(
+        description="The address other hosts and the edge reach it on (its tailnet IP); declared in git, never taken from the registry."
+    )
     # The machine's DNS name on the tailnet ("qfox-1.tail-abc123.ts.net"): a
     # pass whose probe finds another name says so (probe.identity).
-    tailnet_name: HostName | None = None
+    tailnet_name: HostName | None = Field(None, description="The machine's DNS name on the tailnet; a pass whose probe finds another name says so.")
     # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
-    nftables_fix: bool | None = None
+    nftables_fix: bool | None = Field(None, description="Whether the OS needs the nftables fix (CachyOS/Arch); unset: detect.")
+    # The host's cost class (COST_ORDER): reported in its heartbeat, so the
+    # leader places on cheaper hosts first and brings work home from paid ones.
+    cost: Cost = Field(
+        DEFAULT_COST,
+        description="The host's cost class, cheapest first: free, owned (the default: no saving, no bill) or paid (takes overflow, and work comes home from it).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -784,10 +956,10 @@ class HostSettings(Strict):
 class HostConfig(Strict):
     """The whole of hosts/<host>.toml."""
 
-    host: HostSettings
-    labels: dict[LabelKey, LabelValue] = {}
-    limits: HostLimits = HostLimits()
-    overrides: HostOverrides = HostOverrides()
+    host: HostSettings = Field(description="The host's name, roles and address.")
+    labels: dict[LabelKey, LabelValue] = Field({}, description="Labels (a service's labels must be among them).")
+    limits: HostLimits = Field(HostLimits(), description="Concurrency limits.")
+    overrides: HostOverrides = Field(HostOverrides(), description="Pins over what the probe finds.")
 
 
 class DesiredState(BaseModel):

@@ -69,22 +69,53 @@ class NodeSection(Strict):
     registry_path: AbsPath | None = None
 
 
+# One public host key as ssh-keyscan prints it, without the host: "TYPE BASE64".
+SshHostKey = Annotated[
+    str, StringConstraints(pattern=r"^(?:ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(?:256|384|521)|sk-ssh-ed25519@openssh\.com) [A-Za-z0-9+/]+={0,3}$")
+]
+
+
+def is_ssh_remote(remote: str) -> bool:
+    """An ssh remote (scp-like user@host:path or ssh://): its host key must be pinned."""
+    return remote.startswith("ssh://") or ("@" in remote and ":" in remote and "://" not in remote)
+
+
 class SourceSection(Strict):
-    """The desired state as a git remote, fetched before each pass."""
+    """The desired state as a git remote, fetched before each pass.
+
+    Whoever can push to the remote decides what runs as root on every host,
+    so the gate is on unless node.toml turns it off in so many words: a
+    fetched commit must be signed by an allowed signer
+    (`require_signed_commits`, true unless set to false), it must descend
+    from the commit the host runs (a force-push back to an older commit is
+    refused until an operator runs `fabric pull --accept-rewind`), and an ssh
+    remote's host key is the one pinned here (`ssh_host_key`), never the
+    first one offered."""
 
     remote: GitRemote
     branch: GitBranch = "main"
-    # Deploy key for an ssh remote (read by ssh, never copied).
+    # Deploy key for an ssh remote (read by ssh, never copied). Keep it where
+    # the pass unit can read it under its hardening (ProtectHome hides /root):
+    # /etc/fabric/deploy-key, 0600 root.
     ssh_key_file: AbsPath | None = None
+    # The ssh remote's host key ("ssh-ed25519 AAAA...", as `ssh-keyscan HOST`
+    # prints it after the host name): required for an ssh remote.
+    ssh_host_key: SshHostKey | None = None
     # Accept a fetched commit only if `git verify-commit` accepts its signature
     # against the allowed signers file (ssh signatures, gpg.format=ssh).
-    require_signed_commits: bool = False
+    require_signed_commits: bool = True
     allowed_signers_file: AbsPath | None = None
 
     @model_validator(mode="after")
     def _signers(self) -> SourceSection:
         if self.require_signed_commits and self.allowed_signers_file is None:
-            raise FieldProblem("allowed_signers_file", "required when require_signed_commits is true")
+            raise FieldProblem(
+                "allowed_signers_file",
+                "required: commits must be signed (require_signed_commits is true unless node.toml sets it to false, which lets "
+                "anyone who can push run anything as root on this host)",
+            )
+        if is_ssh_remote(self.remote) and self.ssh_host_key is None:
+            raise FieldProblem("ssh_host_key", "required for an ssh remote: its host key as `ssh-keyscan HOST` prints it (TYPE BASE64), pinned")
         return self
 
 

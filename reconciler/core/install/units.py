@@ -104,6 +104,57 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
 }
 
 
+# The trust anchors in /etc/fabric: read-only inside every fabric unit, the
+# pass's too (it writes the nft file beside them). A unit that could rewrite
+# node.toml, the allowed signers or a key would outlive any check of them.
+TRUST_ANCHORS = (
+    "-/etc/fabric/node.toml",
+    "-/etc/fabric/allowed_signers",
+    "-/etc/fabric/plan-signing.key",
+    "-/etc/fabric/deploy-key",
+    "-/etc/fabric/etcd",
+)
+# The pass keeps what activation needs and no more: root (systemd's bus,
+# files in root's directories), CAP_NET_ADMIN (nft loads its table),
+# CAP_NET_BIND_SERVICE (before loading Caddy, the pass checks that the edge's
+# ports, 80 and 443, can be bound), the file capabilities a root process needs in directories and files it does not
+# own (a Caddy snippet directory owned by caddy, a scratch dir's parent), the
+# devices (the probe must see /dev/dri and /dev/nvidia*) and netlink (nft):
+# what keeps its exposure above the watcher's and the leader's.
+PASS_HARDENING: dict[str, str | tuple[str, ...]] = {
+    **HARDENING,
+    "ReadOnlyPaths": TRUST_ANCHORS,
+    "CapabilityBoundingSet": "CAP_NET_ADMIN CAP_NET_BIND_SERVICE CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN",
+    "KeyringMode": "private",
+    "ProtectProc": "invisible",
+    "SystemCallFilter": ("@system-service",),
+    "SystemCallErrorNumber": "EPERM",
+}
+
+# The watcher and the leader write nothing but their state directory and
+# need no capability: they talk to the registry (TCP or the sqlite file in
+# the state directory), phaze's broker and systemd's bus (as uid 0, which
+# needs no capability), and read the desired state. So on top of the shared
+# settings: no capabilities at all, no write access outside StateDirectory,
+# no devices, other processes invisible, and the system calls of an ordinary
+# service only. (`systemd-analyze security`: tests/integration/test_unit_exposure.py.)
+DAEMON_HARDENING: dict[str, str | tuple[str, ...]] = {
+    **{key: value for key, value in HARDENING.items() if key != "ReadWritePaths"},
+    "CapabilityBoundingSet": "",
+    "AmbientCapabilities": "",
+    "PrivateDevices": "true",
+    "DevicePolicy": "closed",
+    "ProtectProc": "invisible",
+    "ProcSubset": "pid",
+    "PrivateIPC": "true",
+    "RemoveIPC": "true",
+    "KeyringMode": "private",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    "SystemCallFilter": ("@system-service", "~@privileged @resources"),
+    "SystemCallErrorNumber": "EPERM",
+}
+
+
 # Directories a pass writes into that must exist before it runs (under
 # ProtectSystem=strict a missing one cannot be created): the nft file, the k3s
 # label drop-in, phaze's backends.toml (control host), the metrics textfile.
@@ -145,7 +196,7 @@ class UnitFile:
 
 
 # Keys that may be given several times; values() always returns them as tuples.
-_LIST_KEYS = {"ReadWritePaths", "ExecStartPre", "Wants", "After", "Environment"}
+_LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre", "Wants", "After", "Environment"}
 
 
 @dataclass(frozen=True)
@@ -219,7 +270,7 @@ def reconcile_service(install: Install) -> UnitFile:
     if pull is not None:
         service.append(("ExecStartPre", " ".join(pull)))
     service.append(("ExecStart", " ".join(reconcile_argv(install))))
-    service += _hardening()
+    service += _hardening(PASS_HARDENING)
     return UnitFile(
         RECONCILE_SERVICE,
         {
@@ -265,7 +316,7 @@ def leader_service(install: Install) -> UnitFile:
         *_environment(install),
         ("ExecStart", " ".join(leader_argv(install))),
     ]
-    service += _hardening()
+    service += _hardening(DAEMON_HARDENING)
     return UnitFile(
         LEADER_SERVICE,
         {
@@ -289,7 +340,7 @@ def watch_service(install: Install) -> UnitFile:
         *_environment(install),
         ("ExecStart", " ".join(watch_argv(install))),
     ]
-    service += _hardening()
+    service += _hardening(DAEMON_HARDENING)
     return UnitFile(
         WATCH_SERVICE,
         {
@@ -304,9 +355,9 @@ def watch_service(install: Install) -> UnitFile:
     )
 
 
-def _hardening() -> list[tuple[str, str]]:
+def _hardening(settings: dict[str, str | tuple[str, ...]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
-    for key, value in HARDENING.items():
+    for key, value in settings.items():
         if isinstance(value, tuple):
             out += [(key, v) for v in value]
         else:

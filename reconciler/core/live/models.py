@@ -22,7 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import Tier
+from reconciler.core.desired.model import DEFAULT_COST, Cost, Tier
+from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.timestamps import utc_now
 
 NodeStatus = Literal["active", "draining", "offline", "dead"]
@@ -59,6 +60,8 @@ class SnapshotNode(_Live):
     # Tasks other engines run there (Ray's, as the leader reads Ray's state
     # API: core.scheduling.ray_tasks.with_ray_view); part of in_flight.
     engine_tasks: int = Field(default=0, ge=0)
+    # The host's cost class, from its record (NodeRecord.cost).
+    cost: Cost = DEFAULT_COST
 
     @property
     def utilization(self) -> float:
@@ -94,6 +97,11 @@ class Placement(_Live):
     node: str
     tier: Tier
     fallback: bool = False
+    # A move in progress, make-before-break (the come-home rule,
+    # core.scheduling.placement): this is the replica's new placement, and
+    # its placement on node `replaces` stays in the plan beside it until the
+    # service runs here; the edge routes to both meanwhile.
+    replaces: str | None = None
 
 
 class Deferred(_Live):
@@ -141,6 +149,11 @@ class Snapshot(_Live):
     placements: list[Placement] = []
     leader: str | None = None
     epoch: int = 0
+    # Registry records that did not parse or validate, skipped by the read
+    # (reconciler.core.live.unreadable): their nodes count as not beating.
+    unreadable: list[UnreadableRecord] = []
+    # The last plan's `room_since` (the come-home rule's memory).
+    room_since: dict[str, datetime] = {}
 
 
 class PlanSignature(_Live):
@@ -163,6 +176,12 @@ class FleetPlan(_Live):
     # never given work (a registry writer cannot add a target), listed so an
     # operator sees them.
     ignored_nodes: list[str] = []
+    # The come-home rule's memory, kept only while work runs on paid hosts:
+    # each cheaper node that could take some of it, with the time since when
+    # it has had room (continuously, as the leader's steps saw it). A
+    # replica moves off a paid host only to a node with room for a stable
+    # window ([flap] window_s).
+    room_since: dict[str, datetime] = {}
     # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
     signature: PlanSignature | None = None
 

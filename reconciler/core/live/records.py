@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import NAME_PATTERN, HostFacts, Tier
+from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, HostFacts, Tier
 from reconciler.core.live import beat
 
 # Re-exported for the engine, adapters and CLI until they import them from
@@ -35,6 +35,23 @@ def check_node_id(value: str) -> str:
 NodeId = Annotated[str, AfterValidator(check_node_id)]
 
 
+# Bounds on what a record may say, so no value a host writes can overflow
+# the arithmetic done with it (a count as a float, a beat's expiry as a
+# datetime): counts below 2**31, a beat's timeout up to a week, its time
+# between 1970 and 9000.
+MAX_COUNT = 2**31
+MAX_BEAT_TIMEOUT_S = 7 * 86400.0
+
+
+def _plausible_time(value: datetime | None) -> datetime | None:
+    if value is not None and not 1970 <= value.year <= 9000:
+        raise ValueError("a time between the years 1970 and 9000")
+    return value
+
+
+PlausibleTime = Annotated[datetime, AfterValidator(_plausible_time)]
+
+
 class _Record(BaseModel):
     # Unknown keys are ignored so an older host reads a newer host's record.
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -47,11 +64,15 @@ class NodeRecord(_Record):
     tier: Tier
     arch: str | None = None
     labels: dict[str, str] = {}
-    max_concurrent_tasks: int = Field(default=1, ge=0)
-    max_concurrent_ceiling: int | None = None
+    max_concurrent_tasks: int = Field(default=1, ge=0, le=MAX_COUNT)
+    max_concurrent_ceiling: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    # The host file's cost class (`[host] cost`): the leader places from the
+    # live record, so it travels with the beat (an older host's beat lacks
+    # it: the default, as for a host file that says nothing).
+    cost: Cost = DEFAULT_COST
     # Measured by the node's pass: the placed service units active here plus
     # the lane jobs running on the lanes whose jobs run here (one account).
-    in_flight: int = Field(default=0, ge=0)
+    in_flight: int = Field(default=0, ge=0, le=MAX_COUNT)
     # The ActiveState of each fabric unit of the node's current generation
     # when it beat ("fabric-agent-a1-arm64.service": "failed"); lane health
     # reads its agent unit's here. Empty when the pass does not activate.
@@ -64,17 +85,17 @@ class NodeRecord(_Record):
     # services it places itself, so it must not count these again: a leader
     # with no plan in force would otherwise see a host's own services as
     # foreign load and move them off it.
-    services_running: int | None = Field(default=None, ge=0)
+    services_running: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     # True when the node's Tailscale path to the fleet is relayed (DERP): it
     # gets the longer relayed heartbeat timeout.
     relayed: bool = False
     tailscale_ip: str | None = None
-    cpu_cores: int | None = None
-    memory_mib: int | None = None
+    cpu_cores: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    memory_mib: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     # Set by the registry when it stores the beat (its injected clock).
-    beat_at: datetime | None = None
+    beat_at: PlausibleTime | None = None
     # The timeout the beat was stored with: silent this long = offline.
-    timeout_s: float | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_BEAT_TIMEOUT_S, allow_inf_nan=False)
 
     def heartbeat_note(self) -> str:
         """The pass's note on a beat stored as this record."""
@@ -94,6 +115,7 @@ class NodeRecord(_Record):
         units: dict[str, str] | None = None,
         lowered_limits: list[str] | None = None,
         services_running: int | None = None,
+        cost: Cost = DEFAULT_COST,
     ) -> NodeRecord:
         """The record of fabric host `host` from its probe.
 
@@ -114,6 +136,7 @@ class NodeRecord(_Record):
             units=dict(units or {}),
             lowered_limits=list(lowered_limits or []),
             services_running=services_running,
+            cost=cost,
             relayed=bool(facts.tailscale_relayed),
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,
@@ -126,7 +149,7 @@ class DrainRequest(_Record):
 
     node_id: NodeId
     requested_at: datetime
-    grace_s: float = Field(default=0, ge=0)
+    grace_s: float = Field(default=0, ge=0, le=MAX_BEAT_TIMEOUT_S * 52 * 10, allow_inf_nan=False)
     reason: str = "operator drain"
 
     @property

@@ -49,9 +49,28 @@ def _canonical_value(value: Any) -> Any:
     return value
 
 
+# Fields added since signing began, left out of the canonical form while they
+# hold their default: a plan that does not use them signs and verifies the
+# same on hosts that know them and hosts that do not (issue 32's come-home
+# moves: `room_since`, `Placement.replaces`).
+_NEWER_PLAN_FIELDS: dict[str, Any] = {"room_since": {}}
+_NEWER_PLACEMENT_FIELDS: dict[str, Any] = {"replaces": None}
+
+
+def _drop_unset_newer_fields(body: dict[str, Any]) -> None:
+    for key, default in _NEWER_PLAN_FIELDS.items():
+        if body.get(key, default) == default:
+            body.pop(key, None)
+    for placement in body.get("placements", []):
+        for key, default in _NEWER_PLACEMENT_FIELDS.items():
+            if placement.get(key, default) == default:
+                placement.pop(key, None)
+
+
 def canonical_plan(plan: FleetPlan) -> bytes:
     """The bytes a plan's signature covers: every field but the signature."""
     body = _canonical_value(plan.model_dump(mode="python", exclude={"signature"}))
+    _drop_unset_newer_fields(body)
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 

@@ -767,7 +767,12 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
         if not isinstance(peer, dict) or not peer.get("Online") or not peer.get("Active"):
             continue
         active += 1
-        if peer.get("Relay") and not peer.get("CurAddr"):
+        # Relay is the peer's home DERP region, set whatever the path; the
+        # path is DERP only when there is neither a direct address nor a peer
+        # relay (tailscale >= 1.86: PeerRelay "ip:port:vni:N"), the rule of
+        # tailscale's own CLI (cmd/tailscale/cli/status.go). A peer relay is a
+        # UDP path through another node of the tailnet: not DERP's latency.
+        if peer.get("Relay") and not peer.get("CurAddr") and not peer.get("PeerRelay"):
             relayed_peers.append(str(peer.get("HostName") or peer.get("DNSName") or "?")[:63])
     # A direct path to any peer shows this node's own NAT lets paths through;
     # a peer that is relayed is that peer's problem (its probe says so).

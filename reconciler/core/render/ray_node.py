@@ -10,7 +10,10 @@ and anything that builds a Ray node for that host (tests replaying a probe):
   work and APU work alike, and an APU node never takes CUDA work.
 - `num_cpus`: the effective `max_concurrent_tasks` (Ray's own CPU count is the
   concurrency the fabric allows, not the cores the machine has).
-- `num_gpus`: the GPUs the probe found usable.
+- `num_gpus`: the GPUs CUDA can use (the probe's gpu_cuda ones). Ray hands
+  GPUs out through CUDA_VISIBLE_DEVICES, so a VA-API GPU or an iGPU counted
+  here would be a device index CUDA does not have; those GPUs' capability
+  is in the tier resources.
 - `memory_bytes`: the probe's memory less the OS reserve, or None when unknown.
 - `labels`: the node's `topology.researchstack.io/...` labels from the probe,
   plus its host name and architecture, so a driver can find the Ray node that
@@ -84,7 +87,7 @@ def ray_node_spec(host: str, facts: HostFacts, limits: EffectiveLimits) -> RayNo
         host=host,
         tier=facts.tier,
         num_cpus=slots,
-        num_gpus=len(facts.hardware.gpus),
+        num_gpus=sum(1 for gpu in facts.hardware.gpus if gpu.tier == "gpu_cuda"),
         memory_bytes=max(0, memory_mib - OS_RESERVE_MIB) * 1024 * 1024 if memory_mib else None,
         resources={tier_resource(t): float(slots) for t in offered_tiers(facts.tier)},
         labels={key: value for key, value in sorted(labels.items()) if value is not None},

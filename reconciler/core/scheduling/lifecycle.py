@@ -454,6 +454,7 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
             "units": record.units,
             "lowered_limits": record.lowered_limits,
             "services_running": record.services_running,
+            "cost": record.cost,
             # Ray's tasks: the leader joins them from Ray's state API (ray_tasks.with_ray_view).
             "engine_tasks": 0,
         },

@@ -14,8 +14,15 @@ Eligible node (for NEW work)
 Choosing
     Candidates are the eligible nodes at or above `min_tier`. Strategy
     "highest_tier" (the seed's) prefers the highest tier; "best_fit" the lowest
-    tier that satisfies, so CUDA boxes stay free for CUDA-only work. Then the
-    lowest utilization (load / max_concurrent_tasks), then the node id.
+    tier that satisfies, so CUDA boxes stay free for CUDA-only work. Among
+    the nodes of one tier, the cheaper cost class (`SnapshotNode.cost`, from
+    the host file through its heartbeat: free, owned, paid) wins first, so a
+    paid host takes work only while the cheaper hosts of its tier are full.
+    Then the lowest utilization (load / max_concurrent_tasks), then the node
+    id. A request with `cost_first` (a service's or the fleet's cost_order
+    "before_tier": work that does not care for speed) takes the cheapest
+    class first and, within it, the tier order down to the floor
+    (`preference_steps`); a floor is still a floor either way.
     Replicas of one service go to distinct nodes: a host runs one unit per
     service, so two replicas on one host would be one replica. A node running
     a sibling is not a candidate at all; a replica with no distinct node left
@@ -65,6 +72,22 @@ Existing placements (`snapshot.placements`)
     A held-off (flapping) node keeps what it runs - hold-off stops new
     placements, it does not evict - which is exactly the churn damping is for.
 
+Work comes home (`bring_home`, `split_moves`, `room_memory`)
+    Stickiness is not forever on a paid host. While replicas run on paid
+    hosts, the plan remembers (`FleetPlan.room_since`, read back as
+    `Snapshot.room_since`) since when each node they could come home to has
+    had room: a node of a cheaper class that the replica's request prefers
+    for tier and cost (`Placer.preferred_to`; with tier first, never a worse
+    tier). Once one has had room for [flap] window_s, one replica per
+    service moves: its new placement (`Placement.replaces` = the paid node)
+    is added beside the old one, holding a slot on the new node; the edge
+    routes to both. When the new node's heartbeat shows the service's unit
+    active, the old placement leaves the plan (make-before-break); a new unit
+    that failed gives the move up. The window is the hysteresis: a node
+    whose room comes and goes never attracts a move, and nothing moves onto
+    a paid host except as new work while the cheaper hosts are full. Lane
+    jobs are not placements: they finish where they run.
+
 Order
     Services with the highest `min_tier` (then the highest floor) are placed
     first, then in declaration order, so a CUDA-only service is not crowded
@@ -76,12 +99,12 @@ Trust
     registry writer can move declared work around but not add a target.
 
 Speed
-    Per (arch, labels) constraint and per tier, a heap keyed by
+    Per (arch, labels) constraint and per (tier, cost class), a heap keyed by
     (utilization, node id) holds the eligible nodes (the id as its rank in
     sorted order); a placement replaces the chosen node's entry in place and
     re-pushes it into its other heaps (stale entries are skipped on pop). A
     decision costs
-    O(log N) heap work per tier tried (at most 11 tiers), against O(N) for a
+    O(log N) heap work per pool tried (at most 11 tiers x 3 classes), against O(N) for a
     scan of every node; bench/scheduler measures both.
 """
 
@@ -94,7 +117,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from reconciler.core.desired.model import TIER_ORDER, TIER_SCORE, DesiredState, Service, Tier
+from reconciler.core.desired.model import COST_ORDER, COST_RANK, TIER_ORDER, TIER_SCORE, Cost, CostOrder, DesiredState, Service, Tier
 from reconciler.core.live.host_load import RUNNING_STATES
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import account_load, agent_unit, lane_jobs_by_host, lane_views
@@ -120,6 +143,9 @@ class Request:
     arch: frozenset[str] = frozenset()
     # Labels the node must carry, sorted (key, value) pairs.
     labels: tuple[tuple[str, str], ...] = ()
+    # Cost before tier (CostOrder "before_tier"): the cheapest class with
+    # room first, then the tier order down to the floor.
+    cost_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("min_tier", "floor"):
@@ -129,12 +155,14 @@ class Request:
             raise ValueError(f"floor {self.floor!r} is above min_tier {self.min_tier!r}")
 
     @classmethod
-    def for_service(cls, service: Service) -> Request:
+    def for_service(cls, service: Service, cost_order: CostOrder = "within_tier") -> Request:
+        """`cost_order`: the fleet's ([scheduler] cost_order), unless the service says its own."""
         return cls(
             min_tier=service.min_tier,
             floor=service.floor,
             arch=frozenset(service.arch),
             labels=tuple(sorted(service.labels.items())),
+            cost_first=(service.cost_order or cost_order) == "before_tier",
         )
 
     @property
@@ -155,6 +183,11 @@ class Choice:
     fallback: bool
 
 
+# One step of a decision: the (tier, cost rank) heaps to try in order, each
+# with whether its tier is a fallback (below min_tier).
+Step = list[tuple[Tier, int, bool]]
+
+
 @dataclass(frozen=True)
 class NoChoice:
     reason: str
@@ -170,6 +203,22 @@ def tier_sequence(min_tier: Tier, floor: Tier, strategy: Strategy) -> tuple[list
         satisfying.reverse()
     fallback = list(TIER_ORDER[top + 1 : bottom + 1])
     return satisfying, fallback
+
+
+def preference_steps(min_tier: Tier, floor: Tier, strategy: Strategy, cost_first: bool) -> list[Step]:
+    """The order a request tries (tier, cost) pools in, as groups (a group's
+    avoided nodes are passed over only while another of the group will do).
+
+    Tier first (the default): the satisfying tiers as one group, each tier's
+    cost classes cheapest first, then each fallback tier with its classes.
+    Cost first: one group per cost class, cheapest first, each with every
+    tier from the strategy's satisfying order down to the floor."""
+    satisfying, fallback = tier_sequence(min_tier, floor, strategy)
+    tiers = [(t, False) for t in satisfying] + [(t, True) for t in fallback]
+    costs = range(len(COST_ORDER))
+    if cost_first:
+        return [[(t, c, fb) for t, fb in tiers] for c in costs]
+    return [[(t, c, False) for t in satisfying for c in costs]] + [[(t, c, True) for c in costs] for t in fallback]
 
 
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
@@ -237,11 +286,13 @@ class Placer:
         ]
         self.slots: dict[str, _Slot] = {slot.node.node_id: slot for slot in self._ranked}
         self._kept: Counter[str] = Counter()
-        # constraint -> tier -> heap of (utilization, node rank, stamp)
-        self._pools: dict[Constraint, dict[str, list[tuple[float, int, int]]]] = {}
-        # (min_tier, floor) -> the tier groups to try, in order
-        self._steps: dict[tuple[str, str], list[tuple[list[Tier], bool]]] = {}
+        # constraint -> (tier, cost rank) -> heap of (utilization, node rank, stamp)
+        self._pools: dict[Constraint, dict[tuple[str, int], list[tuple[float, int, int]]]] = {}
+        # (min_tier, floor, cost_first) -> the (tier, cost) groups to try, in order
+        self._steps: dict[tuple[str, str, bool], list[Step]] = {}
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
+        # (min_tier, floor, cost_first) -> (tier, cost rank) -> its place in the preference order
+        self._orders: dict[tuple[str, str, bool], dict[tuple[str, int], int]] = {}
 
     # ------------------------------------------------------------------
     # Loads
@@ -296,14 +347,14 @@ class Placer:
         for request in requests:
             self._pool(request)
 
-    def _pool(self, request: Request) -> dict[str, list[tuple[float, int, int]]]:
+    def _pool(self, request: Request) -> dict[tuple[str, int], list[tuple[float, int, int]]]:
         key = request.constraint
         pool = self._pools.get(key)
         if pool is None:
             pool = defaultdict(list)
             for slot in self.slots.values():
                 if request.matches(slot.node):
-                    heap = pool[slot.node.tier]
+                    heap = pool[(slot.node.tier, COST_RANK[slot.node.cost])]
                     slot.heaps.append(heap)
                     if slot.load < slot.limit:
                         heap.append(slot.entry())
@@ -356,13 +407,12 @@ class Placer:
         # full would have been chosen instead of deferring). Clearing it here
         # made every deferral after a placement a scan of the whole fleet.
 
-    def _tier_steps(self, request: Request) -> list[tuple[list[Tier], bool]]:
-        """Satisfying tiers as one group, then each fallback tier on its own."""
-        key = (request.min_tier, request.floor)
+    def _tier_steps(self, request: Request) -> list[Step]:
+        """`preference_steps` of the request, computed once per shape."""
+        key = (request.min_tier, request.floor, request.cost_first)
         steps = self._steps.get(key)
         if steps is None:
-            satisfying, fallback = tier_sequence(request.min_tier, request.floor, self.strategy)
-            steps = self._steps[key] = [(satisfying, False)] + [([tier], True) for tier in fallback]
+            steps = self._steps[key] = preference_steps(request.min_tier, request.floor, self.strategy, request.cost_first)
         return steps
 
     # ------------------------------------------------------------------
@@ -378,10 +428,10 @@ class Placer:
         # Within the satisfying group, nodes not avoided first; then the same
         # for each fallback tier, best first.
         passes = (avoid, exclude) if avoid != exclude else (avoid,)
-        for group, is_fallback in self._tier_steps(request):
+        for group in self._tier_steps(request):
             for avoiding in passes:
-                for tier in group:
-                    heap = pool.get(tier)
+                for tier, cost, is_fallback in group:
+                    heap = pool.get((tier, cost))
                     if not heap:
                         continue
                     slot = self._best(heap, avoiding)
@@ -389,6 +439,44 @@ class Placer:
                         self._take(slot, heap)
                         return Choice(slot.node.node_id, slot.node.tier, is_fallback)
         return self._explain(request, exclude)
+
+    # ------------------------------------------------------------------
+    # Work comes home (the come-home rule, `bring_home`)
+
+    def _order(self, request: Request) -> dict[tuple[str, int], int]:
+        key = (request.min_tier, request.floor, request.cost_first)
+        order = self._orders.get(key)
+        if order is None:
+            flat = [(tier, cost) for group in self._tier_steps(request) for tier, cost, _ in group]
+            order = self._orders[key] = {pool: i for i, pool in enumerate(flat)}
+        return order
+
+    def preferred_to(self, request: Request, than: SnapshotNode, node: SnapshotNode) -> bool:
+        """Whether `request` would rather run on `node` than on `than` for
+        their tier and cost alone (not load), and `node` is of a cheaper cost
+        class: where a replica on `than` may come home to."""
+        if COST_RANK[node.cost] >= COST_RANK[than.cost]:
+            return False
+        order = self._order(request)
+        mine = order.get((node.tier, COST_RANK[node.cost]))
+        theirs = order.get((than.tier, COST_RANK[than.cost]))
+        return mine is not None and theirs is not None and mine < theirs
+
+    def place_cheaper(self, request: Request, than: SnapshotNode, exclude: Iterable[str] = ()) -> Choice | None:
+        """Place one unit of work on the node `place` would choose among
+        those `preferred_to` `than` (None when none has room)."""
+        exclude = frozenset(exclude)
+        pool = self._pool(request)
+        for group in self._tier_steps(request):
+            for tier, cost, is_fallback in group:
+                heap = pool.get((tier, cost))
+                if not heap or cost >= COST_RANK[than.cost]:
+                    continue
+                slot = self._best(heap, exclude)
+                if slot is not None and self.preferred_to(request, than, slot.node):
+                    self._take(slot, heap)
+                    return Choice(slot.node.node_id, slot.node.tier, is_fallback)
+        return None
 
     def _explain(self, request: Request, exclude: frozenset[str]) -> NoChoice:
         key = (request.constraint, request.min_tier, request.floor, exclude)
@@ -470,6 +558,163 @@ def explain_deferral(
     )
 
 
+def split_moves(snapshot: Snapshot) -> tuple[list[Placement], list[Placement], set[str]]:
+    """The placements in force, the moves still under way (`Placement.replaces`)
+    and the nodes of the moves given up.
+
+    Make-before-break: a move whose new placement runs (its node's heartbeat
+    says the service's unit is active) is done, and the new placement stands
+    alone: the old one leaves the plan, so its host stops the unit and the
+    edge routes to the new one only. A move whose new unit failed is given
+    up (the old placement stays; its node's room counts from now, so the
+    come-home rule tries again only after another stable window). Otherwise
+    both stay."""
+    units = {n.node_id: n.units for n in snapshot.nodes}
+    in_force: list[Placement] = []
+    pending: list[Placement] = []
+    done: set[tuple[str, int, str]] = set()
+    given_up: set[str] = set()
+    for p in snapshot.placements:
+        if p.replaces is None:
+            continue
+        state = units.get(p.node, {}).get(agent_unit(p.service))
+        if state in RUNNING_STATES:
+            done.add((p.service, p.replica, p.replaces))
+            in_force.append(p.model_copy(update={"replaces": None}))
+        elif state == "failed":
+            given_up.add(p.node)
+        else:
+            pending.append(p)
+    in_force += [p for p in snapshot.placements if p.replaces is None and (p.service, p.replica, p.node) not in done]
+    return in_force, pending, given_up
+
+
+def keep_moves(
+    placer: Placer,
+    pending: Iterable[Placement],
+    services: Mapping[str, Service],
+    kept: dict[tuple[str, int], Placement],
+    kept_on: set[tuple[str, str]],
+) -> dict[tuple[str, int], Placement]:
+    """The moves under way that go on: the old placement is still kept and the
+    new one still fits its node (it holds its slot from the start). A move
+    whose old placement is gone (its host lost) leaves the new one as the
+    replica's placement, when it can stay. Updates `kept` and `kept_on`."""
+    moving: dict[tuple[str, int], Placement] = {}
+    for new in sorted(pending, key=lambda p: (p.service, p.replica)):
+        key = (new.service, new.replica)
+        service = services.get(new.service)
+        if service is None or new.replica >= service.replicas or key in moving or (new.service, new.node) in kept_on:
+            continue
+        old = kept.get(key)
+        if old is not None and old.node != new.replaces:
+            continue
+        if not placer.keep(new.node, Request.for_service(service)):
+            continue
+        kept_on.add((new.service, new.node))
+        tier = placer.nodes[new.node].tier
+        placement = Placement(
+            service=new.service,
+            replica=new.replica,
+            node=new.node,
+            tier=tier,
+            fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
+            replaces=new.replaces if old is not None else None,
+        )
+        if old is None:
+            kept[key] = placement
+        else:
+            moving[key] = placement
+    return moving
+
+
+def bring_home(
+    placer: Placer,
+    desired: DesiredState,
+    snapshot: Snapshot,
+    kept: Mapping[tuple[str, int], Placement],
+    moving: Mapping[tuple[str, int], Placement],
+    placed: Iterable[Placement] = (),
+) -> dict[tuple[str, int], Placement]:
+    """The come-home rule: new moves of replicas off paid hosts. `placed`:
+    every placement of this plan so far (a move never goes where a replica of
+    its service is placed, kept or new).
+
+    A replica kept on a paid host moves to a node that its request prefers
+    for tier and cost (`Placer.preferred_to`: of a cheaper class, and not of
+    a worse tier position) once such a node has had room for a stable
+    window: continuously since `snapshot.room_since` (the last plan's
+    memory), at least [flap] window_s ago. One move per service at a time,
+    never while one of its moves is under way; the new placement takes its
+    slot now (make-before-break: the old one stays until it runs,
+    `split_moves`). Nothing moves back: only paid hosts are left, and only
+    for cheaper ones. Lane jobs are not placements: they never move."""
+    now = utc(snapshot.now)
+    window = desired.fleet.flap.window_s
+    stable = {n for n, since in snapshot.room_since.items() if (now - utc(since)).total_seconds() >= window}
+    if not stable:
+        return {}
+    unstable = frozenset(placer.slots) - stable
+    cost_order = desired.fleet.scheduler.cost_order
+    busy = {service for service, _ in moving}
+    by_service: dict[str, list[Placement]] = defaultdict(list)
+    for key in sorted(kept):
+        by_service[key[0]].append(kept[key])
+    hosting_of: dict[str, set[str]] = defaultdict(set)
+    for p in [*placed, *kept.values(), *moving.values()]:
+        hosting_of[p.service].add(p.node)
+    moves: dict[tuple[str, int], Placement] = {}
+    for service in _placement_order(desired.fleet.services):
+        if service.id in busy:
+            continue
+        request = Request.for_service(service, cost_order)
+        hosting = hosting_of[service.id]
+        for p in by_service[service.id]:
+            node = placer.nodes[p.node]
+            if node.cost != "paid":
+                continue
+            choice = placer.place_cheaper(request, node, exclude=hosting | unstable)
+            if choice is not None:
+                moves[(p.service, p.replica)] = Placement(
+                    service=p.service, replica=p.replica, node=choice.node, tier=choice.tier, fallback=choice.fallback, replaces=p.node
+                )
+                break
+    return moves
+
+
+# The come-home rule's memory holds at most this many nodes (the plan is one
+# registry key): those remembered longest first, then by node id.
+_ROOM_NODES = 256
+
+
+def room_memory(placer: Placer, desired: DesiredState, snapshot: Snapshot, placements: Iterable[Placement]) -> dict[str, datetime]:
+    """The plan's `room_since`: while replicas run on paid hosts, each node
+    they could come home to (`Placer.preferred_to`) that has room after this
+    plan's placements, since when it has had it (the last plan's time, or
+    now). Empty while no replica runs on a paid host."""
+    services = {s.id: s for s in desired.fleet.services}
+    cost_order = desired.fleet.scheduler.cost_order
+    shapes: dict[tuple[Request, str], SnapshotNode] = {}
+    for p in placements:
+        node = placer.nodes.get(p.node)
+        service = services.get(p.service)
+        if node is not None and service is not None and node.cost == "paid":
+            request = Request.for_service(service, cost_order)
+            shapes.setdefault((request, f"{node.tier}/{node.cost}"), node)
+    if not shapes:
+        return {}
+    now = utc(snapshot.now)
+    room: dict[str, datetime] = {}
+    for node_id, slot in placer.slots.items():
+        if slot.load >= slot.limit:
+            continue
+        if any(request.matches(slot.node) and placer.preferred_to(request, than, slot.node) for (request, _), than in shapes.items()):
+            since = snapshot.room_since.get(node_id)
+            room[node_id] = utc(since) if since is not None and utc(since) <= now else now
+    chosen = sorted(room, key=lambda n: (room[n], n))[:_ROOM_NODES]
+    return {n: room[n] for n in sorted(chosen)}
+
+
 def _placement_order(services: Sequence[Service]) -> list[Service]:
     """Most demanding first (min_tier, then floor), then declaration order."""
     indexed = list(enumerate(services))
@@ -505,6 +750,10 @@ def schedule(
     return plan
 
 
+def _declared_cost(node: SnapshotNode, cost: Cost) -> SnapshotNode:
+    return node if node.cost == cost else node.model_copy(update={"cost": cost})
+
+
 def schedule_with_placer(
     snapshot: Snapshot,
     desired: DesiredState,
@@ -515,17 +764,23 @@ def schedule_with_placer(
     """`schedule`, also returning the pass's `Placer` with the plan's loads
     applied, so more work (a task dispatch) can be placed after the services."""
     declared = set(desired.hosts)
-    nodes = [n for n in snapshot.nodes if n.node_id in declared]
+    # A node's cost class is its host file's (git), whatever its heartbeat
+    # says: a host that claimed "free" in its own record would draw work.
+    nodes = [_declared_cost(n, desired.hosts[n.node_id].host.cost) for n in snapshot.nodes if n.node_id in declared]
     ignored = sorted({n.node_id for n in snapshot.nodes if n.node_id not in declared})
     lane_jobs = lane_jobs_by_host(desired, {lane.id: lane.in_flight for lane in snapshot.lanes})
     placer = Placer(nodes, snapshot.now, desired.fleet.scheduler.strategy, lane_jobs)
     services = {s.id: s for s in desired.fleet.services}
 
     # 1. Keep what is in force and still feasible, before anything new claims
-    #    the slots. The first record of a (service, replica) wins.
+    #    the slots. The first record of a (service, replica) wins. Moves under
+    #    way (make-before-break) are done, go on or are given up.
+    in_force, pending, given_up = split_moves(snapshot)
+    if given_up:
+        snapshot = snapshot.model_copy(update={"room_since": {n: t for n, t in snapshot.room_since.items() if n not in given_up}})
     kept: dict[tuple[str, int], Placement] = {}
     kept_on: set[tuple[str, str]] = set()  # (service, node): one replica per node
-    for old in sorted(snapshot.placements, key=lambda p: (p.service, p.replica)):
+    for old in sorted(in_force, key=lambda p: (p.service, p.replica)):
         service = services.get(old.service)
         if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
             continue
@@ -542,12 +797,15 @@ def schedule_with_placer(
                 fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
             )
 
+    moving = keep_moves(placer, pending, services, kept, kept_on)
+
     # 2. Place the rest, most demanding services first.
     placements: list[Placement] = list(kept.values())
     deferred: list[Deferred] = []
+    cost_order = desired.fleet.scheduler.cost_order
     for service in _placement_order(desired.fleet.services):
-        request = Request.for_service(service)
-        hosting = {p.node for key, p in kept.items() if key[0] == service.id}
+        request = Request.for_service(service, cost_order)
+        hosting = {p.node for key, p in kept.items() if key[0] == service.id} | {p.node for key, p in moving.items() if key[0] == service.id}
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
                 continue
@@ -558,7 +816,10 @@ def schedule_with_placer(
             else:
                 deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
 
-    placements.sort(key=lambda p: (p.service, p.replica))
+    # 3. Work comes home: replicas off paid hosts, one per service at a time.
+    moving |= bring_home(placer, desired, snapshot, kept, moving, placements)
+    placements += moving.values()
+    placements.sort(key=lambda p: (p.service, p.replica, p.replaces is not None))
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,
         leader=leader or snapshot.leader or "what-if",
@@ -568,5 +829,6 @@ def schedule_with_placer(
         # The lanes beside the services this plan places (one account per host).
         lanes=lane_views(desired, snapshot, placements),
         ignored_nodes=ignored,
+        room_since=room_memory(placer, desired, snapshot, placements),
     )
     return placer, plan

@@ -28,6 +28,10 @@ Burst (horizontal)
     3. no idle capacity and no hook configured: a `hold` (the work stays
        queued - the seed's ENQUEUE).
     While the queue stays high this repeats every pass, paced by the limits.
+    Cost (issue 32): only the cheapest cost class among the idle nodes is
+    activated (`cheapest_idle`: free, then owned, then paid), counting the
+    ones activated within group_interval_s that are still idle, so paid
+    groups come up only when no cheaper idle capacity is left.
 
 Vertical
     a node's utilization (in_flight / max_concurrent_tasks) >
@@ -35,7 +39,10 @@ Vertical
     `raise_concurrency` by one when max_concurrent_tasks < its ceiling
     (`max_concurrent_ceiling`; none = no headroom), else a scale-out as in
     the burst steps 1-3. Either way the node's window starts again, so the
-    next step needs another full window.
+    next step needs another full window. Hot nodes are visited cheapest
+    first, and a paid node's concurrency is not raised while a cheaper node
+    taking new work is hot with headroom left (`cheaper_to_raise`): that one
+    is raised first; the paid node gets a `hold` and keeps its window.
 
 Scale down
     a node's utilization < scale_down_utilization continuously for
@@ -53,7 +60,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from reconciler.core.desired.model import TIER_ORDER, ScalingSettings, Tier
+from reconciler.core.desired.model import COST_RANK, TIER_ORDER, ScalingSettings, Tier
 from reconciler.core.live.models import Snapshot, SnapshotNode
 from reconciler.core.scheduling.placement import accepts_new_work
 from reconciler.core.timestamps import utc, utc_stamp
@@ -116,6 +123,34 @@ def _held_for(since: datetime | None, now: datetime) -> float:
     return (now - since).total_seconds() if since is not None else -1.0
 
 
+def by_cost(node_ids: Collection[str], nodes: dict[str, SnapshotNode]) -> list[str]:
+    """`node_ids` cheapest cost class first, then by id."""
+    return sorted(node_ids, key=lambda n: (COST_RANK[nodes[n].cost], n))
+
+
+def cheapest_idle(idle: Collection[str], nodes: dict[str, SnapshotNode]) -> list[str]:
+    """The idle nodes of the cheapest cost class among them (sorted): a burst
+    activates free capacity before owned, and owned before paid."""
+    if not idle:
+        return []
+    cheapest = min(COST_RANK[nodes[n].cost] for n in idle)
+    return sorted(n for n in idle if COST_RANK[nodes[n].cost] == cheapest)
+
+
+def cheaper_to_raise(node: SnapshotNode, hot: Collection[str], nodes: dict[str, SnapshotNode], now: datetime) -> list[str]:
+    """For a paid node: the cheaper nodes taking new work that are hot and
+    whose concurrency can still be raised (they go first); [] otherwise."""
+    if node.cost != "paid":
+        return []
+    return [
+        n
+        for n in by_cost(hot, nodes)
+        if COST_RANK[nodes[n].cost] < COST_RANK[node.cost]
+        and accepts_new_work(nodes[n], now)
+        and nodes[n].max_concurrent_tasks < (nodes[n].max_concurrent_ceiling or nodes[n].max_concurrent_tasks)
+    ]
+
+
 @dataclass
 class _Windows:
     """The state being built for the next pass: open windows and pacing."""
@@ -176,13 +211,17 @@ def _vertical(running: dict[str, SnapshotNode], w: _Windows, settings: ScalingSe
     """Hot nodes: more concurrency where there is headroom; the reasons to
     scale out for those at their ceiling."""
     scale_out_reasons: list[str] = []
-    for node_id in sorted(w.hot):
+    for node_id in by_cost(list(w.hot), running):
         held = _held_for(w.hot[node_id], now)
         if held < settings.scale_up_window_s:
             continue
         node = running[node_id]
         how_busy = f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s (> {settings.scale_up_utilization:.0%})"
         ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
+        first = cheaper_to_raise(node, w.hot, running, now)
+        if first and node.max_concurrent_tasks < ceiling:
+            actions.append(ScalingAction(kind="hold", node=node_id, tier=node.tier, reason=f"{how_busy}; paid: {', '.join(first)} raised first"))
+            continue  # its window stays: raised once no cheaper node can be
         if node.max_concurrent_tasks < ceiling:
             actions.append(
                 ScalingAction(
@@ -246,10 +285,13 @@ def _scale_out(
     """Horizontal: idle capacity first, else the cloud hooks, else a hold."""
     why = "; ".join(reasons)
     interval = timedelta(seconds=settings.group_interval_s)
-    idle = sorted(
-        node_id
-        for node_id, node in running.items()
-        if node.in_flight == 0 and accepts_new_work(node, now) and (lane_hosts is None or node_id in lane_hosts or node_id in state.scaled_down)
+    idle = cheapest_idle(
+        [
+            node_id
+            for node_id, node in running.items()
+            if node.in_flight == 0 and accepts_new_work(node, now) and (lane_hosts is None or node_id in lane_hosts or node_id in state.scaled_down)
+        ],
+        running,
     )
     if idle:
         return _activate_idle(idle, running, w, why, interval, now)

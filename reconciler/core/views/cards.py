@@ -15,8 +15,10 @@ reason. The cards are the lane views dispatch decides on
 sees: offline and why, or full and which account is (the lane's cap or its
 host's capacity).
 
-Each node shows its load as its record reports it (`in_flight/max N%`) and, as
-a note, each declared limit the probe lowered. The timeline
+Each node shows its cost class (free, owned, paid: its record's, from its
+host file), its load as its record reports it (`in_flight/max N%`) and, as
+a note, each declared limit the probe lowered. The paid capacity in use is
+the load of the paid nodes that are up (`FleetStatus.paid_slots_in_use`). The timeline
 (`reconciler.core.views.timeline`) lists what happened lately, newest first.
 """
 
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import DEFAULT_COST, DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
 from reconciler.core.views.timeline import FleetHistory, TimelineEvent, timeline
@@ -130,6 +133,13 @@ class NodeRow:
     declared: bool = True
     # Each declared limit the probe lowered, one sentence each (the node's record).
     lowered_limits: tuple[str, ...] = ()
+    # The node's cost class (its record's; a host not reporting: its host file's).
+    cost: str = DEFAULT_COST
+
+    @property
+    def paid_up(self) -> bool:
+        """A paid node that is up (active or draining): its load is paid capacity in use."""
+        return self.cost == "paid" and self.tier is not None and self.status in ("active", "draining")
 
     @property
     def utilization(self) -> float:
@@ -223,6 +233,9 @@ class FleetStatus:
     # Why the registry's newest plan is not the fleet's (forged, or signed by
     # a key fabric.toml does not list): hosts refuse it, so it is not shown.
     plan_refused: str | None = None
+    # Registry records that did not parse or validate, one line each
+    # ("x86-spill: unreadable heartbeat record: ..."): skipped, their nodes not beating.
+    unreadable: tuple[str, ...] = ()
     # Port maps open beyond the tailnet (their allow_from); empty: tailnet only.
     exposure: tuple[ExposureRow, ...] = ()
     # Recent events, newest first; `timeline_known` False when no registry
@@ -236,6 +249,25 @@ class FleetStatus:
     # pass, and a memoized pass still makes a full one within the node
     # timeout (reconciler.engine.memoized_pass), then one interval to reload.
     stale_after_s: int = 120
+
+    @property
+    def paid_slots_in_use(self) -> int:
+        """Slots of paid capacity in use: the load of the paid nodes that are up."""
+        return sum(n.in_flight for n in self.nodes if n.paid_up)
+
+    @property
+    def paid_slots(self) -> int:
+        """The paid nodes' capacity (those up)."""
+        return sum(n.max_concurrent_tasks for n in self.nodes if n.paid_up)
+
+    @property
+    def paid_line(self) -> str:
+        """`paid capacity: 3/8 slots in use (x86-spill 3/8)`, or that no paid node is up."""
+        paid = [n for n in self.nodes if n.paid_up]
+        if not paid:
+            return "paid capacity: no paid node up"
+        each = ", ".join(f"{n.node_id} {n.in_flight}/{n.max_concurrent_tasks}" for n in paid)
+        return f"paid capacity: {self.paid_slots_in_use}/{self.paid_slots} slots in use ({each})"
 
     @property
     def headline(self) -> str:
@@ -285,6 +317,7 @@ def fleet_status(
         waiting=_deferred(plan, inadmissible=False),
         inadmissible=_deferred(plan, inadmissible=True),
         plan_refused=plan_refused,
+        unreadable=tuple(problem_lines(snapshot.unreadable)),
         exposure=exposure(desired),
         timeline=timeline(history, plan) if history is not None else (),
         timeline_known=history is not None,
@@ -344,6 +377,7 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
                 held_off_for_s=None,
                 draining=False,
                 services=tuple(services.get(host, ())),
+                cost=desired.hosts[host].host.cost,
             )
         )
     return tuple(sorted(rows, key=lambda r: r.node_id))
@@ -368,6 +402,7 @@ def _node_row(node: SnapshotNode, services: tuple[str, ...], now: datetime, *, d
         services=services,
         declared=declared,
         lowered_limits=tuple(node.lowered_limits),
+        cost=node.cost,
     )
 
 
@@ -424,13 +459,17 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
     out = [status.headline]
     if status.plan_refused:
         out.append(f"PLAN REFUSED · hosts keep their generations: {status.plan_refused}")
+    if status.unreadable:
+        out += ["", f"UNREADABLE RECORDS · skipped, their nodes count as not beating ({len(status.unreadable)})"]
+        out += [f"  {line}" for line in status.unreadable]
     out += ["", "LANES"]
     out += [lane_card_line(card, color=color) for card in status.lanes]
     out += ["", "NODES"]
     out += _table(
-        ("NODE", "TIER", "STATUS", "LOAD", "LAST SEEN", "NOTE", "SERVICES"),
-        [(n.node_id, n.tier or "-", n.status, n.load, n.seen, n.note, " ".join(n.services)) for n in status.nodes],
+        ("NODE", "TIER", "COST", "STATUS", "LOAD", "LAST SEEN", "NOTE", "SERVICES"),
+        [(n.node_id, n.tier or "-", n.cost, n.status, n.load, n.seen, n.note, " ".join(n.services)) for n in status.nodes],
     )
+    out.append(f"  {status.paid_line}")
     for title, rows in (("waiting for capacity", status.waiting), ("inadmissible", status.inadmissible)):
         out += ["", f"DEFERRED · {title} ({len(rows)})" if status.plan_known else f"DEFERRED · {title}"]
         if not status.plan_known:
@@ -486,6 +525,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
         "leader": status.leader,
         "epoch": status.epoch,
         "plan_refused": status.plan_refused,
+        "unreadable": list(status.unreadable),
         "lanes": [
             {
                 "id": c.id,
@@ -505,6 +545,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
             {
                 "node": n.node_id,
                 "tier": n.tier,
+                "cost": n.cost,
                 "status": n.status_id,
                 "in_flight": n.in_flight,
                 "max_concurrent_tasks": n.max_concurrent_tasks,
@@ -518,6 +559,8 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
             }
             for n in status.nodes
         ],
+        # Slots of paid capacity in use, and the paid nodes' capacity (those up).
+        "paid_slots": {"in_use": status.paid_slots_in_use, "total": status.paid_slots},
         # null (not []) when no plan was available: unknown is not "none".
         "deferred": {"waiting": deferred(status.waiting), "inadmissible": deferred(status.inadmissible)},
         # Port maps open beyond the tailnet; [] when every one is tailnet only.

@@ -1,15 +1,18 @@
 """Prometheus metrics of one reconcile pass, for node_exporter's textfile collector.
 
 Pure: `render_metrics(...)` returns the text exposition format (version 0.0.4);
-the apply step writes it atomically (temp file + rename, which the collector
+this module decides the series (`Family`), prometheus_client's
+`generate_latest` spells them (escaping, value format, HELP and TYPE lines;
+its global registry is not used, and nothing is served). The apply step
+writes the text atomically (temp file + rename, which the collector
 requires so it never reads half a file) as
 `<root>/var/lib/node_exporter/textfile/fabric.prom` (`TEXTFILE_PATH`).
 
 Two kinds of series:
 - this host's pass: duration, last success time, success, live generation,
   the plan epoch it applied, rollbacks (a counter the apply step keeps);
-- the fleet as this host saw it (only when a snapshot is given): node status
-  and tier, node load, lane in-flight/cap/up, deferred work by reason, leader.
+- the fleet as this host saw it (only when a snapshot is given): node status,
+  tier and cost class, node load, the paid capacity in use, lane in-flight/cap/up, deferred work by reason, leader.
   Every host exports the same fleet series, told apart by node_exporter's
   `instance` label: aggregate with max by (node) / max by (lane).
 
@@ -18,13 +21,16 @@ No sample carries a timestamp: the textfile collector rejects those.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
 
 from reconciler.core.desired.model import DesiredState, tier_score
 from reconciler.core.live.models import FleetPlan, Snapshot
@@ -87,45 +93,36 @@ class Family:
 # Exposition
 
 
-def escape_label_value(value: str) -> str:
-    """Backslash, double quote and newline escaped, as the text format requires."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
 def format_value(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+    """A sample's value as the exposition spells it (prometheus_client: Go's float format)."""
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]  # untyped in prometheus_client
+    return text
+
+
+class _Collected:
+    """The families as a collector: what `generate_latest` reads (instead of a registry)."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._metrics)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 def exposition(families: Iterable[Family]) -> str:
     """Families in the text format; samples sorted so equal input is equal text."""
-    out: list[str] = []
+    metrics = []
     for family in families:
-        out.append(f"# HELP {family.name} {escape_help(family.help)}")
-        out.append(f"# TYPE {family.name} {family.type}")
+        # prometheus_client names a counter without its _total (it adds it back).
+        base = family.name.removesuffix("_total") if family.type == "counter" else family.name
+        metric = Metric(base, family.help, family.type)
         for labels, value in sorted(family.samples, key=lambda s: sorted(s[0].items())):
-            out.append(f"{family.name}{_labels(labels)} {format_value(value)}")
-    return "\n".join(out) + "\n" if out else ""
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels.items()))
-    return "{" + inner + "}"
+            metric.add_sample(family.name, dict(sorted(labels.items())), float(value))
+        metrics.append(metric)
+    return generate_latest(_Collected(metrics)).decode()
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +170,9 @@ def fleet_families(status: FleetStatus) -> list[Family]:
     held_off = Family("fabric_node_held_off", "gauge", "1 while a flapping node is held off new placements.")
     draining = Family("fabric_node_draining", "gauge", "1 while a node is drained or draining.")
     last_seen = Family("fabric_node_last_seen_timestamp_seconds", "gauge", "Unix time of a node's last heartbeat.")
+    cost = Family("fabric_node_cost_info", "gauge", "A node's cost class: free, owned or paid (always 1).")
     for node in status.nodes:
+        cost.add(1, node=node.node_id, cost=node.cost)
         current = node.status_id
         for state in NODE_STATES:
             node_status.add(1 if state == current else 0, node=node.node_id, status=state)
@@ -199,7 +198,16 @@ def fleet_families(status: FleetStatus) -> list[Family]:
         lane_rank.add(card.rank, **labels)
         lane_up.add(1 if card.available else 0, **labels)
 
-    families = [node_info, node_status, tier, in_flight, max_tasks, held_off, draining, last_seen]
+    paid_in_use = Family(
+        "fabric_paid_slots_in_use",
+        "gauge",
+        "Slots of paid capacity in use: the load of the paid nodes that are up (alert on min_over_time(...[1h]) > 0).",
+    )
+    paid_in_use.add(status.paid_slots_in_use)
+    paid_slots = Family("fabric_paid_slots", "gauge", "Capacity of the paid nodes that are up, in slots.")
+    paid_slots.add(status.paid_slots)
+
+    families = [node_info, node_status, tier, in_flight, max_tasks, held_off, draining, last_seen, cost, paid_in_use, paid_slots]
     families += [lane_in_flight, lane_cap, lane_rank, lane_up]
 
     if status.plan_known:

@@ -2,14 +2,14 @@
 
 Usage::
 
-    from tests.harness.upstream_process import upstream_process
+    from tests.support.harness.upstream_process import upstream_process
 
     with upstream_process("one", port) as one:
         ...           # answers every request with 200 "one" on 127.0.0.1:port
         one.kill()    # SIGKILL by PID: the port refuses connections at once
         one.start()   # a new process on the same port
 
-Run as a program (`python -m tests.harness.upstream_process NAME PORT STATUS`)
+Run as a program (`python -m tests.support.harness.upstream_process NAME PORT STATUS`)
 it answers every request on 127.0.0.1:PORT with STATUS and NAME as the body
 (reading the request's body first) until it is killed. `start()` returns once
 the port accepts connections; the context manager stops the process by PID.
@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.harness.waiting import stop_process, wait_until
+from tests.support.harness.waiting import stop_process, wait_until
 
-_REPOSITORY = Path(__file__).resolve().parents[2]
+_REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 class UpstreamProcess:
@@ -44,7 +44,7 @@ class UpstreamProcess:
     def start(self) -> None:
         assert self.process is None or self.process.poll() is not None, "already running"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.harness.upstream_process", self.name, str(self.port), str(self.status)],
+            [sys.executable, "-m", "tests.support.harness.upstream_process", self.name, str(self.port), str(self.status)],
             cwd=_REPOSITORY,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

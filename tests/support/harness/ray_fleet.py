@@ -29,9 +29,9 @@ from reconciler.core.render.ray_node import RayNodeSpec, ray_node_spec
 from reconciler.engine.heartbeat import node_record
 from reconciler.engine.plan_source import effective_facts
 from reconciler.wiring import open_registry
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
-PROBES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
+PROBES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 HOSTS = ("qfox-1", "a1-arm64", "lux")
 # The smallest object store Ray accepts: four raylets share this machine's memory.
 OBJECT_STORE_BYTES = 80 * 1024 * 1024

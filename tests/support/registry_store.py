@@ -7,6 +7,8 @@ checked on both backends the same way (the `store` fixture in conftest.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +18,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
 from reconciler.ports import Clock, Registry
 from reconciler.wiring import open_registry
-from tests.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 # The example fleet's [registry] lines, replaced to point at a store.
 _EXAMPLE_REGISTRY = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
@@ -104,6 +106,22 @@ def beat_example_fleet(registry: Registry, ttl_s: float | None = 86_400, hosts: 
     alive while a test moves its clock by hand; None: the fleet's node timeout."""
     for host in hosts or list(EXAMPLE_HOSTS):
         registry.heartbeat(example_record(host), ttl_s)
+
+
+@contextmanager
+def beating_registry(tmp_path: Path, fleet: SignedFleet) -> Iterator[Registry]:
+    """A real sqlite registry (tmp_path/registry.sqlite) with every example host's heartbeat."""
+    from reconciler.adapters.clock import SystemClock
+    from reconciler.adapters.registry_sqlite import SqliteRegistry
+    from reconciler.core.desired.load import load_desired
+
+    desired = load_desired(fleet.desired)
+    reg = SqliteRegistry(tmp_path / "registry.sqlite", timing=desired.fleet.timing, flap=desired.fleet.flap, clock=SystemClock())
+    try:
+        beat_example_fleet(reg)
+        yield reg
+    finally:
+        reg.close()
 
 
 def status_of(registry: Registry, node: str) -> str | None:

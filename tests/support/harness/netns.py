@@ -2,7 +2,7 @@
 
 Usage::
 
-    from tests.harness.netns import network_lab, tcp_probe
+    from tests.support.harness.netns import network_lab, tcp_probe
 
     with network_lab() as lab:
         client, server = lab.namespace("client"), lab.namespace("server")
@@ -27,7 +27,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.harness.waiting import wait_until
+from tests.support.harness.waiting import wait_until
 
 _counter = itertools.count()
 

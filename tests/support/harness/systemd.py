@@ -2,7 +2,7 @@
 
 Usage (one container per test module keeps the suite fast)::
 
-    from tests.harness.systemd import systemd_container
+    from tests.support.harness.systemd import systemd_container
 
     @pytest.fixture(scope="module")
     def container():
@@ -81,7 +81,7 @@ BOOT_TARGET = "fabric-harness.target"
 _SYSTEMD, _MANAGER_PATH, _MANAGER = "org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager"
 
 # This checkout. Tests run the project inside containers from its path.
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]
 _NOT_COPIED = shutil.ignore_patterns(".venv", ".git", "sandbox", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis")
 
 # Runs as PID 1 of the new PID namespace, inside the new mount namespace, and

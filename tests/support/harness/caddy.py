@@ -2,7 +2,7 @@
 
 Usage::
 
-    from tests.harness.caddy import caddy_server, http_upstream, free_port, http_get
+    from tests.support.harness.caddy import caddy_server, http_upstream, free_port, http_get
 
     with http_upstream("one") as one, caddy_server(site_port=free_port(), upstream=one.address) as caddy:
         assert http_get(caddy.site_url) == "one"
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.waiting import stop_process, wait_until
+from tests.support.harness.waiting import stop_process, wait_until
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from tests.harness.etcd import etcd_cluster
+    from tests.support.harness.etcd import etcd_cluster
 
     @pytest.fixture(scope="module")
     def etcd():

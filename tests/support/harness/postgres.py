@@ -2,7 +2,7 @@
 
 Usage::
 
-    from tests.harness.postgres import postgres_server
+    from tests.support.harness.postgres import postgres_server
 
     @pytest.fixture(scope="module")
     def broker():
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.waiting import wait_until
+from tests.support.harness.waiting import wait_until
 
 BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/17/bin")
 

@@ -10,6 +10,7 @@ fabric-reconcile.service would run them.
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,13 +19,14 @@ import annotated_types
 import dbus_fast
 import jinja2
 import markupsafe
+import prometheus_client
 import pydantic
 import pydantic_core
 import typing_extensions
 import typing_inspection
 
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.systemd import SystemdContainer, systemd_container
 
 SITE = "/opt/fabric-test/site"
 DESIRED = "/var/lib/fabric/desired"
@@ -42,7 +44,7 @@ def copy_dependencies(container: SystemdContainer) -> None:
     (its /tmp, where the venv lives, is the container's own)."""
     target = container.host_path(SITE)
     target.mkdir(parents=True)
-    for module in (pydantic, pydantic_core, jinja2, markupsafe, dbus_fast, annotated_types, typing_inspection):
+    for module in (pydantic, pydantic_core, jinja2, markupsafe, dbus_fast, annotated_types, typing_inspection, prometheus_client):
         source = Path(module.__file__).parent  # type: ignore[arg-type]
         shutil.copytree(source, target / source.name)
     shutil.copy(typing_extensions.__file__, target)  # type: ignore[arg-type]
@@ -83,6 +85,11 @@ def reconcile_argv(plan_file: str | Path = FLEET_PLAN, *options: str) -> list[st
         str(plan_file),
         *options,
     ]
+
+
+def reconcile(container: SystemdContainer) -> subprocess.CompletedProcess[str]:
+    """One `fabric reconcile` of racknerd inside the container (reconcile_argv's)."""
+    return container.run(*reconcile_argv(), timeout=300)
 
 
 def invocation(container: SystemdContainer, unit: str) -> str:

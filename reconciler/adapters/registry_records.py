@@ -1,0 +1,134 @@
+"""Parsing what the registry holds, one record at a time, never trusting its bytes.
+
+Any member may be hostile or broken: x86-spill's own etcd identity may write
+anything into P/nodes/x86-spill and P/facts/x86-spill (random bytes, JSON of
+the wrong shape, nesting thousands deep, megabytes). Both backends parse every
+record they read through `parse_record`: a record that does not parse or
+validate gives an `UnreadableRecord` (what it is, which key, a short reason
+that never quotes its bytes) instead of an exception, so the read skips it and
+goes on. A read that needs one record and cannot do without it (the plan, the
+leader) raises the port's own `RegistryError` through `require`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from reconciler.core.live.unreadable import MAX_REASON_CHARS, UnreadableRecord
+from reconciler.ports import RegistryError
+
+Model = TypeVar("Model", bound=BaseModel)
+
+# A model's field name, as a problem may say it; any other key of the record
+# (a label's, a unit's) is the host's bytes and is shown as `[...]`.
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+# The largest value a record may be. A node's record or state is a few KiB
+# (50 transitions at most); the plan is bounded by one etcd request.
+MAX_RECORD_BYTES = 256 * 1024
+MAX_PLAN_BYTES = 2 * 1024 * 1024
+
+# What each kind of key holds, as a problem names it.
+WHAT = {
+    "nodes": "heartbeat record",
+    "facts": "heartbeat record",
+    "state": "node state",
+    "node_states": "node state",
+    "drain": "drain request",
+    "drains": "drain request",
+    "plan": "plan",
+    "leader": "leader record",
+    "scaling": "scaling record",
+    "epoch": "epoch",
+}
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters replaced and cut to MAX_REASON_CHARS."""
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if len(clean) <= MAX_REASON_CHARS else clean[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    """('labels', 'k', 0) -> 'labels[...][0]': field names, list positions, and no key the record chose."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _FIELD.match(part):
+            out += f".{part}" if out else part
+        else:
+            out += "[...]"
+    return out or "(top level)"
+
+
+def validation_reason(exc: ValidationError) -> str:
+    """The first error of `exc` as `key.path: message` (pydantic's own str()
+    quotes the input: never used), and how many more there are."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    if not errors:
+        return "does not validate"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = f"not JSON ({first['msg'].removeprefix('Invalid JSON: ')})"
+    else:
+        where = _where(first.get("loc", ()))
+        reason = f"{where}: {first['msg']}" if where else str(first["msg"])
+    more = len(errors) - 1
+    return reason + (f" (and {more} more)" if more else "")
+
+
+def parse_record(
+    model: type[Model],
+    value: object,
+    *,
+    key: str,
+    node: str | None = None,
+    limit: int = MAX_RECORD_BYTES,
+) -> tuple[Model | None, UnreadableRecord | None]:
+    """`value` as `model`, or None and why not. Never raises: whatever the
+    bytes (not UTF-8, not JSON, the wrong shape, too deep, too big; in sqlite
+    not even text)."""
+    kind = key.split("/", 1)[0]
+    what = WHAT.get(kind, "record")
+    if not isinstance(value, bytes | str):
+        return None, UnreadableRecord(key=key, node=node, what=what, reason=f"not text ({type(value).__name__})")
+    size = len(value)
+    if size > limit:
+        return None, UnreadableRecord(key=key, node=node, what=what, reason=f"{size} bytes, over the {limit}-byte limit")
+    if not size:
+        return None, UnreadableRecord(key=key, node=node, what=what, reason="empty")
+    try:
+        return model.model_validate_json(value), None
+    except ValidationError as exc:
+        reason = validation_reason(exc)
+    except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError) as exc:
+        # pydantic wraps a validator's ValueError; these are what it does not.
+        reason = f"does not parse ({type(exc).__name__})"
+    return None, UnreadableRecord(key=key, node=node, what=what, reason=_printable(reason))
+
+
+def parse_int(value: bytes | str, *, key: str) -> tuple[int | None, UnreadableRecord | None]:
+    """A decimal counter (etcd's P/epoch), or None and why not."""
+    text = value.decode("ascii", errors="replace") if isinstance(value, bytes) else value
+    if 0 < len(text) <= 20 and text.isascii() and text.isdigit():
+        return int(text), None
+    return None, UnreadableRecord(key=key, what=WHAT.get(key, "record"), reason="not a decimal number")
+
+
+def require(parsed: tuple[Model | None, UnreadableRecord | None], where: str) -> Model:
+    """The parsed record, or `RegistryError` naming it (`where`: the backend
+    and key, e.g. "etcd /fabric/plan")."""
+    model, problem = parsed
+    if model is None:
+        assert problem is not None
+        raise RegistryError(f"{where}: unreadable {problem.what}: {problem.reason}")
+    return model
+
+
+def key_text(raw: bytes) -> str:
+    """A key's bytes as text, whatever they are."""
+    return raw.decode("utf-8", errors="replace")
