@@ -369,7 +369,8 @@ class LeaderView:
 #   EpochReads    the fence: the newest epoch handed out
 #   PlanReads     the newest published plan (a pass, the watcher, status)
 #   FleetReads    the fleet now and its recent past: snapshot, node states,
-#                 who leads, the scaling record (read-only commands, the page)
+#                 who leads (and the leader record's term), the scaling record
+#                 (read-only commands, the page)
 #   Candidacy     a leader candidate's term: campaign, renew, resign
 #   LeaderWrites  the leader's step: lifecycle, plans, scaling, waiting for change
 #   Drains        the operator's drain and undrain
@@ -416,7 +417,15 @@ class FleetReads(Protocol):
         states, the live heartbeats and the drains; nothing is written)."""
         ...
 
-    def leader(self) -> LeaderInfo | None: ...
+    def leader(self) -> LeaderInfo | None:
+        """The live leader (not resigned, renewed within its TTL), or None."""
+        ...
+
+    def leader_term(self) -> LeaderInfo | None:
+        """The leader record as the registry holds it, live, stale or
+        resigned, its `term` the registry's own (never read from a value a
+        writer chose); None: no record (or none that parses)."""
+        ...
 
     def scaling_record(self) -> ScalingRecord:
         """The leader's scaling memory and overrides (empty for a new registry)."""
@@ -425,14 +434,22 @@ class FleetReads(Protocol):
 
 class Candidacy(Protocol):
     def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
-        """Try once to become leader for `ttl_s` seconds; None if someone leads."""
+        """Try once to become leader for `ttl_s` seconds; None if someone leads.
+        A leader record that is resigned, or stale (not renewed within its
+        TTL, whoever keeps its lease alive), is taken over with a
+        compare-and-swap; the new term is one the registry assigns
+        (`Leadership.term`)."""
         ...
 
     def renew(self, leadership: Leadership) -> bool:
-        """Keep the term alive for another `ttl_s`; False when it is over."""
+        """Keep the term alive for another `ttl_s` and rewrite the record's
+        `renewed_at`; False when it is over."""
         ...
 
-    def resign(self, leadership: Leadership) -> None: ...
+    def resign(self, leadership: Leadership) -> None:
+        """End the term: the record stays, marked resigned (its term is still
+        the current one until a candidate campaigns)."""
+        ...
 
 
 class LeaderWrites(Protocol):

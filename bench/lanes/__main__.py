@@ -35,7 +35,7 @@ from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.engine.dispatch import dispatch_pass  # noqa: E402
 from reconciler.engine.lane_states import lane_targets  # noqa: E402
-from tests.conftest import EXAMPLE_FLEET  # noqa: E402
+from tests.support.harness.own_lanes import own_lanes_fleet  # noqa: E402
 from tests.support.harness.postgres import postgres_server  # noqa: E402
 from tests.support.registry_store import beat_example_fleet  # noqa: E402
 
@@ -78,7 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="bench/lanes")
     parser.add_argument("--jobs", type=int, default=1000)
     args = parser.parse_args()
-    desired = load_desired(EXAMPLE_FLEET)
+    # The fabric's own lanes: the example fleet is phaze's, where phaze dispatches.
+    with tempfile.TemporaryDirectory(prefix="bench-lanes-") as fleet_dir:
+        desired = load_desired(own_lanes_fleet(Path(fleet_dir) / "fleet"))
     targets = lane_targets(desired)
     with postgres_server() as pg, tempfile.TemporaryDirectory() as tmp:
         dsn = pg.database("bench")

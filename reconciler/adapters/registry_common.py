@@ -123,7 +123,8 @@ def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]
         lanes=[SnapshotLane(id=lane) for lane in sorted(set(lanes))],
         placements=list(read.plan.placements) if read.plan else [],
         room_since=dict(read.plan.room_since) if read.plan else {},
-        leader=read.leader.candidate if read.leader else None,
+        # A resigned or stale record names nobody who leads (its term stays current: `Registry.leader_term`).
+        leader=read.leader.candidate if read.leader and read.leader.live_at(read.now) else None,
         epoch=read.epoch,
         unreadable=list(read.problems),
     )

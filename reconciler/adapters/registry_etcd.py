@@ -11,17 +11,30 @@ Keys under the configured prefix P (default "/fabric"):
                             an up node's last_seen (`stored_state`); a beat
                             alone does not change it
     P/drain/<host>          DrainRequest JSON (present = drained)
-    P/leader                LeaderInfo JSON under the leader's lease
+    P/leader                LeaderInfo JSON under the leader's lease; its create
+                            revision is the term; rewritten (renewed_at) at every
+                            renewal; kept, resigned and off the lease, on resignation
     P/epoch                 the epoch counter (decimal)
     P/plan                  the newest FleetPlan JSON
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
                             concurrency overrides; written under its fence)
 
 Election: a campaign grants a lease and, in one transaction, creates P/leader
-(only if absent) and raises P/epoch (only if unchanged since read). Every write
-that needs leadership (publish, lifecycle) is a transaction comparing P/leader
-with the leader's own value, which names its lease: when the lease lapses the
-key is gone and the write is refused (`NotLeader`).
+(only if absent) and raises P/epoch (only if unchanged since read). The term is
+the revision that created P/leader: etcd assigns it, no writer picks it, and a
+reader takes it from the key, never from its value. Every write that needs
+leadership (publish, lifecycle, scaling, renewal, resignation) is a
+transaction comparing P/leader's create revision with the term and its lease
+with the term's lease: when the lease lapses the key is gone, when a candidate
+took over it is another key, and the write is refused (`NotLeader`).
+
+Freshness: etcd does not check permissions on LeaseKeepAlive, and the lease id
+is in P/leader for any host to read, so a lease alone cannot end a term. The
+leader rewrites renewed_at at every renewal; a record not renewed within its
+TTL (or resigned, or unreadable) is taken over by a campaign with a
+compare-and-swap on its mod revision (delete), then the usual create: a new
+term. A renewal is not a membership change for `wait_for_change`; a new term,
+a resignation and the record's removal are.
 
 Limits: etcd refuses a transaction of more than --max-txn-ops operations
 (default 128) and any request over --max-request-bytes (default 1.5 MiB). No
@@ -68,7 +81,7 @@ from urllib.parse import urlsplit
 
 import aetcd
 import grpc
-from aetcd import rpc, utils, watcher
+from aetcd import rpc, transactions, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
@@ -101,10 +114,13 @@ _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
 # etcd's defaults, which a fleet's etcd keeps: --max-txn-ops and --max-request-bytes.
 ETCD_MAX_TXN_OPS = 128
 ETCD_MAX_REQUEST_BYTES = 1536 * 1024
-# Writes per lifecycle transaction: etcd's limit, less the one fence compare
+# The compares of the term's fence (`EtcdRegistry._fence`): the leader key's
+# create revision and its lease.
+FENCE_COMPARES = 2
+# Writes per lifecycle transaction: etcd's limit, less the fence's compares
 # (etcd counts the longest of the compare/success/failure lists; counting
 # them together keeps us under it whichever way a version counts), less one.
-TXN_CHUNK_OPS = ETCD_MAX_TXN_OPS - 1 - 1
+TXN_CHUNK_OPS = ETCD_MAX_TXN_OPS - FENCE_COMPARES - 1
 # Bytes of keys and values per transaction: two thirds of the request limit,
 # leaving room for the fence compare and the protobuf framing of each op.
 TXN_CHUNK_BYTES = ETCD_MAX_REQUEST_BYTES * 2 // 3
@@ -197,6 +213,14 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     cut = len(base)
     pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, after) for kv in kvs]
     return pairs, [kv.key[len(nodes) :] for kv in beats]
+
+
+class _LeaseCompare(transactions.BaseCompare):
+    """A compare of the lease a key is attached to (etcd's LEASE target, which aetcd 1.0 does not offer)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = rpc.Compare.LEASE
+        compare.lease = int(self.value)
 
 
 class _HostFollow:
@@ -458,16 +482,41 @@ class EtcdRegistry(LifecycleMixin):
 
     @staticmethod
     def _leader_value(info: LeaderInfo) -> bytes:
-        return info.model_dump_json().encode()
+        # The term is the key's create revision, never part of its value.
+        return info.model_dump_json(exclude={"term"}).encode()
+
+    @staticmethod
+    def _leader_of(kv: Any) -> LeaderInfo | None:
+        """The leader record in `kv`, its term the key's create revision (a
+        writer cannot choose it); None when the value does not parse (whatever
+        its bytes: registry_records.parse_record never raises)."""
+        info, _ = parse_record(LeaderInfo, kv.value, key="leader")
+        return None if info is None else info.model_copy(update={"term": int(kv.create_revision)})
+
+    def _fence(self, c: _Client, leadership: Leadership) -> list[Any]:
+        """The compares every write of a term makes: the leader key is the one
+        its campaign created (its create revision is the term) and still on
+        the term's lease (a resigned record has none)."""
+        leader_key = self._key("leader")
+        return [c.transactions.create(leader_key) == leadership.term, _LeaseCompare(leader_key) == int(leadership.info.token)]
 
     def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
         leader_key, epoch_key = self._key("leader"), self._key("epoch")
-        since = from_epoch_seconds(self._now())
 
         async def op(c: _Client) -> Leadership | None:
             tx = c.transactions
-            if await c.get(leader_key) is not None:
-                return None
+            now = from_epoch_seconds(self._now())
+            held = await c.get(leader_key)
+            if held is not None:
+                info = self._leader_of(held)
+                if info is not None and info.live_at(now):
+                    return None
+                # Resigned, stale (not renewed within its TTL, whoever keeps
+                # its lease alive) or unreadable: removed, only if it is still
+                # the record just read; then campaign as for an empty seat.
+                taken, _ = await c.transaction(compare=[tx.mod(leader_key) == held.mod_revision], success=[tx.delete(leader_key)], failure=[])
+                if not taken:
+                    return None
             lease = await c.lease(math.ceil(ttl_s))
             for _ in range(10):
                 current = await c.get(epoch_key)
@@ -475,14 +524,20 @@ class EtcdRegistry(LifecycleMixin):
                     epoch, same_epoch = 1, tx.version(epoch_key) == 0
                 else:
                     epoch, same_epoch = int(current.value) + 1, tx.mod(epoch_key) == current.mod_revision
-                info = LeaderInfo(candidate=candidate, epoch=epoch, since=since, token=str(lease.id))
+                info = LeaderInfo(candidate=candidate, epoch=epoch, since=now, token=str(lease.id), renewed_at=now, ttl_s=ttl_s)
                 won, replies = await c.transaction(
                     compare=[tx.version(leader_key) == 0, same_epoch],
-                    success=[tx.put(leader_key, self._leader_value(info), lease=lease.id), tx.put(epoch_key, str(epoch).encode())],
+                    success=[
+                        tx.put(leader_key, self._leader_value(info), lease=lease.id),
+                        tx.put(epoch_key, str(epoch).encode()),
+                        tx.get(leader_key),
+                    ],
                     failure=[tx.get(leader_key)],
                 )
                 if won:
-                    return Leadership(info=info, ttl_s=ttl_s)
+                    # The term: the revision that created the key, which etcd assigned.
+                    term = int(replies[2][0][1].create_revision)
+                    return Leadership(info=info.model_copy(update={"term": term}), ttl_s=ttl_s)
                 if replies and replies[0]:  # someone else leads
                     break
             await c.revoke_lease(lease.id)
@@ -491,27 +546,41 @@ class EtcdRegistry(LifecycleMixin):
         return self._call(op, f"the campaign of {candidate}")
 
     def renew(self, leadership: Leadership) -> bool:
+        """Refresh the lease, and rewrite the record's renewed_at under the
+        term's fence: a record nobody rewrites goes stale however long its
+        lease lives (anyone may keep a lease alive)."""
         leader_key = self._key("leader")
 
         async def op(c: _Client) -> bool:
             reply = await c.refresh_lease(int(leadership.info.token))
             if reply is None or reply.TTL <= 0:
                 return False
-            kv = await c.get(leader_key)
-            return kv is not None and kv.value == self._leader_value(leadership.info)
+            renewed = leadership.info.model_copy(update={"renewed_at": from_epoch_seconds(self._now()), "ttl_s": leadership.ttl_s})
+            tx = c.transactions
+            try:
+                ok, _ = await c.transaction(
+                    compare=self._fence(c, leadership),
+                    success=[tx.put(leader_key, self._leader_value(renewed), lease=int(leadership.info.token))],
+                    failure=[],
+                )
+            except aetcd.ClientError as exc:
+                if "lease not found" in str(exc):  # the lease lapsed since its refresh
+                    return False
+                raise
+            return bool(ok)
 
         return self._call(op, f"renewing {leadership.candidate}'s term")
 
     def resign(self, leadership: Leadership) -> None:
+        """The record stays, marked resigned and off the lease: its term stays
+        the registry's current one (hosts keep applying its plan) until a
+        candidate campaigns, which takes the record over."""
         leader_key = self._key("leader")
+        resigned = leadership.info.model_copy(update={"resigned": True, "renewed_at": from_epoch_seconds(self._now())})
 
         async def op(c: _Client) -> None:
             tx = c.transactions
-            await c.transaction(
-                compare=[tx.value(leader_key) == self._leader_value(leadership.info)],
-                success=[tx.delete(leader_key)],
-                failure=[],
-            )
+            await c.transaction(compare=self._fence(c, leadership), success=[tx.put(leader_key, self._leader_value(resigned))], failure=[])
             await c.revoke_lease(int(leadership.info.token))
 
         self._call(op, f"{leadership.candidate}'s resignation")
@@ -521,9 +590,24 @@ class EtcdRegistry(LifecycleMixin):
 
         async def op(c: _Client) -> LeaderInfo | None:
             kv = await c.get(key)
-            return require(parse_record(LeaderInfo, kv.value, key="leader"), f"etcd {key.decode()}") if kv is not None else None
+            if kv is None:
+                return None
+            info = self._leader_of(kv)
+            if info is None:  # an unreadable record: the registry's own error, naming why
+                require(parse_record(LeaderInfo, kv.value, key="leader"), f"etcd {key.decode()}")
+            assert info is not None
+            return info if info.live_at(from_epoch_seconds(self._now())) else None
 
         return self._call(op, "reading the leader")
+
+    def leader_term(self) -> LeaderInfo | None:
+        key = self._key("leader")
+
+        async def op(c: _Client) -> LeaderInfo | None:
+            kv = await c.get(key)
+            return self._leader_of(kv) if kv is not None else None
+
+        return self._call(op, "reading the leader's term")
 
     def epoch(self) -> int:
         key = self._key("epoch")
@@ -536,7 +620,6 @@ class EtcdRegistry(LifecycleMixin):
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
         leader_key, epoch_key, plan_key = self._key("leader"), self._key("epoch"), self._key("plan")
-        ours = self._leader_value(leadership.info)
 
         async def op(c: _Client) -> FleetPlan:
             tx = c.transactions
@@ -544,7 +627,7 @@ class EtcdRegistry(LifecycleMixin):
                 current = await c.get(epoch_key)
                 epoch = int(current.value) + 1 if current is not None else 1
                 same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
-                stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
+                stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term})
                 value = stored.model_dump_json().encode()
                 if len(value) > TXN_CHUNK_BYTES:
                     # etcd would refuse the request (--max-request-bytes); say what is too big.
@@ -553,15 +636,16 @@ class EtcdRegistry(LifecycleMixin):
                         f"({len(stored.placements)} placements, {len(stored.ignored_nodes)} ignored nodes)"
                     )
                 ok, replies = await c.transaction(
-                    compare=[tx.value(leader_key) == ours, same_epoch],
+                    compare=[*self._fence(c, leadership), same_epoch],
                     success=[tx.put(epoch_key, str(epoch).encode()), tx.put(plan_key, value)],
                     failure=[tx.get(leader_key)],
                 )
                 if ok:
                     return stored
-                held = replies[0] if replies else []
-                if not held or held[0][0] != ours:
-                    who = LeaderInfo.model_validate_json(held[0][0]).candidate + " leads" if held else "nobody leads"
+                held = replies[0][0][1] if replies and replies[0] else None
+                if held is None or (held.create_revision, held.lease) != (leadership.term, int(leadership.info.token)):
+                    info = self._leader_of(held) if held is not None else None
+                    who = f"{info.candidate} leads" if info is not None and not info.resigned else "nobody leads"
                     raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
             raise RegistryError("publish kept racing with epoch changes")
 
@@ -591,12 +675,11 @@ class EtcdRegistry(LifecycleMixin):
         return self._call(op, "reading the scaling record")
 
     def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
-        leader_key, key = self._key("leader"), self._key("scaling")
-        ours = self._leader_value(leadership.info)
+        key = self._key("scaling")
 
         async def op(c: _Client) -> None:
             tx = c.transactions
-            ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=[tx.put(key, record.model_dump_json().encode())], failure=[])
+            ok, _ = await c.transaction(compare=self._fence(c, leadership), success=[tx.put(key, record.model_dump_json().encode())], failure=[])
             if not ok:
                 raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
 
@@ -739,8 +822,6 @@ class EtcdRegistry(LifecycleMixin):
         one empty fenced transaction (the check that the term still holds).
         A fence failing at any chunk raises NotLeader and no chunk is sent
         after it (those already in flight beside it are fenced each)."""
-        leader_key = self._key("leader")
-        ours = self._leader_value(leadership.info)
         # What a state's key holds: the state without what its facts hold.
         forms = {n: stored_state(s) for n, s in changed.items()}
         writes: list[tuple[str, bytes, bytes | None]] = [
@@ -756,7 +837,7 @@ class EtcdRegistry(LifecycleMixin):
             if fence_held.is_set():
                 tx = c.transactions
                 ops = [tx.put(key, value) if kind == "put" else tx.delete(key) for kind, key, value in chunk]
-                ok, _ = await c.transaction(compare=[tx.value(leader_key) == ours], success=ops, failure=[])
+                ok, _ = await c.transaction(compare=self._fence(c, leadership), success=ops, failure=[])
                 if not ok:
                     fence_held.clear()
 
@@ -867,7 +948,11 @@ class EtcdRegistry(LifecycleMixin):
             # A join (first version of the key) or an expiry/removal; a
             # routine beat of a known node is not a change.
             return event.kind == "DELETE" or event.kv.version == 1
-        return kind in ("drain", "leader")
+        if kind == "leader":
+            # A new term, a resignation or the record gone; a renewal (which
+            # rewrites renewed_at every third of the TTL) is not a change.
+            return event.kind == "DELETE" or event.kv.version == 1 or b'"resigned":true' in event.kv.value
+        return kind == "drain"
 
     async def _watch_forever(self) -> None:
         base = self._prefix.encode() + b"/"

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, require, validation_reason
-from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, SqliteFile
+from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import (
@@ -180,6 +180,19 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             return None
         return LeaderInfo.model_validate_json(row[0]), row[1]
 
+    def leader_term(self) -> LeaderInfo | None:
+        """The leader row, live, lapsed or resigned (a resignation keeps it:
+        its term stays current until the next campaign). The term is the
+        TERM counter the campaign's transaction raised."""
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT info FROM leader WHERE id = 1").fetchone()
+        if row is None:
+            return None
+        try:
+            return LeaderInfo.model_validate_json(row[0])
+        except ValueError:  # pydantic's ValidationError is a ValueError
+            return None
+
     def _require_leader(self, db: sqlite3.Connection, leadership: Leadership, now: float) -> None:
         current = self._current_leader(db, now)
         if current is None or current[1] != leadership.info.token:
@@ -192,7 +205,16 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             if self._current_leader(db, now) is not None:
                 return None
             epoch = self._bump(db, EPOCH)
-            info = LeaderInfo(candidate=candidate, epoch=epoch, since=from_epoch_seconds(now), token=secrets.token_hex(16))
+            moment = from_epoch_seconds(now)
+            info = LeaderInfo(
+                candidate=candidate,
+                epoch=epoch,
+                since=moment,
+                token=secrets.token_hex(16),
+                term=self._bump(db, TERM),
+                renewed_at=moment,
+                ttl_s=ttl_s,
+            )
             db.execute(
                 "INSERT INTO leader (id, info, token, expires_at) VALUES (1, ?, ?, ?) "
                 "ON CONFLICT(id) DO UPDATE SET info = excluded.info, token = excluded.token, expires_at = excluded.expires_at",
@@ -203,16 +225,23 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
 
     def renew(self, leadership: Leadership) -> bool:
         now = self._now()
+        renewed = leadership.info.model_copy(update={"renewed_at": from_epoch_seconds(now), "ttl_s": leadership.ttl_s})
         with self._tx() as db:
             updated = db.execute(
-                "UPDATE leader SET expires_at = ? WHERE id = 1 AND token = ? AND expires_at > ?",
-                (now + leadership.ttl_s, leadership.info.token, now),
+                "UPDATE leader SET expires_at = ?, info = ? WHERE id = 1 AND token = ? AND expires_at > ?",
+                (now + leadership.ttl_s, renewed.model_dump_json(), leadership.info.token, now),
             ).rowcount
         return bool(updated)
 
     def resign(self, leadership: Leadership) -> None:
+        """The row stays, resigned and expired: its term stays the current
+        one (hosts keep applying its plan) until the next campaign."""
+        resigned = leadership.info.model_copy(update={"resigned": True, "renewed_at": from_epoch_seconds(self._now())})
         with self._tx() as db:
-            if db.execute("DELETE FROM leader WHERE id = 1 AND token = ?", (leadership.info.token,)).rowcount:
+            if db.execute(
+                "UPDATE leader SET expires_at = 0, info = ? WHERE id = 1 AND token = ? AND expires_at > 0",
+                (resigned.model_dump_json(), leadership.info.token),
+            ).rowcount:
                 self._bump(db, CHANGES)
 
     def leader(self) -> LeaderInfo | None:
@@ -227,7 +256,7 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         with self._tx() as db:
             self._require_leader(db, leadership, self._now())
             epoch = self._bump(db, EPOCH)
-            stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate})
+            stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term})
             db.execute(
                 "INSERT INTO plan (id, epoch, plan) VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan = excluded.plan",
                 (epoch, stored.model_dump_json()),

@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), recor
 # joined or came back, a drain or the leader changed) that wait_for_change polls.
 EPOCH = "epoch"
 CHANGES = "changes"
+# The leader's term: raised by every campaign (a number no writer picks).
+TERM = "term"
 
 
 def untrusted_file(path: Path) -> str | None:

@@ -15,6 +15,12 @@
                                              to each now, dispatched jobs, queue depth, and the
                                              leader's scaling decisions
 
+In a phaze fleet (fabric.toml names [phaze] api_url) phaze's control plane
+selects the lanes and dispatches into its phaze-agent-* queues: `enqueue`
+and `dispatch` refuse (exit 2, the broker not opened) and `status` shows
+each lane's real queue (phaze-agent-<agent_ref>-analyze), its jobs and its
+workers. The rest of this text is about the fabric's own lanes.
+
 There is no `done`/`fail`: the lane's SAQ workers (phaze's agents, the file
 server's processing) finish the jobs on the broker, and the next dispatch
 pass settles them (a failed job waits again, one more cloud attempt counted
@@ -28,7 +34,7 @@ or [phaze] queue_url_file names).
 
 Exit status: 0 done; 1 the registry or the broker could not be reached, or a
 newer dispatcher runs (this one's epoch is stale); 2 bad input (an invalid
-job id or duration, an invalid desired state).
+job id or duration, an invalid desired state, enqueue or dispatch in a phaze fleet).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from reconciler.cli.registry_options import add_queue_url_option, add_registry_o
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
-from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, lane_status, run_dispatcher
+from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, PhazeDispatches, lane_status, refuse_phaze_lanes, run_dispatcher
 from reconciler.ports import LaneBroker, Registry, StaleDispatcher
 
 
@@ -97,19 +103,34 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"lane {args.action} takes no job ids")
     if args.duration is not None and args.action != "enqueue":
         parser.error("--duration goes with enqueue")
-    with desired_and_registry(args) as (desired, registry), opened_lane_broker(args, desired) as lane_broker:
-        try:
-            if args.action == "enqueue":
-                _enqueue(lane_broker, args.jobs, args.duration, as_json=args.json)
-            elif args.action == "status":
-                _status(registry, lane_broker, desired, as_json=args.json)
-            else:
-                _dispatch(registry, lane_broker, desired, once=args.once, interval=args.interval, as_json=args.json)
-        except StaleDispatcher as exc:
-            raise CommandError(f"fabric lane {args.action}: {exc}") from None
-        except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
-            raise CommandError(f"fabric lane {args.action}: the lane queue holds an invalid record: {exc.errors()[0]['msg']}") from None
+    with desired_and_registry(args) as (desired, registry):
+        if args.action != "status":
+            _refuse_phaze_lanes(args.action, desired)
+        with opened_lane_broker(args, desired) as lane_broker:
+            _run_action(args, desired, registry, lane_broker)
     return EXIT_OK
+
+
+def _refuse_phaze_lanes(action: str, desired: DesiredState) -> None:
+    """enqueue and dispatch write jobs: never where phaze dispatches (exit 2, nothing opened)."""
+    try:
+        refuse_phaze_lanes(desired)
+    except PhazeDispatches as exc:
+        raise InvalidInput(f"fabric lane {action}: {exc}") from None
+
+
+def _run_action(args: argparse.Namespace, desired: DesiredState, registry: Registry, lane_broker: LaneBroker) -> None:
+    try:
+        if args.action == "enqueue":
+            _enqueue(lane_broker, args.jobs, args.duration, as_json=args.json)
+        elif args.action == "status":
+            _status(registry, lane_broker, desired, as_json=args.json)
+        else:
+            _dispatch(registry, lane_broker, desired, once=args.once, interval=args.interval, as_json=args.json)
+    except StaleDispatcher as exc:
+        raise CommandError(f"fabric lane {args.action}: {exc}") from None
+    except ValidationError as exc:  # a job id checked above cannot get here; a corrupt record can
+        raise CommandError(f"fabric lane {args.action}: the lane queue holds an invalid record: {exc.errors()[0]['msg']}") from None
 
 
 def _enqueue(lane_broker: LaneBroker, job_ids: list[str], duration: float | None, *, as_json: bool) -> None:
@@ -152,7 +173,8 @@ def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, 
         state = "" if v.available else f"  OFFLINE: {v.reason}"
         if v.available and v.full:
             state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
-        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{state}")
+        workers = "" if v.workers is None else f" ({v.workers} worker{'' if v.workers == 1 else 's'})"
+        print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{workers}{state}")
     new = status.new_job
     print(f"a new job now: {f'-> {new.lane}' if new.lane else f'held: {new.hold}: {HOLD_MEANING[new.hold or str()]}'}")
     for j in status.running:

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return _keygen(args)
     with desired_and_registry(args) as (_, registry):
         info = registry.leader()
+        held = registry.leader_term()
         epoch = registry.epoch()
         plan = registry.newest_plan()
     if args.json:
@@ -98,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
                     "leader": info.candidate if info else None,
                     "since": info.since.isoformat() if info else None,
                     "term_epoch": info.epoch if info else None,
+                    # The registry's current term (also a resigned or stale leader's, until the next campaign).
+                    "term": held.term if held else None,
                     "epoch": epoch,
                     "plan_epoch": plan.epoch if plan else None,
+                    "plan_term": plan.term if plan else None,
                 },
                 indent=2,
             )
@@ -108,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
     if info is None:
         print(f"no leader; epoch {epoch}")
     else:
-        print(f"{info.candidate} leads since {stamp(info.since)} (term began at epoch {info.epoch}); epoch {epoch}")
-    print(f"newest plan: epoch {plan.epoch} by {plan.leader}" if plan else "newest plan: none published")
+        print(f"{info.candidate} leads since {stamp(info.since)} (term {info.term}, began at epoch {info.epoch}); epoch {epoch}")
+    print(f"newest plan: epoch {plan.epoch} of term {plan.term} by {plan.leader}" if plan else "newest plan: none published")
     return EXIT_OK
 
 

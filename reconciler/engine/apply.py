@@ -102,6 +102,10 @@ class Manifest:
     host: str
     epoch: int | None
     entries: tuple[ManifestEntry, ...]
+    # The applied plan's term and signing key id (the host's fence is
+    # (term, epoch); None: a generation from before terms, or unsigned).
+    term: int | None = None
+    key_id: str | None = None
 
     @property
     def digest(self) -> str:
@@ -127,6 +131,8 @@ class Manifest:
                     "created": self.created,
                     "host": self.host,
                     "epoch": self.epoch,
+                    **({"term": self.term} if self.term is not None else {}),
+                    **({"key_id": self.key_id} if self.key_id is not None else {}),
                     "digest": self.digest,
                     "artifacts": [
                         {
@@ -152,14 +158,19 @@ class Manifest:
             created=str(data["created"]),
             host=str(data["host"]),
             epoch=data.get("epoch"),
+            term=data.get("term"),
+            key_id=data.get("key_id"),
             entries=tuple(
                 ManifestEntry(a["path"], a["kind"], int(a["mode"], 8), a["sha256"], tuple(a.get("restarts", ()))) for a in data["artifacts"]
             ),
         )
 
 
-def manifest_for(number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact]) -> Manifest:
-    return Manifest(number, created, host, epoch, tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256, a.restarts) for a in artifacts))
+def manifest_for(
+    number: int, created: str, host: str, epoch: int | None, artifacts: Iterable[Artifact], *, term: int | None = None, key_id: str | None = None
+) -> Manifest:
+    entries = tuple(ManifestEntry(a.path, a.kind, a.mode, a.sha256, a.restarts) for a in artifacts)
+    return Manifest(number, created, host, epoch, entries, term=term, key_id=key_id)
 
 
 class GenerationStore:
@@ -420,14 +431,14 @@ class Applier:
 
     # ---- the pass
 
-    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None) -> ApplyResult:
+    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
         self.lock.acquire()
         try:
-            return self._run(list(artifacts), host, epoch)
+            return self._run(list(artifacts), host, epoch, term, key_id)
         finally:
             self.lock.release()
 
-    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None) -> ApplyResult:
+    def _run(self, artifacts: list[Artifact], host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
         self._sweep([a.path for a in artifacts])
         actions, unfinished = self.compute_actions(artifacts)
         current = self.store.current()
@@ -437,7 +448,7 @@ class Applier:
                 self.store.set_good(current)
             self.audit.record("noop", "ok", generation=str(current or ""))
             return ApplyResult("noop", actions, current)
-        number, refused = self._generation(artifacts, actions, host, epoch)
+        number, refused = self._generation(artifacts, actions, host, epoch, term=term, key_id=key_id)
         if refused is not None:
             return refused
         return self._install_and_activate(artifacts, actions, number)
@@ -449,7 +460,9 @@ class Applier:
         for path in self._sweep_temp_files(paths):
             self.audit.record("sweep", "ok", file=path, reason="temp file left by a killed pass")
 
-    def _generation(self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None) -> tuple[int | None, ApplyResult | None]:
+    def _generation(
+        self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None, *, term: int | None, key_id: str | None
+    ) -> tuple[int | None, ApplyResult | None]:
         """Phase 2: the generation to activate, checked: `current` when it has
         these files already, else a new one staged, validated, published and
         made current. Its number, or the result when it cannot be had."""
@@ -457,7 +470,7 @@ class Applier:
         current_manifest = self.store.manifest(current)
         proposed = manifest_for(0, "", host, epoch, artifacts)
         if current_manifest is None or current_manifest.digest != proposed.digest:
-            return self._new_generation(artifacts, actions, host, epoch)
+            return self._new_generation(artifacts, actions, host, epoch, term=term, key_id=key_id)
         # The files are those of `current` already (a pass killed after
         # publishing it, or one run with --no-activate): activate it.
         number = current
@@ -470,11 +483,13 @@ class Applier:
                 return number, ApplyResult("invalid", actions, current, [problem])
         return number, None
 
-    def _new_generation(self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None) -> tuple[int | None, ApplyResult | None]:
+    def _new_generation(
+        self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None, *, term: int | None, key_id: str | None
+    ) -> tuple[int | None, ApplyResult | None]:
         current = self.store.current()
         number = self.store.next_number()
         created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
-        manifest = manifest_for(number, created, host, epoch, artifacts)
+        manifest = manifest_for(number, created, host, epoch, artifacts, term=term, key_id=key_id)
         try:
             staging = self.store.stage(manifest, artifacts, self.checkpoint)
         except OSError as exc:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, DesiredState
 from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
 from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, lane_views, sort_key, take_slot
@@ -122,6 +122,26 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
     return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome)
 
 
+class PhazeDispatches(ValueError):
+    """The fabric was asked to write jobs where phaze's control plane
+    dispatches: a phaze fleet's lanes, or a phaze-agent-* queue."""
+
+
+def refuse_phaze_lanes(desired: DesiredState) -> None:
+    """The division of labour: in a phaze fleet ([phaze] api_url) phaze's
+    control plane selects a lane and dispatches into its phaze-agent-*
+    queues, so the fabric enqueues and dispatches nothing; the fabric's own
+    lanes never write into a phaze-agent-* queue. Raises PhazeDispatches."""
+    if desired.fleet.phaze_dispatches:
+        raise PhazeDispatches(
+            f"{desired.fleet_file}: phaze.api_url: this is a phaze fleet: phaze's control plane selects the lanes and dispatches "
+            f"into its {PHAZE_QUEUE_PREFIX}* queues; the fabric writes no job there (it deploys, watches and steers)"
+        )
+    for target in lane_targets(desired).values():
+        if target.queue.startswith(PHAZE_QUEUE_PREFIX):
+            raise PhazeDispatches(f"lane {target.lane}: its queue {target.queue} is phaze's ({PHAZE_QUEUE_PREFIX}*): the fabric writes no job there")
+
+
 def dispatcher_epoch(registry: RegistryReads) -> int:
     """The epoch a dispatcher is fenced by: the leader's term, as the leader's
     own dispatcher (`engine.leader`, step 5) carries it, so a dispatcher run
@@ -135,6 +155,7 @@ def dispatch_pass(registry: RegistryReads, lane_broker: LaneBroker, desired: Des
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
     newer dispatcher runs."""
+    refuse_phaze_lanes(desired)
     settings = desired.fleet.scheduler
     targets = lane_targets(desired)
     fence = dispatcher_epoch(registry) if epoch is None else epoch
@@ -265,6 +286,7 @@ class LaneStatus:
             "full": view.full,
             "host": view.host,
             "host_free": view.host_free,
+            "workers": view.workers,
             "hold": lane_hold(view, self.queues.get(view.id), self.new_job),
         }
 

@@ -44,6 +44,14 @@ If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait
 for the lease to lapse.
 
+Terms: the registry assigns each term (`Leadership.term`); every plan names
+its term, the fleet and the registry prefix (`plan_in_term`), and a new term
+publishes its own plan at its first step even when the placements are the
+same (hosts apply only the current term's plan). Following, a candidate
+wakes when the leader record goes stale unless renewed (`leader_term`'s
+renewed_at + TTL) and campaigns, which takes over a record whose lease someone
+keeps alive without renewing it.
+
 Signed plans: when fabric.toml lists plan keys, every plan is signed before
 it is published (`sign_plan`, through the `PlanSigner` port) under the epoch
 the registry will give it, and a candidate whose key is missing or not
@@ -63,11 +71,12 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, PlanKey
-from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.models import FleetPlan, LaneSteering, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
+from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.engine.dispatch import dispatch_pass
@@ -95,13 +104,15 @@ Scheduler = Callable[..., FleetPlan]
 # A lapse that is due but not shown by the registry yet is looked at again
 # this soon (etcd checks for expired leases twice a second).
 LAPSE_RECHECK_S = 0.25
+# A follower campaigns this long after the leader record's stale time.
+STALE_MARGIN_S = 0.05
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
     """Equal apart from who made it, when, under which epoch and signature."""
     if a is None or b is None:
         return a is b
-    ignore = {"epoch", "leader", "created", "signature"}
+    ignore = {"epoch", "leader", "created", "signature", "term", "fleet", "prefix"}
     return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
 
 
@@ -120,6 +131,13 @@ def signing_key(signer: PlanSigner | None, keys: list[PlanKey], host: str) -> Pl
         listed = ", ".join(k.id for k in keys if k.host == host) or "none"
         raise PlanSigningError(f"the {signer.describe()} is not one of {host}'s plan keys in fabric.toml (listed: {listed})")
     return key
+
+
+def plan_in_term(plan: FleetPlan, leadership: Leadership, desired: DesiredState) -> FleetPlan:
+    """`plan` naming its term (the registry's, `Leadership.term`), the fleet
+    and the registry prefix: what the leader signs, so hosts apply it only as
+    the plan of the registry's current term in this fleet and registry."""
+    return plan.model_copy(update={"term": leadership.term, "fleet": desired.fleet.fleet.name, "prefix": desired.fleet.registry.prefix})
 
 
 def sign_plan(plan: FleetPlan, signer: PlanSigner, key: PlanKey) -> FleetPlan:
@@ -163,6 +181,8 @@ class LeaderLoop:
     # The registry's unreadable records as the last step's read named them
     # (`problem_lines`): each is logged once, when it appears or goes.
     _unreadable: tuple[str, ...] = ()
+    # Following: when the leader record goes stale unless renewed (None: unknown, or no record).
+    _held_stale_at: datetime | None = None
 
     def _reload(self) -> None:
         try:
@@ -204,8 +224,10 @@ class LeaderLoop:
         if self.leadership is None:
             self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
             if self.leadership is None:
+                self._note_held()
                 return
-            self.log(f"{self.host} leads from epoch {self.leadership.epoch}")
+            self._held_stale_at = None
+            self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
         elif not self.registry.renew(self.leadership):
             self.log(f"{self.host} lost the lease of epoch {self.leadership.epoch}")
             self.leadership = None
@@ -252,6 +274,8 @@ class LeaderLoop:
         assert self.desired is not None and self.leadership is not None
         if self.lane_broker is None or not self.desired.fleet.phaze.leader_dispatches:
             return
+        if self.desired.fleet.phaze_dispatches:
+            return  # phaze's control plane dispatches its lanes (engine.dispatch.refuse_phaze_lanes)
         try:
             events = dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch)
         except StaleDispatcher as exc:
@@ -312,12 +336,15 @@ class LeaderLoop:
         this leader raises the epoch while its term holds)."""
         assert self.desired is not None and self.leadership is not None
         keys = self.desired.fleet.plan_keys
+        # The plan names its term (the registry's), the fleet and the registry
+        # prefix, all under the signature (`plan_in_term`).
+        scoped = plan_in_term(plan, self.leadership, self.desired)
         if not keys:
-            return self.registry.publish_plan(self.leadership, plan)
+            return self.registry.publish_plan(self.leadership, scoped)
         key = signing_key(self.signer, keys, self.host)
         assert self.signer is not None
         expected = self.registry.epoch() + 1
-        signed = sign_plan(plan.model_copy(update={"epoch": expected, "leader": self.host}), self.signer, key)
+        signed = sign_plan(scoped.model_copy(update={"epoch": expected, "leader": self.host}), self.signer, key)
         stored = self.registry.publish_plan(self.leadership, signed)
         if stored.epoch != expected or verify_plan(stored, keys) is not None:
             # The registry numbered it otherwise: hosts would refuse it. Say so;
@@ -344,7 +371,12 @@ class LeaderLoop:
             room = dict(in_force.room_since) if in_force is not None else {}
             snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
-        if untrusted or not same_plan(plan, newest):
+        plan = self._steered(plan, self.published if untrusted else newest, snapshot)
+        # A newest plan of another term (the one before this, or a replay) is
+        # refused by every host: this term publishes its own even when the
+        # placements are the same.
+        other_term = newest is not None and (newest.term != self.leadership.term or newest.leader != self.host)
+        if untrusted or other_term or not same_plan(plan, newest):
             self.published = self._publish_signed(plan)
             self.log(
                 f"published plan epoch {self.published.epoch}: {len(self.published.placements)} placements, {len(self.published.deferred)} deferred"
@@ -353,6 +385,21 @@ class LeaderLoop:
             # After the plan: its deferred replicas are part of the queue depth,
             # and what scaling changes shows in the next pass's snapshot.
             self.scaling.run(self.leadership, self.desired, snapshot, plan)
+
+    def _steered(self, plan: FleetPlan, previous: FleetPlan | None, snapshot: Snapshot) -> FleetPlan:
+        """A phaze fleet: `plan` with the lanes phaze may choose decided from
+        its live lane views (`core.scheduling.lane_steering`), going on from
+        the steering in force; each change is logged with its reason."""
+        assert self.desired is not None
+        if not self.desired.fleet.phaze_dispatches:
+            return plan
+        settings = self.desired.fleet.phaze
+        before = previous.steering if previous is not None else LaneSteering()
+        steering = decide_steering(before, plan.lanes, snapshot.now, window_s=settings.steering_window_s, interval_s=settings.restart_interval_s)
+        new = [c for c in steering.recent if c.at == steering.changed_at] if steering.changed_at != before.changed_at else []
+        for change in new:
+            self.log(f"lane {change.lane} {'left out of' if change.out else 'back in'} phaze's backends.toml: {change.reason}")
+        return plan.model_copy(update={"steering": steering})
 
     def step_and_resign(self) -> None:
         """One step, then resign: the next one-shot process (`fabric leader run
@@ -374,6 +421,13 @@ class LeaderLoop:
         # when the leader key goes; the timeout is the fallback (sqlite).
         return max(0.1, self.lease_ttl_s / 3)
 
+    def _note_held(self) -> None:
+        """Following: when the leader record goes stale unless renewed, so
+        this candidate campaigns then (and takes over a record someone keeps
+        alive without renewing it) instead of at its next periodic step."""
+        held = self.registry.leader_term()
+        self._held_stale_at = held.stale_at() if held is not None and not held.resigned else None
+
     def _note_lapse(self, lapse: datetime | None) -> None:
         """After a step: a lapse still ahead, or a new one, is waited for from
         scratch; a due one (the node still showed alive) is looked at again
@@ -391,6 +445,9 @@ class LeaderLoop:
         """`wait_s`, or less: until the next lapse (leading), or the recheck
         of one that is due."""
         periodic = self.wait_s()
+        if self.leadership is None and self._held_stale_at is not None and self.clock is not None:
+            # Just past the moment the record goes stale (STALE_MARGIN_S).
+            return max(STALE_MARGIN_S, min(periodic, self._held_stale_at.timestamp() - self.clock.now() + STALE_MARGIN_S))
         if self.leadership is None or self._next_lapse is None or self.clock is None:
             return periodic
         until = self._next_lapse.timestamp() - self.clock.now()

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import reconciler
 from reconciler.core.live.host_load import HostLoad, lane_jobs_running
-from reconciler.core.pass_files import PASS_COUNTERS, PROGRAMS, TEXTFILE_PATH
+from reconciler.core.pass_files import NODE_CONFIG_FILE, PASS_COUNTERS, PROGRAMS, TEXTFILE_PATH
 from reconciler.core.probe.raw import facts_key, parse_capture
 from reconciler.engine.pass_memo import MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
@@ -137,6 +137,8 @@ def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoRea
         "programs": json.dumps([world.which(p) for p in PROGRAMS]),
         "desired": desired_digest(Path(options.desired), options.host, world),
         "caddy_main": world.fingerprint([root / c.strip("/") for c in caddy_mains]),
+        # The host's own node.toml: the prefixes its units' paths may lie under.
+        "node_config": world.fingerprint([root / NODE_CONFIG_FILE]),
         "replay": world.fingerprint([options.replay]) if options.replay else None,
         "plan_file": world.fingerprint([plan_file]) if plan_file else None,
         "probe": sha256(facts_key(parse_capture(capture)).encode()) if capture is not None else None,

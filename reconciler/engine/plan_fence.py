@@ -7,9 +7,9 @@ from datetime import datetime
 from typing import Literal
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.fencing import accept_plan
+from reconciler.core.live.fencing import AppliedFence, RegistryTrust, accept_plan
 from reconciler.core.live.models import FleetPlan, Snapshot
-from reconciler.core.live.records import NodeRecord
+from reconciler.core.live.records import LeaderInfo, NodeRecord
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.lifecycle import NodeState
 
@@ -71,13 +71,27 @@ class PlanOffer:
     registry_epoch: int | None = None
     heartbeat: NodeRecord | None = None
     own_state: NodeState | None = None
+    # The registry's leader record, read before its newest plan (live, stale
+    # or resigned: its term is the current one until a candidate campaigns);
+    # None: the registry holds none.
+    leader: LeaderInfo | None = None
+
+
+def registry_trust(desired: DesiredState, leader: LeaderInfo | None) -> RegistryTrust:
+    """What a registry plan must name to be applied here (`accept_plan`)."""
+    return RegistryTrust(
+        fleet=desired.fleet.fleet.name,
+        prefix=desired.fleet.registry.prefix,
+        candidate=leader.candidate if leader is not None else None,
+        term=leader.term if leader is not None else None,
+    )
 
 
 def empty_plan(desired: DesiredState, now: datetime) -> FleetPlan:
     return FleetPlan(epoch=0, leader="", created=now, lanes=lane_views(desired, Snapshot(now=now)))
 
 
-def admit(offer: PlanOffer, desired: DesiredState, *, applied_epoch: int | None, has_generation: bool, now: datetime) -> PassPlan:
+def admit(offer: PlanOffer, desired: DesiredState, *, applied_epoch: int | AppliedFence | None, has_generation: bool, now: datetime) -> PassPlan:
     """The plan this pass renders from: the offer if the fence admits it,
     else the empty plan or (a host that runs a generation) fail static."""
     notes = list(offer.notes)
@@ -93,12 +107,13 @@ def admit(offer: PlanOffer, desired: DesiredState, *, applied_epoch: int | None,
     keys = desired.fleet.plan_keys if from_registry else None
     if from_registry and not keys and offer.plan is not None:
         notes.append(UNSIGNED_NOTE)
-    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, plan_keys=keys, stale_cause=STALE_CAUSE[offer.origin])
+    trust = registry_trust(desired, offer.leader) if from_registry else None
+    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, plan_keys=keys, stale_cause=STALE_CAUSE[offer.origin], registry=trust)
     if verdict.accepted and offer.plan is not None:
         if offer.origin == "registry":
             notes.append(verdict.reason)
         return PassPlan(offer.plan, notes=tuple(notes))
-    if offer.plan is None and not applied_epoch:
+    if offer.plan is None and not (applied_epoch.epoch if isinstance(applied_epoch, AppliedFence) else applied_epoch):
         # Nothing published and nothing applied from a published plan: the
         # empty plan is what runs, so host-local changes still converge.
         notes.append(f"{verdict.reason}: rendering host-local units from an empty plan")

@@ -19,8 +19,10 @@ Whatever the source offers (a `PlanOffer`) then passes the one fence
 (engine.plan_fence: `admit`, which calls
 `reconciler.core.live.fencing.accept_plan` once): for the registry's plans,
 made by a declared leader candidate and, when fabric.toml lists plan keys,
-validly signed by one of that candidate's keys (`reconciler.core.live.signing`);
-then not older than what this host applied. A plan file or --no-registry's
+validly signed by one of that candidate's keys (`reconciler.core.live.signing`)
+for this fleet and registry prefix, by the leader the registry names now and
+for its current term (the leader record is read before the plan); then not
+older, by (term, epoch), than what this host applied. A plan file or --no-registry's
 own plan is the operator's choice: neither check applies to it. Without plan
 keys every registry plan is taken on its word, and each pass notes that.
 
@@ -43,6 +45,7 @@ from pydantic import ValidationError
 
 from reconciler.core.desired.model import TIER_SCORE, DesiredState, HostFacts
 from reconciler.core.desired.problems import Problem, ProblemsError, problems_from_validation
+from reconciler.core.live.fencing import AppliedFence
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
@@ -136,6 +139,10 @@ def read_registry(
             led = lead_once(registry, desired, host, signer, lanes)
             if led:
                 notes.append(f"leader step: {led}")
+        # The leader record before the plan (signed fleets: a plan is applied
+        # only as the current term's); a term that begins in between refuses
+        # this pass's plan, and the next pass reads the new term's.
+        leader = registry.leader_term() if desired.fleet.plan_keys else None
         # The epoch before the plan: a plan published in between makes the
         # epoch kept older than the plan, never newer (the next pass is full).
         epoch = registry.epoch()
@@ -150,7 +157,7 @@ def read_registry(
             registry.close()
         if opened and opened[0] is not None:
             opened[0].close()
-    return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state)
+    return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state, leader=leader)
 
 
 def epoch_moved_past(connect: Callable[[], EpochConnection], source: PassPlan) -> int | None:
@@ -180,7 +187,7 @@ def fleet_plan_for(
     facts: HostFacts,
     *,
     connect: Callable[[], PassRegistry],
-    applied_epoch: int | None,
+    applied_epoch: int | AppliedFence | None,
     has_generation: bool,
     now: datetime,
     write: bool,

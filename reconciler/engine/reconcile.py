@@ -42,12 +42,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from reconciler.core.desired.confinement import DEFAULT_ALLOWED_PREFIXES, confinement_problems
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostFacts
 from reconciler.core.desired.problems import ProblemsError
+from reconciler.core.install.nodeconfig import parse_node_config
+from reconciler.core.live.fencing import AppliedFence
 from reconciler.core.live.host_limits import effective_limits, lowered_note
 from reconciler.core.live.host_load import service_units
 from reconciler.core.live.watching import PLAN_TAKEN, plan_taken_record
+from reconciler.core.pass_files import NODE_CONFIG_FILE
 from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.probe.identity import tailnet_name_note
 from reconciler.core.render.actions import HostActions
@@ -219,6 +223,19 @@ def _state_dir(state_dir: str) -> str:
     return state_dir.strip("/")
 
 
+def _allowed_path_prefixes(tree: FileTree) -> list[str]:
+    """The prefixes this host's node.toml allows its units' paths under
+    (core.desired.confinement; its defaults without a node.toml). Raises
+    _BadInput for a node.toml that does not parse."""
+    raw = tree.read(NODE_CONFIG_FILE)
+    if raw is None:
+        return list(DEFAULT_ALLOWED_PREFIXES)
+    try:
+        return list(parse_node_config(raw.decode("utf-8", errors="replace"), f"/{NODE_CONFIG_FILE}").node.allowed_path_prefixes)
+    except ProblemsError as exc:
+        raise _BadInput(*(str(problem) for problem in exc.problems)) from None
+
+
 def caddy_main_path(tree: FileTree, given: str | None) -> str:
     """The main Caddyfile, relative to the root: the one given, else the first candidate that exists."""
     if given:
@@ -247,6 +264,9 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     desired = loaded.desired
     if host not in desired.hosts:
         raise _BadInput(f"{desired.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(desired.hosts))}); use --host NAME")
+    confined = confinement_problems(desired, _allowed_path_prefixes(ports.tree), host)
+    if confined:
+        raise _BadInput(*(str(problem) for problem in confined))
     try:
         observed = ports.probe(host, options.replay)
     except CaptureError as exc:  # a bad --replay directory
@@ -280,7 +300,7 @@ def _plan_and_render(
             facts,
             connect=lambda: ports.open_registry(desired.fleet),
             open_lanes=lambda: ports.open_lane_broker(desired.fleet),
-            applied_epoch=manifest.epoch if manifest is not None else None,
+            applied_epoch=AppliedFence(manifest.epoch, manifest.term, manifest.key_id) if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
             write=write,
@@ -395,7 +415,14 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             records(True, False)
             return _after_rounds(rounds, PassReport("static", f"{static}; generation {current} stays\n" if current else f"{static}\n"))
         try:
-            result = applier.run(prepared.rendered.artifacts, host=prepared.host, epoch=prepared.source.plan.epoch)
+            taken = prepared.source.plan
+            result = applier.run(
+                prepared.rendered.artifacts,
+                host=prepared.host,
+                epoch=taken.epoch,
+                term=taken.term,
+                key_id=taken.signature.key_id if taken.signature is not None else None,
+            )
         except LockBusy as exc:
             return _after_rounds(rounds, PassReport("busy", stderr=(f"fabric reconcile: {exc}",)))
         except ActivationError as exc:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.fencing import authorship_problem
+from reconciler.core.live.fencing import authorship_problem, term_problem
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
+from reconciler.engine.plan_fence import registry_trust
 from reconciler.ports import FleetReads, LaneBroker, RegistryReads
 
 
@@ -44,6 +45,19 @@ def fleet_history(registry: FleetReads) -> FleetHistory:
     return FleetHistory(nodes=tuple(registry.node_states()), leader=registry.leader(), scaling=registry.scaling_record())
 
 
+def refused_plan(desired: DesiredState, registry: FleetReads, plan: FleetPlan) -> str | None:
+    """Why every host refuses `plan` as not the leader's (the fence's own
+    checks: a candidate's valid signature and, with plan keys, the registry's
+    current leader and term, this fleet and prefix), or None."""
+    keys = desired.fleet.plan_keys
+    refused = authorship_problem(plan, leader_candidates=desired.fleet.fleet.leader_candidates, plan_keys=keys)
+    if refused is None and keys:
+        problem = term_problem(plan, registry_trust(desired, registry.leader_term()))
+        if problem is not None and problem[1]:
+            refused = problem[0]
+    return refused
+
+
 def live_status(desired: DesiredState, registry: RegistryReads, lane_broker: LaneBroker | None = None) -> StatusInputs:
     """The live registry: its snapshot now and the newest published plan;
     the lanes' jobs and workers from phaze's broker (`lane_broker`)."""
@@ -52,9 +66,7 @@ def live_status(desired: DesiredState, registry: RegistryReads, lane_broker: Lan
     plan = registry.newest_plan()
     history = fleet_history(registry)
     # The same check as every host's fence: a plan they refuse is not the fleet's.
-    refused = None
-    if plan is not None:
-        refused = authorship_problem(plan, leader_candidates=desired.fleet.fleet.leader_candidates, plan_keys=desired.fleet.plan_keys)
+    refused = refused_plan(desired, registry, plan) if plan is not None else None
     if refused is not None:
         # The snapshot's placements are that plan's: left out with it.
         snapshot = snapshot.model_copy(update={"placements": []})

@@ -171,11 +171,14 @@ REPLAY_DROPIN = "/etc/systemd/system/fabric-reconcile.service.d/50-e2e-replay.co
 # LoadCredential= file is missing (the lane agents hand theirs over that way).
 SECRET_FILES = {
     "/run/secrets/braid/api_token": "e2e-not-a-real-token\n",
-    # Each agent's own token (agent.token_dir/<agent_ref>/token).
-    "/run/secrets/phaze/agents/a1-arm64/token": "e2e-not-a-real-token\n",
-    "/run/secrets/phaze/agents/x86-spill/token": "e2e-not-a-real-token\n",
-    "/run/secrets/phaze/push_key": "e2e-not-a-real-key\n",
+    # Each agent's own token (agent.token_dir/<agent_ref>/token): a token
+    # resolves to one agent id at phaze's API (tests/e2e/phaze_api_stub.py, AGENT_TOKENS).
+    "/run/secrets/phaze/agents/a1-arm64/token": "e2e-token-a1-arm64\n",
+    "/run/secrets/phaze/agents/x86-spill/token": "e2e-token-x86-spill\n",
+    # The CA of phaze's agent API (the example's agent.ca_file).
+    "/run/secrets/phaze/ca.crt": "e2e-not-a-real-ca\n",
 }
+AGENT_TOKENS = {"e2e-token-a1-arm64": "a1-arm64", "e2e-token-x86-spill": "x86-spill"}
 # phaze's broker URL (the fleet's PostgreSQL, known once it runs): the
 # example's PHAZE_QUEUE_URL_FILE, named by [phaze] queue_url_file.
 QUEUE_URL_FILE = "/run/secrets/phaze/queue_url"
@@ -275,6 +278,9 @@ def e2e_desired_state(
             # The tests drive each dispatch pass with `fabric lane dispatch --once`
             # and assert its decisions: the leader must not take the jobs first.
             data["phaze"]["leader_dispatches"] = False
+            # The fabric's own lanes (the dispatcher's tests); test_fleet_live.py's
+            # phaze test makes it a phaze fleet for its run (phaze_fleet there).
+            data["phaze"].pop("api_url", None)
             data["registry"].update(tls or {"ca_file": ETCD_CA_FILE, "cert_file": ETCD_CERT_FILE, "key_file": ETCD_KEY_FILE})
             if plan_keys is not None:
                 data["plan_keys"] = plan_keys

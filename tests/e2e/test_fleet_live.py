@@ -17,12 +17,15 @@ consume every lane's queue, and a test decides when each job ends.
                      reason within node timeout + a leader step, the next job
                      goes to x86-spill; x86-spill stops too -> the next job
                      goes local at once (no spill-gate wait); both back -> online
-    real agents      the rendered agent units' own command (phaze's image
-                     cannot run here: tests/e2e/agent_image stands in) runs
-                     as a1-arm64's and x86-spill's SAQ agents: a long file is
-                     processed on a1-arm64; its agent stopped, its lane goes
-                     offline (no SAQ worker) and the next one runs on
-                     x86-spill; a file shorter than the route threshold goes local
+    phaze-shaped     the fleet made a phaze fleet ([phaze] api_url, a stub of
+                     phaze's agent API): the rendered agent units' own command
+                     (phaze's image cannot run here: tests/e2e/agent_image
+                     stands in, phaze's agent at its edges) starts only with
+                     the rendered environment, beats on its -analyze queue and
+                     processes phaze-format jobs; a1-arm64's agent stopped, its
+                     lane goes offline and out of lux's backends.toml after the
+                     steering window, and back once the agent is; the fabric
+                     writes no job to phaze's queues
 
 A host "stops" as in test_flapping_node_is_held_off: its fabric-reconcile.timer
 is stopped (no more passes, so no more heartbeats; its agents keep running, as
@@ -43,15 +46,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
 
+from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.scheduling.lanes import agent_unit
 from tests.e2e.conftest import SETTINGS
-from tests.e2e.fleet import DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
+from tests.e2e.fleet import AGENT_TOKENS, DESIRED_DIR, Fleet, lanes_on, toml_text, wait_for
+from tests.e2e.phaze_api_stub import serve
 from tests.support.e2e import HOSTS, dispatched, drain_lanes, lane, wait_converged
-from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.saq_workers import LaneWorkers, enqueue_as_phaze, phaze_payload
 from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
@@ -357,17 +363,19 @@ def agent_launch(fleet: Fleet, desired: DesiredState, lane_id: str) -> tuple[lis
 
 
 @contextmanager
-def running_agent(fleet: Fleet, desired: DesiredState, lane_id: str, processed: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Lane `lane_id`'s agent (agent_launch), stopped by its PID afterwards."""
+def running_agent(fleet: Fleet, desired: DesiredState, lane_id: str, processed: Path, **overrides: str | None) -> Iterator[subprocess.Popen[bytes]]:
+    """Lane `lane_id`'s agent (agent_launch) with `overrides` of its
+    environment (None: the variable left out), stopped by its PID afterwards.
+    MODELS_PATH is the models directory the container would get bound there."""
     command, environment = agent_launch(fleet, desired, lane_id)
-    (cap,) = [lane.cap for lane in desired.lanes if lane.id == lane_id]
-    env = {
-        **os.environ,
-        **environment,
-        "PYTHONPATH": str(AGENT_IMAGE_DIR),
-        "FABRIC_E2E_PROCESSED_DIR": str(processed),
-        "FABRIC_E2E_CONCURRENCY": str(cap),
-    }
+    models = processed / "models"
+    models.mkdir(exist_ok=True)
+    env = {**os.environ, **environment, "MODELS_PATH": str(models), "PYTHONPATH": str(AGENT_IMAGE_DIR), "FABRIC_E2E_PROCESSED_DIR": str(processed)}
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     log = open(processed / f"{lane_id}.log", "ab")
     agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
@@ -387,85 +395,138 @@ def stop_agent(agent: subprocess.Popen[bytes]) -> None:
             agent.wait()
 
 
-def test_agents_process_jobs_on_the_lanes_the_rules_chose(
-    fleet: Fleet, desired: DesiredState, lane_workers: LaneWorkers, empty_lane_broker: None, tmp_path: Path
-) -> None:
+# The steering of the phaze fleet below: a lane dead (or back) this long changes backends.toml.
+STEERING_WINDOW_S = 2 * SETTINGS.heartbeat_s
+
+
+@contextmanager
+def phaze_fleet(fleet: Fleet, api_url: str) -> Iterator[DesiredState]:
+    """The fleet as a phaze fleet: fabric.toml names phaze's agent API
+    (`api_url`, the stub) with a short steering window and no restart
+    interval, on every host and for this client, as a pull would bring it;
+    the fabric's own lanes again afterwards."""
+    lines = f'api_url = "{api_url}"\nsteering_window_s = {STEERING_WINDOW_S}\nrestart_interval_s = 0\n'
+    copies = [fleet.desired_dir / "fabric.toml", fleet.client_desired_dir / "fabric.toml"]
+    originals = {path: path.read_text() for path in copies}
+    inside = {h: fleet.container(h).read_file(f"{DESIRED_DIR}/fabric.toml") for h in HOSTS if fleet.hosts[h].running}
+
+    def phaze(text: str) -> str:
+        assert "[phaze]\n" in text and "api_url" not in text
+        return text.replace("[phaze]\n", "[phaze]\n" + lines, 1)
+
+    for path, text in originals.items():
+        path.write_text(phaze(text))
+    for host, text in inside.items():
+        fleet.container(host).write_file(f"{DESIRED_DIR}/fabric.toml", phaze(text))
+    try:
+        yield load_desired(fleet.desired_dir)
+    finally:
+        for path, text in originals.items():
+            path.write_text(text)
+        for host, text in inside.items():
+            fleet.container(host).write_file(f"{DESIRED_DIR}/fabric.toml", text)
+
+
+def lux_backends(fleet: Fleet) -> list[str]:
+    """The lanes phaze may choose: /etc/phaze/backends.toml on the control host."""
+    control = fleet.container("lux")
+    return [b["id"] for b in tomllib.loads(control.read_file("/etc/phaze/backends.toml")).get("backends", [])]
+
+
+def phaze_queue_keys(fleet: Fleet) -> dict[str, list[str]]:
+    """saq_jobs' keys on every phaze-agent-* queue."""
+    with psycopg.connect(fleet.queue_url) as conn:
+        rows = conn.execute("SELECT queue, key FROM saq_jobs WHERE queue LIKE %s ORDER BY queue, key", ("phaze-agent-%",)).fetchall()
+    keys: dict[str, list[str]] = {}
+    for queue, key in rows:
+        keys.setdefault(queue, []).append(key)
+    return keys
+
+
+def refuses_without_its_role(fleet: Fleet, phaze: DesiredState, processed: Path) -> None:
+    """One variable of the rendered environment missing: phaze's agent refuses to start."""
+    with running_agent(fleet, phaze, "a1-arm64", processed, PHAZE_ROLE=None) as refused:
+        refused.wait(timeout=60)
+        assert refused.returncode != 0
+    assert "agent_worker requires PHAZE_ROLE=agent" in (processed / "a1-arm64.log").read_text()
+
+
+def test_phaze_shaped_agents_lanes_and_steering(fleet: Fleet, desired: DesiredState, tmp_path: Path) -> None:
+    """issue 33's Done-when, phaze-shaped. The fleet becomes a phaze fleet:
+    the stand-in agents (tests/e2e/agent_image, phaze's agent at its edges)
+    start only with the rendered environment (one variable removed: they
+    refuse), ask phaze's agent API (a stub) who they are and beat on their
+    -analyze queues; the lane cards show them online with their real
+    in_flight; phaze-format process_file jobs enqueued as phaze's control
+    plane does are processed; a1-arm64's agent stopped takes its lane offline
+    and, after the steering window, out of lux's backends.toml, and back in
+    once the agent is back; the fabric wrote no job to any phaze-agent-* queue."""
     wait_converged(fleet, desired)
-    cloud = ("a1-arm64", "x86-spill")
-    threshold = desired.fleet.scheduler.cloud_route_threshold_s
-    assert threshold is not None and threshold > 60, threshold
-    long_s, short_s = str(threshold * 2), str(threshold / 10)
-    queues = {lane.id: desired.queue_for(lane) or "" for lane in desired.lanes}
-    caps = {lane.id: lane.cap for lane in desired.lanes}
-    # The compute lanes' agents are now the rendered units' own commands, not
-    # this process's workers.
-    for lane_id in cloud:
-        lane_workers.stop(queues[lane_id])
+    server, api_url, asked = serve(AGENT_TOKENS, host="127.0.0.1")
     processed = tmp_path / "processed"
     processed.mkdir()
-
-    def ran_on(job: str) -> str | None:
-        path = processed / job
-        return path.read_text().strip() if path.exists() else None
-
-    def dispatch_one(job: str, duration: str) -> dict:
-        lane(fleet, "enqueue", job, "--duration", duration)
-        (event,) = [e for e in dispatched(fleet) if e["job"] == job]
-        return event
-
     try:
-        with running_agent(fleet, desired, "a1-arm64", processed) as a1_agent, running_agent(fleet, desired, "x86-spill", processed):
+        with phaze_fleet(fleet, api_url) as phaze:
+            queues = {lane.id: phaze.queue_for(lane) or "" for lane in phaze.lanes}
+            assert queues["a1-arm64"] == "phaze-agent-a1-arm64-analyze", queues
 
-            def agents_online() -> dict | None:
-                cards = lane_cards(fleet)
-                return cards if all(cards[h]["online"] for h in cloud) else None
+            def rendered(host: str, lane_id: str) -> bool:
+                return "PHAZE_ROLE=agent" in fleet.container(host).read_file(f"/etc/systemd/system/{agent_unit(lane_id)}")
 
-            wait_for(agents_online, timeout=OFFLINE_S, what="both agents beating on their queues", interval=0.5)
-            # A long file goes to the first rank, and its agent processes it.
-            event = dispatch_one("agent-long-1", long_s)
-            assert event["lane"] == "a1-arm64", (event, lane_cards(fleet))
-            wait_for(lambda: ran_on("agent-long-1"), timeout=BEAT_S, what="agent-long-1 processed", interval=0.2)
-            assert ran_on("agent-long-1") == queues["a1-arm64"]
-            # Complete on the broker before its agent stops.
-            wait_for(lambda: lane_cards(fleet)["a1-arm64"]["in_flight"] == 0, timeout=BEAT_S, what="agent-long-1 complete", interval=0.2)
-
-            # a1-arm64's agent stops: its lane goes offline (no worker on its
-            # queue), and the next long file spills to x86-spill, whose agent runs it.
-            stop_agent(a1_agent)
-
-            def a1_offline() -> dict | None:
-                card = lane_cards(fleet)["a1-arm64"]
-                return card if not card["online"] else None
-
-            card = wait_for(a1_offline, timeout=OFFLINE_S, what="lane a1-arm64 offline once its agent stopped", interval=0.5)
-            assert card["reason"].startswith(f"no SAQ worker on {queues['a1-arm64']}"), card
-            event = dispatch_one("agent-long-2", long_s)
-            assert event["lane"] == "x86-spill", (event, lane_cards(fleet))
-            wait_for(lambda: ran_on("agent-long-2"), timeout=BEAT_S, what="agent-long-2 processed", interval=0.2)
-            assert ran_on("agent-long-2") == queues["x86-spill"]
-
-            # A file shorter than the route threshold stays local although a
-            # cloud lane (x86-spill) is online with room. (The control host's
-            # services fill the 2 its host file declares: one more gives the
-            # local lane a slot, as in the lane health test.)
-            control = desired.hosts_with_role("control")[0]
-            services = sum(1 for p in wait_converged(fleet, desired).placements if p.node == control)
-            with declared_tasks(fleet, control, services + 1):
-                wait_for(lambda: lane_cards(fleet)["local"]["host_free"], timeout=BEAT_S, what="room for the local lane on its host", interval=0.5)
-                card = lane_cards(fleet)["x86-spill"]
-                assert card["online"] and card["in_flight"] < card["cap"], card
-                event = dispatch_one("agent-short", short_s)
-                assert event["lane"] == "local", (event, lane_cards(fleet))
             wait_for(
-                lambda: lane_workers.running().get("agent-short") == queues["local"],
-                timeout=BEAT_S,
-                what="agent-short on the local lane's worker",
-                interval=0.2,
+                lambda: rendered("a1-arm64", "a1-arm64") and rendered("x86-spill", "x86-spill"),
+                timeout=2 * BEAT_S,
+                what="complete agent units",
+                interval=0.5,
             )
-            assert ran_on("agent-short") is None
-            lane_workers.finish("agent-short")
-            # Each agent's jobs end on their own: the next passes settle them.
-            drain_lane_broker(fleet, lane_workers)
+
+            refuses_without_its_role(fleet, phaze, processed)
+
+            with running_agent(fleet, phaze, "a1-arm64", processed) as a1_agent, running_agent(fleet, phaze, "x86-spill", processed):
+
+                def agents_online() -> dict | None:
+                    cards = lane_cards(fleet)
+                    return cards if all(cards[h]["online"] and cards[h]["workers"] for h in ("a1-arm64", "x86-spill")) else None
+
+                cards = wait_for(agents_online, timeout=OFFLINE_S, what="both agents beating on their -analyze queues", interval=0.5)
+                assert sorted(asked) == ["a1-arm64", "x86-spill"]
+                assert (cards["a1-arm64"]["queue"], cards["a1-arm64"]["in_flight"]) == (queues["a1-arm64"], 0), cards
+
+                # phaze's control plane enqueues a pushed file for a1-arm64's agent.
+                payload = phaze_payload("0e2e0000-0000-4000-8000-000000000001", "a1-arm64")
+                enqueue_as_phaze(fleet.queue_url, queues["a1-arm64"], [payload])
+                wait_for(
+                    lambda: (processed / payload["file_id"]).exists(), timeout=BEAT_S, what="a1-arm64's agent processing phaze's job", interval=0.2
+                )
+                assert (processed / payload["file_id"]).read_text().strip() == queues["a1-arm64"]
+
+                # a1-arm64's agent stops: offline, then out of backends.toml after the window.
+                stop_agent(a1_agent)
+                card = wait_for(
+                    lambda: (c := lane_cards(fleet)["a1-arm64"]) and (None if c["online"] else c),
+                    timeout=OFFLINE_S,
+                    what="lane a1-arm64 offline",
+                    interval=0.5,
+                )
+                assert card["reason"].startswith(f"no SAQ worker on {queues['a1-arm64']}"), card
+                steer_s = deadline_for(STEERING_WINDOW_S + LEADER_STEP_S) + BEAT_S
+                # (x86-spill, dead until its agent started, is back in by now or within a window.)
+                wait_for(
+                    lambda: lux_backends(fleet) == ["x86-spill", "local"], timeout=steer_s, what="a1-arm64 out of lux's backends.toml", interval=0.5
+                )
+
+                with running_agent(fleet, phaze, "a1-arm64", processed):
+                    wait_for(lambda: lane_cards(fleet)["a1-arm64"]["online"], timeout=OFFLINE_S, what="lane a1-arm64 online again", interval=0.5)
+                    wait_for(
+                        lambda: lux_backends(fleet) == ["a1-arm64", "x86-spill", "local"],
+                        timeout=steer_s,
+                        what="a1-arm64 back in lux's backends.toml",
+                        interval=0.5,
+                    )
+
+            # The fabric wrote no job to any phaze-agent-* queue: only phaze's own (process_file:<file_id>).
+            assert phaze_queue_keys(fleet) == {queues["a1-arm64"]: [f"process_file:{payload['file_id']}"]}
     finally:
-        for lane_id in cloud:
-            lane_workers.start(queues[lane_id], concurrency=caps[lane_id])
+        server.shutdown()
+        server.server_close()
+    wait_converged(fleet, desired)

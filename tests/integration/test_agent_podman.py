@@ -49,6 +49,7 @@ IMAGE_ARCHIVE = "/srv/fabric-test/agent-image.tar"
 SCRATCH = "/var/lib/phaze/scratch"
 TOKEN = "token-for-the-agent\n"
 PUSHER = "phaze"  # the example fleet's ssh_user
+MODELS = "/var/lib/phaze/models"  # the example fleet's agent.models_dir
 
 
 def facts(host: str) -> HostFacts:
@@ -163,6 +164,15 @@ def as_unit_user(container: SystemdContainer, uid: int, *argv: str) -> subproces
     )
 
 
+def agent_host_files(container: SystemdContainer) -> None:
+    """What a push host keeps for phaze's agent: phaze's broker DSN and the
+    agent API's CA (root's, mode 0600), and phaze's models."""
+    for name in ("queue_url", "ca.crt"):
+        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    container.host_path(MODELS).mkdir(parents=True, exist_ok=True)
+    container.write_file(f"{MODELS}/model-list", "models\n", mode=0o644)
+
+
 def unit_property(container: SystemdContainer, name: str) -> str:
     return container.systemctl("show", f"--property={name}", "--value", UNIT).stdout.strip()
 
@@ -181,8 +191,7 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     # The secrets as a host keeps them: root's, mode 0600, in a 0700 directory.
     secrets = container.host_path("/run/secrets/phaze")
     secrets.mkdir(parents=True, mode=0o700)
-    for name in ("push_key", "queue_url"):
-        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    agent_host_files(container)
     # The agent's own token, under agent.token_dir/<agent_ref>/.
     container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700)
     container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
@@ -212,6 +221,8 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     seen = wait_until(lambda: container.run("cat", f"{SCRATCH}/token-seen").stdout, timeout=30, what="the agent's record of its token")
     assert seen == TOKEN
     assert container.run("cat", f"{SCRATCH}/queue-seen").stdout == f"phaze-agent-{LANE}\n"
+    # phaze's models at MODELS_PATH, read-only.
+    assert container.run("cat", f"{SCRATCH}/models-seen").stdout == "models\nread-only\n"
     # Its processes run as the unit's user, never as root.
     payload = container.run("pgrep", "-f", AGENT_IDLE).stdout.split()
     assert payload, "the agent's process is not running"
@@ -260,8 +271,7 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
     container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
     container.host_path("/run/secrets/phaze").mkdir(parents=True, mode=0o700, exist_ok=True)
-    for name in ("push_key", "queue_url"):
-        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    agent_host_files(container)
     tokens = {LANE: "token-of-x86-spill\n", SECOND: "token-of-x86-spill-b\n"}
     for ref, token in tokens.items():
         container.host_path(f"/run/secrets/phaze/agents/{ref}").mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -308,8 +318,7 @@ def test_agent_reads_what_phaze_pushes_to_a_scratch_dir_outside_var_lib(containe
     container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
     container.host_path("/run/secrets/phaze").mkdir(parents=True, mode=0o700, exist_ok=True)
-    for name in ("push_key", "queue_url"):
-        container.write_file(f"/run/secrets/phaze/{name}", f"{name}\n", mode=0o600)
+    agent_host_files(container)
     container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700, exist_ok=True)
     container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
     container.write_file(f"/etc/systemd/system/{UNIT}", unit_text)

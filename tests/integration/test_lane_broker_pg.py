@@ -26,21 +26,22 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.engine.dispatch import dispatch_pass, lane_status, lane_targets
 from reconciler.ports import StaleDispatcher
-from tests.conftest import EXAMPLE_FLEET
 from tests.support.clock import FakeClock
+from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes, own_lanes_fleet
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
 from tests.support.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
-A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
+A1, X86, LOCAL = OWN_A1, OWN_X86, OWN_LOCAL
 HEARTBEAT_S = 1
 
 
 @pytest.fixture(scope="module")
-def desired() -> DesiredState:
-    return load_desired(EXAMPLE_FLEET)
+def desired(tmp_path_factory: pytest.TempPathFactory) -> DesiredState:
+    # The fabric's own lanes: the example fleet is phaze's, where phaze dispatches.
+    return load_desired(own_lanes_fleet(tmp_path_factory.mktemp("own") / "fleet"))
 
 
 class Lanes:
@@ -226,6 +227,8 @@ def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lane
     from tests.support.plan_keys import signed_example_fleet
 
     fleet = signed_example_fleet(tmp_path / "signed")
+    toml = fleet.desired / "fabric.toml"
+    toml.write_text(own_lanes(toml.read_text()))
     signed = load_desired(fleet.desired)
 
     def leader(host: str, log: list[str]) -> LeaderLoop:
@@ -393,16 +396,16 @@ from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
 heavy = ("saq", "croniter", "dateutil", "psycopg_pool", "pydantic")
 queue = PostgresLaneBroker(sys.argv[1], SystemClock())
-seen = {"in_flight": queue.in_flight(["phaze-agent-a1-arm64"])}
+seen = {"in_flight": queue.in_flight(["fabric-lane-a1-arm64"])}
 seen["after in_flight"] = sorted(m for m in heavy if m in sys.modules)
-seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "phaze-agent-a1-arm64"})]
+seen["lanes"] = [lane.in_flight for lane in queue.lane_states({"a1-arm64": "fabric-lane-a1-arm64"})]
 seen["after lane_states"] = sorted(m for m in heavy if m in sys.modules)
 queue.close()
 print(json.dumps(seen))
 """
 
 
-def test_reading_the_lanes_imports_no_saq_and_the_in_flight_alone_no_model(lanes: Lanes) -> None:
+def test_reading_the_lanes_imports_no_saq_and_the_in_flight_alone_no_model(lanes: Lanes, desired: DesiredState) -> None:
     """What a pass does with the broker: open, read the lanes' states (the
     full pass) or their in_flight alone (a memoized pass): no saq (nor its
     worker's croniter and dateutil), no pool; the in_flight alone builds no model."""
@@ -414,7 +417,7 @@ def test_reading_the_lanes_imports_no_saq_and_the_in_flight_alone_no_model(lanes
     from tests.conftest import REPO
 
     lanes.queue.enqueue([("job-1", None)])
-    assert lanes.queue.dispatch("job-1", lane_targets(load_desired(EXAMPLE_FLEET))["a1-arm64"], epoch=1) is not None
+    assert lanes.queue.dispatch("job-1", lane_targets(desired)["a1-arm64"], epoch=1) is not None
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", READER, lanes.dsn], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr

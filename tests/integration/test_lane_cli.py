@@ -16,14 +16,15 @@ from reconciler.core.desired.load import load_desired
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET
 from tests.support.cli import fabric
+from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes_fleet
 from tests.support.harness.postgres import broker_url_file
-from tests.support.harness.saq_workers import LaneWorkers
+from tests.support.harness.saq_workers import LaneWorkers, enqueue_as_phaze, phaze_payload
 from tests.support.harness.waiting import deadline_for, wait_until
 from tests.support.registry_store import beat_example_fleet
 
 pytestmark = pytest.mark.integration
 
-A1, X86, LOCAL = "phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"
+A1, X86, LOCAL = OWN_A1, OWN_X86, OWN_LOCAL
 
 
 @pytest.fixture
@@ -31,8 +32,9 @@ def lane(tmp_path, capsys, broker_dsn):
     dsn = broker_dsn
     url_file = broker_url_file(tmp_path, dsn + "\n")  # the line's end is stripped
     registry = tmp_path / "registry.sqlite"
+    fleet = own_lanes_fleet(tmp_path / "fleet")  # the example fleet is phaze's: phaze dispatches there
     # Every example host beats (a lane is as healthy as its agent host).
-    store = open_registry(load_desired(EXAMPLE_FLEET).fleet, sqlite_path=registry)
+    store = open_registry(load_desired(fleet).fleet, sqlite_path=registry)
     try:
         beat_example_fleet(store)
     finally:
@@ -40,7 +42,7 @@ def lane(tmp_path, capsys, broker_dsn):
     workers = LaneWorkers(dsn)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        return fabric(capsys, "lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(registry), "--queue-url-file", str(url_file))
+        return fabric(capsys, "lane", *argv, "--desired", str(fleet), "--registry-path", str(registry), "--queue-url-file", str(url_file))
 
     run.dsn = dsn
     run.workers = workers
@@ -112,3 +114,56 @@ def test_bad_input_exits_2_and_writes_nothing_and_an_unreadable_url_file_exits_1
         ["lane", "status", "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "r.sqlite"), "--queue-url-file", str(missing)]
     )
     assert status == 1
+
+
+def test_in_a_phaze_fleet_enqueue_and_dispatch_refuse_and_write_nothing(lane, tmp_path, capsys):
+    """The example fleet names phaze's agent API ([phaze] api_url): phaze's
+    control plane dispatches into its phaze-agent-* queues, so the fabric
+    enqueues and dispatches nothing there (exit 2, the broker not even opened)."""
+    url_file = broker_url_file(tmp_path, lane.dsn)
+    for argv in (["enqueue", "job-1"], ["dispatch", "--once"], ["dispatch"]):
+        status = main(
+            ["lane", *argv, "--desired", str(EXAMPLE_FLEET), "--registry-path", str(tmp_path / "r.sqlite"), "--queue-url-file", str(url_file)]
+        )
+        err = capsys.readouterr().err
+        assert status == 2, argv
+        assert err.startswith(f"fabric lane {argv[0]}: {EXAMPLE_FLEET}/fabric.toml: phaze.api_url: this is a phaze fleet"), err
+        assert "phaze-agent-* queues" in err, err
+    with psycopg.connect(lane.dsn) as conn:
+        assert conn.execute("SELECT to_regclass('fabric_lane_jobs')").fetchone()[0] is None
+        assert conn.execute("SELECT to_regclass('saq_jobs')").fetchone()[0] is None, "no SAQ queue written"
+
+
+def test_in_a_phaze_fleet_lane_status_reads_each_lanes_real_queue(lane, tmp_path, capsys):
+    """The example fleet is phaze's: a compute lane's queue is phaze's
+    phaze-agent-<agent_ref>-analyze. Its in_flight is the jobs phaze put there
+    (queued or active), its workers the SAQ workers beating there; a lane
+    whose agent beats on no such queue is offline and says where it looked.
+    The fabric itself writes nothing to the broker's queues."""
+    a1 = "phaze-agent-a1-arm64-analyze"
+    lane.workers.start(a1, concurrency=1)
+    enqueue_as_phaze(lane.dsn, a1, [phaze_payload(f"0000000{i}-0000-4000-8000-000000000000", "a1-arm64") for i in (1, 2)])
+    wait_until(lambda: len(lane.workers.running()) == 1, timeout=deadline_for(1), what="a1's agent runs one of phaze's jobs")
+    url_file = broker_url_file(tmp_path, lane.dsn)
+    argv = [
+        "lane",
+        "status",
+        "--desired",
+        str(EXAMPLE_FLEET),
+        "--registry-path",
+        str(tmp_path / "registry.sqlite"),
+        "--queue-url-file",
+        str(url_file),
+    ]
+    assert main([*argv, "--json"]) == 0
+    lanes = {v["id"]: v for v in json.loads(capsys.readouterr().out)["lanes"]}
+    assert (lanes["a1-arm64"]["queue"], lanes["a1-arm64"]["in_flight"], lanes["a1-arm64"]["cap"], lanes["a1-arm64"]["workers"]) == (a1, 2, 2, 1)
+    assert lanes["a1-arm64"]["online"] and lanes["a1-arm64"]["full"] == "cap"
+    x86 = lanes["x86-spill"]
+    assert (x86["queue"], x86["in_flight"], x86["workers"], x86["online"]) == ("phaze-agent-x86-spill-analyze", 0, 0, False)
+    assert x86["reason"].startswith("no SAQ worker on phaze-agent-x86-spill-analyze"), x86["reason"]
+    assert main(argv) == 0
+    assert f"2/2  {a1} (1 worker)  FULL: lane cap" in capsys.readouterr().out
+    with psycopg.connect(lane.dsn) as conn:
+        keys = sorted(key for (key,) in conn.execute("SELECT key FROM saq_jobs").fetchall())
+    assert all(key.startswith("process_file:") for key in keys) and len(keys) == 2, keys

@@ -27,6 +27,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from tests.support.cli import fabric
+from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes
 from tests.support.harness.postgres import broker_url_file, naming_broker
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
@@ -49,7 +50,7 @@ class Fleet:
         self.dsn = broker_dsn
         url_file = broker_url_file(tmp_path, broker_dsn)
         self.workers = LaneWorkers(broker_dsn)
-        for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
+        for queue in (OWN_A1, OWN_X86, OWN_LOCAL):
             self.workers.start(queue)
         self.capsys = capsys
         self.desired_dir = store.desired_dir(tmp_path)
@@ -58,7 +59,8 @@ class Fleet:
         timing = re.search(r"(?ms)^\[timing\]\n.*?(?=^\[)", text)
         assert timing is not None
         text = text.replace(timing.group(0), "[timing]\n" + "".join(f"{k} = {v}\n" for k, v in TIMING.items()) + "\n")
-        toml.write_text(naming_broker(text, url_file))
+        # The fabric's own lanes: the example fleet is phaze's, where phaze dispatches.
+        toml.write_text(naming_broker(own_lanes(text), url_file))
         self.desired = load_desired(self.desired_dir)
         assert self.desired.fleet.timing.node_timeout_s == NODE_TIMEOUT_S
         self.registry = store.open()

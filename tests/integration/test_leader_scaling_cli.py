@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.support.harness.own_lanes import own_lanes
 from tests.support.harness.postgres import broker_url_file, naming_broker
 from tests.support.plan_keys import signed_example_fleet
 
@@ -43,7 +44,7 @@ def desired_dir(tmp: Path, registry: Path, hook_out: Path, url_file: Path) -> tu
     hook = json.dumps([sys.executable, "-c", HOOK, str(hook_out), "batch", "two words", "$HOME"])
     text = text[:hooks_start] + f"[scaling.cloud_hooks]\nbatch = {hook}" + text[hooks_end:]
     text = text.replace(registry_old, f'path = "{registry}"').replace(window_old, "burst_window_s = 1")
-    text = naming_broker(text, url_file)
+    text = naming_broker(own_lanes(text), url_file)  # the fabric's own lanes: the example fleet is phaze's
     (target / "fabric.toml").write_text(text)
     return target, signed.key_file("lux")
 

@@ -61,6 +61,7 @@ from reconciler.wiring import memo_ports, memo_registry_opener, open_registry, r
 from tests.conftest import REPO
 from tests.support.audit import RecordingAudit
 from tests.support.clock import FakeClock
+from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
 from tests.support.plan_keys import SignedFleet, signed_example_fleet
@@ -104,7 +105,7 @@ class LiveFleet:
         # A worker on every lane's queue, each taking more than its cap: the
         # caps and the hosts' accounts are the dispatcher's to keep.
         self.workers = LaneWorkers(broker_dsn)
-        for queue in ("phaze-agent-a1-arm64", "phaze-agent-x86-spill", "phaze-local"):
+        for queue in (OWN_A1, OWN_X86, OWN_LOCAL):
             self.workers.start(queue, concurrency=8)
         self.lane_queues: list[PostgresLaneBroker] = []
         self.lanes = self._open_lanes()
@@ -160,7 +161,7 @@ class LiveFleet:
             line = re.search(rf"(?m)^{tier} = \[.*\]$", text)
             assert line is not None
             text = text.replace(line.group(0), f'{tier} = ["{hook}", "{self.hook_out}", "{tier}", "one group"]')
-        toml.write_text(text)
+        toml.write_text(own_lanes(text))  # the fabric's own lanes: the example fleet is phaze's
 
     def open(self) -> Registry:
         fleet = FleetConfig.model_validate({"fleet": {"domain": "t.example", "leader_candidates": ["lux", "qfox-1"]}, "registry": self.settings})

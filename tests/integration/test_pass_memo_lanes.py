@@ -45,7 +45,7 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
     lanes = PostgresLaneBroker(broker_dsn, SystemClock())
     workers = LaneWorkers(broker_dsn)
     try:
-        workers.start("phaze-agent-x86-spill")
+        workers.start(targets["x86-spill"].queue)  # phaze-agent-x86-spill-analyze, where phaze puts its jobs
         lanes.enqueue([("job-1", None), ("job-2", None)])
         assert lanes.dispatch("job-1", targets["x86-spill"], epoch=1) is not None
         assert lanes.dispatch("job-2", targets["a1-arm64"], epoch=1) is not None  # another host's lane

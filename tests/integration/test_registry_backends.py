@@ -304,7 +304,12 @@ def test_killing_the_leader_process_elects_another_candidate_once_its_lease_laps
         assert registry.leader().epoch > epoch_before
         # A node joins: the new leader is woken, reschedules and publishes.
         registry.heartbeat(record("qfox-1", "gpu_cuda", max_concurrent_tasks=4), ttl_s=30)
-        wait_until(lambda: registry.newest_plan().leader == "qfox-1", timeout=START_S, what="qfox-1 published its plan")
+        # (A new term publishes its own plan at once, before the join: wait for the one that places work on qfox-1.)
+        wait_until(
+            lambda: (p := registry.newest_plan()).leader == "qfox-1" and any(x.node == "qfox-1" for x in p.placements),
+            timeout=START_S,
+            what="qfox-1 published its plan with the node that joined",
+        )
         plan = registry.newest_plan()
         assert plan.epoch > registry.leader().epoch and any(p.node == "qfox-1" for p in plan.placements)
     finally:

@@ -273,6 +273,7 @@ def test_cli_nodes_drain_undrain_leader_and_export(tmp_path, capsys, monkeypatch
     shown = json.loads(out)
     assert shown["leader"] is None, "--once resigns"
     assert shown["plan_epoch"] == shown["epoch"] >= 2
+    assert shown["term"] == shown["plan_term"] >= 1, "the resigned term stays the registry's current one, its plan with it"
 
     status, out, _ = fabric(capsys, "registry", "export", *common)
     assert status == EXIT_OK

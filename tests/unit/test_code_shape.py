@@ -14,10 +14,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "reconciler"
 MAX_LINES = 80
 
-# Functions allowed over the limit for now, as path::name.
-ALLOWED = {
-    "reconciler/core/render/artifacts.py::_agent_unit",  # being split by the phaze-lanes change
-}
+# Functions allowed over the limit for now, as path::name, each with why.
+# (core/render/artifacts.py::_agent_unit was, until the phaze-lanes change split it.)
+ALLOWED: set[str] = set()
 
 
 def _functions(node: ast.AST, prefix: str = "") -> list[tuple[str, int]]:

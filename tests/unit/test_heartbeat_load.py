@@ -69,7 +69,7 @@ class SpillFleet(Fleet):
         fleet_file.write_text(text[: text.index("[[plan_keys]]")])
         self.registry = RecordingRegistry()
         self.lanes = FakeLaneBroker()
-        self.lanes.held = {"phaze-agent-x86-spill": 3, "phaze-agent-a1-arm64": 2}
+        self.lanes.held = {"phaze-agent-x86-spill-analyze": 3, "phaze-agent-a1-arm64-analyze": 2}
 
     def reconcile(self, **changes: object):  # type: ignore[no-untyped-def]
         from reconciler.engine.reconcile import run_pass
@@ -103,7 +103,7 @@ def test_a_stopped_service_unit_drops_the_load_and_shows_in_the_units(tmp_path: 
     fleet = SpillFleet(tmp_path)
     fleet.reconcile()
     assert fleet.machine.run_jobs("stop", [SERVICE])[0].ok  # stopped by hand
-    fleet.lanes.held = {"phaze-agent-x86-spill": 1}
+    fleet.lanes.held = {"phaze-agent-x86-spill-analyze": 1}
     fleet.registry.beats.clear()
     report = fleet.reconcile()
     assert report.outcome == "applied", report  # the pass starts it again

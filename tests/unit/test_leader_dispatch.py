@@ -12,17 +12,22 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import lane_queue_name
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.dispatch import dispatch_pass, dispatcher_epoch
+from reconciler.engine.dispatch import PhazeDispatches, dispatch_pass, dispatcher_epoch
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
 from tests.support.fakes import FakeLaneBroker
+from tests.support.harness.own_lanes import own_lanes
 from tests.support.plan_keys import signed_example_fleet
 from tests.support.registry_store import beating_registry
 
 
 @pytest.fixture
 def fleet(tmp_path: Path):
-    return signed_example_fleet(tmp_path / "fleet")
+    # The fabric's own lanes: in the example fleet (phaze's) the leader dispatches nothing.
+    signed = signed_example_fleet(tmp_path / "fleet")
+    toml = signed.desired / "fabric.toml"
+    toml.write_text(own_lanes(toml.read_text()))
+    return signed
 
 
 @pytest.fixture
@@ -116,3 +121,22 @@ def test_with_leader_dispatches_off_the_leader_leaves_the_jobs_to_fabric_lane_di
     queue.enqueue([("clip-6", 3600.0)])
     loop.step()
     assert next(j for j in queue.jobs() if j.job_id == "clip-6").waiting
+
+
+def test_in_a_phaze_fleet_the_leader_and_any_dispatcher_write_no_job(tmp_path: Path, registry, queue):
+    """The example fleet names phaze's agent API: phaze's control plane
+    dispatches into its phaze-agent-* queues, so the leader's step starts no
+    job there and a dispatch pass refuses (engine.dispatch.refuse_phaze_lanes)."""
+    phaze = signed_example_fleet(tmp_path / "phaze" / "fleet")
+    desired = load_desired(phaze.desired)
+    assert desired.fleet.phaze_dispatches
+    queue.enqueue([("clip-7", 3600.0), ("clip-8", 30.0)])
+    log: list[str] = []
+    loop = leader(registry, phaze, queue, log)
+    loop.step()
+    assert loop.leadership is not None, log
+    assert all(job.waiting for job in queue.jobs()), "no job written"
+    assert not any(line.startswith("lane job") for line in log), log
+    with pytest.raises(PhazeDispatches, match=r"phaze\.api_url: this is a phaze fleet"):
+        dispatch_pass(registry, queue, desired)
+    assert all(job.waiting for job in queue.jobs())

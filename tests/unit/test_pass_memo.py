@@ -162,7 +162,7 @@ def test_a_memoized_pass_of_a_lane_host_imports_no_model(tmp_path: Path) -> None
     assert "reconciler.core.desired.model" in first
     assert "note: heartbeat: a1-arm64 tier" in second_err, second_err
     memo = PassMemo.from_json(s.memo_file.read_bytes())
-    assert memo.seed.lanes_here == ("a1-arm64",) and memo.seed.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64"}
+    assert memo.seed.lanes_here == ("a1-arm64",) and memo.seed.lane_queues == {"a1-arm64": "phaze-agent-a1-arm64-analyze"}
     assert memo.seed.lane_broker == {"queue_url_file": None, "job_function": "process_file"}
 
 

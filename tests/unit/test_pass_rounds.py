@@ -200,9 +200,12 @@ def test_a_new_leader_term_without_a_new_plan_costs_a_round_that_changes_nothing
     assert leading.newest_epoch() == before, "no plan was published"
     assert len(edge.rounds_noted()) == 1
     assert edge.caddy_loads() == 1
-    # The second round had nothing to do; the pass still applied what it applied.
-    assert report.outcome == "applied", report
-    assert report.stdout.rstrip().endswith("nothing to do (generation 1)"), report.stdout
+    # The second round changes nothing: the newest plan is of a term that is
+    # over (signed plans apply only in the registry's current term), so the
+    # round keeps what the first applied, until the new term publishes.
+    assert report.outcome == "static", report
+    assert "not the registry's current term" in report.stdout, report.stdout
+    assert report.stdout.rstrip().endswith("running static; generation 1 stays"), report.stdout
 
 
 def test_a_pass_that_runs_static_records_no_plan_taken(tmp_path, fleet, leading) -> None:

@@ -19,7 +19,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.fencing import accept_plan
 from reconciler.core.live.models import FleetPlan, Placement
-from reconciler.core.live.records import NodeRecord
+from reconciler.core.live.records import LeaderInfo, NodeRecord
 from reconciler.core.live.signing import canonical_plan, verify_plan, with_signature
 from reconciler.core.scheduling.lanes import agent_unit
 from reconciler.core.scheduling.placement import schedule
@@ -179,18 +179,27 @@ def test_admit_refuses_an_unsigned_registry_plan_and_keeps_the_generation(desire
     assert UNSIGNED_NOTE not in source.notes
 
 
+# The registry's leader record of the plans below: lux, in the term the registry assigned it.
+LUX_TERM = LeaderInfo(candidate="lux", epoch=1, since=T0, token="t", term=4)
+
+
+def in_term(p: FleetPlan, desired) -> FleetPlan:
+    """`p` as lux's leader step makes it: of LUX_TERM's term, for this fleet and registry."""
+    return p.model_copy(update={"term": LUX_TERM.term, "fleet": desired.fleet.fleet.name, "prefix": desired.fleet.registry.prefix})
+
+
 def test_a_merely_stale_plan_is_static_but_not_refused_as_forged(desired, fleet) -> None:
     """The status page's PLAN REFUSED is for plans that are not the leader's,
     not for a lagging registry serving an older genuine plan."""
-    genuine = signed(plan(), fleet.keys["lux"])
-    source = admit(PlanOffer("registry", genuine), desired, applied_epoch=9, has_generation=True, now=T0)
+    genuine = signed(in_term(plan(), desired), fleet.keys["lux"])
+    source = admit(PlanOffer("registry", genuine, leader=LUX_TERM), desired, applied_epoch=9, has_generation=True, now=T0)
     assert source.static is not None and "older than the newest applied" in source.static
     assert source.refused is None
 
 
 def test_admit_applies_a_plan_signed_by_the_named_candidate(desired, fleet) -> None:
-    good = signed(plan(), fleet.keys["lux"])
-    source = admit(PlanOffer("registry", good), desired, applied_epoch=3, has_generation=True, now=T0)
+    good = signed(in_term(plan(), desired), fleet.keys["lux"])
+    source = admit(PlanOffer("registry", good, leader=LUX_TERM), desired, applied_epoch=3, has_generation=True, now=T0)
     assert source.static is None and source.plan == good
 
 

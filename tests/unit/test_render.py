@@ -530,13 +530,39 @@ def test_podman_agent_scratch_dir_outside_var_lib_is_seen_at_its_real_path(tmp_p
     assert not any("/srv/scratch" in note for note in rendered.notes)
 
 
-def test_a_compute_lane_without_ssh_user_is_refused_when_the_desired_state_loads(tmp_path: Path) -> None:
-    # Its scratch dir must be given to the user phaze pushes as, which the
-    # fabric cannot know without ssh_user: `fabric validate` says so, before
-    # any host renders.
-    with pytest.raises(DesiredStateError, match=r"fabric\.toml: backends\[\d+\]\.ssh_user: required for a compute lane"):
-        edited(
-            tmp_path,
+def test_a_compute_lane_without_ssh_user_and_no_fleet_default_is_refused_when_the_desired_state_loads(tmp_path: Path) -> None:
+    # Its scratch dir must be given to the user phaze pushes as: the lane's
+    # ssh_user, else [phaze] push_ssh_user; with neither, `fabric validate`
+    # says so, before any host renders.
+    text = (REPO / "hosts" / "fabric.toml").read_text()
+    assert 'push_ssh_user = "phaze"\n' in text
+    desired = tmp_path / "desired"
+    shutil.copytree(REPO / "hosts", desired)
+    (desired / "fabric.toml").write_text(
+        text.replace('push_ssh_user = "phaze"\n', "").replace(
             'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n',
             'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\n',
         )
+    )
+    with pytest.raises(DesiredStateError, match=r"fabric\.toml: backends\[1\]\.ssh_user: required for a compute lane unless \[phaze\] push_ssh_user"):
+        load_desired(desired)
+
+
+def test_a_compute_lane_without_ssh_user_uses_the_fleet_wide_push_ssh_user(tmp_path: Path) -> None:
+    """multi-compute.md: ssh_user is optional. The fabric falls back to
+    [phaze] push_ssh_user (phaze's file server's PHAZE_PUSH_SSH_USER) and
+    writes it into backends.toml, so phaze pushes as the user the scratch dir
+    is given to."""
+    state = edited(
+        tmp_path,
+        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\nssh_user = "phaze"\n',
+        'push_host = "x86-spill"\nscratch_dir = "/var/lib/phaze/scratch"\n',
+    )
+    state = state.model_copy(
+        update={"fleet": state.fleet.model_copy(update={"phaze": state.fleet.phaze.model_copy(update={"push_ssh_user": "pusher"})})}
+    )
+    backends = tomllib.loads(files(state, "lux")["etc/phaze/backends.toml"])["backends"]
+    assert [b.get("ssh_user") for b in backends] == ["phaze", "pusher", None]
+    agent = unit(files(state, "x86-spill"), "fabric-agent-x86-spill.service")
+    assert "StandardInputText=d /var/lib/phaze/scratch 2770 pusher pusher -" in agent
+    assert "SupplementaryGroups=pusher" in agent

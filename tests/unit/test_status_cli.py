@@ -219,7 +219,7 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     from reconciler.core.live.models import FleetPlan
     from reconciler.core.live.records import NodeRecord
     from reconciler.core.scheduling.placement import schedule
-    from reconciler.engine.leader import sign_plan, signing_key
+    from reconciler.engine.leader import plan_in_term, sign_plan, signing_key
     from reconciler.wiring import open_registry
 
     # lux signs what it publishes (throwaway keys: tests.support.plan_keys).
@@ -233,7 +233,9 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
         leadership = registry.campaign("lux", ttl_s=60)
         assert leadership is not None
         plan = schedule(registry.snapshot([lane.id for lane in desired.lanes]), desired, leader="lux", epoch=registry.epoch() + 1)
-        published: FleetPlan = registry.publish_plan(leadership, sign_plan(plan, signer, signing_key(signer, desired.fleet.plan_keys, "lux")))
+        published: FleetPlan = registry.publish_plan(
+            leadership, sign_plan(plan_in_term(plan, leadership, desired), signer, signing_key(signer, desired.fleet.plan_keys, "lux"))
+        )
     finally:
         registry.close()
 
@@ -242,10 +244,11 @@ def test_live_registry_nodes_lanes_leader_and_published_plan(capsys, tmp_path, s
     doc = json.loads(out)
     assert (code, err) == (EXIT_OK, "")
     assert [lane["card"] for lane in doc["lanes"]] == [
-        # The plan fills a1-arm64 and lux (limit 2 each) with services: no room left for their lanes.
+        # The plan fills the free a1-arm64 (limit 2) with services first: no room left
+        # for its lane; lux (owned) takes the rest and keeps room for the local lane.
         "COMPUTE · a1-arm64  RANK 10  0/2  full: host a1-arm64 at capacity",
         "COMPUTE · x86-spill  RANK 20  0/4  offline: host x86-spill not reporting",
-        "LOCAL · local  RANK 99  0/1  full: host lux at capacity",
+        "LOCAL · local  RANK 99  0/1",
     ]
     offline = next(lane for lane in doc["lanes"] if lane["id"] == "x86-spill")
     assert (offline["available"], offline["reason"]) == (False, "host x86-spill not reporting")

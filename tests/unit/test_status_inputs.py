@@ -6,7 +6,7 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.leader import sign_plan, signing_key
+from reconciler.engine.leader import plan_in_term, sign_plan, signing_key
 from reconciler.engine.status import live_status, saved_status
 from reconciler.wiring import open_registry
 from tests.conftest import EXAMPLE_FLEET, REPO
@@ -37,7 +37,9 @@ def test_the_live_registry_gives_every_declared_lane_and_the_newest_published_pl
         leadership = registry.campaign("lux", ttl_s=60)
         assert leadership is not None
         plan = schedule(registry.snapshot(), desired, leader="lux", epoch=registry.epoch() + 1)
-        published = registry.publish_plan(leadership, sign_plan(plan, signer, signing_key(signer, desired.fleet.plan_keys, "lux")))
+        published = registry.publish_plan(
+            leadership, sign_plan(plan_in_term(plan, leadership, desired), signer, signing_key(signer, desired.fleet.plan_keys, "lux"))
+        )
 
         inputs = live_status(desired, registry)
     finally:

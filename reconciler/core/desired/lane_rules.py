@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from reconciler.core.desired.model import FleetConfig, agent_token_file
+from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, FleetConfig, agent_token_file, lane_queue_name
 from reconciler.core.desired.problems import Problem
 
 
@@ -74,6 +74,10 @@ def lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
                 )
             )
 
+    own = _own_lane_queues(file, fleet)
+    if own:
+        return problems + own
+
     # The local lane is phaze's own processing: its queue must not be one an agent consumes.
     if fleet.agent is not None:
         prefix = fleet.agent.queue_prefix
@@ -86,4 +90,51 @@ def lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
                         f"{b.queue!r} is an agent's queue (agent.queue_prefix {prefix!r}); the local lane's queue is the file server's own",
                     )
                 )
+    return problems
+
+
+def _own_lane_queues(file: str, fleet: FleetConfig) -> list[Problem]:
+    """The fabric's own lanes (no [phaze] api_url): it writes jobs into their
+    queues, so none may be phaze's (phaze-agent-*, phaze dispatches there)."""
+    if fleet.phaze_dispatches:
+        return []
+    problems = []
+    for i, b in enumerate(fleet.lanes):
+        queue = lane_queue_name(fleet, b)
+        if queue is not None and queue.startswith(PHAZE_QUEUE_PREFIX):
+            problems.append(
+                Problem(
+                    file,
+                    f"backends[{i}].queue",
+                    f"{queue!r} is phaze's (its agents' queues, where phaze's control plane dispatches): "
+                    "the fabric's own lanes use queues of their own, or give [phaze] api_url to make this a phaze fleet",
+                )
+            )
+    return problems
+
+
+def compute_lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
+    """A compute lane's ssh_user (its own or [phaze] push_ssh_user) and, in a
+    phaze fleet, no `queue` of its own (phaze names its agents' queues)."""
+    problems = []
+    for i, b in enumerate(fleet.lanes):
+        if b.kind != "compute":
+            continue
+        if b.ssh_user is None and fleet.phaze.push_ssh_user is None:
+            problems.append(
+                Problem(
+                    file,
+                    f"backends[{i}].ssh_user",
+                    "required for a compute lane unless [phaze] push_ssh_user gives the fleet-wide default: "
+                    "its scratch_dir belongs to the user phaze pushes as",
+                )
+            )
+        if b.queue is not None and fleet.phaze_dispatches:
+            problems.append(
+                Problem(
+                    file,
+                    f"backends[{i}].queue",
+                    f"not used in a phaze fleet ([phaze] api_url): phaze's agent consumes {lane_queue_name(fleet, b)} (phaze-agent-<agent_ref>-<agent_lane>)",
+                )
+            )
     return problems

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from reconciler.core.desired.lane_rules import lane_rules
+from reconciler.core.desired.lane_rules import compute_lane_rules, lane_rules
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig, is_name
 from reconciler.core.desired.problems import Problem, ProblemsError, problem_from_toml_error, problems_from_validation
 
@@ -303,6 +303,7 @@ def _lane_rules(r: _Rules) -> None:
     r.problems += _duplicates(r.file, "backends", "id", [b.id for b in backends])
     r.problems += _duplicates(r.file, "backends", "agent_ref", [b.agent_ref for b in backends])
     r.problems += lane_rules(r.file, fleet)
+    r.problems += compute_lane_rules(r.file, fleet)
     for i, b in enumerate(backends):
         if b.kind != "compute":
             continue
@@ -310,7 +311,7 @@ def _lane_rules(r: _Rules) -> None:
             r.known_host(f"backends[{i}].push_host", b.push_host or "")
         if fleet.agent is None:
             r.add(f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)")
-        elif b.queue is not None and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
+        elif b.queue is not None and not fleet.phaze_dispatches and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
             r.add(f"backends[{i}].queue", f"{b.queue!r} must equal {fleet.agent.queue_prefix}{b.agent_ref} (the agent derives its queue from its id)")
     if any(b.kind == "local" for b in backends) or not backends:
         if r.all_hosts_loaded and r.hosts and not any("control" in h.host.roles for h in r.hosts.values()):

@@ -122,6 +122,15 @@ def _name(value: str) -> str:
     return value
 
 
+_HTTP_URL_RE = re.compile(r"^https?://[A-Za-z0-9._~:/?#@!&'()*+,;=%\[\]-]+$")
+
+
+def _http_url(value: str) -> str:
+    if not _HTTP_URL_RE.match(value):
+        raise ValueError(f"{value!r} is not an http:// or https:// URL (no blanks, quotes or backslashes)")
+    return value
+
+
 def _hostname(value: str) -> str:
     if not _HOSTNAME_RE.match(value):
         raise ValueError(f"{value!r} is not a valid DNS host name (lowercase letters, digits, '-' and '.')")
@@ -504,11 +513,29 @@ class ArchAgent(Strict):
 
 
 DEFAULT_TOKEN_DIR = "/run/secrets/phaze/agents"
-# Variables of a compute agent that the fabric sets per lane, and from what.
+# phaze's agents consume phaze-agent-<agent id>[-<lane>] (phaze's
+# agent_worker checks its token's agent id against PHAZE_AGENT_QUEUE, and
+# services/agent_task_router.py names the lane queues): phaze's control plane
+# writes jobs there, the fabric never does.
+PHAZE_QUEUE_PREFIX = "phaze-agent-"
+DEFAULT_AGENT_QUEUE_URL_FILE = "/run/secrets/phaze/queue_url"
+DEFAULT_MODELS_DIR = "/var/lib/phaze/models"
+# Variables of a compute agent that the fabric sets, per lane or from [phaze]
+# and [agent] (phaze's agent_worker and AgentSettings read them), and from
+# what: [agent.environment] cannot set them.
 PER_AGENT_VARIABLES = {
-    "PHAZE_AGENT_QUEUE": "the lane's agent_ref (queue_prefix + agent_ref)",
+    "PHAZE_ROLE": "phaze's agent role (agent)",
+    "PHAZE_AGENT_KIND": "the lane's kind (compute)",
+    "PHAZE_AGENT_QUEUE": "the lane's agent_ref (phaze-agent-<agent_ref>; queue_prefix + agent_ref for the fabric's own lanes)",
+    "PHAZE_AGENT_LANE": "phaze.agent_lane",
+    "PHAZE_LANE_ANALYZE_CONCURRENCY": "the lane's cap",
+    "WORKER_MAX_JOBS": "the lane's cap",
+    "PHAZE_AGENT_API_URL": "phaze.api_url",
     "PHAZE_AGENT_TOKEN_FILE": "the lane's token_file (default agent.token_dir/<agent_ref>/token)",
+    "PHAZE_QUEUE_URL_FILE": "agent.queue_url_file",
+    "PHAZE_AGENT_CA_FILE": "agent.ca_file",
     "PHAZE_CLOUD_SCRATCH_DIR": "the lane's scratch_dir",
+    "MODELS_PATH": "phaze.models_path (agent.models_dir bound there read-only)",
 }
 
 
@@ -522,8 +549,11 @@ class AgentSettings(Strict):
     """
 
     arch: dict[Arch, ArchAgent] = Field(min_length=1, description="Per architecture (x86_64, aarch64), the agent's image and command.")
+    # The prefix of the fabric's own lanes' queues (<queue_prefix><agent_ref>),
+    # never phaze's: in a phaze fleet the agents' queues are phaze's
+    # (PHAZE_QUEUE_PREFIX, `phaze_agent_queue`) and this is not used.
     queue_prefix: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]*-$")] = Field(
-        "phaze-agent-", description="A compute lane's SAQ queue is <queue_prefix><agent_ref>."
+        "fabric-lane-", description="The fabric's own lanes' queues are <queue_prefix><agent_ref>; never phaze-agent- (phaze's own)."
     )
     # Each agent's token file is <token_dir>/<agent_ref>/token unless its lane
     # names one (`token_file`): phaze's worker checks the token's agent id
@@ -531,10 +561,30 @@ class AgentSettings(Strict):
     token_dir: UnitPath = Field(
         DEFAULT_TOKEN_DIR, description="Each agent's token file is <token_dir>/<agent_ref>/token unless its lane names one (token_file)."
     )
+    # On each agent host: the file holding phaze's broker DSN (the agent's
+    # PHAZE_QUEUE_URL_FILE), the CA of phaze's agent API (PHAZE_AGENT_CA_FILE;
+    # phaze's agent reads /certs/phaze-ca.crt in its image when not given),
+    # and phaze's models, bound read-only at [phaze] models_path.
+    queue_url_file: UnitPath = Field(
+        DEFAULT_AGENT_QUEUE_URL_FILE, description="On each agent host: the file holding phaze's broker DSN (the agent's PHAZE_QUEUE_URL_FILE)."
+    )
+    ca_file: UnitPath | None = Field(
+        None, description="On each agent host: the CA of phaze's agent API (PHAZE_AGENT_CA_FILE); unset: the image's /certs/phaze-ca.crt."
+    )
+    models_dir: UnitPath = Field(DEFAULT_MODELS_DIR, description="On each agent host: phaze's models, bound read-only at [phaze] models_path.")
     environment: Environment = Field(
         {},
-        description="Environment of every agent; secrets only as NAME_FILE absolute paths; not the per-agent PHAZE_AGENT_QUEUE, PHAZE_AGENT_TOKEN_FILE, PHAZE_CLOUD_SCRATCH_DIR.",
+        description="Environment of every agent; secrets only as NAME_FILE absolute paths; never the per-agent variables the unit sets (PHAZE_ROLE, PHAZE_AGENT_QUEUE, ...).",
     )
+
+    @model_validator(mode="after")
+    def _own_prefix(self) -> AgentSettings:
+        if self.queue_prefix.startswith(PHAZE_QUEUE_PREFIX):
+            raise FieldProblem(
+                "queue_prefix",
+                f"{PHAZE_QUEUE_PREFIX}* queues are phaze's (its control plane dispatches into them): the fabric's own lanes need a prefix of their own",
+            )
+        return self
 
     @model_validator(mode="after")
     def _per_agent_variables(self) -> AgentSettings:
@@ -543,7 +593,7 @@ class AgentSettings(Strict):
         # agents one queue, one token or one scratch dir).
         for key, where in PER_AGENT_VARIABLES.items():
             if key in self.environment:
-                raise FieldProblem(f"environment.{key}", f"differs per agent: the fabric sets it from {where}")
+                raise FieldProblem(f"environment.{key}", f"the fabric sets it for each agent, from {where}: [agent.environment] cannot override it")
         return self
 
     @model_validator(mode="after")
@@ -593,11 +643,6 @@ class Lane(Strict):
             for key in ("agent_ref", "push_host", "scratch_dir"):
                 if getattr(self, key) is None:
                     raise FieldProblem(key, "required for a compute lane")
-            if self.ssh_user is None:
-                # phaze would fall back to its file server's user, which the
-                # desired state does not name: the fabric gives the agent's
-                # scratch dir to the user phaze pushes as, so it must know it.
-                raise FieldProblem("ssh_user", "required for a compute lane: its scratch_dir belongs to the user phaze pushes as")
         else:
             for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file"):
                 if getattr(self, key) is not None:
@@ -663,7 +708,42 @@ class PhazeSettings(Strict):
     # The leader dispatches the lane jobs at each step (the fleet's one
     # dispatcher). false: only `fabric lane dispatch` does, where the job
     # system or an operator drives each dispatch pass and reads its decisions.
-    leader_dispatches: bool = Field(True, description="The leader dispatches the lane jobs at each step; false: only `fabric lane dispatch` does.")
+    leader_dispatches: bool = Field(
+        True, description="The leader dispatches the fabric's own lane jobs at each step; false: only `fabric lane dispatch` does."
+    )
+    # phaze's agent API (PHAZE_AGENT_API_URL: every agent asks it who it is at
+    # start). Giving it makes this a phaze fleet: the [[backends]] are phaze's,
+    # phaze's control plane selects and dispatches, and the fabric writes no
+    # job (`FleetConfig.phaze_dispatches`).
+    api_url: Annotated[str, AfterValidator(_http_url)] | None = Field(
+        None, description="phaze's agent API (PHAZE_AGENT_API_URL). Set: a phaze fleet, where phaze dispatches and the fabric writes no job."
+    )
+    # The lane an agent serves (PHAZE_AGENT_LANE) and so the suffix of its
+    # queue, phaze-agent-<agent_ref>-<agent_lane>; "" for a phaze without
+    # lanes (its agents consume the bare phaze-agent-<agent_ref>).
+    agent_lane: Literal["analyze", ""] = Field(
+        "analyze",
+        description="The lane each agent serves (PHAZE_AGENT_LANE): its queue is phaze-agent-<agent_ref>-<agent_lane>; empty for a phaze without lanes.",
+    )
+    # phaze's MODELS_PATH: where its agents find the models (process_file's
+    # payload carries the control plane's, so agents use the same path).
+    models_path: AbsPath = Field("/models", description="phaze's MODELS_PATH: where its agents find the models.")
+    # The user phaze pushes files as (its file server's PHAZE_PUSH_SSH_USER):
+    # a compute lane without its own ssh_user uses it (`ssh_user_for`).
+    push_ssh_user: Name | None = Field(
+        None, description="The user phaze pushes files as (PHAZE_PUSH_SSH_USER): a compute lane without its own ssh_user uses it."
+    )
+    # Steering (a phaze fleet): a compute lane dead this long (its host offline
+    # or suspected, its agent unit failed, no SAQ worker on its queue) leaves
+    # backends.toml; healthy this long, it comes back. phaze reads the file at
+    # start only, so each change restarts control_units: at most one change
+    # per restart_interval_s.
+    steering_window_s: Annotated[int, Field(ge=0, le=86_400)] = Field(
+        120, description="A compute lane dead (or healthy again) this long leaves (or rejoins) phaze's backends.toml."
+    )
+    restart_interval_s: Annotated[int, Field(ge=0, le=86_400)] = Field(
+        600, description="At most one backends.toml change (a restart of phaze's control units) per this many seconds."
+    )
 
 
 class Route(Strict):
@@ -832,15 +912,39 @@ class RaySettings(Strict):
         return (self.head, *self.workers)
 
 
+def phaze_agent_queue(agent_ref: str, agent_lane: str = "") -> str:
+    """phaze's queue of agent `agent_ref`: phaze-agent-<agent_ref> (its
+    PHAZE_AGENT_QUEUE), with `-<agent_lane>` the lane queue it consumes."""
+    return f"{PHAZE_QUEUE_PREFIX}{agent_ref}" + (f"-{agent_lane}" if agent_lane else "")
+
+
 def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
-    """The SAQ queue a lane's jobs go to: a compute lane's agent queue
-    (<queue_prefix><agent_ref>), the local lane's own (LOCAL_QUEUE by
-    default); None for a compute lane without an [agent] table."""
+    """The SAQ queue a lane's jobs run from: in a phaze fleet a compute lane's
+    is phaze's agent lane queue (phaze-agent-<agent_ref>-<agent_lane>); else
+    a compute lane's agent queue (<queue_prefix><agent_ref>); the local
+    lane's own (LOCAL_QUEUE by default); None for a compute lane of the
+    fabric's own without an [agent] table."""
     if lane.kind == "local":
         return lane.queue or LOCAL_QUEUE
+    if fleet.phaze_dispatches:
+        assert lane.agent_ref is not None  # a compute lane
+        return phaze_agent_queue(lane.agent_ref, fleet.phaze.agent_lane)
     if fleet.agent is None:
         return lane.queue
     return lane.queue or f"{fleet.agent.queue_prefix}{lane.agent_ref}"
+
+
+def agent_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
+    """A compute lane's agent's PHAZE_AGENT_QUEUE: phaze's base queue
+    phaze-agent-<agent_ref> in a phaze fleet (phaze's agent adds the lane's
+    suffix itself and checks the base against its token's agent id), else the
+    lane's queue; None for the local lane (no agent)."""
+    if lane.kind != "compute":
+        return None
+    if fleet.phaze_dispatches:
+        assert lane.agent_ref is not None  # a compute lane
+        return phaze_agent_queue(lane.agent_ref)
+    return lane_queue_name(fleet, lane)
 
 
 class FleetConfig(Strict):
@@ -870,6 +974,13 @@ class FleetConfig(Strict):
     )
     # The fabric's Ray cluster (optional): no [ray], no Ray units.
     ray: RaySettings | None = Field(None, description="The fabric's Ray cluster (optional: no [ray], no Ray units).")
+
+    @property
+    def phaze_dispatches(self) -> bool:
+        """A phaze fleet ([phaze] api_url): phaze's control plane selects a
+        lane and dispatches into its phaze-agent-* queues; the fabric deploys,
+        watches and steers, and never writes a job."""
+        return self.phaze.api_url is not None
 
 
 # --------------------------------------------------------------------------
@@ -1000,6 +1111,15 @@ class DesiredState(BaseModel):
     def queue_for(self, lane: Lane) -> str | None:
         """The queue a lane's jobs go to (`lane_queue_name`)."""
         return lane_queue_name(self.fleet, lane)
+
+    def ssh_user_for(self, lane: Lane) -> str | None:
+        """The user phaze pushes a compute lane's files as: its own ssh_user,
+        else [phaze] push_ssh_user; None for the local lane (nothing pushed).
+        The fabric gives the lane's scratch dir to that user and writes it
+        into backends.toml, so phaze's own fallback is never needed."""
+        if lane.kind != "compute":
+            return None
+        return lane.ssh_user or self.fleet.phaze.push_ssh_user
 
     def token_file_for(self, lane: Lane) -> str | None:
         """A compute lane's agent token file; None for the local lane (no agent)."""

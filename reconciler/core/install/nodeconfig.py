@@ -23,6 +23,7 @@ from typing import Annotated
 
 from pydantic import StringConstraints, ValidationError, model_validator
 
+from reconciler.core.desired.confinement import DEFAULT_ALLOWED_PREFIXES
 from reconciler.core.desired.model import AbsPath, FieldProblem, Name, Strict
 from reconciler.core.desired.problems import ProblemsError, problem_from_toml_error, problems_from_validation
 
@@ -67,6 +68,10 @@ class NodeSection(Strict):
     # ($FABRIC_REGISTRY for the fabric's services): a single-host fleet, a demo.
     # None: the registry the desired state's fabric.toml names (etcd for a fleet).
     registry_path: AbsPath | None = None
+    # Where the paths the desired state hands to this host's units may lie
+    # (core.desired.confinement): a commit cannot widen them, and the system
+    # directories stay refused whatever is listed here.
+    allowed_path_prefixes: list[AbsPath] = list(DEFAULT_ALLOWED_PREFIXES)
 
 
 # One public host key as ssh-keyscan prints it, without the host: "TYPE BASE64".

@@ -136,6 +136,11 @@ class LaneView(_Live):
     # two is the account; `lanes.account_load`). 0 when the node names its
     # services (then the account is services + lane jobs).
     host_slack: int = Field(default=0, ge=0)
+    # The lane's queue on phaze's broker and the SAQ workers beating on it
+    # now (saq_stats rows of that queue not yet expired); both None when the
+    # broker was not read.
+    queue: str | None = None
+    workers: int | None = None
 
 
 class Snapshot(_Live):
@@ -165,9 +170,59 @@ class PlanSignature(_Live):
     value: str
 
 
+class SteeredLane(_Live):
+    """A compute lane the fabric left out of phaze's backends.toml (dead for
+    the steering window), since when and why (the lane view's reason then)."""
+
+    id: str
+    since: datetime
+    reason: str
+
+
+class LaneWatch(_Live):
+    """A lane whose health differs from its steering (dead but in, healthy but
+    out), since when: it changes once that lasts the steering window."""
+
+    id: str
+    dead: bool
+    since: datetime
+    reason: str | None = None
+
+
+class SteeringChange(_Live):
+    """One change of what phaze may choose: a lane left out or put back."""
+
+    at: datetime
+    lane: str
+    out: bool
+    reason: str
+
+
+class LaneSteering(_Live):
+    """What the leader decided about phaze's lanes (core.scheduling.lane_steering):
+    the lanes left out of backends.toml, the lanes being watched, when it last
+    changed (a change restarts phaze's control units: at most one per
+    interval), and the newest changes (the timeline's)."""
+
+    out: list[SteeredLane] = []
+    watching: list[LaneWatch] = []
+    changed_at: datetime | None = None
+    recent: list[SteeringChange] = []
+
+    def out_ids(self) -> list[str]:
+        return sorted(s.id for s in self.out)
+
+
 class FleetPlan(_Live):
+    # The step within the term: the registry's epoch counter when published.
     epoch: int = Field(ge=0)
     leader: str
+    # The leader's term as the registry assigned it (LeaderInfo.term), the
+    # fleet's name and the registry prefix it was published under: all signed,
+    # so a plan of another term, fleet or registry never verifies here.
+    term: int = Field(default=0, ge=0)
+    fleet: str = ""
+    prefix: str = ""
     created: datetime
     placements: list[Placement] = []
     deferred: list[Deferred] = []
@@ -182,6 +237,9 @@ class FleetPlan(_Live):
     # replica moves off a paid host only to a node with room for a stable
     # window ([flap] window_s).
     room_since: dict[str, datetime] = {}
+    # A phaze fleet: the compute lanes left out of phaze's backends.toml (names
+    # of declared lanes only; the control host checks them against its desired state).
+    steering: LaneSteering = LaneSteering()
     # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
     signature: PlanSignature | None = None
 

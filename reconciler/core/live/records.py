@@ -158,7 +158,15 @@ class DrainRequest(_Record):
 
 
 class LeaderInfo(_Record):
-    """Who leads, since when, and the epoch its term began with."""
+    """Who leads, since when, and the epoch its term began with.
+
+    The record outlives its term: a resigned term's record stays (marked
+    `resigned`), so its term is still the registry's current one until a
+    candidate campaigns, and hosts keep applying that term's plan. A record
+    is live while it is neither resigned nor stale (`renewed_at` + `ttl_s`
+    passed): the leader rewrites `renewed_at` at every renewal, so a record
+    whose lease someone else keeps alive still goes stale, and a candidate
+    takes it over (`live_at`)."""
 
     candidate: str
     epoch: int
@@ -166,6 +174,27 @@ class LeaderInfo(_Record):
     # Opaque per-term token (the etcd lease id, or a random one on sqlite):
     # two terms of the same candidate never share it.
     token: str
+    # The term, as the registry assigned it (etcd: the leader key's create
+    # revision, set by the adapter from the key, never from its value; sqlite:
+    # a counter the campaign's transaction raises). 0: not known (an older record).
+    term: int = 0
+    # When the leader last renewed its term (None: an older record, never stale by it).
+    renewed_at: datetime | None = None
+    # The term's TTL: stale once renewed_at + ttl_s has passed.
+    ttl_s: float | None = None
+    resigned: bool = False
+
+    def stale_at(self) -> datetime | None:
+        """When the record goes stale unless renewed (None: never by itself)."""
+        if self.renewed_at is None or self.ttl_s is None:
+            return None
+        return self.renewed_at + timedelta(seconds=self.ttl_s)
+
+    def live_at(self, now: datetime) -> bool:
+        """Whether this record still names a leader at `now`: not resigned,
+        and renewed within its TTL."""
+        stale = self.stale_at()
+        return not self.resigned and (stale is None or utc(now) < utc(stale))
 
 
 @dataclass(frozen=True)
@@ -184,6 +213,10 @@ class Leadership:
     @property
     def epoch(self) -> int:
         return self.info.epoch
+
+    @property
+    def term(self) -> int:
+        return self.info.term
 
 
 class QueuedJob(_Record):

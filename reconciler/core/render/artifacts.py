@@ -58,6 +58,7 @@ from reconciler.core.desired.model import (
     PortMap,
     RunsOn,
     Service,
+    agent_queue_name,
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
@@ -251,6 +252,9 @@ class _Workload:
     # A lane's scratch_dir and its lane's ssh_user (who pushes into it); the
     # only host path a container gets read-write. None for a service.
     scratch: tuple[str, str] | None
+    # A phaze agent's models: the host directory and where the container sees
+    # it (MODELS_PATH), read-only. None otherwise.
+    models: tuple[str, str] | None = None
 
 
 def _fleet_file_name(desired: DesiredState) -> str:
@@ -264,6 +268,46 @@ def _lanes_here(desired: DesiredState, host_name: str) -> list[Lane]:
     return [lane for lane in desired.lanes if lane.kind == "compute" and lane.push_host == host_name]
 
 
+def phaze_agent_environment(desired: DesiredState, lane: Lane) -> dict[str, str]:
+    """What phaze's agent_worker and its AgentSettings read (phaze 2026.8.5,
+    tasks/agent_worker.py and config.py; docs/_incoming/phaze-lanes.md),
+    set from the lane, [phaze] and [agent]: the role and kind, the base queue
+    (phaze-agent-<agent_ref>: the worker checks it against its token's agent
+    id) and the lane it consumes with that lane's concurrency (the lane's
+    cap; WORKER_MAX_JOBS is its ceiling), the agent API, the token, broker
+    DSN and CA as files, the scratch dir and the models' path."""
+    fleet = desired.fleet
+    agent = fleet.agent
+    queue = agent_queue_name(fleet, lane)
+    token_file = desired.token_file_for(lane)
+    assert agent is not None and fleet.phaze.api_url is not None and queue is not None and token_file is not None and lane.scratch_dir is not None
+    env = {
+        "PHAZE_ROLE": "agent",
+        "PHAZE_AGENT_KIND": "compute",
+        "PHAZE_AGENT_QUEUE": queue,
+        "PHAZE_AGENT_API_URL": fleet.phaze.api_url,
+        "PHAZE_AGENT_TOKEN_FILE": token_file,
+        "PHAZE_QUEUE_URL_FILE": agent.queue_url_file,
+        "PHAZE_CLOUD_SCRATCH_DIR": lane.scratch_dir,
+        "MODELS_PATH": fleet.phaze.models_path,
+        "WORKER_MAX_JOBS": str(lane.cap),
+    }
+    if fleet.phaze.agent_lane:
+        env["PHAZE_AGENT_LANE"] = fleet.phaze.agent_lane
+        env[f"PHAZE_LANE_{fleet.phaze.agent_lane.upper()}_CONCURRENCY"] = str(lane.cap)
+    if agent.ca_file is not None:
+        env["PHAZE_AGENT_CA_FILE"] = agent.ca_file
+    return env
+
+
+def _own_agent_environment(desired: DesiredState, lane: Lane) -> dict[str, str]:
+    """A worker of the fabric's own lane: its queue, token file and scratch dir."""
+    queue = agent_queue_name(desired.fleet, lane)
+    token_file = desired.token_file_for(lane)
+    assert queue is not None and token_file is not None and lane.scratch_dir is not None
+    return {"PHAZE_AGENT_QUEUE": queue, "PHAZE_AGENT_TOKEN_FILE": token_file, "PHAZE_CLOUD_SCRATCH_DIR": lane.scratch_dir}
+
+
 def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: list[str]) -> _Workload | None:
     agent = desired.fleet.agent
     if agent is None:
@@ -273,19 +317,14 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
         notes.append(f"lane {lane.id}: no agent image for architecture {arch or 'unknown'} (agent.arch has {', '.join(sorted(agent.arch))})")
         return None
     spec = agent.arch[arch]
-    # multi-compute.md: PHAZE_AGENT_QUEUE must equal <prefix><agent id>, and the
-    # worker checks its token's agent id against it: queue, token file and
-    # scratch dir are the lane's own (the model refuses them in agent.environment).
-    queue = desired.queue_for(lane)
-    token_file = desired.token_file_for(lane)
-    # A compute lane, [agent] present; ssh_user is required by the model.
-    assert queue is not None and token_file is not None and lane.scratch_dir is not None and lane.ssh_user is not None
-    env = {
-        **agent.environment,
-        "PHAZE_AGENT_QUEUE": queue,
-        "PHAZE_AGENT_TOKEN_FILE": token_file,
-        "PHAZE_CLOUD_SCRATCH_DIR": lane.scratch_dir,
-    }
+    # The per-agent variables are the lane's own (the model refuses them in
+    # agent.environment): queue, token file and scratch dir differ per agent.
+    phaze = desired.fleet.phaze_dispatches
+    own = phaze_agent_environment(desired, lane) if phaze else _own_agent_environment(desired, lane)
+    env = {**agent.environment, **own}
+    # A compute lane, [agent] present; ssh_user has a fleet-wide default.
+    ssh_user = desired.ssh_user_for(lane)
+    assert lane.scratch_dir is not None and ssh_user is not None
     return _Workload(
         id=lane.id,
         what="lane",
@@ -297,7 +336,8 @@ def _lane_workload(desired: DesiredState, lane: Lane, arch: str | None, notes: l
         environment=tuple(sorted(env.items())),
         credentials=(),
         bind_paths=tuple(sorted(v for k, v in env.items() if k.endswith("_FILE"))),
-        scratch=(lane.scratch_dir, lane.ssh_user),
+        scratch=(lane.scratch_dir, ssh_user),
+        models=(agent.models_dir, desired.fleet.phaze.models_path) if phaze else None,
     )
 
 
@@ -326,120 +366,156 @@ def _service_workload(desired: DesiredState, service: Service, arch: str | None,
 CONTAINER_CREDENTIALS = "/run/credentials/fabric"
 
 
+@dataclass
+class _UnitParts:
+    """What `agent.service.j2` takes, gathered by the helpers of `_agent_unit`."""
+
+    environment: list[str]
+    credentials: list[str]
+    args: list[str] = field(default_factory=list)
+    exec_extra: list[str] = field(default_factory=list)
+    rootless: dict[str, object] = field(default_factory=dict)  # the podman unit's own paths
+    scratch: dict[str, str] | None = None  # a lane's scratch_dir, for the template
+
+
+def _podman_start(unit: str, podman_cmd: str, runtime_dir: str) -> list[str]:
+    """`podman run` up to its --env flags: the container beside the unit's own processes."""
+    return [
+        podman_cmd,
+        "run",
+        f"--cidfile={runtime_dir}/ctr-id",
+        f"--conmon-pidfile={runtime_dir}/conmon.pid",
+        # conmon and the container in sub-cgroups of the unit's (Delegate=yes).
+        "--cgroups=split",
+        "--rm",
+        "--replace",
+        "--detach",
+        systemd_quote(f"--name={unit.removesuffix('.service')}"),
+        "--network=host",
+        # The unit's sandbox overmounts parts of /proc (ProtectKernelTunables=
+        # and friends) and forbids sethostname(), so the kernel refuses a
+        # fresh proc mount and a hostname: the container shares the unit's
+        # PID and UTS namespaces (it sees only its own user's processes).
+        "--pid=host",
+        "--uts=host",
+    ]
+
+
+def _secret_volumes(w: _Workload, parts: _UnitParts) -> None:
+    """Each *_FILE secret: systemd copies it into %d (the unit's credentials
+    directory, readable by the unit's user only) and the container sees it at
+    its own path, so the variable keeps its value. Unquoted, as %d must stay a
+    specifier: `name` is a lower-cased variable name and an AbsPath has no
+    blank, quote, '$' or backslash (model.py)."""
+    for path in w.bind_paths:
+        name = next(k.lower() for k, v in w.environment if v == path and k.endswith("_FILE"))
+        parts.credentials.append(f"{name}:{path}")
+        parts.args.append(f"--volume=%d/{name}:{path.replace('%', '%%')}:ro")
+
+
+def _scratch_volume(w: _Workload, layout: Layout, parts: _UnitParts) -> None:
+    """A lane's scratch_dir, at its real path on the host: phaze's rsync logs
+    in as the lane's ssh_user and writes there, and the container sees the
+    same directory at the same path. It cannot be a StateDirectory= of this
+    unit: with DynamicUser=yes systemd keeps those in /var/lib/private (0700
+    root, so no login user reaches them) and makes them the dynamic user's,
+    and a path outside /var/lib cannot be one at all (systemd.exec,
+    DynamicUser=). So the directory is the pusher's, 2770 with the pusher's
+    group (the setgid bit gives pushed files and the agent's outputs that
+    group even when rsync keeps none), created or set right before every start
+    by systemd-tmpfiles from a rule this unit carries (StandardInputText=,
+    read as "-"; "+": it runs as root, outside the sandbox). The agent gets in
+    as a member of that group (SupplementaryGroups=; the container keeps it:
+    podman, with no subgid range, writes its single-ID gid_map itself, so the
+    kernel denies setgroups() in that namespace, user_namespaces(7)) and
+    writes only there: ReadWritePaths= lifts ProtectSystem=strict for this
+    directory alone. The dynamic user stays (a fixed User= would need an
+    account the pass cannot create: it writes files and units only); its
+    outputs outlive its UID, which systemd recycles, but a recycled UID
+    outside the group cannot enter a 2770 directory."""
+    if w.scratch is None:
+        return
+    path, pusher = w.scratch
+    parts.scratch = {
+        "path": path.replace("%", "%%"),
+        "group": pusher,
+        # StandardInputText= resolves specifiers and C escapes; a Name
+        # and an AbsPath have no blank or '\\' (model.py), only '%' to double.
+        "tmpfiles_rule": f"d {path} 2770 {pusher} {pusher} -".replace("%", "%%"),
+        "tmpfiles": systemd_quote(layout.systemd_tmpfiles),
+    }
+    parts.args.append(systemd_quote(f"--volume={path}:{path}"))
+
+
+def _models_volume(w: _Workload, parts: _UnitParts) -> None:
+    """A phaze agent's models, read-only at MODELS_PATH (ProtectSystem=strict
+    keeps the host directory read-only for the unit too)."""
+    if w.models is not None:
+        host_dir, container_path = w.models
+        parts.args.append(systemd_quote(f"--volume={host_dir}:{container_path}:ro"))
+
+
+def _podman_parts(w: _Workload, unit: str, layout: Layout) -> _UnitParts:
+    """Rootless podman as the unit's dynamic user: its home (image storage)
+    and runtime directory belong to that user, and it can read nothing of
+    root's, so every host path the container gets comes through systemd
+    (credentials, state directories, the scratch dir's group)."""
+    assert w.image is not None
+    parts = _UnitParts(environment=[systemd_env(k, v) for k, v in w.environment], credentials=[f"{n}:{p}" for n, p in w.credentials])
+    home = f"/var/lib/{unit.removesuffix('.service')}"
+    runtime_dir = f"/run/{unit.removesuffix('.service')}"
+    podman_cmd = f"{systemd_quote(layout.podman)} --cgroup-manager=cgroupfs"
+    cidfile = f"--cidfile={runtime_dir}/ctr-id"
+    # Values travel as the unit's Environment= and are handed on by name
+    # (--env=NAME), so they never appear in the container's argv.
+    for name, _ in w.credentials:
+        parts.environment.append(systemd_env(credential_env_name(name), f"{CONTAINER_CREDENTIALS}/{name}"))
+    parts.args = _podman_start(unit, podman_cmd, runtime_dir)
+    names = [k for k, _ in w.environment] + [credential_env_name(n) for n, _ in w.credentials]
+    parts.args += [systemd_quote(f"--env={name}") for name in sorted(names)]
+    _secret_volumes(w, parts)
+    _scratch_volume(w, layout, parts)
+    _models_volume(w, parts)
+    if w.credentials:
+        # %d is the unit's credentials directory (LoadCredential=).
+        parts.args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
+    parts.args.append(systemd_quote(w.image))
+    parts.args += [systemd_quote(a) for a in w.command]
+    parts.exec_extra = [
+        f"ExecStop={podman_cmd} stop --ignore --time=20 {cidfile}",
+        f"ExecStopPost={podman_cmd} rm --force --ignore {cidfile}",
+    ]
+    parts.rootless = {
+        "home": home,
+        "runtime_dir": runtime_dir,
+        "runtime_directory": runtime_dir.removeprefix("/run/"),
+        "state_directories": [home.removeprefix("/var/lib/").replace("%", "%%")],
+    }
+    return parts
+
+
+def _command_parts(w: _Workload) -> _UnitParts:
+    """The service runs as a dynamic user, who cannot read root's secret
+    files: every *_FILE path is handed over as a credential instead (systemd
+    copies it into %d, the unit's credentials directory, readable by that user
+    only), and the variable points there."""
+    parts = _UnitParts(environment=[], credentials=[f"{n}:{p}" for n, p in w.credentials])
+    for key, value in w.environment:
+        if key.endswith("_FILE"):
+            parts.credentials.append(f"{key.lower()}:{value}")
+            parts.environment.append(f'"{key}=%d/{key.lower()}"')
+        else:
+            parts.environment.append(systemd_env(key, value))
+    for name, _ in w.credentials:
+        # `name` is a safe Name (model.py), so it needs no quoting.
+        parts.environment.append(f'"{credential_env_name(name)}=%d/{name}"')
+    parts.args = [systemd_quote(a) for a in w.command]
+    return parts
+
+
 def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: list[str]) -> str:
     unit = agent_unit(w.id)
-    environment = [systemd_env(k, v) for k, v in w.environment]
-    credentials = [f"{name}:{path}" for name, path in w.credentials]
-    exec_extra: list[str] = []
-    rootless: dict[str, object] = {}  # the podman unit's own paths, for the template
-    scratch: dict[str, str] | None = None  # a lane's scratch_dir, for the template
-    if w.image is not None:
-        # Rootless podman as the unit's dynamic user: its home (image storage)
-        # and runtime directory belong to that user, and it can read nothing
-        # of root's, so every host path the container gets comes through
-        # systemd (credentials, state directories, the scratch dir's group).
-        home = f"/var/lib/{unit.removesuffix('.service')}"
-        runtime_dir = f"/run/{unit.removesuffix('.service')}"
-        state_directories = [home.removeprefix("/var/lib/")]
-        podman_cmd = f"{systemd_quote(layout.podman)} --cgroup-manager=cgroupfs"
-        cidfile = f"--cidfile={runtime_dir}/ctr-id"
-        # Values travel as the unit's Environment= and are handed on by name
-        # (--env=NAME), so they never appear in the container's argv.
-        for name, _ in w.credentials:
-            environment.append(systemd_env(credential_env_name(name), f"{CONTAINER_CREDENTIALS}/{name}"))
-        args = [
-            podman_cmd,
-            "run",
-            cidfile,
-            f"--conmon-pidfile={runtime_dir}/conmon.pid",
-            # conmon and the container in sub-cgroups of the unit's (Delegate=yes).
-            "--cgroups=split",
-            "--rm",
-            "--replace",
-            "--detach",
-            systemd_quote(f"--name={unit.removesuffix('.service')}"),
-            "--network=host",
-            # The unit's sandbox overmounts parts of /proc (ProtectKernelTunables=
-            # and friends) and forbids sethostname(), so the kernel refuses a
-            # fresh proc mount and a hostname: the container shares the unit's
-            # PID and UTS namespaces (it sees only its own user's processes).
-            "--pid=host",
-            "--uts=host",
-        ]
-        names = [k for k, _ in w.environment] + [credential_env_name(n) for n, _ in w.credentials]
-        args += [systemd_quote(f"--env={name}") for name in sorted(names)]
-        for path in w.bind_paths:
-            # A *_FILE secret: systemd copies it into %d (the unit's credentials
-            # directory, readable by the unit's user only) and the container sees
-            # it at its own path, so the variable keeps its value. Unquoted, as
-            # %d must stay a specifier: `name` is a lower-cased variable name and
-            # an AbsPath has no blank, quote, '$' or '\\' (model.py).
-            name = next(k.lower() for k, v in w.environment if v == path and k.endswith("_FILE"))
-            credentials.append(f"{name}:{path}")
-            args.append(f"--volume=%d/{name}:{path.replace('%', '%%')}:ro")
-        if w.scratch is not None:
-            # A lane's scratch_dir, at its real path on the host: phaze's rsync
-            # logs in as the lane's ssh_user and writes there, and the container
-            # sees the same directory at the same path. It cannot be a
-            # StateDirectory= of this unit: with DynamicUser=yes systemd keeps
-            # those in /var/lib/private (0700 root, so no login user reaches
-            # them) and makes them the dynamic user's, and a path outside
-            # /var/lib cannot be one at all (systemd.exec, DynamicUser=).
-            # So the directory is the pusher's, 2770 with the pusher's group
-            # (the setgid bit gives pushed files and the agent's outputs that
-            # group even when rsync keeps none), created or set right before
-            # every start by systemd-tmpfiles from a rule this unit carries
-            # (StandardInputText=, read as "-"; "+": it runs as root, outside
-            # the sandbox). The agent gets in as a member of that group
-            # (SupplementaryGroups=; the container keeps it: podman, with no
-            # subgid range, writes its single-ID gid_map itself, so the kernel
-            # denies setgroups() in that namespace, user_namespaces(7)) and
-            # writes only there: ReadWritePaths= lifts ProtectSystem=strict for
-            # this directory alone. The dynamic user stays (a fixed User= would
-            # need an account the pass cannot create: it writes files and units
-            # only); its outputs outlive its UID, which systemd recycles, but a
-            # recycled UID outside the group cannot enter a 2770 directory.
-            path, pusher = w.scratch
-            scratch = {
-                "path": path.replace("%", "%%"),
-                "group": pusher,
-                # StandardInputText= resolves specifiers and C escapes; a Name
-                # and an AbsPath have no blank or '\\' (model.py), only '%' to double.
-                "tmpfiles_rule": f"d {path} 2770 {pusher} {pusher} -".replace("%", "%%"),
-                "tmpfiles": systemd_quote(layout.systemd_tmpfiles),
-            }
-            args.append(systemd_quote(f"--volume={path}:{path}"))
-        if w.credentials:
-            # %d is the unit's credentials directory (LoadCredential=).
-            args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
-        args.append(systemd_quote(w.image))
-        args += [systemd_quote(a) for a in w.command]
-        exec_extra = [
-            f"ExecStop={podman_cmd} stop --ignore --time=20 {cidfile}",
-            f"ExecStopPost={podman_cmd} rm --force --ignore {cidfile}",
-        ]
-        rootless = {
-            "home": home,
-            "runtime_dir": runtime_dir,
-            "runtime_directory": runtime_dir.removeprefix("/run/"),
-            "state_directories": [d.replace("%", "%%") for d in state_directories],
-        }
-    else:
-        # The service runs as a dynamic user, who cannot read root's secret
-        # files: every *_FILE path is handed over as a credential instead
-        # (systemd copies it into %d, the unit's credentials directory,
-        # readable by that user only), and the variable points there.
-        environment = []
-        for key, value in w.environment:
-            if key.endswith("_FILE"):
-                credentials.append(f"{key.lower()}:{value}")
-                environment.append(f'"{key}=%d/{key.lower()}"')
-            else:
-                environment.append(systemd_env(key, value))
-        for name, _ in w.credentials:
-            # `name` is a safe Name (model.py), so it needs no quoting.
-            environment.append(f'"{credential_env_name(name)}=%d/{name}"')
-        args = [systemd_quote(a) for a in w.command]
+    parts = _podman_parts(w, unit, layout) if w.image is not None else _command_parts(w)
     return _template(
         "agent.service.j2",
         templates,
@@ -448,16 +524,16 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
         source=w.source,
         description=systemd_text(w.description),
         podman=w.image is not None,
-        home=rootless.get("home"),
-        runtime_dir=rootless.get("runtime_dir"),
-        runtime_directory=rootless.get("runtime_directory"),
-        state_directories=rootless.get("state_directories"),
-        scratch=scratch,
+        home=parts.rootless.get("home"),
+        runtime_dir=parts.rootless.get("runtime_dir"),
+        runtime_directory=parts.rootless.get("runtime_directory"),
+        state_directories=parts.rootless.get("state_directories"),
+        scratch=parts.scratch,
         gpu=w.gpu,
-        environment=environment,
-        credentials=credentials,
-        exec_start=" ".join(args),
-        exec_extra=exec_extra,
+        environment=parts.environment,
+        credentials=parts.credentials,
+        exec_start=" ".join(parts.args),
+        exec_extra=parts.exec_extra,
     )
 
 
@@ -476,19 +552,25 @@ def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Path | None) 
     )
 
 
-def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None) -> Artifact:
-    """/etc/phaze/backends.toml: exactly the declared [[backends]], with the
-    keys phaze knows that are set (not the fabric's own `queue`, `token_file`).
-    No secrets are in it; phaze's control-plane units read it at startup."""
+def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None, left_out: tuple[str, ...] = ()) -> Artifact:
+    """/etc/phaze/backends.toml: the declared [[backends]] but the compute
+    lanes the leader left out (`left_out`: dead for the steering window,
+    core.scheduling.lane_steering), with the keys phaze knows that are set
+    (not the fabric's own `queue`, `token_file`). No secrets are in it;
+    phaze's control-plane units read it at startup."""
     backends = []
     for lane in desired.fleet.lanes:
+        if lane.id in left_out:
+            continue
         fields = []
         for key in PHAZE_BACKEND_FIELDS:
-            value = getattr(lane, key)
+            # ssh_user: the lane's or the fleet-wide push_ssh_user, written out
+            # so phaze pushes as the user the scratch dir belongs to.
+            value = desired.ssh_user_for(lane) if key == "ssh_user" else getattr(lane, key)
             if value is not None:
                 fields.append((key, str(value) if isinstance(value, int) else toml_string(value)))
         backends.append(fields)
-    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends)
+    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends, left_out=list(left_out))
     return Artifact(layout.phaze_backends, text, 0o644, "file", restarts=tuple(desired.fleet.phaze.control_units))
 
 
@@ -662,7 +744,7 @@ def _render_edge(r: _HostRender) -> list[Artifact]:
 def _render_phaze(r: _HostRender) -> list[Artifact]:
     """phaze's control plane reads its lanes from backends.toml."""
     if "control" in r.host.host.roles and r.desired.fleet.lanes:
-        return [phaze_backends(r.desired, r.layout, r.templates)]
+        return [phaze_backends(r.desired, r.layout, r.templates, r.part.lanes_out)]
     return []
 
 

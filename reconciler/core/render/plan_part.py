@@ -6,7 +6,10 @@ lanes' views); a host's artifacts depend on only a little of it:
 - the services placed on this host (their agent units, their ports in its
   nftables);
 - on an edge host, for each routed service, the nodes it is placed on (its
-  Caddy site's upstreams).
+  Caddy site's upstreams);
+- on a control host of a phaze fleet, the compute lanes the leader left out of
+  phaze's backends.toml (`FleetPlan.steering`, names of declared compute
+  lanes only).
 
 `render()` reads the plan only through `plan_part`, so the part is by
 construction what a pass installs from the plan; `fabric watch` starts a pass
@@ -47,6 +50,9 @@ class PlanPart:
     # nodes it is placed on, by service id; a routed service placed nowhere
     # has no nodes (its site answers 503 until it is placed).
     upstreams: tuple[tuple[str, tuple[str, ...]], ...]
+    # Control host only (empty elsewhere): the compute lanes left out of
+    # phaze's backends.toml, sorted.
+    lanes_out: tuple[str, ...] = ()
 
     def nodes_of(self, service_id: str) -> tuple[str, ...]:
         """The nodes a routed service is placed on (edge only)."""
@@ -54,11 +60,14 @@ class PlanPart:
 
     def canonical(self) -> str:
         """The part as canonical JSON (sorted keys, no spaces)."""
-        return json.dumps(
-            {"host": self.host, "services_here": list(self.services_here), "upstreams": {sid: list(nodes) for sid, nodes in self.upstreams}},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        part: dict[str, object] = {
+            "host": self.host,
+            "services_here": list(self.services_here),
+            "upstreams": {sid: list(nodes) for sid, nodes in self.upstreams},
+        }
+        if self.lanes_out:  # absent when empty: a part without steering keeps its digest
+            part["lanes_out"] = list(self.lanes_out)
+        return json.dumps(part, sort_keys=True, separators=(",", ":"))
 
     @property
     def digest(self) -> str:
@@ -96,7 +105,29 @@ def plan_part(desired: DesiredState, plan: FleetPlan, host_name: str, notes: lis
         host=host_name,
         services_here=tuple(sorted(here)),
         upstreams=tuple((sid, tuple(sorted(nodes[sid]))) for sid in sorted(nodes)),
+        lanes_out=lanes_left_out(desired, plan, host_name, notes),
     )
+
+
+def lanes_left_out(desired: DesiredState, plan: FleetPlan, host_name: str, notes: list[str] | None = None) -> tuple[str, ...]:
+    """On a control host of a phaze fleet, the declared compute lanes the plan
+    leaves out of backends.toml (others it names are ignored and said); never
+    every declared lane (phaze refuses a file without backends)."""
+    host = desired.hosts.get(host_name)
+    if host is None or "control" not in host.host.roles or not desired.fleet.phaze_dispatches:
+        return ()
+    compute = {lane.id for lane in desired.fleet.lanes if lane.kind == "compute"}
+    out = set()
+    for lane_id in plan.steering.out_ids():
+        if lane_id in compute:
+            out.add(lane_id)
+        elif notes is not None:
+            notes.append(f"plan epoch {plan.epoch}: lane {lane_id!r} to leave out of backends.toml is no declared compute lane; ignored")
+    if out and len(out) >= len(desired.fleet.lanes):
+        if notes is not None:
+            notes.append(f"plan epoch {plan.epoch}: leaving out every lane would leave phaze no backend; all kept")
+        return ()
+    return tuple(sorted(out))
 
 
 def hosts_the_part_reads(desired: DesiredState, plan: FleetPlan, host_name: str) -> set[str]:

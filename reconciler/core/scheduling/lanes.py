@@ -244,10 +244,22 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
                     host=host,
                     host_free=host_free,
                     host_slack=slack,
+                    queue=seen_queue(seen.get(lane.id)),
+                    workers=seen_workers(seen.get(lane.id)),
                 )
             )
         )
     return sorted(views, key=sort_key)
+
+
+def seen_queue(seen: SnapshotLane | None) -> str | None:
+    """The lane's queue on the broker; None when the broker was not read."""
+    return None if seen is None else seen.queue
+
+
+def seen_workers(seen: SnapshotLane | None) -> int | None:
+    """The fresh SAQ workers on the lane's queue; None when the broker was not read."""
+    return None if seen is None or seen.queue is None else seen.workers
 
 
 def _view(view: LaneView) -> LaneView:

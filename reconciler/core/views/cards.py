@@ -63,6 +63,10 @@ class LaneCard:
     # The host its jobs run on (the lane view's `host`: a compute lane's push
     # host, the local lane's control host; None when there is none).
     push_host: str | None = None
+    # The lane's queue on phaze's broker and the SAQ workers beating on it
+    # (None: the broker was not read).
+    queue: str | None = None
+    workers: int | None = None
 
     @property
     def glyph(self) -> str:
@@ -105,10 +109,20 @@ class LaneCard:
         return f"full: {account}" + (f" ({self.reason})" if self.reason else "")
 
     @property
+    def workers_line(self) -> str | None:
+        """`2 workers on phaze-agent-a1-arm64-analyze`, when the broker was read."""
+        if self.workers is None:
+            return None
+        return f"{self.workers} worker{'' if self.workers == 1 else 's'} on {self.queue}"
+
+    @property
     def text(self) -> str:
-        """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`,
-        then `offline` or `full` with the reason when the lane takes no job."""
+        """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`
+        (then `· 2 workers on QUEUE` when the broker was read), then `offline`
+        or `full` with the reason when the lane takes no job."""
         line = f"{self.title}  RANK {self.rank}  {self.capacity}"
+        if self.workers_line is not None:
+            line = f"{line} · {self.workers_line}"
         return line if self.state == "online" else f"{line}  {self.state_line}"
 
 
@@ -351,6 +365,8 @@ def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | Non
             reason=v.reason,
             full=v.full,
             push_host=v.host,
+            queue=v.queue,
+            workers=v.workers,
         )
         for v in lane_views(desired, snapshot, placements)
     )
@@ -537,6 +553,8 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
                 "state": c.state,
                 "reason": c.reason,
                 "full": c.full,
+                "queue": c.queue,
+                "workers": c.workers,
                 "card": c.text,
             }
             for c in status.lanes

@@ -9,6 +9,9 @@ a short list of `TimelineEvent`s. The registry remembers:
 - who leads and since when (`LeaderInfo`): a new term raises the epoch;
 - the newest published plan (`FleetPlan.created`, its epoch): only the newest
   is kept, so older epochs are not in the timeline;
+- the newest changes of what phaze may choose (`FleetPlan.steering.recent`):
+  a dead compute lane left out of phaze's backends.toml, a healthy one put
+  back, each with its reason;
 - the cloud hook runs the leader carried out (`ScalingRecord.recent`, kind
   `run_cloud_hook`, with how each ended; no argv, no output).
 
@@ -57,7 +60,7 @@ class FleetHistory:
 class TimelineEvent:
     at: datetime
     # An identifier: node_joined, node_lost, node_back, node_dead, held_off,
-    # released, drain, draining, undrain, leader, plan, hook.
+    # released, drain, draining, undrain, leader, plan, lane_out, lane_in, hook.
     kind: str
     # The node, the leader candidate, or the hook's tier.
     subject: str
@@ -88,6 +91,19 @@ def _hook_events(scaling: ScalingRecord) -> list[TimelineEvent]:
     return events
 
 
+def _steering_events(plan: FleetPlan) -> list[TimelineEvent]:
+    return [
+        TimelineEvent(
+            at=utc(change.at),
+            kind="lane_out" if change.out else "lane_in",
+            subject=change.lane,
+            title=f"{change.lane} {'left out of' if change.out else 'back in'} phaze's backends.toml",
+            detail=change.reason,
+        )
+        for change in plan.steering.recent
+    ]
+
+
 def timeline(history: FleetHistory, plan: FleetPlan | None, *, limit: int = TIMELINE_LENGTH) -> tuple[TimelineEvent, ...]:
     """The newest `limit` events, newest first (ties: by kind, then subject).
 
@@ -111,6 +127,8 @@ def timeline(history: FleetHistory, plan: FleetPlan | None, *, limit: int = TIME
                 detail=f"published by {plan.leader}: {len(plan.placements)} placements, {len(plan.deferred)} deferred",
             )
         )
+    if plan is not None:
+        events += _steering_events(plan)
     if history.scaling is not None:
         events += _hook_events(history.scaling)
     events.sort(key=lambda e: (e.kind, e.subject))

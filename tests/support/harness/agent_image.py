@@ -9,7 +9,7 @@ it. Used by tests/integration/test_agent_podman.py and bench/agent_start.
 
 The agent proves it got its secret and its writable scratch directory (it
 copies $PHAZE_AGENT_TOKEN_FILE and $PHAZE_AGENT_QUEUE into
-$PHAZE_CLOUD_SCRATCH_DIR), then idles like a worker waiting for jobs,
+$PHAZE_CLOUD_SCRATCH_DIR, and whether $MODELS_PATH is read-only), then idles like a worker waiting for jobs,
 answering every file pushed into the scratch dir as <name>.in with
 <name>.out ("analysed" and the file's text).
 """
@@ -30,6 +30,10 @@ AGENT_COMMAND = ["/bin/fabric-test-agent"]
 AGENT_SCRIPT = """#!/bin/sh
 cat "$PHAZE_AGENT_TOKEN_FILE" > "$PHAZE_CLOUD_SCRATCH_DIR/token-seen"
 echo "$PHAZE_AGENT_QUEUE" > "$PHAZE_CLOUD_SCRATCH_DIR/queue-seen"
+# phaze's models, when bound: readable, not writable.
+if [ -n "$MODELS_PATH" ]; then
+  { cat "$MODELS_PATH/model-list"; touch "$MODELS_PATH/written" 2>/dev/null && echo writable || echo read-only; } > "$PHAZE_CLOUD_SCRATCH_DIR/models-seen"
+fi
 # A job: every file pushed as <name>.in is read and answered with <name>.out.
 (
   while :; do

@@ -44,7 +44,10 @@ class LaneWorkers:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def start(self, queue: str, concurrency: int = 4) -> None:
-        async def process_file(ctx: dict, *, job_id: str, lane: str) -> str:
+        async def process_file(ctx: dict, **kwargs: Any) -> str:
+            # The fabric's own lane job ({job_id, lane}), or phaze's payload
+            # (`enqueue_as_phaze`): the file's id is the job's.
+            job_id = str(kwargs["job_id"] if "job_id" in kwargs else kwargs["file_id"])
             with self._lock:
                 self.ran[job_id] = queue
             while True:
@@ -117,3 +120,39 @@ class LaneWorkers:
             self.stop(queue)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+# phaze's process_file payload (schemas/agent_tasks.py ProcessFilePayload at
+# phaze a3fd169; extra fields forbidden) and how its enqueue_process_file
+# (services/analysis_enqueue.py) puts it on an agent's analyze queue.
+PHAZE_PAYLOAD_FIELDS = ("file_id", "original_path", "file_type", "agent_id", "models_path", "expected_sha256", "scratch_path")
+
+
+def phaze_payload(file_id: str, agent_id: str, scratch_dir: str = "/var/lib/phaze/scratch", models_path: str = "/models") -> dict[str, Any]:
+    """What phaze's report_pushed enqueues for a compute agent (agent_push.py)."""
+    return {
+        "file_id": file_id,
+        "original_path": f"/music/{file_id}.flac",
+        "file_type": "flac",
+        "agent_id": agent_id,
+        "models_path": models_path,
+        "expected_sha256": "0" * 64,
+        "scratch_path": f"{scratch_dir}/{file_id}.flac",
+    }
+
+
+def enqueue_as_phaze(dsn: str, queue: str, payloads: list[dict[str, Any]]) -> None:
+    """Enqueue process_file jobs as phaze's control plane does: key
+    process_file:<file_id>, timeout 0, heartbeat 3600 (2 x its analysis stall
+    timeout), 2 retries, the payload as the function's kwargs."""
+
+    async def run() -> None:
+        saq_queue = PostgresQueue.from_url(dsn, name=queue, min_size=1, max_size=2)
+        await saq_queue.connect()
+        try:
+            for payload in payloads:
+                await saq_queue.enqueue("process_file", key=f"process_file:{payload['file_id']}", timeout=0, heartbeat=3600, retries=2, **payload)
+        finally:
+            await saq_queue.disconnect()
+
+    asyncio.run(run())
