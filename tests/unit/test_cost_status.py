@@ -64,11 +64,11 @@ def test_status_json_and_page_carry_the_cost(desired):
 
 def test_metrics_export_cost_classes_and_paid_slots_in_use(desired):
     text = render_metrics(PassMetrics(), desired, snapshot())
-    assert 'fabric_node_cost_info{cost="paid",node="x86-spill"} 1' in text
-    assert 'fabric_node_cost_info{cost="free",node="a1-arm64"} 1' in text
-    assert 'fabric_node_cost_info{cost="owned",node="qfox-1"} 1' in text
-    assert "\nfabric_paid_slots_in_use 3\n" in text
-    assert "\nfabric_paid_slots 4\n" in text
+    assert 'fabric_node_cost_info{cost="paid",node="x86-spill"} 1.0' in text
+    assert 'fabric_node_cost_info{cost="free",node="a1-arm64"} 1.0' in text
+    assert 'fabric_node_cost_info{cost="owned",node="qfox-1"} 1.0' in text
+    assert "\nfabric_paid_slots_in_use 3.0\n" in text
+    assert "\nfabric_paid_slots 4.0\n" in text
 
 
 def test_fabric_status_command_shows_the_costs_of_a_saved_snapshot(tmp_path, capsys):
