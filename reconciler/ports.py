@@ -361,12 +361,56 @@ class LeaderView:
     next_lapse: datetime | None = None
 
 
-class Registry(Protocol):
-    # -- nodes ------------------------------------------------------------
+# The Registry port is split by role: small Protocols, each a group of methods
+# one kind of user needs, and `Registry`, their union, which the adapters
+# implement. The engine takes the narrowest role it uses, so a fake implements
+# only that:
+#
+#   Heartbeats    a host's pass (and bootstrap) sends its beat
+#   EpochReads    the fence: the newest epoch handed out
+#   PlanReads     the newest published plan (a pass, the watcher, status)
+#   FleetReads    the fleet now and its recent past: snapshot, node states,
+#                 who leads (and the leader record's term), the scaling record
+#                 (read-only commands, the page)
+#   Candidacy     a leader candidate's term: campaign, renew, resign
+#   LeaderWrites  the leader's step: lifecycle, plans, scaling, waiting for change
+#   Drains        the operator's drain and undrain
+#   HostWatch     the watcher's wait on a host's entries
+#   RegistryConnection  close, for whoever opened the connection
+#
+# and the roles made of them, one per user: BeatConnection, EpochConnection,
+# FleetViewConnection, RegistryReads, WatchRegistry, LeaderRegistry, PassRegistry.
+
+
+class RegistryConnection(Protocol):
+    def close(self) -> None: ...
+
+
+class Heartbeats(Protocol):
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
         """Store `record` as the node's newest beat, alive for `ttl_s` seconds
         (default: the node timeout of fabric.toml [timing], the relayed one when
         `record.relayed`). Returns the record as stored (with beat_at, timeout_s)."""
+        ...
+
+
+class EpochReads(Protocol):
+    def epoch(self) -> int:
+        """The newest epoch handed out (0 for a new registry)."""
+        ...
+
+
+class PlanReads(Protocol):
+    def newest_plan(self) -> FleetPlan | None: ...
+
+
+class FleetReads(Protocol):
+    def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
+        """The scheduler's input: nodes, lanes (every lane in `lanes`, with no
+        load: the lane queue's `lane_states` replaces them, see
+        reconciler.engine.dispatch.with_lane_states), the newest plan's
+        placements, leader, epoch. A node's max_concurrent_tasks is the
+        scaling override when there is one."""
         ...
 
     def node_states(self) -> list[NodeState]:
@@ -374,25 +418,22 @@ class Registry(Protocol):
         states, the live heartbeats and the drains; nothing is written)."""
         ...
 
-    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
-        """Leader only: compute the lifecycle as of now and store it (states,
-        garbage collection). Raises NotLeader if `leadership` is over."""
+    def leader(self) -> LeaderInfo | None:
+        """The live leader (not resigned, renewed within its TTL), or None."""
         ...
 
-    def lead(self, leadership: Leadership, lanes: Sequence[str] = ()) -> LeaderView:
-        """Leader only: `advance_lifecycle`, then `snapshot(lanes)` of the
-        states it stored, and the newest plan, all from one read of the
-        registry (the leader's step reads the whole registry once).
-        Raises NotLeader if `leadership` is over."""
+    def leader_term(self) -> LeaderInfo | None:
+        """The leader record as the registry holds it, live, stale or
+        resigned, its `term` the registry's own (never read from a value a
+        writer chose); None: no record (or none that parses)."""
         ...
 
-    def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest: ...
-
-    def clear_drain(self, node_id: str) -> bool:
-        """Lift a drain; False when the node was not drained."""
+    def scaling_record(self) -> ScalingRecord:
+        """The leader's scaling memory and overrides (empty for a new registry)."""
         ...
 
-    # -- leadership and the plan -------------------------------------------
+
+class Candidacy(Protocol):
     def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
         """Try once to become leader for `ttl_s` seconds; None if someone leads.
         A leader record that is resigned, or stale (not renewed within its
@@ -411,44 +452,27 @@ class Registry(Protocol):
         the current one until a candidate campaigns)."""
         ...
 
-    def leader(self) -> LeaderInfo | None:
-        """The live leader (not resigned, renewed within its TTL), or None."""
+
+class LeaderWrites(Protocol):
+    """Leader only: each raises NotLeader when `leadership` is over."""
+
+    def advance_lifecycle(self, leadership: Leadership) -> list[LifecycleEvent]:
+        """Compute the lifecycle as of now and store it (states, garbage collection)."""
         ...
 
-    def leader_term(self) -> LeaderInfo | None:
-        """The leader record as the registry holds it, live, stale or
-        resigned, its `term` the registry's own (never read from a value a
-        writer chose); None: no record (or none that parses)."""
-        ...
-
-    def epoch(self) -> int:
-        """The newest epoch handed out (0 for a new registry)."""
+    def lead(self, leadership: Leadership, lanes: Sequence[str] = ()) -> LeaderView:
+        """`advance_lifecycle`, then `snapshot(lanes)` of the states it
+        stored, and the newest plan, all from one read of the registry (the
+        leader's step reads the whole registry once)."""
         ...
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
         """Store `plan` under the next epoch, only while `leadership` holds.
-        Returns the plan as stored (its `epoch` and `leader` set here).
-        Raises NotLeader otherwise."""
-        ...
-
-    def newest_plan(self) -> FleetPlan | None: ...
-
-    # -- scaling (written by the leader only) -----------------------------------
-    def scaling_record(self) -> ScalingRecord:
-        """The leader's scaling memory and overrides (empty for a new registry)."""
+        Returns the plan as stored (its `epoch` and `leader` set here)."""
         ...
 
     def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:
-        """Store `record` only while `leadership` holds; raises NotLeader otherwise."""
-        ...
-
-    # -- reading it all -------------------------------------------------------
-    def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
-        """The scheduler's input: nodes, lanes (every lane in `lanes`, with no
-        load: the lane queue's `lane_states` replaces them, see
-        reconciler.engine.dispatch.with_lane_states), the newest plan's
-        placements, leader, epoch. A node's max_concurrent_tasks is the
-        scaling override when there is one."""
+        """Store `record` only while `leadership` holds."""
         ...
 
     def wait_for_change(self, timeout_s: float) -> bool:
@@ -456,6 +480,16 @@ class Registry(Protocol):
         leader changes, or `timeout_s` passes. True if something changed."""
         ...
 
+
+class Drains(Protocol):
+    def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest: ...
+
+    def clear_drain(self, node_id: str) -> bool:
+        """Lift a drain; False when the node was not drained."""
+        ...
+
+
+class HostWatch(Protocol):
     def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
         """`fabric watch`: the entries that concern `host` (the newest plan,
         its drain request, its node state) that may have changed, with their
@@ -466,7 +500,52 @@ class Registry(Protocol):
         keys; sqlite: one read after `timeout_s`). Raises RegistryUnavailable."""
         ...
 
-    def close(self) -> None: ...
+
+# -- the roles, one per user ---------------------------------------------------
+
+
+class BeatConnection(Heartbeats, RegistryConnection, Protocol):
+    """A pass's heartbeat after activation, on a connection of its own."""
+
+
+class EpochConnection(EpochReads, RegistryConnection, Protocol):
+    """A pass's re-check of the epoch after it applied a plan."""
+
+
+class FleetViewConnection(FleetReads, RegistryConnection, Protocol):
+    """The edge's pass reading the fleet's view for the status page."""
+
+
+class RegistryReads(FleetReads, PlanReads, EpochReads, Protocol):
+    """Everything any host may read: `fabric status`, lane status, the dispatcher's reads."""
+
+
+class WatchRegistry(HostWatch, PlanReads, Protocol):
+    """The watcher (`fabric watch`): a host's entries, and the plan when it moved."""
+
+
+class LeaderRegistry(Candidacy, LeaderWrites, RegistryReads, Protocol):
+    """The leader loop: its term, its step (lifecycle, plan, scaling), the dispatcher's reads."""
+
+
+class PassRegistry(Heartbeats, LeaderRegistry, RegistryConnection, Protocol):
+    """A pass's connection: its beat, the plan and epoch, its own node state,
+    and a candidate's one-shot leader step when nobody leads."""
+
+
+class Registry(
+    Heartbeats,
+    EpochReads,
+    PlanReads,
+    FleetReads,
+    Candidacy,
+    LeaderWrites,
+    Drains,
+    HostWatch,
+    RegistryConnection,
+    Protocol,
+):
+    """The whole port, every role: what the sqlite and etcd adapters implement."""
 
 
 class RayStateUnavailable(Exception):

@@ -74,6 +74,7 @@ import json
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -761,6 +762,26 @@ class EtcdRegistry(LifecycleMixin):
             if problem is not None:
                 problems.append(problem)
         self._record_memo, self._state_memo = seen_records, seen_states
+        alive = self._alive(beats, facts, now, problems)
+        # A state is stored without what the facts hold (`stored_state`).
+        states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
+        return LiveRead(
+            now=now,
+            records=facts,
+            alive=alive,
+            states=states,
+            drains=drains,
+            plan=plan,
+            leader=leader,
+            epoch=epoch,
+            concurrency=concurrency,
+            problems=tuple(problems),
+        )
+
+    def _alive(self, beats: Sequence[bytes], facts: dict[str, NodeRecord], now: datetime, problems: list[UnreadableRecord]) -> frozenset[str]:
+        """The nodes whose beat is live (`beats`: the keys under P/nodes/),
+        their records in `facts` (a live beat without facts: read from its
+        beat; one that does not parse goes to `problems`)."""
         alive = {key_text(node) for node in beats if b"/" not in node}
         # The lease is the liveness, and etcd revokes an expired lease up to
         # its lessor's check interval (500 ms) late: a beat whose own expiry
@@ -779,20 +800,7 @@ class EtcdRegistry(LifecycleMixin):
                     facts[node] = record
                 elif problem is not None:
                     problems.append(problem)
-        # A state is stored without what the facts hold (`stored_state`).
-        states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
-        return LiveRead(
-            now=now,
-            records=facts,
-            alive=frozenset(alive),
-            states=states,
-            drains=drains,
-            plan=plan,
-            leader=leader,
-            epoch=epoch,
-            concurrency=concurrency,
-            problems=tuple(problems),
-        )
+        return frozenset(alive)
 
     def _beats_of(self, nodes: Sequence[str]) -> list[tuple[NodeRecord | None, UnreadableRecord | None]]:
         """The live beats of `nodes` (P/nodes/<node>), each parsed on its own."""

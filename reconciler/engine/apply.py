@@ -439,10 +439,7 @@ class Applier:
             self.lock.release()
 
     def _run(self, artifacts: list[Artifact], host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
-        for name in self.store.sweep_staging():
-            self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
-        for path in self._sweep_temp_files([a.path for a in artifacts]):
-            self.audit.record("sweep", "ok", file=path, reason="temp file left by a killed pass")
+        self._sweep([a.path for a in artifacts])
         actions, unfinished = self.compute_actions(artifacts)
         current = self.store.current()
         if actions.empty:
@@ -451,44 +448,72 @@ class Applier:
                 self.store.set_good(current)
             self.audit.record("noop", "ok", generation=str(current or ""))
             return ApplyResult("noop", actions, current)
+        number, refused = self._generation(artifacts, actions, host, epoch, term=term, key_id=key_id)
+        if refused is not None:
+            return refused
+        return self._install_and_activate(artifacts, actions, number)
 
+    def _sweep(self, paths: list[str]) -> None:
+        """Phase 1: what a killed pass left (staging directories, temp files)."""
+        for name in self.store.sweep_staging():
+            self.audit.record("sweep", "ok", file=f"{self.store.dir}/{name}", reason="left by a killed pass")
+        for path in self._sweep_temp_files(paths):
+            self.audit.record("sweep", "ok", file=path, reason="temp file left by a killed pass")
+
+    def _generation(
+        self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None, *, term: int | None, key_id: str | None
+    ) -> tuple[int | None, ApplyResult | None]:
+        """Phase 2: the generation to activate, checked: `current` when it has
+        these files already, else a new one staged, validated, published and
+        made current. Its number, or the result when it cannot be had."""
+        current = self.store.current()
         current_manifest = self.store.manifest(current)
         proposed = manifest_for(0, "", host, epoch, artifacts)
-        if current_manifest is not None and current_manifest.digest == proposed.digest:
-            # The files are those of `current` already (a pass killed after
-            # publishing it, or one run with --no-activate): activate it.
-            number = current
-            assert number is not None
-            if current != self.store.good() and self.validators is not None:
-                # A --no-activate pass may have written it without the real checks.
-                problem = self._validate(f"{self.store.dir}/{number}", artifacts)
-                if problem is not None:
-                    self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                    return ApplyResult("invalid", actions, current, [problem])
-        else:
-            number = self.store.next_number()
-            created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
-            manifest = manifest_for(number, created, host, epoch, artifacts, term=term, key_id=key_id)
-            try:
-                staging = self.store.stage(manifest, artifacts, self.checkpoint)
-            except OSError as exc:
-                # The state directory cannot be written: nothing was installed
-                # (the next pass sweeps the partial staging directory).
-                message = f"cannot write generation {number} under {self.store.dir}: {exc}"
-                self.audit.record("generation", "failed", generation=str(number), reason=message)
-                return ApplyResult("failed", actions, current, [message])
-            problem = self._validate(staging, self._not_checked(artifacts))
+        if current_manifest is None or current_manifest.digest != proposed.digest:
+            return self._new_generation(artifacts, actions, host, epoch, term=term, key_id=key_id)
+        # The files are those of `current` already (a pass killed after
+        # publishing it, or one run with --no-activate): activate it.
+        number = current
+        assert number is not None
+        if current != self.store.good() and self.validators is not None:
+            # A --no-activate pass may have written it without the real checks.
+            problem = self._validate(f"{self.store.dir}/{number}", artifacts)
             if problem is not None:
-                self.tree.remove_tree(staging)
                 self.audit.record("validate", "failed", generation=str(number), reason=problem)
-                return ApplyResult("invalid", actions, current, [problem])
-            self.audit.record("validate", "ok" if self.validators else "skipped", generation=str(number), hash=manifest.digest)
-            self.checkpoint("publish generation")
-            self.store.publish(staging, number)
-            self.checkpoint("switch current")
-            self.store.set_current(number)
-            self.audit.record("generation", "ok", generation=str(number), hash=manifest.digest)
+                return number, ApplyResult("invalid", actions, current, [problem])
+        return number, None
 
+    def _new_generation(
+        self, artifacts: list[Artifact], actions: HostActions, host: str, epoch: int | None, *, term: int | None, key_id: str | None
+    ) -> tuple[int | None, ApplyResult | None]:
+        current = self.store.current()
+        number = self.store.next_number()
+        created = datetime.fromtimestamp(self.clock.now(), UTC).isoformat(timespec="seconds")
+        manifest = manifest_for(number, created, host, epoch, artifacts, term=term, key_id=key_id)
+        try:
+            staging = self.store.stage(manifest, artifacts, self.checkpoint)
+        except OSError as exc:
+            # The state directory cannot be written: nothing was installed
+            # (the next pass sweeps the partial staging directory).
+            message = f"cannot write generation {number} under {self.store.dir}: {exc}"
+            self.audit.record("generation", "failed", generation=str(number), reason=message)
+            return number, ApplyResult("failed", actions, current, [message])
+        problem = self._validate(staging, self._not_checked(artifacts))
+        if problem is not None:
+            self.tree.remove_tree(staging)
+            self.audit.record("validate", "failed", generation=str(number), reason=problem)
+            return number, ApplyResult("invalid", actions, current, [problem])
+        self.audit.record("validate", "ok" if self.validators else "skipped", generation=str(number), hash=manifest.digest)
+        self.checkpoint("publish generation")
+        self.store.publish(staging, number)
+        self.checkpoint("switch current")
+        self.store.set_current(number)
+        self.audit.record("generation", "ok", generation=str(number), hash=manifest.digest)
+        return number, None
+
+    def _install_and_activate(self, artifacts: list[Artifact], actions: HostActions, number: int | None) -> ApplyResult:
+        """Phase 3: install the files and activate them; mark the generation
+        good, or roll back to the good one when the activation fails."""
         by_path = {a.path: a for a in artifacts}
         try:
             try:
@@ -502,26 +527,28 @@ class Applier:
                 return ApplyResult("written", actions, number)
             self._activate(actions, by_path, number, self.activators)
         except ActivationError as exc:
-            message = f"activation of generation {number} failed: {exc}"
-            self.audit.record("activate", "failed", generation=str(number), reason=str(exc))
-            messages = [message]
-            good = self.store.good()
-            try:
-                self.rollback_to(good, reason=message)
-                messages.append(
-                    f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)"
-                )
-                return ApplyResult("rolled-back", actions, good, messages)
-            except (ActivationError, OSError) as again:  # OSError: the rollback's own writes (a full disk)
-                messages.append(f"rollback to generation {good} failed too: {again}")
-                self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
-                return ApplyResult("failed", actions, number, messages)
+            return self._activation_failed(actions, number, exc)
         self.checkpoint("mark good")
         self.store.set_good(number)
         self.audit.record("activate", "ok", generation=str(number))
         for n in self.store.prune():
             self.audit.record("prune", "ok", generation=str(n))
         return ApplyResult("applied", actions, number)
+
+    def _activation_failed(self, actions: HostActions, number: int | None, exc: ActivationError) -> ApplyResult:
+        """Roll back to the good generation after a failed activation."""
+        message = f"activation of generation {number} failed: {exc}"
+        self.audit.record("activate", "failed", generation=str(number), reason=str(exc))
+        messages = [message]
+        good = self.store.good()
+        try:
+            self.rollback_to(good, reason=message)
+            messages.append(f"rolled back to generation {good}" if good is not None else "rolled back to no generation (nothing was ever activated)")
+            return ApplyResult("rolled-back", actions, good, messages)
+        except (ActivationError, OSError) as again:  # OSError: the rollback's own writes (a full disk)
+            messages.append(f"rollback to generation {good} failed too: {again}")
+            self.audit.record("rollback", "failed", generation=str(good or ""), reason=str(again))
+            return ApplyResult("failed", actions, number, messages)
 
     def _not_checked(self, artifacts: Sequence[Artifact]) -> list[Artifact]:
         """The artifacts whose content has not passed the checks here: all but

@@ -56,7 +56,7 @@ from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing,
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import LaneBroker, LaneBrokerError, LaneBrokerUnavailable, Registry, RegistryUnavailable
+from reconciler.ports import FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -121,7 +121,7 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
     return LaneJob(waited_s=max(0.0, (utc(now) - utc(job.enqueued_at)).total_seconds()), attempts=job.attempts, duration_s=job.duration_s)
 
 
-def current_lanes(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+def current_lanes(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
     snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_broker, desired)
     return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
 
@@ -188,7 +188,7 @@ def refuse_phaze_lanes(desired: DesiredState) -> None:
             raise PhazeDispatches(f"lane {target.lane}: its queue {target.queue} is phaze's ({PHAZE_QUEUE_PREFIX}*): the fabric writes no job there")
 
 
-def dispatcher_epoch(registry: Registry) -> int:
+def dispatcher_epoch(registry: RegistryReads) -> int:
     """The epoch a dispatcher is fenced by: the leader's term, as the leader's
     own dispatcher (`engine.leader`, step 5) carries it, so a dispatcher run
     by hand under that leader is not refused and a deposed leader's is. With
@@ -198,7 +198,7 @@ def dispatcher_epoch(registry: Registry) -> int:
 
 
 def dispatch_pass(
-    registry: Registry,
+    registry: RegistryReads,
     lane_broker: LaneBroker,
     desired: DesiredState,
     *,
@@ -262,7 +262,7 @@ def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: 
 
 
 def run_dispatcher(
-    registry: Registry,
+    registry: RegistryReads,
     lane_broker: LaneBroker,
     desired: DesiredState,
     *,
@@ -367,7 +367,7 @@ class LaneStatus:
         }
 
 
-def lane_status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
+def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
     views, now = current_lanes(registry, lane_broker, desired)
     jobs = lane_broker.jobs()
     decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)

@@ -10,7 +10,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Snapshot
 from reconciler.engine.heartbeat import no_lane_broker
 from reconciler.engine.lane_states import with_lane_states
-from reconciler.ports import LaneBroker, LaneBrokerError, Registry, RegistryError
+from reconciler.ports import FleetViewConnection, LaneBroker, LaneBrokerError, RegistryError
 
 if TYPE_CHECKING:
     # The fleet's view is read after activation (read_fleet_view): its reader
@@ -32,7 +32,7 @@ class FleetView:
 
 
 def read_fleet_view(
-    connect: Callable[[], Registry], desired: DesiredState, open_lanes: Callable[[], LaneBroker | None] = no_lane_broker
+    connect: Callable[[], FleetViewConnection], desired: DesiredState, open_lanes: Callable[[], LaneBroker | None] = no_lane_broker
 ) -> FleetView:
     """The registry's view of the whole fleet for the edge's status page:
     its snapshot with the lanes' queues (phaze's broker) and what it

@@ -9,7 +9,7 @@ from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.host_load import HostLoad, host_load
 from reconciler.core.live.records import NodeRecord
-from reconciler.ports import LaneBroker, LaneBrokerError, Registry
+from reconciler.ports import BeatConnection, LaneBroker, LaneBrokerError
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def node_record(desired: DesiredState, host: str, facts: HostFacts, measured: Me
 
 
 def beat_after_activation(
-    connect: Callable[[], Registry],
+    connect: Callable[[], BeatConnection],
     desired: DesiredState,
     host: str,
     facts: HostFacts,

@@ -1,6 +1,6 @@
 """The leader's loop (fabric-leader.service): campaign, keep the lease, watch, reschedule, publish.
 
-Talks to the world only through the `Registry` Protocol and the callables it is
+Talks to the world only through the registry's `LeaderRegistry` role and the callables it is
 given, so tests drive it with any backend and a fake scheduler.
 
 One `step()`:
@@ -8,7 +8,7 @@ One `step()`:
   2. not leading: campaign once. Leading: renew the lease; a failed renewal
      means the term is over (another candidate may lead already);
   3. leading: advance the node lifecycle (fenced by the term) and take a
-     snapshot over one read of the registry (`Registry.lead`), run the
+     snapshot over one read of the registry (`LeaderRegistry.lead`), run the
      scheduler and publish the plan when it differs from the newest one (so
      the epoch moves only when the plan does);
   3b. with a `ray_state` port (the fleet runs Ray): Ray's state API joins the
@@ -28,7 +28,7 @@ One `step()`:
      settled are logged; holds are not (they would repeat every step: `fabric
      lane status` shows them). `[phaze] leader_dispatches = false` leaves
      dispatching to `fabric lane dispatch` alone.
-`run()` repeats it, waiting between steps on `Registry.wait_for_change`: a node
+`run()` repeats it, waiting between steps on `LeaderRegistry.wait_for_change`: a node
 lost or joined, a drain, or the leader key changing wakes it at once; else it
 wakes every third of the lease TTL, in time to renew. Leading, it also wakes
 when the first up node's last beat expires (`LeaderView.next_lapse`, by its
@@ -88,12 +88,12 @@ from reconciler.ports import (
     CommandRunner,
     LaneBroker,
     LaneBrokerError,
+    LeaderRegistry,
     NotLeader,
     PlanSigner,
     PlanSigningError,
     RayState,
     RayStateUnavailable,
-    Registry,
     RegistryUnavailable,
     StaleDispatcher,
 )
@@ -147,7 +147,7 @@ def sign_plan(plan: FleetPlan, signer: PlanSigner, key: PlanKey) -> FleetPlan:
 
 @dataclass
 class LeaderLoop:
-    registry: Registry
+    registry: LeaderRegistry
     host: str
     load_desired: Callable[[], DesiredState]
     schedule: Scheduler
@@ -276,6 +276,7 @@ class LeaderLoop:
             return
         if self.desired.fleet.phaze_dispatches:
             return  # phaze's control plane dispatches its lanes (engine.dispatch.refuse_phaze_lanes)
+
         def told(event: DispatchEvent) -> None:
             # Each event as its change commits: a pass that fails halfway
             # (a broker restart, a newer term) has told what it did.
@@ -492,7 +493,7 @@ class LeaderLoop:
 
 
 def candidate_loop(
-    registry: Registry,
+    registry: LeaderRegistry,
     host: str,
     load_desired: Callable[[], DesiredState],
     schedule: Scheduler,

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.heartbeat import no_lane_broker
-from reconciler.ports import LaneBroker, PlanSigner, Registry
+from reconciler.ports import LaneBroker, LeaderRegistry, PlanSigner
 
 
 def lead_once(
-    registry: Registry,
+    registry: LeaderRegistry,
     desired: DesiredState,
     host: str,
     signer: PlanSigner | None = None,

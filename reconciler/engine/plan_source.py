@@ -55,7 +55,7 @@ from reconciler.engine.heartbeat import UnitsSeen, lanes_here, measure, no_lane_
 from reconciler.engine.leader_step import lead_once
 from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanSource
 from reconciler.engine.plan_fence import PassPlan, PlanOffer, admit
-from reconciler.ports import LaneBroker, PermissionDenied, PlanSigner, Registry, RegistryError
+from reconciler.ports import EpochConnection, LaneBroker, PassRegistry, PermissionDenied, PlanSigner, RegistryError
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -101,7 +101,7 @@ def plan_alone(desired: DesiredState, host: str, facts: HostFacts, now: datetime
 
 
 def read_registry(
-    connect: Callable[[], Registry],
+    connect: Callable[[], PassRegistry],
     desired: DesiredState,
     host: str,
     facts: HostFacts,
@@ -117,7 +117,7 @@ def read_registry(
     runs as the pass starts); the pass beats again after activation
     (`beat_after_activation`)."""
     notes: list[str] = []
-    registry: Registry | None = None
+    registry: PassRegistry | None = None
     opened: list[LaneBroker | None] = []
 
     def lanes() -> LaneBroker | None:
@@ -160,7 +160,7 @@ def read_registry(
     return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state, leader=leader)
 
 
-def epoch_moved_past(connect: Callable[[], Registry], source: PassPlan) -> int | None:
+def epoch_moved_past(connect: Callable[[], EpochConnection], source: PassPlan) -> int | None:
     """The registry's epoch now, when it moved past the plan `source` was
     read with: a plan published (or a leader elected) since this pass read
     its own. None when it did not, when `source` read no registry plan
@@ -186,7 +186,7 @@ def fleet_plan_for(
     host: str,
     facts: HostFacts,
     *,
-    connect: Callable[[], Registry],
+    connect: Callable[[], PassRegistry],
     applied_epoch: int | AppliedFence | None,
     has_generation: bool,
     now: datetime,

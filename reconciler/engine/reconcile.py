@@ -79,8 +79,8 @@ from reconciler.ports import (
     LaneBrokerError,
     LockBusy,
     PassLock,
+    PassRegistry,
     PlanSigner,
-    Registry,
     RegistryError,
     RegistryUnavailable,
 )
@@ -128,7 +128,7 @@ class ProgramPaths:
     ray: str = Layout().ray
 
 
-def _no_registry(fleet: FleetConfig) -> Registry:
+def _no_registry(fleet: FleetConfig) -> PassRegistry:
     raise RegistryUnavailable("no registry is wired into this pass")
 
 
@@ -160,7 +160,7 @@ class PassPorts:
     validators: Validators | None = None  # None: no real checks (--no-activate without --validate)
     activators: Activators | None = None  # None: write the files, activate nothing
     # Opens the registry fabric.toml's [registry] names (the pass closes it).
-    open_registry: Callable[[FleetConfig], Registry] = _no_registry
+    open_registry: Callable[[FleetConfig], PassRegistry] = _no_registry
     # Opens phaze's broker as the lane queue (None: not configured or not
     # reachable, said in a note); the pass closes it.
     open_lane_broker: Callable[[FleetConfig], LaneBroker | None] = _no_lane_broker

@@ -2,7 +2,7 @@
 
 `reconciler.core.scheduling.scaling.decide_scaling` is pure and only decides; this module is
 where the leader loop (the only place scaling actions are executed) carries
-them out, through the Registry Protocol and the CommandRunner / Audit ports.
+them out, through the registry's `LeaderRegistry` role and the CommandRunner / Audit ports.
 It imports no adapter: `reconciler.wiring.leader_ports` builds the real ones.
 
 Queue depth (what the burst rule compares with `scaling.queue_high`):
@@ -57,10 +57,10 @@ from datetime import datetime
 from pydantic import ValidationError
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
-from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, Registry
+from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, LeaderRegistry
 
 # All cloud hooks of one pass share this many seconds (each gets its share as
 # its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
@@ -92,6 +92,71 @@ class Carried:
     lines: list[tuple[ScalingAction, str]]
 
 
+@dataclass
+class _Overrides:
+    """The record's overrides as `carry_out` changes them, and what it logs and keeps."""
+
+    concurrency: dict[str, int]
+    scaled_down: set[str]
+    lines: list[tuple[ScalingAction, str]]
+    recent: list[ScalingAudit]
+
+
+def _raise_concurrency(o: _Overrides, action: ScalingAction, node: SnapshotNode) -> tuple[str, bool]:
+    assert action.max_concurrent_tasks is not None
+    ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
+    if action.max_concurrent_tasks > ceiling:
+        return f"refused: {action.max_concurrent_tasks} is above {action.node}'s ceiling {ceiling}", False
+    o.concurrency[node.node_id] = action.max_concurrent_tasks
+    o.scaled_down.discard(node.node_id)
+    return f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {action.max_concurrent_tasks}", True
+
+
+def _scale_down(o: _Overrides, node: SnapshotNode, snapshot: Snapshot, plan: FleetPlan | None) -> str:
+    floor = _minimum(node.node_id, snapshot, plan)
+    o.scaled_down.add(node.node_id)
+    if floor >= node.max_concurrent_tasks:
+        return f"{node.node_id} already at its minimum {node.max_concurrent_tasks} (what it runs)"
+    o.concurrency[node.node_id] = floor
+    return f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {floor} (what it runs)"
+
+
+def _activate_idle(o: _Overrides, node: SnapshotNode) -> str:
+    if node.node_id not in o.scaled_down:
+        return f"{node.node_id} is idle and already takes work"
+    o.scaled_down.discard(node.node_id)
+    o.concurrency.pop(node.node_id, None)
+    return f"{node.node_id} scaled-down group back to its own limit"
+
+
+def _node_action(o: _Overrides, action: ScalingAction, node: SnapshotNode | None, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[str, bool]:
+    """What a node's action does to the overrides: its log line, and whether it is kept in `recent`."""
+    if node is None:
+        # decide_scaling names only nodes of this snapshot; say so rather than guess.
+        return f"skipped: {action.node!r} is not in the snapshot", False
+    if action.kind == "raise_concurrency":
+        return _raise_concurrency(o, action, node)
+    if action.kind == "scale_down":
+        return _scale_down(o, node, snapshot, plan), True
+    return _activate_idle(o, node), True
+
+
+def _safety_valve(o: _Overrides, nodes: dict[str, SnapshotNode], plan: FleetPlan | None, now: datetime) -> None:
+    """Scaling down must never be why work waits. While the plan defers
+    replicas for capacity (a node was lost, a service added), every
+    scaled-down group gets its own limit back at once, burst or not."""
+    waiting = [d for d in plan.deferred if not d.inadmissible] if plan is not None else []
+    if not (waiting and o.scaled_down):
+        return
+    why = f"{len(waiting)} replica(s) deferred for capacity ({', '.join(sorted({d.service for d in waiting}))})"
+    for node_id in sorted(o.scaled_down):
+        valve = ScalingAction(kind="activate_idle", node=node_id, tier=nodes[node_id].tier, reason=why)
+        o.concurrency.pop(node_id, None)
+        o.lines.append((valve, f"{node_id} scaled-down group back to its own limit"))
+        o.recent.append(ScalingAudit(at=now, kind=valve.kind, reason=why, node=node_id, tier=valve.tier, outcome=o.lines[-1][1]))
+    o.scaled_down.clear()
+
+
 def carry_out(
     record: ScalingRecord,
     actions: Sequence[ScalingAction],
@@ -105,76 +170,36 @@ def carry_out(
     """Pure: the overrides after `actions`, which hooks to run, and what to log."""
     nodes = {n.node_id: n for n in snapshot.nodes}
     # Overrides of nodes the registry no longer knows at all are dropped.
-    concurrency = {n: v for n, v in record.concurrency.items() if n in nodes}
-    scaled_down = {n for n in record.scaled_down if n in nodes}
+    o = _Overrides(
+        concurrency={n: v for n, v in record.concurrency.items() if n in nodes},
+        scaled_down={n for n in record.scaled_down if n in nodes},
+        lines=[],
+        recent=list(record.recent),
+    )
     hooks: list[ScalingAction] = []
-    lines: list[tuple[ScalingAction, str]] = []
-    recent = list(record.recent)
-
     for action in actions:
-        node = nodes.get(action.node) if action.node else None
-        if action.kind in ("raise_concurrency", "scale_down", "activate_idle") and node is None:
-            # decide_scaling names only nodes of this snapshot; say so rather than guess.
-            lines.append((action, f"skipped: {action.node!r} is not in the snapshot"))
+        if action.kind == "run_cloud_hook":
+            hooks.append(action)  # logged with its outcome once run
             continue
-        if action.kind == "raise_concurrency":
-            assert node is not None and action.max_concurrent_tasks is not None
-            ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
-            if action.max_concurrent_tasks > ceiling:
-                lines.append((action, f"refused: {action.max_concurrent_tasks} is above {action.node}'s ceiling {ceiling}"))
-                continue
-            concurrency[node.node_id] = action.max_concurrent_tasks
-            scaled_down.discard(node.node_id)
-            lines.append((action, f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {action.max_concurrent_tasks}"))
-        elif action.kind == "scale_down":
-            assert node is not None
-            floor = _minimum(node.node_id, snapshot, plan)
-            if floor >= node.max_concurrent_tasks:
-                lines.append((action, f"{node.node_id} already at its minimum {node.max_concurrent_tasks} (what it runs)"))
-            else:
-                concurrency[node.node_id] = floor
-                lines.append((action, f"{node.node_id} max_concurrent_tasks {node.max_concurrent_tasks} -> {floor} (what it runs)"))
-            scaled_down.add(node.node_id)
-        elif action.kind == "activate_idle":
-            assert node is not None
-            if node.node_id in scaled_down:
-                scaled_down.discard(node.node_id)
-                concurrency.pop(node.node_id, None)
-                lines.append((action, f"{node.node_id} scaled-down group back to its own limit"))
-            else:
-                lines.append((action, f"{node.node_id} is idle and already takes work"))
-        elif action.kind == "run_cloud_hook":
-            hooks.append(action)
-            continue  # logged with its outcome once run
-        else:
-            lines.append((action, "held"))
-            continue  # holds repeat every pass: logged, not kept
-        recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, node=action.node, tier=action.tier, outcome=lines[-1][1]))
-
-    # Safety valve: scaling down must never be why work waits. While the plan
-    # defers replicas for capacity (a node was lost, a service added), every
-    # scaled-down group gets its own limit back at once, burst or not.
-    waiting = [d for d in plan.deferred if not d.inadmissible] if plan is not None else []
-    if waiting and scaled_down:
-        why = f"{len(waiting)} replica(s) deferred for capacity ({', '.join(sorted({d.service for d in waiting}))})"
-        for node_id in sorted(scaled_down):
-            valve = ScalingAction(kind="activate_idle", node=node_id, tier=nodes[node_id].tier, reason=why)
-            concurrency.pop(node_id, None)
-            lines.append((valve, f"{node_id} scaled-down group back to its own limit"))
-            recent.append(ScalingAudit(at=now, kind=valve.kind, reason=why, node=node_id, tier=valve.tier, outcome=lines[-1][1]))
-        scaled_down.clear()
-
+        if action.kind == "hold":
+            o.lines.append((action, "held"))  # holds repeat every pass: logged, not kept
+            continue
+        line, kept = _node_action(o, action, nodes.get(action.node) if action.node else None, snapshot, plan)
+        o.lines.append((action, line))
+        if kept:
+            o.recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, node=action.node, tier=action.tier, outcome=line))
+    _safety_valve(o, nodes, plan, now)
     updated = record.model_copy(
         update={
             "state": state.model_dump(mode="json"),
-            "concurrency": dict(sorted(concurrency.items())),
-            "scaled_down": sorted(scaled_down),
-            "recent": recent[-RECENT_ACTIONS:],
+            "concurrency": dict(sorted(o.concurrency.items())),
+            "scaled_down": sorted(o.scaled_down),
+            "recent": o.recent[-RECENT_ACTIONS:],
             "leader": leader,
             "updated_at": now,
         }
     )
-    return Carried(record=updated, hooks=hooks, lines=lines)
+    return Carried(record=updated, hooks=hooks, lines=o.lines)
 
 
 def hook_outcome(result: CommandResult, now: datetime) -> HookOutcome:
@@ -198,7 +223,7 @@ def _same(a: ScalingRecord, b: ScalingRecord) -> bool:
 class ScalingStep:
     """Run by LeaderLoop.step while it leads, after the plan."""
 
-    registry: Registry
+    registry: LeaderRegistry
     runner: CommandRunner
     log: Callable[[str], None]
     audit: Audit | None = None

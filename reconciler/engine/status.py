@@ -22,7 +22,7 @@ from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.plan_fence import registry_trust
-from reconciler.ports import LaneBroker, Registry
+from reconciler.ports import FleetReads, LaneBroker, RegistryReads
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,14 @@ class StatusInputs:
     history: FleetHistory | None = None
 
 
-def fleet_history(registry: Registry) -> FleetHistory:
+def fleet_history(registry: FleetReads) -> FleetHistory:
     """What the registry remembers of the fleet's recent past: every node's
     lifecycle transitions, who leads since when, and the leader's scaling
     record (the cloud hook runs). Reads only."""
     return FleetHistory(nodes=tuple(registry.node_states()), leader=registry.leader(), scaling=registry.scaling_record())
 
 
-def refused_plan(desired: DesiredState, registry: Registry, plan: FleetPlan) -> str | None:
+def refused_plan(desired: DesiredState, registry: FleetReads, plan: FleetPlan) -> str | None:
     """Why every host refuses `plan` as not the leader's (the fence's own
     checks: a candidate's valid signature and, with plan keys, the registry's
     current leader and term, this fleet and prefix), or None."""
@@ -58,7 +58,7 @@ def refused_plan(desired: DesiredState, registry: Registry, plan: FleetPlan) -> 
     return refused
 
 
-def live_status(desired: DesiredState, registry: Registry, lane_broker: LaneBroker | None = None) -> StatusInputs:
+def live_status(desired: DesiredState, registry: RegistryReads, lane_broker: LaneBroker | None = None) -> StatusInputs:
     """The live registry: its snapshot now and the newest published plan;
     the lanes' jobs and workers from phaze's broker (`lane_broker`)."""
     # Every declared lane, so a lane nobody reported yet still gets a card.

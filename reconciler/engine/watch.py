@@ -1,6 +1,6 @@
 """The watcher's loop (`fabric watch`, fabric-watch.service): follow the registry, start passes.
 
-Talks to the world only through ports: `Registry.watch_host` reports the
+Talks to the world only through ports: `WatchRegistry.watch_host` reports the
 entries that concern this host, `PassStarter` looks at and starts
 fabric-reconcile.service, the `Clock` times the coalescing window. What a
 change means and when to start is decided by the pure
@@ -42,12 +42,12 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started, taken
 from reconciler.core.render.plan_part import plan_part
-from reconciler.ports import ActivationError, Clock, PassStarter, Registry, RegistryError, RegistryUnavailable
+from reconciler.ports import ActivationError, Clock, PassStarter, RegistryError, RegistryUnavailable, WatchRegistry
 
 
 @dataclass
 class Watcher:
-    registry: Registry
+    registry: WatchRegistry
     starter: PassStarter
     clock: Clock
     host: str

@@ -24,6 +24,7 @@ import stat
 import tomllib
 from collections import Counter
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -247,6 +248,135 @@ def _duplicates(file: str, section: str, key: str, values: list[Any]) -> list[Pr
     return problems
 
 
+@dataclass
+class _Rules:
+    """What the rules that span entries or files read, and the problems they find."""
+
+    file: str
+    fleet: FleetConfig
+    hosts: dict[str, HostConfig]
+    host_sources: dict[str, str]
+    broken_hosts: Collection[str]
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def all_hosts_loaded(self) -> bool:
+        """Rules about roles need every host file; with a broken one they would guess."""
+        return not self.broken_hosts
+
+    def add(self, path: str, reason: str) -> None:
+        self.problems.append(Problem(self.file, path, reason))
+
+    def known_host(self, path: str, name: str) -> None:
+        """A problem at `path` when `name` is not a declared host (a broken host file's name is)."""
+        if name in self.hosts or name in self.broken_hosts:
+            return
+        known_hosts = sorted(self.hosts)
+        close = difflib.get_close_matches(name, known_hosts, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (hosts: {', '.join(known_hosts) or 'none'})"
+        self.add(path, f"{name!r} is not a declared host{hint}")
+
+
+def _leader_rules(r: _Rules) -> None:
+    """Leader candidates and plan keys: only a candidate signs plans; one key,
+    one id, one host (a key listed for two hosts would let either sign as the other)."""
+    candidates = r.fleet.fleet.leader_candidates
+    for i, name in enumerate(candidates):
+        r.known_host(f"fleet.leader_candidates[{i}]", name)
+    if len(set(candidates)) != len(candidates):
+        r.add("fleet.leader_candidates", "lists a host more than once")
+    keys = r.fleet.plan_keys
+    r.problems += _duplicates(r.file, "plan_keys", "id", [k.id for k in keys])
+    first_listed: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first = first_listed.setdefault(key.public_key, i)
+        if first != i:
+            r.add(f"plan_keys[{i}].public_key", f"the same key as plan_keys[{first}] ({keys[first].id!r}): each key signs for one host under one id")
+    for i, key in enumerate(keys):
+        if key.host not in candidates:
+            r.add(f"plan_keys[{i}].host", f"{key.host!r} is not a leader candidate ({', '.join(candidates)})")
+
+
+def _lane_rules(r: _Rules) -> None:
+    """Lanes (multi-compute.md's startup validators)."""
+    fleet, backends = r.fleet, r.fleet.lanes
+    r.problems += _duplicates(r.file, "backends", "id", [b.id for b in backends])
+    r.problems += _duplicates(r.file, "backends", "agent_ref", [b.agent_ref for b in backends])
+    r.problems += lane_rules(r.file, fleet)
+    r.problems += compute_lane_rules(r.file, fleet)
+    for i, b in enumerate(backends):
+        if b.kind != "compute":
+            continue
+        if b.push_host not in r.hosts:
+            r.known_host(f"backends[{i}].push_host", b.push_host or "")
+        if fleet.agent is None:
+            r.add(f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)")
+        elif b.queue is not None and not fleet.phaze_dispatches and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
+            r.add(f"backends[{i}].queue", f"{b.queue!r} must equal {fleet.agent.queue_prefix}{b.agent_ref} (the agent derives its queue from its id)")
+    if any(b.kind == "local" for b in backends) or not backends:
+        if r.all_hosts_loaded and r.hosts and not any("control" in h.host.roles for h in r.hosts.values()):
+            r.add("backends", "the local lane runs on the control host, and no host has the 'control' role")
+
+
+def _service_rules(r: _Rules) -> None:
+    """Services: unique ids, ports and routes; the status page's host reserved; an edge for routes."""
+    services = r.fleet.services
+    r.problems += _duplicates(r.file, "services", "id", [s.id for s in services])
+    r.problems += _duplicates(r.file, "services", "port", [s.port for s in services])
+    routes = [s.route.host if s.route else None for s in services]
+    r.problems += [Problem(p.file, p.path.replace(".route", ".route.host"), p.reason) for p in _duplicates(r.file, "services", "route", routes)]
+    status_host = f"{r.fleet.fleet.status_subdomain}.{r.fleet.fleet.domain}"
+    for i, s in enumerate(services):
+        if s.route is not None and s.route.host == status_host:
+            r.add(f"services[{i}].route.host", f"{status_host!r} is reserved for the fabric's status page")
+    if r.all_hosts_loaded and r.hosts and any(s.route for s in services) and not any("edge" in h.host.roles for h in r.hosts.values()):
+        r.add("services", "services have routes but no host has the 'edge' role")
+
+
+def _port_map_rules(r: _Rules) -> None:
+    """Port maps: unique names and listeners, declared hosts, no service's port, no loop."""
+    port_maps = r.fleet.port_maps
+    r.problems += _duplicates(r.file, "port_maps", "name", [m.name for m in port_maps])
+    listen = [f"{m.host}/{m.protocol}/{m.listen_port}" for m in port_maps]
+    for p in _duplicates(r.file, "port_maps", "listen_port", listen):
+        r.problems.append(Problem(p.file, p.path, "another port map already listens on this host, protocol and port"))
+    service_ports = {s.port for s in r.fleet.services if s.port}
+    for i, m in enumerate(port_maps):
+        r.known_host(f"port_maps[{i}].host", m.host)
+        r.known_host(f"port_maps[{i}].target_host", m.target_host)
+        if m.listen_port in service_ports:
+            r.add(f"port_maps[{i}].listen_port", f"{m.listen_port} is a service's port")
+        if m.target_host == m.host and m.target_port == m.listen_port:
+            r.add(f"port_maps[{i}].target_port", "a port map onto itself would loop")
+
+
+def _ray_rules(r: _Rules) -> None:
+    """The Ray cluster: declared hosts, and a head port no other listener of the head takes."""
+    ray = r.fleet.ray
+    if ray is None:
+        return
+    r.known_host("ray.head", ray.head)
+    for i, name in enumerate(ray.workers):
+        r.known_host(f"ray.workers[{i}]", name)
+    head_ports = {s.port: f"service {s.id}'s port" for s in r.fleet.services if s.port}
+    head_ports.update({m.listen_port: f"port map {m.name}'s listen_port" for m in r.fleet.port_maps if m.host == ray.head and m.protocol == "tcp"})
+    ray_ports = {"port": ray.port, **({"dashboard_port": ray.dashboard_port} if ray.dashboard else {})}
+    for ray_key, port in ray_ports.items():
+        if port in head_ports:
+            r.add(f"ray.{ray_key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})")
+
+
+def _address_rules(r: _Rules) -> None:
+    """Hosts: addresses are unique."""
+    addresses: dict[str, str] = {}
+    for name in sorted(r.hosts):
+        addr = r.hosts[name].host.address
+        if addr in addresses:
+            r.problems.append(Problem(r.host_sources[name], "host.address", f"{addr} is also the address of {addresses[addr]!r}"))
+        else:
+            addresses[addr] = name
+
+
 def fleet_rules(
     file: str,
     fleet: FleetConfig,
@@ -254,121 +384,11 @@ def fleet_rules(
     host_sources: dict[str, str],
     broken_hosts: Collection[str] = (),
 ) -> list[Problem]:
-    problems: list[Problem] = []
-    known_hosts = sorted(hosts)
-    # Rules about roles need every host file; with a broken one they would guess.
-    all_hosts_loaded = not broken_hosts
-
-    def unknown_host(path: str, name: str) -> None:
-        if name in broken_hosts:
-            return
-        close = difflib.get_close_matches(name, known_hosts, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f" (hosts: {', '.join(known_hosts) or 'none'})"
-        problems.append(Problem(file, path, f"{name!r} is not a declared host{hint}"))
-
-    for i, name in enumerate(fleet.fleet.leader_candidates):
-        if name not in hosts:
-            unknown_host(f"fleet.leader_candidates[{i}]", name)
-    if len(set(fleet.fleet.leader_candidates)) != len(fleet.fleet.leader_candidates):
-        problems.append(Problem(file, "fleet.leader_candidates", "lists a host more than once"))
-
-    # Plan keys: only a candidate signs plans; one key, one id, one host (a
-    # key listed for two hosts would let either sign as the other).
-    problems += _duplicates(file, "plan_keys", "id", [k.id for k in fleet.plan_keys])
-    first_listed: dict[str, int] = {}
-    for i, key in enumerate(fleet.plan_keys):
-        first = first_listed.setdefault(key.public_key, i)
-        if first != i:
-            problems.append(
-                Problem(
-                    file,
-                    f"plan_keys[{i}].public_key",
-                    f"the same key as plan_keys[{first}] ({fleet.plan_keys[first].id!r}): each key signs for one host under one id",
-                )
-            )
-    for i, key in enumerate(fleet.plan_keys):
-        if key.host not in fleet.fleet.leader_candidates:
-            problems.append(
-                Problem(file, f"plan_keys[{i}].host", f"{key.host!r} is not a leader candidate ({', '.join(fleet.fleet.leader_candidates)})")
-            )
-
-    # Lanes (multi-compute.md's startup validators).
-    backends = fleet.lanes
-    problems += _duplicates(file, "backends", "id", [b.id for b in backends])
-    problems += _duplicates(file, "backends", "agent_ref", [b.agent_ref for b in backends])
-    problems += lane_rules(file, fleet)
-    problems += compute_lane_rules(file, fleet)
-    for i, b in enumerate(backends):
-        if b.kind == "compute":
-            if b.push_host not in hosts:
-                unknown_host(f"backends[{i}].push_host", b.push_host or "")
-            if fleet.agent is None:
-                problems.append(Problem(file, f"backends[{i}]", "a compute lane needs the [agent] table (image and command per architecture)"))
-            elif b.queue is not None and not fleet.phaze_dispatches and b.queue != f"{fleet.agent.queue_prefix}{b.agent_ref}":
-                problems.append(
-                    Problem(
-                        file,
-                        f"backends[{i}].queue",
-                        f"{b.queue!r} must equal {fleet.agent.queue_prefix}{b.agent_ref} (the agent derives its queue from its id)",
-                    )
-                )
-    if any(b.kind == "local" for b in backends) or not backends:
-        if all_hosts_loaded and hosts and not any("control" in h.host.roles for h in hosts.values()):
-            problems.append(Problem(file, "backends", "the local lane runs on the control host, and no host has the 'control' role"))
-
-    # Services.
-    services = fleet.services
-    problems += _duplicates(file, "services", "id", [s.id for s in services])
-    problems += _duplicates(file, "services", "port", [s.port for s in services])
-    routes = [s.route.host if s.route else None for s in services]
-    problems += [Problem(p.file, p.path.replace(".route", ".route.host"), p.reason) for p in _duplicates(file, "services", "route", routes)]
-    status_host = f"{fleet.fleet.status_subdomain}.{fleet.fleet.domain}"
-    for i, s in enumerate(services):
-        if s.route is not None and s.route.host == status_host:
-            problems.append(Problem(file, f"services[{i}].route.host", f"{status_host!r} is reserved for the fabric's status page"))
-    if all_hosts_loaded and hosts and any(s.route for s in services) and not any("edge" in h.host.roles for h in hosts.values()):
-        problems.append(Problem(file, "services", "services have routes but no host has the 'edge' role"))
-
-    # Port maps.
-    problems += _duplicates(file, "port_maps", "name", [m.name for m in fleet.port_maps])
-    listen = [f"{m.host}/{m.protocol}/{m.listen_port}" for m in fleet.port_maps]
-    for p in _duplicates(file, "port_maps", "listen_port", listen):
-        problems.append(Problem(p.file, p.path, "another port map already listens on this host, protocol and port"))
-    service_ports = {s.port for s in services if s.port}
-    for i, m in enumerate(fleet.port_maps):
-        if m.host not in hosts:
-            unknown_host(f"port_maps[{i}].host", m.host)
-        if m.target_host not in hosts:
-            unknown_host(f"port_maps[{i}].target_host", m.target_host)
-        if m.listen_port in service_ports:
-            problems.append(Problem(file, f"port_maps[{i}].listen_port", f"{m.listen_port} is a service's port"))
-        if m.target_host == m.host and m.target_port == m.listen_port:
-            problems.append(Problem(file, f"port_maps[{i}].target_port", "a port map onto itself would loop"))
-
-    # The Ray cluster: declared hosts, and a head port no other listener of the head takes.
-    ray = fleet.ray
-    if ray is not None:
-        if ray.head not in hosts:
-            unknown_host("ray.head", ray.head)
-        for i, name in enumerate(ray.workers):
-            if name not in hosts:
-                unknown_host(f"ray.workers[{i}]", name)
-        head_ports = {s.port: f"service {s.id}'s port" for s in services if s.port}
-        head_ports.update({m.listen_port: f"port map {m.name}'s listen_port" for m in fleet.port_maps if m.host == ray.head and m.protocol == "tcp"})
-        ray_ports = {"port": ray.port, **({"dashboard_port": ray.dashboard_port} if ray.dashboard else {})}
-        for ray_key, port in ray_ports.items():
-            if port in head_ports:
-                problems.append(Problem(file, f"ray.{ray_key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})"))
-
-    # Hosts: addresses are unique.
-    addresses: dict[str, str] = {}
-    for name in sorted(hosts):
-        addr = hosts[name].host.address
-        if addr in addresses:
-            problems.append(Problem(host_sources[name], "host.address", f"{addr} is also the address of {addresses[addr]!r}"))
-        else:
-            addresses[addr] = name
-    return problems
+    """Every problem of the rules that span entries or files, in the order of fabric.toml's sections."""
+    r = _Rules(file, fleet, hosts, host_sources, broken_hosts)
+    for rules in (_leader_rules, _lane_rules, _service_rules, _port_map_rules, _ray_rules, _address_rules):
+        rules(r)
+    return r.problems
 
 
 def summary(desired: DesiredState) -> str:

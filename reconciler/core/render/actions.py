@@ -260,6 +260,102 @@ def is_dropin(path: str) -> bool:
     return configured_unit(path) != _unit_name(path)
 
 
+@dataclass
+class _UnitJobs:
+    """The job lists of a pass, and why each unit is in its list."""
+
+    stop: list[str] = field(default_factory=list)
+    reload: list[str] = field(default_factory=list)
+    restart: list[str] = field(default_factory=list)
+    start: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def add(self, jobs: list[str], unit: str, reason: str) -> None:
+        jobs.append(unit)
+        self.reasons[unit] = reason
+
+
+def _unit_jobs(
+    desired_by_path: Mapping[str, Artifact],
+    gone: Sequence[str],
+    installed: Mapping[str, bytes],
+    tracked: Mapping[str, str],
+    running: Mapping[str, bytes],
+    unit_states: Mapping[str, str] | None,
+) -> _UnitJobs:
+    """Units: stop those that left the plan, start new ones (and desired ones
+    not running), restart or reload those whose settings changed."""
+    jobs = _UnitJobs()
+    for path in gone:
+        if tracked[path] == "unit" and (path in installed or path in running):
+            jobs.add(jobs.stop, _unit_name(path), "left the plan")
+    for path, artifact in sorted(desired_by_path.items()):
+        if artifact.kind != "unit":
+            continue
+        unit = _unit_name(path)
+        old = running.get(path)
+        if old is None:
+            jobs.add(jobs.start, unit, "new unit")
+            continue
+        change = compare_units(old.decode("utf-8", "replace"), artifact.content)
+        if change == UnitChange.RESTART:
+            jobs.add(jobs.restart, unit, "settings changed")
+        elif change == UnitChange.RELOAD:
+            jobs.add(jobs.reload, unit, "reload triggers changed")
+        elif unit_states is not None and unit_states.get(unit, "inactive") not in ACTIVE_STATES:
+            jobs.add(jobs.start, unit, f"not running ({unit_states.get(unit, 'inactive')})")
+    return jobs
+
+
+def _dependent_restarts(
+    jobs: _UnitJobs,
+    desired_by_path: Mapping[str, Artifact],
+    gone: Sequence[str],
+    running: Mapping[str, bytes],
+    tracked_restarts: Mapping[str, Sequence[str]] | None,
+    dependent_states: Mapping[str, str] | None,
+) -> None:
+    """Units the fabric does not render that read a file at startup: restart
+    them when the file differs from what ran, unless known not to run."""
+    dependents: dict[str, str] = {}
+    for path, artifact in sorted(desired_by_path.items()):
+        if artifact.restarts and running.get(path) != artifact.data:
+            for unit in artifact.restarts:
+                dependents.setdefault(unit, f"{path} changed")
+    for path in gone:
+        if path in running:
+            for unit in (tracked_restarts or {}).get(path, ()):
+                dependents.setdefault(unit, f"{path} removed")
+    for unit, reason in dependents.items():
+        if unit in jobs.restart or unit in jobs.start or unit in jobs.stop:
+            continue
+        if dependent_states is not None and dependent_states.get(unit, "inactive") not in ACTIVE_STATES:
+            continue
+        jobs.add(jobs.restart, unit, reason)
+
+
+def _nft_load(
+    desired_by_path: Mapping[str, Artifact],
+    gone: Sequence[str],
+    tracked: Mapping[str, str],
+    running: Mapping[str, bytes],
+    nft_table_loaded: bool | None,
+) -> bool:
+    """nftables: load when the text changed, or when the table is gone from the
+    kernel though the text did not change (a distro flushed the ruleset)."""
+    nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
+    if nft is not None:
+        return running.get(nft.path) != nft.data or nft_table_loaded is False
+    # The table left the plan (a rollback to nothing): load the empty table.
+    return any(tracked[p] == "nft" and p in running for p in gone)
+
+
+def _caddy_reload(desired_by_path: Mapping[str, Artifact], gone: Sequence[str], tracked: Mapping[str, str], running: Mapping[str, bytes]) -> bool:
+    """Caddy: reload when its snippet differs from what ran, or left the plan."""
+    caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}
+    return any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(tracked[p] == "caddy" and p in running for p in gone)
+
+
 def host_actions(
     desired: Iterable[Artifact],
     installed: Mapping[str, bytes],
@@ -290,82 +386,23 @@ def host_actions(
     """
     running = installed if running is None else running
     desired_by_path = {a.path: a for a in desired}
-    reasons: dict[str, str] = {}
-
+    # Files: write what differs from the disk, remove what the fabric wrote and no longer wants.
     write = sorted(p for p, a in desired_by_path.items() if installed.get(p) != a.data)
     gone = sorted(set(tracked) - set(desired_by_path))
     remove = [p for p in gone if p in installed or p in running]
-
-    stop: list[str] = []
-    reload: list[str] = []
-    restart: list[str] = []
-    start: list[str] = []
-    for path in gone:
-        if tracked[path] == "unit" and (path in installed or path in running):
-            unit = _unit_name(path)
-            stop.append(unit)
-            reasons[unit] = "left the plan"
-
-    for path, artifact in sorted(desired_by_path.items()):
-        if artifact.kind != "unit":
-            continue
-        unit = _unit_name(path)
-        old = running.get(path)
-        if old is None:
-            start.append(unit)
-            reasons[unit] = "new unit"
-            continue
-        change = compare_units(old.decode("utf-8", "replace"), artifact.content)
-        if change == UnitChange.RESTART:
-            restart.append(unit)
-            reasons[unit] = "settings changed"
-        elif change == UnitChange.RELOAD:
-            reload.append(unit)
-            reasons[unit] = "reload triggers changed"
-        elif unit_states is not None and unit_states.get(unit, "inactive") not in ACTIVE_STATES:
-            start.append(unit)
-            reasons[unit] = f"not running ({unit_states.get(unit, 'inactive')})"
-
-    # Units the fabric does not render that read a file at startup: restart
-    # them when the file differs from what ran, unless known not to run.
-    dependents: dict[str, str] = {}
-    for path, artifact in sorted(desired_by_path.items()):
-        if artifact.restarts and running.get(path) != artifact.data:
-            for unit in artifact.restarts:
-                dependents.setdefault(unit, f"{path} changed")
-    for path in gone:
-        if path in running:
-            for unit in (tracked_restarts or {}).get(path, ()):
-                dependents.setdefault(unit, f"{path} removed")
-    for unit, reason in dependents.items():
-        if unit in restart or unit in start or unit in stop:
-            continue
-        if dependent_states is not None and dependent_states.get(unit, "inactive") not in ACTIVE_STATES:
-            continue
-        restart.append(unit)
-        reasons[unit] = reason
-
-    daemon_reload = _daemon_reload(desired_by_path, write, remove, tracked, running, bool(stop), units_held)
-    nft = next((a for a in desired_by_path.values() if a.kind == "nft"), None)
-    if nft is not None:
-        # Load when the text changed, or when the table is gone from the
-        # kernel though the text did not change (a distro flushed the ruleset).
-        nft_load = running.get(nft.path) != nft.data or nft_table_loaded is False
-    else:  # the table left the plan (a rollback to nothing): load the empty table
-        nft_load = any(tracked[p] == "nft" and p in running for p in gone)
-    caddy_paths = {a.path for a in desired_by_path.values() if a.kind == "caddy"}
-    caddy_reload = any(running.get(p) != desired_by_path[p].data for p in caddy_paths) or any(tracked[p] == "caddy" and p in running for p in gone)
+    jobs = _unit_jobs(desired_by_path, gone, installed, tracked, running, unit_states)
+    _dependent_restarts(jobs, desired_by_path, gone, running, tracked_restarts, dependent_states)
     return HostActions(
         write=tuple(write),
         remove=tuple(remove),
-        daemon_reload=daemon_reload,
-        nft_load=nft_load,
-        stop=tuple(sorted(stop)),
-        reload=tuple(sorted(reload)),
-        restart=tuple(sorted(restart)),
-        start=tuple(sorted(start)),
-        caddy_reload=caddy_reload,
-        reasons=reasons,
+        daemon_reload=_daemon_reload(desired_by_path, write, remove, tracked, running, bool(jobs.stop), units_held),
+        nft_load=_nft_load(desired_by_path, gone, tracked, running, nft_table_loaded),
+        stop=tuple(sorted(jobs.stop)),
+        reload=tuple(sorted(jobs.reload)),
+        restart=tuple(sorted(jobs.restart)),
+        start=tuple(sorted(jobs.start)),
+        caddy_reload=_caddy_reload(desired_by_path, gone, tracked, running),
+        reasons=jobs.reasons,
     )
 
 

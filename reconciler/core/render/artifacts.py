@@ -42,7 +42,7 @@ import hashlib
 import ipaddress
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -62,7 +62,7 @@ from reconciler.core.desired.model import (
 )
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
-from reconciler.core.render.plan_part import plan_part
+from reconciler.core.render.plan_part import PlanPart, plan_part
 from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_unit
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
@@ -595,6 +595,180 @@ def _labels(host: HostConfig, facts: HostFacts, notes: list[str]) -> list[tuple[
     return sorted(labels.items())
 
 
+@dataclass
+class _HostRender:
+    """What the per-artifact renderers share: the inputs, this host's part of
+    the plan, its workloads, the notes, and the ports the renderers before
+    nftables opened."""
+
+    desired: DesiredState
+    host_name: str
+    host: HostConfig
+    facts: HostFacts
+    layout: Layout
+    templates: Path | None
+    ray_closed: str | None
+    notes: list[str]
+    part: PlanPart
+    arch: str | None
+    workloads: list[_Workload] = field(default_factory=list)
+    tcp_ports: set[int] = field(default_factory=set)
+    udp_ports: set[int] = field(default_factory=set)
+    openings: list[NftOpening] = field(default_factory=list)
+
+
+def _workloads_here(r: _HostRender) -> list[_Workload]:
+    """Lanes first, then the services placed here, each a fabric-agent-<id>.service."""
+    workloads: list[_Workload] = []
+    for lane in _lanes_here(r.desired, r.host_name):
+        w = _lane_workload(r.desired, lane, r.arch, r.notes)
+        if w is not None:
+            workloads.append(w)
+    for service_id in r.part.services_here:
+        service = r.desired.service(service_id)
+        assert service is not None
+        w = _service_workload(r.desired, service, r.arch, r.notes)
+        if w is not None:
+            workloads.append(w)
+    return workloads
+
+
+def _render_agents(r: _HostRender) -> list[Artifact]:
+    """One agent unit per workload of this host; two workloads of one id are an error."""
+    artifacts = []
+    seen: dict[str, str] = {}
+    for w in r.workloads:
+        if w.id in seen:
+            raise RenderError(f"{agent_unit(w.id)} would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {r.desired.fleet_file}")
+        seen[w.id] = w.what
+        artifacts.append(Artifact(r.layout.unit_path(agent_unit(w.id)), _agent_unit(w, r.layout, r.templates, r.notes), 0o644, "unit"))
+    return artifacts
+
+
+def _render_port_maps(r: _HostRender) -> list[Artifact]:
+    """Port maps of this host: one socat unit each, its port opened in nftables."""
+    artifacts = []
+    for pm in sorted((m for m in r.desired.fleet.port_maps if m.host == r.host_name), key=lambda m: m.name):
+        target = r.desired.hosts[pm.target_host].host.address
+        six = ipaddress.ip_address(target).version == 6
+        proto = pm.protocol.upper()
+        listen = f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
+        connect = f"{proto}6:[{target}]:{pm.target_port}" if six else f"{proto}4:{target}:{pm.target_port}"
+        exec_start = " ".join(systemd_quote(a) for a in (r.layout.socat, listen, connect))
+        text = _template(
+            "socat.service.j2",
+            r.templates,
+            source=f"{_fleet_file_name(r.desired)} port_maps[{pm.name}]",
+            name=pm.name,
+            protocol=pm.protocol,
+            listen_port=pm.listen_port,
+            target_host=pm.target_host,
+            target_address=target,
+            target_port=pm.target_port,
+            exec_start=exec_start,
+        )
+        artifacts.append(Artifact(r.layout.unit_path(f"fabric-socat-{pm.name}.service"), text, 0o644, "unit"))
+        (r.tcp_ports if pm.protocol == "tcp" else r.udp_ports).add(pm.listen_port)
+        if pm.allow_from:
+            r.openings.append(nft_opening(pm))
+            r.notes.append(exposure_note(pm))
+    return artifacts
+
+
+def _render_ray(r: _HostRender) -> list[Artifact]:
+    """The Ray node of this host, if [ray] names it; the head's ports tailnet only."""
+    ray = ray_unit(r.desired, r.host_name, r.facts, r.layout.ray, r.ray_closed)
+    if ray is None:
+        return []
+    if ray.closed is not None:
+        r.notes.append(f"{ray.unit}: closed to new Ray tasks ({ray.closed}): no CPUs, GPUs or tiers offered")
+    if ray.role == "head" and r.desired.fleet.ray is not None:
+        # Ray's GCS and dashboard have no authentication: tailnet only.
+        r.tcp_ports.add(r.desired.fleet.ray.port)
+        if r.desired.fleet.ray.dashboard:
+            r.tcp_ports.add(r.desired.fleet.ray.dashboard_port)
+    return [Artifact(r.layout.unit_path(ray.unit), _ray_unit_text(ray, r.desired, r.templates), 0o644, "unit")]
+
+
+def _render_nftables(r: _HostRender) -> list[Artifact]:
+    """The table inet fabric (the ports of the services running here and of the
+    renderers before: port maps, Ray's head) and the unit that loads it."""
+    for service_id in r.part.services_here:
+        service = r.desired.service(service_id)
+        if service is not None and service.port is not None and any(w.id == service_id and w.what == "service" for w in r.workloads):
+            r.tcp_ports.add(service.port)
+    nft_text = _template(
+        "fabric.nft.j2",
+        r.templates,
+        host=r.host_name,
+        tailnet=TAILNET,
+        tailnet6=TAILNET6,
+        tcp_ports=[str(p) for p in sorted(r.tcp_ports)],
+        udp_ports=[str(p) for p in sorted(r.udp_ports)],
+        openings=r.openings,
+        nftables_fix=needs_nftables_fix(r.host, r.facts),
+    )
+    nft_load = " ".join(systemd_quote(a) for a in (r.layout.nft, "-f", "/" + r.layout.nft_file))
+    return [
+        Artifact(r.layout.nft_file, nft_text, 0o644, "nft"),
+        Artifact(
+            r.layout.unit_path("fabric-nftables.service"),
+            _template("nftables-load.service.j2", r.templates, exec_start=nft_load),
+            0o644,
+            "unit",
+        ),
+    ]
+
+
+def _render_edge(r: _HostRender) -> list[Artifact]:
+    """The edge: one Caddy site per routed service, and the fleet's status page
+    (a static file each pass rewrites; see reconciler.core.views.page)."""
+    if "edge" not in r.host.host.roles:
+        return []
+    sites = []
+    for service in sorted((s for s in r.desired.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
+        assert service.route is not None and service.port is not None
+        upstreams = [caddy_address(r.desired.hosts[n].host.address, service.port) for n in r.part.nodes_of(service.id)]
+        sites.append({"service": service.id, "host": service.route.host, "path": service.route.path, "upstreams": upstreams})
+    text = _template(
+        "fabric.caddy.j2",
+        r.templates,
+        host=r.host_name,
+        sites=sites,
+        proxy=proxy_timings(r.desired.fleet.edge),
+        status_site=status_caddy_site(r.desired),
+    )
+    return [Artifact(r.layout.caddy_file, text, 0o644, "caddy")]
+
+
+def _render_phaze(r: _HostRender) -> list[Artifact]:
+    """phaze's control plane reads its lanes from backends.toml."""
+    if "control" in r.host.host.roles and r.desired.fleet.lanes:
+        return [phaze_backends(r.desired, r.layout, r.templates, r.part.lanes_out)]
+    return []
+
+
+def _render_k3s_labels(r: _HostRender) -> list[Artifact]:
+    """k3s node labels from the probe (and the host file)."""
+    labels = _labels(r.host, r.facts, r.notes)
+    if not labels:
+        return []
+    return [Artifact(r.layout.k3s_dropin, _template("k3s-labels.yaml.j2", r.templates, host=r.host_name, labels=labels), 0o644, "dropin")]
+
+
+# The per-artifact renderers, in the order they run: the notes come in this
+# order, and nftables comes after every renderer that opens a port.
+_RENDERERS: tuple[Callable[[_HostRender], list[Artifact]], ...] = (
+    _render_agents,
+    _render_port_maps,
+    _render_ray,
+    _render_nftables,
+    _render_edge,
+    _render_phaze,
+    _render_k3s_labels,
+)
+
+
 def render(
     desired: DesiredState,
     host_name: str,
@@ -617,140 +791,12 @@ def render(
         raise RenderError(f"host {host_name!r} is not declared in the desired state (hosts: {known})")
     notes: list[str] = []
     arch = host_arch(host, facts)
-    artifacts: list[Artifact] = []
-
     # All that is read from the fleet plan is this host's part of it (checked
     # against the desired state there): `fabric watch` starts a pass when it changes.
     part = plan_part(desired, plan, host_name, notes)
-
-    # Workloads: lanes first, then services, each a fabric-agent-<id>.service.
-    workloads: list[_Workload] = []
-    for lane in _lanes_here(desired, host_name):
-        w = _lane_workload(desired, lane, arch, notes)
-        if w is not None:
-            workloads.append(w)
-    placed_here = part.services_here
-    for service_id in placed_here:
-        service = desired.service(service_id)
-        assert service is not None
-        w = _service_workload(desired, service, arch, notes)
-        if w is not None:
-            workloads.append(w)
-    seen: dict[str, str] = {}
-    for w in workloads:
-        if w.id in seen:
-            raise RenderError(f"{agent_unit(w.id)} would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {desired.fleet_file}")
-        seen[w.id] = w.what
-        artifacts.append(Artifact(layout.unit_path(agent_unit(w.id)), _agent_unit(w, layout, templates, notes), 0o644, "unit"))
-
-    # Port maps of this host: one socat unit each.
-    tcp_ports: set[int] = set()
-    udp_ports: set[int] = set()
-    openings: list[NftOpening] = []
-    for pm in sorted((m for m in desired.fleet.port_maps if m.host == host_name), key=lambda m: m.name):
-        target = desired.hosts[pm.target_host].host.address
-        six = ipaddress.ip_address(target).version == 6
-        proto = pm.protocol.upper()
-        listen = f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
-        connect = f"{proto}6:[{target}]:{pm.target_port}" if six else f"{proto}4:{target}:{pm.target_port}"
-        exec_start = " ".join(systemd_quote(a) for a in (layout.socat, listen, connect))
-        text = _template(
-            "socat.service.j2",
-            templates,
-            source=f"{_fleet_file_name(desired)} port_maps[{pm.name}]",
-            name=pm.name,
-            protocol=pm.protocol,
-            listen_port=pm.listen_port,
-            target_host=pm.target_host,
-            target_address=target,
-            target_port=pm.target_port,
-            exec_start=exec_start,
-        )
-        artifacts.append(Artifact(layout.unit_path(f"fabric-socat-{pm.name}.service"), text, 0o644, "unit"))
-        (tcp_ports if pm.protocol == "tcp" else udp_ports).add(pm.listen_port)
-        if pm.allow_from:
-            openings.append(nft_opening(pm))
-            notes.append(exposure_note(pm))
-
-    # The Ray node of this host, if [ray] names it.
-    ray = ray_unit(desired, host_name, facts, layout.ray, ray_closed)
-    if ray is not None:
-        artifacts.append(Artifact(layout.unit_path(ray.unit), _ray_unit_text(ray, desired, templates), 0o644, "unit"))
-        if ray.closed is not None:
-            notes.append(f"{ray.unit}: closed to new Ray tasks ({ray.closed}): no CPUs, GPUs or tiers offered")
-        if ray.role == "head" and desired.fleet.ray is not None:
-            # Ray's GCS and dashboard have no authentication: tailnet only.
-            tcp_ports.add(desired.fleet.ray.port)
-            if desired.fleet.ray.dashboard:
-                tcp_ports.add(desired.fleet.ray.dashboard_port)
-
-    # nftables: the ports of the services running here and of the port maps.
-    for service_id in placed_here:
-        service = desired.service(service_id)
-        if service is not None and service.port is not None and any(w.id == service_id and w.what == "service" for w in workloads):
-            tcp_ports.add(service.port)
-    nft_text = _template(
-        "fabric.nft.j2",
-        templates,
-        host=host_name,
-        tailnet=TAILNET,
-        tailnet6=TAILNET6,
-        tcp_ports=[str(p) for p in sorted(tcp_ports)],
-        udp_ports=[str(p) for p in sorted(udp_ports)],
-        openings=openings,
-        nftables_fix=needs_nftables_fix(host, facts),
-    )
-    artifacts.append(Artifact(layout.nft_file, nft_text, 0o644, "nft"))
-    nft_load = " ".join(systemd_quote(a) for a in (layout.nft, "-f", "/" + layout.nft_file))
-    artifacts.append(
-        Artifact(
-            layout.unit_path("fabric-nftables.service"),
-            _template("nftables-load.service.j2", templates, exec_start=nft_load),
-            0o644,
-            "unit",
-        )
-    )
-
-    # The edge: one Caddy site per routed service, and the fleet's status page
-    # (a static file each pass rewrites; see reconciler.core.views.page).
-    if "edge" in host.host.roles:
-        sites = []
-        for service in sorted((s for s in desired.fleet.services if s.route), key=lambda s: s.route.host if s.route else ""):
-            assert service.route is not None and service.port is not None
-            upstreams = [caddy_address(desired.hosts[n].host.address, service.port) for n in part.nodes_of(service.id)]
-            sites.append(
-                {
-                    "service": service.id,
-                    "host": service.route.host,
-                    "path": service.route.path,
-                    "upstreams": upstreams,
-                }
-            )
-        artifacts.append(
-            Artifact(
-                layout.caddy_file,
-                _template(
-                    "fabric.caddy.j2",
-                    templates,
-                    host=host_name,
-                    sites=sites,
-                    proxy=proxy_timings(desired.fleet.edge),
-                    status_site=status_caddy_site(desired),
-                ),
-                0o644,
-                "caddy",
-            )
-        )
-
-    # phaze's control plane reads its lanes from backends.toml.
-    if "control" in host.host.roles and desired.fleet.lanes:
-        artifacts.append(phaze_backends(desired, layout, templates, part.lanes_out))
-
-    # k3s node labels from the probe (and the host file).
-    labels = _labels(host, facts, notes)
-    if labels:
-        artifacts.append(Artifact(layout.k3s_dropin, _template("k3s-labels.yaml.j2", templates, host=host_name, labels=labels), 0o644, "dropin"))
-
+    r = _HostRender(desired, host_name, host, facts, layout, templates, ray_closed, notes, part, arch)
+    r.workloads = _workloads_here(r)
+    artifacts = [artifact for renderer in _RENDERERS for artifact in renderer(r)]
     artifacts.sort(key=lambda a: a.path)
     return Rendered(tuple(artifacts), tuple(notes))
 

@@ -54,6 +54,7 @@ Scale down
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -150,24 +151,40 @@ def cheaper_to_raise(node: SnapshotNode, hot: Collection[str], nodes: dict[str, 
     ]
 
 
-def decide_scaling(
-    snapshot: Snapshot,
-    queue_depth: int,
-    settings: ScalingSettings,
-    state: ScalingState,
-    now: datetime | None = None,
-    lane_hosts: Collection[str] | None = None,
-) -> ScalingDecision:
-    """The scaling actions for this pass and the state to keep for the next.
-    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work)."""
-    now = utc(now if now is not None else snapshot.now)
-    interval = timedelta(seconds=settings.group_interval_s)
+@dataclass
+class _Windows:
+    """The state being built for the next pass: open windows and pacing."""
+
+    hot: dict[str, datetime]
+    cold: dict[str, datetime]
+    queue_high_since: datetime | None
+    scaled_down: set[str]
+    last_group_at: dict[str, datetime]
+    last_activation_at: dict[str, datetime]
+
+    def state(self) -> ScalingState:
+        return ScalingState(
+            queue_high_since=self.queue_high_since,
+            hot_since=self.hot,
+            cold_since=self.cold,
+            last_group_at=self.last_group_at,
+            last_activation_at=self.last_activation_at,
+            scaled_down=sorted(self.scaled_down),
+        )
+
+
+def _running(snapshot: Snapshot) -> dict[str, SnapshotNode]:
     running: dict[str, SnapshotNode] = {}
     for node in snapshot.nodes:
         if node.status == "active" and not node.drained:
             running.setdefault(node.node_id, node)
+    return running
 
-    # 1. Windows: keep a start time while its condition holds, drop it otherwise.
+
+def _windows(running: dict[str, SnapshotNode], queue_depth: int, settings: ScalingSettings, state: ScalingState, now: datetime) -> _Windows:
+    """Keep a start time while its condition holds, drop it otherwise; keep
+    the pacing marks while they still pace something."""
+    interval = timedelta(seconds=settings.group_interval_s)
     hot: dict[str, datetime] = {}
     cold: dict[str, datetime] = {}
     for node_id, node in running.items():
@@ -178,25 +195,30 @@ def decide_scaling(
             hot[node_id] = _since(state.hot_since.get(node_id), now)
         if busy < settings.scale_down_utilization:
             cold[node_id] = _since(state.cold_since.get(node_id), now)
-    queue_high_since = _since(state.queue_high_since, now) if queue_depth > settings.queue_high else None
-    scaled_down = {n for n in state.scaled_down if n in cold}
-    last_group_at = {tier: utc(at) for tier, at in state.last_group_at.items() if now - utc(at) < interval}
-    # Kept while they still pace something, whatever the node did meanwhile
-    # (a node that blinks offline and back is not activated again sooner).
-    last_activation_at = {n: utc(at) for n, at in state.last_activation_at.items() if now - utc(at) < interval}
+    return _Windows(
+        hot=hot,
+        cold=cold,
+        queue_high_since=_since(state.queue_high_since, now) if queue_depth > settings.queue_high else None,
+        scaled_down={n for n in state.scaled_down if n in cold},
+        last_group_at={tier: utc(at) for tier, at in state.last_group_at.items() if now - utc(at) < interval},
+        # Kept while they still pace something, whatever the node did meanwhile
+        # (a node that blinks offline and back is not activated again sooner).
+        last_activation_at={n: utc(at) for n, at in state.last_activation_at.items() if now - utc(at) < interval},
+    )
 
-    actions: list[ScalingAction] = []
+
+def _vertical(running: dict[str, SnapshotNode], w: _Windows, settings: ScalingSettings, now: datetime, actions: list[ScalingAction]) -> list[str]:
+    """Hot nodes: more concurrency where there is headroom; the reasons to
+    scale out for those at their ceiling."""
     scale_out_reasons: list[str] = []
-
-    # 2. Vertical: more concurrency where there is headroom, else scale out.
-    for node_id in by_cost(list(hot), running):
-        held = _held_for(hot[node_id], now)
+    for node_id in by_cost(list(w.hot), running):
+        held = _held_for(w.hot[node_id], now)
         if held < settings.scale_up_window_s:
             continue
         node = running[node_id]
         how_busy = f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s (> {settings.scale_up_utilization:.0%})"
         ceiling = node.max_concurrent_ceiling or node.max_concurrent_tasks
-        first = cheaper_to_raise(node, hot, running, now)
+        first = cheaper_to_raise(node, w.hot, running, now)
         if first and node.max_concurrent_tasks < ceiling:
             actions.append(ScalingAction(kind="hold", node=node_id, tier=node.tier, reason=f"{how_busy}; paid: {', '.join(first)} raised first"))
             continue  # its window stays: raised once no cheaper node can be
@@ -212,83 +234,120 @@ def decide_scaling(
             )
         else:
             scale_out_reasons.append(f"{how_busy} and at its ceiling {ceiling}")
-        hot[node_id] = now  # the next step needs another full window
+        w.hot[node_id] = now  # the next step needs another full window
+    return scale_out_reasons
 
+
+def _activate_idle(
+    idle: list[str], running: dict[str, SnapshotNode], w: _Windows, why: str, interval: timedelta, now: datetime
+) -> list[ScalingAction]:
+    """Burst step 1: idle capacity first, each node at most once per interval."""
+    actions = []
+    for node_id in idle:
+        last = w.last_activation_at.get(node_id)
+        if last is not None and now - last < interval:
+            continue
+        actions.append(ScalingAction(kind="activate_idle", node=node_id, tier=running[node_id].tier, reason=why))
+        w.last_activation_at[node_id] = now
+        w.scaled_down.discard(node_id)
+        w.cold.pop(node_id, None)
+    return actions
+
+
+def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: timedelta, now: datetime) -> list[ScalingAction]:
+    """Burst step 2: each configured cloud hook, best tier first, one group per tier per interval."""
+    actions = []
+    for tier in sorted(settings.cloud_hooks, key=TIER_ORDER.index):
+        last = w.last_group_at.get(tier)
+        if last is not None and now - last < interval:
+            actions.append(
+                ScalingAction(
+                    kind="hold",
+                    tier=tier,
+                    reason=f"{why}; one {tier} group per {settings.group_interval_s}s: last at {utc_stamp(last)}, next from {utc_stamp(last + interval)}",
+                )
+            )
+            continue
+        actions.append(ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier]), reason=f"{why}; no idle capacity"))
+        w.last_group_at[tier] = now
+    return actions
+
+
+def _scale_out(
+    reasons: list[str],
+    running: dict[str, SnapshotNode],
+    w: _Windows,
+    settings: ScalingSettings,
+    state: ScalingState,
+    lane_hosts: Collection[str] | None,
+    now: datetime,
+) -> list[ScalingAction]:
+    """Horizontal: idle capacity first, else the cloud hooks, else a hold."""
+    why = "; ".join(reasons)
+    interval = timedelta(seconds=settings.group_interval_s)
+    idle = cheapest_idle(
+        [
+            node_id
+            for node_id, node in running.items()
+            if node.in_flight == 0 and accepts_new_work(node, now) and (lane_hosts is None or node_id in lane_hosts or node_id in state.scaled_down)
+        ],
+        running,
+    )
+    if idle:
+        return _activate_idle(idle, running, w, why, interval, now)
+    if not settings.cloud_hooks:
+        return [ScalingAction(kind="hold", reason=f"{why}; no idle capacity and no cloud hook configured: work stays queued")]
+    return _cloud_hooks(w, settings, why, interval, now)
+
+
+def _scale_down(running: dict[str, SnapshotNode], w: _Windows, queue_depth: int, settings: ScalingSettings, now: datetime) -> list[ScalingAction]:
+    """Scale down groups idle for the whole window, unless a burst is on."""
+    if queue_depth > settings.queue_high:
+        return []
+    actions = []
+    for node_id in sorted(w.cold):
+        held = _held_for(w.cold[node_id], now)
+        if held < settings.scale_down_window_s or node_id in w.scaled_down:
+            continue
+        node = running[node_id]
+        actions.append(
+            ScalingAction(
+                kind="scale_down",
+                node=node_id,
+                tier=node.tier,
+                reason=(
+                    f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s "
+                    f"(< {settings.scale_down_utilization:.0%}), queue depth {queue_depth}"
+                ),
+            )
+        )
+        w.scaled_down.add(node_id)
+    return actions
+
+
+def decide_scaling(
+    snapshot: Snapshot,
+    queue_depth: int,
+    settings: ScalingSettings,
+    state: ScalingState,
+    now: datetime | None = None,
+    lane_hosts: Collection[str] | None = None,
+) -> ScalingDecision:
+    """The scaling actions for this pass and the state to keep for the next.
+    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work)."""
+    now = utc(now if now is not None else snapshot.now)
+    running = _running(snapshot)
+    # 1. Windows: keep a start time while its condition holds, drop it otherwise.
+    w = _windows(running, queue_depth, settings, state, now)
+    # 2. Vertical: more concurrency where there is headroom, else scale out.
+    actions: list[ScalingAction] = []
+    scale_out_reasons = _vertical(running, w, settings, now, actions)
     # 3. Horizontal: a sustained burst, or a hot node without headroom.
-    burst_for = _held_for(queue_high_since, now)
+    burst_for = _held_for(w.queue_high_since, now)
     if burst_for >= settings.burst_window_s:
         scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
     if scale_out_reasons:
-        why = "; ".join(scale_out_reasons)
-        idle = cheapest_idle(
-            [
-                node_id
-                for node_id, node in running.items()
-                if node.in_flight == 0
-                and accepts_new_work(node, now)
-                and (lane_hosts is None or node_id in lane_hosts or node_id in state.scaled_down)
-            ],
-            running,
-        )
-        if idle:
-            for node_id in idle:
-                last = last_activation_at.get(node_id)
-                if last is not None and now - last < interval:
-                    continue
-                actions.append(ScalingAction(kind="activate_idle", node=node_id, tier=running[node_id].tier, reason=why))
-                last_activation_at[node_id] = now
-                scaled_down.discard(node_id)
-                cold.pop(node_id, None)
-        elif not settings.cloud_hooks:
-            actions.append(ScalingAction(kind="hold", reason=f"{why}; no idle capacity and no cloud hook configured: work stays queued"))
-        else:
-            for tier in sorted(settings.cloud_hooks, key=TIER_ORDER.index):
-                last = last_group_at.get(tier)
-                if last is not None and now - last < interval:
-                    actions.append(
-                        ScalingAction(
-                            kind="hold",
-                            tier=tier,
-                            reason=f"{why}; one {tier} group per {settings.group_interval_s}s: last at {utc_stamp(last)}, next from {utc_stamp(last + interval)}",
-                        )
-                    )
-                    continue
-                actions.append(
-                    ScalingAction(
-                        kind="run_cloud_hook",
-                        tier=tier,
-                        argv=list(settings.cloud_hooks[tier]),
-                        reason=f"{why}; no idle capacity",
-                    )
-                )
-                last_group_at[tier] = now
-
+        actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now)
     # 4. Scale down groups idle for the whole window, unless a burst is on.
-    if queue_depth <= settings.queue_high:
-        for node_id in sorted(cold):
-            held = _held_for(cold[node_id], now)
-            if held < settings.scale_down_window_s or node_id in scaled_down:
-                continue
-            node = running[node_id]
-            actions.append(
-                ScalingAction(
-                    kind="scale_down",
-                    node=node_id,
-                    tier=node.tier,
-                    reason=(
-                        f"{node_id} {node.in_flight}/{node.max_concurrent_tasks} busy for {held:.0f}s "
-                        f"(< {settings.scale_down_utilization:.0%}), queue depth {queue_depth}"
-                    ),
-                )
-            )
-            scaled_down.add(node_id)
-
-    next_state = ScalingState(
-        queue_high_since=queue_high_since,
-        hot_since=hot,
-        cold_since=cold,
-        last_group_at=last_group_at,
-        last_activation_at=last_activation_at,
-        scaled_down=sorted(scaled_down),
-    )
-    return ScalingDecision(actions=actions, state=next_state)
+    actions += _scale_down(running, w, queue_depth, settings, now)
+    return ScalingDecision(actions=actions, state=w.state())
