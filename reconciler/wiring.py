@@ -548,7 +548,7 @@ def _pass_ports(
     from reconciler.adapters.files import FlockLock, LocalTree
     from reconciler.adapters.journal import JournalAudit
     from reconciler.adapters.memo_io import git_commit
-    from reconciler.core.templating import keep_compiled_templates
+    from reconciler.core.templating import Templates
     from reconciler.engine.apply import Activators, Validators
     from reconciler.engine.reconcile import PassPorts
 
@@ -571,7 +571,6 @@ def _pass_ports(
             activators = Activators(systemd, nft, caddy)
     audit = JournalAudit()
     compiled = CompiledTemplates(cache_directory(root, state_dir))
-    keep_compiled_templates(compiled)
     try:
         yield PassPorts(
             tree=LocalTree(root),
@@ -585,9 +584,9 @@ def _pass_ports(
             note=print_note,
             desired_commit=git_commit,
             keep_caches=compiled.keep,
+            templates=Templates(compiled=compiled),
         )
     finally:
-        keep_compiled_templates(None)
         # The D-Bus connection's event loop dies with a task pending unless closed.
         if systemd is not None:
             systemd.close()

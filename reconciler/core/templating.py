@@ -13,6 +13,7 @@ rendered on their own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -25,22 +26,9 @@ TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 
 Kind = Literal["text", "html"]
 
-# Where the package's templates are kept compiled between processes (set by
-# the command line's wiring: a directory in the state directory). Parsing and
-# compiling them is most of a render's cost in a pass that is a new process.
-_compiled: jinja2.BytecodeCache | None = None
-
-
-def keep_compiled_templates(cache: jinja2.BytecodeCache | None) -> None:
-    """Load the package's templates through `cache` from now on (None: compile them every process).
-    Jinja keys each entry by the template's name and source checksum, so an edited template is compiled anew."""
-    global _compiled
-    _compiled = cache
-    environment.cache_clear()
-
 
 @cache
-def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Environment:
+def environment(kind: Kind = "text", directory: str | None = None, compiled: jinja2.BytecodeCache | None = None) -> jinja2.Environment:
     """The Jinja environment for `kind`, one per process (it caches the compiled templates).
 
     Both kinds are StrictUndefined: a missing value is an error, never an
@@ -53,11 +41,13 @@ def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Env
       registry and the plan) and block tags take their line with them.
 
     `directory` loads the templates from there instead of the package (tests
-    render edited copies).
+    render edited copies). `compiled` keeps the package's templates compiled
+    between processes (a pass's state directory: `Templates`); edited copies
+    are compiled every time.
     """
     loader: jinja2.BaseLoader = jinja2.PackageLoader("reconciler", "templates") if directory is None else jinja2.FileSystemLoader(directory)
     # Edited copies (tests) are compiled every time; only the package's are kept.
-    compiled = _compiled if directory is None else None
+    compiled = compiled if directory is None else None
     if kind == "html":
         return jinja2.Environment(
             loader=loader,
@@ -76,3 +66,29 @@ def environment(kind: Kind = "text", directory: str | None = None) -> jinja2.Env
         keep_trailing_newline=True,
         trim_blocks=False,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class Templates:
+    """Where a render takes its templates from: the package's (kept compiled
+    between processes when `compiled` is given: the wiring hands a pass its
+    state directory's cache) or an edited copy in `directory` (tests). A
+    value the caller passes in, so the core holds no state set from outside."""
+
+    directory: Path | None = None
+    compiled: jinja2.BytecodeCache | None = None
+
+    @staticmethod
+    def of(templates: Templates | Path | None) -> Templates:
+        """`templates` as a Templates: a directory is an edited copy, None the package's."""
+        if isinstance(templates, Templates):
+            return templates
+        return Templates(directory=templates)
+
+    def get(self, kind: Kind, name: str) -> jinja2.Template:
+        directory = None if self.directory is None else str(self.directory)
+        return environment(kind, directory, self.compiled).get_template(name)
+
+
+# The package's templates, compiled in this process only.
+PACKAGED = Templates()

@@ -20,6 +20,7 @@ from reconciler.core.live.models import FleetPlan, Snapshot
 from reconciler.core.pass_files import PASS_COUNTERS, TEXTFILE_PATH
 from reconciler.core.probe.damping import ProbeHistory, damp
 from reconciler.core.render.status_site import STATUS_FILE, STATUS_ROOT
+from reconciler.core.templating import PACKAGED, Templates
 from reconciler.engine.desired_load import named_hosts
 from reconciler.engine.fleet_view import FleetView
 from reconciler.engine.plan_fence import PassPlan
@@ -63,12 +64,13 @@ def write_pass_records(
     outcome: PassFigures,
     now: datetime,
     view: FleetView | None = None,
+    templates: Templates = PACKAGED,
 ) -> str | None:
     """Write them; a note for the log when they cannot be written (the pass still counts).
     `view`: the registry's view of the fleet, read by an edge's pass
     (`fleet_view.read_fleet_view`): the fleet's metrics and the status page."""
     try:
-        _write(tree, state_dir, desired, host, source, outcome, now, view)
+        _write(tree, state_dir, desired, host, source, outcome, now, view, templates)
     except OSError as exc:
         return f"could not write metrics or the status page: {exc}"
     return None
@@ -105,6 +107,7 @@ def _write(
     outcome: PassFigures,
     now: datetime,
     view: FleetView | None,
+    templates: Templates,
 ) -> None:
     # The metrics and the page are written once the pass has activated: their
     # views are imported here, not by a pass on its way to activation.
@@ -138,5 +141,5 @@ def _write(
     )
     if view is not None and snapshot is not None:
         plan = source.plan if source.plan.leader else None
-        page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=view.history)
+        page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=view.history, templates=templates)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())

@@ -58,6 +58,7 @@ from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agent_unit, render
 from reconciler.core.render.ray_units import closed_reason
 from reconciler.core.scheduling.lifecycle import heartbeat_timeout
+from reconciler.core.templating import PACKAGED, Templates
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, ApplyResult, GenerationStore, Validators, no_checkpoint
 from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
@@ -175,6 +176,9 @@ class PassPorts:
     # not a git checkout); the whole tree is validated once per key
     # (reconciler.engine.desired_load), every pass without one.
     desired_commit: Callable[[Path], str | None] = _no_commit
+    # The templates the pass renders with: the package's, kept compiled in the
+    # state directory when the wiring hands a cache (core.templating.Templates).
+    templates: Templates = PACKAGED
     # Keeps what the pass cached for the next one (the compiled templates);
     # called only once its inputs all checked out, so bad input leaves nothing.
     keep_caches: Callable[[], None] = _keep_nothing
@@ -325,7 +329,9 @@ def _plan_and_render(
         ray=programs.ray,
     )
     try:
-        rendered = render(desired, host, facts, source.plan, layout=layout, ray_closed=closed_reason(source.own_state, _now(ports.clock)))
+        rendered = render(
+            desired, host, facts, source.plan, layout=layout, templates=ports.templates, ray_closed=closed_reason(source.own_state, _now(ports.clock))
+        )
     except RenderError as exc:
         raise _BadInput(f"fabric: {exc}") from None
     for note in rendered.notes:
@@ -399,7 +405,9 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         # Once per pass, of its last round (`prepared` is that round's).
         outcome = PassFigures(succeeded, rolled_back, store.current(), max(0.0, ports.clock.now() - started))
         view, desired = _fleet_view(ports, prepared)
-        note = write_pass_records(store.tree, store.state_dir, desired, prepared.host, prepared.source, outcome, _now(ports.clock), view=view)
+        note = write_pass_records(
+            store.tree, store.state_dir, desired, prepared.host, prepared.source, outcome, _now(ports.clock), view=view, templates=ports.templates
+        )
         if note is not None:
             ports.note(note)
         ports.keep_caches()  # after the status page: its template too

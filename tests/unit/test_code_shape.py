@@ -66,3 +66,16 @@ def test_lengths_count_from_def_to_the_last_line_without_decorators(tmp_path: Pa
         f"import functools\n\n\n@functools.cache\ndef f():\n{body}\n\n\nclass C:\n    def g(self):\n        def h():\n            pass\n        return h\n"
     )
     assert function_lengths(package) == {"reconciler/m.py::f": 4, "reconciler/m.py::C.g": 4, "reconciler/m.py::C.g.h": 2}
+
+
+def test_the_core_holds_no_state_set_from_outside() -> None:
+    """No `global` in the pure core: what a caller decides (the templates'
+    compiled cache, say) is a value it hands in (core.templating.Templates)."""
+    core = Path(__file__).resolve().parents[2] / "reconciler" / "core"
+    found = [
+        f"{path.relative_to(core.parent.parent)}:{node.lineno}"
+        for path in sorted(core.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Global)
+    ]
+    assert found == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.compiled_templates import CompiledTemplates, cache_directory
-from reconciler.core.templating import environment, keep_compiled_templates
+from reconciler.core.templating import PACKAGED, Templates, environment
 from tests.support.cli import fabric
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,11 +83,9 @@ def test_an_edited_template_is_compiled_anew(tmp_path: Path) -> None:
 
 
 def test_the_package_environment_uses_the_cache_it_is_given(tmp_path: Path) -> None:
+    """The cache is a value the caller hands in (Templates), never state set from outside the core."""
     cache = CompiledTemplates(tmp_path / "compiled")
-    keep_compiled_templates(cache)
-    try:
-        assert environment("text").bytecode_cache is cache
-        assert environment("text", str(tmp_path)).bytecode_cache is None  # edited copies: never cached
-    finally:
-        keep_compiled_templates(None)
-    assert environment("text").bytecode_cache is None
+    kept = Templates(compiled=cache)
+    assert kept.get("text", "socat.service.j2").environment.bytecode_cache is cache
+    assert environment("text", str(tmp_path), cache).bytecode_cache is None  # edited copies: never cached
+    assert PACKAGED.get("text", "socat.service.j2").environment.bytecode_cache is None

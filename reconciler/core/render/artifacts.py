@@ -67,7 +67,7 @@ from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_u
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
-from reconciler.core.templating import environment as template_environment
+from reconciler.core.templating import Templates
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
@@ -177,10 +177,9 @@ def credential_env_name(name: str) -> str:
 # Templates
 
 
-def _template(template_name: str, templates_dir: Path | None, /, **values: object) -> str:
+def _template(template_name: str, templates: Templates, /, **values: object) -> str:
     # Unit files, nft, Caddyfile: nothing is escaped, quoting is done per value above.
-    directory = None if templates_dir is None else str(templates_dir)
-    text = template_environment("text", directory).get_template(template_name).render(**values)
+    text = templates.get("text", template_name).render(**values)
     return text.rstrip("\n") + "\n"
 
 
@@ -513,7 +512,7 @@ def _command_parts(w: _Workload) -> _UnitParts:
     return parts
 
 
-def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: list[str]) -> str:
+def _agent_unit(w: _Workload, layout: Layout, templates: Templates, notes: list[str]) -> str:
     unit = agent_unit(w.id)
     parts = _podman_parts(w, unit, layout) if w.image is not None else _command_parts(w)
     return _template(
@@ -537,7 +536,7 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Path | None, notes: lis
     )
 
 
-def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Path | None) -> str:
+def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Templates) -> str:
     return _template(
         "ray.service.j2",
         templates,
@@ -552,7 +551,7 @@ def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Path | None) 
     )
 
 
-def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None, left_out: tuple[str, ...] = ()) -> Artifact:
+def phaze_backends(desired: DesiredState, layout: Layout, templates: Templates | Path | None, left_out: tuple[str, ...] = ()) -> Artifact:
     """/etc/phaze/backends.toml: the declared [[backends]] but the compute
     lanes the leader left out (`left_out`: dead for the steering window,
     core.scheduling.lane_steering), with the keys phaze knows that are set
@@ -570,7 +569,9 @@ def phaze_backends(desired: DesiredState, layout: Layout, templates: Path | None
             if value is not None:
                 fields.append((key, str(value) if isinstance(value, int) else toml_string(value)))
         backends.append(fields)
-    text = _template("backends.toml.j2", templates, source=f"{_fleet_file_name(desired)} backends", backends=backends, left_out=list(left_out))
+    text = _template(
+        "backends.toml.j2", Templates.of(templates), source=f"{_fleet_file_name(desired)} backends", backends=backends, left_out=list(left_out)
+    )
     return Artifact(layout.phaze_backends, text, 0o644, "file", restarts=tuple(desired.fleet.phaze.control_units))
 
 
@@ -606,7 +607,7 @@ class _HostRender:
     host: HostConfig
     facts: HostFacts
     layout: Layout
-    templates: Path | None
+    templates: Templates
     ray_closed: str | None
     notes: list[str]
     part: PlanPart
@@ -776,13 +777,14 @@ def render(
     plan: FleetPlan,
     *,
     layout: Layout = Layout(),
-    templates: Path | None = None,
+    templates: Templates | Path | None = None,
     ray_closed: str | None = None,
 ) -> Rendered:
     """Every artifact of `host_name`; raise RenderError if it cannot be done.
 
-    The templates come from the package; `templates` renders from that
-    directory instead (tests render edited copies). `ray_closed`: why this
+    The templates come from the package (`templates`: kept compiled where the
+    caller says, core.templating.Templates); a directory renders from there
+    instead (tests render edited copies). `ray_closed`: why this
     host takes no new work (drained, held off; `ray_units.closed_reason`),
     so its Ray node offers nothing new."""
     host = desired.hosts.get(host_name)
@@ -794,7 +796,7 @@ def render(
     # All that is read from the fleet plan is this host's part of it (checked
     # against the desired state there): `fabric watch` starts a pass when it changes.
     part = plan_part(desired, plan, host_name, notes)
-    r = _HostRender(desired, host_name, host, facts, layout, templates, ray_closed, notes, part, arch)
+    r = _HostRender(desired, host_name, host, facts, layout, Templates.of(templates), ray_closed, notes, part, arch)
     r.workloads = _workloads_here(r)
     artifacts = [artifact for renderer in _RENDERERS for artifact in renderer(r)]
     artifacts.sort(key=lambda a: a.path)

@@ -20,7 +20,7 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
-from reconciler.core.templating import environment as template_environment
+from reconciler.core.templating import PACKAGED, Templates
 from reconciler.core.timestamps import display_time
 from reconciler.core.views.cards import FleetStatus, NodeRow, event_time, fleet_status
 from reconciler.core.views.timeline import FleetHistory
@@ -34,11 +34,11 @@ def _node_status_class(node: NodeRow) -> str:
     return f"status-{node.status}"
 
 
-def render_status_html(status: FleetStatus) -> str:
+def render_status_html(status: FleetStatus, templates: Templates = PACKAGED) -> str:
     """The page for an already-built `FleetStatus`."""
     # "html": every value on the page (reasons, ids) came from the registry or
     # the plan, so all of it is escaped. The environment is cached per process.
-    template = template_environment("html").get_template(TEMPLATE_NAME)
+    template = templates.get("html", TEMPLATE_NAME)
     return template.render(
         status=status,
         updated=display_time(status.now),
@@ -55,8 +55,9 @@ def render_status_page(
     *,
     plan_refused: str | None = None,
     history: FleetHistory | None = None,
+    templates: Templates = PACKAGED,
 ) -> str:
     """The status page for one pass; reloads itself every pass interval.
     `plan_refused`: why the registry's newest plan is not the fleet's (shown).
     `history`: what the registry remembers, for the timeline (None: not shown)."""
-    return render_status_html(fleet_status(desired, snapshot, plan, now, plan_refused=plan_refused, history=history))
+    return render_status_html(fleet_status(desired, snapshot, plan, now, plan_refused=plan_refused, history=history), templates)
