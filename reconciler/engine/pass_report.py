@@ -12,8 +12,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from reconciler.core.render.actions import HostActions
     from reconciler.engine.pass_memo import MemoSeed
-    from reconciler.engine.reconcile import Preview
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What `fabric plan` shows, for its --json form."""
+
+    host: str
+    actions: HostActions
+    unfinished: bool  # the last pass did not finish activating; this one would
+    render_notes: tuple[str, ...]
+
 
 PassOutcome = Literal[
     "noop",  # nothing to do

@@ -54,7 +54,6 @@ from reconciler.core.live.watching import PLAN_TAKEN, plan_taken_record
 from reconciler.core.pass_files import NODE_CONFIG_FILE
 from reconciler.core.probe.damping import ProbeHistory
 from reconciler.core.probe.identity import tailnet_name_note
-from reconciler.core.render.actions import HostActions
 from reconciler.core.render.artifacts import Layout, Rendered, RenderError, agent_unit, render
 from reconciler.core.render.ray_units import closed_reason
 from reconciler.core.scheduling.lifecycle import heartbeat_timeout
@@ -67,7 +66,7 @@ from reconciler.engine.heartbeat import Measured, UnitsSeen, beat_after_activati
 from reconciler.engine.pass_memo import MemoSeed
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, shows_fleet, write_pass_records
-from reconciler.engine.pass_report import PassReport
+from reconciler.engine.pass_report import PassReport, Preview
 from reconciler.engine.plan_fence import PassPlan
 from reconciler.engine.plan_source import effective_facts, epoch_moved_past, fleet_plan_for
 from reconciler.ports import (
@@ -186,16 +185,6 @@ class PassPorts:
 
 # --------------------------------------------------------------------------
 # The report
-
-
-@dataclass(frozen=True)
-class Preview:
-    """What `fabric plan` shows, for its --json form."""
-
-    host: str
-    actions: HostActions
-    unfinished: bool  # the last pass did not finish activating; this one would
-    render_notes: tuple[str, ...]
 
 
 class _BadInput(Exception):

@@ -17,7 +17,8 @@ import pytest
 
 from reconciler.core.desired.load import load_desired
 from reconciler.core.live.models import FleetPlan, Snapshot
-from reconciler.core.views.metrics import TEXTFILE_PATH, PassMetrics, render_metrics
+from reconciler.core.pass_files import TEXTFILE_PATH
+from reconciler.core.views.metrics import PassMetrics, render_metrics
 from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.support.harness.caddy import free_port
 from tests.support.harness.waiting import stop_process, wait_until

@@ -6,7 +6,7 @@ this module decides the series (`Family`), prometheus_client's
 its global registry is not used, and nothing is served). The apply step
 writes the text atomically (temp file + rename, which the collector
 requires so it never reads half a file) as
-`<root>/var/lib/node_exporter/textfile/fabric.prom` (`TEXTFILE_PATH`).
+`<root>/var/lib/node_exporter/textfile/fabric.prom` (`core.pass_files.TEXTFILE_PATH`).
 
 Two kinds of series:
 - this host's pass: duration, last success time, success, live generation,
