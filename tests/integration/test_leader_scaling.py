@@ -34,7 +34,7 @@ from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
 
-LONG = 10**6  # leases and heartbeats that outlive every window of a test
+LONG = 6 * 86_400  # leases and heartbeats that outlive every window of a test (a beat lives a week at most: MAX_BEAT_TIMEOUT_S)
 HOOK = "import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')"
 # Arguments a shell would split, expand or act on.
 TRICKY = ["a b; touch /tmp/not-a-shell", "$HOME", "*"]

@@ -216,9 +216,10 @@ def test_chromium_on_a_phone_sees_the_cards_nodes_and_deferred_work(status_site,
     # Greyed: the offline cards alone (x86-spill's host held off, lux, the local lane's control host, drained).
     assert [c["lane"] for c in page.cards if "offline" in c["class"].split()] == ["x86-spill", "local"]
     assert page.leader == "leader lux · plan epoch 7"
-    assert page.nodes["x86-spill"][:6] == ["x86-spill", "cpu_ffmpeg", "active", "1/4 25%", "5s ago", "held off 8m 20s"]
-    assert page.nodes["lux"][5] == "draining"
-    assert page.nodes["qfox-1"][2] == "not reporting"
+    # Its cost class is its host file's: x86-spill is the paid spill box.
+    assert page.nodes["x86-spill"][:7] == ["x86-spill", "cpu_ffmpeg", "paid", "active", "1/4 25%", "5s ago", "held off 8m 20s"]
+    assert page.nodes["lux"][6] == "draining"
+    assert page.nodes["qfox-1"][3] == "not reporting"
     assert page.sections["deferred-waiting"].startswith("Waiting for capacity (1) flac-fft#1 no eligible node")
     assert page.sections["deferred-inadmissible"].startswith("Inadmissible (1) lupine#0 inadmissible: no node in the fleet")
     assert page.external == []
@@ -304,9 +305,9 @@ def test_chromium_after_a_node_loss_sees_real_load_the_lanes_reason_and_the_even
     assert png_size(screenshot) == DESKTOP
     assert screenshot.stat().st_size > 10_000
     # Real load: what each host reported.
-    assert page.nodes["qfox-1"][:4] == ["qfox-1", "gpu_cuda", "active", "3/4 75%"]
-    assert page.nodes["a1-arm64"][2] == "offline"
-    assert page.nodes["x86-spill"][3:6] == ["1/2 50%", "0s ago", LOWERED]
+    assert page.nodes["qfox-1"][:5] == ["qfox-1", "gpu_cuda", "owned", "active", "3/4 75%"]
+    assert page.nodes["a1-arm64"][3] == "offline"
+    assert page.nodes["x86-spill"][4:7] == ["1/2 50%", "0s ago", LOWERED]
     # The offline lane, greyed alone, with its reason.
     (arm,) = [c for c in page.cards if c["lane"] == "a1-arm64"]
     assert arm["class"] == "card offline"

@@ -288,12 +288,13 @@ def test_whole_text_of_the_fixture(desired, snapshot, plan):
         "",
         "NODES",
         "NODE       TIER        COST   STATUS         LOAD      LAST SEEN  NOTE             SERVICES",
-        "a1-arm64   cpu_ffmpeg  owned  active         2/2 100%  12s ago                     braid#0",
+        # Each host's cost class is its host file's (a1-arm64 free, x86-spill paid), as placement takes it.
+        "a1-arm64   cpu_ffmpeg  free   active         2/2 100%  12s ago                     braid#0",
         "lux        cpu_ffmpeg  owned  active         0/2 0%    20s ago    draining",
         "qfox-1     -           owned  not reporting  -         never",
         "racknerd   relay       owned  active         1/1 100%  3s ago                      flac-fft#0",
-        "x86-spill  cpu_ffmpeg  owned  active         1/4 25%   5s ago     held off 8m 20s  vaapi-encode#0",
-        "  paid capacity: no paid node up",
+        "x86-spill  cpu_ffmpeg  paid   active         1/4 25%   5s ago     held off 8m 20s  vaapi-encode#0",
+        "  paid capacity: 1/4 slots in use (x86-spill 1/4)",
     ]
 
 

@@ -377,7 +377,12 @@ def _node_rows(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None
     services: dict[str, list[str]] = {}
     for p in sorted(placements, key=lambda p: (p.service, p.replica)):
         services.setdefault(p.node, []).append(f"{p.service}#{p.replica}")
-    rows = [_node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts) for node in snapshot.nodes]
+    # A declared host's cost class is its host file's, as placement takes it
+    # (core.scheduling.placement), whatever its own record says.
+    nodes = [
+        node.model_copy(update={"cost": desired.hosts[node.node_id].host.cost}) if node.node_id in desired.hosts else node for node in snapshot.nodes
+    ]
+    rows = [_node_row(node, tuple(services.get(node.node_id, ())), now, declared=node.node_id in desired.hosts) for node in nodes]
     reported = {node.node_id for node in snapshot.nodes}
     for host in sorted(set(desired.hosts) - reported):
         rows.append(
