@@ -12,8 +12,6 @@ counterpart is tests/unit/test_registry_untrusted.py.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import shutil
@@ -26,23 +24,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_records import MAX_RECORD_BYTES
-from reconciler.cli import EXIT_OK, main
-from reconciler.core.command_result import CommandResult
+from reconciler.cli import EXIT_OK
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import HostFacts
 from reconciler.core.live.records import NodeRecord
-from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
 from reconciler.ports import PermissionDenied, Registry, RegistryError
 from reconciler.wiring import open_registry
-from tests.conftest import REPO, require
+from tests.conftest import require
+from tests.support.cli import fabric_captured as run_cli
+from tests.support.fakes import NoCommands
 from tests.support.harness.etcd import EtcdCluster, etcd_cluster
 from tests.support.plan_keys import SignedFleet, signed_example_fleet
+from tests.support.probe_fixtures import fixture_facts as facts
 
 pytestmark = pytest.mark.integration
 
@@ -88,23 +85,6 @@ def desired_dirs(cluster: EtcdCluster, signed: SignedFleet, tmp_path_factory) ->
         toml.write_text(text)
         dirs[identity] = directory
     return dirs
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
-
-
-def facts(host: str) -> HostFacts:
-    outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
-    return facts_from_capture(RawCapture(outputs, errors), host=host)
-
-
-class NoCommands:
-    def run(self, argv, *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
-        return CommandResult(tuple(argv), 0)
 
 
 class EtcdFleet:

@@ -23,17 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.probe_io import CaptureDirectory
 from reconciler.adapters.registry_records import MAX_RECORD_BYTES, parse_record
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.cli import EXIT_OK, main
-from reconciler.core.command_result import CommandResult
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, HostFacts
+from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Snapshot
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.unreadable import UnreadableRecord
-from reconciler.core.probe import RawCapture, facts_from_capture
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.page import render_status_page
 from reconciler.engine.leader import candidate_loop
@@ -41,7 +38,9 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
 from reconciler.ports import RegistryError
 from tests.conftest import REPO
+from tests.support.fakes import NoCommands
 from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
+from tests.support.probe_fixtures import fixture_facts as facts
 
 HOSTILE = "x86-spill"
 # Every command that only reads the registry.
@@ -61,18 +60,6 @@ def state(fleet: SignedFleet) -> DesiredState:
 @pytest.fixture(scope="module")
 def signers(fleet: SignedFleet) -> dict[str, FakeSigner]:
     return {host: fleet.signer(host) for host in CANDIDATES}
-
-
-def facts(host: str) -> HostFacts:
-    outputs, errors = CaptureDirectory().load(str(REPO / "tests" / "fixtures" / "probe" / host))
-    return facts_from_capture(RawCapture(outputs, errors), host=host)
-
-
-class NoCommands:
-    """The CommandRunner port: no hook runs here."""
-
-    def run(self, argv, *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
-        return CommandResult(tuple(argv), 0)
 
 
 class Fleet:
