@@ -16,9 +16,8 @@ Pure: the desired state and the prefixes in, the problems out.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import PurePosixPath
 
-from reconciler.core.desired.model import DesiredState
+from reconciler.core.desired.model import DesiredState, lies_in
 from reconciler.core.desired.problems import Problem
 
 # Where secrets and working directories for units live on a host by default.
@@ -56,8 +55,7 @@ def unit_paths(desired: DesiredState, host: str | None = None) -> list[tuple[str
 
 
 def allowed(path: str, prefixes: Sequence[str]) -> bool:
-    target = PurePosixPath(path)
-    return any(target == PurePosixPath(prefix) or PurePosixPath(prefix) in target.parents for prefix in prefixes)
+    return any(lies_in(path, prefix) for prefix in prefixes)
 
 
 def confinement_problems(desired: DesiredState, prefixes: Sequence[str], host: str | None = None, *, why: str = "") -> list[Problem]:

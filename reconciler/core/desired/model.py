@@ -114,7 +114,7 @@ def is_name(value: str) -> bool:
 
 
 def _name(value: str) -> str:
-    if not _NAME_RE.match(value):
+    if not is_name(value):
         raise ValueError(
             f"{value!r} is not a safe name (lowercase letters, digits, '-' and '_', "
             "starting and ending with a letter or digit, at most 63 characters)"
@@ -170,14 +170,19 @@ SYSTEM_DIRECTORIES = (
 )
 
 
+def lies_in(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or lies below it (by path components: /etcetera is not in /etc)."""
+    target, parent = PurePosixPath(path), PurePosixPath(directory)
+    return target == parent or parent in target.parents
+
+
 def _unit_path(value: str) -> str:
     """A path a unit gets from the desired state: absolute, and outside every system directory."""
     _abs_path(value)
-    path = PurePosixPath(value)
-    if path == PurePosixPath("/"):
+    if PurePosixPath(value) == PurePosixPath("/"):
         raise ValueError("'/' is not a path a unit may be handed")
     for system in SYSTEM_DIRECTORIES:
-        if path == PurePosixPath(system) or PurePosixPath(system) in path.parents:
+        if lies_in(value, system):
             raise ValueError(
                 f"{value!r} lies in {system}, a system directory: no path the desired state hands to a unit may ({', '.join(SYSTEM_DIRECTORIES)})"
             )
