@@ -13,6 +13,9 @@ registry of the example fleet (signed plans: `signed.signer(host)`).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +38,12 @@ PROBES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 HOSTS = ("qfox-1", "a1-arm64", "lux")
 # The smallest object store Ray accepts: four raylets share this machine's memory.
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
+# Ray gives a starting node a fixed 30 s to register with its GCS (node.py's
+# raylet_start_wait_time_s, not configurable). On a loaded 2-core CI machine the
+# head has missed it once (2026-12-01: "The current node timed out during
+# startup"); a missed start is stopped by PID and tried again.
+HEAD_START_ATTEMPTS = 3
+HEAD_NODE_ARGS = {"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES}
 
 
 @dataclass
@@ -86,10 +95,7 @@ def ray_fleet(tmp: Path) -> Iterator[RayFleet]:
             specs[host] = ray_node_spec(host, facts, effective_limits(desired.hosts[host], facts.limitations))
     finally:
         registry.close()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES},
-    )
+    cluster = started_head()
     fleet = RayFleet(desired, registry_path, cluster, specs, signed)
     try:
         for host, spec in specs.items():
@@ -100,3 +106,43 @@ def ray_fleet(tmp: Path) -> Iterator[RayFleet]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc (the raylets, GCS and dashboard a start forked)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = {int(child) for child in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            frontier.extend(children - found)
+            found |= children
+    return found
+
+
+def started_head() -> Cluster:
+    """A cluster with its head up; a head that missed Ray's registration window is killed (by PID) and started again."""
+    for attempt in range(1, HEAD_START_ATTEMPTS + 1):
+        before = descendants(os.getpid())
+        try:
+            return Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
+        except Exception as missed:  # Ray raises a bare Exception for the missed window
+            if "timed out during startup" not in str(missed) or attempt == HEAD_START_ATTEMPTS:
+                raise
+            print(f"ray head start {attempt}/{HEAD_START_ATTEMPTS} missed Ray's 30 s window; killing it and retrying", file=sys.stderr)
+            stray = descendants(os.getpid()) - before
+            for pid in stray:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in stray:  # reap our own children; the kernel reparents the rest
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+    raise AssertionError("unreachable")
