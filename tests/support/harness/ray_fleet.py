@@ -16,11 +16,11 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.cluster_utils import Cluster
@@ -38,11 +38,12 @@ PROBES = Path(__file__).resolve().parents[2] / "fixtures" / "probe"
 HOSTS = ("qfox-1", "a1-arm64", "lux")
 # The smallest object store Ray accepts: four raylets share this machine's memory.
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
+T = TypeVar("T")
 # Ray gives a starting node a fixed 30 s to register with its GCS (node.py's
 # raylet_start_wait_time_s, not configurable). On a loaded 2-core CI machine the
 # head has missed it once (2026-12-01: "The current node timed out during
-# startup"); a missed start is stopped by PID and tried again.
-HEAD_START_ATTEMPTS = 3
+# startup"); a missed start, of the head or a node, is stopped by PID and tried again.
+START_ATTEMPTS = 3
 HEAD_NODE_ARGS = {"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES}
 
 
@@ -99,7 +100,7 @@ def ray_fleet(tmp: Path) -> Iterator[RayFleet]:
     fleet = RayFleet(desired, registry_path, cluster, specs, signed)
     try:
         for host, spec in specs.items():
-            fleet.nodes[host] = cluster.add_node(**ray_node_args(spec))
+            fleet.nodes[host] = registered(host, lambda spec=spec: cluster.add_node(**ray_node_args(spec)))
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, logging_level="warning")
         yield fleet
@@ -125,15 +126,20 @@ def descendants(pid: int) -> set[int]:
 
 
 def started_head() -> Cluster:
-    """A cluster with its head up; a head that missed Ray's registration window is killed (by PID) and started again."""
-    for attempt in range(1, HEAD_START_ATTEMPTS + 1):
+    """A cluster with its head up (see `registered`)."""
+    return registered("head", lambda: Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS))
+
+
+def registered(what: str, start: Callable[[], T]) -> T:
+    """`start()`, tried again when its node missed Ray's registration window; the missed start's processes are killed and reaped by PID."""
+    for attempt in range(1, START_ATTEMPTS + 1):
         before = descendants(os.getpid())
         try:
-            return Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
+            return start()
         except Exception as missed:  # Ray raises a bare Exception for the missed window
-            if "timed out during startup" not in str(missed) or attempt == HEAD_START_ATTEMPTS:
+            if "timed out during startup" not in str(missed) or attempt == START_ATTEMPTS:
                 raise
-            print(f"ray head start {attempt}/{HEAD_START_ATTEMPTS} missed Ray's 30 s window; killing it and retrying", file=sys.stderr)
+            print(f"ray {what} start {attempt}/{START_ATTEMPTS} missed Ray's 30 s window; killing it and retrying", file=sys.stderr)
             stray = descendants(os.getpid()) - before
             for pid in stray:
                 try:
