@@ -1163,6 +1163,8 @@ class Gpu(BaseModel):
     tier: Tier
     pci_slot: str | None = None
     render_node: str | None = None
+    # The group owning /dev/dri/<render_node> (stat): what a unit's dynamic user needs to open it.
+    render_group: str | None = None
     driver: str | None = None
 
 

@@ -117,6 +117,13 @@ FACTS: tuple[Fact, ...] = (
         "VA-API encode entrypoints per render node",
     ),
     Fact(
+        "dri_groups",
+        "dri-groups",
+        (PerRenderNode(("stat", "--format=%G", "{device}")),),
+        parsers.parse_dri_groups,
+        "the group that may open each render node",
+    ),
+    Fact(
         "storage",
         "lsblk.json",
         (Command(("lsblk", "--json", "--bytes", "--output", "NAME,TYPE,SIZE,ROTA,TRAN,MOUNTPOINT")),),

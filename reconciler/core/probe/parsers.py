@@ -571,6 +571,34 @@ def parse_vainfo(text: str) -> VaInfo:
 
 
 # --------------------------------------------------------------------------
+# stat --format=%G per render node
+#
+# The group that owns each render node, one `stat` run per node under the
+# vainfo header lines. A unit's dynamic user opens /dev/dri/renderDN only
+# through that group (mode 0660 root:render on Debian and Arch, root:video on
+# older distributions), so the renderer gives GPU units exactly this group.
+
+_GROUP_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}\$?$")
+
+
+def parse_dri_groups(text: str) -> dict[str, str]:
+    """{"renderD128": "render", ...}; a section whose group is not a plain group name is left out."""
+    _nonempty(text, "stat output")
+    groups: dict[str, str] = {}
+    node: str | None = None
+    for line in text.splitlines():
+        if line.startswith(VAINFO_HEADER):
+            node = line[len(VAINFO_HEADER) :].strip().rsplit("/", 1)[-1]
+            continue
+        name = line.strip()
+        if node is not None and re.match(r"^renderD\d+$", node) and _GROUP_RE.match(name) and node not in groups:
+            groups[node] = name
+    if not groups:
+        raise ParseError("no render node's group in the stat output")
+    return groups
+
+
+# --------------------------------------------------------------------------
 # lsblk --json --bytes --output NAME,TYPE,SIZE,ROTA,TRAN,MOUNTPOINT
 
 

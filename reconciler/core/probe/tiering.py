@@ -177,6 +177,7 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
     nvidia: NvidiaReport | None = parsed.get("nvidia")
     dri: DriNodes | None = parsed.get("dri")
     va: VaInfo | None = parsed.get("vainfo")
+    groups: dict[str, str] = parsed.get("dri_groups") or {}
     sysfs: SysfsPci | None = parsed.get("pci_sysfs")
     drivers = {d.slot: d.driver for d in (sysfs.devices if sysfs else ()) if d.driver}
     missing: dict[str, str] = {f"pci_sysfs {subject}": reason for subject, reason in (sysfs.problems if sysfs else ())}
@@ -201,7 +202,8 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
                     integrated=False,
                     tier="gpu_cuda",
                     pci_slot=smi.pci_slot,
-                    render_node=render_by_slot.get(smi.pci_slot) if smi.pci_slot else None,
+                    render_node=(node := render_by_slot.get(smi.pci_slot) if smi.pci_slot else None),
+                    render_group=groups.get(node) if node else None,
                     driver=smi.driver,
                 )
             )
@@ -242,6 +244,7 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
                 tier=tier,
                 pci_slot=device.slot,
                 render_node=node,
+                render_group=groups.get(node),
                 driver=va_device.driver if va_device else None,
             )
         )

@@ -43,7 +43,7 @@ import ipaddress
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -254,6 +254,28 @@ class _Workload:
     # A phaze agent's models: the host directory and where the container sees
     # it (MODELS_PATH), read-only. None otherwise.
     models: tuple[str, str] | None = None
+    # A GPU workload's way into /dev/dri: this host's render nodes ("renderD128")
+    # and the groups owning them (stat, probed), given as SupplementaryGroups=.
+    render_nodes: tuple[str, ...] = ()
+    render_groups: tuple[str, ...] = ()
+
+
+def render_devices(facts: HostFacts) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """This host's GPU render nodes and the groups that may open them (sorted, unique).
+    A dynamic user reaches /dev/dri/renderDN (0660 root:render) only as a member of
+    its group; a node whose group the probe did not see adds no group."""
+    nodes = sorted({g.render_node for g in facts.hardware.gpus if g.render_node}, key=lambda n: (len(n), n))
+    groups = sorted({g.render_group for g in facts.hardware.gpus if g.render_node and g.render_group})
+    return tuple(nodes), tuple(groups)
+
+
+def _with_render_devices(w: _Workload, facts: HostFacts, notes: list[str]) -> _Workload:
+    if not w.gpu:
+        return w
+    nodes, groups = render_devices(facts)
+    if nodes and not groups:
+        notes.append(f"{w.what} {w.id}: the probe saw no group owning {', '.join(nodes)}; its unit gets no group to open them")
+    return replace(w, render_nodes=nodes, render_groups=groups)
 
 
 def _fleet_file_name(desired: DesiredState) -> str:
@@ -475,6 +497,9 @@ def _podman_parts(w: _Workload, unit: str, layout: Layout) -> _UnitParts:
     _secret_volumes(w, parts)
     _scratch_volume(w, layout, parts)
     _models_volume(w, parts)
+    # The render nodes as devices of the container; the unit's render group
+    # (SupplementaryGroups=) stays with its processes, as the scratch group does.
+    parts.args += [f"--device=/dev/dri/{node}" for node in w.render_nodes]
     if w.credentials:
         # %d is the unit's credentials directory (LoadCredential=).
         parts.args.append(f"--volume=%d:{CONTAINER_CREDENTIALS}:ro")
@@ -529,6 +554,7 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Templates, notes: list[
         state_directories=parts.rootless.get("state_directories"),
         scratch=parts.scratch,
         gpu=w.gpu,
+        render_groups=w.render_groups,
         environment=parts.environment,
         credentials=parts.credentials,
         exec_start=" ".join(parts.args),
@@ -536,7 +562,11 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Templates, notes: list[
     )
 
 
-def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Templates) -> str:
+def _ray_unit_text(ray: RayUnit, desired: DesiredState, facts: HostFacts, templates: Templates) -> str:
+    # A worker on a GPU host (CUDA, VA-API or an APU) runs tasks of its GPU
+    # tiers: its devices stay visible and it may open the render nodes.
+    _, render_groups = render_devices(facts)
+    gpu = ray.spec.num_gpus > 0 or ray.spec.tier.startswith("gpu_")
     return _template(
         "ray.service.j2",
         templates,
@@ -545,7 +575,8 @@ def _ray_unit_text(ray: RayUnit, desired: DesiredState, templates: Templates) ->
         tier=ray.spec.tier,
         closed=systemd_text(ray.closed) if ray.closed is not None else None,
         source=f"{_fleet_file_name(desired)} ray",
-        gpu=ray.spec.num_gpus > 0,
+        gpu=gpu,
+        render_groups=render_groups if gpu else (),
         state_directory=ray.state_directory,
         exec_start=" ".join(systemd_quote(a) for a in ray.argv),
     )
@@ -630,7 +661,7 @@ def _workloads_here(r: _HostRender) -> list[_Workload]:
         assert service is not None
         w = _service_workload(r.desired, service, r.arch, r.notes)
         if w is not None:
-            workloads.append(w)
+            workloads.append(_with_render_devices(w, r.facts, r.notes))
     return workloads
 
 
@@ -688,7 +719,7 @@ def _render_ray(r: _HostRender) -> list[Artifact]:
         r.tcp_ports.add(r.desired.fleet.ray.port)
         if r.desired.fleet.ray.dashboard:
             r.tcp_ports.add(r.desired.fleet.ray.dashboard_port)
-    return [Artifact(r.layout.unit_path(ray.unit), _ray_unit_text(ray, r.desired, r.templates), 0o644, "unit")]
+    return [Artifact(r.layout.unit_path(ray.unit), _ray_unit_text(ray, r.desired, r.facts, r.templates), 0o644, "unit")]
 
 
 def _render_nftables(r: _HostRender) -> list[Artifact]:
