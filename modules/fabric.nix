@@ -334,6 +334,18 @@ in
       description = "Default networking.nftables.flushRuleset to false, so reloading NixOS's ruleset keeps `table inet fabric`.";
     };
 
+    nodeExporterTextfile = lib.mkOption {
+      type = lib.types.bool;
+      default = true;
+      description = ''
+        Point the textfile collector of services.prometheus.exporters.node
+        (when enabled) at /var/lib/node_exporter/textfile, where each pass
+        writes fabric.prom. NixOS's exporter has no textfile directory of its
+        own; turn this off if extraFlags already name one (node_exporter
+        refuses the flag twice) and link fabric.prom there.
+      '';
+    };
+
     trustTailnet = lib.mkOption {
       type = lib.types.bool;
       default = false;
@@ -482,6 +494,10 @@ in
           "d /etc/phaze 0755 root root -"
           "d /var/lib/node_exporter/textfile 0755 root root -"
         ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
+
+        services.prometheus.exporters.node.extraFlags = lib.mkIf (cfg.nodeExporterTextfile && config.services.prometheus.exporters.node.enable) [
+          "--collector.textfile.directory=/var/lib/node_exporter/textfile"
+        ];
 
         networking.firewall.trustedInterfaces = lib.mkIf cfg.trustTailnet [
           config.services.tailscale.interfaceName

@@ -265,6 +265,31 @@ mv -f "$CONFIG.new" "$CONFIG"
 mkdir -p /etc/fabric /etc/rancher/k3s/config.yaml.d /etc/phaze /var/lib/node_exporter/textfile "$DESIRED"
 if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
 
+# node_exporter has no fixed textfile directory: Debian's
+# prometheus-node-exporter reads /var/lib/prometheus/node-exporter (its build
+# default) unless ARGS in /etc/default/prometheus-node-exporter names another
+# with --collector.textfile.directory. Each pass writes
+# /var/lib/node_exporter/textfile/fabric.prom (0644, atomically); a link in the
+# directory node_exporter reads puts the fabric's series there without
+# touching node_exporter's own settings.
+TEXTFILE=/var/lib/node_exporter/textfile/fabric.prom
+textfile_dir() {
+  local defaults=/etc/default/prometheus-node-exporter args=""
+  [ -f "$defaults" ] || { [ -d /var/lib/prometheus/node-exporter ] && echo /var/lib/prometheus/node-exporter; return 0; }
+  args=$(sed -n 's/^ARGS=//p' "$defaults" | tail -n 1 | tr -d "\"'")
+  case "$args" in
+    *--collector.textfile.directory[=\ ]*)
+      printf '%s\n' "$args" | sed -E 's/.*--collector\.textfile\.directory[= ]+([^ ]+).*/\1/' ;;
+    *) echo /var/lib/prometheus/node-exporter ;;
+  esac
+}
+exporter_dir=$(textfile_dir)
+if [ -n "$exporter_dir" ] && [ "$exporter_dir" != "$(dirname "$TEXTFILE")" ]; then
+  mkdir -p "$exporter_dir"
+  ln -sfn "$TEXTFILE" "$exporter_dir/fabric.prom"
+  echo "==> node_exporter reads $exporter_dir: $exporter_dir/fabric.prom -> $TEXTFILE"
+fi
+
 # --------------------------------------------------------------------------
 # The units, rendered by the reconciler itself (reconciler/core/install/units.py).
 

@@ -123,6 +123,27 @@ def test_the_pass_activated_the_edge(joined: tuple[SystemdContainer, subprocess.
         assert container.systemctl("is-active", unit).stdout.strip() == "active", unit
 
 
+def test_debians_node_exporter_serves_the_series_each_pass_writes(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
+    """Debian's prometheus-node-exporter, as packaged (its unit, its defaults
+    file, its user), reads /var/lib/prometheus/node-exporter: join.sh linked
+    the pass's textfile there, and the fabric's series are on /metrics."""
+    require("prometheus-node-exporter")
+    container, result = joined
+    assert "node_exporter reads /var/lib/prometheus/node-exporter" in result.stdout, result.stdout
+    started = container.systemctl("start", "prometheus-node-exporter.service")
+    assert started.returncode == 0, started.stderr
+
+    def scraped() -> str | None:
+        metrics = container.run("curl", "-fsS", "http://127.0.0.1:9100/metrics")
+        return metrics.stdout if metrics.returncode == 0 and "fabric_generation" in metrics.stdout else None
+
+    metrics = wait_until(scraped, timeout=TIMER_PERIOD_S, interval=0.5, what="node_exporter serving fabric_generation")
+    assert re.search(r"^fabric_generation\{[^}]*\} \d+", metrics, re.M) or re.search(r"^fabric_generation \d+", metrics, re.M), metrics[:2000]
+    # The textfile collector read the file without an error.
+    assert re.search(r"^node_textfile_scrape_error 0$", metrics, re.M), [ln for ln in metrics.splitlines() if "textfile" in ln]
+    container.systemctl("stop", "prometheus-node-exporter.service")
+
+
 def test_installed_units_are_what_reconciler_units_renders(joined: tuple[SystemdContainer, subprocess.CompletedProcess[str]]) -> None:
     container, _ = joined
     node = parse_node_config(container.read_file("/etc/fabric/node.toml"))

@@ -30,6 +30,7 @@ from reconciler.core.install.units import (
     reconcile_timer,
     watch_service,
 )
+from reconciler.core.pass_files import TEXTFILE_PATH
 from tests.conftest import REPO, require
 
 EVAL_MODULE = REPO / "tests" / "unit" / "nix" / "eval-module.nix"
@@ -360,3 +361,12 @@ def test_directories_a_pass_writes_exist_on_both_install_paths() -> None:
     join = (REPO / "scripts" / "join.sh").read_text()
     mkdir = next(line for line in join.splitlines() if line.startswith("mkdir -p /etc/fabric"))
     assert set(PASS_DIRECTORIES) <= set(mkdir.split())
+
+
+def test_node_exporter_reads_the_textfile_each_pass_writes() -> None:
+    flag = f"--collector.textfile.directory=/{TEXTFILE_PATH.rsplit('/', 1)[0]}"
+    assert evaluate("{ }", nodeExporterEnable="true")["nodeExporterFlags"] == [flag]
+    assert evaluate("{ }")["nodeExporterFlags"] == []
+    assert evaluate("{ nodeExporterTextfile = false; }", nodeExporterEnable="true")["nodeExporterFlags"] == []
+    # The directory exists on a NixOS host before the first pass writes it.
+    assert f"d /{TEXTFILE_PATH.rsplit('/', 1)[0]} 0755 root root -" in evaluate("{ }")["tmpfiles"]

@@ -15,6 +15,7 @@
   hostName ? "nixos",
   caddyEnable ? false,
   tailscaleEnable ? false,
+  nodeExporterEnable ? false,
 }:
 
 let
@@ -147,6 +148,7 @@ let
       package = pkg "tailscale";
       interfaceName = "tailscale0";
     };
+    services.prometheus.exporters.node.enable = nodeExporterEnable;
     systemd.package = pkg "systemd";
   };
 
@@ -162,4 +164,5 @@ in
   trustedInterfaces = result.networking.firewall.trustedInterfaces or [ ];
   assertions = result.assertions or [ ];
   tmpfiles = result.systemd.tmpfiles.rules or [ ];
+  nodeExporterFlags = result.services.prometheus.exporters.node.extraFlags or [ ];
 }
