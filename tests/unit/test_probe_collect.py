@@ -28,6 +28,7 @@ from tests.support.probe_fixtures import FIXTURES, MACHINES, expected_facts, loa
 
 # Program -> raw file, from the catalogue itself.
 _PROGRAM_RAW = {s.argv[0]: f.raw for f in FACTS for s in f.sources if isinstance(s, Command | PerRenderNode)}
+PER_RENDER_NODE = {f.raw for f in FACTS for s in f.sources if isinstance(s, PerRenderNode)}
 _FILE_RAW = {s.path: f.raw for f in FACTS for s in f.sources if isinstance(s, File)}
 SYSFS = next(s for f in FACTS for s in f.sources if isinstance(s, SysfsPci))
 
@@ -59,7 +60,7 @@ class FakeMachine:
             return CommandResult(argv, int(exit_match.group(1)), "", text or "")
         if text is None:
             return CommandResult(argv, None, missing=True)
-        if raw == "vainfo":
+        if raw in PER_RENDER_NODE:
             return CommandResult(argv, 0, self._vainfo_section(text, argv[-1]))
         return CommandResult(argv, 0, text)
 
@@ -337,3 +338,13 @@ def test_dri_listing_from_collection_parses_to_render_nodes_by_slot():
     dri = parse_dri(capture.outputs["dri"])
     assert dri.render_by_slot == {"0000:21:00.0": "renderD128", "0000:41:00.0": "renderD129"}
     assert Path("/dev/dri").name == "dri"
+
+
+def test_the_group_of_each_render_node_is_read_by_stat_once_per_node():
+    fake = FakeMachine(load_capture("qfox-1"))
+    collected = collect_live(fake, fake)
+    assert [c for c in fake.calls if c[0] == "stat"] == [
+        ("stat", "--format=%G", "/dev/dri/renderD128"),
+        ("stat", "--format=%G", "/dev/dri/renderD129"),
+    ]
+    assert collected.outputs["dri-groups"] == "### /dev/dri/renderD128\nrender\n### /dev/dri/renderD129\nrender\n"
