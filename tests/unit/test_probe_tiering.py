@@ -433,3 +433,42 @@ def test_a_virtual_machines_console_framebuffer_is_not_the_framebuffer_tier():
     assert facts.tier == "relay"
     assert facts.hardware.framebuffer is not None  # the fact stays; only the tier ignores it
     assert any("emulated display adapter (1013:00b8)" in note for note in facts.limitations.notes)
+
+
+# A container or VM given only a render node: no lspci, no PCI display device.
+IHD = "Intel iHD driver for Intel(R) Gen Graphics - 24.1.0 ()"
+RADEONSI_APU = "Mesa Gallium driver 24.1.3 for AMD Radeon Graphics (radeonsi, raphael_mendocino, LLVM 17.0.6, DRM 3.57)"
+RADEONSI_RX = "Mesa Gallium driver 24.2.7 for AMD Radeon RX 6600 (radeonsi, navi23, LLVM 18.1.8, DRM 3.59)"
+
+
+def _render_only(driver: str, encode: tuple[str, ...] = ("VAProfileH264Main",)) -> HostFacts:
+    parsed = _parsed(va=VaInfo((VaDevice("renderD128", driver, encode),)))
+    parsed.values["dri"] = DriNodes(("renderD128",), (), {})
+    return build_node_facts(parsed)
+
+
+def test_a_render_node_alone_with_va_api_encode_is_that_gpu_and_says_where_it_came_from():
+    facts = _render_only(RADEONSI_RX)
+    (gpu,) = facts.hardware.gpus
+    assert (gpu.vendor, gpu.model, gpu.tier, gpu.pci_slot, gpu.render_node) == ("amd", "AMD Radeon RX 6600", "gpu_vaapi", None, "renderD128")
+    assert facts.tier == "gpu_vaapi"
+    assert any("no PCI device shows it" in note for note in facts.limitations.notes)
+
+
+@pytest.mark.parametrize("driver", [IHD, RADEONSI_APU], ids=["intel-ihd", "amd-apu"])
+def test_a_render_node_alone_that_may_be_integrated_counts_as_gpu_apu(driver):
+    facts = _render_only(driver)
+    assert [(g.tier, g.integrated) for g in facts.hardware.gpus] == [("gpu_apu", True)]
+
+
+def test_a_render_node_whose_va_api_driver_did_not_answer_is_no_gpu():
+    parsed = _parsed(missing={"vainfo": "vainfo: not installed"})
+    parsed.values["dri"] = DriNodes(("renderD128",), (), {})
+    assert build_node_facts(parsed).hardware.gpus == []
+
+
+def test_render_nodes_of_gpus_pci_shows_are_not_counted_twice():
+    facts = build_node_facts(
+        _parsed([RX6600], va=VaInfo((VaDevice("renderD128", RADEONSI_RX, ("VAProfileH264Main",)),)), render={RX6600.slot: "renderD128"})
+    )
+    assert [(g.pci_slot, g.render_node) for g in facts.hardware.gpus] == [(RX6600.slot, "renderD128")]

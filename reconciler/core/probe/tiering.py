@@ -248,8 +248,57 @@ def collect_gpus(parsed: ParsedFacts) -> tuple[list[Gpu], dict[str, str], list[s
                 driver=va_device.driver if va_device else None,
             )
         )
+    if not displays and not gpus and dri is not None and va is not None:
+        gpus += _gpus_from_render_nodes(dri, va, groups, notes)
     gpus.sort(key=lambda g: (-TIER_SCORE[g.tier], -(g.vram_mib or 0), g.pci_slot or ""))
     return gpus, missing, notes
+
+
+def va_vendor(va_driver: str | None) -> GpuVendor:
+    """The vendor a VA-API driver string names: Mesa's radeonsi is AMD's,
+    iHD and i965 are Intel's, nouveau and nvidia-vaapi-driver NVIDIA's."""
+    text = (va_driver or "").lower()
+    if "radeonsi" in text or " amd " in f" {text} " or "radeon" in text:
+        return "amd"
+    if "intel" in text or "ihd" in text or "i965" in text:
+        return "intel"
+    if "nouveau" in text or "nvidia" in text or "nvdec" in text:
+        return "nvidia"
+    return "other"
+
+
+def _gpus_from_render_nodes(dri: DriNodes, va: VaInfo, groups: dict[str, str], notes: list[str]) -> list[Gpu]:
+    """GPUs seen only through /dev/dri and VA-API: a container or VM given a
+    render node, whose /sys/bus/pci and lspci show no display device. Each
+    render node whose VA-API driver answered is a GPU; its vendor and name
+    come from that driver, its tier from its encode entry points. Intel's iHD
+    does not say whether it drives an iGPU or an Arc card, so an Intel GPU
+    counts as integrated (gpu_apu): a tier too low only leaves work elsewhere,
+    one too high would take work it cannot do."""
+    found: list[Gpu] = []
+    for node in dri.render_nodes:
+        va_device = va.on(node)
+        if va_device is None:
+            continue
+        vendor = va_vendor(va_device.driver)
+        model = va_gpu_name(va_device.driver) or f"{_VENDOR_DISPLAY.get(vendor, 'Unknown')} GPU on {node}"
+        integrated = vendor == "intel" or bool(vendor == "amd" and va_device.driver and _AMD_APU_VA_RE.search(va_device.driver))
+        tier: Tier = "gpu_vaapi" if va_device.encode_profiles and not integrated else "gpu_apu"
+        notes.append(f"{model}: no PCI device shows it (a container or VM given {node}?); taken from its render node and VA-API driver")
+        found.append(
+            Gpu(
+                vendor=vendor,
+                model=model,
+                vram_mib=None,
+                integrated=integrated,
+                tier=tier,
+                pci_slot=None,
+                render_node=node,
+                render_group=groups.get(node),
+                driver=va_device.driver,
+            )
+        )
+    return found
 
 
 # --------------------------------------------------------------------------
