@@ -159,6 +159,26 @@ class Caddy(Protocol):
         ...
 
 
+class NodeLabelsUnavailable(Exception):
+    """The k3s Node's labels could not be read or set: the reason (never a credential)."""
+
+
+class NodeLabels(Protocol):
+    """This host's k3s Node, spoken to as its kubelet (reconciler.core.render.k3s_node)."""
+
+    def labels(self, node: str) -> dict[str, str]:
+        """The Node's labels; raises NodeLabelsUnavailable."""
+        ...
+
+    def patch(self, node: str, changes: Mapping[str, str | None]) -> None:
+        """Set (value) and remove (None) labels in one merge patch; raises NodeLabelsUnavailable."""
+        ...
+
+    def command_line(self) -> list[str]:
+        """The argv of the k3s process running here (empty when none runs)."""
+        ...
+
+
 class UnitVerifier(Protocol):
     def verify(self, unit_paths: Sequence[str]) -> None:
         """`systemd-analyze verify` the rendered units; raise ActivationError on a problem."""

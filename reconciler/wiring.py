@@ -568,7 +568,13 @@ def _pass_ports(
             # A Type=exec service counts as started once exec'd: the grace
             # catches one that exits at once (a port already taken, say).
             systemd = SystemdDbus(systemd_bus, startup_grace=startup_grace)
-            activators = Activators(systemd, nft, caddy)
+            from reconciler.adapters.k3s_node import KubeletNodeLabels
+            from reconciler.core.render.k3s_node import KUBELET_KUBECONFIG
+
+            # A k3s agent ran here once: it left the kubelet's kubeconfig.
+            kubeconfig = Path(root) / KUBELET_KUBECONFIG.lstrip("/")
+            node_labels = KubeletNodeLabels(str(kubeconfig)) if kubeconfig.is_file() else None
+            activators = Activators(systemd, nft, caddy, node_labels=node_labels)
     audit = JournalAudit()
     compiled = CompiledTemplates(cache_directory(root, state_dir))
     try:

@@ -55,6 +55,7 @@ from datetime import UTC, datetime
 
 from reconciler.core.render.actions import HostActions, configured_unit, host_actions, is_dropin
 from reconciler.core.render.artifacts import Artifact, complete_caddy_config
+from reconciler.core.render.k3s_node import command_line_labels, dropin_labels, label_patch, overridden
 from reconciler.ports import (
     ActivationError,
     Audit,
@@ -63,6 +64,8 @@ from reconciler.ports import (
     FileTree,
     JobOutcome,
     Nftables,
+    NodeLabels,
+    NodeLabelsUnavailable,
     PassLock,
     Systemd,
     UnitJob,
@@ -276,6 +279,8 @@ class Activators:
     systemd: Systemd
     nftables: Nftables
     caddy: Caddy
+    # This host's k3s Node (None: the fabric leaves the Node's labels to k3s's next start).
+    node_labels: NodeLabels | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +335,8 @@ class Applier:
         # The table is loaded but not as the last pass left it (flushed,
         # edited by hand): plan as if it were not loaded, so it is loaded again.
         self.nft_reload = nft_reload
+        # This pass's k3s Node name (Applier.run), for its labels.
+        self.k3s_node: str | None = None
 
     # ---- reading the old state
 
@@ -431,9 +438,19 @@ class Applier:
 
     # ---- the pass
 
-    def run(self, artifacts: Sequence[Artifact], *, host: str, epoch: int | None, term: int | None = None, key_id: str | None = None) -> ApplyResult:
+    def run(
+        self,
+        artifacts: Sequence[Artifact],
+        *,
+        host: str,
+        epoch: int | None,
+        term: int | None = None,
+        key_id: str | None = None,
+        k3s_node: str | None = None,
+    ) -> ApplyResult:
         self.lock.acquire()
         try:
+            self.k3s_node = k3s_node
             return self._run(list(artifacts), host, epoch, term, key_id)
         finally:
             self.lock.release()
@@ -515,6 +532,11 @@ class Applier:
         """Phase 3: install the files and activate them; mark the generation
         good, or roll back to the good one when the activation fails."""
         by_path = {a.path: a for a in artifacts}
+        # The drop-in's labels before this pass: the labels the fabric set last.
+        tracked = self._tracked() if actions.node_labels else {}
+        previous_dropin = self._installed(
+            p for p in (*actions.write, *actions.remove) if (by_path[p].kind if p in by_path else tracked.get(p)) == "dropin"
+        )
         try:
             try:
                 self._install(actions, by_path, number)
@@ -533,7 +555,37 @@ class Applier:
         self.audit.record("activate", "ok", generation=str(number))
         for n in self.store.prune():
             self.audit.record("prune", "ok", generation=str(n))
-        return ApplyResult("applied", actions, number)
+        messages = self._set_node_labels(actions, by_path, previous_dropin) if actions.node_labels else []
+        return ApplyResult("applied", actions, number, messages)
+
+    def _set_node_labels(self, actions: HostActions, by_path: Mapping[str, Artifact], previous: Mapping[str, bytes]) -> list[str]:
+        """The k3s Node's labels made the drop-in's, through the API as its
+        kubelet. Best effort, after the generation is good: k3s being down or
+        absent never fails or rolls back a pass; the pass says what it did."""
+        port = self.activators.node_labels if self.activators is not None else None
+        node = self.k3s_node
+        new = next((a.content for a in by_path.values() if a.kind == "dropin"), None)
+        wanted = dropin_labels(new)
+        before = {k: v for data in previous.values() for k, v in dropin_labels(data.decode(errors="replace")).items()}
+        if port is None or not node:
+            return []  # no k3s agent here: the drop-in waits for one
+        messages = []
+        try:
+            patch = label_patch(port.labels(node), wanted, before)
+            if patch:
+                port.patch(node, patch)
+            set_ = sorted(k for k, v in patch.items() if v is not None)
+            removed = sorted(k for k, v in patch.items() if v is None)
+            self.audit.record("k3s-labels", "ok", node=node, set=",".join(set_), removed=",".join(removed))
+            messages.append(f"k3s node {node}: labels set {len(set_)}, removed {len(removed)}" + (f" ({', '.join(removed)})" if removed else ""))
+        except NodeLabelsUnavailable as exc:
+            self.audit.record("k3s-labels", "failed", node=node, reason=str(exc))
+            messages.append(f"k3s node {node}: labels not set now ({exc}); k3s applies the drop-in at its next start and removes none")
+        beaten = overridden(command_line_labels(port.command_line()), wanted)
+        if beaten:
+            self.audit.record("k3s-labels", "overridden", node=node, labels=";".join(beaten))
+            messages.append(f"k3s node {node}: k3s's command line --node-label overrides the drop-in at each start: {'; '.join(beaten)}")
+        return messages
 
     def _activation_failed(self, actions: HostActions, number: int | None, exc: ActivationError) -> ApplyResult:
         """Roll back to the good generation after a failed activation."""

@@ -419,6 +419,8 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
                 epoch=taken.epoch,
                 term=taken.term,
                 key_id=taken.signature.key_id if taken.signature is not None else None,
+                # k3s names its Node after the machine's host name, lower-cased (pkg/agent/config getHostnameAndIPs).
+                k3s_node=prepared.facts.k3s_hostname.lower() if prepared.facts.k3s_hostname != "unknown" else None,
             )
         except LockBusy as exc:
             return _after_rounds(rounds, PassReport("busy", stderr=(f"fabric reconcile: {exc}",)))

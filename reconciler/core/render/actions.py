@@ -177,6 +177,7 @@ class HostActions:
     restart: tuple[str, ...] = ()
     start: tuple[str, ...] = ()
     caddy_reload: bool = False
+    node_labels: bool = False  # set the k3s Node's labels to the drop-in's
     # Why each unit is in its list, for the audit trail.
     reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -192,6 +193,7 @@ class HostActions:
             or self.restart
             or self.start
             or self.caddy_reload
+            or self.node_labels
         )
 
     def to_json(self) -> dict[str, object]:
@@ -205,6 +207,7 @@ class HostActions:
             "restart": list(self.restart),
             "start": list(self.start),
             "caddy_reload": self.caddy_reload,
+            "node_labels": self.node_labels,
             "reasons": dict(sorted(self.reasons.items())),
         }
 
@@ -236,6 +239,8 @@ class HostActions:
         listing("start", "started", a, "units", self.start)
         if self.caddy_reload:
             lines.append(f"{verb('reload', 'reloaded', a)} caddy")
+        if self.node_labels:
+            lines.append(f"{verb('set', 'set', a)} the k3s node's labels to the drop-in's (where a k3s agent runs)")
         return "\n".join(lines) + "\n"
 
 
@@ -402,6 +407,10 @@ def host_actions(
         restart=tuple(sorted(jobs.restart)),
         start=tuple(sorted(jobs.start)),
         caddy_reload=_caddy_reload(desired_by_path, gone, tracked, running),
+        # k3s reads its label drop-in only at its start, and never removes a
+        # label: the Node's labels are set when the drop-in changes
+        # (reconciler.core.render.k3s_node).
+        node_labels=any(desired_by_path[p].kind == "dropin" for p in write) or any(tracked.get(p) == "dropin" for p in remove),
         reasons=jobs.reasons,
     )
 

@@ -76,6 +76,8 @@ class TestPki:
     certificate covers localhost, 127.0.0.1 and `server_ips` (an etcd on
     another address, as the e2e fleet's on its bridge)."""
 
+    __test__ = False  # a helper, not a test class, wherever it is imported
+
     def __init__(self, directory: Path, server_ips: tuple[str, ...] = ()) -> None:
         from cryptography import x509
         from cryptography.hazmat.primitives.asymmetric import ec
