@@ -178,6 +178,10 @@ class NodeLabels(Protocol):
         """The argv of the k3s process running here (empty when none runs)."""
         ...
 
+    def ready(self, node: str) -> bool:
+        """Whether the Node's Ready condition is True; raises NodeLabelsUnavailable."""
+        ...
+
 
 class UnitVerifier(Protocol):
     def verify(self, unit_paths: Sequence[str]) -> None:

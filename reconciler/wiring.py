@@ -336,8 +336,11 @@ def desired_source(node: NodeConfig) -> GitSource:
 def bootstrap_io(registry: Registry, root: Path) -> NodeIO:
     """What `fabric bootstrap` observes and does on this node, files under `root`; steps raise `BootstrapError`."""
     from reconciler.adapters.bootstrap_io import NodeIO
+    from reconciler.adapters.k3s_node import KubeletNodeLabels
+    from reconciler.core.render.k3s_node import KUBELET_KUBECONFIG
 
-    return NodeIO(command_runner(), registry, root=root)
+    # The kubelet's kubeconfig appears once k3s-agent has started: it is read when asked.
+    return NodeIO(command_runner(), registry, root=root, node_api=KubeletNodeLabels(str(root / KUBELET_KUBECONFIG.lstrip("/"))))
 
 
 def read_text_or_none(path: Path) -> str | None:

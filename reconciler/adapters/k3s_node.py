@@ -81,6 +81,12 @@ class KubeletNodeLabels:
             raise NodeLabelsUnavailable(f"node {node}: its labels are not a map of strings")
         return dict(labels)
 
+    def ready(self, node: str) -> bool:
+        answer = self._request("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+        status = answer.get("status")
+        conditions = status.get("conditions") if isinstance(status, dict) else None
+        return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions or ())
+
     def patch(self, node: str, changes: Mapping[str, str | None]) -> None:
         body = json.dumps(merge_patch_body(changes), sort_keys=True).encode()
         self._request("PATCH", f"/api/v1/nodes/{quote(node, safe='')}", body, "application/merge-patch+json")

@@ -20,7 +20,7 @@ from pathlib import Path
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.core.install.bootstrap import bootstrap_files, plan_bootstrap, socat_units
+from reconciler.core.install.bootstrap import bootstrap_files, k3s_node_name, plan_bootstrap, socat_units
 from reconciler.ports import BootstrapError, CaptureError
 from reconciler.wiring import bootstrap_io, bootstrap_programs, host_name, probe_facts
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         io = bootstrap_io(registry, args.root)
         ports = socat_units(desired, host)
         programs = bootstrap_programs()
-        observed = io.observe(host, bootstrap_files(node), ports)
+        observed = io.observe(host, bootstrap_files(node), ports, k3s_node_name(facts))
         plan = plan_bootstrap(node=node, desired=desired, host=host, facts=facts, observed=observed, programs=programs)
         for note in plan.notes:
             print(f"note: {note}")

@@ -192,3 +192,11 @@ def test_the_k3s_process_command_line_is_found_in_proc(tmp_path):
         (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + (b"\0" if argv else b""))
     (proc / "self").mkdir()
     assert KubeletNodeLabels(proc=str(proc)).command_line() == ["/usr/local/bin/k3s", "agent", "--node-label", "a=b"]
+
+
+def test_the_nodes_ready_condition_is_read_as_its_kubelet(api, tmp_path):
+    server, pki = api
+    node = kubelet(tmp_path, server, pki)
+    assert node.ready("qfox-1") is True
+    server.node["status"]["conditions"][0]["status"] = "Unknown"  # the node controller's word for a silent kubelet
+    assert node.ready("qfox-1") is False

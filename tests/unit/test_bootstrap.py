@@ -58,8 +58,13 @@ def facts(os_id: str = "debian", id_like: tuple[str, ...] = ()) -> HostFacts:
 class FakeNode:
     """A new node's state; `apply` changes it as the real step would."""
 
-    def __init__(self, *, tailscale: bool | None = False, distro_table: bool = False) -> None:
+    def __init__(self, *, tailscale: bool | None = False, distro_table: bool = False, k3s: str | None = "agent") -> None:
         self.tailscale = tailscale
+        # k3s as installed here: "agent" (k3s-agent.service, stopped), "server" (k3s.service), None.
+        self.k3s = k3s
+        self.agent_active = False
+        self.agent_joined_with: str | None = None
+        self.node_ready = False
         self.registered: list[str] = []
         self.files: dict[str, str] = {}
         self.distro_table = distro_table
@@ -77,6 +82,10 @@ class FakeNode:
             nft_fix_loaded=self.fix_loaded,
             timer_active=self.timer_active,
             socat_active={u: u in self.socat_running for u in socat_units(STATE, host)},
+            k3s_server=self.k3s == "server",
+            k3s_agent_installed=self.k3s == "agent",
+            k3s_agent_active=self.agent_active,
+            k3s_node_ready=self.node_ready,
         )
 
     def apply(self, step: Step, host: str) -> None:
@@ -89,6 +98,13 @@ class FakeNode:
         elif step.kind == "write_file":
             assert step.path and step.content is not None
             self.files[step.path] = step.content
+        elif step.kind == "restart_k3s_agent":
+            # The agent reads its config.yaml.d at its start.
+            self.agent_active = True
+            self.agent_joined_with = self.files.get(K3S_PATH)
+        elif step.kind == "wait_k3s_node":
+            assert self.agent_active and step.node
+            self.node_ready = True
         elif step.kind == "load_nft_fix":
             self.fix_loaded = True
         elif step.kind == "enable_timer":
@@ -106,9 +122,17 @@ def run(node_state: FakeNode, host: str = "racknerd", node=NODE, probe: HostFact
 
 def test_new_edge_node_gets_every_step_in_the_seeds_order() -> None:
     plan = run(FakeNode())
-    assert [s.kind for s in plan.steps] == ["tailscale_up", "register", "write_file", "enable_timer", "run_pass"]
+    assert [s.kind for s in plan.steps] == [
+        "tailscale_up",
+        "register",
+        "write_file",
+        "restart_k3s_agent",
+        "wait_k3s_node",
+        "enable_timer",
+        "run_pass",
+    ]
     assert plan.steps[2].path == K3S_PATH
-    assert "fabric-socat-lux-smb.service, fabric-socat-qfox-ssh.service" in plan.steps[4].reason
+    assert "fabric-socat-lux-smb.service, fabric-socat-qfox-ssh.service" in plan.steps[6].reason
     assert plan.problems == ()
 
 
@@ -142,9 +166,46 @@ def test_changed_join_settings_are_rewritten() -> None:
     run(node)
     moved = NODE.model_copy(update={"bootstrap": NODE.bootstrap.model_copy(update={"k3s_server": "https://100.101.7.11:6443"})})
     plan = run(node, node=moved)
-    assert [(s.kind, s.path) for s in plan.steps] == [("write_file", K3S_PATH)]
+    # The agent reads its settings at its start: it is restarted and waited for.
+    assert [(s.kind, s.path) for s in plan.steps] == [("write_file", K3S_PATH), ("restart_k3s_agent", None), ("wait_k3s_node", None)]
     assert plan.steps[0].reason.endswith("(changed)")
     assert node.files[K3S_PATH] == k3s_join_dropin("racknerd", "https://100.101.7.11:6443", "/run/secrets/k3s-token")
+    assert node.agent_joined_with == node.files[K3S_PATH]
+
+
+def test_the_agent_restarts_only_after_its_settings_are_written_and_the_node_is_waited_for() -> None:
+    node = FakeNode()
+    plan = run(node)
+    kinds = [s.kind for s in plan.steps]
+    assert kinds.index("write_file") < kinds.index("restart_k3s_agent") < kinds.index("wait_k3s_node") < kinds.index("run_pass")
+    wait = next(s for s in plan.steps if s.kind == "wait_k3s_node")
+    assert wait.node == "racknerd"
+    assert node.agent_joined_with is not None and "server:" in node.agent_joined_with
+
+
+def test_a_stopped_agent_is_started_and_a_node_not_ready_is_waited_for() -> None:
+    node = FakeNode()
+    run(node)
+    node.agent_active = node.node_ready = False  # k3s-agent stopped since
+    assert [s.kind for s in run(node).steps] == ["restart_k3s_agent", "wait_k3s_node"]
+    node.node_ready = False  # up, but its Node not Ready
+    assert [s.kind for s in run(node).steps] == ["wait_k3s_node"]
+
+
+def test_a_host_running_a_k3s_server_is_refused_before_any_step() -> None:
+    node = FakeNode(k3s="server")
+    plan = plan_bootstrap(node=NODE, desired=STATE, host="racknerd", facts=facts(), observed=node.observe("racknerd"))
+    # A problem stops `fabric bootstrap` before any step (test_problems_stop_before_any_step).
+    assert not any(s.path == K3S_PATH or s.kind in ("restart_k3s_agent", "wait_k3s_node") for s in plan.steps)
+    (problem,) = plan.problems
+    assert "k3s runs here as a server (k3s.service)" in problem and "https://100.101.7.10:6443" in problem
+
+
+def test_a_host_without_the_k3s_agent_is_refused_and_told_how_to_install_it() -> None:
+    node = FakeNode(k3s=None)
+    plan = plan_bootstrap(node=NODE, desired=STATE, host="racknerd", facts=facts(), observed=node.observe("racknerd"))
+    assert not any(s.path == K3S_PATH or s.kind in ("restart_k3s_agent", "wait_k3s_node") for s in plan.steps)
+    assert any("k3s-agent.service not found" in p and "INSTALL_K3S_EXEC=agent" in p for p in plan.problems)
 
 
 @pytest.mark.parametrize(

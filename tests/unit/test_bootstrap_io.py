@@ -106,3 +106,57 @@ def test_commands_of_each_step_and_their_failure(tmp_path: Path, registry) -> No
     ]
     with pytest.raises(BootstrapError, match="tailscale up: tailscale: exit 1: invalid key"):
         io.execute(Step("tailscale_up", "x", argv=("tailscale", "up", "--auth-key=file:/k")))
+
+
+class FakeNodeApi:
+    """The k3s Node as its kubelet sees it: Ready after `ready_after` asks, or never."""
+
+    def __init__(self, ready_after: int | None, down: str | None = None) -> None:
+        self.ready_after = ready_after
+        self.down = down
+        self.asked = 0
+
+    def ready(self, node: str) -> bool:
+        self.asked += 1
+        if self.down:
+            from reconciler.ports import NodeLabelsUnavailable
+
+            raise NodeLabelsUnavailable(self.down)
+        return self.ready_after is not None and self.asked > self.ready_after
+
+
+def test_observe_tells_a_k3s_server_from_an_installed_agent_and_asks_whether_the_node_is_ready(tmp_path: Path, registry) -> None:
+    runner = ScriptedRunner(
+        {
+            ("systemctl", "cat", "k3s-agent.service"): ok("[Service]\nExecStart=/usr/local/bin/k3s agent\n"),
+            ("systemctl", "is-active", "--quiet", "k3s-agent.service"): ok(),
+        }
+    )
+    api = FakeNodeApi(ready_after=0)
+    observed = NodeIO(runner, registry, tmp_path, node_api=api).observe("racknerd", [], [], k3s_node="racknerd")
+    assert (observed.k3s_server, observed.k3s_agent_installed, observed.k3s_agent_active, observed.k3s_node_ready) == (False, True, True, True)
+    server = ScriptedRunner({("systemctl", "is-enabled", "--quiet", "k3s.service"): ok()})
+    assert NodeIO(server, registry, tmp_path).observe("racknerd", [], []).k3s_server is True
+
+
+def test_the_agent_is_restarted_and_its_node_waited_for_until_ready(tmp_path: Path, registry, monkeypatch) -> None:
+    import reconciler.adapters.bootstrap_io as bootstrap_io
+
+    monkeypatch.setattr(bootstrap_io, "K3S_READY_POLL_S", 0.0)
+    runner = ScriptedRunner({("systemctl", "restart", "k3s-agent.service"): ok()})
+    api = FakeNodeApi(ready_after=3)
+    io = NodeIO(runner, registry, tmp_path, node_api=api)
+    io.execute(Step("restart_k3s_agent", "to read the join settings"))
+    io.execute(Step("wait_k3s_node", "until the Node racknerd is Ready", node="racknerd"))
+    assert ("systemctl", "restart", "k3s-agent.service") in runner.ran
+    assert api.asked == 4
+
+
+def test_a_node_that_never_gets_ready_fails_the_bootstrap_with_the_last_answer(tmp_path: Path, registry, monkeypatch) -> None:
+    import reconciler.adapters.bootstrap_io as bootstrap_io
+
+    monkeypatch.setattr(bootstrap_io, "K3S_READY_POLL_S", 0.0)
+    api = FakeNodeApi(ready_after=None, down="https://127.0.0.1:6444: ConnectionRefusedError")
+    io = NodeIO(ScriptedRunner({}), registry, tmp_path, node_api=api, ready_timeout_s=0.0)
+    with pytest.raises(BootstrapError, match="not Ready after 0 s: https://127.0.0.1:6444: ConnectionRefusedError"):
+        io.execute(Step("wait_k3s_node", "until the Node racknerd is Ready", node="racknerd"))

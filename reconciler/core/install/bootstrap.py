@@ -15,9 +15,16 @@ The seed's order, and where each part lives:
 3. register           a first heartbeat into the registry, unless the
                       registry already knows the node
 4. join_k3s           the k3s join settings as a config.yaml.d drop-in:
-                      `server` and `token-file` (a path, never the token).
-                      The node labels come from the reconcile pass's own
-                      drop-in (50-fabric-labels.yaml), so they have one owner
+                      `server` and `token-file` (a path, never the token),
+                      for the k3s agent only: on a host where k3s runs as a
+                      server (k3s.service) a `server:` key would make it join
+                      as another server, so that is refused, as is a host
+                      without k3s-agent.service (the fabric does not install
+                      k3s). The agent is restarted to read the settings and
+                      the bootstrap waits until its Node is Ready. The node
+                      labels come from the reconcile pass's own drop-in
+                      (50-fabric-labels.yaml) and its API call, so they have
+                      one owner
 5. nftables fix       CachyOS/Arch: their stock ruleset drops tailnet traffic
                       in `table inet filter`, and no accept in another table
                       can override a drop. The fix inserts accepts for the
@@ -33,6 +40,7 @@ The seed's order, and where each part lives:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,6 +79,13 @@ class Observed:
     timer_active: bool
     # Active state of the socat unit of each of this host's port maps.
     socat_active: dict[str, bool]
+    # k3s: whether it runs (or is enabled) here as a server (k3s.service),
+    # whether k3s-agent.service is installed and active, and whether this
+    # host's Node is Ready (None: the API could not be asked).
+    k3s_server: bool = False
+    k3s_agent_installed: bool = False
+    k3s_agent_active: bool = False
+    k3s_node_ready: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,11 @@ class Programs:
     systemctl: str = "/usr/bin/systemctl"
 
 
-StepKind = Literal["tailscale_up", "register", "write_file", "load_nft_fix", "daemon_reload", "enable_timer", "run_pass"]
+StepKind = Literal[
+    "tailscale_up", "register", "write_file", "restart_k3s_agent", "wait_k3s_node", "load_nft_fix", "daemon_reload", "enable_timer", "run_pass"
+]
+K3S_SERVER_UNIT = "k3s.service"
+K3S_AGENT_UNIT = "k3s-agent.service"
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,7 @@ class Step:
     mode: int = 0o644
     argv: tuple[str, ...] = ()  # tailscale_up
     record: NodeRecord | None = None  # register
+    node: str | None = None  # wait_k3s_node: the k3s Node's name
 
     def describe(self) -> str:
         target = f" {self.path}" if self.path else ""
@@ -206,10 +226,9 @@ def plan_bootstrap(
         steps.append(Step("write_file", reason if observed.files.get(path) is None else f"{reason} (changed)", path=path, content=content))
         return True
 
-    # 4. k3s join settings
+    # 4. k3s join settings, for an agent
     if boot.k3s_server is not None and boot.k3s_token_file is not None:
-        path = f"{boot.k3s_config_dir.strip('/')}/{K3S_JOIN_DROPIN}"
-        want_file(path, k3s_join_dropin(host, boot.k3s_server, boot.k3s_token_file), "k3s join settings")
+        problems += _k3s_join(host, boot.k3s_server, boot.k3s_token_file, boot.k3s_config_dir, facts, observed, want_file, steps)
 
     # 5. nftables fix (CachyOS/Arch, or as the host file says)
     if needs_nftables_fix(host_config, facts):
@@ -231,6 +250,42 @@ def plan_bootstrap(
         steps.append(Step("run_pass", "no pass has run on this node yet"))
 
     return BootstrapSteps(tuple(steps), tuple(problems), tuple(notes))
+
+
+def k3s_node_name(facts: HostFacts) -> str:
+    """The Node k3s registers: the machine's host name, lower-cased (k3s's
+    pkg/agent/config getHostnameAndIPs), unless node-name says otherwise."""
+    return facts.k3s_hostname.lower()
+
+
+def _k3s_join(
+    host: str,
+    server: str,
+    token_file: str,
+    config_dir: str,
+    facts: HostFacts,
+    observed: Observed,
+    want_file: Callable[[str, str, str], bool],
+    steps: list[Step],
+) -> list[str]:
+    """The join's steps (appended to `steps`), or the problems that stop it."""
+    if observed.k3s_server:
+        return [
+            f"k3s runs here as a server ({K3S_SERVER_UNIT}): its join settings would make it join {server} as another server; "
+            "leave [bootstrap] k3s_server unset on this host"
+        ]
+    if not observed.k3s_agent_installed:
+        return [
+            f"the k3s agent is not installed ({K3S_AGENT_UNIT} not found): install it without starting it "
+            "(curl -sfL https://get.k3s.io | INSTALL_K3S_EXEC=agent INSTALL_K3S_SKIP_START=true sh -), then run fabric bootstrap again"
+        ]
+    changed = want_file(f"{config_dir.strip('/')}/{K3S_JOIN_DROPIN}", k3s_join_dropin(host, server, token_file), "k3s join settings")
+    if changed or not observed.k3s_agent_active:
+        steps.append(Step("restart_k3s_agent", "to read the join settings" if changed else f"{K3S_AGENT_UNIT} is not running"))
+    if changed or not observed.k3s_agent_active or not observed.k3s_node_ready:
+        node = k3s_node_name(facts)
+        steps.append(Step("wait_k3s_node", f"until the Node {node} is Ready", node=node))
+    return []
 
 
 def bootstrap_files(node: NodeConfig) -> list[str]:
