@@ -196,3 +196,24 @@ def test_a_pass_writes_environment_units_0640_on_disk(tmp_path: Path) -> None:
         assert stat.S_IMODE(unit.stat().st_mode) == (0o640 if carries else 0o644), unit.name
     assert stat.S_IMODE((unit_dir / "fabric-agent-lupine.service").stat().st_mode) == 0o640
     assert stat.S_IMODE((unit_dir / "fabric-nftables.service").stat().st_mode) == 0o644
+
+
+def test_a_unit_installed_world_readable_by_an_older_version_is_written_again_0640(tmp_path: Path) -> None:
+    """Same bytes, mode 0644 on disk (before units with environment were
+    0640): the next pass writes it again with 0640 and restarts nothing; a
+    mode tighter than the artifact's is left as the operator set it."""
+    fleet = Fleet(tmp_path, "qfox-1")
+    assert fleet.reconcile().ok
+    lupine = fleet.root / "etc/systemd/system/fabric-agent-lupine.service"
+    nftables = fleet.root / "etc/systemd/system/fabric-nftables.service"
+    lupine.chmod(0o644)
+    nftables.chmod(0o600)
+    fleet.machine.forget_calls()
+
+    report = fleet.preview()
+    assert report.stdout == "would write the following files:\n  etc/systemd/system/fabric-agent-lupine.service\n", report.stdout
+    assert fleet.reconcile().ok
+    assert stat.S_IMODE(lupine.stat().st_mode) == 0o640
+    assert stat.S_IMODE(nftables.stat().st_mode) == 0o600
+    assert fleet.machine.calls == []  # no daemon-reload, no restart
+    assert fleet.preview().stdout == "nothing to do\n"
