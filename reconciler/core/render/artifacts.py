@@ -9,10 +9,12 @@ values and quotes every one of them for the language it lands in.
 What a host gets:
 
 - every host: `fabric-nftables.service` and the nftables file of the table
-  `inet fabric` (ports of its services and port maps, tailnet only unless a
-  port map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
+  `inet fabric` (ports of its services and port maps, tailnet only, the
+  tailnet's range arriving on the host's tailnet interface, unless a port
+  map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
   the k3s node-label drop-in;
-- one `fabric-socat-<name>.service` per port map declared on the host;
+- one `fabric-socat-<name>.service` per port map declared on the host,
+  listening on the host's tailnet address (`socat_listen`);
 - one `fabric-agent-<id>.service` per compute lane pushed to it (several
   lanes may share a push_host: each agent has its own unit, queue, token file
   and scratch dir) and per service the plan places on it; the local lane is
@@ -20,7 +22,8 @@ What a host gets:
 - a host with the 'control' role: phaze's `/etc/phaze/backends.toml`, the
   declared lanes in phaze's field names, which restarts phaze's control-plane
   units (`[phaze] control_units`) when it changes;
-- an edge host: the Caddy site snippet, one site per routed service;
+- an edge host: the Caddy site snippet, one site per routed service, and
+  the status page's (tailnet only unless `[fleet] status_access` is public);
 - with a `[ray]` table: `fabric-ray-head.service` on its head and
   `fabric-ray-worker.service` on each of its workers (`ray_units`), the
   head's port (and dashboard's) tailnet only in its nftables.
@@ -28,6 +31,8 @@ What a host gets:
 The plan: render reads only this host's part of it (`plan_part`: the services
 placed here and, on the edge, each routed service's nodes), the same part whose
 change makes `fabric watch` start a pass.
+
+Unit files are 0644, or 0640 when they carry environment (`unit_mode`).
 
 Trust: the plan comes from the registry, which may be written by any host. A
 placement naming a service or host the desired state does not know is ignored
@@ -71,8 +76,6 @@ from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the
 from reconciler.core.templating import Templates
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
-
-__all__ = ["TAILNET", "TAILNET6"]  # Tailscale's ranges (core.render.tailnet), for the tests that render with them
 
 # A unit file that carries environment (Environment= lines: a service's or
 # an agent's variables, which may name where its secrets are) is readable by
