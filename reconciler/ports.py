@@ -253,6 +253,10 @@ class FileTree(Protocol):
         """Atomically: temp file in the same directory, fsync, rename, fsync the directory."""
         ...
 
+    def mode(self, path: str) -> int | None:
+        """The file's permission bits (0o644), or None if there is no such file."""
+        ...
+
     def remove(self, path: str) -> None:
         """Remove a file (absent is fine) and fsync its directory."""
         ...

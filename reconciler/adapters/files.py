@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 
 from reconciler.adapters.install_files import fsync_dir, replace_file
@@ -53,6 +54,12 @@ class LocalTree:
             except FileExistsError:
                 pass
             fsync_dir(d.parent)
+
+    def mode(self, path: str) -> int | None:
+        try:
+            return stat.S_IMODE(self.path(path).stat().st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         target = self.path(path)

@@ -423,6 +423,7 @@ class Applier:
         if unfinished:
             running = {a.path: a.data for a in self.store.artifacts(good)}
         tracked_restarts = self._tracked_restarts()
+        modes = {a.path: mode for a in artifacts if a.path in installed and (mode := self.tree.mode(a.path)) is not None}
         actions = host_actions(
             artifacts,
             installed,
@@ -433,6 +434,7 @@ class Applier:
             tracked_restarts=tracked_restarts,
             dependent_states=self._dependent_states(artifacts, tracked_restarts),
             units_held=self._units_held(artifacts, tracked),
+            installed_modes=modes,
         )
         return actions, unfinished
 

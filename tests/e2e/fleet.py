@@ -46,7 +46,8 @@ In each container
   venv under /tmp and the interpreter under /root, hence the bind;
 - the desired state at /var/lib/fabric/desired: a copy of hosts/ changed for
   this machine by `e2e_desired_state` (registry = the etcd on the bridge over
-  TLS, plan keys = throwaway ones, addresses = bridge addresses, short
+  TLS, plan keys = throwaway ones, addresses = bridge addresses, the tailnet
+  interface = eth0, the container's link to the bridge, short
   timings, service commands = service_stub.py);
 - its own etcd identity at [registry]'s fleet-wide paths: the fleet CA at
   /etc/fabric/etcd/ca.crt, its client certificate (CN = its host name) and
@@ -262,7 +263,7 @@ def e2e_desired_state(
     /etc/fabric/etcd), the [[plan_keys]] (`plan_keys`: the throwaway keys of
     lux and qfox-1; None keeps the example's, whose private halves are not
     here), the timings (the local lane's staleness gate included), every
-    host's address (its bridge address), every service's program (service_stub.py
+    host's address (its bridge address) and tailnet interface (eth0), every service's program (service_stub.py
     on the service's own port; braid's images become that command too), and
     the scaling cloud hooks (gh and wrangler, which this machine cannot run)
     and the [ray] cluster are removed. The lane agents stay podman images: each container gets
@@ -287,6 +288,9 @@ def e2e_desired_state(
         else:
             host = data["host"]["name"]
             data["host"]["address"] = settings.host_address(host)
+            # The bridge plays the tailnet: each container's link to it is
+            # its eth0, where the tables' tailnet rules must see it arrive.
+            data["host"]["tailnet_interface"] = "eth0"
         files[path.name] = toml_text(data)
     return files
 

@@ -1,11 +1,14 @@
 """CaddyAdmin against a real Caddy proxying real HTTP traffic on loopback.
 
 Two upstreams answer with their own names; which name comes back through
-Caddy's site shows which config Caddy is serving.
+Caddy's site shows which config Caddy is serving. Last, the status page's site
+as the edge renders it, served by a real Caddy in a network namespace and
+asked from a tailnet address and from outside the tailnet.
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,10 +22,12 @@ from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import EdgeSettings
 from reconciler.core.render.artifacts import TEMPLATES_DIR
 from reconciler.core.render.edge_proxy import proxy_timings
+from reconciler.core.render.status_site import TAILNET_ONLY_ANSWER
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.ports import ActivationError
 from tests.conftest import EXAMPLE_FLEET, require, require_root
 from tests.support.harness.caddy import RunningCaddy, Upstream, caddy_server, caddyfile_for, free_port, http_get, http_upstream
+from tests.support.harness.netns import Namespace, network_lab
 
 pytestmark = pytest.mark.integration
 
@@ -160,3 +165,69 @@ def test_rendered_edge_snippet_passes_validate(tmp_path) -> None:
     admin.validate(snippet)
     with pytest.raises(ActivationError, match="caddy validate rejected the config"):
         admin.validate(snippet.replace("lb_policy round_robin", "lb_policy round_robn"))
+
+
+# --------------------------------------------------------------------------
+# The status page: tailnet only unless [fleet] status_access = "public"
+
+
+EDGE_TAILNET = "100.101.7.2"
+EDGE_PUBLIC = "203.0.113.2"
+PAGE = "<!doctype html><title>fleet</title><p>the fleet's hosts and load</p>\n"
+
+
+def status_get(client: Namespace, address: str, port: int) -> tuple[int, str]:
+    """GET http://status.researchstack.info:PORT/ sent to `address` from `client`: (status, body)."""
+    done = client.run(
+        "curl", "--silent", "--max-time", "5", "--noproxy", "*", "--resolve", f"status.researchstack.info:{port}:{address}",
+        "--write-out", "\n%{http_code}", f"http://status.researchstack.info:{port}/",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    body, _, code = done.stdout.rpartition("\n")
+    return int(code), body
+
+
+def test_the_status_page_is_refused_outside_the_tailnet_unless_public(tmp_path) -> None:
+    """The site block render() puts in the edge's snippet (`caddy_site`, the
+    example's status.researchstack.info, here on plain HTTP ports): a peer on
+    the tailnet (100.101.7.1) reads the page, a client outside it
+    (203.0.113.1, whichever of the edge's addresses it asks) gets 403 and
+    nothing of the page; the same site with status_access = "public" serves
+    it to both."""
+    require_root()
+    require("caddy", "curl", "ip")
+    public_desired = tmp_path / "public"
+    shutil.copytree(EXAMPLE_FLEET, public_desired)
+    fleet = (public_desired / "fabric.toml").read_text()
+    (public_desired / "fabric.toml").write_text(
+        fleet.replace('domain = "researchstack.info"\n', 'domain = "researchstack.info"\nstatus_access = "public"\n', 1)
+    )
+    root = tmp_path / "status"
+    root.mkdir()
+    (root / "index.html").write_text(PAGE)
+    config = tmp_path / "Caddyfile"
+    config.write_text(
+        "{\n\tadmin off\n\tauto_https off\n}\n\n"
+        + status_caddy_site(load_desired(EXAMPLE_FLEET), str(root), address="http://status.researchstack.info:8080")
+        + "\n"
+        + status_caddy_site(load_desired(public_desired), str(root), address="http://status.researchstack.info:8081")
+    )
+    home = tmp_path / "home"
+    with network_lab() as lab:
+        peer, outsider, edge = lab.namespace("peer"), lab.namespace("outsider"), lab.namespace("edge")
+        lab.link(peer, "100.101.7.1/24", edge, f"{EDGE_TAILNET}/24", b_name="tailscale0")
+        lab.link(outsider, "203.0.113.1/24", edge, f"{EDGE_PUBLIC}/24")
+        outsider.check("ip", "route", "add", f"{EDGE_TAILNET}/32", "via", EDGE_PUBLIC)
+        edge.spawn(
+            "env", f"HOME={home}", f"XDG_CONFIG_HOME={home}/config", f"XDG_DATA_HOME={home}/data",
+            "caddy", "run", "--adapter", "caddyfile", "--config", str(config),
+        )  # fmt: skip
+        edge.wait_listening(8080)
+        edge.wait_listening(8081)
+
+        assert status_get(peer, EDGE_TAILNET, 8080) == (200, PAGE)
+        for address in (EDGE_PUBLIC, EDGE_TAILNET):
+            assert status_get(outsider, address, 8080) == (403, TAILNET_ONLY_ANSWER)
+        # status_access = "public": the same page to both.
+        assert status_get(peer, EDGE_TAILNET, 8081) == (200, PAGE)
+        assert status_get(outsider, EDGE_PUBLIC, 8081) == (200, PAGE)

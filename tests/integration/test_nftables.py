@@ -5,7 +5,9 @@ The server runs TCP listeners on 8080 and 8081; the table `inet fabric` is
 loaded in the server's namespace and connections from the client show what it
 lets through, drops or forwards. The rendered template's tests play the
 tailnet with 10.250.1.0/24 and the world outside it with 10.250.2-3.0/24
-(a port map's allow_from).
+(a port map's allow_from); the server's end of the tailnet's link is named
+tailscale0, as the rules match the interface as well as the range. The
+forged-source test uses the real rendered table and Tailscale's own range.
 """
 
 from __future__ import annotations
@@ -226,10 +228,12 @@ def test_rendered_fabric_template_admits_fabric_ports_from_the_fabric_network_on
     fabric does not own is left to the host's own policy."""
     require_root()
     require("ip", "nft", "socat", "python3", "ss")
-    ruleset = render_fabric_template(host="server", tailnet="10.250.1.0/24", tcp_ports=["8080"], udp_ports=[], openings=[], nftables_fix=True)
+    ruleset = render_fabric_template(
+        host="server", tailnet="10.250.1.0/24", tailnet_interface="tailscale0", tcp_ports=["8080"], udp_ports=[], openings=[], nftables_fix=True
+    )
     with network_lab() as lab:
         peer, outsider, server = lab.namespace("peer"), lab.namespace("outsider"), lab.namespace("server")
-        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
+        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24", b_name="tailscale0")
         lab.link(outsider, "10.250.2.1/24", server, "10.250.2.2/24")
         for port in (8080, 8081):
             server.spawn("socat", f"TCP-LISTEN:{port},fork,reuseaddr", "EXEC:/bin/cat")
@@ -268,6 +272,7 @@ def test_allow_from_opens_a_port_map_to_its_networks_and_leaves_the_others_close
     ruleset = render_fabric_template(
         host="server",
         tailnet="10.250.1.0/24",
+        tailnet_interface="tailscale0",
         tcp_ports=["8080", "8081", "8082"],
         udp_ports=[],
         openings=[nft_opening(m) for m in maps if m.allow_from],
@@ -275,7 +280,7 @@ def test_allow_from_opens_a_port_map_to_its_networks_and_leaves_the_others_close
     )
     with network_lab() as lab:
         peer, near, far, server = lab.namespace("peer"), lab.namespace("near"), lab.namespace("far"), lab.namespace("server")
-        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24")
+        lab.link(peer, "10.250.1.1/24", server, f"{SERVER_ADDRESS}/24", b_name="tailscale0")
         lab.link(near, "10.250.2.1/24", server, "10.250.2.2/24")
         lab.link(far, "10.250.3.1/24", server, "10.250.3.2/24")
         for port in (8080, 8081, 8082):
@@ -330,7 +335,7 @@ def test_the_edge_table_with_allow_from_passes_nft_and_reloads_idempotently(tmp_
         server.check("nft", "-f", "-", input=ruleset)
         assert server.check("nft", "list", "table", "inet", "fabric") == first
         for rule in (
-            "ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept",
+            'iifname "tailscale0" ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept',
             "ip saddr 10.250.2.0/24 tcp dport 4445 accept",
             "ip6 saddr 2001:db8:42::/48 tcp dport 4445 accept",
             "ip saddr 0.0.0.0/0 tcp dport 2222 accept",
@@ -338,3 +343,43 @@ def test_the_edge_table_with_allow_from_passes_nft_and_reloads_idempotently(tmp_
             "tcp dport { 2222, 4445 } drop",
         ):
             assert first.count(rule) == 1, rule
+
+
+# --------------------------------------------------------------------------
+# The tailnet interface: a tailnet source on another interface is forged
+
+
+def test_a_tailnet_source_is_accepted_on_the_tailnet_interface_and_dropped_on_another() -> None:
+    """racknerd's table as render() writes it (100.64.0.0/10 on tailscale0,
+    port maps 2222 and 4445). The peer reaches the server over the server's
+    tailscale0; the forger, whose address (100.64.9.1) lies in the tailnet's
+    range too, over another interface: what a spoofed tailnet source on the
+    public interface looks like. Its packets to the fabric's ports are
+    dropped, whichever of the server's addresses they aim at; a port the
+    fabric does not own is left to the host."""
+    require_root()
+    require("ip", "nft", "socat", "python3", "ss")
+    state = load_desired(EXAMPLE_FLEET)
+    facts = HostFacts(node_id="racknerd", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay", tailscale_ip="100.101.7.2")
+    plan = FleetPlan.model_validate_json((REPO / "tests" / "golden" / "fleet-plan.json").read_text())
+    [ruleset] = [a.content for a in render(state, "racknerd", facts, plan).artifacts if a.kind == "nft"]
+    assert 'iifname "tailscale0" ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept' in ruleset
+    with network_lab() as lab:
+        peer, forger, server = lab.namespace("peer"), lab.namespace("forger"), lab.namespace("edge")
+        lab.link(peer, "100.101.7.1/24", server, "100.101.7.2/24", b_name="tailscale0")
+        lab.link(forger, "100.64.9.1/24", server, "100.64.9.2/24")
+        # The forger also aims at the server's tailnet address, through its own link.
+        forger.check("ip", "route", "add", "100.101.7.2/32", "via", "100.64.9.2")
+        for port in (2222, 4445, 8081):
+            server.spawn("socat", f"TCP-LISTEN:{port},fork,reuseaddr", "EXEC:/bin/cat")
+        for port in (2222, 4445, 8081):
+            server.wait_listening(port)
+        # Without the table the forger gets through: any later timeout is the table's doing.
+        assert tcp_probe(forger, "100.64.9.2", 2222) == "connected"
+
+        NftCommand(SubprocessRunner(), prefix=server.exec_prefix).apply(ruleset)
+
+        assert [tcp_probe(peer, "100.101.7.2", port) for port in (2222, 4445)] == ["connected"] * 2
+        assert [tcp_probe(forger, "100.64.9.2", port) for port in (2222, 4445)] == ["timeout"] * 2
+        assert tcp_probe(forger, "100.101.7.2", 2222) == "timeout"
+        assert tcp_probe(forger, "100.64.9.2", 8081) == "connected"

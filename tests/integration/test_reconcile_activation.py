@@ -126,7 +126,7 @@ def passes_for_real(edge: SystemdContainer, reloads: ManagerReloads) -> None:
     assert fourth.returncode == 1, fourth.stdout + fourth.stderr
     assert "generation 2 is active again" in fourth.stderr
     unit_file = edge.read_file("/etc/systemd/system/fabric-socat-qfox-ssh.service")
-    assert "TCP-LISTEN:2223," in unit_file
+    assert "-LISTEN:2223," in unit_file  # on loopback: the replayed probe has no Tailscale
     wait_until(lambda: edge.systemctl("is-active", "fabric-socat-qfox-ssh.service").stdout.strip() == "active", what="qfox-ssh back on generation 2")
     assert echo_through(edge, 2223) == "ping"
     listed = edge.run("env", f"PYTHONPATH={SITE}:{REPO}", "python3", "-m", "reconciler", "generations").stdout

@@ -5,13 +5,17 @@ First the bare command, shaped as the renderer builds it
 killed by PID. Then the real `templates/socat.service.j2` unit, with its
 hardening (DynamicUser, ProtectSystem, RestrictAddressFamilies, ...), started
 through D-Bus by systemd as PID 1 in a container that shares the host's
-network, and checked with traffic from the host.
+network, and checked with traffic from the host. Last, where the rendered
+port map listens: racknerd's units as render() writes them, run in a network
+namespace with a tailnet address and another one (tests/support/harness/netns.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,10 +29,14 @@ import pytest
 from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.systemd_dbus import SystemdDbus
 from reconciler.adapters.unit_verify import SystemdAnalyzeVerifier
-from reconciler.core.render.artifacts import TEMPLATES_DIR, systemd_quote
+from reconciler.core.desired.load import load_desired
+from reconciler.core.desired.model import Hardware, HostFacts
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.render.artifacts import TEMPLATES_DIR, render, systemd_quote
 from reconciler.ports import ActivationError
-from tests.conftest import require, require_root
+from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.support.harness.caddy import free_port, http_get, http_upstream
+from tests.support.harness.netns import Namespace, network_lab, tcp_probe
 from tests.support.harness.systemd import SystemdContainer, run_job, systemd_container
 from tests.support.harness.waiting import deadline_for, wait_until
 
@@ -142,6 +150,8 @@ def rendered_socat_unit(name: str, listen_port: int, target_port: int) -> str:
         target_host="loopback",
         target_address="127.0.0.1",
         target_port=target_port,
+        listen_address="every address",
+        listen_why=("A test's port map, asked from this host.",),
         exec_start=" ".join(systemd_quote(a) for a in socat_argv("tcp", listen_port, "127.0.0.1", target_port)),
     )
 
@@ -214,3 +224,78 @@ def test_socat_unit_with_a_port_already_taken_fails_to_start(container: SystemdC
             with pytest.raises(ActivationError, match=r"fabric-socat-clash\.service: unit (did not stay up|failed after its job finished)"):
                 run_job(systemd, "start", unit)
             run_job(systemd, "stop", unit)
+
+
+# --------------------------------------------------------------------------
+# Where the rendered port map listens
+
+
+EDGE_TAILNET_ADDRESS = "100.101.7.2"  # racknerd's, as its probe would find it
+OTHER_ADDRESS = "10.250.2.2"  # another address of the same host (its public one, say)
+QFOX = "100.88.57.96"  # qfox-ssh's target: qfox-1:22
+
+
+def rendered_exec_start(desired_dir, tailscale_ip: str | None, unit: str = "fabric-socat-qfox-ssh.service") -> list[str]:  # type: ignore[no-untyped-def]
+    """The argv of racknerd's rendered port map unit."""
+    facts = HostFacts(node_id="racknerd", k3s_hostname="racknerd", hardware=Hardware(arch="x86_64"), tier="relay", tailscale_ip=tailscale_ip)
+    plan = FleetPlan.model_validate_json((REPO / "tests" / "golden" / "fleet-plan.json").read_text())
+    [text] = [a.content for a in render(load_desired(desired_dir), "racknerd", facts, plan).artifacts if a.path.endswith(unit)]
+    [line] = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+def echo(namespace: Namespace, host: str, port: int) -> str:
+    done = namespace.run("socat", "-T", "2", "-", f"TCP:{host}:{port},connect-timeout=2", input="ping\n")
+    return done.stdout.strip()
+
+
+def edge_lab(lab, argv: list[str]) -> tuple[Namespace, Namespace]:  # type: ignore[no-untyped-def]
+    """The edge with its tailnet link (tailscale0) and another link to the
+    same client, qfox-1's address on its loopback with an echo on port 22,
+    and the port map's socat running: (client, edge)."""
+    client, edge = lab.namespace("client"), lab.namespace("edge")
+    lab.link(client, "100.101.7.1/24", edge, f"{EDGE_TAILNET_ADDRESS}/24", b_name="tailscale0")
+    lab.link(client, "10.250.2.1/24", edge, f"{OTHER_ADDRESS}/24")
+    edge.check("ip", "addr", "add", f"{QFOX}/32", "dev", "lo")
+    edge.spawn("socat", f"TCP-LISTEN:22,bind={QFOX},fork,reuseaddr", "EXEC:/bin/cat")
+    edge.spawn(*argv)
+    edge.wait_listening(22)
+    edge.wait_listening(2222)
+    return client, edge
+
+
+def test_the_rendered_port_map_answers_on_the_tailnet_address_only() -> None:
+    require_root()
+    require("ip", "socat", "ss")
+    argv = rendered_exec_start(EXAMPLE_FLEET, EDGE_TAILNET_ADDRESS)
+    assert argv[1] == f"TCP4-LISTEN:2222,bind={EDGE_TAILNET_ADDRESS},ip-freebind=1,fork,reuseaddr"
+    with network_lab() as lab:
+        client, edge = edge_lab(lab, argv)
+        assert echo(client, EDGE_TAILNET_ADDRESS, 2222) == "ping"
+        assert tcp_probe(client, OTHER_ADDRESS, 2222) == "refused"
+
+
+def test_a_port_map_opened_by_allow_from_answers_on_every_address(tmp_path) -> None:
+    require_root()
+    require("ip", "socat", "ss")
+    desired = tmp_path / "desired"
+    shutil.copytree(EXAMPLE_FLEET, desired)
+    fleet = (desired / "fabric.toml").read_text()
+    (desired / "fabric.toml").write_text(fleet.replace("target_port = 22\n", 'target_port = 22\nallow_from = ["10.250.2.0/24"]\n', 1))
+    argv = rendered_exec_start(desired, EDGE_TAILNET_ADDRESS)
+    assert argv[1] == "TCP-LISTEN:2222,fork,reuseaddr"
+    with network_lab() as lab:
+        client, edge = edge_lab(lab, argv)
+        assert echo(client, EDGE_TAILNET_ADDRESS, 2222) == "ping"
+        assert echo(client, OTHER_ADDRESS, 2222) == "ping"
+
+
+def test_a_port_map_without_a_known_tailnet_address_answers_on_loopback_only() -> None:
+    require_root()
+    require("ip", "socat", "ss")
+    argv = rendered_exec_start(EXAMPLE_FLEET, None)
+    with network_lab() as lab:
+        client, edge = edge_lab(lab, argv)
+        assert tcp_probe(client, EDGE_TAILNET_ADDRESS, 2222) == "refused"
+        assert tcp_probe(client, OTHER_ADDRESS, 2222) == "refused"
+        assert echo(edge, "127.0.0.1", 2222) == "ping"

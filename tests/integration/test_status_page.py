@@ -75,7 +75,8 @@ def status_site(tmp_path: Path) -> Iterator[StatusSite]:
     root.mkdir(parents=True)
     port = free_port()
     host = status_site_address(desired)
-    site = caddy_site(desired, str(root), address=f"http://{host}:{port}", bind="127.0.0.1")
+    # Loopback plays the tailnet (the page is tailnet only; test_caddy.py asks from outside it).
+    site = caddy_site(desired, str(root), address=f"http://{host}:{port}", bind="127.0.0.1", tailnet=("127.0.0.0/8",))
     with running_caddy(lambda admin: f"{{\n\tadmin {admin}\n\tauto_https off\n}}\n\n" + site, site_port=port):
         yield StatusSite(desired, root, f"http://{host}:{port}/", host, port)
 

@@ -3,6 +3,8 @@ simple probe facts (tests/unit/test_render.py holds the golden texts' test)."""
 
 from __future__ import annotations
 
+import tomllib
+
 from reconciler.core.desired.model import DesiredState, Hardware, HostFacts
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import render
@@ -16,8 +18,17 @@ def golden_plan(**changes: object) -> FleetPlan:
     return plan.model_copy(update=changes)
 
 
+def example_address(host: str) -> str | None:
+    """The example host's declared (tailnet) address, None for a host not in hosts/."""
+    path = REPO / "hosts" / f"{host}.toml"
+    return tomllib.loads(path.read_text())["host"]["address"] if path.exists() else None
+
+
 def facts(host: str, arch: str | None = None, **extra: object) -> HostFacts:
+    """Probe facts of an example host: its tailnet address is its declared one
+    (give tailscale_ip=None for a probe that found no Tailscale)."""
     arch = arch or ("aarch64" if host == "a1-arm64" else "x86_64")
+    extra.setdefault("tailscale_ip", example_address(host))
     return HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch=arch), tier="cpu_ffmpeg", **extra)  # type: ignore[arg-type]
 
 

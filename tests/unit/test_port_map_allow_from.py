@@ -107,8 +107,8 @@ def test_the_table_accepts_the_tailnet_and_each_allowed_cidr_then_drops_the_rest
     assert chain.splitlines()[1:] == [
         "\t\ttype filter hook input priority filter - 10; policy accept;",
         '\t\tiifname "lo" accept',
-        "\t\tip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept",
-        "\t\tip6 saddr fd7a:115c:a1e0::/48 tcp dport { 2222, 4445 } accept",
+        '\t\tiifname "tailscale0" ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept',
+        '\t\tiifname "tailscale0" ip6 saddr fd7a:115c:a1e0::/48 tcp dport { 2222, 4445 } accept',
         "\t\t# port map lux-smb: allow_from",
         "\t\tip saddr 203.0.113.0/24 tcp dport 4445 accept",
         "\t\tip6 saddr 2001:db8:42::/48 tcp dport 4445 accept",
@@ -124,8 +124,8 @@ def test_one_opened_port_map_leaves_the_other_tailnet_only(tmp_path: Path) -> No
     nft = files(load_desired(opened(tmp_path, ssh='allow_from = ["198.51.100.0/24"]\n', smb="")), "racknerd")["etc/fabric/fabric.nft"]
     rules = [line.strip() for line in nft.splitlines() if "saddr" in line]
     assert rules == [
-        "ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept",
-        "ip6 saddr fd7a:115c:a1e0::/48 tcp dport { 2222, 4445 } accept",
+        'iifname "tailscale0" ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept',
+        'iifname "tailscale0" ip6 saddr fd7a:115c:a1e0::/48 tcp dport { 2222, 4445 } accept',
         "ip saddr 198.51.100.0/24 tcp dport 2222 accept",
     ]
 
@@ -176,8 +176,10 @@ def test_fabric_plan_prints_the_exposure_as_notes(tmp_path: Path, capsys: pytest
 
     code, out, _ = fabric(capsys, *argv, "--json")
     assert code == 0
+    # The golden capture has no Tailscale: lux-smb, tailnet only, listens on loopback and says so.
     assert json.loads(out)["notes"] == [
-        "port map qfox-ssh: tcp 2222 on racknerd is open to everyone (allow_from 0.0.0.0/0, ::/0), not only the tailnet"
+        "port map lux-smb: listens on 127.0.0.1 only: this host's tailnet address is unknown (the probe found none: tailscale: not installed)",
+        "port map qfox-ssh: tcp 2222 on racknerd is open to everyone (allow_from 0.0.0.0/0, ::/0), not only the tailnet",
     ]
 
 

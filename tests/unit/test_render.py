@@ -137,7 +137,7 @@ def test_nft_replaces_only_table_inet_fabric_and_opens_ports_to_the_tailnet_only
     code = [line.strip() for line in nft.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert code[:3] == ["table inet fabric", "delete table inet fabric", "table inet fabric {"]
     assert not re.search(r"\btable\s+(?!inet fabric\b)", "\n".join(code)), "no other table is named"
-    assert "ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept" in code
+    assert 'iifname "tailscale0" ip saddr 100.64.0.0/10 tcp dport { 2222, 4445 } accept' in code
     assert "tcp dport { 2222, 4445 } drop" in code
     qfox = files(example(), "qfox-1")["etc/fabric/fabric.nft"]
     assert "tcp dport { 8701, 8702, 8703 } accept" in qfox
@@ -170,7 +170,8 @@ def test_one_socat_unit_per_port_map_of_this_host() -> None:
     socat = sorted(p for p in texts if "fabric-socat-" in p)
     assert socat == ["etc/systemd/system/fabric-socat-lux-smb.service", "etc/systemd/system/fabric-socat-qfox-ssh.service"]
     qfox = unit(texts, "fabric-socat-qfox-ssh.service")
-    assert 'ExecStart="/usr/bin/socat" "TCP-LISTEN:2222,fork,reuseaddr" "TCP4:100.88.57.96:22"' in qfox
+    # On racknerd's tailnet address (tests/integration/test_socat.py runs it).
+    assert 'ExecStart="/usr/bin/socat" "TCP4-LISTEN:2222,bind=100.101.7.2,ip-freebind=1,fork,reuseaddr" "TCP4:100.88.57.96:22"' in qfox
     for setting in ("DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "CapabilityBoundingSet=\n"):
         assert setting in qfox
     assert not any("fabric-socat-" in p for p in files(example(), "lux"))

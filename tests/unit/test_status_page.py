@@ -112,5 +112,7 @@ def test_caddy_site_serves_the_status_root_at_the_status_subdomain(desired):
     assert status_site_address(desired) == "status.researchstack.info"
     site = caddy_site(desired)
 
-    assert site.splitlines()[:3] == ["status.researchstack.info {", "\troot * /var/lib/fabric/status", "\tfile_server"]
+    # Tailnet only by default (tests/unit/test_edge_tailnet.py, tests/integration/test_caddy.py).
+    assert site.splitlines()[0] == "status.researchstack.info {"
+    assert site.splitlines()[3:5] == ["\troot * /var/lib/fabric/status", "\tfile_server"]
     assert '\t\tCache-Control "no-store"' in site

@@ -328,6 +328,14 @@ class FleetSettings(Strict):
     leader_candidates: list[Name] = Field(min_length=1, description="Hosts that campaign for leadership (the scheduler runs on the leader).")
     # Sites served for the fleet itself (status page) live under this domain.
     status_subdomain: Name = Field("status", description="Subdomain of `domain` that serves the status page.")
+    # Who may read the status page (and anything else the edge serves about
+    # the fleet: its hosts, load, lanes and deferred work). "tailnet" (the
+    # default): the edge's Caddy answers 403 to every other source address;
+    # "public" opens it to the world, and must be said explicitly.
+    status_access: Literal["tailnet", "public"] = Field(
+        "tailnet",
+        description="Who may read the status page: tailnet (the default: Caddy refuses every source outside the tailnet with 403) or public (anyone; say so explicitly).",
+    )
 
 
 class TimingSettings(Strict):
@@ -1012,6 +1020,20 @@ class FleetConfig(Strict):
 Role = Literal["edge", "compute", "control", "fileserver"]
 
 
+# A network interface's name as the kernel takes it (IFNAMSIZ: 15 bytes) and
+# nft can match it in a quoted string: no blank, quote, '/' or wildcard.
+_INTERFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}$")
+
+
+def _interface_name(value: str) -> str:
+    if not _INTERFACE_RE.match(value):
+        raise ValueError(f"{value[:40]!r} is not a network interface name (1-15 letters, digits, '_', '.', '-', starting with a letter or digit)")
+    return value
+
+
+InterfaceName = Annotated[str, AfterValidator(_interface_name)]
+
+
 def _tailnet_ip(value: str) -> str:
     try:
         ip = ipaddress.ip_address(value)
@@ -1066,6 +1088,14 @@ class HostSettings(Strict):
     # The machine's DNS name on the tailnet ("qfox-1.tail-abc123.ts.net"): a
     # pass whose probe finds another name says so (probe.identity).
     tailnet_name: HostName | None = Field(None, description="The machine's DNS name on the tailnet; a pass whose probe finds another name says so.")
+    # The tailnet's network interface: the nftables table accepts the tailnet's
+    # source range on the fabric's ports only when it arrives there (a forged
+    # 100.64.0.0/10 source on the public interface is dropped), and the
+    # CachyOS/Arch forward fix names it.
+    tailnet_interface: InterfaceName = Field(
+        "tailscale0",
+        description="The tailnet's network interface (Tailscale's tailscale0 by default): tailnet-only ports accept the tailnet's addresses only when they arrive on it.",
+    )
     # Where the OS needs the nftables fix (CachyOS/Arch), or None to detect.
     nftables_fix: bool | None = Field(None, description="Whether the OS needs the nftables fix (CachyOS/Arch); unset: detect.")
     # The host's cost class (COST_ORDER): reported in its heartbeat, so the

@@ -6,7 +6,10 @@ executes; `HostActions.text()` is what `fabric plan` prints.
 
 Two views of the old state go in, because they can differ:
 
-- `installed`: the bytes on disk now. Decides which files to write.
+- `installed`: the bytes on disk now. Decides which files to write; so do
+  `installed_modes`: a file whose mode grants more than its artifact's (a
+  unit with environment installed 0644 by an older version, now 0640) is
+  written again, its bytes unchanged, which restarts nothing.
 - `running`:   the contents systemd, nft and Caddy were last activated with.
   Decides what to restart, reload, start and stop. Normally the same as
   `installed`; after a pass was killed between installing files and finishing
@@ -372,6 +375,7 @@ def host_actions(
     tracked_restarts: Mapping[str, Sequence[str]] | None = None,
     dependent_states: Mapping[str, str] | None = None,
     units_held: Mapping[str, bool] | None = None,
+    installed_modes: Mapping[str, int] | None = None,
 ) -> HostActions:
     """Compare `desired` with the old state; see the module docstring.
 
@@ -388,17 +392,21 @@ def host_actions(
                  (`Systemd.units_held`), for the units of the desired unit
                  files and of the tracked drop-ins, when systemd can be asked;
                  decides the daemon-reload (see the module docstring).
+    installed_modes: path -> permission bits on disk now, when read: a file
+                 whose bits go beyond its artifact's mode is written again.
     """
     running = installed if running is None else running
     desired_by_path = {a.path: a for a in desired}
     # Files: write what differs from the disk, remove what the fabric wrote and no longer wants.
     write = sorted(p for p, a in desired_by_path.items() if installed.get(p) != a.data)
+    # Same bytes, a looser mode on disk: written again (a tighter one is the operator's).
+    loose = sorted(p for p, a in desired_by_path.items() if installed.get(p) == a.data and (installed_modes or {}).get(p, a.mode) & ~a.mode)
     gone = sorted(set(tracked) - set(desired_by_path))
     remove = [p for p in gone if p in installed or p in running]
     jobs = _unit_jobs(desired_by_path, gone, installed, tracked, running, unit_states)
     _dependent_restarts(jobs, desired_by_path, gone, running, tracked_restarts, dependent_states)
     return HostActions(
-        write=tuple(write),
+        write=tuple(sorted(write + loose)),
         remove=tuple(remove),
         daemon_reload=_daemon_reload(desired_by_path, write, remove, tracked, running, bool(jobs.stop), units_held),
         nft_load=_nft_load(desired_by_path, gone, tracked, running, nft_table_loaded),

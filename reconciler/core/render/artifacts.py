@@ -9,10 +9,12 @@ values and quotes every one of them for the language it lands in.
 What a host gets:
 
 - every host: `fabric-nftables.service` and the nftables file of the table
-  `inet fabric` (ports of its services and port maps, tailnet only unless a
-  port map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
+  `inet fabric` (ports of its services and port maps, tailnet only, the
+  tailnet's range arriving on the host's tailnet interface, unless a port
+  map's `allow_from` opens it further; the CachyOS/Arch forward fix), and
   the k3s node-label drop-in;
-- one `fabric-socat-<name>.service` per port map declared on the host;
+- one `fabric-socat-<name>.service` per port map declared on the host,
+  listening on the host's tailnet address (`socat_listen`);
 - one `fabric-agent-<id>.service` per compute lane pushed to it (several
   lanes may share a push_host: each agent has its own unit, queue, token file
   and scratch dir) and per service the plan places on it; the local lane is
@@ -20,7 +22,8 @@ What a host gets:
 - a host with the 'control' role: phaze's `/etc/phaze/backends.toml`, the
   declared lanes in phaze's field names, which restarts phaze's control-plane
   units (`[phaze] control_units`) when it changes;
-- an edge host: the Caddy site snippet, one site per routed service;
+- an edge host: the Caddy site snippet, one site per routed service, and
+  the status page's (tailnet only unless `[fleet] status_access` is public);
 - with a `[ray]` table: `fabric-ray-head.service` on its head and
   `fabric-ray-worker.service` on each of its workers (`ray_units`), the
   head's port (and dashboard's) tailnet only in its nftables.
@@ -28,6 +31,8 @@ What a host gets:
 The plan: render reads only this host's part of it (`plan_part`: the services
 placed here and, on the edge, each routed service's nodes), the same part whose
 change makes `fabric watch` start a pass.
+
+Unit files are 0644, or 0640 when they carry environment (`unit_mode`).
 
 Trust: the plan comes from the registry, which may be written by any host. A
 placement naming a service or host the desired state does not know is ignored
@@ -65,15 +70,19 @@ from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.render.plan_part import PlanPart, plan_part
 from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_unit
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
+from reconciler.core.render.tailnet import LOOPBACK, TAILNET, TAILNET6, tailnet_address, unknown_reason
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
 from reconciler.core.templating import Templates
 
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
-# Tailscale's address ranges: CGNAT IPv4 and its IPv6 ULA prefix.
-TAILNET = "100.64.0.0/10"
-TAILNET6 = "fd7a:115c:a1e0::/48"
+# A unit file that carries environment (Environment= lines: a service's or
+# an agent's variables, which may name where its secrets are) is readable by
+# root alone and its group; one without is world-readable like any unit.
+UNIT_MODE = 0o644
+UNIT_WITH_ENVIRONMENT_MODE = 0o640
+_ENVIRONMENT_LINE = re.compile(r"^Environment=", re.MULTILINE)
 
 
 class RenderError(ValueError):
@@ -167,6 +176,16 @@ def toml_string(value: str) -> str:
 def caddy_address(address: str, port: int) -> str:
     ip = ipaddress.ip_address(address)
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def unit_mode(text: str) -> int:
+    """A unit file's mode: 0640 when it carries environment, else 0644."""
+    return UNIT_WITH_ENVIRONMENT_MODE if _ENVIRONMENT_LINE.search(text) else UNIT_MODE
+
+
+def unit_artifact(path: str, text: str) -> Artifact:
+    """A unit file, with the mode its text calls for (`unit_mode`)."""
+    return Artifact(path, text, unit_mode(text), "unit")
 
 
 def credential_env_name(name: str) -> str:
@@ -673,8 +692,59 @@ def _render_agents(r: _HostRender) -> list[Artifact]:
         if w.id in seen:
             raise RenderError(f"{agent_unit(w.id)} would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {r.desired.fleet_file}")
         seen[w.id] = w.what
-        artifacts.append(Artifact(r.layout.unit_path(agent_unit(w.id)), _agent_unit(w, r.layout, r.templates, r.notes), 0o644, "unit"))
+        artifacts.append(unit_artifact(r.layout.unit_path(agent_unit(w.id)), _agent_unit(w, r.layout, r.templates, r.notes)))
     return artifacts
+
+
+@dataclass(frozen=True)
+class SocatListen:
+    """Where a port map's socat listens, and why (the unit's comment)."""
+
+    address: str | None  # None: every address
+    why: tuple[str, ...]
+
+
+def socat_listen(pm: PortMap, facts: HostFacts) -> SocatListen:
+    """The tailnet address of this host unless `allow_from` opens the port
+    map beyond the tailnet; loopback while the probe knows no tailnet address
+    (nothing but this host reaches it then, and the pass says why)."""
+    if pm.allow_from:
+        return SocatListen(
+            None,
+            (
+                f"Every address: allow_from opens this port map beyond the tailnet ({', '.join(pm.allow_from)}),",
+                "whose clients reach the host's other addresses; the table inet fabric admits",
+                "the tailnet and those networks only.",
+            ),
+        )
+    address = tailnet_address(facts)
+    if address is None:
+        return SocatListen(
+            LOOPBACK,
+            (
+                f"Loopback only: this host's tailnet address is unknown ({unknown_reason(facts)});",
+                "the next pass that finds it listens there.",
+            ),
+        )
+    return SocatListen(
+        address,
+        (
+            "This host's tailnet address only (the probe's): no other interface reaches it,",
+            "whatever the firewall says. ip-freebind: a boot that starts it before Tailscale is up",
+            "binds all the same.",
+        ),
+    )
+
+
+def socat_listen_argument(pm: PortMap, listen: SocatListen) -> str:
+    """socat's first address: `TCP-LISTEN:<port>[,bind=<address>,ip-freebind=1],fork,reuseaddr`."""
+    proto = pm.protocol.upper()
+    if listen.address is None:
+        return f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
+    ip = ipaddress.ip_address(listen.address)
+    if ip.version == 6:
+        return f"{proto}6-LISTEN:{pm.listen_port},bind=[{ip}],ip-freebind=1,fork,reuseaddr"
+    return f"{proto}4-LISTEN:{pm.listen_port},bind={ip},ip-freebind=1,fork,reuseaddr"
 
 
 def _render_port_maps(r: _HostRender) -> list[Artifact]:
@@ -684,7 +754,10 @@ def _render_port_maps(r: _HostRender) -> list[Artifact]:
         target = r.desired.hosts[pm.target_host].host.address
         six = ipaddress.ip_address(target).version == 6
         proto = pm.protocol.upper()
-        listen = f"{proto}-LISTEN:{pm.listen_port},fork,reuseaddr"
+        where = socat_listen(pm, r.facts)
+        if where.address == LOOPBACK:
+            r.notes.append(f"port map {pm.name}: listens on {LOOPBACK} only: this host's tailnet address is unknown ({unknown_reason(r.facts)})")
+        listen = socat_listen_argument(pm, where)
         connect = f"{proto}6:[{target}]:{pm.target_port}" if six else f"{proto}4:{target}:{pm.target_port}"
         exec_start = " ".join(systemd_quote(a) for a in (r.layout.socat, listen, connect))
         text = _template(
@@ -697,9 +770,11 @@ def _render_port_maps(r: _HostRender) -> list[Artifact]:
             target_host=pm.target_host,
             target_address=target,
             target_port=pm.target_port,
+            listen_address=where.address or "every address",
+            listen_why=where.why,
             exec_start=exec_start,
         )
-        artifacts.append(Artifact(r.layout.unit_path(f"fabric-socat-{pm.name}.service"), text, 0o644, "unit"))
+        artifacts.append(unit_artifact(r.layout.unit_path(f"fabric-socat-{pm.name}.service"), text))
         (r.tcp_ports if pm.protocol == "tcp" else r.udp_ports).add(pm.listen_port)
         if pm.allow_from:
             r.openings.append(nft_opening(pm))
@@ -719,7 +794,7 @@ def _render_ray(r: _HostRender) -> list[Artifact]:
         r.tcp_ports.add(r.desired.fleet.ray.port)
         if r.desired.fleet.ray.dashboard:
             r.tcp_ports.add(r.desired.fleet.ray.dashboard_port)
-    return [Artifact(r.layout.unit_path(ray.unit), _ray_unit_text(ray, r.desired, r.facts, r.templates), 0o644, "unit")]
+    return [unit_artifact(r.layout.unit_path(ray.unit), _ray_unit_text(ray, r.desired, r.facts, r.templates))]
 
 
 def _render_nftables(r: _HostRender) -> list[Artifact]:
@@ -735,6 +810,7 @@ def _render_nftables(r: _HostRender) -> list[Artifact]:
         host=r.host_name,
         tailnet=TAILNET,
         tailnet6=TAILNET6,
+        tailnet_interface=r.host.host.tailnet_interface,
         tcp_ports=[str(p) for p in sorted(r.tcp_ports)],
         udp_ports=[str(p) for p in sorted(r.udp_ports)],
         openings=r.openings,
@@ -743,12 +819,7 @@ def _render_nftables(r: _HostRender) -> list[Artifact]:
     nft_load = " ".join(systemd_quote(a) for a in (r.layout.nft, "-f", "/" + r.layout.nft_file))
     return [
         Artifact(r.layout.nft_file, nft_text, 0o644, "nft"),
-        Artifact(
-            r.layout.unit_path("fabric-nftables.service"),
-            _template("nftables-load.service.j2", r.templates, exec_start=nft_load),
-            0o644,
-            "unit",
-        ),
+        unit_artifact(r.layout.unit_path("fabric-nftables.service"), _template("nftables-load.service.j2", r.templates, exec_start=nft_load)),
     ]
 
 

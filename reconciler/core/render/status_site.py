@@ -12,6 +12,7 @@ import hashlib
 from functools import cache
 
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.render.tailnet import TAILNET_RANGES
 from reconciler.core.templating import environment as template_environment
 
 STATUS_ROOT = "/var/lib/fabric/status"
@@ -38,17 +39,42 @@ def status_site_address(desired: DesiredState) -> str:
     return f"{desired.fleet.fleet.status_subdomain}.{desired.fleet.fleet.domain}"
 
 
-def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str | None = None, bind: str | None = None) -> str:
+# What a source outside the tailnet gets from a tailnet-only status page.
+TAILNET_ONLY_ANSWER = "403 Forbidden: the fleet's status page is served to the tailnet only ([fleet] status_access)."
+
+
+def caddy_site(
+    desired: DesiredState,
+    root: str = STATUS_ROOT,
+    *,
+    address: str | None = None,
+    bind: str | None = None,
+    tailnet: tuple[str, ...] = TAILNET_RANGES,
+) -> str:
     """A Caddyfile site block serving the page (for the edge host's Caddy config).
 
     `address` defaults to `status.<domain>` (Caddy then gets it a certificate);
     `bind` limits the listener to one address (the edge's public one, say).
     Read-only static files; `no-store` so a phone never shows a stale pass,
     and a strict CSP that the page (inline CSS, its one hashed script) satisfies.
+
+    The page shows the fleet's hosts, load, lanes and deferred work: unless
+    `[fleet] status_access` is "public", a request whose connection comes
+    from outside `tailnet` (Tailscale's ranges; a test plays them with its
+    own) gets 403 and nothing of the page. A matcher on the connection's
+    address, not a `bind` to the tailnet address: the site keeps its public
+    name, so Caddy's certificate challenges (answered before any route) still
+    work. Caddy trusts no proxy header here (no trusted_proxies): the
+    address is the TCP peer's.
     """
     lines = [f"{address or status_site_address(desired)} {{"]
     if bind:
         lines.append(f"\tbind {bind}")
+    if desired.fleet.fleet.status_access == "tailnet":
+        lines += [
+            f"\t@outside_tailnet not remote_ip {' '.join(tailnet)}",
+            f'\trespond @outside_tailnet "{TAILNET_ONLY_ANSWER}" 403',
+        ]
     lines += [
         f"\troot * {root}",
         "\tfile_server",

@@ -15,7 +15,8 @@ Every namespace gets a unique name (`fabric-<pid>-<n>-<label>`) and its
 loopback up. `spawn` starts a program inside a namespace and registers it; on
 leaving the `with`, every spawned process (with its process group) is killed by PID and waited for, then
 every namespace is deleted (which removes its veth ends), even if the test
-failed. Only 10.250.0.0/16 addresses on these namespaces are used.
+failed. Addresses live only inside the namespaces (10.250.0.0/16, and the
+tailnet's 100.64.0.0/10 where a test plays the tailnet with its real range).
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ class NetworkLab:
         namespace.check("ip", "link", "set", "lo", "up")
         return namespace
 
-    def link(self, a: Namespace, a_address: str, b: Namespace, b_address: str) -> None:
-        """A veth pair between two namespaces, addressed (CIDR) and up."""
+    def link(self, a: Namespace, a_address: str, b: Namespace, b_address: str, *, b_name: str | None = None) -> None:
+        """A veth pair between two namespaces, addressed (CIDR) and up;
+        `b_name` names b's end (a tailnet interface, "tailscale0"), which is
+        created in b's namespace directly, so two labs may both use it."""
         index = next(_counter)
-        a_end, b_end = f"fv{index}a", f"fv{index}b"
+        a_end, b_end = f"fv{index}a", b_name or f"fv{index}b"
         subprocess.run(
             ["ip", "link", "add", a_end, "netns", a.name, "type", "veth", "peer", "name", b_end, "netns", b.name],
             check=True,
