@@ -146,6 +146,9 @@ def test_a_singleton_waits_for_the_node_timeout(tmp_path: Path):
 def test_with_the_fast_liveness_off_the_node_timeout_alone_decides(tmp_path: Path):
     fleet = started(tmp_path, liveness_s=0)
     try:
+        # Records a watcher of another configuration keeps are not read.
+        for host in TIERS:
+            fleet.registry.keep_alive(host, LIVENESS_TTL_S)
         fleet.clock.advance(LIVENESS_TTL_S + 1)
         fleet.beat("lead", "gpu-b")
         fleet.leader.step()

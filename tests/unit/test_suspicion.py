@@ -188,8 +188,9 @@ def test_when_the_suspect_goes_offline_its_hedge_becomes_the_placement():
     state = fleet(service("enc", "gpu_vaapi"))
     nodes = [node("a", "gpu_vaapi", status="offline"), node("b", "cpu_ffmpeg"), node("c", "gpu_vaapi")]
     gone, _ = advance_suspects(suspect(), {}, {"a": "offline"}, at(90), FLAP)
-    plan = plan_over(state, [placed("enc", "a"), placed("enc", "c", hedge="a")], gone, now=at(90), nodes=nodes)
-    assert [(p.node, p.hedge) for p in plan.placements] == [("c", None)]
+    hedge = placed("enc", "b", "cpu_ffmpeg", fallback=True, hedge="a")  # c had no room when it was placed
+    plan = plan_over(state, [placed("enc", "a"), hedge], gone, now=at(90), nodes=nodes)
+    assert [(p.node, p.hedge) for p in plan.placements] == [("b", None)], "it stays where it runs: no second move to c"
 
 
 def test_a_suspected_node_takes_no_new_work_and_its_lanes_are_offline():
