@@ -244,6 +244,7 @@ class LeaderLoop:
             self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
             if self.leadership is None:
                 self._note_held()
+                self._follow_liveness()
                 return
             self._held_stale_at = None
             self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
@@ -367,6 +368,17 @@ class LeaderLoop:
         for change in changes:
             self.log(f"node {change.node} {change.kind}: {change.detail}")
         return with_suspects(snapshot, suspects)
+
+    def _follow_liveness(self) -> None:
+        """Following: remember each host's newest liveness expiry too, so a
+        candidate that takes over after the leader's own host died knows
+        whose record lapsed meanwhile (etcd deleted it) and suspects that
+        host at its first step, not only at the node timeout."""
+        assert self.desired is not None
+        if not self.desired.fleet.timing.liveness_s:
+            self._liveness_seen = {}
+            return
+        self._liveness_seen = remember_liveness(self._liveness_seen, self.registry.liveness())
 
     def _tailscale_offline(self, hosts: list[str]) -> dict[str, str]:
         """The hosts tailscale shows offline; a status that cannot be read is said once."""

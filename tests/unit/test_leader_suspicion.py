@@ -20,10 +20,10 @@ TIERS = {"lead": "cpu_ffmpeg", "gpu-a": "gpu_vaapi", "gpu-b": "gpu_vaapi"}
 LIVENESS_TTL_S = 6
 
 
-def desired(liveness_s: int = 2, singleton: bool = False) -> DesiredState:
+def desired(liveness_s: int = 2, singleton: bool = False, candidates: tuple[str, ...] = ("lead",)) -> DesiredState:
     fleet = FleetConfig.model_validate(
         {
-            "fleet": {"domain": "example.test", "leader_candidates": ["lead"]},
+            "fleet": {"domain": "example.test", "leader_candidates": list(candidates)},
             "timing": {"liveness_s": liveness_s, "liveness_ttl_s": LIVENESS_TTL_S},
             "services": [{"id": "enc", "min_tier": "gpu_vaapi", "command": {"any": ["/bin/enc"]}, "singleton": singleton}],
         }
@@ -161,5 +161,36 @@ def test_with_the_fast_liveness_off_the_node_timeout_alone_decides(tmp_path: Pat
         assert fleet.placements() == [("gpu-b", None)]
         plan = fleet.registry.newest_plan()
         assert plan is not None and plan.suspects == {}
+    finally:
+        fleet.close()
+
+
+def test_a_candidate_that_takes_over_from_a_dead_leader_suspects_the_hosts_whose_record_lapsed_meanwhile(tmp_path: Path):
+    """The follower remembers the liveness expiries it read while following:
+    etcd deletes a lapsed record, and the leader that saw it is gone."""
+    fleet = started(tmp_path, candidates=("lead", "gpu-b"))
+    try:
+        follower = LeaderLoop(
+            registry=fleet.registry,
+            host="gpu-b",
+            load_desired=lambda: fleet.state,
+            schedule=schedule,
+            lease_ttl_s=30,
+            log=fleet.log.append,
+            clock=fleet.clock,
+        )
+        follower.step()
+        assert follower.leadership is None, "lead leads"
+        # lead's host and gpu-a die together; the records lapse and go (etcd), lead's term goes stale.
+        fleet.clock.advance(31)
+        fleet.beat("gpu-b")
+        # sqlite keeps a lapsed row; etcd deletes the key: as etcd does.
+        with fleet.registry._tx() as db:
+            db.execute("DELETE FROM liveness WHERE host IN ('lead', 'gpu-a')")
+        follower.step()
+        assert follower.leadership is not None
+        plan = fleet.registry.newest_plan()
+        assert plan is not None and "gpu-a" in plan.suspects, plan.suspects
+        assert ("gpu-b", "gpu-a") in [(p.node, p.hedge) for p in plan.placements]
     finally:
         fleet.close()
