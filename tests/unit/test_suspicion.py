@@ -3,10 +3,14 @@ and the hedges of core.scheduling.placement), rule by rule, on pure inputs."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from reconciler.core.desired.model import DesiredState, FlapSettings, FleetConfig, HostConfig
 from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotNode, SuspectState
+from reconciler.core.probe.parsers import ParseError, offline_peers
 from reconciler.core.scheduling.lanes import offline_reason
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.scheduling.ray_tasks import Requirement, select_assignment
@@ -234,3 +238,24 @@ def test_the_timeline_shows_suspicion_hedge_and_recovery_with_their_sources():
         ("suspicion", "a suspected"),
     ]
     assert "ray: Ray node dead" in next(e.detail for e in events if e.kind == "suspicion")
+
+
+# -- tailscale status --json as a source -------------------------------------------------
+
+
+def test_tailscale_names_the_hosts_whose_peer_is_offline():
+    status = {
+        "BackendState": "Running",
+        "Self": {"DNSName": "lux.tail-abc.ts.net.", "TailscaleIPs": ["100.64.0.1"]},
+        "Peer": {
+            "k1": {"DNSName": "qfox-1.tail-abc.ts.net.", "HostName": "qfox-1", "Online": False, "LastSeen": "2026-11-29T11:59:50Z"},
+            "k2": {"DNSName": "a1-arm64.tail-abc.ts.net.", "HostName": "a1-arm64", "Online": True},
+            "k3": {"DNSName": "phone.tail-abc.ts.net.", "HostName": "phone", "Online": False},
+            "k4": {"HostName": "X86-Spill", "Online": False},
+            "k5": {"DNSName": "racknerd.tail-abc.ts.net.", "HostName": "racknerd"},
+        },
+    }
+    got = offline_peers(json.dumps(status), ["qfox-1", "a1-arm64", "x86-spill", "racknerd"])
+    assert got == {"qfox-1": "peer offline (last seen 2026-11-29T11:59:50Z)", "x86-spill": "peer offline"}, "unknown Online says nothing"
+    with pytest.raises(ParseError):
+        offline_peers(json.dumps({"BackendState": "Stopped"}), ["qfox-1"])
