@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from reconciler.core.scheduling.lanes import BrokerRuns, CrashedRun
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
     from reconciler.core.scheduling.ray_tasks import RayView
+    from reconciler.core.scheduling.suspicion import LivenessRecord
 
 
 class Clock(Protocol):
@@ -404,9 +405,11 @@ class LeaderView:
 #   LeaderWrites  the leader's step: lifecycle, plans, scaling, waiting for change
 #   Drains        the operator's drain and undrain
 #   HostWatch     the watcher's wait on a host's entries
+#   Liveness      fabric-watch's fast liveness record (the leader reads them
+#                 all through FleetReads.liveness)
 #   RegistryConnection  close, for whoever opened the connection
 #
-# and the roles made of them, one per user: BeatConnection, EpochConnection,
+# and the roles made of them, one per user: BeatConnection, LivenessConnection, EpochConnection,
 # FleetViewConnection, RegistryReads, WatchRegistry, LeaderRegistry, PassRegistry.
 
 
@@ -458,6 +461,12 @@ class FleetReads(Protocol):
 
     def scaling_record(self) -> ScalingRecord:
         """The leader's scaling memory and overrides (empty for a new registry)."""
+        ...
+
+    def liveness(self) -> list[LivenessRecord]:
+        """The fast liveness records fabric-watch keeps alive (issue 30), one
+        per host, each with when it lapses unless kept alive (etcd: a lapsed
+        one is gone, its lease expired; sqlite: its row stays, expired)."""
         ...
 
 
@@ -517,6 +526,16 @@ class Drains(Protocol):
         ...
 
 
+class Liveness(Protocol):
+    def keep_alive(self, host: str, ttl_s: float) -> LivenessRecord:
+        """fabric-watch: keep `host`'s fast liveness record alive for another
+        `ttl_s` seconds (etcd: its key on a lease of its own, granted once
+        and kept alive, granted again when it lapsed; sqlite: one row
+        write). Cheap: no pass, no desired state. Raises RegistryUnavailable,
+        PermissionDenied (etcd auth: a host writes only its own key)."""
+        ...
+
+
 class HostWatch(Protocol):
     def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
         """`fabric watch`: the entries that concern `host` (the newest plan,
@@ -534,6 +553,10 @@ class HostWatch(Protocol):
 
 class BeatConnection(Heartbeats, RegistryConnection, Protocol):
     """A pass's heartbeat after activation, on a connection of its own."""
+
+
+class LivenessConnection(Liveness, RegistryConnection, Protocol):
+    """fabric-watch's fast liveness record, on a connection of its own."""
 
 
 class EpochConnection(EpochReads, RegistryConnection, Protocol):
@@ -570,6 +593,7 @@ class Registry(
     LeaderWrites,
     Drains,
     HostWatch,
+    Liveness,
     RegistryConnection,
     Protocol,
 ):

@@ -33,6 +33,12 @@ unit, the replacement started it, the edge loaded Caddy:
 tests/e2e/fleet.move_applied), beside the goal (issue 14: applied within 1 s);
 then lifts the drain and waits for the fleet to converge again.
 
+Issue 30 (fabric-watch's fast liveness, suspicion and hedges): per run also
+`served by the replacement N.N s after the power-off`, with the times from
+the power-off to the suspicion, to the hedge's plan (both from the plan's
+`suspects` events) and to the edge's reload, and their `median:` line (goal:
+served within 10 s of the power-off).
+
 Prints per run, in seconds after the last heartbeat, every phase: offline (the
 leader's transition), plan (the moving plan published), pass (the
 replacement took the plan: a pass started after it, or one running then read
@@ -94,6 +100,9 @@ from tests.e2e.fleet import (  # noqa: E402
 SERVICE = "vaapi-encode"
 ROUTE = "encode.researchstack.info"
 PHASES = ("offline", "plan", "pass", "started", "edge pass", "caddy", "served")
+# Issue 30: seconds after the power-off (nan: did not happen, e.g. no fast liveness).
+OFF_PHASES = ("suspected", "hedge plan", "edge reload", "served")
+SERVED_AFTER_POWER_OFF_S = 10.0
 
 
 def _since(moment: datetime | None, origin: datetime) -> float:
@@ -125,9 +134,24 @@ def between_ticks(fleet, desired, hosts) -> dict[str, float | str]:
 DRAIN_PHASES = ("drained took", "drained applied", "replacement took", "replacement applied", "edge took", "edge applied")
 
 
+def _unhedged(fleet, desired, hosts):
+    """The converged plan once SERVICE has one placement again (a hedge of an
+    earlier run leaves after the stable window, [flap] window_s)."""
+    plan = converged(fleet, desired, hosts)
+    return plan if plan is not None and len(placed(plan).get(SERVICE, [])) == 1 else None
+
+
+def _suspect_event(plan, victim: str, kind: str, after: datetime) -> datetime | None:
+    """When the leader's plan says `victim` was first suspected or hedged after `after` (issue 30)."""
+    state = plan.suspects.get(victim) if plan is not None else None
+    times = [utc(e.at) for e in (state.events if state is not None else []) if e.kind == kind and utc(e.at) >= after]
+    return min(times, default=None)
+
+
 def one_run(fleet, desired, hosts) -> dict[str, float | str]:
-    plan = wait_for(lambda: converged(fleet, desired, hosts), timeout=300, what="convergence", interval=0.5)
+    plan = wait_for(lambda: _unhedged(fleet, desired, hosts), timeout=600, what="convergence without hedges", interval=0.5)
     (victim,) = placed(plan)[SERVICE]
+    powered_off = datetime.now(UTC)
     fleet.stop_host(victim)
 
     def from_the_replacement(status: int, body: str) -> bool:
@@ -141,8 +165,11 @@ def one_run(fleet, desired, hosts) -> dict[str, float | str]:
         new_plan = registry.newest_plan()
     assert new_plan is not None
     last_beat = utc(state.last_seen)
-    published = utc(new_plan.created)
-    (replacement,) = placed(new_plan)[SERVICE]
+    # The plan that first served from elsewhere: the hedge's (issue 30) or, with
+    # no fast liveness, the one that moved the work at the node timeout.
+    hedged = _suspect_event(new_plan, victim, "hedge", powered_off)
+    published = hedged or utc(new_plan.created)
+    (replacement,) = [n for n in placed(new_plan)[SERVICE] if n != victim]
     offline = next((utc(t.at) for t in reversed(state.transitions) if t.status == "offline"), None)
     moments = {
         "offline": offline,
@@ -155,6 +182,15 @@ def one_run(fleet, desired, hosts) -> dict[str, float | str]:
     }
     figures: dict[str, float | str] = {phase: _since(moments[phase], last_beat) for phase in PHASES}
     figures["victim"], figures["replacement"] = victim, replacement
+    # From the power-off (issue 30): suspicion, the hedge's plan, the edge's reload, served.
+    after_off = {
+        "suspected": _suspect_event(new_plan, victim, "suspicion", powered_off),
+        "hedge plan": hedged,
+        "edge reload": moments["caddy"],
+        "served": served,
+    }
+    for phase, moment in after_off.items():
+        figures[f"off {phase}"] = _since(moment, powered_off)
     fleet.start_host(victim)
     return figures
 
@@ -228,6 +264,11 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
             results.append(figures)
             row = "".join(f" {figures[phase]:9.2f}" for phase in PHASES)
             print(f"{run:>3}  {figures['victim']:9} {figures['replacement']:9}{row}", flush=True)
+            print(
+                f"     served by the replacement {figures['off served']:.1f} s after the power-off "
+                f"(suspected {figures['off suspected']:.1f} s, hedge plan {figures['off hedge plan']:.1f} s, edge reload {figures['off edge reload']:.1f} s)",
+                flush=True,
+            )
         medians = {phase: statistics.median(float(r[phase]) for r in results) for phase in PHASES}
         print(f"{'median':>5}{'':20}" + "".join(f" {medians[phase]:9.2f}" for phase in PHASES))
         acted = max(medians["pass"], medians["edge pass"]) - medians["plan"]
@@ -237,6 +278,12 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
             f"after its publication (goal {ACTED_ON_S:g} s: {'met' if acted <= ACTED_ON_S else 'MISSED'}); "
             f"first request served by the replacement {medians['served']:.2f} s after the last heartbeat "
             f"(goal {goal:g} s: {'met' if medians['served'] <= goal else 'MISSED'})"
+        )
+        off = {phase: statistics.median(float(r[f"off {phase}"]) for r in results) for phase in OFF_PHASES}
+        print(
+            f"median: served by the replacement {off['served']:.1f} s after the power-off "
+            f"(goal {SERVED_AFTER_POWER_OFF_S:g} s: {'met' if off['served'] <= SERVED_AFTER_POWER_OFF_S else 'MISSED'}); "
+            f"suspected {off['suspected']:.1f} s, hedge plan {off['hedge plan']:.1f} s, edge reload {off['edge reload']:.1f} s after it"
         )
         takeover, old, new, ttl = leader_failover(fleet, desired, hosts)
         print(f"leader failure: {old}'s host killed, {new} leads {takeover:.2f} s later (lease TTL {ttl:g} s)")

@@ -123,6 +123,7 @@ def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]
         lanes=[SnapshotLane(id=lane) for lane in sorted(set(lanes))],
         placements=list(read.plan.placements) if read.plan else [],
         room_since=dict(read.plan.room_since) if read.plan else {},
+        suspects=dict(read.plan.suspects) if read.plan else {},
         # A resigned or stale record names nobody who leads (its term stays current: `Registry.leader_term`).
         leader=read.leader.candidate if read.leader and read.leader.live_at(read.now) else None,
         epoch=read.epoch,

@@ -16,6 +16,10 @@ Keys under the configured prefix P (default "/fabric"):
                             renewal; kept, resigned and off the lease, on resignation
     P/epoch                 the epoch counter (decimal)
     P/plan                  the newest FleetPlan JSON
+    P/liveness/<host>       fabric-watch's fast liveness record (issue 30):
+                            {"host", "ttl_s"} on a short lease of its own,
+                            kept alive every couple of seconds; gone when the
+                            lease lapses (the leader's watch wakes it)
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
                             concurrency overrides; written under its fence)
 
@@ -102,6 +106,7 @@ from reconciler.core.live.records import (
 from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, lapsed_at, stored_state, with_facts
+from reconciler.core.scheduling.suspicion import LivenessRecord
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
@@ -307,6 +312,8 @@ class EtcdRegistry(LifecycleMixin):
         self._watch_task: asyncio.Task | None = None
         # watch_host's watch of one host's entries (fabric watch).
         self._host_follow: _HostFollow | None = None
+        # keep_alive: the lease of each host's liveness record this client keeps alive.
+        self._liveness_leases: dict[str, tuple[int, float]] = {}
         self._closed = False
         # Values of the last read (and the states this leader wrote since) by
         # their bytes, parsed (or why they do not parse): see `_parsed`.
@@ -459,6 +466,60 @@ class EtcdRegistry(LifecycleMixin):
             raise RegistryError(f"heartbeat of {node_id}: its lease kept lapsing")
 
         return self._call(op, f"the heartbeat of {node_id}")
+
+    # -- fast liveness (issue 30) ------------------------------------------------------
+
+    def keep_alive(self, host: str, ttl_s: float) -> LivenessRecord:
+        """One LeaseKeepAlive of the record's lease while it lives; else a new
+        lease and one put of P/liveness/<host> on it (a host's identity may
+        write only its own: `fabric registry init-auth`)."""
+        key = self._key("liveness", check_node_id(host))
+        ttl = max(1, math.ceil(ttl_s))
+        value = json.dumps({"host": host, "ttl_s": ttl}, separators=(",", ":")).encode()
+
+        async def op(c: _Client) -> LivenessRecord:
+            held = self._liveness_leases.get(host)
+            if held is not None and held[1] == ttl:
+                reply = await c.refresh_lease(held[0])
+                if reply is not None and reply.TTL > 0:
+                    return LivenessRecord(host=host, expires_at=from_epoch_seconds(self._now() + reply.TTL), ttl_s=ttl)
+            for _ in range(2):
+                lease = (await c.lease(ttl)).id
+                self._liveness_leases[host] = (lease, ttl)
+                try:
+                    await c.put(key, value, lease=lease)
+                    return LivenessRecord(host=host, expires_at=from_epoch_seconds(self._now() + ttl), ttl_s=ttl)
+                except aetcd.ClientError as exc:
+                    if "lease not found" not in str(exc):
+                        raise
+            raise RegistryError(f"liveness of {host}: its lease kept lapsing")
+
+        return self._call(op, f"the liveness of {host}")
+
+    def liveness(self) -> list[LivenessRecord]:
+        """Each live record with its lease's remaining TTL (one lease read per
+        record: a small fleet's handful). A record that does not parse, or
+        whose key names another host, is no liveness."""
+        prefix = self._key("liveness") + b"/"
+
+        async def op(c: _Client) -> list[LivenessRecord]:
+            out = []
+            for kv in await c.get_prefix(prefix):
+                host = kv.key[len(prefix) :].decode(errors="replace")
+                parsed = _json_or_none(kv.value)
+                if not isinstance(parsed, dict) or parsed.get("host") != host or not kv.lease:
+                    continue
+                try:
+                    check_node_id(host)
+                except ValueError:
+                    continue
+                info = await c.get_lease_info(kv.lease)
+                if info is None or info.TTL <= 0:
+                    continue
+                out.append(LivenessRecord(host=host, expires_at=from_epoch_seconds(self._now() + info.TTL), ttl_s=float(info.grantedTTL)))
+            return sorted(out, key=lambda r: r.host)
+
+        return self._call(op, "reading the liveness records")
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
@@ -952,6 +1013,10 @@ class EtcdRegistry(LifecycleMixin):
             # A new term, a resignation or the record gone; a renewal (which
             # rewrites renewed_at every third of the TTL) is not a change.
             return event.kind == "DELETE" or event.kv.version == 1 or b'"resigned":true' in event.kv.value
+        if kind == "liveness":
+            # A fast liveness record gone (its lease lapsed): the leader
+            # looks at once (issue 30); a new record or a keep-alive is not a change.
+            return event.kind == "DELETE"
         return kind == "drain"
 
     async def _watch_forever(self) -> None:

@@ -46,6 +46,7 @@ from reconciler.core.live.records import (
 from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
 from reconciler.core.scheduling.lifecycle import NodeState, alive_at, heartbeat_timeout, stored_state, with_facts
+from reconciler.core.scheduling.suspicion import LivenessRecord
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import Clock, NotLeader, RegistryError
 
@@ -154,6 +155,30 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
     def heartbeat(self, record: NodeRecord, ttl_s: float | None = None) -> NodeRecord:
         ttl = float(ttl_s if ttl_s is not None else heartbeat_timeout(self.timing, record.relayed))
         return NodeRecord.model_validate(self.heartbeat_json(record.model_dump(mode="json"), ttl))
+
+    # -- fast liveness (issue 30) ------------------------------------------------
+
+    def keep_alive(self, host: str, ttl_s: float) -> LivenessRecord:
+        check_node_id(host)
+        now = self._now()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO liveness (host, expires_at, ttl_s) VALUES (?, ?, ?) "
+                "ON CONFLICT(host) DO UPDATE SET expires_at = excluded.expires_at, ttl_s = excluded.ttl_s",
+                (host, now + ttl_s, ttl_s),
+            )
+        return LivenessRecord(host=host, expires_at=from_epoch_seconds(now + ttl_s), ttl_s=ttl_s)
+
+    def liveness(self) -> list[LivenessRecord]:
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT host, expires_at, ttl_s FROM liveness ORDER BY host").fetchall()
+        out = []
+        for host, expires_at, ttl_s in rows:
+            try:
+                out.append(LivenessRecord(host=check_node_id(str(host)), expires_at=from_epoch_seconds(float(expires_at)), ttl_s=float(ttl_s)))
+            except (TypeError, ValueError):
+                continue  # never trusted: a bad row is no liveness
+        return out
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)

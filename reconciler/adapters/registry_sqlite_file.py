@@ -44,6 +44,8 @@ CREATE TABLE IF NOT EXISTS leader (
 );
 CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
+-- fabric-watch's fast liveness record (issue 30): one cheap row write every couple of seconds
+CREATE TABLE IF NOT EXISTS liveness (host TEXT PRIMARY KEY, expires_at REAL NOT NULL, ttl_s REAL NOT NULL);
 """
 
 # meta keys: the epoch counter, and a counter of membership changes (a node

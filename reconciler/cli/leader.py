@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -75,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ray-address",
         metavar="HOST:PORT",
         help="run: the fleet's Ray cluster (its GCS address): Ray's tasks join each host's load, a dead Ray node fails its worker unit",
+    )
+    p.add_argument(
+        "--tailscale",
+        choices=("auto", "off"),
+        default="auto",
+        help="run: read `tailscale status --json` as a source of suspicion (a peer offline), when tailscale is on PATH (auto, the default) or never (off)",
     )
     add_plan_key_option(p, used="run: needed when fabric.toml lists plan keys")
     p.add_argument("--out", metavar="FILE", type=Path, help="keygen: where the new private key goes (0600, never overwritten)")
@@ -195,6 +203,20 @@ def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, r
             lane_broker.close()
 
 
+def _tailscale_status(mode: str, runner: CommandRunner) -> Callable[[], str] | None:
+    """`tailscale status --json` through `runner`, when asked for and on PATH."""
+    if mode == "off" or shutil.which("tailscale") is None:
+        return None
+
+    def status() -> str:
+        result = runner.run(["tailscale", "status", "--json"], timeout=5.0)
+        if not result.ok:
+            raise OSError(f"tailscale status exited {result.returncode}: {result.stderr.strip()[:200]}")
+        return result.stdout
+
+    return status
+
+
 def _candidate(
     args: argparse.Namespace,
     desired: DesiredState,
@@ -218,6 +240,7 @@ def _candidate(
         lane_broker=lane_broker,
         clock=system_clock(),
     )
+    loop.tailscale_status = _tailscale_status(args.tailscale, runner)
     if args.once:
         try:
             loop.step_and_resign()

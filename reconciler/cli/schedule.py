@@ -56,6 +56,8 @@ def render_plan(plan: FleetPlan, desired: DesiredState) -> str:
             note = f"  fallback from {services[p.service].min_tier}"
         if p.replaces is not None:
             note += f"  coming home from {p.replaces} (both run until it starts here)"
+        if p.hedge is not None:
+            note += f"  hedge for {p.hedge} (suspected: both run until {p.hedge} recovers for a stable window or goes offline)"
         lines.append(f"  {f'{p.service}[{p.replica}]':<{width}}  {p.node:<{node_width}}  {p.tier:<{tier_width}}{note}".rstrip())
     if not plan.placements:
         lines.append("  none")

@@ -15,6 +15,12 @@ ExecStartPre) then does not fetch first while its last fetch is recent. An
 unreachable registry or systemd is retried, doubling the wait up to
 --retry-max; fabric-reconcile.timer goes on passing meanwhile.
 
+Beside it, on a connection of its own, it keeps this host's fast liveness
+record alive every [timing] liveness_s (etcd: P/liveness/<host> on a short
+lease; sqlite: a row's deadline), which lapses [timing] liveness_ttl_s after
+the last keep-alive: the leader then suspects the host and hedges its
+single-replica services (issue 30). --no-liveness (or liveness_s = 0) keeps none.
+
 Exit 2: bad options or desired state; exit 1: the registry refused this
 identity (a retry would not help).
 """
@@ -26,16 +32,19 @@ import functools
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from reconciler.cli import EXIT_OK, InvalidInput
-from reconciler.cli.registry_options import add_registry_options, desired_and_registry
+from reconciler.cli.registry_options import add_registry_options, desired_and_registry, opened_registry
+from reconciler.core.desired.model import TimingSettings
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
 from reconciler.core.live.watching import PASS_ASKED, PLAN_TAKEN, WatchTimings, epoch_taken, moment_record
 from reconciler.engine.desired_load import load_for_part
 from reconciler.engine.pass_options import STATE_DIR
-from reconciler.engine.watch import Watcher
+from reconciler.engine.watch import LivenessKeeper, Watcher
+from reconciler.ports import LivenessConnection
 from reconciler.wiring import host_name, local_tree, pass_starter, system_clock
 
 DEFAULTS = WatchTimings()
@@ -90,6 +99,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"longest wait between tries of an unreachable registry or systemd (default {DEFAULTS.retry_max_s:g})",
     )
+    p.add_argument(
+        "--no-liveness",
+        action="store_true",
+        help="keep no fast liveness record (default: kept alive every [timing] liveness_s; its lapse makes the leader suspect this host)",
+    )
     p.set_defaults(func=run)
 
 
@@ -106,7 +120,11 @@ def run(args: argparse.Namespace) -> int:
     timings = WatchTimings(
         window_s=args.window, poll_s=args.poll_interval, retry_min_s=min(DEFAULTS.retry_min_s, args.retry_max), retry_max_s=args.retry_max
     )
-    with desired_and_registry(args) as (_, registry), pass_starter(args.unit, args.systemd_bus) as starter:
+    with (
+        desired_and_registry(args) as (desired, registry),
+        opened_registry(args, desired) as liveness_registry,
+        pass_starter(args.unit, args.systemd_bus) as starter,
+    ):
         # Read again at each new plan: a route or host added since the watcher started counts.
         desired_for = functools.partial(load_for_part, args.desired, host)
         records = local_tree(args.state_dir)
@@ -122,8 +140,27 @@ def run(args: argparse.Namespace) -> int:
             record_ask=lambda: records.write(PASS_ASKED, moment_record(clock.now())),
             log=_log,
         )
+        keeper = _liveness_keeper(args, desired.fleet.timing, host, liveness_registry)
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: watcher.stop())
+            signal.signal(signum, lambda *_: (watcher.stop(), keeper and keeper.stop()))
         _log(f"watching {host}'s part of the plan and its entries; starting {args.unit} on a change")
-        watcher.run()
+        thread = None
+        if keeper is not None:
+            _log(f"keeping {host}'s liveness record alive every {keeper.interval_s:g} s (it lapses {keeper.ttl_s:g} s after the last)")
+            thread = threading.Thread(target=keeper.run, name="fabric-liveness", daemon=True)
+            thread.start()
+        try:
+            watcher.run()
+        finally:
+            if keeper is not None and thread is not None:
+                keeper.stop()
+                thread.join(timeout=keeper.interval_s + 5)
     return EXIT_OK
+
+
+def _liveness_keeper(args: argparse.Namespace, timing: TimingSettings, host: str, registry: LivenessConnection) -> LivenessKeeper | None:
+    """The fast liveness keeper, or None when [timing] liveness_s = 0 or --no-liveness."""
+    interval = 0 if args.no_liveness else timing.liveness_s
+    if not interval:
+        return None
+    return LivenessKeeper(registry, host, float(interval), float(timing.liveness_ttl_s), log=_log)

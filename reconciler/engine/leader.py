@@ -11,6 +11,13 @@ One `step()`:
      snapshot over one read of the registry (`LeaderRegistry.lead`), run the
      scheduler and publish the plan when it differs from the newest one (so
      the epoch moves only when the plan does);
+  3a. suspicion (issue 30, core.scheduling.suspicion): the hosts' fast
+     liveness records (`FleetReads.liveness`), Ray's dead nodes and, where
+     the leader runs tailscale, its offline peers make nodes suspected; the
+     suspects' memory goes on from the last plan's, and the scheduler
+     hedges each single-replica service a suspected node runs. The leader
+     also wakes when the first live liveness record lapses (etcd: its key's
+     deletion wakes the watch at once);
   3b. with a `ray_state` port (the fleet runs Ray): Ray's state API joins the
      snapshot before scheduling (`ray_tasks.with_ray_view`: each host's Ray
      tasks in its load, a dead Ray node's worker unit failed) and the Ray
@@ -75,10 +82,12 @@ from reconciler.core.live.models import FleetPlan, LaneSteering, Snapshot
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
+from reconciler.core.probe.parsers import offline_peers
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
+from reconciler.core.scheduling.suspicion import advance_suspects, next_liveness_lapse, note_hedges, remember_liveness, suspected, with_suspects
 from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
@@ -183,6 +192,16 @@ class LeaderLoop:
     _unreadable: tuple[str, ...] = ()
     # Following: when the leader record goes stale unless renewed (None: unknown, or no record).
     _held_stale_at: datetime | None = None
+    # `tailscale status --json` where the leader runs tailscale: a source of
+    # suspicion (issue 30); None: none. Raises OSError or ValueError.
+    tailscale_status: Callable[[], str] | None = None
+    # The newest expiry of each host's fast liveness record seen (etcd
+    # deletes a lapsed one), the hosts whose Ray node died as Ray said last,
+    # and when the first live record lapses (the leader wakes then).
+    _liveness_seen: dict[str, datetime] = field(default_factory=dict)
+    _ray_dead: frozenset[str] = frozenset()
+    _next_liveness: datetime | None = None
+    _tailscale_problem: str | None = None
 
     def _reload(self) -> None:
         try:
@@ -225,6 +244,7 @@ class LeaderLoop:
             self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
             if self.leadership is None:
                 self._note_held()
+                self._follow_liveness()
                 return
             self._held_stale_at = None
             self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
@@ -241,11 +261,12 @@ class LeaderLoop:
             except LaneBrokerError as exc:
                 # The plan goes on without the lanes' load (the next step reads it again).
                 self.log(f"lane queue unreachable, planning without the lanes' jobs: {exc}")
-            self._note_lapse(view.next_lapse)
             self._note_unreadable(view.snapshot)
             for event in view.events:
                 self.log(f"node {event}")
-            self._publish(self._with_ray(view.snapshot), view.plan)
+            snapshot = self._with_suspicion(self._with_ray(view.snapshot), view.plan)
+            self._note_lapse(min((t for t in (view.next_lapse, self._next_liveness) if t is not None), default=None))
+            self._publish(snapshot, view.plan)
             self._dispatch()
         except NotLeader as exc:
             self.log(str(exc))
@@ -301,6 +322,7 @@ class LeaderLoop:
         except RayStateUnavailable as exc:
             self.log(f"ray state unreadable, scheduling without Ray's tasks: {exc}")
             return snapshot
+        self._ray_dead = view.dead
         snapshot = with_ray_view(snapshot, view, worker_unit=RAY_WORKER_UNIT)
         # The hosts that run a Ray node: the [ray] section's head and workers
         # (without one, those Ray has seen: a cluster the fabric did not render).
@@ -312,6 +334,65 @@ class LeaderLoop:
                 self.log(f"ray worker {action.kind} {action.host}: {action.reason}")
             self.ray_workers = actions
         return snapshot
+
+    def _with_suspicion(self, snapshot: Snapshot, newest: FleetPlan | None) -> Snapshot:
+        """Issue 30: the nodes suspected now (a fast liveness lapse, or two
+        sources agreeing), the suspects' memory advanced from the last plan
+        (`advance_suspects`: flap damping, recovery, offline), each change
+        logged, and the snapshot marked for the scheduler's hedges. With
+        [timing] liveness_s = 0, no Ray and no tailscale nothing is read and
+        the snapshot is as it was: the node timeout alone decides."""
+        assert self.desired is not None
+        if self.desired.fleet.timing.liveness_s:
+            known = {n.node_id for n in snapshot.nodes}
+            seen = remember_liveness(self._liveness_seen, self.registry.liveness())
+            self._liveness_seen = {h: t for h, t in seen.items() if h in known}
+        else:
+            self._liveness_seen = {}
+        self._next_liveness = next_liveness_lapse(self._liveness_seen, snapshot.now)
+        sources: dict[str, dict[str, str]] = {}
+        if self._ray_dead:
+            sources["ray"] = {h: "Ray node dead" for h in self._ray_dead}
+        offline = self._tailscale_offline([n.node_id for n in snapshot.nodes])
+        if offline:
+            sources["tailscale"] = offline
+        now_suspected = suspected(snapshot.nodes, self._liveness_seen, sources, snapshot.now)
+        keys = self.desired.fleet.plan_keys
+        # A forged plan's memory does not count (it would choose hedges): this leader's own plan then.
+        trusted = newest if newest is not None and (not keys or verify_plan(newest, keys) is None) else self.published
+        previous = trusted.suspects if trusted is not None else {}
+        if not previous and not now_suspected:
+            return snapshot.model_copy(update={"suspects": {}}) if snapshot.suspects else snapshot
+        status = {n.node_id: n.status for n in snapshot.nodes}
+        suspects, changes = advance_suspects(previous, now_suspected, status, snapshot.now, self.desired.fleet.flap)
+        for change in changes:
+            self.log(f"node {change.node} {change.kind}: {change.detail}")
+        return with_suspects(snapshot, suspects)
+
+    def _follow_liveness(self) -> None:
+        """Following: remember each host's newest liveness expiry too, so a
+        candidate that takes over after the leader's own host died knows
+        whose record lapsed meanwhile (etcd deleted it) and suspects that
+        host at its first step, not only at the node timeout."""
+        assert self.desired is not None
+        if not self.desired.fleet.timing.liveness_s:
+            self._liveness_seen = {}
+            return
+        self._liveness_seen = remember_liveness(self._liveness_seen, self.registry.liveness())
+
+    def _tailscale_offline(self, hosts: list[str]) -> dict[str, str]:
+        """The hosts tailscale shows offline; a status that cannot be read is said once."""
+        if self.tailscale_status is None:
+            return {}
+        try:
+            offline = offline_peers(self.tailscale_status(), hosts)
+        except (OSError, ValueError) as exc:
+            if str(exc) != self._tailscale_problem:
+                self.log(f"tailscale status unreadable, suspecting without it: {exc}")
+                self._tailscale_problem = str(exc)
+            return {}
+        self._tailscale_problem = None
+        return offline
 
     def _can_sign(self) -> bool:
         """With plan keys listed: whether this candidate holds one of its keys.
@@ -375,6 +456,10 @@ class LeaderLoop:
             snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
         plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
         plan = self._steered(plan, self.published if untrusted else newest, snapshot)
+        before = self.published if untrusted else newest
+        plan, hedged = note_hedges(plan, before.placements if before is not None else [], snapshot.now)
+        for change in hedged:
+            self.log(f"node {change.node} {change.kind}: {change.detail}")
         # A newest plan of another term (the one before this, or a replay) is
         # refused by every host: this term publishes its own even when the
         # placements are the same.

@@ -28,6 +28,10 @@ One `step()`:
 A registry or systemd that cannot be reached is said once per outage and
 retried after `retry_delay` (doubling up to `retry_max_s`); pending changes
 stay pending through an outage of systemd. The timer remains the backstop.
+
+Beside it, on a thread and a registry connection of its own,
+`LivenessKeeper` keeps the host's fast liveness record alive every couple
+of seconds (issue 30): cheap, no pass, no desired state.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started, taken
 from reconciler.core.render.plan_part import plan_part
-from reconciler.ports import ActivationError, Clock, PassStarter, RegistryError, RegistryUnavailable, WatchRegistry
+from reconciler.ports import ActivationError, Clock, LivenessConnection, PassStarter, RegistryError, RegistryUnavailable, WatchRegistry
 
 
 @dataclass
@@ -192,3 +196,45 @@ class Watcher:
             self.log(f"working again after {self.failures} failed tries")
         self.failures = 0
         self._outage = None
+
+
+@dataclass
+class LivenessKeeper:
+    """fabric-watch's fast liveness record (issue 30): `keep_alive` every
+    `interval_s` on a connection of its own, for `ttl_s` each time. It
+    never runs a pass and never reads the desired state: a host whose
+    watcher (or machine) stops lets the record lapse within `ttl_s`, and the
+    leader suspects it then. A registry that cannot be reached is said once
+    per outage and tried again at the next interval."""
+
+    registry: LivenessConnection
+    host: str
+    interval_s: float
+    ttl_s: float
+    log: Callable[[str], None] = print
+    pause: Callable[[float], None] | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _outage: str | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step(self) -> bool:
+        """One keep-alive; False when it failed."""
+        try:
+            self.registry.keep_alive(self.host, self.ttl_s)
+        except RegistryError as exc:
+            reason = f"cannot keep {self.host}'s liveness record alive: {exc}"
+            if reason != self._outage:
+                self.log(f"{reason}; trying again every {self.interval_s:g} s")
+                self._outage = reason
+            return False
+        if self._outage is not None:
+            self.log(f"{self.host}'s liveness record kept alive again")
+            self._outage = None
+        return True
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.step()
+            (self.pause or self._stop.wait)(self.interval_s)

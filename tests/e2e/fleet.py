@@ -231,6 +231,11 @@ class FleetSettings:
     # modules it adds nothing but load; the modules and the bench that run
     # the production 30 s timer turn it on.
     watcher: bool = False
+    # fabric-watch's fast liveness record (issue 30: [timing] liveness_s,
+    # liveness_ttl_s); it is kept only where fabric-watch.service runs.
+    # 0: none, the node timeout alone decides (as before issue 30).
+    liveness_s: int = 2
+    liveness_ttl_s: int = 6
 
     def address(self, octet: int) -> str:
         return f"{self.subnet}.{octet}"
@@ -302,6 +307,8 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
         "relayed_heartbeat_s": settings.heartbeat_s,
         "missed_beats": 3,
         "drain_grace_s": settings.drain_grace_s,
+        "liveness_s": settings.liveness_s,
+        "liveness_ttl_s": settings.liveness_ttl_s,
     }
     data["flap"] = {"window_s": settings.flap_window_s, "toggles": settings.flap_toggles, "hold_off_s": settings.hold_off_s}
     data["registry"] = {"backend": "etcd", "endpoints": [settings.etcd_endpoint], "prefix": "/fabric"}

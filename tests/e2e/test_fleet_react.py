@@ -90,7 +90,9 @@ from tests.support.harness.waiting import deadline_for
 
 pytestmark = pytest.mark.e2e
 
-FLEET_SETTINGS = FleetSettings(pass_interval="30s", heartbeat_s=30, node_timeout_s=60, watcher=True)
+# No fast liveness (issue 30): these scenarios are the node timeout's, as
+# with every fast source off (test_fleet_liveness.py: with it on).
+FLEET_SETTINGS = FleetSettings(pass_interval="30s", heartbeat_s=30, node_timeout_s=60, watcher=True, liveness_s=0)
 INTERVAL_S = span_seconds(FLEET_SETTINGS.pass_interval)
 HOSTS = tuple(HOST_OCTETS)
 SERVICE = "vaapi-encode"

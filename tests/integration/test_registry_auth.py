@@ -133,6 +133,7 @@ def test_init_auth_creates_every_identity_then_has_nothing_to_do(init_auth):
     for expected in (
         "created role fabric-host-lux",
         f"granted fabric-host-lux readwrite {PREFIX}/nodes/lux",
+        f"granted fabric-host-lux readwrite {PREFIX}/liveness/lux",
         f"granted fabric-host-lux read {PREFIX}/* (prefix)",
         f"granted fabric-leader readwrite {PREFIX}/* (prefix)",
         f"granted fabric-admin readwrite {PREFIX}/drain/* (prefix)",
@@ -181,6 +182,19 @@ def test_a_host_writes_only_its_own_heartbeat_and_reads_everything(as_host):
         with pytest.raises(PermissionDenied):
             raw_put(x86, key, NodeRecord(node_id="x86-spill", tier="gpu_cuda").model_dump_json().encode())
     x86.heartbeat(NodeRecord(node_id="x86", tier="cpu_ffmpeg"))
+
+
+def test_a_host_keeps_only_its_own_liveness_record_alive(as_host):
+    """Issue 30: fabric-watch's fast liveness record, P/liveness/<host>, is
+    the host's own key like its beat: exact, not a prefix."""
+    spill = as_host("x86-spill")
+    spill.keep_alive("x86-spill", 3)
+    spill.keep_alive("x86-spill", 3)  # the same lease kept alive
+    assert "x86-spill" in {r.host for r in as_host("lux").liveness()}
+    with pytest.raises(PermissionDenied, match="the liveness of lux to the identity of .*: permission denied"):
+        spill.keep_alive("lux", 3)
+    with pytest.raises(PermissionDenied):
+        as_host("x86").keep_alive("x86-spill", 3)
 
 
 def test_a_host_cannot_write_the_leaders_keys_or_drains(as_host):

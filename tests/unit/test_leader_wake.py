@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from reconciler.core.desired.load import load_desired
-from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import LeaderInfo, Leadership
+from reconciler.core.scheduling.suspicion import LivenessRecord
 from reconciler.engine.leader import LAPSE_RECHECK_S, LeaderLoop
 from reconciler.ports import LeaderView
 from tests.support.clock import FakeClock
@@ -24,6 +25,13 @@ class LapseRegistry:
 
     def __init__(self) -> None:
         self.lapse: datetime | None = None
+        # Fast liveness records (issue 30) and the nodes the snapshot shows.
+        self.records: list[LivenessRecord] = []
+        self.nodes: list[SnapshotNode] = []
+        self.now: datetime | None = None
+
+    def liveness(self) -> list[LivenessRecord]:
+        return list(self.records)
 
     def campaign(self, candidate: str, ttl_s: float) -> Leadership:
         return Leadership(LeaderInfo(candidate=candidate, epoch=1, since=datetime.now(UTC), token="t"), ttl_s)
@@ -32,7 +40,9 @@ class LapseRegistry:
         return True
 
     def lead(self, leadership: Leadership, lanes=()) -> LeaderView:
-        return LeaderView(events=[], snapshot=Snapshot(epoch=1), plan=None, next_lapse=self.lapse)
+        return LeaderView(
+            events=[], snapshot=Snapshot(epoch=1, nodes=self.nodes, **({"now": self.now} if self.now else {})), plan=None, next_lapse=self.lapse
+        )
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
         return plan
@@ -100,3 +110,17 @@ def test_a_follower_waits_only_for_the_leader_key(tmp_path):
     loop.step()
     loop.leadership = None
     assert loop.until_next_step_s() == loop.wait_s()
+
+
+def test_the_loop_steps_when_a_fast_liveness_record_lapses_not_at_its_tick(tmp_path):
+    """Issue 30: the leader wakes at the first live liveness record's lapse
+    (etcd's watch also wakes it when the record's key goes)."""
+    loop, registry, clock = a_loop(tmp_path)
+    registry.nodes = [SnapshotNode(node_id="qfox-1", tier="gpu_vaapi")]
+    registry.now = at(clock, 0)
+    registry.records = [LivenessRecord("qfox-1", at(clock, 6), 6)]
+    loop.step()
+    assert loop.until_next_step_s() == 6, "not the renewal's 10 s"
+    registry.records = [LivenessRecord("ghost", at(clock, 2), 6)]
+    loop.step()
+    assert loop.until_next_step_s() == 6, "a record of no known node wakes nothing; the remembered expiry still counts"

@@ -25,13 +25,14 @@ def test_prefix_permissions_end_where_the_prefix_ends():
     assert prefix_end("/fabric/drain/") == "/fabric/drain0"
 
 
-def test_every_host_writes_only_its_own_two_keys_and_candidates_lead():
+def test_every_host_writes_only_its_own_three_keys_and_candidates_lead():
     desired, want = example()
     assert set(want.users) == {*desired.hosts, "root", "fabric-admin"}
     assert want.roles["fabric-host-racknerd"] == {
         Grant("/fabric/", "/fabric0", "read"),
         Grant("/fabric/nodes/racknerd", "", "readwrite"),
         Grant("/fabric/facts/racknerd", "", "readwrite"),
+        Grant("/fabric/liveness/racknerd", "", "readwrite"),
     }
     leaders = {user for user, roles in want.users.items() if "fabric-leader" in roles}
     assert leaders == set(desired.fleet.fleet.leader_candidates)
@@ -68,7 +69,8 @@ def test_a_permission_beyond_the_wanted_ones_is_revoked_and_a_changed_access_reg
         roles={
             **want.roles,
             role: frozenset({Grant("/fabric/nodes/", "/fabric/nodes0", "readwrite"), Grant("/fabric/", "/fabric0", "readwrite")})
-            | {Grant("/fabric/nodes/lux", "", "readwrite"), Grant("/fabric/facts/lux", "", "readwrite")},
+            | {Grant("/fabric/nodes/lux", "", "readwrite"), Grant("/fabric/facts/lux", "", "readwrite")}
+            | {Grant("/fabric/liveness/lux", "", "readwrite")},
         },
         users=want.users,
     )

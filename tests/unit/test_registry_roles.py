@@ -24,6 +24,7 @@ GROUPS = (
     ports.LeaderWrites,
     ports.Drains,
     ports.HostWatch,
+    ports.Liveness,
     ports.RegistryConnection,
 )
 
@@ -92,8 +93,9 @@ def test_the_roles_are_narrower_than_the_port() -> None:
     assert methods(ports.WatchRegistry) == {"watch_host", "newest_plan"}
     assert methods(ports.EpochConnection) == {"epoch", "close"}
     assert methods(ports.BeatConnection) == {"heartbeat", "close"}
+    assert methods(ports.LivenessConnection) == {"keep_alive", "close"}
     assert "set_drain" not in methods(ports.PassRegistry) and "watch_host" not in methods(ports.PassRegistry)
-    writes = methods(ports.LeaderWrites) | methods(ports.Candidacy) | methods(ports.Heartbeats) | methods(ports.Drains)
+    writes = methods(ports.LeaderWrites) | methods(ports.Candidacy) | methods(ports.Heartbeats) | methods(ports.Drains) | methods(ports.Liveness)
     for role in (ports.RegistryReads, ports.FleetViewConnection, ports.WatchRegistry, ports.EpochConnection):
         assert not methods(role) & writes, f"{role.__name__} only reads"
     for role in (ports.LeaderRegistry, ports.PassRegistry):

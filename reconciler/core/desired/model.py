@@ -354,9 +354,16 @@ class TimingSettings(Strict):
     drain_grace_s: Seconds = Field(
         300, description="How long a draining node keeps its work, an offline node stays before it is dead, and a dead one before it is forgotten."
     )
+    liveness_s: Annotated[int, Field(ge=0, le=3600)] = Field(
+        2,
+        description="How often fabric-watch keeps the host's fast liveness record alive (its lapse makes the node suspected and its single-replica services hedged); 0: no fast liveness, the node timeout alone decides.",
+    )
+    liveness_ttl_s: Seconds = Field(6, description="How long a fast liveness record lives without a keep-alive; longer than liveness_s.")
 
     @model_validator(mode="after")
     def _coherent(self) -> TimingSettings:
+        if self.liveness_s and self.liveness_ttl_s <= self.liveness_s:
+            raise FieldProblem("liveness_ttl_s", f"{self.liveness_ttl_s} is not longer than liveness_s ({self.liveness_s})")
         if self.node_timeout_s < self.heartbeat_s:
             raise FieldProblem("node_timeout_s", f"{self.node_timeout_s} is shorter than heartbeat_s ({self.heartbeat_s})")
         if self.relayed_heartbeat_s < self.heartbeat_s:
@@ -813,6 +820,10 @@ class Service(Strict):
     # This service's place of cost among the placement rules; None: the
     # fleet's [scheduler] cost_order.
     cost_order: CostOrder | None = Field(None, description="This service's place of cost among the placement rules; unset: [scheduler] cost_order.")
+    singleton: bool = Field(
+        False,
+        description="Must never run twice at once: a suspected node's replica gets no hedge and moves only when the node is offline at the node timeout.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> Service:

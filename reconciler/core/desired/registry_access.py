@@ -8,7 +8,8 @@ them). Under the prefix P of [registry] (key layout:
 reconciler/adapters/registry_etcd.py):
 
     role fabric-host-<host>  read P/ (the whole prefix: the live state is no secret);
-                             readwrite P/nodes/<host> and P/facts/<host> (exact keys:
+                             readwrite P/nodes/<host>, P/facts/<host> and
+                             P/liveness/<host> (fabric-watch's fast liveness; exact keys:
                              a prefix permission on P/nodes/x86 would also cover
                              P/nodes/x86-spill); its heartbeat's lease needs no
                              permission (etcd 3.4 grants and keeps alive leases for
@@ -107,7 +108,14 @@ def registry_access(desired: DesiredState) -> AccessState:
     }
     users: dict[str, frozenset[str]] = {ROOT: frozenset({ROOT}), ADMIN_USER: frozenset({ADMIN_ROLE})}
     for host in sorted(desired.hosts):
-        roles[host_role(host)] = frozenset({read_all, Grant(f"{base}nodes/{host}", "", "readwrite"), Grant(f"{base}facts/{host}", "", "readwrite")})
+        roles[host_role(host)] = frozenset(
+            {
+                read_all,
+                Grant(f"{base}nodes/{host}", "", "readwrite"),
+                Grant(f"{base}facts/{host}", "", "readwrite"),
+                Grant(f"{base}liveness/{host}", "", "readwrite"),
+            }
+        )
         users[host] = frozenset({host_role(host), LEADER_ROLE} if host in candidates else {host_role(host)})
     return AccessState(roles=roles, users=users, auth_enabled=True)
 

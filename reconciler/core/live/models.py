@@ -51,6 +51,8 @@ class SnapshotNode(_Live):
     drained: bool = False
     held_off_until: datetime | None = None
     last_seen: datetime | None = None
+    # Why the leader suspects this node (empty: it does not): it takes no new work.
+    suspected: list[str] = []
     # Highest concurrency vertical scaling may raise this node to.
     max_concurrent_ceiling: int | None = None
     # From the node's record (NodeRecord.units, NodeRecord.lowered_limits).
@@ -102,6 +104,38 @@ class Placement(_Live):
     # its placement on node `replaces` stays in the plan beside it until the
     # service runs here; the edge routes to both meanwhile.
     replaces: str | None = None
+    # A hedge (issue 30): an extra replica of a single-replica service while
+    # node `hedge`, which runs the replica's own placement, is suspected
+    # (core.scheduling.suspicion). Both stay in the plan and the edge routes
+    # to both; when node `hedge` goes offline the hedge becomes the
+    # placement, when it recovers the hedge leaves after a stable window.
+    hedge: str | None = None
+
+
+class SuspectEvent(_Live):
+    """One event of a suspected node, for the timeline: suspicion, hedge,
+    recovery, offline, each with its sources."""
+
+    at: datetime
+    kind: Literal["suspicion", "hedge", "recovery", "offline"]
+    detail: str = ""
+
+
+class SuspectState(_Live):
+    """The leader's memory of one node it suspects or suspected lately
+    (core.scheduling.suspicion.advance_suspects), carried in the plan so a
+    successor goes on from it and status shows it."""
+
+    # Suspected since (None: not suspected now, recovered at `cleared_at`).
+    since: datetime | None = None
+    reasons: list[str] = []
+    cleared_at: datetime | None = None
+    # When each suspicion within [flap] window_s began: they count as flaps.
+    suspicions: list[datetime] = []
+    # Held off new work for blinking (as many suspicions as [flap] toggles within its window).
+    held_off_until: datetime | None = None
+    # The newest events, oldest first (at most suspicion.HISTORY).
+    events: list[SuspectEvent] = []
 
 
 class Deferred(_Live):
@@ -159,6 +193,9 @@ class Snapshot(_Live):
     unreadable: list[UnreadableRecord] = []
     # The last plan's `room_since` (the come-home rule's memory).
     room_since: dict[str, datetime] = {}
+    # The nodes the leader suspects or suspected lately (the last plan's
+    # `suspects`, advanced by this step: core.scheduling.suspicion).
+    suspects: dict[str, SuspectState] = {}
 
 
 class PlanSignature(_Live):
@@ -240,6 +277,8 @@ class FleetPlan(_Live):
     # A phaze fleet: the compute lanes left out of phaze's backends.toml (names
     # of declared lanes only; the control host checks them against its desired state).
     steering: LaneSteering = LaneSteering()
+    # Nodes suspected now or lately, whose hedges this plan holds (issue 30).
+    suspects: dict[str, SuspectState] = {}
     # None: unsigned (no plan keys in the desired state, a --plan-file, or a forgery).
     signature: PlanSignature | None = None
 

@@ -52,9 +52,10 @@ def _canonical_value(value: Any) -> Any:
 # Fields added since signing began, left out of the canonical form while they
 # hold their default: a plan that does not use them signs and verifies the
 # same on hosts that know them and hosts that do not (issue 32's come-home
-# moves: `room_since`, `Placement.replaces`).
-_NEWER_PLAN_FIELDS: dict[str, Any] = {"room_since": {}}
-_NEWER_PLACEMENT_FIELDS: dict[str, Any] = {"replaces": None}
+# moves: `room_since`, `Placement.replaces`; issue 30's hedges: `suspects`,
+# `Placement.hedge`).
+_NEWER_PLAN_FIELDS: dict[str, Any] = {"room_since": {}, "suspects": {}}
+_NEWER_PLACEMENT_FIELDS: dict[str, Any] = {"replaces": None, "hedge": None}
 
 
 def _drop_unset_newer_fields(body: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -806,3 +807,31 @@ def parse_tailscale_status(text: str) -> TailscaleStatus:
     # a peer that is relayed is that peer's problem (its probe says so).
     relayed = None if active == 0 else len(relayed_peers) == active
     return TailscaleStatus(dns_name, ipv4, relayed, tuple(sorted(relayed_peers)))
+
+
+def offline_peers(text: str, hosts: Iterable[str]) -> dict[str, str]:
+    """`tailscale status --json` as a source of suspicion (issue 30): each of
+    `hosts` (fabric host names) whose peer is in the status and not Online,
+    with what tailscale says. A peer is matched by the first label of its
+    DNSName, else its HostName (lowercased). Raises ParseError."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ParseError(f"not JSON: {_first_line(text)!r}") from None
+    if not isinstance(document, dict) or document.get("BackendState") != "Running":
+        raise ParseError("tailscale is not running")
+    wanted = set(hosts)
+    peers = document.get("Peer")
+    out: dict[str, str] = {}
+    for peer in (peers if isinstance(peers, dict) else {}).values():
+        if not isinstance(peer, dict) or peer.get("Online") is not False:
+            continue
+        dns = peer.get("DNSName")
+        names = [dns.split(".", 1)[0].lower()] if isinstance(dns, str) and dns else []
+        if isinstance(peer.get("HostName"), str):
+            names.append(peer["HostName"].lower())
+        host = next((n for n in names if n in wanted), None)
+        if host is not None:
+            seen = peer.get("LastSeen")
+            out[host] = f"peer offline (last seen {str(seen)[:32]})" if isinstance(seen, str) and seen else "peer offline"
+    return out

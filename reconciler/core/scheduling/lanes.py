@@ -170,6 +170,8 @@ def offline_reason(lane: Lane, host: str | None, node: SnapshotNode | None, now:
         return f"host {host} drained"
     if node.status != "active":
         return f"host {host} {node.status}"
+    if node.suspected:
+        return f"suspected: {'; '.join(node.suspected)}"
     if node.held_off_until is not None and utc(node.held_off_until) > utc(now):
         return f"host {host} held off until {_clock_time(node.held_off_until)} (flapping)"
     if lane.kind == "compute":

@@ -457,5 +457,7 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
             "cost": record.cost,
             # Ray's tasks: the leader joins them from Ray's state API (ray_tasks.with_ray_view).
             "engine_tasks": 0,
+            # Suspicion: the leader marks it (core.scheduling.suspicion.with_suspects).
+            "suspected": [],
         },
     )

@@ -6,7 +6,8 @@ same inputs always give the same plan and any saved snapshot is a what-if.
 The rules (self-adapting-compute-fabric.md, "Adaptive Scheduler Engine"):
 
 Eligible node (for NEW work)
-    status "active", not drained, `held_off_until` not after `now`,
+    status "active", not drained, not suspected (`SnapshotNode.suspected`,
+    core.scheduling.suspicion), `held_off_until` not after `now`,
     load < max_concurrent_tasks (load counts the placements made in this pass),
     arch in the request's arch list when it has one (a node of unknown arch
     matches only an unrestricted request), labels a superset of the request's.
@@ -121,6 +122,7 @@ from reconciler.core.desired.model import COST_ORDER, COST_RANK, TIER_ORDER, TIE
 from reconciler.core.live.host_load import RUNNING_STATES
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.scheduling.lanes import account_load, agent_unit, lane_jobs_by_host, lane_views
+from reconciler.core.scheduling.suspicion import hedged_nodes, may_hedge
 from reconciler.core.timestamps import utc, utc_stamp
 
 Strategy = Literal["highest_tier", "best_fit"]
@@ -223,7 +225,7 @@ def preference_steps(min_tier: Tier, floor: Tier, strategy: Strategy, cost_first
 
 def accepts_new_work(node: SnapshotNode, now: datetime) -> bool:
     """Status and lifecycle part of eligibility (load, tier, arch, labels aside)."""
-    if node.status != "active" or node.drained or node.max_concurrent_tasks <= 0:
+    if node.status != "active" or node.drained or node.max_concurrent_tasks <= 0 or node.suspected:
         return False
     return node.held_off_until is None or utc(node.held_off_until) <= now
 
@@ -776,28 +778,16 @@ def schedule_with_placer(
     #    the slots. The first record of a (service, replica) wins. Moves under
     #    way (make-before-break) are done, go on or are given up.
     in_force, pending, given_up = split_moves(snapshot)
+    hedges = [p for p in in_force if p.hedge is not None]
+    in_force = [p for p in in_force if p.hedge is None]
     if given_up:
         snapshot = snapshot.model_copy(update={"room_since": {n: t for n, t in snapshot.room_since.items() if n not in given_up}})
     kept: dict[tuple[str, int], Placement] = {}
     kept_on: set[tuple[str, str]] = set()  # (service, node): one replica per node
-    for old in sorted(in_force, key=lambda p: (p.service, p.replica)):
-        service = services.get(old.service)
-        if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
-            continue
-        if (old.service, old.node) in kept_on:
-            continue  # a sibling already runs there: this replica moves
-        if placer.keep(old.node, Request.for_service(service)):
-            kept_on.add((old.service, old.node))
-            tier = placer.nodes[old.node].tier
-            kept[(old.service, old.replica)] = Placement(
-                service=old.service,
-                replica=old.replica,
-                node=old.node,
-                tier=tier,
-                fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
-            )
-
+    keep_in_force(placer, in_force, services, kept, kept_on)
     moving = keep_moves(placer, pending, services, kept, kept_on)
+    promote_hedges(placer, hedges, services, kept, kept_on)
+    hedging = place_hedges(placer, desired, snapshot, kept, hedges)
 
     # 2. Place the rest, most demanding services first.
     placements: list[Placement] = list(kept.values())
@@ -819,7 +809,8 @@ def schedule_with_placer(
     # 3. Work comes home: replicas off paid hosts, one per service at a time.
     moving |= bring_home(placer, desired, snapshot, kept, moving, placements)
     placements += moving.values()
-    placements.sort(key=lambda p: (p.service, p.replica, p.replaces is not None))
+    placements += hedging
+    placements.sort(key=lambda p: (p.service, p.replica, p.replaces is not None, p.hedge is not None))
     plan = FleetPlan(
         epoch=snapshot.epoch if epoch is None else epoch,
         leader=leader or snapshot.leader or "what-if",
@@ -830,5 +821,92 @@ def schedule_with_placer(
         lanes=lane_views(desired, snapshot, placements),
         ignored_nodes=ignored,
         room_since=room_memory(placer, desired, snapshot, placements),
+        suspects=dict(snapshot.suspects),
     )
     return placer, plan
+
+
+def keep_in_force(
+    placer: Placer,
+    in_force: Iterable[Placement],
+    services: Mapping[str, Service],
+    kept: dict[tuple[str, int], Placement],
+    kept_on: set[tuple[str, str]],
+) -> None:
+    """Keep what is in force and still feasible: the first record of a
+    (service, replica) wins, one replica of a service per node. Updates
+    `kept` and `kept_on`."""
+    for old in sorted(in_force, key=lambda p: (p.service, p.replica)):
+        service = services.get(old.service)
+        if service is None or old.replica >= service.replicas or (old.service, old.replica) in kept:
+            continue
+        if (old.service, old.node) in kept_on:
+            continue  # a sibling already runs there: this replica moves
+        if placer.keep(old.node, Request.for_service(service)):
+            kept_on.add((old.service, old.node))
+            tier = placer.nodes[old.node].tier
+            kept[(old.service, old.replica)] = Placement(
+                service=old.service,
+                replica=old.replica,
+                node=old.node,
+                tier=tier,
+                fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier],
+            )
+
+
+def promote_hedges(
+    placer: Placer,
+    hedges: Iterable[Placement],
+    services: Mapping[str, Service],
+    kept: dict[tuple[str, int], Placement],
+    kept_on: set[tuple[str, str]],
+) -> None:
+    """A hedge whose replica lost its own placement (the suspected node went
+    offline at the node timeout) becomes that replica's placement, when it
+    can stay. Updates `kept` and `kept_on`."""
+    for h in sorted(hedges, key=lambda p: (p.service, p.replica, p.node)):
+        key = (h.service, h.replica)
+        service = services.get(h.service)
+        if service is None or key in kept or h.replica >= service.replicas or (h.service, h.node) in kept_on:
+            continue
+        if placer.keep(h.node, Request.for_service(service)):
+            kept_on.add((h.service, h.node))
+            tier = placer.nodes[h.node].tier
+            kept[key] = Placement(
+                service=h.service, replica=h.replica, node=h.node, tier=tier, fallback=TIER_SCORE[tier] < TIER_SCORE[service.min_tier]
+            )
+
+
+def place_hedges(
+    placer: Placer, desired: DesiredState, snapshot: Snapshot, kept: Mapping[tuple[str, int], Placement], before: Iterable[Placement]
+) -> list[Placement]:
+    """The hedges of this plan (core.scheduling.suspicion): for each replica
+    kept on a hedged node (suspected, recovered within a stable window, or
+    held off for blinking) of a service that may be hedged (`may_hedge`), an
+    extra placement on the best other node by the usual tier rules, marked
+    `hedge` with the node it stands in for. The last plan's hedge stays
+    where it is while it still fits."""
+    hedged = hedged_nodes(snapshot, desired.fleet.flap.window_s)
+    if not hedged:
+        return []
+    services = {s.id: s for s in desired.fleet.services}
+    previous = {(h.service, h.replica): h for h in before}
+    cost_order = desired.fleet.scheduler.cost_order
+    out: list[Placement] = []
+    for key in sorted(kept):
+        p = kept[key]
+        service = services[p.service]
+        if p.node not in hedged or not may_hedge(service):
+            continue
+        request = Request.for_service(service, cost_order)
+        old = previous.get(key)
+        if old is not None and old.hedge == p.node and old.node not in hedged and placer.keep(old.node, request):
+            tier = placer.nodes[old.node].tier
+            out.append(
+                p.model_copy(update={"node": old.node, "tier": tier, "fallback": TIER_SCORE[tier] < TIER_SCORE[service.min_tier], "hedge": p.node})
+            )
+            continue
+        outcome = placer.place(request, exclude=hedged | {p.node})
+        if isinstance(outcome, Choice):
+            out.append(Placement(service=p.service, replica=p.replica, node=outcome.node, tier=outcome.tier, fallback=outcome.fallback, hedge=p.node))
+    return out

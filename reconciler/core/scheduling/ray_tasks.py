@@ -49,6 +49,7 @@ from typing import Literal
 from reconciler.core.desired.model import TIER_ORDER, Tier
 from reconciler.core.live.models import Snapshot, SnapshotNode
 from reconciler.core.scheduling.placement import Choice, Placer, Request, Strategy, accepts_new_work
+from reconciler.core.scheduling.suspicion import with_suspects
 
 # The seed's fallback goes down to tier 0.
 LOWEST_TIER: Tier = TIER_ORDER[-1]
@@ -110,7 +111,9 @@ def select_assignment(
     own_in_flight: Mapping[str, int] | None = None,
     strategy: Strategy = "highest_tier",
 ) -> NodeAssignment:
-    """The seed's select_worker over `snapshot` (module docstring)."""
+    """The seed's select_worker over `snapshot` (module docstring); a node
+    the leader suspects (the plan's `suspects`, core.scheduling.suspicion) is skipped."""
+    snapshot = with_suspects(snapshot, snapshot.suspects) if snapshot.suspects else snapshot
     placer = Placer(ray_candidates(snapshot, ray_hosts, own_in_flight or {}), snapshot.now, strategy)
     outcome = placer.place(requirement.request())
     if isinstance(outcome, Choice):

@@ -12,6 +12,9 @@ a short list of `TimelineEvent`s. The registry remembers:
 - the newest changes of what phaze may choose (`FleetPlan.steering.recent`):
   a dead compute lane left out of phaze's backends.toml, a healthy one put
   back, each with its reason;
+- the newest events of the nodes the leader suspects or suspected lately
+  (`FleetPlan.suspects`, issue 30): suspicion (with its sources), hedge,
+  recovery, offline at the node timeout;
 - the cloud hook runs the leader carried out (`ScalingRecord.recent`, kind
   `run_cloud_hook`, with how each ended; no argv, no output).
 
@@ -60,7 +63,8 @@ class FleetHistory:
 class TimelineEvent:
     at: datetime
     # An identifier: node_joined, node_lost, node_back, node_dead, held_off,
-    # released, drain, draining, undrain, leader, plan, lane_out, lane_in, hook.
+    # released, drain, draining, undrain, leader, plan, lane_out, lane_in, hook,
+    # suspicion, hedge, recovery, offline.
     kind: str
     # The node, the leader candidate, or the hook's tier.
     subject: str
@@ -104,6 +108,18 @@ def _steering_events(plan: FleetPlan) -> list[TimelineEvent]:
     ]
 
 
+# What each event of a suspected node is called on the timeline (issue 30).
+_SUSPECT_WORDS = {"suspicion": "suspected", "hedge": "hedged", "recovery": "recovered", "offline": "offline at the node timeout"}
+
+
+def _suspect_events(plan: FleetPlan) -> list[TimelineEvent]:
+    return [
+        TimelineEvent(at=utc(e.at), kind=e.kind, subject=node, title=f"{node} {_SUSPECT_WORDS.get(e.kind, e.kind)}", detail=e.detail)
+        for node, state in plan.suspects.items()
+        for e in state.events
+    ]
+
+
 def timeline(history: FleetHistory, plan: FleetPlan | None, *, limit: int = TIMELINE_LENGTH) -> tuple[TimelineEvent, ...]:
     """The newest `limit` events, newest first (ties: by kind, then subject).
 
@@ -129,6 +145,7 @@ def timeline(history: FleetHistory, plan: FleetPlan | None, *, limit: int = TIME
         )
     if plan is not None:
         events += _steering_events(plan)
+        events += _suspect_events(plan)
     if history.scaling is not None:
         events += _hook_events(history.scaling)
     events.sort(key=lambda e: (e.kind, e.subject))
