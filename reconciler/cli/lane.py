@@ -175,6 +175,8 @@ def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, 
             state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
         workers = "" if v.workers is None else f" ({v.workers} worker{'' if v.workers == 1 else 's'})"
         print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{workers}{state}")
+        if v.id in status.agents:
+            print(f"     {'':<12} phaze cap {v.cap} · {status.agents[v.id].text()}")
     new = status.new_job
     print(f"a new job now: {f'-> {new.lane}' if new.lane else f'held: {new.hold}: {HOLD_MEANING[new.hold or str()]}'}")
     for j in status.running:

@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, DesiredState
-from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
+from reconciler.core.live.models import FleetPlan, HoldReason, LaneView, PhazeAgentSeen, Snapshot
 from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
 from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing, crashed_runs, lane_views, next_crash_check_s, sort_key, take_slot
 from reconciler.core.timestamps import utc
@@ -133,8 +133,13 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
 
 
 def current_lanes(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+    views, snapshot = _current(registry, lane_broker, desired)
+    return views, snapshot.now
+
+
+def _current(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], Snapshot]:
     snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_broker, desired)
-    return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
+    return {view.id: view for view in lane_views(desired, snapshot)}, snapshot
 
 
 def _started(views: dict[str, LaneView], lane: str) -> dict[str, LaneView]:
@@ -364,6 +369,9 @@ class LaneStatus:
     new_job: DispatchEvent  # what a job enqueued now (no duration, no attempts) would get
     plan: FleetPlan | None
     scaling: ScalingRecord
+    # A phaze fleet: each lane's agent as phaze's own agents table shows it
+    # (lane id -> it; the second signal beside the workers).
+    agents: dict[str, PhazeAgentSeen] = field(default_factory=dict)
 
     @property
     def queue_depth(self) -> int:
@@ -391,6 +399,7 @@ class LaneStatus:
             "host": view.host,
             "host_free": view.host_free,
             "workers": view.workers,
+            "phaze_agent": self.agents[view.id].model_dump() if view.id in self.agents else None,
             "hold": lane_hold(view, self.queues.get(view.id), self.new_job),
         }
 
@@ -417,7 +426,8 @@ class LaneStatus:
 
 
 def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
-    views, now = current_lanes(registry, lane_broker, desired)
+    views, snapshot = _current(registry, lane_broker, desired)
+    now = snapshot.now
     jobs = lane_broker.jobs()
     decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)
     return LaneStatus(
@@ -429,4 +439,5 @@ def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: Desir
         new_job=DispatchEvent("(new)", 0.0, 0, lane=decision.lane, hold=decision.hold),
         plan=registry.newest_plan(),
         scaling=registry.scaling_record(),
+        agents={lane.id: lane.phaze_agent for lane in reversed(snapshot.lanes) if lane.phaze_agent is not None},
     )
