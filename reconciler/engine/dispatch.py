@@ -11,7 +11,7 @@ runs `dispatch_pass` over them:
             a run settled so that finished late after all is reported
             (superseded) and ignored. The pass also says when the next
             active run would count as crashed if its worker stays silent
-            (`PassResult.crash_check_in_s`, core's next_crash_check_s): the
+            (`DispatchOutcome.crash_check_in_s`, core's next_crash_check_s): the
             loops (`run_dispatcher`, the leader) wake then, CRASH_WAKE_MARGIN_S
             past it, instead of at their next interval, so a killed worker's
             job runs again within its lapse plus one pass's own work
@@ -152,7 +152,7 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
 
 
 @dataclass(frozen=True)
-class PassResult:
+class DispatchOutcome:
     """One dispatch pass: its events, and in how many seconds (from its read
     of the active runs) the next active run would count as crashed if its
     worker stays silent (None: no such run)."""
@@ -180,7 +180,7 @@ def settle_crashed(
     return _settle_crashed(lane_broker, desired, epoch, emit).events
 
 
-def _settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None) -> PassResult:
+def _settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None) -> DispatchOutcome:
     events: list[DispatchEvent] = []
     out = _emitting(events, emit)
     timing = crash_timing(desired.fleet.scheduler)
@@ -190,7 +190,7 @@ def _settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int, 
         out(_settled_event(job))
     for job in lane_broker.sweep_superseded():
         out(_settled_event(job))
-    return PassResult(events, next_crash_check_s(seen, timing))
+    return DispatchOutcome(events, next_crash_check_s(seen, timing))
 
 
 def _emitting(events: list[DispatchEvent], emit: Callable[[DispatchEvent], None] | None) -> Callable[[DispatchEvent], None]:
@@ -257,8 +257,8 @@ def dispatch_once(
     *,
     epoch: int | None = None,
     emit: Callable[[DispatchEvent], None] | None = None,
-) -> PassResult:
-    """`dispatch_pass`, with when the next crash check is due (`PassResult`)."""
+) -> DispatchOutcome:
+    """`dispatch_pass`, with when the next crash check is due (`DispatchOutcome`)."""
     refuse_phaze_lanes(desired)
     settings = desired.fleet.scheduler
     targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
@@ -326,7 +326,7 @@ def run_dispatcher(
 ) -> None:
     """`dispatch_pass` every `interval_s` until `stop` is set (or one pass with
     `once`), each event to `emit`; sooner when an active run's worker would
-    lapse first (`PassResult.wake_in_s`). A long-running dispatcher outlives
+    lapse first (`DispatchOutcome.wake_in_s`). A long-running dispatcher outlives
     an outage of the registry or the broker (jobs wait meanwhile, `log` says
     so); with `once` it raises. A StaleDispatcher always ends it."""
     while True:

@@ -39,7 +39,7 @@ the watch reports it; sqlite only compares deadlines; both read a beat whose
 own expiry has passed as lapsed). A lapse the registry does not show yet is
 looked at again after `LAPSE_RECHECK_S`, twice as late each time it still
 does not show. Dispatching the fabric's own lanes, it also wakes when the
-next active run's worker would lapse (`engine.dispatch.PassResult`), so a
+next active run's worker would lapse (`engine.dispatch.DispatchOutcome`), so a
 crashed run's job waits again, and is dispatched again, at that moment.
 
 If the registry is unreachable the loop says so and retries; it never acts on
@@ -460,7 +460,7 @@ class LeaderLoop:
             # Just past the moment the record goes stale (STALE_MARGIN_S).
             return max(STALE_MARGIN_S, min(periodic, self._held_stale_at.timestamp() - self.clock.now() + STALE_MARGIN_S))
         if self.leadership is not None and self._crash_check_at is not None and self.clock is not None:
-            # A lane run's worker lapses (engine.dispatch.PassResult): the step's dispatch settles it then.
+            # A lane run's worker lapses (engine.dispatch.DispatchOutcome): the step's dispatch settles it then.
             periodic = min(periodic, max(0.0, self._crash_check_at - self.clock.now()))
         if self.leadership is None or self._next_lapse is None or self.clock is None:
             return periodic

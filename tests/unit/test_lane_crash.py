@@ -20,7 +20,7 @@ from reconciler.core.scheduling.lanes import (
     crashed_runs,
     next_crash_check_s,
 )
-from reconciler.engine.dispatch import CRASH_WAKE_MARGIN_S, PassResult
+from reconciler.engine.dispatch import CRASH_WAKE_MARGIN_S, DispatchOutcome
 
 TIMING = CrashTiming(worker_beat_s=10, grace_s=2)
 NOW = 1000.0
@@ -152,6 +152,6 @@ def test_the_next_crash_check_is_the_first_run_not_yet_due() -> None:
 
 
 def test_a_loop_wakes_at_the_crash_moment_when_it_comes_before_the_interval() -> None:
-    assert PassResult([], None).wake_in_s(1.0) == 1.0
-    assert PassResult([], 0.3).wake_in_s(1.0) == pytest.approx(0.3 + CRASH_WAKE_MARGIN_S)
-    assert PassResult([], 30.0).wake_in_s(1.0) == 1.0
+    assert DispatchOutcome([], None).wake_in_s(1.0) == 1.0
+    assert DispatchOutcome([], 0.3).wake_in_s(1.0) == pytest.approx(0.3 + CRASH_WAKE_MARGIN_S)
+    assert DispatchOutcome([], 30.0).wake_in_s(1.0) == 1.0

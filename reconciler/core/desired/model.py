@@ -651,8 +651,8 @@ class Lane(Strict):
     )
     ssh_user: Name | None = Field(None, description="The user phaze pushes as; owns scratch_dir; compute lanes only, required there.")
     # A compute lane: must equal <queue_prefix><agent_ref> when given; derived
-    # otherwise. The local lane: the queue of the file server's own processing
-    # (phaze's, no agent of the fabric's), LOCAL_QUEUE unless given.
+    # otherwise. The local lane of the fabric's own lanes: LOCAL_QUEUE unless
+    # given. Not used in a phaze fleet (phaze names its queues).
     queue: Name | None = Field(
         None,
         description="The lane's SAQ queue (not used in a phaze fleet). A compute lane: must equal <queue_prefix><agent_ref> when given. The local lane: phaze-local unless given.",
@@ -673,8 +673,9 @@ class Lane(Strict):
         return self
 
 
-# The local lane's queue unless `queue` names another: phaze's own processing
-# on the file server consumes it.
+# The fabric's own lanes: the local lane's queue unless `queue` names another.
+# (A phaze fleet's local lane is the file server agent's own lane queue,
+# `lane_queue_name`: phaze has no phaze-local.)
 LOCAL_QUEUE = "phaze-local"
 IMPLICIT_LOCAL_LANE = Lane(kind="local", id="local", rank=99, cap=1)
 # Where phaze's control plane reads its lanes (PHAZE_BACKENDS_CONFIG_FILE's default).
