@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psycopg  # noqa: E402
 
+from reconciler.adapters.clock import SystemClock  # noqa: E402
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.scheduling.lanes import crash_timing  # noqa: E402
@@ -70,7 +71,9 @@ def main() -> None:
         def dispatcher() -> None:
             # `fabric lane dispatch`'s own loop: a pass every --interval, or
             # sooner when an active run's worker would lapse first.
-            run_dispatcher(registry, broker, desired, emit=lambda e: heard.append((time.time(), e)), stop=stop, interval_s=args.interval)
+            run_dispatcher(
+                registry, broker, desired, emit=lambda e: heard.append((time.time(), e)), stop=stop, interval_s=args.interval, clock=SystemClock()
+            )
 
         settled_s, again_s = [], []
         thread = threading.Thread(target=dispatcher, daemon=True)

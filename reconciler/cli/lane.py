@@ -54,6 +54,7 @@ from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
 from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, PhazeDispatches, lane_status, refuse_phaze_lanes, run_dispatcher
 from reconciler.ports import LaneBroker, Registry, StaleDispatcher
+from reconciler.wiring import system_clock
 
 
 def _interval(text: str) -> float:
@@ -157,7 +158,7 @@ def _dispatch(registry: Registry, lane_broker: LaneBroker, desired: DesiredState
     def log(message: str) -> None:
         print(f"fabric lane dispatch: {message}", file=sys.stderr, flush=True)
 
-    run_dispatcher(registry, lane_broker, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
+    run_dispatcher(registry, lane_broker, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log, clock=system_clock())
 
 
 def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, as_json: bool) -> None:

@@ -62,7 +62,7 @@ from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing,
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
+from reconciler.ports import Clock, FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -323,16 +323,23 @@ def run_dispatcher(
     interval_s: float,
     once: bool = False,
     log: Callable[[str], None] = print,
+    clock: Clock | None = None,
 ) -> None:
     """`dispatch_pass` every `interval_s` until `stop` is set (or one pass with
     `once`), each event to `emit`; sooner when an active run's worker would
-    lapse first (`DispatchOutcome.wake_in_s`). A long-running dispatcher outlives
-    an outage of the registry or the broker (jobs wait meanwhile, `log` says
-    so); with `once` it raises. A StaleDispatcher always ends it."""
+    lapse first (`DispatchOutcome.wake_in_s`, counted with `clock` from the
+    pass's start, where it read the runs; without one from its end). A
+    long-running dispatcher outlives an outage of the registry or the broker
+    (jobs wait meanwhile, `log` says so); with `once` it raises. A
+    StaleDispatcher always ends it."""
     while True:
         wait_s = interval_s
+        started = clock.now() if clock is not None else None
         try:
-            wait_s = dispatch_once(registry, lane_broker, desired, emit=emit).wake_in_s(interval_s)
+            outcome = dispatch_once(registry, lane_broker, desired, emit=emit)
+            wait_s = outcome.wake_in_s(interval_s)
+            if started is not None and clock is not None and outcome.crash_check_in_s is not None:
+                wait_s = max(0.0, min(wait_s, outcome.crash_check_in_s + CRASH_WAKE_MARGIN_S - (clock.now() - started)))
         except (RegistryUnavailable, LaneBrokerUnavailable) as exc:
             if once:
                 raise

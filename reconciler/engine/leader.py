@@ -289,10 +289,11 @@ class LeaderLoop:
                 self.log(f"lane job {event.text()}")
 
         self._crash_check_at = None
+        started = self.clock.now() if self.clock is not None else 0.0  # the pass reads the runs first
         try:
             done = dispatch_once(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
             if done.crash_check_in_s is not None and self.clock is not None:
-                self._crash_check_at = self.clock.now() + done.wake_in_s(done.crash_check_in_s)
+                self._crash_check_at = started + done.wake_in_s(done.crash_check_in_s)
         except StaleDispatcher as exc:
             # A newer term dispatches: this one's lease is gone or going.
             self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")

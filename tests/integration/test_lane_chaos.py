@@ -98,8 +98,11 @@ class Dispatcher(threading.Thread):
                 try:
                     if broker is None:
                         broker = PostgresLaneBroker(self.dsn, self.clock, connect_timeout_s=2)
-                    # As run_dispatcher waits: PASS_S, or less when a run's worker lapses first.
-                    wait_s = dispatch_once(registry, broker, self.desired, epoch=self.epoch, emit=self.heard).wake_in_s(PASS_S)
+                    # As run_dispatcher waits: PASS_S, or less when a run's worker lapses first
+                    # (counted from the pass's start, where it read the runs).
+                    started = time.monotonic()
+                    outcome = dispatch_once(registry, broker, self.desired, epoch=self.epoch, emit=self.heard)
+                    wait_s = max(0.0, outcome.wake_in_s(PASS_S) - (time.monotonic() - started)) if outcome.crash_check_in_s is not None else PASS_S
                 except StaleDispatcher as exc:
                     self.refused = exc
                     return
