@@ -155,3 +155,45 @@ def test_a_loop_wakes_at_the_crash_moment_when_it_comes_before_the_interval() ->
     assert DispatchOutcome([], None).wake_in_s(1.0) == 1.0
     assert DispatchOutcome([], 0.3).wake_in_s(1.0) == pytest.approx(0.3 + CRASH_WAKE_MARGIN_S)
     assert DispatchOutcome([], 30.0).wake_in_s(1.0) == 1.0
+
+
+def test_the_dispatcher_wakes_at_the_crash_moment_counted_from_its_read(tmp_path) -> None:
+    """`fabric lane dispatch`'s loop (run_dispatcher): a run due to count as
+    crashed 2 s after the pass read the runs, a pass that then took 0.5 s:
+    the loop waits 1.5 s (+ the margin), not 2 s, nor its 10 s interval."""
+    from reconciler.engine.dispatch import run_dispatcher
+    from tests.support.clock import FakeClock
+    from tests.support.fakes import FakeLaneBroker
+    from tests.support.lane_crash_fleet import own_lanes_fleet
+    from tests.support.registry_store import beat_example_fleet
+
+    desired = own_lanes_fleet(tmp_path / "fleet", beat_s=1, grace_s=1)
+    clock = FakeClock()
+
+    class SlowPass(FakeLaneBroker):
+        def active_runs(self):  # type: ignore[no-untyped-def]
+            now = clock.now()
+            silent = ActiveRun(job_id="j", lane="a1-arm64", key="j.1", worker="w", touched_s=now, worker_expires_s=now + 1.5)
+            return BrokerRuns(now_s=now, broker_up_s=0.0, runs=(silent,))  # due at expiry - 0.5 + grace 1 = now + 2
+
+        def jobs(self):  # type: ignore[no-untyped-def]
+            clock.advance(0.5)  # the rest of the pass takes 0.5 s
+            return super().jobs()
+
+    class Stop:
+        waited: list[float] = []
+
+        def wait(self, seconds: float) -> bool:
+            self.waited.append(seconds)
+            return True
+
+    from reconciler.adapters.registry_sqlite import SqliteRegistry
+
+    registry = SqliteRegistry(str(tmp_path / "r.sqlite"), timing=desired.fleet.timing, flap=desired.fleet.flap, clock=clock)
+    beat_example_fleet(registry)
+    stop = Stop()
+    try:
+        run_dispatcher(registry, SlowPass(clock), desired, emit=lambda e: None, stop=stop, interval_s=10.0, clock=clock)  # type: ignore[arg-type]
+    finally:
+        registry.close()
+    assert stop.waited == [pytest.approx(1.5 + CRASH_WAKE_MARGIN_S)]
