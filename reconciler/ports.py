@@ -20,7 +20,7 @@ from reconciler.core.command_result import CommandResult
 # Types only: a memoized pass catches RegistryError and imports no model.
 if TYPE_CHECKING:
     from reconciler.core.desired.registry_access import AccessState, AuthStep
-    from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane
+    from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotLane
     from reconciler.core.live.records import (
         DrainRequest,
         LeaderInfo,
@@ -701,6 +701,16 @@ class LaneBroker(Protocol):
         """Each lane (lane id -> its queue) as the broker shows it now: jobs
         queued or active on its queue, its workers with a fresh heartbeat,
         and how long ago the newest heartbeat lapsed when none is fresh."""
+        ...
+
+    def phaze_agents(self, agent_ids: Sequence[str]) -> dict[str, PhazeAgentSeen]:
+        """Each of `agent_ids` as phaze's own `agents` table shows it (its
+        last_seen_at and revoked_at, classified as phaze does), read where the
+        broker's database holds that table (phaze's default: its queue_url and
+        database_url name one database). Never raises for what the table holds
+        or lacks: an agent without a row, a table that is not there or not as
+        phaze makes it, is `unknown` with the reason. Raises
+        LaneBrokerUnavailable when the broker cannot be reached."""
         ...
 
     def close(self) -> None: ...

@@ -5,8 +5,9 @@ Run: .venv/bin/python bench/lane_crash [--rounds N] [--beat S] [--grace S] [--in
 A throwaway PostgreSQL (tests/support/harness/postgres.py), the example fleet on the
 fabric's own queues (tests/integration/own_lanes.py) and, each round, two
 agent processes on a1-arm64's queue (tests/support/harness/saq_agent.py: real SAQ
-workers beating every --beat seconds). A dispatcher runs `dispatch_pass`
-every --interval seconds. Each round: one long job is dispatched, the agent
+workers beating every --beat seconds). A dispatcher runs `run_dispatcher`
+(`fabric lane dispatch`'s loop): a pass every --interval seconds, or sooner
+when an active run's worker would lapse first. Each round: one long job is dispatched, the agent
 that runs it is SIGKILLed, and the bench notes when the dispatcher told the
 run crashed and when the other agent began the job's next run. The goal
 is lapse + interval, lapse = beat + 1 (saq's stats ttl) + grace.
@@ -27,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psycopg  # noqa: E402
 
+from reconciler.adapters.clock import SystemClock  # noqa: E402
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker  # noqa: E402
 from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.scheduling.lanes import crash_timing  # noqa: E402
-from reconciler.engine.dispatch import DispatchEvent, dispatch_pass  # noqa: E402
+from reconciler.engine.dispatch import DispatchEvent, run_dispatcher  # noqa: E402
 from reconciler.engine.lane_states import lane_targets  # noqa: E402
 from tests.support.clock import FakeClock  # noqa: E402
 from tests.support.harness.postgres import postgres_server  # noqa: E402
@@ -67,9 +69,11 @@ def main() -> None:
         stop = threading.Event()
 
         def dispatcher() -> None:
-            while not stop.is_set():
-                dispatch_pass(registry, broker, desired, epoch=1, emit=lambda e: heard.append((time.time(), e)))
-                stop.wait(args.interval)
+            # `fabric lane dispatch`'s own loop: a pass every --interval, or
+            # sooner when an active run's worker would lapse first.
+            run_dispatcher(
+                registry, broker, desired, emit=lambda e: heard.append((time.time(), e)), stop=stop, interval_s=args.interval, clock=SystemClock()
+            )
 
         settled_s, again_s = [], []
         thread = threading.Thread(target=dispatcher, daemon=True)

@@ -78,7 +78,7 @@ from reconciler.ports import Clock, LaneBrokerError, LaneBrokerUnavailable, Lane
 if TYPE_CHECKING:
     from saq.queue.postgres import PostgresQueue
 
-    from reconciler.core.live.models import SnapshotLane
+    from reconciler.core.live.models import PhazeAgentSeen, SnapshotLane
     from reconciler.core.live.records import QueuedJob, SettledJob
     from reconciler.core.scheduling.lanes import ActiveRun, BrokerRuns, CrashedRun
 
@@ -510,6 +510,53 @@ class PostgresLaneBroker:
                     workers_silent_s=None if fresh else silent,
                 )
             )
+        return out
+
+    def phaze_agents(self, agent_ids: Sequence[str]) -> dict[str, PhazeAgentSeen]:
+        """phaze's `agents` rows (phaze a3fd169 models/agent.py: id, kind,
+        last_seen_at timestamptz, revoked_at timestamptz), read with plain
+        SQL. Who writes them: phaze's API (each agent's heartbeat POST sets
+        its own last_seen_at = now(); an operator revokes). Anything the
+        table holds or lacks is an `unknown` agent with the reason, never an
+        error: only an unreachable broker raises (LaneBrokerUnavailable)."""
+        from reconciler.core.live.models import PhazeAgentSeen, phaze_agent_status
+
+        ids = sorted(set(agent_ids))
+        if not ids:
+            return {}
+
+        def unknown(reason: str) -> dict[str, PhazeAgentSeen]:
+            return {agent_id: PhazeAgentSeen(agent_id=agent_id, reason=reason) for agent_id in ids}
+
+        # One row's nonsense (an infinite last_seen_at) is that agent's alone.
+        query = (
+            "SELECT id, last_seen_at IS NULL, CASE WHEN isfinite(last_seen_at) THEN EXTRACT(EPOCH FROM (NOW() - last_seen_at))::DOUBLE PRECISION END,"
+            " revoked_at IS NOT NULL FROM agents WHERE id = ANY(%s::TEXT[])"
+        )
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self._dsn, autocommit=True, **_bounded(self._timeout))
+                rows = self._conn.execute(query, (ids,)).fetchall()
+            except psycopg.OperationalError as exc:
+                self._drop()
+                raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, self._secrets)}") from None
+            except psycopg.errors.UndefinedTable:
+                return unknown("phaze's agents table is not in the broker's database")
+            except psycopg.Error as exc:
+                return unknown(f"phaze's agents table is not as phaze makes it: {_first_line(exc, self._secrets)}")
+        out = {}
+        for row in rows:
+            agent_id, never, seen_ago, revoked = row
+            if not isinstance(agent_id, str) or agent_id not in ids:
+                continue
+            if not never and seen_ago is None:
+                out[agent_id] = PhazeAgentSeen(agent_id=agent_id, reason="its last_seen_at is not a finite time")
+                continue
+            ago = None if seen_ago is None else float(seen_ago)
+            out[agent_id] = phaze_agent_status(agent_id, seen_ago_s=ago, revoked=bool(revoked))
+        for agent_id in ids:
+            out.setdefault(agent_id, PhazeAgentSeen(agent_id=agent_id, reason="no row in phaze's agents table (not registered with phaze)"))
         return out
 
     def in_flight(self, queues: Sequence[str]) -> dict[str, int]:

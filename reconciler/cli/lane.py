@@ -54,6 +54,7 @@ from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
 from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, PhazeDispatches, lane_status, refuse_phaze_lanes, run_dispatcher
 from reconciler.ports import LaneBroker, Registry, StaleDispatcher
+from reconciler.wiring import system_clock
 
 
 def _interval(text: str) -> float:
@@ -157,7 +158,7 @@ def _dispatch(registry: Registry, lane_broker: LaneBroker, desired: DesiredState
     def log(message: str) -> None:
         print(f"fabric lane dispatch: {message}", file=sys.stderr, flush=True)
 
-    run_dispatcher(registry, lane_broker, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log)
+    run_dispatcher(registry, lane_broker, desired, emit=emit, stop=stop, interval_s=interval, once=once, log=log, clock=system_clock())
 
 
 def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, *, as_json: bool) -> None:
@@ -175,6 +176,8 @@ def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, 
             state = f"  FULL: {'lane cap' if v.full == 'cap' else f'host {v.host} at capacity'}"
         workers = "" if v.workers is None else f" ({v.workers} worker{'' if v.workers == 1 else 's'})"
         print(f"lane {v.id:<12} {v.kind:<8} rank {v.rank:<3} {v.in_flight}/{v.cap}  {status.queues.get(v.id, '-')}{workers}{state}")
+        if v.id in status.agents:
+            print(f"     {'':<12} phaze cap {v.cap} · {status.agents[v.id].text()}")
     new = status.new_job
     print(f"a new job now: {f'-> {new.lane}' if new.lane else f'held: {new.hold}: {HOLD_MEANING[new.hold or str()]}'}")
     for j in status.running:

@@ -7,8 +7,14 @@ runs `dispatch_pass` over them:
     crashed: runs whose worker is gone (`settle_crashed`: the facts from
             LaneBroker.active_runs, the decision core.scheduling.lanes'
             crashed_runs) wait again, one more cloud attempt when they ran
-            in a compute lane; a run settled so that finished late after
-            all is reported (superseded) and ignored
+            in a compute lane, and are dispatched again in this same pass;
+            a run settled so that finished late after all is reported
+            (superseded) and ignored. The pass also says when the next
+            active run would count as crashed if its worker stays silent
+            (`DispatchOutcome.crash_check_in_s`, core's next_crash_check_s): the
+            loops (`run_dispatcher`, the leader) wake then, CRASH_WAKE_MARGIN_S
+            past it, instead of at their next interval, so a killed worker's
+            job runs again within its lapse plus one pass's own work
     settle: jobs whose SAQ job ended leave (complete) or wait again (failed:
             one more cloud attempt when they ran in a compute lane)
     for each waiting job, oldest enqueued first:
@@ -46,21 +52,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import PHAZE_QUEUE_PREFIX, DesiredState
-from reconciler.core.live.models import FleetPlan, HoldReason, LaneView
+from reconciler.core.live.models import FleetPlan, HoldReason, LaneView, PhazeAgentSeen, Snapshot
 from reconciler.core.live.records import QueuedJob, ScalingRecord, SettledJob
-from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing, crashed_runs, lane_views, sort_key, take_slot
+from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing, crashed_runs, lane_views, next_crash_check_s, sort_key, take_slot
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
+from reconciler.ports import Clock, FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
 RETRIES = 20
+
+# How long past a run's crash moment (core's crash_due_s: the rule is
+# "past", and the broker's clock is read a little after the wake) a loop
+# wakes to settle it.
+CRASH_WAKE_MARGIN_S = 0.05
 
 # What would release a held job, for people reading `fabric lane` output.
 HOLD_MEANING: dict[str, str] = {
@@ -122,8 +133,13 @@ def job_view(job: QueuedJob, now: datetime) -> LaneJob:
 
 
 def current_lanes(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], datetime]:
+    views, snapshot = _current(registry, lane_broker, desired)
+    return views, snapshot.now
+
+
+def _current(registry: FleetReads, lane_broker: LaneBroker, desired: DesiredState) -> tuple[dict[str, LaneView], Snapshot]:
     snapshot = with_lane_states(registry.snapshot(lanes=[lane.id for lane in desired.lanes]), lane_broker, desired)
-    return {view.id: view for view in lane_views(desired, snapshot)}, snapshot.now
+    return {view.id: view for view in lane_views(desired, snapshot)}, snapshot
 
 
 def _started(views: dict[str, LaneView], lane: str) -> dict[str, LaneView]:
@@ -135,6 +151,23 @@ def _settled_event(job: SettledJob) -> DispatchEvent:
     return DispatchEvent(job.job_id, 0.0, job.attempts, lane=job.lane, outcome=job.outcome, reason=job.reason)
 
 
+@dataclass(frozen=True)
+class DispatchOutcome:
+    """One dispatch pass: its events, and in how many seconds (from its read
+    of the active runs) the next active run would count as crashed if its
+    worker stays silent (None: no such run)."""
+
+    events: list[DispatchEvent]
+    crash_check_in_s: float | None = None
+
+    def wake_in_s(self, interval_s: float) -> float:
+        """How long a loop waits before its next pass: `interval_s`, or less
+        when a run's crash moment comes first (CRASH_WAKE_MARGIN_S past it)."""
+        if self.crash_check_in_s is None:
+            return interval_s
+        return min(interval_s, self.crash_check_in_s + CRASH_WAKE_MARGIN_S)
+
+
 def settle_crashed(
     lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None = None
 ) -> list[DispatchEvent]:
@@ -144,14 +177,20 @@ def settle_crashed(
     The facts are the broker's (`active_runs`, one transaction), the
     decision core's (`crashed_runs`); raises StaleDispatcher when a newer
     dispatcher runs."""
+    return _settle_crashed(lane_broker, desired, epoch, emit).events
+
+
+def _settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None) -> DispatchOutcome:
     events: list[DispatchEvent] = []
     out = _emitting(events, emit)
-    crashed = crashed_runs(lane_broker.active_runs(), crash_timing(desired.fleet.scheduler))
+    timing = crash_timing(desired.fleet.scheduler)
+    seen = lane_broker.active_runs()
+    crashed = crashed_runs(seen, timing)
     for job in lane_broker.settle_crashed(crashed, epoch) if crashed else []:
         out(_settled_event(job))
     for job in lane_broker.sweep_superseded():
         out(_settled_event(job))
-    return events
+    return DispatchOutcome(events, next_crash_check_s(seen, timing))
 
 
 def _emitting(events: list[DispatchEvent], emit: Callable[[DispatchEvent], None] | None) -> Callable[[DispatchEvent], None]:
@@ -208,11 +247,24 @@ def dispatch_pass(
     """One pass over the waiting jobs (see the module docstring); `epoch`
     defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
     newer dispatcher runs."""
+    return dispatch_once(registry, lane_broker, desired, epoch=epoch, emit=emit).events
+
+
+def dispatch_once(
+    registry: RegistryReads,
+    lane_broker: LaneBroker,
+    desired: DesiredState,
+    *,
+    epoch: int | None = None,
+    emit: Callable[[DispatchEvent], None] | None = None,
+) -> DispatchOutcome:
+    """`dispatch_pass`, with when the next crash check is due (`DispatchOutcome`)."""
     refuse_phaze_lanes(desired)
     settings = desired.fleet.scheduler
     targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
     fence = dispatcher_epoch(registry) if epoch is None else epoch
-    events = settle_crashed(lane_broker, desired, fence, emit)
+    crashes = _settle_crashed(lane_broker, desired, fence, emit)
+    events = crashes.events
     out = _emitting(events, emit)
     for settled in lane_broker.settle():
         out(_settled_event(settled))
@@ -242,7 +294,7 @@ def dispatch_pass(
         if event is None:
             raise LaneBrokerError(f"job {job.job_id}: lost {RETRIES} races for a lane slot in a row")
         out(event)
-    return events
+    return crashes
 
 
 def predicted_holds(jobs: list[QueuedJob], views: dict[str, LaneView], desired: DesiredState, now: datetime) -> dict[str, DispatchEvent]:
@@ -271,19 +323,28 @@ def run_dispatcher(
     interval_s: float,
     once: bool = False,
     log: Callable[[str], None] = print,
+    clock: Clock | None = None,
 ) -> None:
     """`dispatch_pass` every `interval_s` until `stop` is set (or one pass with
-    `once`), each event to `emit`. A long-running dispatcher outlives an
-    outage of the registry or the broker (jobs wait meanwhile, `log` says
-    so); with `once` it raises. A StaleDispatcher always ends it."""
+    `once`), each event to `emit`; sooner when an active run's worker would
+    lapse first (`DispatchOutcome.wake_in_s`, counted with `clock` from the
+    pass's start, where it read the runs; without one from its end). A
+    long-running dispatcher outlives an outage of the registry or the broker
+    (jobs wait meanwhile, `log` says so); with `once` it raises. A
+    StaleDispatcher always ends it."""
     while True:
+        wait_s = interval_s
+        started = clock.now() if clock is not None else None
         try:
-            dispatch_pass(registry, lane_broker, desired, emit=emit)
+            outcome = dispatch_once(registry, lane_broker, desired, emit=emit)
+            wait_s = outcome.wake_in_s(interval_s)
+            if started is not None and clock is not None and outcome.crash_check_in_s is not None:
+                wait_s = max(0.0, min(wait_s, outcome.crash_check_in_s + CRASH_WAKE_MARGIN_S - (clock.now() - started)))
         except (RegistryUnavailable, LaneBrokerUnavailable) as exc:
             if once:
                 raise
             log(f"unreachable, retrying: {exc}")
-        if once or stop.wait(interval_s):
+        if once or stop.wait(wait_s):
             return
 
 
@@ -315,6 +376,9 @@ class LaneStatus:
     new_job: DispatchEvent  # what a job enqueued now (no duration, no attempts) would get
     plan: FleetPlan | None
     scaling: ScalingRecord
+    # A phaze fleet: each lane's agent as phaze's own agents table shows it
+    # (lane id -> it; the second signal beside the workers).
+    agents: dict[str, PhazeAgentSeen] = field(default_factory=dict)
 
     @property
     def queue_depth(self) -> int:
@@ -342,6 +406,7 @@ class LaneStatus:
             "host": view.host,
             "host_free": view.host_free,
             "workers": view.workers,
+            "phaze_agent": self.agents[view.id].model_dump() if view.id in self.agents else None,
             "hold": lane_hold(view, self.queues.get(view.id), self.new_job),
         }
 
@@ -368,7 +433,8 @@ class LaneStatus:
 
 
 def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: DesiredState) -> LaneStatus:
-    views, now = current_lanes(registry, lane_broker, desired)
+    views, snapshot = _current(registry, lane_broker, desired)
+    now = snapshot.now
     jobs = lane_broker.jobs()
     decision = choose_lane(sorted(views.values(), key=sort_key), LaneJob(), desired.fleet.scheduler)
     return LaneStatus(
@@ -380,4 +446,5 @@ def lane_status(registry: RegistryReads, lane_broker: LaneBroker, desired: Desir
         new_job=DispatchEvent("(new)", 0.0, 0, lane=decision.lane, hold=decision.hold),
         plan=registry.newest_plan(),
         scaling=registry.scaling_record(),
+        agents={lane.id: lane.phaze_agent for lane in reversed(snapshot.lanes) if lane.phaze_agent is not None},
     )

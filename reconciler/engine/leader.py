@@ -45,7 +45,9 @@ watch missed the expiry (etcd deletes the node's key when its lease lapses and
 the watch reports it; sqlite only compares deadlines; both read a beat whose
 own expiry has passed as lapsed). A lapse the registry does not show yet is
 looked at again after `LAPSE_RECHECK_S`, twice as late each time it still
-does not show.
+does not show. Dispatching the fabric's own lanes, it also wakes when the
+next active run's worker would lapse (`engine.dispatch.DispatchOutcome`), so a
+crashed run's job waits again, and is dispatched again, at that moment.
 
 If the registry is unreachable the loop says so and retries; it never acts on
 a plan it could not publish. On stop it resigns, so a successor need not wait
@@ -88,7 +90,7 @@ from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.core.scheduling.suspicion import advance_suspects, next_liveness_lapse, note_hedges, remember_liveness, suspected, with_suspects
-from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
+from reconciler.engine.dispatch import DispatchEvent, dispatch_once
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
@@ -190,6 +192,9 @@ class LeaderLoop:
     # The registry's unreadable records as the last step's read named them
     # (`problem_lines`): each is logged once, when it appears or goes.
     _unreadable: tuple[str, ...] = ()
+    # Leading: when (by `clock`) the next active run of the fabric's own
+    # lanes would count as crashed, as the last dispatch read it (None: none).
+    _crash_check_at: float | None = None
     # Following: when the leader record goes stale unless renewed (None: unknown, or no record).
     _held_stale_at: datetime | None = None
     # `tailscale status --json` where the leader runs tailscale: a source of
@@ -304,8 +309,12 @@ class LeaderLoop:
             if event.hold is None:
                 self.log(f"lane job {event.text()}")
 
+        self._crash_check_at = None
+        started = self.clock.now() if self.clock is not None else 0.0  # the pass reads the runs first
         try:
-            dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
+            done = dispatch_once(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
+            if done.crash_check_in_s is not None and self.clock is not None:
+                self._crash_check_at = started + done.wake_in_s(done.crash_check_in_s)
         except StaleDispatcher as exc:
             # A newer term dispatches: this one's lease is gone or going.
             self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")
@@ -536,6 +545,9 @@ class LeaderLoop:
         if self.leadership is None and self._held_stale_at is not None and self.clock is not None:
             # Just past the moment the record goes stale (STALE_MARGIN_S).
             return max(STALE_MARGIN_S, min(periodic, self._held_stale_at.timestamp() - self.clock.now() + STALE_MARGIN_S))
+        if self.leadership is not None and self._crash_check_at is not None and self.clock is not None:
+            # A lane run's worker lapses (engine.dispatch.DispatchOutcome): the step's dispatch settles it then.
+            periodic = min(periodic, max(0.0, self._crash_check_at - self.clock.now()))
         if self.leadership is None or self._next_lapse is None or self.clock is None:
             return periodic
         until = self._next_lapse.timestamp() - self.clock.now()

@@ -8,7 +8,8 @@ the example fleet's lanes on the fabric's own queues
 short (local only); each run lasts 0.2-0.8 s (from its job id) and touches
 its SAQ heartbeat every 0.5 s. Workers beat every second, grace 2 s.
 
-Dispatcher A (epoch 1) runs passes every PASS_S; once a third of the jobs
+Dispatcher A (epoch 1) runs passes every PASS_S (sooner when a run's
+worker lapses first, as `fabric lane dispatch` does); once a third of the jobs
 completed, dispatcher B (epoch 2) starts beside it (a new leader's term)
 and A must be refused. Once half completed, the broker restarts. Meanwhile
 KILLS agents are SIGKILLed at random moments (random.Random(SEED)) and
@@ -44,7 +45,7 @@ from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.scheduling.lanes import crash_timing
-from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
+from reconciler.engine.dispatch import DispatchEvent, dispatch_once
 from reconciler.engine.lane_states import lane_targets
 from reconciler.ports import LaneBrokerUnavailable, StaleDispatcher
 from tests.support.clock import FakeClock
@@ -93,16 +94,21 @@ class Dispatcher(threading.Thread):
         broker: PostgresLaneBroker | None = None
         try:
             while not self.stop.is_set():
+                wait_s = PASS_S
                 try:
                     if broker is None:
                         broker = PostgresLaneBroker(self.dsn, self.clock, connect_timeout_s=2)
-                    dispatch_pass(registry, broker, self.desired, epoch=self.epoch, emit=self.heard)
+                    # As run_dispatcher waits: PASS_S, or less when a run's worker lapses first
+                    # (counted from the pass's start, where it read the runs).
+                    started = time.monotonic()
+                    outcome = dispatch_once(registry, broker, self.desired, epoch=self.epoch, emit=self.heard)
+                    wait_s = max(0.0, outcome.wake_in_s(PASS_S) - (time.monotonic() - started)) if outcome.crash_check_in_s is not None else PASS_S
                 except StaleDispatcher as exc:
                     self.refused = exc
                     return
                 except LaneBrokerUnavailable:
                     self.outages += 1
-                self.stop.wait(PASS_S)
+                self.stop.wait(wait_s)
         except BaseException as exc:  # the test reports it
             self.error = exc
         finally:

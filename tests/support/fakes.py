@@ -25,8 +25,22 @@ class FakeLaneBroker:
         self.held: dict[str, int] = {}  # queue -> jobs queued or active there
         self.workers: dict[str, int] = dict(workers or {})
         self.silent_s: dict[str, float] = {}
+        # phaze's agents table: agent id -> (seconds since last_seen_at or None, revoked)
+        self.agents: dict[str, tuple[float | None, bool]] = {}
         self.fence = 0
         self.closed = False
+
+    def phaze_agents(self, agent_ids):
+        from reconciler.core.live.models import PhazeAgentSeen, phaze_agent_status
+
+        out = {}
+        for agent_id in agent_ids:
+            if agent_id in self.agents:
+                ago, revoked = self.agents[agent_id]
+                out[agent_id] = phaze_agent_status(agent_id, seen_ago_s=ago, revoked=revoked)
+            else:
+                out[agent_id] = PhazeAgentSeen(agent_id=agent_id, reason="no row in phaze's agents table (not registered with phaze)")
+        return out
 
     def enqueue(self, jobs):
         from reconciler.core.live.records import QueuedJob

@@ -26,7 +26,9 @@ def own_lanes_fleet(directory: Path, *, beat_s: int = 1, grace_s: int = 1, job_h
     shutil.copytree(EXAMPLE_FLEET, directory, dirs_exist_ok=True)
     toml = directory / "fabric.toml"
     text = re.sub(r"(?m)^(api_url|queue_prefix) = .*\n", "", toml.read_text())
-    text = re.sub(r'(?m)^queue = "phaze-local"$', f'queue = "{LOCAL_QUEUE}"', text)
+    local = 'kind = "local"\nid = "local"\nrank = 99\ncap = 1\n'
+    assert local in text, "the example fleet's local lane"
+    text = text.replace(local, local + f'queue = "{LOCAL_QUEUE}"\n', 1)
     for section, lines in (
         ("[agent]\n", f'queue_prefix = "{PREFIX}"\n'),
         ("[scheduler]\n", f"lane_worker_beat_s = {beat_s}\nlane_crash_grace_s = {grace_s}\nlane_job_heartbeat_s = {job_heartbeat_s}\n"),

@@ -36,8 +36,9 @@ def test_example_fleet_is_valid_and_matches_the_seeds() -> None:
     assert sorted(state.hosts) == ["a1-arm64", "lux", "qfox-1", "racknerd", "x86-spill"]
     lanes = {b.id: (b.kind, b.rank, b.cap) for b in state.lanes}
     assert lanes == {"a1-arm64": ("compute", 10, 2), "x86-spill": ("compute", 20, 4), "local": ("local", 99, 1)}
-    # A phaze fleet: each compute lane is phaze's agent lane queue (phaze-agent-<agent_ref>-analyze).
-    assert [state.queue_for(b) for b in state.lanes] == ["phaze-agent-a1-arm64-analyze", "phaze-agent-x86-spill-analyze", "phaze-local"]
+    # A phaze fleet: each compute lane is phaze's agent lane queue (phaze-agent-<agent_ref>-analyze),
+    # the local lane the file server agent's own (phaze's LocalBackend dispatches there; no phaze-local).
+    assert [state.queue_for(b) for b in state.lanes] == ["phaze-agent-a1-arm64-analyze", "phaze-agent-x86-spill-analyze", "phaze-agent-lux-analyze"]
     timing, flap = state.fleet.timing, state.fleet.flap
     assert (timing.heartbeat_s, timing.node_timeout_s, timing.drain_grace_s) == (30, 90, 300)
     assert (flap.window_s, flap.toggles, flap.hold_off_s) == (300, 3, 600)

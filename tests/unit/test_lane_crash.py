@@ -10,7 +10,17 @@ from __future__ import annotations
 import pytest
 
 from reconciler.core.desired.model import SchedulerSettings
-from reconciler.core.scheduling.lanes import ActiveRun, BrokerRuns, CrashTiming, crash_timing, crashed_reason, crashed_runs
+from reconciler.core.scheduling.lanes import (
+    ActiveRun,
+    BrokerRuns,
+    CrashTiming,
+    crash_due_s,
+    crash_timing,
+    crashed_reason,
+    crashed_runs,
+    next_crash_check_s,
+)
+from reconciler.engine.dispatch import CRASH_WAKE_MARGIN_S, DispatchOutcome
 
 TIMING = CrashTiming(worker_beat_s=10, grace_s=2)
 NOW = 1000.0
@@ -24,7 +34,14 @@ def run(**fields) -> ActiveRun:
 CASES = [
     ("fresh worker", run(worker="w1", touched_s=990, worker_expires_s=1005), 0.0, None),
     ("worker's stats expired, within the grace", run(worker="w1", touched_s=900, worker_expires_s=999), 0.0, None),
-    ("grace exactly spent: not yet", run(worker="w1", touched_s=900, worker_expires_s=998), 0.0, None),
+    # saq's expire_at is rounded to the whole second: the true expiry may be 0.5 s earlier.
+    ("grace exactly spent from the earliest true expiry: not yet", run(worker="w1", touched_s=900, worker_expires_s=998.5), 0.0, None),
+    (
+        "grace spent from the earliest true expiry (the row says 998, rounded from as early as 997.5)",
+        run(worker="w1", touched_s=900, worker_expires_s=998),
+        0.0,
+        "its worker w1 stopped beating (2 s past its stats' expiry)",
+    ),
     (
         "worker's stats expired past the grace",
         run(worker="w1", touched_s=900, worker_expires_s=997),
@@ -108,3 +125,75 @@ def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled(tmp_p
     with pytest.raises(RegistryUnavailable):
         dispatch_pass(DownRegistry(), broker, desired, epoch=1, emit=heard.append)  # type: ignore[arg-type]
     assert [(e.job, e.outcome) for e in heard] == [("done-job", "complete")]
+
+
+@pytest.mark.parametrize(("case", "active", "up", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_crash_due_is_the_moment_crashed_reason_starts_to_hold(case: str, active: ActiveRun, up: float, expected: str | None) -> None:
+    """The dispatcher wakes at `crash_due_s` (gap: a pass a whole interval
+    after the lapse): just before it no reason, just after it one, for every
+    row of the table."""
+    due = crash_due_s(active, broker_up_s=up, timing=TIMING)
+    assert crashed_reason(active, now_s=due + 1e-6, broker_up_s=up, timing=TIMING) is not None
+    if due > up + TIMING.lapse_s:
+        assert crashed_reason(active, now_s=due - 1e-6, broker_up_s=up, timing=TIMING) is None
+    assert (expected is not None) == (due < NOW)
+
+
+def test_the_next_crash_check_is_the_first_run_not_yet_due() -> None:
+    alive = run(worker="w1", touched_s=990, worker_expires_s=1005)  # due at 1005 - 0.5 + 2
+    later = ActiveRun(job_id="job-2", lane="x86-spill", key="job-2.1", worker="w2", touched_s=990, worker_expires_s=1009)
+    gone = ActiveRun(job_id="job-3", lane="x86-spill", key="job-3.1", worker="w3", touched_s=900, worker_expires_s=900)
+    seen = BrokerRuns(now_s=NOW, broker_up_s=0.0, runs=(later, gone, alive))
+    assert next_crash_check_s(seen, TIMING) == pytest.approx(6.5), "the settled-now run is not waited for"
+    assert next_crash_check_s(BrokerRuns(now_s=NOW, broker_up_s=0.0, runs=(gone,)), TIMING) is None
+    assert next_crash_check_s(BrokerRuns(now_s=NOW, broker_up_s=0.0), TIMING) is None
+    restarted = BrokerRuns(now_s=NOW, broker_up_s=995.0, runs=(gone,))
+    assert next_crash_check_s(restarted, TIMING) == pytest.approx(8.0), "nothing is crashed within a lapse of the broker's start"
+
+
+def test_a_loop_wakes_at_the_crash_moment_when_it_comes_before_the_interval() -> None:
+    assert DispatchOutcome([], None).wake_in_s(1.0) == 1.0
+    assert DispatchOutcome([], 0.3).wake_in_s(1.0) == pytest.approx(0.3 + CRASH_WAKE_MARGIN_S)
+    assert DispatchOutcome([], 30.0).wake_in_s(1.0) == 1.0
+
+
+def test_the_dispatcher_wakes_at_the_crash_moment_counted_from_its_read(tmp_path) -> None:
+    """`fabric lane dispatch`'s loop (run_dispatcher): a run due to count as
+    crashed 2 s after the pass read the runs, a pass that then took 0.5 s:
+    the loop waits 1.5 s (+ the margin), not 2 s, nor its 10 s interval."""
+    from reconciler.engine.dispatch import run_dispatcher
+    from tests.support.clock import FakeClock
+    from tests.support.fakes import FakeLaneBroker
+    from tests.support.lane_crash_fleet import own_lanes_fleet
+    from tests.support.registry_store import beat_example_fleet
+
+    desired = own_lanes_fleet(tmp_path / "fleet", beat_s=1, grace_s=1)
+    clock = FakeClock()
+
+    class SlowPass(FakeLaneBroker):
+        def active_runs(self):  # type: ignore[no-untyped-def]
+            now = clock.now()
+            silent = ActiveRun(job_id="j", lane="a1-arm64", key="j.1", worker="w", touched_s=now, worker_expires_s=now + 1.5)
+            return BrokerRuns(now_s=now, broker_up_s=0.0, runs=(silent,))  # due at expiry - 0.5 + grace 1 = now + 2
+
+        def jobs(self):  # type: ignore[no-untyped-def]
+            clock.advance(0.5)  # the rest of the pass takes 0.5 s
+            return super().jobs()
+
+    class Stop:
+        waited: list[float] = []
+
+        def wait(self, seconds: float) -> bool:
+            self.waited.append(seconds)
+            return True
+
+    from reconciler.adapters.registry_sqlite import SqliteRegistry
+
+    registry = SqliteRegistry(str(tmp_path / "r.sqlite"), timing=desired.fleet.timing, flap=desired.fleet.flap, clock=clock)
+    beat_example_fleet(registry)
+    stop = Stop()
+    try:
+        run_dispatcher(registry, SlowPass(clock), desired, emit=lambda e: None, stop=stop, interval_s=10.0, clock=clock)  # type: ignore[arg-type]
+    finally:
+        registry.close()
+    assert stop.waited == [pytest.approx(1.5 + CRASH_WAKE_MARGIN_S)]

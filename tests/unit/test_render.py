@@ -204,11 +204,28 @@ def test_no_agent_runs_the_local_lane() -> None:
 
 
 def test_the_local_lanes_queue_is_named_by_the_desired_state(tmp_path: Path) -> None:
+    # A phaze fleet: the file server agent's own lane queue, as phaze's
+    # LocalBackend.dispatch names it (phaze-agent-<fileserver agent>-analyze).
     state = example()
-    assert state.queue_for(state.lanes[-1]) == "phaze-local"
-    default = edited(tmp_path, 'cap = 1\nqueue = "phaze-local"\n', "cap = 1\n")
+    assert state.queue_for(state.lanes[-1]) == "phaze-agent-lux-analyze"
+    other = edited(tmp_path / "other", 'fileserver_agent = "lux"', 'fileserver_agent = "nas-1"')
+    assert other.queue_for(other.lanes[-1]) == "phaze-agent-nas-1-analyze"
+    no_lanes = edited(tmp_path / "bare", 'fileserver_agent = "lux"\n', 'fileserver_agent = "lux"\nagent_lane = ""\n')
+    assert no_lanes.queue_for(no_lanes.lanes[-1]) == "phaze-agent-lux", "a phaze without lanes: the bare queue"
+    # The fabric's own lanes (no api_url): phaze-local unless the lane names its queue.
+    own_text = 'api_url = "https://lux.tail-abc123.ts.net:8000"\n'
+    default = edited(tmp_path / "own-default", own_text, "")
     assert default.lanes[-1].queue is None and default.queue_for(default.lanes[-1]) == "phaze-local"
-    own = edited(tmp_path / "own", 'queue = "phaze-local"', 'queue = "fileserver-analysis"')
+    desired = tmp_path / "own" / "desired"
+    shutil.copytree(REPO / "hosts", desired)
+    text = (
+        (desired / "fabric.toml")
+        .read_text()
+        .replace(own_text, "")
+        .replace('id = "local"\nrank = 99\ncap = 1\n', 'id = "local"\nrank = 99\ncap = 1\nqueue = "fileserver-analysis"\n')
+    )
+    (desired / "fabric.toml").write_text(text)
+    own = load_desired(desired)
     assert own.queue_for(own.lanes[-1]) == "fileserver-analysis"
 
 

@@ -113,10 +113,41 @@ def _own_lane_queues(file: str, fleet: FleetConfig) -> list[Problem]:
     return problems
 
 
+def local_lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
+    """A phaze fleet's local lane: phaze's LocalBackend dispatches onto the
+    file server agent's own lane queue, so its queue is named by [phaze]
+    fileserver_agent, never by a `queue` of its own (phaze has no other)."""
+    if not fleet.phaze_dispatches:
+        return []
+    problems = []
+    for i, b in enumerate(fleet.lanes):
+        if b.kind != "local":
+            continue
+        if b.queue is not None:
+            problems.append(
+                Problem(
+                    file,
+                    f"backends[{i}].queue",
+                    "not used in a phaze fleet ([phaze] api_url): phaze's local lane is the file server agent's own queue, "
+                    "phaze-agent-<[phaze] fileserver_agent>-<agent_lane>; phaze has no other local queue",
+                )
+            )
+        elif fleet.phaze.fileserver_agent is None:
+            problems.append(
+                Problem(
+                    file,
+                    "phaze.fileserver_agent",
+                    f"required for the local lane backends[{i}] in a phaze fleet: its queue is phaze-agent-<fileserver_agent>-<agent_lane> "
+                    "(phaze's LocalBackend dispatches onto the file server agent's queue)",
+                )
+            )
+    return problems
+
+
 def compute_lane_rules(file: str, fleet: FleetConfig) -> list[Problem]:
     """A compute lane's ssh_user (its own or [phaze] push_ssh_user) and, in a
     phaze fleet, no `queue` of its own (phaze names its agents' queues)."""
-    problems = []
+    problems = local_lane_rules(file, fleet)
     for i, b in enumerate(fleet.lanes):
         if b.kind != "compute":
             continue

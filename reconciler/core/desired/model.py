@@ -666,11 +666,11 @@ class Lane(Strict):
     )
     ssh_user: Name | None = Field(None, description="The user phaze pushes as; owns scratch_dir; compute lanes only, required there.")
     # A compute lane: must equal <queue_prefix><agent_ref> when given; derived
-    # otherwise. The local lane: the queue of the file server's own processing
-    # (phaze's, no agent of the fabric's), LOCAL_QUEUE unless given.
+    # otherwise. The local lane of the fabric's own lanes: LOCAL_QUEUE unless
+    # given. Not used in a phaze fleet (phaze names its queues).
     queue: Name | None = Field(
         None,
-        description="The lane's SAQ queue. A compute lane: must equal <queue_prefix><agent_ref> when given. The local lane: phaze-local unless given.",
+        description="The lane's SAQ queue (not used in a phaze fleet). A compute lane: must equal <queue_prefix><agent_ref> when given. The local lane: phaze-local unless given.",
     )
     # A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).
     token_file: UnitPath | None = Field(None, description="A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).")
@@ -688,8 +688,9 @@ class Lane(Strict):
         return self
 
 
-# The local lane's queue unless `queue` names another: phaze's own processing
-# on the file server consumes it.
+# The fabric's own lanes: the local lane's queue unless `queue` names another.
+# (A phaze fleet's local lane is the file server agent's own lane queue,
+# `lane_queue_name`: phaze has no phaze-local.)
 LOCAL_QUEUE = "phaze-local"
 IMPLICIT_LOCAL_LANE = Lane(kind="local", id="local", rank=99, cap=1)
 # Where phaze's control plane reads its lanes (PHAZE_BACKENDS_CONFIG_FILE's default).
@@ -762,6 +763,15 @@ class PhazeSettings(Strict):
     agent_lane: Literal["analyze", ""] = Field(
         "analyze",
         description="The lane each agent serves (PHAZE_AGENT_LANE): its queue is phaze-agent-<agent_ref>-<agent_lane>; empty for a phaze without lanes.",
+    )
+    # phaze's local lane: its LocalBackend.dispatch (services/backends/local.py,
+    # phaze a3fd169) enqueues process_file on the file server agent's own
+    # lane queue, phaze-agent-<its agent id>-analyze (agent_task_router.py
+    # _queue_for). That agent id (phaze's agents.id, kind fileserver) names
+    # the local lane's queue in a phaze fleet (`lane_queue_name`).
+    fileserver_agent: Name | None = Field(
+        None,
+        description="phaze's file server agent id (PHAZE_AGENT_QUEUE phaze-agent-<it>): in a phaze fleet the local lane's queue is phaze-agent-<it>-<agent_lane>.",
     )
     # phaze's MODELS_PATH: where its agents find the models (process_file's
     # payload carries the control plane's, so agents use the same path).
@@ -962,10 +972,17 @@ def phaze_agent_queue(agent_ref: str, agent_lane: str = "") -> str:
 
 def lane_queue_name(fleet: FleetConfig, lane: Lane) -> str | None:
     """The SAQ queue a lane's jobs run from: in a phaze fleet a compute lane's
-    is phaze's agent lane queue (phaze-agent-<agent_ref>-<agent_lane>); else
-    a compute lane's agent queue (<queue_prefix><agent_ref>); the local
-    lane's own (LOCAL_QUEUE by default); None for a compute lane of the
-    fabric's own without an [agent] table."""
+    is phaze's agent lane queue (phaze-agent-<agent_ref>-<agent_lane>) and
+    the local lane's the file server agent's own lane queue
+    (phaze-agent-<[phaze] fileserver_agent>-<agent_lane>: phaze has no
+    other local queue); else a compute lane's agent queue
+    (<queue_prefix><agent_ref>); the local lane's own (LOCAL_QUEUE by
+    default); None for a compute lane of the fabric's own without an
+    [agent] table, or a phaze fleet's local lane without fileserver_agent
+    (the load refuses that)."""
+    if lane.kind == "local" and fleet.phaze_dispatches:
+        agent = fleet.phaze.fileserver_agent
+        return None if agent is None else phaze_agent_queue(agent, fleet.phaze.agent_lane)
     if lane.kind == "local":
         return lane.queue or LOCAL_QUEUE
     if fleet.phaze_dispatches:

@@ -72,6 +72,53 @@ class SnapshotNode(_Live):
         return self.in_flight / self.max_concurrent_tasks
 
 
+# phaze's own liveness of an agent (phaze a3fd169, services/agent_liveness.py
+# `classify`, thresholds from constants.py): alive under 90 s since its
+# agents.last_seen_at, stale under 300 s, dead after; never seen; revoked.
+PHAZE_AGENT_ALIVE_S = 90
+PHAZE_AGENT_STALE_S = 300
+PhazeAgentStatus = Literal["alive", "stale", "dead", "never", "revoked", "unknown"]
+
+
+class PhazeAgentSeen(_Live):
+    """A lane's agent as phaze itself last saw it: its row of phaze's `agents`
+    table (models/agent.py: last_seen_at, set to now() by each heartbeat the
+    agent POSTs to phaze's API, routers/agent_heartbeat.py; revoked_at). A
+    second signal beside the SAQ workers on the lane's queue: what phaze's
+    own routing believes (it treats an agent ever seen as available)."""
+
+    agent_id: str
+    status: PhazeAgentStatus = "unknown"
+    # Seconds since its last_seen_at, by the database's clock (None: never
+    # seen, or not known).
+    seen_ago_s: float | None = Field(default=None, ge=0)
+    # Why the status is unknown (phaze's agents table not in the broker's
+    # database, not readable, a value that makes no sense).
+    reason: str | None = None
+
+    def text(self) -> str:
+        """`phaze sees agent a1-arm64 alive (12 s ago)`, `... unknown: <reason>`."""
+        if self.status == "unknown":
+            return f"phaze's agent {self.agent_id} unknown: {self.reason or 'not read'}"
+        ago = f" ({self.seen_ago_s:.0f} s ago)" if self.seen_ago_s is not None and self.status != "never" else ""
+        return f"phaze sees agent {self.agent_id} {self.status}{ago}"
+
+
+def phaze_agent_status(agent_id: str, *, seen_ago_s: float | None, revoked: bool) -> PhazeAgentSeen:
+    """phaze's `classify` (revoked, then never, then alive/stale/dead by the
+    thresholds above) of an agent seen `seen_ago_s` ago (None: never). A
+    last_seen ahead of the database's clock makes no sense: unknown."""
+    if revoked:
+        return PhazeAgentSeen(agent_id=agent_id, status="revoked", seen_ago_s=None if seen_ago_s is None else max(0.0, seen_ago_s))
+    if seen_ago_s is None:
+        return PhazeAgentSeen(agent_id=agent_id, status="never")
+    if seen_ago_s < -1.0:
+        return PhazeAgentSeen(agent_id=agent_id, reason=f"its last_seen_at is {-seen_ago_s:.0f} s ahead of the database's clock")
+    ago = max(0.0, seen_ago_s)
+    status: PhazeAgentStatus = "alive" if ago < PHAZE_AGENT_ALIVE_S else ("stale" if ago < PHAZE_AGENT_STALE_S else "dead")
+    return PhazeAgentSeen(agent_id=agent_id, status=status, seen_ago_s=ago)
+
+
 class SnapshotLane(_Live):
     """A lane as its queue on phaze's broker (SAQ on PostgreSQL) shows it: the
     jobs in it and its workers. Its health is also its host's
@@ -91,6 +138,10 @@ class SnapshotLane(_Live):
     # Seconds since the newest worker heartbeat on `queue` lapsed, when the
     # broker still remembers one (saq sweeps lapsed stats away).
     workers_silent_s: float | None = Field(default=None, ge=0)
+    # A phaze fleet: the lane's agent as phaze's own `agents` table shows it
+    # (a compute lane's agent_ref, the local lane's [phaze] fileserver_agent);
+    # None when not read (not a phaze fleet, no broker).
+    phaze_agent: PhazeAgentSeen | None = None
 
 
 class Placement(_Live):

@@ -373,7 +373,22 @@ def choose_lane(lanes: Sequence[LaneView], job: LaneJob, settings: SchedulerSett
 #      it) and it was dequeued more than one lapse ago;
 #   4. its worker has no stats row (swept after expiry, or never written)
 #      and the run was last touched more than one lapse ago;
-#   5. its worker's stats row expired more than `grace_s` ago.
+#   5. its worker's stats row expired more than `grace_s` ago. saq writes the
+#      expiry (NOW() + ttl) into a BIGINT column, so PostgreSQL rounds it to
+#      the nearest whole second: the true expiry may be half a second earlier
+#      than the row says (`STATS_EXPIRY_ROUNDING_S`), and the rule counts from
+#      that earliest moment, so the lapse stays a bound, not a bound + 0.5 s.
+#
+# `crash_due_s` is the moment (broker clock) after which a run counts as
+# crashed if nothing about it changes (no beat, no touch): the dispatcher
+# wakes then (`next_crash_check_s`) instead of at its next interval, so a
+# killed worker's job waits again within the lapse plus one pass's own work,
+# not the lapse plus a whole interval plus that work.
+
+
+# saq_stats.expire_at is a BIGINT: the expiry saq computes is rounded to the
+# nearest second on its way in (rule 5 above).
+STATS_EXPIRY_ROUNDING_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -445,9 +460,38 @@ def crashed_reason(run: ActiveRun, *, now_s: float, broker_up_s: float, timing: 
             return f"its worker {run.worker} is gone (no stats)"
         return None
     lapsed = now_s - run.worker_expires_s
-    if lapsed > timing.grace_s:
+    if lapsed + STATS_EXPIRY_ROUNDING_S > timing.grace_s:
         return f"its worker {run.worker} stopped beating ({lapsed:.0f} s past its stats' expiry)"
     return None
+
+
+def crash_due_s(run: ActiveRun, *, broker_up_s: float, timing: CrashTiming) -> float:
+    """The broker-clock moment after which `run` counts as crashed (for every
+    `now_s` past it `crashed_reason` names a reason) when nothing about it
+    changes: its worker beats no more and nobody touches it. Never before
+    the broker has been up one lapse (rule "broker up")."""
+    lapse = timing.lapse_s
+    dues = []
+    if not run.readable:
+        dues.append(float("-inf"))
+    else:
+        if run.heartbeat_s > 0 and run.touched_s is not None:
+            dues.append(max(run.touched_s, broker_up_s) + run.heartbeat_s + timing.grace_s)
+        if run.worker is not None and run.worker_expires_s is not None:
+            dues.append(run.worker_expires_s - STATS_EXPIRY_ROUNDING_S + timing.grace_s)
+        else:
+            dues.append(float("-inf") if run.touched_s is None else run.touched_s + lapse)
+    return max(broker_up_s + lapse, min(dues))
+
+
+def next_crash_check_s(seen: BrokerRuns, timing: CrashTiming) -> float | None:
+    """Seconds from `seen.now_s` until the first of its runs that does not
+    count as crashed yet would, if its worker stays silent (`crash_due_s`);
+    None when there is none (no run active, or every one already due: those
+    are settled by the pass that read `seen`)."""
+    dues = [crash_due_s(run, broker_up_s=seen.broker_up_s, timing=timing) for run in seen.runs]
+    ahead = [due for due in dues if due > seen.now_s]
+    return min(ahead) - seen.now_s if ahead else None
 
 
 def crashed_runs(seen: BrokerRuns, timing: CrashTiming) -> list[CrashedRun]:

@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from reconciler.core.desired.model import DEFAULT_COST, DesiredState
-from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotNode
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
@@ -67,6 +67,9 @@ class LaneCard:
     # (None: the broker was not read).
     queue: str | None = None
     workers: int | None = None
+    # A phaze fleet: the lane's agent as phaze's own agents table shows it
+    # (the second signal beside the workers; None: not read).
+    phaze_agent: PhazeAgentSeen | None = None
 
     @property
     def glyph(self) -> str:
@@ -116,13 +119,25 @@ class LaneCard:
         return f"{self.workers} worker{'' if self.workers == 1 else 's'} on {self.queue}"
 
     @property
+    def phaze_line(self) -> str | None:
+        """`phaze cap 2 · phaze sees agent a1-arm64 alive (12 s ago)`: in a
+        phaze fleet, phaze's own cap (the one backends.toml gives it) beside
+        its own word on the lane's agent; None when it was not read."""
+        if self.phaze_agent is None:
+            return None
+        return f"phaze cap {self.cap} · {self.phaze_agent.text()}"
+
+    @property
     def text(self) -> str:
         """The card as one line, without glyph: `COMPUTE · a1-arm64  RANK 10  1/2`
-        (then `· 2 workers on QUEUE` when the broker was read), then `offline`
-        or `full` with the reason when the lane takes no job."""
+        (then `· 2 workers on QUEUE` when the broker was read, `· phaze cap 2 ·
+        phaze sees agent a1-arm64 alive (12 s ago)` in a phaze fleet), then
+        `offline` or `full` with the reason when the lane takes no job."""
         line = f"{self.title}  RANK {self.rank}  {self.capacity}"
         if self.workers_line is not None:
             line = f"{line} · {self.workers_line}"
+        if self.phaze_line is not None:
+            line = f"{line} · {self.phaze_line}"
         return line if self.state == "online" else f"{line}  {self.state_line}"
 
 
@@ -353,6 +368,7 @@ def exposure(desired: DesiredState) -> tuple[ExposureRow, ...]:
 def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> tuple[LaneCard, ...]:
     """The lane views every reader shares (`lane_views`), beside the services the plan places."""
     placements = plan.placements if plan is not None else None
+    agents = {lane.id: lane.phaze_agent for lane in reversed(snapshot.lanes)}  # the first record of a lane wins
     # lane_views gives multi-compute.md's order: rank, then the dispatch tie-break (utilization, id).
     return tuple(
         LaneCard(
@@ -367,6 +383,7 @@ def _lane_cards(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | Non
             push_host=v.host,
             queue=v.queue,
             workers=v.workers,
+            phaze_agent=agents.get(v.id),
         )
         for v in lane_views(desired, snapshot, placements)
     )
@@ -560,6 +577,7 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
                 "full": c.full,
                 "queue": c.queue,
                 "workers": c.workers,
+                "phaze_agent": None if c.phaze_agent is None else c.phaze_agent.model_dump(),
                 "card": c.text,
             }
             for c in status.lanes
