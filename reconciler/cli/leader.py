@@ -43,7 +43,7 @@ from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, CommandRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.ports import Audit, HookRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
 from reconciler.wiring import generate_plan_key, host_name, lane_broker_if_configured, leader_ports, plan_signer, ray_state, system_clock
 
 
@@ -182,14 +182,14 @@ def _run_loop(args: argparse.Namespace) -> int:
                 signing_key(signer, desired.fleet.plan_keys, args.host)
             except PlanSigningError as exc:
                 raise CommandError(f"fabric leader run: {args.host} cannot sign plans: {exc}") from None
-        with leader_ports() as (runner, audit):
-            return _lead(args, desired, registry, runner, audit, signer)
+        with leader_ports() as (hooks, audit):
+            return _lead(args, desired, registry, hooks, audit, signer)
 
 
-def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
+def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, hooks: HookRunner, audit: Audit | None, signer: PlanSigner) -> int:
     lane_broker = lane_broker_if_configured(desired.fleet, note=_log)
     try:
-        return _candidate(args, desired, registry, runner, audit, signer, lane_broker)
+        return _candidate(args, desired, registry, hooks, audit, signer, lane_broker)
     finally:
         if lane_broker is not None:
             lane_broker.close()
@@ -199,7 +199,7 @@ def _candidate(
     args: argparse.Namespace,
     desired: DesiredState,
     registry: Registry,
-    runner: CommandRunner,
+    hooks: HookRunner,
     audit: Audit | None,
     signer: PlanSigner,
     lane_broker: LaneBroker | None,
@@ -210,7 +210,7 @@ def _candidate(
         lambda: load_desired(args.desired),
         schedule,
         lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
-        runner=runner,
+        hooks=hooks,
         audit=audit,
         log=_log,
         signer=signer,

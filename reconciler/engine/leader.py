@@ -85,7 +85,7 @@ from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
     Audit,
     Clock,
-    CommandRunner,
+    HookRunner,
     LaneBroker,
     LaneBrokerError,
     LeaderRegistry,
@@ -499,7 +499,7 @@ def candidate_loop(
     schedule: Scheduler,
     *,
     lease_ttl_s: float,
-    runner: CommandRunner,
+    hooks: HookRunner,
     audit: Audit | None,
     log: Callable[[str], None],
     signer: PlanSigner | None = None,
@@ -512,7 +512,7 @@ def candidate_loop(
     given) as audit entries of their own."""
     scaling = ScalingStep(
         registry=registry,
-        runner=runner,
+        hooks=hooks,
         log=log,
         audit=audit,
         # Hooks run inside the step: they must leave time to renew the lease.
