@@ -57,7 +57,7 @@ SANDBOX = (
 # TimeoutStopSec=, 90 s by default: the leader does not wait that out).
 REPORT_GRACE_S = 10.0
 # What the scaling record keeps of a hook's output: its last lines, short.
-OUTPUT_LINES = 5
+OUTPUT_LINES = 8
 OUTPUT_LINE_CHARS = 200
 
 HookEnd = Literal["ok", "exit", "timeout", "missing", "start_failed", "detached"]
