@@ -112,7 +112,12 @@ def _burst(container: SystemdContainer, hook: CloudHook) -> tuple[ScalingRecord,
     leadership = Leadership(info=LeaderInfo(candidate="lux", epoch=1, since=T0, token="t", term=1), ttl_s=30)
     busy = [SnapshotNode(node_id=h, tier="cpu_ffmpeg", in_flight=2, max_concurrent_tasks=2) for h in ("lux", "qfox-1")]
     plan = FleetPlan.model_validate(
-        {"epoch": 1, "leader": "lux", "created": T0.isoformat(), "deferred": [{"service": f"s{i}", "replica": 0, "reason": "full"} for i in range(11)]}
+        {
+            "epoch": 1,
+            "leader": "lux",
+            "created": T0.isoformat(),
+            "deferred": [{"service": f"s{i}", "replica": 0, "reason": "full"} for i in range(11)],
+        }
     )
     desired = _desired(hook)
     for seconds in (0, 31):
@@ -161,7 +166,11 @@ def test_a_program_not_on_the_leader_s_path_is_missing_and_nothing_runs(containe
 
 def test_the_secret_is_in_no_property_of_the_running_unit_and_in_no_file_the_run_leaves(container):
     hooks = SystemdRunHooks(ContainerRunner(container))
-    unit = hook_unit("batch", CloudHook(command=["sh", "-c", 'cat "$GH_TOKEN_FILE" > /dev/null; sleep 30'], credentials={"GH_TOKEN": SECRET_FILE}, timeout_s=60), datetime.now(UTC))
+    unit = hook_unit(
+        "batch",
+        CloudHook(command=["sh", "-c", 'cat "$GH_TOKEN_FILE" > /dev/null; sleep 30'], credentials={"GH_TOKEN": SECRET_FILE}, timeout_s=60),
+        datetime.now(UTC),
+    )
     done: list[HookRun] = []
     runner = threading.Thread(target=lambda: done.append(hooks.run(unit)))
     runner.start()

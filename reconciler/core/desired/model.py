@@ -556,9 +556,7 @@ class CloudHook(Strict):
             "(LoadCredential=); the hook finds its path in $NAME_FILE and $CREDENTIALS_DIRECTORY/NAME, never its value."
         ),
     )
-    working_directory: UnitPath | None = Field(
-        None, description="The hook's working directory on the leader (read-only to it; unset: '/')."
-    )
+    working_directory: UnitPath | None = Field(None, description="The hook's working directory on the leader (read-only to it; unset: '/').")
     timeout_s: Annotated[int, Field(ge=1, le=HOOK_TIMEOUT_MAX_S)] = Field(
         HOOK_TIMEOUT_S, description="The hook's own time budget (its unit's RuntimeMaxSec=): systemd stops it then."
     )

@@ -268,7 +268,9 @@ def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: tim
                 )
             )
             continue
-        actions.append(ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier].command), reason=f"{why}; no idle capacity"))
+        actions.append(
+            ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier].command), reason=f"{why}; no idle capacity")
+        )
         w.last_group_at[tier] = now
     return actions
 
