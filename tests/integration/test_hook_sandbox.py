@@ -19,7 +19,9 @@ file the run leaves (the journal included).
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
@@ -30,12 +32,13 @@ from reconciler.adapters.hook_units import SystemdRunHooks
 from reconciler.core.command_result import CommandResult
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import CloudHook, DesiredState
+from reconciler.core.install.units import DAEMON_HARDENING
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import LeaderInfo, Leadership, ScalingRecord
 from reconciler.core.render.hook_unit import HookRun, hook_unit
 from reconciler.engine.scaling_step import ScalingStep
 from tests.conftest import EXAMPLE_FLEET, require, require_root
-from tests.support.harness.systemd import SystemdContainer, systemd_container
+from tests.support.harness.systemd import CHECKOUT, SystemdContainer, systemd_container
 from tests.support.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -191,3 +194,46 @@ def test_the_secret_is_in_no_property_of_the_running_unit_and_in_no_file_the_run
     container.run("journalctl", "--sync")
     leaks = container.run("grep", "-rlsF", "--", SECRET, "/run", "/etc", "/var", "/tmp", "/srv")
     assert [path for path in leaks.stdout.splitlines() if path != SECRET_FILE] == []
+
+
+# Inside fabric-leader's own hardening: the adapter runs a hook and reads its output back.
+LEADER_SIDE = """
+import dataclasses, json, sys
+from datetime import UTC, datetime
+from reconciler.adapters.commands import SubprocessRunner
+from reconciler.adapters.hook_units import SystemdRunHooks
+from reconciler.core.desired.model import CloudHook
+from reconciler.core.render.hook_unit import hook_unit
+hook = CloudHook(command=["sh", "-c", "echo from-the-hook uid=$(id -u); exit 4"], credentials={"GH_TOKEN": sys.argv[1]}, timeout_s=30)
+run = SystemdRunHooks(SubprocessRunner()).run(hook_unit("batch", hook, datetime.now(UTC)))
+print(json.dumps(dataclasses.asdict(run)))
+"""
+
+
+def test_fabric_leader_under_its_own_hardening_starts_the_hook_unit_and_reads_its_journal(container):
+    """fabric-leader.service runs as root with no capabilities and a system-call
+    filter (core.install.units.DAEMON_HARDENING): systemd-run and journalctl still work from there."""
+    # ProtectHome read-only rather than hidden: this test's Python lives under /root (pyenv), an installed fabric does not.
+    hardening = {**DAEMON_HARDENING, "ProtectHome": "read-only"}
+    properties = [f"--property={key}={value}" for key, values in hardening.items() for value in (values if isinstance(values, tuple) else (values,))]
+    leader = container.run(
+        "systemd-run",
+        "--pipe",
+        "--wait",
+        "--collect",
+        "--quiet",
+        *properties,
+        f"--setenv=PYTHONPATH={CHECKOUT}",
+        "--setenv=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "--",
+        sys.executable,
+        "-c",
+        LEADER_SIDE,
+        SECRET_FILE,
+        timeout=120,
+    )
+    assert leader.returncode == 0, leader.stderr
+    run = json.loads(leader.stdout.strip().splitlines()[-1])
+    assert (run["end"], run["returncode"]) == ("exit", 4), run
+    [line] = [line for line in run["output"] if line.startswith("from-the-hook")]
+    assert line != "from-the-hook uid=0"
