@@ -7,8 +7,9 @@ plan's epoch (exit 0 also when nobody leads).
 loop of a leader candidate (`reconciler.engine.leader`): campaign, keep
 the lease alive, watch the registry, advance the node lifecycle and publish
 the scheduler's plan when it changes, then carry out the burst and scaling
-decisions (cloud hooks run without a shell, concurrency overrides, scaled-down
-groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
+decisions (each cloud hook a transient systemd unit of its own, never in this
+process, its paths within `--config`'s [node] allowed_path_prefixes;
+concurrency overrides, scaled-down groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
 leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
@@ -35,6 +36,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_node_config, load_node_config
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 from reconciler.core.desired.load import load_desired
@@ -71,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate); keygen: the key's host (default: this machine)")
     p.add_argument("--lease-ttl", type=_ttl, metavar="S", help="run: leader lease TTL in seconds (default timing.heartbeat_s)")
     p.add_argument("--once", action="store_true", help="run: one step, then exit")
+    add_node_config(p)  # run: the prefixes a cloud hook's credentials and working directory must lie under
     p.add_argument(
         "--ray-address",
         metavar="HOST:PORT",
@@ -217,6 +220,7 @@ def _candidate(
         ray_state=_ray_state(args.ray_address, desired),
         lane_broker=lane_broker,
         clock=system_clock(),
+        allowed_prefixes=tuple(load_node_config(args.config).node.allowed_path_prefixes),
     )
     if args.once:
         try:

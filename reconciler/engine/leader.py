@@ -506,6 +506,7 @@ def candidate_loop(
     ray_state: RayState | None = None,
     lane_broker: LaneBroker | None = None,
     clock: Clock | None = None,
+    allowed_prefixes: tuple[str, ...] | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan (with Ray's view when the fleet
     runs Ray), then bursts and scaling, whose actions go to `log` and (when
@@ -519,6 +520,8 @@ def candidate_loop(
         hook_budget_s=lease_ttl_s / 2,
         lane_broker=lane_broker,
     )
+    if allowed_prefixes is not None:
+        scaling.allowed_prefixes = allowed_prefixes
     return LeaderLoop(
         registry=registry,
         host=host,

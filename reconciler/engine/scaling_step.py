@@ -63,6 +63,7 @@ from datetime import datetime
 
 from pydantic import ValidationError
 
+from reconciler.core.desired.confinement import DEFAULT_ALLOWED_PREFIXES, allowed, tier_hook_paths
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
@@ -240,6 +241,9 @@ class ScalingStep:
     hook_budget_s: float = HOOK_BUDGET_S
     # phaze's broker: its waiting lane jobs count in the queue depth (None: none known).
     lane_broker: LaneBroker | None = None
+    # Where a hook's credentials and working directory may lie on this host
+    # (its node.toml's [node] allowed_path_prefixes), as for every unit.
+    allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
         where = action.node or action.tier or "fleet"
@@ -284,13 +288,20 @@ class ScalingStep:
         return decision.actions
 
     def _run_hooks(self, actions: list[ScalingAction], desired: DesiredState, now: datetime) -> list[tuple[ScalingAction, HookRun]]:
-        """Each hook as its own transient unit; the leader waits its share at most."""
+        """Each hook as its own transient unit; the leader waits its share at most.
+        A hook that names a path outside this host's allowed prefixes is not run."""
         share = self.hook_budget_s / len(actions)
         runs = []
         for action in actions:
             assert action.tier is not None
-            unit = hook_unit(action.tier, desired.fleet.scaling.cloud_hooks[action.tier], now)
-            run = self.hooks.run(replace(unit, wait_s=min(unit.wait_s, share)))
+            hook = desired.fleet.scaling.cloud_hooks[action.tier]
+            unit = hook_unit(action.tier, hook, now)
+            outside = [(key, path) for key, path in tier_hook_paths(action.tier, hook) if not allowed(path, self.allowed_prefixes)]
+            if outside:
+                where = ", ".join(f"{key} {path!r}" for key, path in outside)
+                run = HookRun(unit.unit, "refused", detail=f"{where} outside {', '.join(self.allowed_prefixes)} ([node] allowed_path_prefixes)")
+            else:
+                run = self.hooks.run(replace(unit, wait_s=min(unit.wait_s, share)))
             said = run.summary() + (f": {run.detail}" if run.detail else "") + (f"; output: {run.output[-1]}" if run.output else "")
             self._say(action, said, ok=run.ok)
             runs.append((action, run))

@@ -153,10 +153,12 @@ class OneRecordRegistry:
         self.record = record
 
 
-def _burst_step(hooks: FakeHooks, budget_s: float = 120.0) -> tuple[OneRecordRegistry, list[str]]:
+def _burst_step(
+    hooks: FakeHooks, budget_s: float = 120.0, prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
+) -> tuple[OneRecordRegistry, list[str]]:
     desired = load_desired(EXAMPLE_FLEET)
     registry, logs = OneRecordRegistry(), []
-    step = ScalingStep(registry=registry, hooks=hooks, log=logs.append, hook_budget_s=budget_s)  # type: ignore[arg-type]
+    step = ScalingStep(registry=registry, hooks=hooks, log=logs.append, hook_budget_s=budget_s, allowed_prefixes=prefixes)  # type: ignore[arg-type]
     leadership = Leadership(info=LeaderInfo(candidate="lux", epoch=1, since=AT, token="t", term=1), ttl_s=30)
     busy = [SnapshotNode(node_id=h, tier="cpu_ffmpeg", in_flight=2, max_concurrent_tasks=2) for h in ("lux", "qfox-1")]
     deferred = [{"service": f"s{i}", "replica": 0, "reason": "every candidate full"} for i in range(11)]
@@ -192,3 +194,13 @@ def test_a_short_leader_budget_shortens_the_wait_not_the_hook_s_own_budget():
     _burst_step(hooks, budget_s=10.0)
     assert [u.wait_s for u in hooks.ran] == [5.0, 5.0]
     assert all("--property=RuntimeMaxSec=60" in u.argv or "--property=RuntimeMaxSec=120" in u.argv for u in hooks.ran)
+
+
+def test_the_leader_runs_no_hook_that_names_a_path_outside_its_host_s_prefixes():
+    hooks = FakeHooks(HookRun("x", "ok", returncode=0))
+    registry, logs = _burst_step(hooks, prefixes=("/run/secrets",))
+    assert [u.tier for u in hooks.ran] == ["batch"], "wasm works in /srv, which this host does not allow"
+    refused = registry.record.hooks["wasm"]
+    assert (refused.ok, refused.end) == (False, "refused")
+    assert refused.detail.startswith("scaling.cloud_hooks.wasm.working_directory '/srv/fabric-wasm-worker' outside /run/secrets")
+    assert any("scaling run_cloud_hook wasm: refused: a path outside this host's allowed prefixes" in line for line in logs), logs

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from reconciler.core.desired.model import DesiredState, lies_in
+from reconciler.core.desired.model import CloudHook, DesiredState, lies_in
 from reconciler.core.desired.problems import Problem
 
 # Where secrets and working directories for units live on a host by default.
@@ -59,12 +59,15 @@ def unit_paths(desired: DesiredState, host: str | None = None) -> list[tuple[str
 
 def hook_paths(desired: DesiredState) -> list[tuple[str, str]]:
     """(key path, path) of what the cloud hooks hand their transient units (on a leader candidate)."""
-    paths: list[tuple[str, str]] = []
-    for tier, hook in desired.fleet.scaling.cloud_hooks.items():
-        key = f"scaling.cloud_hooks.{tier}"
-        paths += [(f"{key}.credentials.{name}", path) for name, path in hook.credentials.items()]
-        if hook.working_directory is not None:
-            paths.append((f"{key}.working_directory", hook.working_directory))
+    return [item for tier, hook in desired.fleet.scaling.cloud_hooks.items() for item in tier_hook_paths(tier, hook)]
+
+
+def tier_hook_paths(tier: str, hook: CloudHook) -> list[tuple[str, str]]:
+    """(key path, path) of what one tier's hook hands its transient unit."""
+    key = f"scaling.cloud_hooks.{tier}"
+    paths = [(f"{key}.credentials.{name}", path) for name, path in hook.credentials.items()]
+    if hook.working_directory is not None:
+        paths.append((f"{key}.working_directory", hook.working_directory))
     return paths
 
 

@@ -60,7 +60,8 @@ REPORT_GRACE_S = 10.0
 OUTPUT_LINES = 8
 OUTPUT_LINE_CHARS = 200
 
-HookEnd = Literal["ok", "exit", "timeout", "missing", "start_failed", "detached"]
+# refused: not run at all, a path it names is outside this host's allowed prefixes.
+HookEnd = Literal["ok", "exit", "timeout", "missing", "start_failed", "detached", "refused"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class HookRun:
             "missing": "failed: not installed",
             "start_failed": "failed: did not start",
             "detached": "still running when the leader stopped waiting",
+            "refused": "refused: a path outside this host's allowed prefixes",
         }[self.end]
         return f"{words} ({self.unit})"
 
