@@ -116,3 +116,7 @@ def test_the_running_leader_runs_the_configured_hook_with_its_exact_argv(tmp_pat
     document = json.loads(status.stdout)
     assert document["queue_depth"] == 11
     assert document["scaling"]["hooks"]["batch"]["ok"] is True
+    unit = document["scaling"]["hooks"]["batch"]["unit"]
+    assert unit.startswith("fabric-hook-batch-") and document["scaling"]["hooks"]["batch"]["end"] == "ok"
+    text = subprocess.run([*FABRIC, "lane", "status", *common], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert f": ok; journalctl _SYSTEMD_UNIT={unit}" in text, text
