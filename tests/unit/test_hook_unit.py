@@ -181,6 +181,8 @@ def test_the_leader_runs_each_hook_as_its_unit_through_the_port_and_keeps_how_it
     outcome = registry.record.hooks["batch"]
     assert (outcome.ok, outcome.returncode, outcome.end, outcome.unit) == (False, 3, "exit", batch.unit)
     assert outcome.output == ("HTTP 401: Bad credentials",)
+    stored = registry.record.model_dump_json()
+    assert "adaptive-compute.yml" not in stored and "/run/secrets/gh-token" not in stored, "the registry holds no command and no path"
     [audit] = [a for a in registry.record.recent if a.tier == "batch"]
     assert audit.outcome == f"failed: exit 3 ({batch.unit})"
     [event] = [e for e in timeline(FleetHistory(scaling=registry.record), None) if e.subject == "batch"]
