@@ -301,6 +301,17 @@ in
       description = "Run fabric-leader.service (the host must be in the fleet's leader_candidates).";
     };
 
+    hookPackages = lib.mkOption {
+      type = lib.types.listOf lib.types.package;
+      default = [ ];
+      description = ''
+        Programs the fleet's cloud hooks name by PATH name (the example's
+        batch hook: sh and gh, e.g. [ pkgs.bash pkgs.gh ]), put on
+        fabric-leader's PATH: systemd-run looks a hook's program up there
+        before it starts the hook's sandboxed unit.
+      '';
+    };
+
     registry.sqlitePath = lib.mkOption {
       type = lib.types.nullOr lib.types.str;
       default = null;
@@ -510,7 +521,7 @@ in
           wantedBy = [ "multi-user.target" ];
           wants = [ "network-online.target" ];
           after = [ "network-online.target" ];
-          path = runtimePath;
+          path = runtimePath ++ cfg.hookPackages;
           environment = passEnvironment;
           serviceConfig = daemonHardening // {
             Type = "simple";

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         SettledJob,
     )
     from reconciler.core.live.watching import EntryVersion
+    from reconciler.core.render.hook_unit import HookRun, HookUnit
     from reconciler.core.scheduling.lanes import BrokerRuns, CrashedRun
     from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState
     from reconciler.core.scheduling.ray_tasks import RayView
@@ -46,6 +47,15 @@ class Clock(Protocol):
 class CommandRunner(Protocol):
     def run(self, argv: Sequence[str], *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
         """Run argv (never through a shell); never raises for a failing command."""
+        ...
+
+
+class HookRunner(Protocol):
+    def run(self, hook: HookUnit) -> HookRun:
+        """Run a cloud hook as its own transient unit (`hook.argv`: systemd-run
+        --wait), waiting at most `hook.wait_s`; its output from the unit's
+        journal. Never raises for a hook that fails, and never runs the hook
+        in this process."""
         ...
 
 

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         CommandRunner,
         FileReader,
         FileTree,
+        HookRunner,
         LaneBroker,
         PassStarter,
         PlanSigner,
@@ -270,15 +271,17 @@ def probe_live() -> RawCapture:
 
 
 @contextmanager
-def leader_ports() -> Iterator[tuple[CommandRunner, Audit | None]]:
-    """fabric-leader's command runner (cloud hooks) and its audit: journal
-    entries of their own when journald is there, else none (its stderr log,
-    the unit's journal, says it all)."""
+def leader_ports() -> Iterator[tuple[HookRunner, Audit | None]]:
+    """fabric-leader's cloud hooks (each a transient unit of systemd's,
+    never in the leader's process) and its audit: journal entries of their own
+    when journald is there, else none (its stderr log, the unit's journal,
+    says it all)."""
+    from reconciler.adapters.hook_units import SystemdRunHooks
     from reconciler.adapters.journal import JournalAudit
 
     journal = JournalAudit(identifier="fabric-leader")
     try:
-        yield command_runner(), journal if journal.to_journal else None
+        yield SystemdRunHooks(command_runner()), journal if journal.to_journal else None
     finally:
         journal.close()
 

@@ -193,6 +193,9 @@ def _status(registry: Registry, lane_broker: LaneBroker, desired: DesiredState, 
         down = " (scaled down)" if node in scaling.scaled_down else ""
         print(f"scaling: {node} max_concurrent_tasks {limit}{down}")
     for tier, outcome in scaling.hooks.items():
-        print(f"scaling: {tier} hook last at {stamp(outcome.at, now)}: {'ok' if outcome.ok else 'failed'}")
+        how = "ok" if outcome.ok else "failed" + (f" ({outcome.end})" if outcome.end else "")
+        unit = f"; journalctl _SYSTEMD_UNIT={outcome.unit}" if outcome.unit else ""
+        last = f"; last line: {outcome.output[-1]}" if outcome.output else ""
+        print(f"scaling: {tier} hook last at {stamp(outcome.at, now)}: {how}{unit}{last}")
     for entry in scaling.recent[-10:]:
         print(f"scaling {stamp(entry.at)} {entry.kind} {entry.node or entry.tier or ''}: {entry.outcome} ({entry.reason})")

@@ -7,8 +7,9 @@ plan's epoch (exit 0 also when nobody leads).
 loop of a leader candidate (`reconciler.engine.leader`): campaign, keep
 the lease alive, watch the registry, advance the node lifecycle and publish
 the scheduler's plan when it changes, then carry out the burst and scaling
-decisions (cloud hooks run without a shell, concurrency overrides, scaled-down
-groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
+decisions (each cloud hook a transient systemd unit of its own, never in this
+process, its paths within `--config`'s [node] allowed_path_prefixes;
+concurrency overrides, scaled-down groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
 leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
@@ -37,6 +38,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import add_node_config, load_node_config
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
 from reconciler.core.desired.load import load_desired
@@ -45,7 +47,7 @@ from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, CommandRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.ports import Audit, HookRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
 from reconciler.wiring import generate_plan_key, host_name, lane_broker_if_configured, leader_ports, plan_signer, ray_state, system_clock
 
 
@@ -73,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", metavar="NAME", help="run: this host's name (a leader candidate); keygen: the key's host (default: this machine)")
     p.add_argument("--lease-ttl", type=_ttl, metavar="S", help="run: leader lease TTL in seconds (default timing.heartbeat_s)")
     p.add_argument("--once", action="store_true", help="run: one step, then exit")
+    add_node_config(p)  # run: the prefixes a cloud hook's credentials and working directory must lie under
     p.add_argument(
         "--ray-address",
         metavar="HOST:PORT",
@@ -190,14 +193,14 @@ def _run_loop(args: argparse.Namespace) -> int:
                 signing_key(signer, desired.fleet.plan_keys, args.host)
             except PlanSigningError as exc:
                 raise CommandError(f"fabric leader run: {args.host} cannot sign plans: {exc}") from None
-        with leader_ports() as (runner, audit):
-            return _lead(args, desired, registry, runner, audit, signer)
+        with leader_ports() as (hooks, audit):
+            return _lead(args, desired, registry, hooks, audit, signer)
 
 
-def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
+def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, hooks: HookRunner, audit: Audit | None, signer: PlanSigner) -> int:
     lane_broker = lane_broker_if_configured(desired.fleet, note=_log)
     try:
-        return _candidate(args, desired, registry, runner, audit, signer, lane_broker)
+        return _candidate(args, desired, registry, hooks, audit, signer, lane_broker)
     finally:
         if lane_broker is not None:
             lane_broker.close()
@@ -221,7 +224,7 @@ def _candidate(
     args: argparse.Namespace,
     desired: DesiredState,
     registry: Registry,
-    runner: CommandRunner,
+    hooks: HookRunner,
     audit: Audit | None,
     signer: PlanSigner,
     lane_broker: LaneBroker | None,
@@ -232,13 +235,14 @@ def _candidate(
         lambda: load_desired(args.desired),
         schedule,
         lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
-        runner=runner,
+        hooks=hooks,
         audit=audit,
         log=_log,
         signer=signer,
         ray_state=_ray_state(args.ray_address, desired),
         lane_broker=lane_broker,
         clock=system_clock(),
+        allowed_prefixes=tuple(load_node_config(args.config).node.allowed_path_prefixes),
     )
     loop.tailscale_status = _tailscale_status(args.tailscale, runner)
     if args.once:

@@ -96,7 +96,7 @@ from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
     Audit,
     Clock,
-    CommandRunner,
+    HookRunner,
     LaneBroker,
     LaneBrokerError,
     LeaderRegistry,
@@ -596,26 +596,29 @@ def candidate_loop(
     schedule: Scheduler,
     *,
     lease_ttl_s: float,
-    runner: CommandRunner,
+    hooks: HookRunner,
     audit: Audit | None,
     log: Callable[[str], None],
     signer: PlanSigner | None = None,
     ray_state: RayState | None = None,
     lane_broker: LaneBroker | None = None,
     clock: Clock | None = None,
+    allowed_prefixes: tuple[str, ...] | None = None,
 ) -> LeaderLoop:
     """fabric-leader.service's loop: the plan (with Ray's view when the fleet
     runs Ray), then bursts and scaling, whose actions go to `log` and (when
     given) as audit entries of their own."""
     scaling = ScalingStep(
         registry=registry,
-        runner=runner,
+        hooks=hooks,
         log=log,
         audit=audit,
         # Hooks run inside the step: they must leave time to renew the lease.
         hook_budget_s=lease_ttl_s / 2,
         lane_broker=lane_broker,
     )
+    if allowed_prefixes is not None:
+        scaling.allowed_prefixes = allowed_prefixes
     return LeaderLoop(
         registry=registry,
         host=host,

@@ -34,11 +34,18 @@ the leader writes, under its fence):
                        is brought back as soon as the plan defers a replica
                        for capacity (a lost node's work needs a home): scaling
                        down never keeps work waiting.
-    run_cloud_hook     the tier's configured argv is run through the
-                       CommandRunner (never a shell), with a timeout (the
-                       pass's hooks share `hook_budget_s`); the
-                       outcome (exit status, timed out, missing) is stored per
-                       tier, the output goes to the log only.
+    run_cloud_hook     the tier's hook runs as a transient systemd unit of
+                       its own (`core.render.hook_unit`: systemd-run --wait,
+                       a dynamic user, no capabilities, only the credentials
+                       it names, its own budget as RuntimeMaxSec=) through the
+                       HookRunner port, never in the leader's process. The
+                       leader waits for it at most its budget, and no more
+                       than its share of `hook_budget_s` (it must renew its
+                       lease): a hook still running then runs on, bounded by
+                       its own budget. How it ended (its unit, exit status,
+                       timed out, missing, its last lines of output screened
+                       for secrets) is stored per tier and in `recent` (the
+                       timeline); all it printed is in its unit's journal.
     hold               logged: why the burst added nothing this pass.
 
 Order: the new record (decided state + overrides) is stored first, fenced by
@@ -51,19 +58,22 @@ again), never runs a tier's hook twice within the interval.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from pydantic import ValidationError
 
+from reconciler.core.desired.confinement import DEFAULT_ALLOWED_PREFIXES, allowed, tier_hook_paths
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
+from reconciler.core.render.hook_unit import HookRun, hook_unit
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
-from reconciler.ports import Audit, CommandResult, CommandRunner, LaneBroker, LaneBrokerError, LeaderRegistry
+from reconciler.ports import Audit, HookRunner, LaneBroker, LaneBrokerError, LeaderRegistry
 
-# All cloud hooks of one pass share this many seconds (each gets its share as
-# its timeout). `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
+# The leader waits for the cloud hooks of one pass this many seconds at most
+# (each its share, and never more than its own budget and a grace).
+# `engine.leader.candidate_loop` sets it to half the lease TTL: a slow hook
 # must not keep the leader from renewing its lease.
 HOOK_BUDGET_S = 120.0
 # How many carried-out actions the record keeps for `fabric lane status`.
@@ -202,17 +212,18 @@ def carry_out(
     return Carried(record=updated, hooks=hooks, lines=o.lines)
 
 
-def hook_outcome(result: CommandResult, now: datetime) -> HookOutcome:
-    return HookOutcome(at=now, ok=result.ok, returncode=result.returncode, timed_out=result.timed_out, missing=result.missing)
-
-
-def summary(result: CommandResult) -> str:
-    """How a hook ended, without its argv or output."""
-    if result.missing:
-        return "failed: not installed"
-    if result.timed_out:
-        return "failed: timed out"
-    return "ran, exit 0" if result.returncode == 0 else f"failed: exit {result.returncode}"
+def hook_outcome(run: HookRun, now: datetime) -> HookOutcome:
+    return HookOutcome(
+        at=now,
+        ok=run.ok,
+        returncode=run.returncode,
+        timed_out=run.end == "timeout",
+        missing=run.end == "missing",
+        unit=run.unit,
+        end=run.end,
+        detail=run.detail,
+        output=run.output,
+    )
 
 
 def _same(a: ScalingRecord, b: ScalingRecord) -> bool:
@@ -224,12 +235,15 @@ class ScalingStep:
     """Run by LeaderLoop.step while it leads, after the plan."""
 
     registry: LeaderRegistry
-    runner: CommandRunner
+    hooks: HookRunner
     log: Callable[[str], None]
     audit: Audit | None = None
     hook_budget_s: float = HOOK_BUDGET_S
     # phaze's broker: its waiting lane jobs count in the queue depth (None: none known).
     lane_broker: LaneBroker | None = None
+    # Where a hook's credentials and working directory may lie on this host
+    # (its node.toml's [node] allowed_path_prefixes), as for every unit.
+    allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
         where = action.node or action.tier or "fleet"
@@ -262,15 +276,33 @@ class ScalingStep:
         if not carried.hooks:
             return decision.actions
 
+        outcomes = self._run_hooks(carried.hooks, desired, now)
         hooks = dict(carried.record.hooks)
         recent = list(carried.record.recent)
-        for action in carried.hooks:
+        for action, run in outcomes:
             assert action.tier is not None
-            result = self.runner.run(action.argv, timeout=self.hook_budget_s / len(carried.hooks))
-            failure = result.failure()
-            self._say(action, "ran, exit 0" if failure is None else f"failed: {failure}", ok=failure is None)
-            hooks[action.tier] = hook_outcome(result, now)
-            # The registry keeps no command, path or output: only how it ended.
-            recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, outcome=summary(result)))
+            hooks[action.tier] = hook_outcome(run, now)
+            # The registry keeps no command or path: how it ended, its unit, its last lines (screened).
+            recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, outcome=run.summary(), output=run.output))
         self.registry.store_scaling(leadership, carried.record.model_copy(update={"hooks": hooks, "recent": recent[-RECENT_ACTIONS:]}))
         return decision.actions
+
+    def _run_hooks(self, actions: list[ScalingAction], desired: DesiredState, now: datetime) -> list[tuple[ScalingAction, HookRun]]:
+        """Each hook as its own transient unit; the leader waits its share at most.
+        A hook that names a path outside this host's allowed prefixes is not run."""
+        share = self.hook_budget_s / len(actions)
+        runs = []
+        for action in actions:
+            assert action.tier is not None
+            hook = desired.fleet.scaling.cloud_hooks[action.tier]
+            unit = hook_unit(action.tier, hook, now)
+            outside = [(key, path) for key, path in tier_hook_paths(action.tier, hook) if not allowed(path, self.allowed_prefixes)]
+            if outside:
+                where = ", ".join(f"{key} {path!r}" for key, path in outside)
+                run = HookRun(unit.unit, "refused", detail=f"{where} outside {', '.join(self.allowed_prefixes)} ([node] allowed_path_prefixes)")
+            else:
+                run = self.hooks.run(replace(unit, wait_s=min(unit.wait_s, share)))
+            said = run.summary() + (f": {run.detail}" if run.detail else "") + (f"; output: {run.output[-1]}" if run.output else "")
+            self._say(action, said, ok=run.ok)
+            runs.append((action, run))
+        return runs

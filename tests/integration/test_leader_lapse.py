@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.commands import SubprocessRunner
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
@@ -34,6 +33,7 @@ from reconciler.engine.leader import LeaderLoop, candidate_loop
 from reconciler.ports import Registry
 from reconciler.wiring import system_clock
 from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.hooks import DirectHooks
 from tests.support.plan_keys import SignedFleet, signed_example_fleet
 from tests.support.registry_store import Store
 
@@ -136,7 +136,7 @@ def leading(
         lambda: desired,
         schedule,
         lease_ttl_s=LEASE_TTL_S,
-        runner=SubprocessRunner(),
+        hooks=DirectHooks(),
         audit=None,
         log=lambda message: logs.append((datetime.now(UTC), message)),
         signer=signed.signer("lux"),

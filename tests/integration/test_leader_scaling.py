@@ -1,6 +1,7 @@
 """The leader loop carries out bursts and scaling (seed, "Scaling Mechanisms").
 
-A real LeaderLoop with the real scheduler, the real SubprocessRunner and a
+A real LeaderLoop with the real scheduler, the hooks run directly (tests.support.hooks:
+no systemd here; test_hook_sandbox runs them as units) and a
 real registry (a sqlite file, and a real etcd member: every test runs on
 both), over the example fleet. Time is an injected clock: the windows (30 s
 burst, 60 s per group, 5 min hot, 15 min cold) pass by advancing it, nothing
@@ -19,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
-from reconciler.core.desired.model import DesiredState, FleetConfig
+from reconciler.core.desired.model import CloudHook, DesiredState, FleetConfig
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop, candidate_loop
@@ -30,6 +30,7 @@ from reconciler.ports import NotLeader, Registry
 from reconciler.wiring import open_registry
 from tests.support.audit import RecordingAudit
 from tests.support.clock import FakeClock
+from tests.support.hooks import DirectHooks
 from tests.support.plan_keys import signed_example_fleet
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ class Fleet:
         # The example fleet with throwaway plan keys: the leader signs what it publishes.
         self.signed = signed_example_fleet(tmp / "signed-fleet")
         base = load_desired(self.signed.desired)
-        hooks = {tier: [sys.executable, "-c", HOOK, str(self.hook_out), tier, *TRICKY] for tier in ("batch", "wasm")}
+        hooks = {tier: CloudHook(command=[sys.executable, "-c", HOOK, str(self.hook_out), tier, *TRICKY]) for tier in ("batch", "wasm")}
         scaling = base.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
         self.desired: DesiredState = base.model_copy(update={"fleet": base.fleet.model_copy(update={"scaling": scaling})})
         self.registry = self.open()
@@ -75,7 +76,7 @@ class Fleet:
             lambda: self.desired,
             schedule,
             lease_ttl_s=LONG,
-            runner=SubprocessRunner(),
+            hooks=DirectHooks(),
             audit=self.audit,
             log=self.logs.append,
             signer=self.signed.signer(host),
@@ -156,7 +157,7 @@ def test_a_burst_activates_idle_capacity_first_then_runs_each_tiers_hook_once_pe
     assert fleet.hook_runs() == expected, "each hook ran once, with exactly its argv (no shell)"
     record = fleet.registry.scaling_record()
     assert {tier: outcome.ok for tier, outcome in record.hooks.items()} == {"batch": True, "wasm": True}
-    assert [(a.kind, a.tier, a.outcome) for a in record.recent if a.kind == "run_cloud_hook"] == [
+    assert [(a.kind, a.tier, a.outcome.split(" (fabric-hook-")[0]) for a in record.recent if a.kind == "run_cloud_hook"] == [
         ("run_cloud_hook", "batch", "ran, exit 0"),
         ("run_cloud_hook", "wasm", "ran, exit 0"),
     ]
@@ -292,15 +293,14 @@ def test_a_leader_that_lost_its_fence_writes_no_scaling_state_and_runs_no_hook(f
 
 def test_a_failing_or_hanging_hook_is_recorded_without_its_command_and_paces_like_one_that_ran(fleet):
     hooks = {
-        "batch": [sys.executable, "-c", "import sys; sys.exit(3)"],
-        "wasm": [sys.executable, "-c", "import time; time.sleep(60)"],
+        "batch": CloudHook(command=[sys.executable, "-c", "import sys; sys.exit(3)"]),
+        "wasm": CloudHook(command=[sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1),  # its own budget cuts it off
     }
     scaling = fleet.desired.fleet.scaling.model_copy(update={"cloud_hooks": hooks})
     fleet.desired = fleet.desired.model_copy(update={"fleet": fleet.desired.fleet.model_copy(update={"scaling": scaling})})
     fleet.beat()
     fleet.lanes.enqueue([(f"burst-{i}", None) for i in range(11)])
     leader = fleet.loop()
-    leader.scaling.hook_budget_s = 2  # one second each: the sleeper is cut off
     leader.step()
     fleet.clock.advance(30)
     leader.step()
@@ -309,7 +309,10 @@ def test_a_failing_or_hanging_hook_is_recorded_without_its_command_and_paces_lik
         "batch": (False, 3, False),
         "wasm": (False, None, True),
     }
-    assert [a.outcome for a in record.recent if a.kind == "run_cloud_hook"] == ["failed: exit 3", "failed: timed out"]
+    assert [a.outcome.split(" (fabric-hook-")[0] for a in record.recent if a.kind == "run_cloud_hook"] == [
+        "failed: exit 3",
+        "failed: timed out (its own budget)",
+    ]
     assert sys.executable not in record.model_dump_json(), "the registry holds no command"
     assert fleet.said("scaling run_cloud_hook batch: failed:") and fleet.said("scaling run_cloud_hook wasm: failed:")
     fleet.clock.advance(30)

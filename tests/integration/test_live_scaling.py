@@ -45,7 +45,6 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from reconciler.adapters.commands import SubprocessRunner
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig
@@ -64,6 +63,7 @@ from tests.support.clock import FakeClock
 from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for, wait_until
+from tests.support.hooks import DirectHooks
 from tests.support.plan_keys import SignedFleet, signed_example_fleet
 
 pytestmark = pytest.mark.integration
@@ -126,7 +126,7 @@ class LiveFleet:
             lambda: self.desired,
             schedule,
             lease_ttl_s=LEASE_S,
-            runner=SubprocessRunner(),
+            hooks=DirectHooks(),
             audit=RecordingAudit(),
             log=self.logs.append,
             signer=self.signed.signer("lux"),
@@ -157,10 +157,13 @@ class LiveFleet:
             new_registry = f'[registry]\nbackend = "sqlite"\npath = "{self.sqlite_path}"\n\n'
         text = text.replace(registry.group(0), new_registry).replace(scaling.group(0), SCALING + "\n[scaling.cloud_hooks]\n")
         text = text.replace(spill.group(0), f"local_spill_after_s = {LOCAL_SPILL_AFTER_S}")
-        for tier in ("batch", "wasm"):
-            line = re.search(rf"(?m)^{tier} = \[.*\]$", text)
-            assert line is not None
-            text = text.replace(line.group(0), f'{tier} = ["{hook}", "{self.hook_out}", "{tier}", "one group"]')
+        # The example's hooks (gh, wrangler) become the recording script, run by sh (a PATH name:
+        # a hook's program may not lie under /tmp, where the test keeps it).
+        start, end = text.index("[scaling.cloud_hooks.batch]"), text.index("# The compute agent")
+        tables = "".join(
+            f'[scaling.cloud_hooks.{tier}]\ncommand = ["sh", "{hook}", "{self.hook_out}", "{tier}", "one group"]\n\n' for tier in ("batch", "wasm")
+        )
+        text = text[:start] + tables + text[end:]
         toml.write_text(own_lanes(text))  # the fabric's own lanes: the example fleet is phaze's
 
     def open(self) -> Registry:

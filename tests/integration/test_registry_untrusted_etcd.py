@@ -36,8 +36,8 @@ from reconciler.ports import PermissionDenied, Registry, RegistryError
 from reconciler.wiring import open_registry
 from tests.conftest import require
 from tests.support.cli import fabric_captured as run_cli
-from tests.support.fakes import NoCommands
 from tests.support.harness.etcd import EtcdCluster, etcd_cluster
+from tests.support.hooks import NoHooks
 from tests.support.plan_keys import SignedFleet, signed_example_fleet
 from tests.support.probe_fixtures import fixture_facts as facts
 
@@ -106,7 +106,7 @@ class EtcdFleet:
             lambda: self.states["lux"],
             schedule,
             lease_ttl_s=30,
-            runner=NoCommands(),
+            hooks=NoHooks(),
             audit=None,
             log=self.log.append,
             signer=signed.signer("lux"),

@@ -14,7 +14,9 @@ HOOKS = {
     "wasm": ["/bin/wrangler", "deploy", "--name", "fabric-wasm-worker"],
     "batch": ["/bin/gh", "workflow", "run", "adaptive-compute.yml"],
 }
-SETTINGS = ScalingSettings(cloud_hooks=HOOKS)  # the defaults: 10 / 30 s / 60 s / 80 % 5 min / 10 % 15 min
+SETTINGS = ScalingSettings(
+    cloud_hooks={tier: {"command": argv} for tier, argv in HOOKS.items()}
+)  # the defaults: 10 / 30 s / 60 s / 80 % 5 min / 10 % 15 min
 
 
 def node(node_id, tier="cpu_ffmpeg", in_flight=1, limit=4, **kw) -> SnapshotNode:

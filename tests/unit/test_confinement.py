@@ -49,7 +49,9 @@ def test_a_node_toml_may_widen_the_prefixes_for_its_host(desired: Path, tmp_path
     code, _, err = fabric(capsys, "validate", "--desired", str(desired))
     assert code == 2 and "services[3].credentials.api_token: '/opt/braid/token' is outside" in err
     node = tmp_path / "node.toml"
-    node.write_text('[node]\nallowed_path_prefixes = ["/run/secrets", "/var/lib/phaze", "/opt/braid"]\n')
+    node.write_text(
+        '[node]\nallowed_path_prefixes = ["/run/secrets", "/var/lib/phaze", "/srv", "/opt/braid"]\n'
+    )  # /srv: the wasm hook's working directory
     code, out, err = fabric(capsys, "validate", "--desired", str(desired), "--config", str(node))
     assert (code, err) == (0, ""), err
     assert "valid" in out

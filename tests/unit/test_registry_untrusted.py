@@ -38,7 +38,7 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.engine.plan_source import fleet_plan_for
 from reconciler.ports import RegistryError
 from tests.conftest import REPO
-from tests.support.fakes import NoCommands
+from tests.support.hooks import NoHooks
 from tests.support.plan_keys import CANDIDATES, FakeSigner, SignedFleet, signed_example_fleet
 from tests.support.probe_fixtures import fixture_facts as facts
 
@@ -79,7 +79,7 @@ class Fleet:
             lambda: state,
             schedule,
             lease_ttl_s=30,
-            runner=NoCommands(),
+            hooks=NoHooks(),
             audit=None,
             log=self.log.append,
             signer=signers["lux"],

@@ -30,7 +30,7 @@ SETTINGS = ScalingSettings(
     group_interval_s=60,
     scale_up_window_s=120,
     scale_down_window_s=240,
-    cloud_hooks={"batch": ["/bin/gh", "workflow", "run"], "wasm": ["/bin/wrangler", "deploy"]},
+    cloud_hooks={"batch": {"command": ["gh", "workflow", "run"]}, "wasm": {"command": ["wrangler", "deploy"]}},
 )
 NODE_IDS = ["a", "b", "c"]
 
@@ -83,7 +83,7 @@ def test_scaling_invariants(run):
         by_id = {n.node_id: n for n in nodes}
         for action in decision.actions:
             if action.kind == "run_cloud_hook":
-                assert action.argv == SETTINGS.cloud_hooks[action.tier]
+                assert action.argv == SETTINGS.cloud_hooks[action.tier].command
                 if action.tier in last_hook:
                     assert (now - last_hook[action.tier]).total_seconds() >= SETTINGS.group_interval_s
                 last_hook[action.tier] = now

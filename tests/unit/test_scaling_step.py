@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 from reconciler.core.live.models import Deferred, FleetPlan, Placement, Snapshot, SnapshotNode
 from reconciler.core.live.records import QueuedJob, ScalingRecord
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState
-from reconciler.engine.scaling_step import carry_out, queue_depth, summary
-from reconciler.ports import CommandResult
+from reconciler.engine.scaling_step import carry_out, queue_depth
 
 NOW = datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
 
@@ -79,14 +78,6 @@ def test_hooks_are_returned_to_run_holds_are_only_logged_and_forgotten_nodes_los
     assert done.record.recent == [], "neither a hook before it ran nor a hold is kept as done"
     assert done.record.concurrency == {"lux": 1} and done.record.scaled_down == ["lux"]
     assert done.record.state == ScalingState().model_dump(mode="json") and done.record.leader == "lux"
-
-
-def test_a_hooks_stored_outcome_names_no_command_and_no_output():
-    argv = ("/run/current-system/sw/bin/gh", "workflow", "run")
-    assert summary(CommandResult(argv, 0)) == "ran, exit 0"
-    assert summary(CommandResult(argv, 1, stderr="token /root/.config/gh leaked")) == "failed: exit 1"
-    assert summary(CommandResult(argv, None, timed_out=True)) == "failed: timed out"
-    assert summary(CommandResult(argv, None, missing=True)) == "failed: not installed"
 
 
 def test_work_deferred_for_capacity_brings_every_scaled_down_group_back_at_once():

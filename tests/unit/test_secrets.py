@@ -259,8 +259,8 @@ def test_a_secret_value_in_a_service_environment_is_refused_without_repeating_it
 
 @pytest.mark.parametrize(("value", "kind"), SECRET_VALUES, ids=[kind + ": " + v[:24] for v, kind in SECRET_VALUES])
 def test_a_secret_argument_is_refused_without_repeating_it(value: str, kind: str) -> None:
-    [line] = _problems(ScalingSettings, {"cloud_hooks": {"batch": ["/bin/gh", "workflow", value]}})
-    assert line.startswith(f"fabric.toml: cloud_hooks.batch[2]: looks like {kind}, a secret given inline on a command line;")
+    [line] = _problems(ScalingSettings, {"cloud_hooks": {"batch": {"command": ["gh", "workflow", value]}}})
+    assert line.startswith(f"fabric.toml: cloud_hooks.batch.command[2]: looks like {kind}, a secret given inline on a command line;")
     assert "absolute path" in line and "LoadCredential=" in line
     assert value not in line
 
@@ -336,9 +336,10 @@ LEAKY_FLEET = f"""
 [fleet]
 domain = "researchstack.info"
 leader_candidates = ["lux"]
-[scaling.cloud_hooks]
-batch = ["/bin/gh", "workflow", "run", "--token={LEAKS["github"]}"]
-wasm = ["/bin/wrangler", "deploy", "{LEAKS["entropy"]}"]
+[scaling.cloud_hooks.batch]
+command = ["gh", "workflow", "run", "--token={LEAKS["github"]}"]
+[scaling.cloud_hooks.wasm]
+command = ["wrangler", "deploy", "{LEAKS["entropy"]}"]
 [agent.arch.x86_64]
 image = "ghcr.io/researchstack/phaze:2026.11"
 command = ["uv", "run", "saq", "{LEAKS["url"]}"]
@@ -378,8 +379,8 @@ def test_fabric_validate_never_prints_a_secret(tmp_path: Path) -> None:
     assert paths == [
         "agent.arch.x86_64.command[3]",
         "agent.environment.PHAZE_AGENT_TOKEN_FILE",
-        "scaling.cloud_hooks.batch[3]",
-        "scaling.cloud_hooks.wasm[2]",
+        "scaling.cloud_hooks.batch.command[3]",
+        "scaling.cloud_hooks.wasm.command[2]",
         "services[0].command.any[1]",
         "services[0].environment.AWS",
         "services[1].environment.DB_PASSWORD",

@@ -2,7 +2,8 @@
 
 Every path the desired state hands to a unit (a lane's scratch dir, an
 agent's token, queue URL and CA files and models directory, every NAME_FILE
-value, a service's credentials) must lie under a prefix the host allows:
+value, a service's credentials, a cloud hook's credentials and working
+directory: its transient unit runs on a leader candidate) must lie under a prefix the host allows:
 its own /etc/fabric/node.toml's `[node] allowed_path_prefixes`, else
 DEFAULT_ALLOWED_PREFIXES. The system directories are refused by the model
 itself, whatever a host allows (model.SYSTEM_DIRECTORIES). A pass checks the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from reconciler.core.desired.model import DesiredState, lies_in
+from reconciler.core.desired.model import CloudHook, DesiredState, lies_in
 from reconciler.core.desired.problems import Problem
 
 # Where secrets and working directories for units live on a host by default.
@@ -51,6 +52,22 @@ def unit_paths(desired: DesiredState, host: str | None = None) -> list[tuple[str
     for i, service in enumerate(fleet.services):
         paths += _file_values(dict(service.environment), f"services[{i}].environment")
         paths += [(f"services[{i}].credentials.{name}", path) for name, path in service.credentials.items()]
+    if host is None or host in fleet.fleet.leader_candidates:
+        paths += hook_paths(desired)
+    return paths
+
+
+def hook_paths(desired: DesiredState) -> list[tuple[str, str]]:
+    """(key path, path) of what the cloud hooks hand their transient units (on a leader candidate)."""
+    return [item for tier, hook in desired.fleet.scaling.cloud_hooks.items() for item in tier_hook_paths(tier, hook)]
+
+
+def tier_hook_paths(tier: str, hook: CloudHook) -> list[tuple[str, str]]:
+    """(key path, path) of what one tier's hook hands its transient unit."""
+    key = f"scaling.cloud_hooks.{tier}"
+    paths = [(f"{key}.credentials.{name}", path) for name, path in hook.credentials.items()]
+    if hook.working_directory is not None:
+        paths.append((f"{key}.working_directory", hook.working_directory))
     return paths
 
 

@@ -514,6 +514,86 @@ class SchedulerSettings(Strict):
     )
 
 
+# Directories a cloud hook's program may not be named in: scratch space any
+# user or unit may write (a commit could name a program it planted there), the
+# default prefixes a host hands to units (core.desired.confinement), and
+# NixOS's profile, which exists on NixOS alone while a leader candidate may
+# run any distribution (name such a program by its PATH name instead).
+HOOK_PROGRAM_REFUSED = (
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/run/user",
+    "/home",
+    "/run/secrets",
+    "/run/credentials",
+    "/var/lib/phaze",
+    "/srv",
+    "/run/current-system",
+)
+_PROGRAM_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+# A hook's own time budget, and its ceiling: a hook deploys a worker group, it
+# is not one.
+HOOK_TIMEOUT_S = 60
+HOOK_TIMEOUT_MAX_S = 3_600
+
+
+def hook_program(value: str) -> str:
+    """A cloud hook's program: a name looked up on the leader's PATH, or an
+    absolute path outside the system directories a commit could write to
+    (HOOK_PROGRAM_REFUSED); raises ValueError saying why not."""
+    if "/" not in value:
+        if not _PROGRAM_NAME_RE.match(value):
+            raise ValueError(f"{value!r} is not a program name (letters, digits, '.', '_', '+', '-') or an absolute path")
+        return value
+    _abs_path(value)
+    for refused in HOOK_PROGRAM_REFUSED:
+        if lies_in(value, refused):
+            why = "exists on NixOS alone" if refused == "/run/current-system" else "is writable by users or units"
+            raise ValueError(f"{value!r} lies in {refused}, which {why}: name the program by its PATH name (e.g. {PurePosixPath(value).name!r})")
+    return value
+
+
+class CloudHook(Strict):
+    """One cloud tier's hook: a transient systemd unit on the leader (systemd-run:
+    a dynamic user, no capabilities, a private /tmp, the system read-only)."""
+
+    command: NonEmptyArgv = Field(
+        description=(
+            "The argv (never through a shell of the fabric's); its program by PATH name (looked up on the leader's PATH) "
+            "or absolute path (not under /tmp, /home, /srv, /run/secrets, /run/current-system, ...)."
+        )
+    )
+    credentials: dict[EnvName, UnitPath] = Field(
+        {},
+        description=(
+            "NAME -> a file on the leader (never in a system directory), handed to the hook as the systemd credential NAME "
+            "(LoadCredential=); the hook finds its path in $NAME_FILE and $CREDENTIALS_DIRECTORY/NAME, never its value."
+        ),
+    )
+    working_directory: UnitPath | None = Field(None, description="The hook's working directory on the leader (read-only to it; unset: '/').")
+    timeout_s: Annotated[int, Field(ge=1, le=HOOK_TIMEOUT_MAX_S)] = Field(
+        HOOK_TIMEOUT_S, description="The hook's own time budget (its unit's RuntimeMaxSec=): systemd stops it then."
+    )
+
+    @model_validator(mode="after")
+    def _program(self) -> CloudHook:
+        try:
+            hook_program(self.command[0])
+        except ValueError as exc:
+            raise FieldProblem("command.0", str(exc)) from exc
+        return self
+
+
+def _hook_table(value: Any) -> Any:
+    if isinstance(value, list):
+        raise ValueError(
+            "a cloud hook is a table: command = [argv], credentials = { NAME = path }, working_directory, timeout_s "
+            "(write [scaling.cloud_hooks.<tier>] with command = the argv)"
+        )
+    return value
+
+
 class ScalingSettings(Strict):
     queue_high: Annotated[int, Field(ge=1)] = Field(10, description="Queue depth above which a burst begins (once held for burst_window_s).")
     burst_window_s: Seconds = Field(30, description="How long the queue depth must stay above queue_high to be a burst.")
@@ -529,11 +609,11 @@ class ScalingSettings(Strict):
     scale_down_window_s: Seconds = Field(
         900, description="How long a node's utilization must stay below scale_down_utilization (with no burst under way)."
     )
-    # Per cloud tier, the argv that deploys one more worker group (e.g. a
-    # workflow dispatch). Never a shell string.
-    cloud_hooks: dict[Tier, NonEmptyArgv] = Field(
+    # Per cloud tier, the hook that deploys one more worker group (e.g. a
+    # workflow dispatch), run as a transient sandboxed unit on the leader.
+    cloud_hooks: dict[Tier, Annotated[CloudHook, BeforeValidator(_hook_table)]] = Field(
         {},
-        description="Per cloud tier, the argv that deploys one more worker group (a workflow dispatch, say); never a shell string, no inline secret.",
+        description="Per cloud tier, the hook that deploys one more worker group (a workflow dispatch, say), run on the leader as a transient sandboxed systemd unit.",
     )
 
     @model_validator(mode="after")

@@ -123,7 +123,7 @@ def problems_from_validation(
         kind = err["type"]
         path = key_path((*prefix, *loc))
         if isinstance(rule, FieldProblem):
-            path = key_path((*prefix, *loc, *rule.key.split(".")))
+            path = key_path((*prefix, *loc, *(int(k) if k.isdigit() else k for k in rule.key.split("."))))
             reason = rule.reason
         elif kind == "extra_forbidden":
             known = _fields_at(model, loc[:-1])

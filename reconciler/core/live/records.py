@@ -262,13 +262,21 @@ class SettledJob(_Record):
 
 
 class HookOutcome(_Record):
-    """How the last run of a tier's cloud hook ended (no argv, no output: those go to the log)."""
+    """How the last run of a tier's cloud hook ended: its transient unit (whose
+    journal has all it printed), its exit status, and its last lines of output,
+    screened for secrets (`core.render.hook_unit.output_tail`). No argv."""
 
     at: datetime
     ok: bool
     returncode: int | None = None
     timed_out: bool = False
     missing: bool = False
+    # The transient unit it ran as (journalctl _SYSTEMD_UNIT=<unit>), and how
+    # that ended: ok, exit, timeout, missing, start_failed, detached.
+    unit: str | None = None
+    end: str | None = None
+    detail: str = ""
+    output: tuple[str, ...] = ()
 
 
 class ScalingAudit(_Record):
@@ -280,6 +288,8 @@ class ScalingAudit(_Record):
     node: str | None = None
     tier: str | None = None
     outcome: str = "done"
+    # run_cloud_hook: the last lines its unit printed (screened for secrets).
+    output: tuple[str, ...] = ()
 
 
 class ScalingRecord(_Record):

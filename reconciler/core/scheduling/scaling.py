@@ -22,7 +22,7 @@ Burst (horizontal)
        idle capacity. An idle relay with no lane is not, or it would stand
        between every burst and the cloud hooks for good;
     2. only when there is no idle capacity: each configured cloud hook
-       (`scaling.cloud_hooks`, tier -> argv, best tier first) gets
+       (`scaling.cloud_hooks`, tier -> hook, best tier first) gets
        `run_cloud_hook`, at most one new worker group per tier per
        group_interval_s; a rate-limited tier gets a `hold` saying until when;
     3. no idle capacity and no hook configured: a `hold` (the work stays
@@ -77,7 +77,7 @@ class ScalingAction(BaseModel):
     reason: str
     node: str | None = None
     tier: Tier | None = None
-    # run_cloud_hook: the configured command, for an adapter to run (never a shell string).
+    # run_cloud_hook: the hook's command (the engine runs the tier's hook as a transient unit, never a shell string).
     argv: list[str] = []
     # raise_concurrency: the node's new max_concurrent_tasks.
     max_concurrent_tasks: int | None = None
@@ -268,7 +268,9 @@ def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: tim
                 )
             )
             continue
-        actions.append(ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier]), reason=f"{why}; no idle capacity"))
+        actions.append(
+            ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier].command), reason=f"{why}; no idle capacity")
+        )
         w.last_group_at[tier] = now
     return actions
 

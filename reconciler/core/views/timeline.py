@@ -16,7 +16,8 @@ a short list of `TimelineEvent`s. The registry remembers:
   (`FleetPlan.suspects`, issue 30): suspicion (with its sources), hedge,
   recovery, offline at the node timeout;
 - the cloud hook runs the leader carried out (`ScalingRecord.recent`, kind
-  `run_cloud_hook`, with how each ended; no argv, no output).
+  `run_cloud_hook`, with how each ended and its transient unit; no argv; the
+  last line it printed, screened for secrets, in the detail).
 
 A node the lifecycle forgot takes its history with it. Every time is UTC.
 """
@@ -91,7 +92,8 @@ def _hook_events(scaling: ScalingRecord) -> list[TimelineEvent]:
         if audit.kind != "run_cloud_hook":
             continue
         tier = audit.tier or "fleet"
-        events.append(TimelineEvent(at=utc(audit.at), kind="hook", subject=tier, title=f"{tier} cloud hook {audit.outcome}", detail=audit.reason))
+        detail = audit.reason + (f"; output: {audit.output[-1]}" if audit.output else "")
+        events.append(TimelineEvent(at=utc(audit.at), kind="hook", subject=tier, title=f"{tier} cloud hook {audit.outcome}", detail=detail))
     return events
 
 
