@@ -47,8 +47,17 @@ from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, HookRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
-from reconciler.wiring import generate_plan_key, host_name, lane_broker_if_configured, leader_ports, plan_signer, ray_state, system_clock
+from reconciler.ports import Audit, CommandRunner, HookRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.wiring import (
+    command_runner,
+    generate_plan_key,
+    host_name,
+    lane_broker_if_configured,
+    leader_ports,
+    plan_signer,
+    ray_state,
+    system_clock,
+)
 
 
 def _ttl(text: str) -> float:
@@ -244,7 +253,7 @@ def _candidate(
         clock=system_clock(),
         allowed_prefixes=tuple(load_node_config(args.config).node.allowed_path_prefixes),
     )
-    loop.tailscale_status = _tailscale_status(args.tailscale, runner)
+    loop.tailscale_status = _tailscale_status(args.tailscale, command_runner())
     if args.once:
         try:
             loop.step_and_resign()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from reconciler.core.command_result import CommandResult
 from tests.support.clock import FakeClock
 
 
@@ -126,10 +125,3 @@ class FakeLaneBroker:
 
     def close(self) -> None:
         self.closed = True
-
-
-class NoCommands:
-    """The CommandRunner port where no command (a scaling hook) may run: each succeeds, doing nothing."""
-
-    def run(self, argv, *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
-        return CommandResult(tuple(argv), 0)
