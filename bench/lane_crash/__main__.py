@@ -32,6 +32,7 @@ from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.scheduling.lanes import crash_timing  # noqa: E402
 from reconciler.engine.dispatch import DispatchEvent, dispatch_pass  # noqa: E402
 from reconciler.engine.lane_states import lane_targets  # noqa: E402
+from reconciler.ports import DispatchFence  # noqa: E402
 from tests.support.clock import FakeClock  # noqa: E402
 from tests.support.harness.postgres import postgres_server  # noqa: E402
 from tests.support.harness.saq_agent import AgentProcess, read_log  # noqa: E402
@@ -68,7 +69,7 @@ def main() -> None:
 
         def dispatcher() -> None:
             while not stop.is_set():
-                dispatch_pass(registry, broker, desired, epoch=1, emit=lambda e: heard.append((time.time(), e)))
+                dispatch_pass(registry, broker, desired, fence=DispatchFence.fixed(1), emit=lambda e: heard.append((time.time(), e)))
                 stop.wait(args.interval)
 
         settled_s, again_s = [], []

@@ -23,8 +23,9 @@ One `step()`:
   5. leading, with a `lane_broker` (phaze's broker, `[phaze] queue_url_file`):
      the lane dispatcher's pass (`engine.dispatch.dispatch_pass`): finished
      lane jobs settled, waiting ones into lane slots by multi-compute.md's
-     rules, fenced by this term's epoch, so a deposed leader's dispatch is
-     refused by the broker even before its renewal fails. Jobs started and
+     rules, fenced by this term (checked against the registry inside each
+     dispatch's transaction), so a deposed leader's dispatch is refused by
+     the broker even before its renewal fails. Jobs started and
      settled are logged; holds are not (they would repeat every step: `fabric
      lane status` shows them). `[phaze] leader_dispatches = false` leaves
      dispatching to `fabric lane dispatch` alone.
@@ -79,7 +80,7 @@ from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
-from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
+from reconciler.engine.dispatch import DispatchEvent, dispatch_pass, dispatcher_fence
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
@@ -284,7 +285,7 @@ class LeaderLoop:
                 self.log(f"lane job {event.text()}")
 
         try:
-            dispatch_pass(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
+            dispatch_pass(self.registry, self.lane_broker, self.desired, fence=dispatcher_fence(self.registry, self.leadership.term), emit=told)
         except StaleDispatcher as exc:
             # A newer term dispatches: this one's lease is gone or going.
             self.log(f"lane dispatch refused, a newer leader dispatches: {exc}")
