@@ -19,6 +19,7 @@ from reconciler.core.command_result import CommandResult
 
 # Types only: a memoized pass catches RegistryError and imports no model.
 if TYPE_CHECKING:
+    from reconciler.core.desired.broker_access import BrokerState, RoleStep
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane
     from reconciler.core.live.records import (
@@ -694,6 +695,25 @@ class RegistryAuth(Protocol):
         ...
 
     def apply_auth_step(self, step: AuthStep) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BrokerRoleAdmin(Protocol):
+    """phaze's broker's roles (`fabric lane init-roles`), reached with the
+    tables' owner's DSN. Failures raise LaneBrokerError (LaneBrokerUnavailable
+    when PostgreSQL does not answer)."""
+
+    def make_tables(self) -> list[str]:
+        """saq's tables and the fabric's, made where missing; what was made, said."""
+        ...
+
+    def role_state(self) -> BrokerState:
+        """The fabric-* roles, their privileges on the broker's tables, row
+        security, the fabric-* policies, the agents' schemas and search paths."""
+        ...
+
+    def apply_role_step(self, step: RoleStep) -> None: ...
 
     def close(self) -> None: ...
 

@@ -187,7 +187,7 @@ def _run_loop(args: argparse.Namespace) -> int:
 
 
 def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, runner: CommandRunner, audit: Audit | None, signer: PlanSigner) -> int:
-    lane_broker = lane_broker_if_configured(desired.fleet, note=_log)
+    lane_broker = lane_broker_if_configured(desired.fleet, note=_log, dispatcher=True)
     try:
         return _candidate(args, desired, registry, runner, audit, signer, lane_broker)
     finally:

@@ -318,7 +318,9 @@ def test_300_jobs_through_kills_a_broker_restart_and_a_leader_change_each_comple
     assert sorted(done) == jobs, f"jobs never completed: {sorted(set(jobs) - set(done))[:10]}"
     assert set(done.values()) == {1}, f"completed more than once: {[j for j, n in done.items() if n > 1]}"
     assert left == [], "the lane queue holds no job at the end"
-    assert first.refused is not None and "term 1 refused: the registry's current term is 2" in str(first.refused), "the old term's dispatcher was refused"
+    assert first.refused is not None and "term 1 refused: the registry's current term is 2" in str(first.refused), (
+        "the old term's dispatcher was refused"
+    )
     assert second.refused is None
     assert len(kills) == KILLS and broker_restarted
     assert crashed, "the chaos hit running jobs, which were settled as crashed"
