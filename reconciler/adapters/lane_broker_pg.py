@@ -54,7 +54,11 @@ cancels it, or its late finish lands on the set-aside row, and
 `sweep_superseded` reports that finish (ignored) and clears the row.
 
 The DSN never leaves this module: it is read from the file the desired state
-names (`[phaze] queue_url_file`) by reconciler.wiring and handed in.
+names (`[phaze] queue_url_file`, the reader's; `dispatcher_url_file`, the
+dispatcher's) by reconciler.wiring and handed in. With `fabric lane
+init-roles` (reconciler.adapters.lane_broker_roles) each is a role's that
+may do only what its component needs: the reader makes and writes nothing,
+so the tables are made by init-roles (`make_tables`) with the owner's DSN.
 
 What a pass does with the broker is read: each lane's in_flight and workers
 (`lane_states`; a memoized pass only the in_flight, `in_flight`), plain SQL
