@@ -42,7 +42,7 @@ names, else [phaze] dispatcher_url_file for enqueue and dispatch, else [phaze]
 queue_url_file).
 
 Exit status: 0 done; 1 the registry or the broker could not be reached, or a
-newer dispatcher runs (this one's epoch is stale); 2 bad input (an invalid
+newer dispatcher runs (the registry names another term than this one's); 2 bad input (an invalid
 job id or duration, an invalid desired state, enqueue or dispatch in a phaze fleet).
 """
 

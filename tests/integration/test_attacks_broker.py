@@ -17,6 +17,7 @@ a sqlite registry with the fleet beating and lux leading.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,3 +272,34 @@ def test_the_reader_reads_the_lanes_and_can_dispatch_nothing(world: World) -> No
         reader.enqueue([("clip-7", None)])
     with pytest.raises(LaneBrokerError, match="permission denied"):
         reader.dispatch("clip-6", lane_targets(world.desired)["local"], dispatcher_fence(world.registry, world.term))
+
+
+def test_the_fleets_commands_take_each_roles_dsn_from_fabric_toml(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """[phaze] queue_url_file is the reader's, dispatcher_url_file the
+    dispatcher's: `fabric lane enqueue` and `dispatch` work with the
+    dispatcher's, `fabric lane status` reads with the reader's; a dispatcher
+    handed the reader's DSN is refused by PostgreSQL and changes nothing."""
+    import shutil
+
+    fleet = tmp_path / "fleet"
+    shutil.copytree(world.fleet, fleet)
+    reader_file = secret_file(tmp_path / "reader.url", world.reader)
+    dispatcher_file = secret_file(tmp_path / "dispatcher.url", world.dispatcher)
+    toml = fleet / "fabric.toml"
+    toml.write_text(
+        toml.read_text().replace("[phaze]\n", f'[phaze]\nqueue_url_file = "{reader_file}"\ndispatcher_url_file = "{dispatcher_file}"\n', 1)
+    )
+    registry = ("--desired", str(fleet), "--registry-path", str(tmp_path / "cli-registry.sqlite"))
+    code, out, err = fabric(capsys, "lane", "enqueue", "clip-8", "--duration", "3600", *registry)
+    assert code == 0, err
+    code, out, err = fabric(capsys, "lane", "dispatch", "--once", "--queue-url-file", str(reader_file), *registry)
+    assert code == 1 and "permission denied" in err, (out, err)
+    assert world.reader not in out + err
+    code, out, err = fabric(capsys, "lane", "dispatch", "--once", "--json", *registry)
+    assert code == 0, err  # no host reports in this registry: the job is held, by the dispatcher's own DSN
+    assert json.loads(out.splitlines()[-1])["hold"] == "no_free_slots", out
+    code, out, err = fabric(capsys, "lane", "status", "--json", *registry)
+    assert code == 0, err
+    assert [job["job"] for job in json.loads(out)["waiting"]] == ["clip-8"]
+    with psycopg.connect(world.owner) as conn:
+        assert conn.execute("SELECT lane FROM fabric_lane_jobs WHERE job_id = 'clip-8'").fetchone() == (None,)
