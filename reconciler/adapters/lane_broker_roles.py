@@ -102,10 +102,11 @@ class PostgresBrokerRoles:
             schemas = frozenset(
                 role
                 for (role,) in conn.execute(
+                    # CASE: the view's privilege is asked only of a view that is there.
                     "SELECT r.rolname FROM pg_roles r JOIN pg_namespace n ON n.nspname = r.rolname"
-                    " WHERE r.rolname LIKE %s AND to_regclass(format('%%I.%%I', r.rolname, %s::text)) IS NOT NULL"
-                    " AND has_schema_privilege(r.rolname, n.oid, 'USAGE') AND has_schema_privilege(r.rolname, n.oid, 'CREATE')"
-                    " AND has_table_privilege(r.rolname, format('%%I.%%I', r.rolname, %s::text), 'SELECT')",
+                    " WHERE r.rolname LIKE %s AND has_schema_privilege(r.rolname, n.oid, 'USAGE') AND has_schema_privilege(r.rolname, n.oid, 'CREATE')"
+                    " AND CASE WHEN to_regclass(format('%%I.%%I', r.rolname, %s::text)) IS NULL THEN false"
+                    " ELSE has_table_privilege(r.rolname, to_regclass(format('%%I.%%I', r.rolname, %s::text)), 'SELECT') END",
                     (managed, SAQ_VERSIONS, SAQ_VERSIONS),
                 ).fetchall()
             )

@@ -303,3 +303,22 @@ def test_the_fleets_commands_take_each_roles_dsn_from_fabric_toml(world: World, 
     assert [job["job"] for job in json.loads(out)["waiting"]] == ["clip-8"]
     with psycopg.connect(world.owner) as conn:
         assert conn.execute("SELECT lane FROM fabric_lane_jobs WHERE job_id = 'clip-8'").fetchone() == (None,)
+
+
+def test_init_roles_makes_again_what_was_taken_away(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """A view dropped from an agent's schema, a policy dropped, a privilege
+    granted by hand: the next run says what it changes back, and only that."""
+    agent = agent_role("a1-arm64")
+    with psycopg.connect(world.owner, autocommit=True) as conn:
+        conn.execute(f'DROP VIEW "{agent}".saq_versions')
+        conn.execute(f'DROP POLICY "{agent}" ON saq_stats')
+        conn.execute(f'GRANT UPDATE ON fabric_lane_fence TO "{READER}"')
+    code, out, err = fabric(capsys, "lane", "init-roles", "--desired", str(world.fleet), "--admin-url-file", str(world.admin_file))
+    assert (code, err) == (0, ""), err
+    changes = [line for line in out.splitlines() if not line.startswith("the roles have no password")]
+    assert changes == [
+        f"made schema {agent} (saq's version view; the role may create only there)",
+        f"revoked UPDATE on fabric_lane_fence from {READER}",
+        f"made policy {agent} on saq_stats: queue_key in {OWN_A1}",
+    ], out
+    assert "permission denied for table fabric_lane_fence" in refused(world.reader, "UPDATE fabric_lane_fence SET epoch = 0")
