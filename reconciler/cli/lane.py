@@ -137,7 +137,7 @@ def _init_roles(args: argparse.Namespace) -> int:
     try:
         admin = broker_role_admin(args.admin_url_file)
         try:
-            made = [] if args.dry_run else admin.make_tables()
+            made = ["would have made saq's and the fabric's tables where missing"] if args.dry_run else admin.make_tables()
             for line in made:
                 print(line, flush=True)
             steps = role_steps(broker_roles(desired), admin.role_state())
@@ -149,7 +149,7 @@ def _init_roles(args: argparse.Namespace) -> int:
             admin.close()
     except LaneBrokerError as exc:
         raise CommandError(f"fabric lane init-roles: {exc}") from None
-    if not steps and not made:
+    if not steps and not (made and not args.dry_run):
         print("nothing to do: the broker holds every role the desired state's lanes need")
     else:
         print(
