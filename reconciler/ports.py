@@ -19,6 +19,7 @@ from reconciler.core.command_result import CommandResult
 
 # Types only: a memoized pass catches RegistryError and imports no model.
 if TYPE_CHECKING:
+    from reconciler.core.desired.broker_access import BrokerState, RoleStep
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotLane
     from reconciler.core.live.records import (
@@ -644,8 +645,36 @@ class LaneBrokerUnavailable(LaneBrokerError):
 
 
 class StaleDispatcher(LaneBrokerError):
-    """A dispatch carried an older epoch than one the lane queue has already
-    seen: a newer leader's dispatcher runs, this one must stop."""
+    """A dispatch carried a term that is not the registry's current one (read
+    inside the dispatch's transaction): a newer leader's dispatcher runs, or
+    will, and this one must stop."""
+
+
+@dataclass(frozen=True)
+class DispatchFence:
+    """The fence of a dispatch: the term the dispatcher runs in (the leader's,
+    as the registry assigned it: `LeaderInfo.term`) and how to read the
+    registry's current term. The broker reads `current_term` inside each
+    fenced transaction, with the fence row locked, and refuses the dispatch
+    (StaleDispatcher) unless it equals `term`: nothing stored in the broker
+    decides, so no broker client can stop dispatch by writing a number.
+    `current_term` raises LaneBrokerUnavailable when the registry cannot say."""
+
+    term: int
+    current_term: Callable[[], int]
+
+    @classmethod
+    def fixed(cls, term: int) -> DispatchFence:
+        """A fence whose registry always names `term` (tests and benches without a registry)."""
+        return cls(term, lambda: term)
+
+    def refusal(self) -> str | None:
+        """Why a dispatch under this fence is refused now (the registry's term
+        is another), or None."""
+        current = self.current_term()
+        if current != self.term:
+            return f"dispatcher of term {self.term} refused: the registry's current term is {current}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -672,12 +701,13 @@ class LaneBroker(Protocol):
         """Every known job, waiting or dispatched, oldest enqueued first (then in enqueue order)."""
         ...
 
-    def dispatch(self, job_id: str, target: LaneTarget, epoch: int) -> QueuedJob | None:
-        """In one transaction, under a lock of the lane's queue: the job must
-        still wait and the lane's queue hold fewer than `cap` jobs (queued or
-        active); then it is put on the lane's SAQ queue. None when the job no
-        longer waits or the lane is full (another dispatcher won). Raises
-        StaleDispatcher when `epoch` is older than one already seen."""
+    def dispatch(self, job_id: str, target: LaneTarget, fence: DispatchFence) -> QueuedJob | None:
+        """In one transaction, under the dispatch lock (the fence's row): the
+        registry's current term must be the fence's, the job must still wait
+        and the lane's queue hold fewer than `cap` jobs (queued or active);
+        then it is put on the lane's SAQ queue. None when the job no longer
+        waits or the lane is full (another dispatcher won). Raises
+        StaleDispatcher when the fence's term is not the registry's."""
         ...
 
     def settle(self) -> list[SettledJob]:
@@ -693,12 +723,12 @@ class LaneBroker(Protocol):
         decides which of them crashed)."""
         ...
 
-    def settle_crashed(self, crashed: Sequence[CrashedRun], epoch: int) -> list[SettledJob]:
+    def settle_crashed(self, crashed: Sequence[CrashedRun], fence: DispatchFence) -> list[SettledJob]:
         """Each run of `crashed` that is still its job's active run: its SAQ
         job set aside (aborting, off its queue: its slot is free and a late
         finish of it changes nothing), the job waiting again (its enqueue
         time kept, one more attempt when it ran in a compute lane). Raises
-        StaleDispatcher when `epoch` is older than one already seen."""
+        StaleDispatcher when the fence's term is not the registry's."""
         ...
 
     def sweep_superseded(self) -> list[SettledJob]:
@@ -737,6 +767,25 @@ class RegistryAuth(Protocol):
         ...
 
     def apply_auth_step(self, step: AuthStep) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BrokerRoleAdmin(Protocol):
+    """phaze's broker's roles (`fabric lane init-roles`), reached with the
+    tables' owner's DSN. Failures raise LaneBrokerError (LaneBrokerUnavailable
+    when PostgreSQL does not answer)."""
+
+    def make_tables(self) -> list[str]:
+        """saq's tables and the fabric's, made where missing; what was made, said."""
+        ...
+
+    def role_state(self) -> BrokerState:
+        """The fabric-* roles, their privileges on the broker's tables, row
+        security, the fabric-* policies, the agents' schemas and search paths."""
+        ...
+
+    def apply_role_step(self, step: RoleStep) -> None: ...
 
     def close(self) -> None: ...
 

@@ -9,7 +9,8 @@ Commands parse their arguments, take their adapters from here, and hand them
 `sqlite_path` forces the sqlite backend at that file whatever [registry]
 says (tests and the demo run a fleet on one machine without etcd).
 
-    lane_broker = open_lane_broker(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file
+    lane_broker = open_lane_broker(desired.fleet)                 # phaze's broker, DSN from [phaze] queue_url_file (reads)
+    lane_broker = open_lane_broker(desired.fleet, dispatcher=True)  # [phaze] dispatcher_url_file (dispatch; unset: queue_url_file)
 
 A `fabric reconcile` process opens each of them once (`pass_connections`):
 the memo's side, the full pass and the edge's fleet view share one registry
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         Audit,
         BeatLaneBroker,
         BeatRegistry,
+        BrokerRoleAdmin,
         CaptureStore,
         Clock,
         CommandRunner,
@@ -128,27 +130,31 @@ def open_existing_registry(fleet: FleetConfig, *, sqlite_path: str | Path | None
     return open_registry(fleet, sqlite_path=sqlite_path)
 
 
-def queue_url_file(fleet: FleetConfig, override: str | Path | None = None) -> Path | None:
-    """Where phaze's broker DSN is: `override` (--queue-url-file) or [phaze]
-    queue_url_file; None when neither says."""
-    chosen = override or fleet.phaze.queue_url_file
+def queue_url_file(fleet: FleetConfig, override: str | Path | None = None, *, dispatcher: bool = False) -> Path | None:
+    """Where phaze's broker DSN is: `override` (--queue-url-file), else for a
+    `dispatcher` [phaze] dispatcher_url_file, else [phaze] queue_url_file
+    (the reader's); None when none says."""
+    chosen = override or (fleet.phaze.dispatcher_url_file if dispatcher else None) or fleet.phaze.queue_url_file
     return Path(chosen) if chosen else None
 
 
-def open_lane_broker(fleet: FleetConfig, *, dsn_file: str | Path | None = None, clock: Clock | None = None) -> LaneBroker:
-    """The lane queue on phaze's broker (SAQ on PostgreSQL). The DSN is read
+def open_lane_broker(fleet: FleetConfig, *, dsn_file: str | Path | None = None, clock: Clock | None = None, dispatcher: bool = False) -> LaneBroker:
+    """The lane queue on phaze's broker (SAQ on PostgreSQL), as a reader or
+    (`dispatcher`) as the dispatcher (`queue_url_file`). The DSN is read
     from its file here and goes nowhere else. Raises LaneBrokerUnavailable
     (naming the file, never its content) when there is no file to read, it
     cannot be read, or the broker does not answer."""
     from reconciler.ports import LaneBrokerUnavailable
 
-    path = queue_url_file(fleet, dsn_file)
+    path = queue_url_file(fleet, dsn_file, dispatcher=dispatcher)
     if path is None:
         raise LaneBrokerUnavailable("fabric.toml: phaze.queue_url_file: not set (the file holding phaze's PHAZE_QUEUE_URL)")
     return _lane_broker_at(path, fleet.phaze.job_function, clock)
 
 
-def _lane_broker_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneBroker:
+def _dsn_at(path: Path) -> str:
+    """The broker DSN in the file `path` (a secret: adapters.secret_files);
+    raises LaneBrokerUnavailable naming the file, never its content."""
     from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
     from reconciler.ports import LaneBrokerUnavailable
 
@@ -162,22 +168,40 @@ def _lane_broker_at(path: Path, job_function: str, clock: Clock | None = None) -
     if not dsn.startswith(("postgresql://", "postgres://")):
         raise LaneBrokerUnavailable(f"{path}: not a postgresql:// URL (phaze's broker is SAQ on PostgreSQL)")
     # Imported once there is a broker to reach (psycopg is a large part of a pass's imports).
-    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker, dsn_problem
+    from reconciler.adapters.lane_broker_pg import dsn_problem
 
     problem = dsn_problem(dsn)
     if problem is not None:
         raise LaneBrokerUnavailable(f"{path}: {problem}")
+    return dsn
+
+
+def _lane_broker_at(path: Path, job_function: str, clock: Clock | None = None) -> PostgresLaneBroker:
+    dsn = _dsn_at(path)
+    from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 
     return PostgresLaneBroker(dsn, clock or system_clock(), job_function=job_function)
 
 
-def lane_broker_if_configured(fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None) -> LaneBroker | None:
-    """`open_lane_broker` for readers that carry on without it (a pass, the
+def broker_role_admin(admin_url_file: Path) -> BrokerRoleAdmin:
+    """phaze's broker's roles (`fabric lane init-roles`), with the DSN of the
+    tables' owner in `admin_url_file`. Raises LaneBrokerUnavailable when the
+    file cannot be used."""
+    dsn = _dsn_at(admin_url_file)
+    from reconciler.adapters.lane_broker_roles import PostgresBrokerRoles
+
+    return PostgresBrokerRoles(dsn)
+
+
+def lane_broker_if_configured(
+    fleet: FleetConfig, *, note: Callable[[str], None], connections: PassConnections | None = None, dispatcher: bool = False
+) -> LaneBroker | None:
+    """`open_lane_broker` for users that carry on without it (a pass, the
     leader, `fabric status`): None, with a note, when the broker cannot be
     used; None silently when no queue URL file is configured at all.
     `connections`: the lane queue kept there for the same file (opened if
     there is none; one that could not be opened is tried again next time)."""
-    path = queue_url_file(fleet)
+    path = queue_url_file(fleet, dispatcher=dispatcher)
     if path is None:
         return None
     return _lane_broker_noted(path, fleet.phaze.job_function, note, connections)
@@ -520,6 +544,7 @@ def real_pass_ports(options: PassOptions, connections: PassConnections | None = 
     ) as ports:
         ports.open_registry = registry_opener(options, connections)
         ports.open_lane_broker = lambda fleet: lane_broker_if_configured(fleet, note=print_note, connections=connections)
+        ports.open_dispatch_broker = lambda fleet: lane_broker_if_configured(fleet, note=print_note, connections=connections, dispatcher=True)
         ports.plan_signer = plan_signer(options.plan_key_file)
         yield ports
 

@@ -35,6 +35,7 @@ from reconciler.adapters.registry_sqlite import SqliteRegistry  # noqa: E402
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.engine.dispatch import dispatch_pass  # noqa: E402
 from reconciler.engine.lane_states import lane_targets  # noqa: E402
+from reconciler.ports import DispatchFence  # noqa: E402
 from tests.support.harness.own_lanes import own_lanes_fleet  # noqa: E402
 from tests.support.harness.postgres import postgres_server  # noqa: E402
 from tests.support.registry_store import beat_example_fleet  # noqa: E402
@@ -59,7 +60,7 @@ def race(dsn: str, target, threads: int, jobs: list[str]) -> float:
     def run(n: int) -> None:
         start.wait()
         for job in jobs:
-            queues[n].dispatch(job, target, epoch=1)
+            queues[n].dispatch(job, target, DispatchFence.fixed(1))
             attempts[n] += 1
 
     pool = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
@@ -101,13 +102,13 @@ def main() -> None:
         started = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:
             for _ in range(cycles):
-                assert lanes.dispatch("cycle", targets["a1-arm64"], epoch=1) is not None
+                assert lanes.dispatch("cycle", targets["a1-arm64"], DispatchFence.fixed(1)) is not None
                 conn.execute("UPDATE saq_jobs SET status = 'failed' WHERE key LIKE 'cycle.%'")
                 assert [s.job_id for s in lanes.settle()] == ["cycle"]
         cycle_s = time.perf_counter() - started
 
         started = time.perf_counter()
-        events = dispatch_pass(registry, lanes, desired, epoch=1)
+        events = dispatch_pass(registry, lanes, desired, fence=DispatchFence.fixed(1))
         pass_s = time.perf_counter() - started
         held = sum(1 for e in events if e.hold)
 

@@ -8,16 +8,23 @@ Tables, all in the broker's database:
     fabric_lane_jobs      the jobs the job system handed the fabric: id,
                           enqueue time, attempts, duration; while dispatched,
                           the lane, its queue and the SAQ job's key
-    fabric_lane_fence     one row: the newest dispatcher epoch seen
+    fabric_lane_fence     one row: the dispatch lock, and the term that
+                          dispatched last (its `epoch` column: a record for
+                          people, never what decides)
 
 Dispatch (`dispatch`) is one transaction:
-    pg_advisory_xact_lock(<fabric key space>, hashtext(queue))
-                          one dispatcher per lane queue at a time, so the
-                          count below cannot go stale before the insert
-    fence                 raise the stored epoch to ours if ours is newer, then
-                          read it FOR SHARE: an older epoch is refused
-                          (StaleDispatcher), and a newer dispatcher's raise
-                          waits until this dispatch committed
+    fence                 the fence row locked FOR UPDATE (one dispatch at a
+                          time, so the count below cannot go stale before the
+                          insert; a lock only the dispatcher role can take:
+                          an advisory lock any broker client could hold),
+                          then the registry's current term read
+                          (`DispatchFence.current_term`): any other term than
+                          the dispatcher's is refused (StaleDispatcher). A
+                          number written into the row stops nothing; a new
+                          term's first dispatch waits for the old term's
+                          open one to commit. Lock waits are bounded
+                          (lock_timeout), so a client holding the row delays
+                          dispatch, never hangs it
     the job               still waiting (SELECT ... FOR UPDATE)
     the slot count        the queue's saq_jobs rows that are not finished
                           (new, deferred, queued, active) < cap
@@ -47,7 +54,11 @@ cancels it, or its late finish lands on the set-aside row, and
 `sweep_superseded` reports that finish (ignored) and clears the row.
 
 The DSN never leaves this module: it is read from the file the desired state
-names (`[phaze] queue_url_file`) by reconciler.wiring and handed in.
+names (`[phaze] queue_url_file`, the reader's; `dispatcher_url_file`, the
+dispatcher's) by reconciler.wiring and handed in. With `fabric lane
+init-roles` (reconciler.adapters.lane_broker_roles) each is a role's that
+may do only what its component needs: the reader makes and writes nothing,
+so the tables are made by init-roles (`make_tables`) with the owner's DSN.
 
 What a pass does with the broker is read: each lane's in_flight and workers
 (`lane_states`; a memoized pass only the in_flight, `in_flight`), plain SQL
@@ -73,7 +84,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from reconciler.core.timestamps import from_epoch_seconds
-from reconciler.ports import Clock, LaneBrokerError, LaneBrokerUnavailable, LaneTarget, StaleDispatcher
+from reconciler.ports import Clock, DispatchFence, LaneBrokerError, LaneBrokerUnavailable, LaneTarget, StaleDispatcher
 
 if TYPE_CHECKING:
     from saq.queue.postgres import PostgresQueue
@@ -89,8 +100,6 @@ T = TypeVar("T")
 # imports no saq.
 JOBS_TABLE = "saq_jobs"
 STATS_TABLE = "saq_stats"
-# The first key of the fabric's advisory locks (saq's own use key space 0).
-LOCK_SPACE = 0x0FAB
 # saq_jobs statuses that hold a lane slot: everything not finished.
 UNFINISHED = ("new", "deferred", "queued", "active")
 # Where a run settled as crashed (or found aborting) is set aside: a queue no
@@ -119,6 +128,39 @@ CREATE TABLE IF NOT EXISTS fabric_lane_fence (
 );
 INSERT INTO fabric_lane_fence (id, epoch) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
 """
+
+
+FABRIC_TABLES = ("fabric_lane_jobs", "fabric_lane_fence")
+
+
+def _fabric_tables_made(conn: psycopg.Connection[Any]) -> bool:
+    """The fabric's tables and the fence's row are there (read with the
+    catalog, which any role may, and the fence, which every role of
+    init-roles that dispatches may read)."""
+    made = conn.execute("SELECT bool_and(to_regclass(t) IS NOT NULL) FROM unnest(%s::text[]) AS t", (list(FABRIC_TABLES),)).fetchone()
+    if made is None or not made[0]:
+        return False
+    try:
+        with conn.transaction():
+            return conn.execute("SELECT 1 FROM fabric_lane_fence WHERE id = 1").fetchone() is not None
+    except psycopg.errors.InsufficientPrivilege:
+        return True  # not this role's to read (nor to make)
+
+
+def make_tables(dsn: str, timeout_s: float = 5.0) -> list[str]:
+    """saq's tables (its migrations) and the fabric's, made where missing, with
+    the broker's owner's DSN (`fabric lane init-roles`); what was made, said."""
+    made = []
+    with psycopg.connect(dsn, autocommit=True, **_bounded(timeout_s)) as conn:
+        saq_before = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (JOBS_TABLE,)).fetchone()
+    _saq_tables(dsn, timeout_s)
+    if saq_before is not None and not saq_before[0]:
+        made.append(f"made saq's tables ({JOBS_TABLE}, {STATS_TABLE}) with saq's migrations")
+    with psycopg.connect(dsn, autocommit=True, **_bounded(timeout_s)) as conn, conn.transaction():
+        if not _fabric_tables_made(conn):
+            conn.execute(_SCHEMA)
+            made.append(f"made the fabric's tables ({', '.join(FABRIC_TABLES)})")
+    return made
 
 
 def _saq_tables(dsn: str, timeout_s: float) -> None:
@@ -212,7 +254,10 @@ class PostgresLaneBroker:
         except psycopg.Error as exc:
             raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, self._secrets)}") from None
         with self._connection() as conn, conn.transaction():
-            conn.execute(_SCHEMA)
+            # A role of `fabric lane init-roles` may not create tables: the
+            # schema is run only where the fabric's tables are missing.
+            if not _fabric_tables_made(conn):
+                conn.execute(_SCHEMA)
         self._prepared = True
 
     def _reading(self, read: Callable[[psycopg.Connection[Any]], T]) -> T:
@@ -280,15 +325,11 @@ class PostgresLaneBroker:
             rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM fabric_lane_jobs ORDER BY enqueued_at, seq").fetchall()
         return [_job(row) for row in rows]
 
-    def dispatch(self, job_id: str, target: LaneTarget, epoch: int) -> QueuedJob | None:
+    def dispatch(self, job_id: str, target: LaneTarget, fence: DispatchFence) -> QueuedJob | None:
         self._prepare()
         now = self._clock.now()
         with self._connection() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, target.queue))
-            conn.execute("UPDATE fabric_lane_fence SET epoch = %s WHERE id = 1 AND epoch < %s", (epoch, epoch))
-            fence = conn.execute("SELECT epoch FROM fabric_lane_fence WHERE id = 1 FOR SHARE").fetchone()
-            if fence is not None and int(fence[0]) > epoch:
-                raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {fence[0]} dispatches now")
+            _fence(conn, fence, self._timeout)
             row = conn.execute("SELECT dispatches FROM fabric_lane_jobs WHERE job_id = %s AND lane IS NULL FOR UPDATE", (job_id,)).fetchone()
             if row is None:
                 return None
@@ -405,7 +446,7 @@ class PostgresLaneBroker:
             runs=tuple(replace(run, worker_expires_s=expiry.get(run.worker)) if run.worker else run for run in runs),
         )
 
-    def settle_crashed(self, crashed: Sequence[CrashedRun], epoch: int) -> list[SettledJob]:
+    def settle_crashed(self, crashed: Sequence[CrashedRun], fence: DispatchFence) -> list[SettledJob]:
         from reconciler.core.live.records import SettledJob
 
         if not crashed:
@@ -413,7 +454,7 @@ class PostgresLaneBroker:
         self._prepare()
         settled = []
         with self._connection() as conn, conn.transaction():
-            _fence(conn, epoch)
+            _fence(conn, fence, self._timeout)
             for item in crashed:
                 run = item.run
                 # Still this job's run and still active; a row another
@@ -568,13 +609,19 @@ class PostgresLaneBroker:
         return {queue: held.get(queue, 0) for queue in queues}
 
 
-def _fence(conn: psycopg.Connection[Any], epoch: int) -> None:
-    """`dispatch`'s fence: raise the stored epoch to `epoch` if newer, then
-    hold it (FOR SHARE) until commit; an older `epoch` is refused."""
-    conn.execute("UPDATE fabric_lane_fence SET epoch = %s WHERE id = 1 AND epoch < %s", (epoch, epoch))
-    fence = conn.execute("SELECT epoch FROM fabric_lane_fence WHERE id = 1 FOR SHARE").fetchone()
-    if fence is not None and int(fence[0]) > epoch:
-        raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {fence[0]} dispatches now")
+def _fence(conn: psycopg.Connection[Any], fence: DispatchFence, timeout_s: float) -> None:
+    """`dispatch`'s fence (module docstring): the fence row locked until
+    commit, then the registry's current term must be `fence.term`; the row
+    records the term that dispatches. Raises StaleDispatcher."""
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{max(1, int(timeout_s * 1000))}ms")))
+    row = conn.execute("SELECT epoch FROM fabric_lane_fence WHERE id = 1 FOR UPDATE").fetchone()
+    if row is None:
+        raise LaneBrokerError("phaze's broker: the fabric's fence row is missing (fabric lane init-roles makes it)")
+    refused = fence.refusal()
+    if refused is not None:
+        raise StaleDispatcher(refused)
+    if int(row[0]) != fence.term:
+        conn.execute("UPDATE fabric_lane_fence SET epoch = %s WHERE id = 1", (fence.term,))
 
 
 def _set_aside(conn: psycopg.Connection[Any], key: str) -> None:

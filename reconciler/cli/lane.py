@@ -9,6 +9,14 @@
                                              first, into lane queues (reconciler.engine.dispatch);
                                              prints every start, every hold with its reason, and
                                              every job that finished or failed
+    fabric lane init-roles --admin-url-file FILE [--dry-run]
+                                             phaze's broker's roles by what each component needs
+                                             (reconciler.core.desired.broker_access): fabric-reader,
+                                             fabric-dispatcher, fabric-agent-<lane> (row-level
+                                             security: its own queue's rows); saq's and the
+                                             fabric's tables made first. Idempotent: prints each
+                                             change, or "nothing to do". FILE holds the DSN of
+                                             the tables' owner (phaze's own)
     fabric lane status [--json]              per lane its kind, rank, cap, jobs in its queue,
                                              queue name, online and why not, and the hold a new
                                              job would get; waiting jobs with what would happen
@@ -30,10 +38,11 @@ A job is an id (lowercase letters, digits, '-', '_'), its enqueue time, its
 attempts and its duration: what it runs stays with the job system. Lanes
 (kind, rank, cap, queue) come from the desired state (`--desired DIR`), their
 load and workers from phaze's broker (the DSN in the file `--queue-url-file`
-or [phaze] queue_url_file names).
+names, else [phaze] dispatcher_url_file for enqueue and dispatch, else [phaze]
+queue_url_file).
 
 Exit status: 0 done; 1 the registry or the broker could not be reached, or a
-newer dispatcher runs (this one's epoch is stale); 2 bad input (an invalid
+newer dispatcher runs (the registry names another term than this one's); 2 bad input (an invalid
 job id or duration, an invalid desired state, enqueue or dispatch in a phaze fleet).
 """
 
@@ -44,17 +53,20 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
+from reconciler.cli.common import load_or_fail
 from reconciler.cli.registry_options import add_queue_url_option, add_registry_options, desired_and_registry, opened_lane_broker
+from reconciler.core.desired.broker_access import broker_roles, role_steps
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import check_node_id
 from reconciler.core.timestamps import stamp
 from reconciler.engine.dispatch import HOLD_MEANING, DispatchEvent, PhazeDispatches, lane_status, refuse_phaze_lanes, run_dispatcher
-from reconciler.ports import LaneBroker, Registry, StaleDispatcher
-from reconciler.wiring import system_clock
+from reconciler.ports import LaneBroker, LaneBrokerError, Registry, StaleDispatcher
+from reconciler.wiring import broker_role_admin, system_clock
 
 
 def _interval(text: str) -> float:
@@ -81,12 +93,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lane", help="the lane job queue on phaze's broker: enqueue, dispatch into lane queues, status")
     add_registry_options(p)
     add_queue_url_option(p)
-    p.add_argument("action", choices=["enqueue", "dispatch", "status"])
+    p.add_argument("action", choices=["enqueue", "dispatch", "status", "init-roles"])
     p.add_argument("jobs", nargs="*", metavar="JOB", help="enqueue: job ids")
     p.add_argument("--duration", type=_duration, metavar="S", help="enqueue: the jobs' media duration in seconds (default: not known)")
     p.add_argument("--once", action="store_true", help="dispatch: one pass over the waiting jobs, then exit")
     p.add_argument("--interval", type=_interval, default=1.0, metavar="S", help="dispatch: seconds between passes (default 1)")
     p.add_argument("--json", action="store_true", help="JSON output (dispatch: one object per line)")
+    p.add_argument("--admin-url-file", metavar="FILE", type=Path, help="init-roles: the file holding the DSN of the broker tables' owner")
+    p.add_argument("--dry-run", action="store_true", help="init-roles: print the changes without making them")
     p.set_defaults(func=run, parser=p)
 
 
@@ -104,11 +118,45 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"lane {args.action} takes no job ids")
     if args.duration is not None and args.action != "enqueue":
         parser.error("--duration goes with enqueue")
+    if (args.admin_url_file is not None or args.dry_run) != (args.action == "init-roles"):
+        parser.error("--admin-url-file (and --dry-run) go with init-roles, which needs --admin-url-file")
+    if args.action == "init-roles":
+        return _init_roles(args)
     with desired_and_registry(args) as (desired, registry):
         if args.action != "status":
             _refuse_phaze_lanes(args.action, desired)
-        with opened_lane_broker(args, desired) as lane_broker:
+        with opened_lane_broker(args, desired, dispatcher=args.action != "status") as lane_broker:
             _run_action(args, desired, registry, lane_broker)
+    return EXIT_OK
+
+
+def _init_roles(args: argparse.Namespace) -> int:
+    """`fabric lane init-roles` (module docstring): exit 1 when the broker
+    refuses or does not answer, 2 for a bad desired state."""
+    desired = load_or_fail(args.desired)
+    try:
+        admin = broker_role_admin(args.admin_url_file)
+        try:
+            made = ["would have made saq's and the fabric's tables where missing"] if args.dry_run else admin.make_tables()
+            for line in made:
+                print(line, flush=True)
+            steps = role_steps(broker_roles(desired), admin.role_state())
+            for step in steps:
+                if not args.dry_run:
+                    admin.apply_role_step(step)
+                print(f"{'would have ' if args.dry_run else ''}{step.describe()}", flush=True)
+        finally:
+            admin.close()
+    except LaneBrokerError as exc:
+        raise CommandError(f"fabric lane init-roles: {exc}") from None
+    if not steps and not (made and not args.dry_run):
+        print("nothing to do: the broker holds every role the desired state's lanes need")
+    else:
+        print(
+            "the roles have no password: set one (ALTER ROLE ... PASSWORD) or authenticate them in pg_hba.conf, then write each "
+            "role's DSN into its file ([phaze] queue_url_file: fabric-reader; dispatcher_url_file: fabric-dispatcher; "
+            "each compute lane's queue_url_file: fabric-agent-<lane>)"
+        )
     return EXIT_OK
 
 

@@ -207,7 +207,7 @@ def _run_loop(args: argparse.Namespace) -> int:
 
 
 def _lead(args: argparse.Namespace, desired: DesiredState, registry: Registry, hooks: HookRunner, audit: Audit | None, signer: PlanSigner) -> int:
-    lane_broker = lane_broker_if_configured(desired.fleet, note=_log)
+    lane_broker = lane_broker_if_configured(desired.fleet, note=_log, dispatcher=True)
     try:
         return _candidate(args, desired, registry, hooks, audit, signer, lane_broker)
     finally:

@@ -100,16 +100,17 @@ def add_queue_url_option(parser: argparse.ArgumentParser) -> None:
         "--queue-url-file",
         metavar="FILE",
         type=Path,
-        help="the file holding phaze's broker URL (default: fabric.toml [phaze] queue_url_file)",
+        help="the file holding phaze's broker URL (default: fabric.toml [phaze] dispatcher_url_file for enqueue and dispatch, else queue_url_file)",
     )
 
 
 @contextmanager
-def opened_lane_broker(args: argparse.Namespace, desired: DesiredState) -> Iterator[LaneBroker]:
-    """phaze's broker as the lane queue, closed afterwards; a LaneBrokerError,
-    opening it or inside, ends the command with exit 1: `fabric COMMAND: lane queue: REASON`."""
+def opened_lane_broker(args: argparse.Namespace, desired: DesiredState, *, dispatcher: bool = False) -> Iterator[LaneBroker]:
+    """phaze's broker as the lane queue (`dispatcher`: with [phaze]
+    dispatcher_url_file's DSN), closed afterwards; a LaneBrokerError, opening
+    it or inside, ends the command with exit 1: `fabric COMMAND: lane queue: REASON`."""
     try:
-        lane_broker = open_lane_broker(desired.fleet, dsn_file=getattr(args, "queue_url_file", None))
+        lane_broker = open_lane_broker(desired.fleet, dsn_file=getattr(args, "queue_url_file", None), dispatcher=dispatcher)
         try:
             yield lane_broker
         finally:

@@ -19,13 +19,14 @@ runs `dispatch_pass` over them:
             one more cloud attempt when they ran in a compute lane)
     for each waiting job, oldest enqueued first:
         choose_lane(lanes, LaneJob(waited_s, attempts, duration_s))   (reconciler.core.scheduling.lanes, pure)
-        a lane  -> LaneBroker.dispatch(job, LaneTarget(lane, queue, cap), epoch):
-                   one transaction under the lane queue's lock that puts the
+        a lane  -> LaneBroker.dispatch(job, LaneTarget(lane, queue, cap), fence):
+                   one transaction under the dispatch lock that puts the
                    job on the lane's SAQ queue only while the job still waits
                    and the queue holds fewer than `cap` jobs, so however many
                    dispatchers race, no lane ever holds more than `cap` jobs
-                   and no job runs twice; a dispatcher whose epoch is older
-                   than one the queue has seen is refused (StaleDispatcher)
+                   and no job runs twice; a dispatcher whose term is not the
+                   registry's current one, read inside that transaction, is
+                   refused (StaleDispatcher)
         a hold  -> the job stays waiting; the event carries the hold reason
 
 A lost race (the slot or the job taken by another dispatcher between the read
@@ -38,8 +39,11 @@ taken atomically by `dispatch`; the host's capacity is read with the
 snapshot, so two dispatchers racing for the last host slot can both win it
 until the next read.
 
-The epoch: the registry's newest epoch, read at the start of every pass
-(it only grows: a new leader's term raises it).
+The fence (`dispatcher_fence`): the leader's term as the registry assigned
+it (`LeaderInfo.term`), read at the start of every pass, and checked against
+the registry inside every fenced transaction: nothing a broker client writes
+can stop dispatch, and a deposed leader's dispatch is refused as soon as the
+registry names another term.
 
 Also here: `run_dispatcher` (`fabric lane dispatch`'s loop) and
 `lane_status` (`fabric lane status`).
@@ -62,7 +66,17 @@ from reconciler.core.scheduling.lanes import LaneJob, choose_lane, crash_timing,
 from reconciler.core.timestamps import utc
 from reconciler.engine.lane_states import lane_targets, with_lane_states
 from reconciler.engine.scaling_step import queue_depth
-from reconciler.ports import Clock, FleetReads, LaneBroker, LaneBrokerError, LaneBrokerUnavailable, RegistryReads, RegistryUnavailable
+from reconciler.ports import (
+    Clock,
+    DispatchFence,
+    FleetReads,
+    LaneBroker,
+    LaneBrokerError,
+    LaneBrokerUnavailable,
+    RegistryError,
+    RegistryReads,
+    RegistryUnavailable,
+)
 
 # Lost races in a row before a pass gives up on a job (each loss means another
 # dispatcher made progress, so this only trips under a pathological storm).
@@ -169,7 +183,7 @@ class DispatchOutcome:
 
 
 def settle_crashed(
-    lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None = None
+    lane_broker: LaneBroker, desired: DesiredState, fence: DispatchFence, emit: Callable[[DispatchEvent], None] | None = None
 ) -> list[DispatchEvent]:
     """The runs whose worker is gone settled as crashed (their jobs wait
     again), then the late finishes of runs settled so before (superseded,
@@ -177,16 +191,18 @@ def settle_crashed(
     The facts are the broker's (`active_runs`, one transaction), the
     decision core's (`crashed_runs`); raises StaleDispatcher when a newer
     dispatcher runs."""
-    return _settle_crashed(lane_broker, desired, epoch, emit).events
+    return _settle_crashed(lane_broker, desired, fence, emit).events
 
 
-def _settle_crashed(lane_broker: LaneBroker, desired: DesiredState, epoch: int, emit: Callable[[DispatchEvent], None] | None) -> DispatchOutcome:
+def _settle_crashed(
+    lane_broker: LaneBroker, desired: DesiredState, fence: DispatchFence, emit: Callable[[DispatchEvent], None] | None
+) -> DispatchOutcome:
     events: list[DispatchEvent] = []
     out = _emitting(events, emit)
     timing = crash_timing(desired.fleet.scheduler)
     seen = lane_broker.active_runs()
     crashed = crashed_runs(seen, timing)
-    for job in lane_broker.settle_crashed(crashed, epoch) if crashed else []:
+    for job in lane_broker.settle_crashed(crashed, fence) if crashed else []:
         out(_settled_event(job))
     for job in lane_broker.sweep_superseded():
         out(_settled_event(job))
@@ -227,13 +243,24 @@ def refuse_phaze_lanes(desired: DesiredState) -> None:
             raise PhazeDispatches(f"lane {target.lane}: its queue {target.queue} is phaze's ({PHAZE_QUEUE_PREFIX}*): the fabric writes no job there")
 
 
-def dispatcher_epoch(registry: RegistryReads) -> int:
-    """The epoch a dispatcher is fenced by: the leader's term, as the leader's
-    own dispatcher (`engine.leader`, step 5) carries it, so a dispatcher run
-    by hand under that leader is not refused and a deposed leader's is. With
-    no leader, the newest epoch, which every later term exceeds."""
-    leader = registry.leader()
-    return leader.epoch if leader is not None else registry.epoch()
+def registry_term(registry: FleetReads) -> int:
+    """The registry's current term: its leader record's (live, stale or
+    resigned: the term is current until a candidate campaigns), 0 with no
+    record. Raises LaneBrokerUnavailable when the registry cannot be read
+    (a dispatch waits for it: no term, no dispatch)."""
+    try:
+        held = registry.leader_term()
+    except RegistryError as exc:
+        raise LaneBrokerUnavailable(f"the registry cannot confirm the dispatcher's term: {exc}") from None
+    return held.term if held is not None else 0
+
+
+def dispatcher_fence(registry: FleetReads, term: int | None = None) -> DispatchFence:
+    """The fence a dispatcher runs under: `term` (the leader's own, `engine.leader`
+    step 5) or, by hand, the registry's current term now, so a dispatcher run
+    under that leader is not refused and a deposed leader's is; the broker
+    checks it against the registry inside each fenced transaction."""
+    return DispatchFence(registry_term(registry) if term is None else term, lambda: registry_term(registry))
 
 
 def dispatch_pass(
@@ -241,13 +268,13 @@ def dispatch_pass(
     lane_broker: LaneBroker,
     desired: DesiredState,
     *,
-    epoch: int | None = None,
+    fence: DispatchFence | None = None,
     emit: Callable[[DispatchEvent], None] | None = None,
 ) -> list[DispatchEvent]:
-    """One pass over the waiting jobs (see the module docstring); `epoch`
-    defaults to `dispatcher_epoch(registry)`. Raises StaleDispatcher when a
-    newer dispatcher runs."""
-    return dispatch_once(registry, lane_broker, desired, epoch=epoch, emit=emit).events
+    """One pass over the waiting jobs (see the module docstring); `fence`
+    defaults to `dispatcher_fence(registry)`. Raises StaleDispatcher when the
+    registry names another term."""
+    return dispatch_once(registry, lane_broker, desired, fence=fence, emit=emit).events
 
 
 def dispatch_once(
@@ -255,14 +282,14 @@ def dispatch_once(
     lane_broker: LaneBroker,
     desired: DesiredState,
     *,
-    epoch: int | None = None,
+    fence: DispatchFence | None = None,
     emit: Callable[[DispatchEvent], None] | None = None,
 ) -> DispatchOutcome:
     """`dispatch_pass`, with when the next crash check is due (`DispatchOutcome`)."""
     refuse_phaze_lanes(desired)
     settings = desired.fleet.scheduler
     targets = {lane: replace(target, heartbeat_s=settings.lane_job_heartbeat_s) for lane, target in lane_targets(desired).items()}
-    fence = dispatcher_epoch(registry) if epoch is None else epoch
+    fence = dispatcher_fence(registry) if fence is None else fence
     crashes = _settle_crashed(lane_broker, desired, fence, emit)
     events = crashes.events
     out = _emitting(events, emit)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reconciler.core.desired.model import DesiredState
-from reconciler.core.live.models import Snapshot
-from reconciler.engine.heartbeat import no_lane_broker
-from reconciler.engine.lane_states import with_lane_states
-from reconciler.ports import FleetViewConnection, LaneBroker, LaneBrokerError, RegistryError
+from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.scheduling.lanes import lanes_of_plan
+from reconciler.ports import FleetViewConnection, RegistryError
 
 if TYPE_CHECKING:
     # The fleet's view is read after activation (read_fleet_view): its reader
@@ -31,20 +30,17 @@ class FleetView:
     notes: tuple[str, ...] = ()
 
 
-def read_fleet_view(
-    connect: Callable[[], FleetViewConnection], desired: DesiredState, open_lanes: Callable[[], LaneBroker | None] = no_lane_broker
-) -> FleetView:
-    """The registry's view of the whole fleet for the edge's status page:
-    its snapshot with the lanes' queues (phaze's broker) and what it
-    remembers, on one connection. A pass reads it after activation, so the
-    edge's Caddy never waits for the page's reads (nor for the broker's
-    client to load). Raises RegistryError; the broker or the history not
-    answering is a note (the page goes without them)."""
+def read_fleet_view(connect: Callable[[], FleetViewConnection], desired: DesiredState, plan: FleetPlan | None = None) -> FleetView:
+    """The registry's view of the whole fleet for the edge's status page: its
+    snapshot and what it remembers, on one connection, with the lanes' queues
+    of `plan` (the plan the pass took: the leader's, signed), so the edge
+    needs no access to phaze's broker. A pass reads it after activation, so
+    the edge's Caddy never waits for the page's reads. Raises RegistryError;
+    the history not answering is a note (the page goes without it)."""
     from reconciler.engine.status import fleet_history
 
     notes: list[str] = []
     registry = connect()
-    lane_broker: LaneBroker | None = None
     try:
         snapshot = registry.snapshot(lanes=[lane.id for lane in desired.lanes])
         history: FleetHistory | None = None
@@ -52,13 +48,9 @@ def read_fleet_view(
             history = fleet_history(registry)
         except RegistryError as exc:  # the page goes without its timeline
             notes.append(f"status page without its timeline: {exc}")
-        lane_broker = open_lanes()
-        try:
-            snapshot = with_lane_states(snapshot, lane_broker, desired)
-        except LaneBrokerError as exc:
-            notes.append(f"lane queue unreachable, status page without the lanes' queues: {exc}")
     finally:
         registry.close()
-        if lane_broker is not None:
-            lane_broker.close()
+    if plan is not None and plan.lanes:
+        declared = {lane.id for lane in desired.lanes}
+        snapshot = snapshot.model_copy(update={"lanes": [lane for lane in lanes_of_plan(plan.lanes) if lane.id in declared]})
     return FleetView(snapshot, history, tuple(notes))

@@ -2,9 +2,10 @@
 
 The registry's snapshot carries the declared lanes with no load: lane jobs
 live on phaze's broker (`LaneBroker`). Every reader of lanes (the dispatcher,
-`fabric lane status`, `fabric status`, the leader's plan, the edge's status
-page, a host's heartbeat) puts the lane queue's view in with
-`with_lane_states` before `lanes.lane_views` reads it.
+`fabric lane status`, `fabric status`, the leader's plan, a host's
+heartbeat) puts the lane queue's view in with `with_lane_states` before
+`lanes.lane_views` reads it. The edge's status page does not: it shows the
+lanes of the leader's plan (`lanes.lanes_of_plan`), so the edge holds no DSN.
 """
 
 from __future__ import annotations

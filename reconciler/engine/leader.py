@@ -30,8 +30,9 @@ One `step()`:
   5. leading, with a `lane_broker` (phaze's broker, `[phaze] queue_url_file`):
      the lane dispatcher's pass (`engine.dispatch.dispatch_pass`): finished
      lane jobs settled, waiting ones into lane slots by multi-compute.md's
-     rules, fenced by this term's epoch, so a deposed leader's dispatch is
-     refused by the broker even before its renewal fails. Jobs started and
+     rules, fenced by this term (checked against the registry inside each
+     dispatch's transaction), so a deposed leader's dispatch is refused by
+     the broker even before its renewal fails. Jobs started and
      settled are logged; holds are not (they would repeat every step: `fabric
      lane status` shows them). `[phaze] leader_dispatches = false` leaves
      dispatching to `fabric lane dispatch` alone.
@@ -90,7 +91,7 @@ from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.core.scheduling.suspicion import advance_suspects, next_liveness_lapse, note_hedges, remember_liveness, suspected, with_suspects
-from reconciler.engine.dispatch import DispatchEvent, dispatch_once
+from reconciler.engine.dispatch import DispatchEvent, dispatch_once, dispatcher_fence
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
 from reconciler.ports import (
@@ -312,7 +313,9 @@ class LeaderLoop:
         self._crash_check_at = None
         started = self.clock.now() if self.clock is not None else 0.0  # the pass reads the runs first
         try:
-            done = dispatch_once(self.registry, self.lane_broker, self.desired, epoch=self.leadership.epoch, emit=told)
+            done = dispatch_once(
+                self.registry, self.lane_broker, self.desired, fence=dispatcher_fence(self.registry, self.leadership.term), emit=told
+            )
             if done.crash_check_in_s is not None and self.clock is not None:
                 self._crash_check_at = started + done.wake_in_s(done.crash_check_in_s)
         except StaleDispatcher as exc:

@@ -110,8 +110,11 @@ def read_registry(
     signer: PlanSigner | None = None,
     units_now: Callable[[], UnitsSeen] | None = None,
     open_lanes: Callable[[], LaneBroker | None] = no_lane_broker,
+    open_dispatcher: Callable[[], LaneBroker | None] | None = None,
 ) -> PlanOffer:
     """Connect, heartbeat (when `write`), maybe lead, then the newest plan.
+    The lanes are read with `open_lanes` (the reader's DSN); a leader step
+    dispatches with `open_dispatcher` (the dispatcher's; None: `open_lanes`).
 
     The heartbeat's load is measured from `units_now` (the generation that
     runs as the pass starts); the pass beats again after activation
@@ -120,12 +123,21 @@ def read_registry(
     registry: PassRegistry | None = None
     opened: list[LaneBroker | None] = []
 
+    dispatching: list[LaneBroker | None] = []
+
     def lanes() -> LaneBroker | None:
         # Opened at most once, and only by what reads it: the lanes whose
         # jobs run here, or a leader step actually taken.
         if not opened:
             opened.append(open_lanes())
         return opened[0]
+
+    def dispatch_lanes() -> LaneBroker | None:
+        if open_dispatcher is None:
+            return lanes()
+        if not dispatching:
+            dispatching.append(open_dispatcher())
+        return dispatching[0]
 
     sent: NodeRecord | None = None
     try:
@@ -136,7 +148,7 @@ def read_registry(
             sent = node_record(desired, host, facts, measured)
             stored = registry.heartbeat(sent)
             notes.append(stored.heartbeat_note())
-            led = lead_once(registry, desired, host, signer, lanes)
+            led = lead_once(registry, desired, host, signer, dispatch_lanes)
             if led:
                 notes.append(f"leader step: {led}")
         # The leader record before the plan (signed fleets: a plan is applied
@@ -155,8 +167,9 @@ def read_registry(
     finally:
         if registry is not None:
             registry.close()
-        if opened and opened[0] is not None:
-            opened[0].close()
+        for broker in (*opened, *dispatching):
+            if broker is not None:
+                broker.close()
     return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state, leader=leader)
 
 
@@ -194,6 +207,7 @@ def fleet_plan_for(
     signer: PlanSigner | None = None,
     units_now: Callable[[], UnitsSeen] | None = None,
     open_lanes: Callable[[], LaneBroker | None] = no_lane_broker,
+    open_dispatcher: Callable[[], LaneBroker | None] | None = None,
 ) -> PassPlan:
     """The pass's fleet plan from `choice`, through the fence.
 
@@ -205,7 +219,9 @@ def fleet_plan_for(
     elif isinstance(choice, PlanAlone):
         offer = PlanOffer("alone", plan_alone(desired, host, facts, now))
     else:
-        offer = read_registry(connect, desired, host, facts, write=write, signer=signer, units_now=units_now, open_lanes=open_lanes)
+        offer = read_registry(
+            connect, desired, host, facts, write=write, signer=signer, units_now=units_now, open_lanes=open_lanes, open_dispatcher=open_dispatcher
+        )
     source = admit(offer, desired, applied_epoch=applied_epoch, has_generation=has_generation, now=now)
     if offer.registry_epoch is None:
         return source

@@ -164,6 +164,9 @@ class PassPorts:
     # Opens phaze's broker as the lane queue (None: not configured or not
     # reachable, said in a note); the pass closes it.
     open_lane_broker: Callable[[FleetConfig], LaneBroker | None] = _no_lane_broker
+    # Opens phaze's broker as the dispatcher, for a candidate's one-shot leader
+    # step ([phaze] dispatcher_url_file; None: `open_lane_broker`).
+    open_dispatch_broker: Callable[[FleetConfig], LaneBroker | None] | None = None
     # A leader candidate's plan key, for the pass's one-shot leader step (None: cannot sign).
     plan_signer: PlanSigner | None = None
     programs: ProgramPaths = field(default_factory=ProgramPaths)
@@ -293,6 +296,7 @@ def _plan_and_render(
             facts,
             connect=lambda: ports.open_registry(desired.fleet),
             open_lanes=lambda: ports.open_lane_broker(desired.fleet),
+            open_dispatcher=lambda: (ports.open_dispatch_broker or ports.open_lane_broker)(desired.fleet),
             applied_epoch=AppliedFence(manifest.epoch, manifest.term, manifest.key_id) if manifest is not None else None,
             has_generation=current is not None,
             now=_now(ports.clock),
@@ -489,7 +493,8 @@ def _fleet_view(ports: PassPorts, prepared: _PreparedPass) -> tuple[FleetView | 
     if not shows_fleet(desired, prepared.host, prepared.source):
         return None, desired
     try:
-        view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, lambda: ports.open_lane_broker(desired.fleet))
+        # The lanes of the plan this pass took (the leader's, signed): the edge reads no broker.
+        view = read_fleet_view(lambda: ports.open_registry(desired.fleet), desired, prepared.source.plan)
         # From the pass's desired state: the plan's hosts are loaded already, only the snapshot's nodes may be new.
         page_desired = with_plan_hosts(replace(prepared.loaded, desired=desired), prepared.source.plan, view.snapshot)
     except RegistryError as exc:

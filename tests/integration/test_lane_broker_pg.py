@@ -24,8 +24,8 @@ from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
-from reconciler.engine.dispatch import dispatch_pass, lane_status, lane_targets
-from reconciler.ports import StaleDispatcher
+from reconciler.engine.dispatch import dispatch_pass, dispatcher_fence, lane_status, lane_targets
+from reconciler.ports import DispatchFence, StaleDispatcher
 from tests.support.clock import FakeClock
 from tests.support.harness.own_lanes import OWN_A1, OWN_LOCAL, OWN_X86, own_lanes, own_lanes_fleet
 from tests.support.harness.saq_workers import LaneWorkers
@@ -206,15 +206,19 @@ def test_a_lane_without_any_worker_is_offline_and_says_so(lanes, desired):
     assert views["x86-spill"].available
 
 
-def test_a_dispatcher_with_an_older_epoch_is_refused(lanes, desired):
+def test_a_dispatcher_of_another_term_than_the_registrys_is_refused(lanes, desired):
     lanes.workers.start(A1)
     lanes.queue.enqueue([("j1", None), ("j2", None)])
     target = lane_targets(desired)["a1-arm64"]
-    assert lanes.queue.dispatch("j1", target, epoch=7) is not None
-    with pytest.raises(StaleDispatcher, match="epoch 6 refused: epoch 7"):
-        lanes.another_queue().dispatch("j2", target, epoch=6)
+    registry_term = [7]
+    assert lanes.queue.dispatch("j1", target, DispatchFence(7, lambda: registry_term[0])) is not None
+    with pytest.raises(StaleDispatcher, match="term 6 refused: the registry's current term is 7"):
+        lanes.another_queue().dispatch("j2", target, DispatchFence(6, lambda: registry_term[0]))
     assert next(j for j in lanes.queue.jobs() if j.job_id == "j2").waiting, "the refused dispatch changed nothing"
-    assert lanes.queue.dispatch("j2", target, epoch=8) is not None, "a newer epoch goes on"
+    registry_term[0] = 8
+    with pytest.raises(StaleDispatcher, match="term 7 refused: the registry's current term is 8"):
+        lanes.queue.dispatch("j2", target, DispatchFence(7, lambda: registry_term[0]))
+    assert lanes.queue.dispatch("j2", target, DispatchFence(8, lambda: registry_term[0])) is not None, "the registry's term goes on"
 
 
 def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lanes, tmp_path):
@@ -257,15 +261,15 @@ def test_the_leaders_step_dispatches_onto_the_saq_queues_fenced_by_its_term(lane
     assert in_queue(lanes.dsn) == {A1: 1, LOCAL: 1}, lux_log
     assert any(line.startswith("lane job long-clip -> a1-arm64") for line in lux_log), lux_log
     assert lux.leadership is not None
-    old_term = lux.leadership.epoch
+    old_term = lux.leadership.term
     lanes.registry.resign(lux.leadership)
     lanes.queue.enqueue([("clip-2", 3600.0)])
     qfox = leader("qfox-1", [])
     qfox.step()
-    assert qfox.leadership is not None and qfox.leadership.epoch > old_term
+    assert qfox.leadership is not None and qfox.leadership.term > old_term
     lanes.queue.enqueue([("clip-3", 3600.0)])
     with pytest.raises(StaleDispatcher):
-        dispatch_pass(lanes.registry, lanes.another_queue(), signed, epoch=old_term)
+        dispatch_pass(lanes.registry, lanes.another_queue(), signed, fence=dispatcher_fence(lanes.registry, old_term))
     assert next(j for j in lanes.queue.jobs() if j.job_id == "clip-3").waiting
 
 
@@ -297,7 +301,7 @@ def test_200_racing_dispatches_from_several_dispatchers_never_exceed_a_cap(lanes
         while not done.is_set():
             for i, job in enumerate(order):
                 lane = ("a1-arm64", "x86-spill")[(i + n) % 2]
-                if dispatchers[n].dispatch(job, targets[lane], epoch=1) is not None:
+                if dispatchers[n].dispatch(job, targets[lane], DispatchFence.fixed(1)) is not None:
                     with lock:
                         dispatched.append((job, lane))
 
@@ -417,7 +421,7 @@ def test_reading_the_lanes_imports_no_saq_and_the_in_flight_alone_no_model(lanes
     from tests.conftest import REPO
 
     lanes.queue.enqueue([("job-1", None)])
-    assert lanes.queue.dispatch("job-1", lane_targets(desired)["a1-arm64"], epoch=1) is not None
+    assert lanes.queue.dispatch("job-1", lane_targets(desired)["a1-arm64"], DispatchFence.fixed(1)) is not None
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", READER, lanes.dsn], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr

@@ -8,10 +8,10 @@ the example fleet's lanes on the fabric's own queues
 short (local only); each run lasts 0.2-0.8 s (from its job id) and touches
 its SAQ heartbeat every 0.5 s. Workers beat every second, grace 2 s.
 
-Dispatcher A (epoch 1) runs passes every PASS_S (sooner when a run's
-worker lapses first, as `fabric lane dispatch` does); once a third of the jobs
-completed, dispatcher B (epoch 2) starts beside it (a new leader's term)
-and A must be refused. Once half completed, the broker restarts. Meanwhile
+Dispatcher A (term 1) runs passes every PASS_S (sooner when a run's worker
+lapses first, as `fabric lane dispatch` does); once a third of the jobs
+completed, the registry's term becomes 2 and dispatcher B (term 2) starts
+beside it (a new leader's term), and A must be refused. Once half completed, the broker restarts. Meanwhile
 KILLS agents are SIGKILLed at random moments (random.Random(SEED)) and
 restarted a little later; an agent that dies by itself is restarted too.
 
@@ -47,7 +47,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.scheduling.lanes import crash_timing
 from reconciler.engine.dispatch import DispatchEvent, dispatch_once
 from reconciler.engine.lane_states import lane_targets
-from reconciler.ports import LaneBrokerUnavailable, StaleDispatcher
+from reconciler.ports import DispatchFence, LaneBrokerUnavailable, StaleDispatcher
 from tests.support.clock import FakeClock
 from tests.support.harness.postgres import PostgresServer, postgres_server
 from tests.support.harness.saq_agent import AgentProcess, read_log
@@ -78,9 +78,11 @@ def server() -> Iterator[PostgresServer]:
 class Dispatcher(threading.Thread):
     """One dispatcher (a leader's term): passes every PASS_S until stopped or refused."""
 
-    def __init__(self, name: str, epoch: int, dsn: str, registry_path: str, desired: DesiredState, clock: FakeClock, stop: threading.Event) -> None:
+    def __init__(
+        self, name: str, fence: DispatchFence, dsn: str, registry_path: str, desired: DesiredState, clock: FakeClock, stop: threading.Event
+    ) -> None:
         super().__init__(name=name, daemon=True)
-        self.epoch, self.dsn, self.registry_path, self.desired, self.clock, self.stop = epoch, dsn, registry_path, desired, clock, stop
+        self.fence, self.dsn, self.registry_path, self.desired, self.clock, self.stop = fence, dsn, registry_path, desired, clock, stop
         self.events: list[DispatchEvent] = []
         self.heard_at: list[float] = []  # epoch s each event was told
         self.refused: StaleDispatcher | None = None
@@ -101,7 +103,7 @@ class Dispatcher(threading.Thread):
                     # As run_dispatcher waits: PASS_S, or less when a run's worker lapses first
                     # (counted from the pass's start, where it read the runs).
                     started = time.monotonic()
-                    outcome = dispatch_once(registry, broker, self.desired, epoch=self.epoch, emit=self.heard)
+                    outcome = dispatch_once(registry, broker, self.desired, fence=self.fence, emit=self.heard)
                     wait_s = max(0.0, outcome.wake_in_s(PASS_S) - (time.monotonic() - started)) if outcome.crash_check_in_s is not None else PASS_S
                 except StaleDispatcher as exc:
                     self.refused = exc
@@ -212,8 +214,9 @@ def test_300_jobs_through_kills_a_broker_restart_and_a_leader_change_each_comple
     ]
     stop = threading.Event()
     sampler = Sampler(dsn, [t.queue for t in targets.values()], stop)
-    first = Dispatcher("dispatcher-a", 1, dsn, registry_path, desired, clock, stop)
-    second = Dispatcher("dispatcher-b", 2, dsn, registry_path, desired, clock, stop)
+    registry_term = [1]  # the registry's current term, as the dispatchers' fences read it
+    first = Dispatcher("dispatcher-a", DispatchFence(1, lambda: registry_term[0]), dsn, registry_path, desired, clock, stop)
+    second = Dispatcher("dispatcher-b", DispatchFence(2, lambda: registry_term[0]), dsn, registry_path, desired, clock, stop)
     kills: list[tuple[float, AgentProcess]] = []
     restarted_on_its_own = 0
     try:
@@ -241,6 +244,7 @@ def test_300_jobs_through_kills_a_broker_restart_and_a_leader_change_each_comple
             now = time.monotonic()
             done = sum(completed().values())
             if not second.is_alive() and second.ident is None and done >= JOBS // 3:
+                registry_term[0] = 2  # a new leader's term
                 second.start()
             if not broker_restarted and done >= JOBS // 2:
                 server.restart()
@@ -320,7 +324,9 @@ def test_300_jobs_through_kills_a_broker_restart_and_a_leader_change_each_comple
     assert sorted(done) == jobs, f"jobs never completed: {sorted(set(jobs) - set(done))[:10]}"
     assert set(done.values()) == {1}, f"completed more than once: {[j for j, n in done.items() if n > 1]}"
     assert left == [], "the lane queue holds no job at the end"
-    assert first.refused is not None and "epoch 1 refused: epoch 2" in str(first.refused), "the old term's dispatcher was refused"
+    assert first.refused is not None and "term 1 refused: the registry's current term is 2" in str(first.refused), (
+        "the old term's dispatcher was refused"
+    )
     assert second.refused is None
     assert len(kills) == KILLS and broker_restarted
     assert crashed, "the chaos hit running jobs, which were settled as crashed"

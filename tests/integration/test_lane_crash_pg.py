@@ -24,7 +24,7 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.scheduling.lanes import ActiveRun, CrashedRun, crash_timing
 from reconciler.engine.dispatch import DispatchEvent, dispatch_pass
 from reconciler.engine.lane_states import lane_targets
-from reconciler.ports import StaleDispatcher
+from reconciler.ports import DispatchFence, StaleDispatcher
 from tests.support.clock import FakeClock
 from tests.support.harness.saq_agent import AgentProcess, read_log
 from tests.support.harness.waiting import deadline_for, wait_until
@@ -54,8 +54,8 @@ class World:
         self.agents.append(agent)
         return agent
 
-    def dispatch(self, epoch: int = 1) -> list[DispatchEvent]:
-        events = dispatch_pass(self.registry, self.broker, self.desired, epoch=epoch)
+    def dispatch(self, term: int = 1) -> list[DispatchEvent]:
+        events = dispatch_pass(self.registry, self.broker, self.desired, fence=DispatchFence.fixed(term))
         self.events += events
         return events
 
@@ -142,17 +142,17 @@ def test_a_run_whose_agent_lives_is_never_settled(world: World) -> None:
 def test_settling_a_crash_is_fenced_like_a_dispatch(world: World) -> None:
     world.broker.enqueue([("j1", None)])
     target = lane_targets(world.desired)["a1-arm64"]
-    assert world.broker.dispatch("j1", target, epoch=5) is not None
+    assert world.broker.dispatch("j1", target, DispatchFence.fixed(5)) is not None
     crashed = CrashedRun(ActiveRun(job_id="j1", lane="a1-arm64", key="j1.1"), "its worker w stopped beating")
-    with pytest.raises(StaleDispatcher, match="epoch 4 refused: epoch 5"):
-        world.broker.settle_crashed([crashed], epoch=4)
+    with pytest.raises(StaleDispatcher, match="term 4 refused: the registry's current term is 5"):
+        world.broker.settle_crashed([crashed], DispatchFence(4, lambda: 5))
     assert world.broker.jobs()[0].lane == "a1-arm64", "the refused settle changed nothing"
-    assert world.broker.settle_crashed([crashed], epoch=5) == [], "a run that is not active (queued, no worker) is not settled"
+    assert world.broker.settle_crashed([crashed], DispatchFence.fixed(5)) == [], "a run that is not active (queued, no worker) is not settled"
 
 
 def test_an_unreadable_run_record_is_named_not_a_crash_of_the_pass(world: World) -> None:
     world.broker.enqueue([("j1", None)])
-    assert world.broker.dispatch("j1", lane_targets(world.desired)["a1-arm64"], epoch=1) is not None
+    assert world.broker.dispatch("j1", lane_targets(world.desired)["a1-arm64"], DispatchFence.fixed(1)) is not None
     with psycopg.connect(world.dsn) as conn:
         conn.execute("UPDATE saq_jobs SET status = 'active', job = 'not json' WHERE key = 'j1.1'")
     (run,) = world.broker.active_runs().runs
@@ -184,7 +184,7 @@ def test_a_run_saqs_sweep_is_aborting_is_set_aside_not_deleted(world: World) -> 
     """Its worker may still run it: off its queue (the slot free, the job
     waiting again), the row kept so a late finish is seen and ignored."""
     world.broker.enqueue([("j1", None)])
-    assert world.broker.dispatch("j1", lane_targets(world.desired)["a1-arm64"], epoch=1) is not None
+    assert world.broker.dispatch("j1", lane_targets(world.desired)["a1-arm64"], DispatchFence.fixed(1)) is not None
     with psycopg.connect(world.dsn) as conn:
         conn.execute("UPDATE saq_jobs SET status = 'aborting' WHERE key = 'j1.1'")
     settled = [(e.job, e.outcome) for e in world.dispatch() if e.outcome is not None]

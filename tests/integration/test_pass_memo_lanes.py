@@ -16,6 +16,7 @@ from reconciler.adapters.clock import SystemClock
 from reconciler.adapters.lane_broker_pg import PostgresLaneBroker
 from reconciler.core.desired.load import load_desired
 from reconciler.engine.lane_states import lane_targets
+from reconciler.ports import DispatchFence
 from tests.support.cli import fabric
 from tests.support.harness.postgres import broker_url_file, naming_broker
 from tests.support.harness.saq_workers import LaneWorkers
@@ -47,8 +48,8 @@ def test_a_memoized_pass_reports_the_lane_jobs_running_now(tmp_path: Path, capsy
     try:
         workers.start(targets["x86-spill"].queue)  # phaze-agent-x86-spill-analyze, where phaze puts its jobs
         lanes.enqueue([("job-1", None), ("job-2", None)])
-        assert lanes.dispatch("job-1", targets["x86-spill"], epoch=1) is not None
-        assert lanes.dispatch("job-2", targets["a1-arm64"], epoch=1) is not None  # another host's lane
+        assert lanes.dispatch("job-1", targets["x86-spill"], DispatchFence.fixed(1)) is not None
+        assert lanes.dispatch("job-2", targets["a1-arm64"], DispatchFence.fixed(1)) is not None  # another host's lane
         code, _, err = fabric(capsys, *spill.argv())
         assert code == 0 and memoized(err), err
         assert "note: heartbeat: x86-spill tier relay, in_flight 2, alive for 90 s" in err

@@ -8,7 +8,7 @@ from tests.support.clock import FakeClock
 class FakeLaneBroker:
     """The `LaneBroker` port in memory, with the adapter's rules: a dispatch
     takes a waiting job into a lane only below its cap (counting what the
-    lane's queue holds, `held`), refuses an epoch older than one seen, and
+    lane's queue holds, `held`), refuses a term the registry does not name, and
     `settle` turns what the test's "workers" finished (`finish`) into gone
     jobs or waiting ones with one more cloud attempt. `workers[queue]` is how
     many SAQ workers beat on a queue (`silent_s[queue]`: since the last lapsed)."""
@@ -52,13 +52,19 @@ class FakeLaneBroker:
     def jobs(self):
         return sorted(self._jobs.values(), key=lambda j: j.enqueued_at)  # stable: enqueue order within a time
 
-    def dispatch(self, job_id, target, epoch):
-        from reconciler.core.timestamps import from_epoch_seconds
+    def _fenced(self, fence):
+        """The adapter's fence: the registry's current term must be the fence's; the row records it."""
         from reconciler.ports import StaleDispatcher
 
-        self.fence = max(self.fence, epoch)
-        if epoch < self.fence:
-            raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {self.fence} dispatches now")
+        refused = fence.refusal()
+        if refused is not None:
+            raise StaleDispatcher(refused)
+        self.fence = fence.term
+
+    def dispatch(self, job_id, target, fence):
+        from reconciler.core.timestamps import from_epoch_seconds
+
+        self._fenced(fence)
         job = self._jobs.get(job_id)
         if job is None or not job.waiting or self.held.get(target.queue, 0) >= target.cap:
             return None
@@ -98,12 +104,8 @@ class FakeLaneBroker:
 
         return BrokerRuns(now_s=self.clock.now(), broker_up_s=0.0)
 
-    def settle_crashed(self, crashed, epoch):
-        from reconciler.ports import StaleDispatcher
-
-        self.fence = max(self.fence, epoch)
-        if epoch < self.fence:
-            raise StaleDispatcher(f"dispatcher of epoch {epoch} refused: epoch {self.fence} dispatches now")
+    def settle_crashed(self, crashed, fence):
+        self._fenced(fence)
         return []
 
     def sweep_superseded(self):

@@ -108,7 +108,7 @@ def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled(tmp_p
     or the job system never hears that the job completed."""
     from reconciler.engine.dispatch import dispatch_pass
     from reconciler.engine.lane_states import lane_targets
-    from reconciler.ports import RegistryUnavailable
+    from reconciler.ports import DispatchFence, RegistryUnavailable
     from tests.support.fakes import FakeLaneBroker
     from tests.support.lane_crash_fleet import own_lanes_fleet
 
@@ -119,11 +119,11 @@ def test_a_pass_that_fails_after_settling_has_already_told_what_it_settled(tmp_p
     desired = own_lanes_fleet(tmp_path / "fleet")
     broker = FakeLaneBroker()
     broker.enqueue([("done-job", None)])
-    assert broker.dispatch("done-job", lane_targets(desired)["a1-arm64"], epoch=1) is not None
+    assert broker.dispatch("done-job", lane_targets(desired)["a1-arm64"], DispatchFence.fixed(1)) is not None
     broker.finish("done-job")
     heard = []
     with pytest.raises(RegistryUnavailable):
-        dispatch_pass(DownRegistry(), broker, desired, epoch=1, emit=heard.append)  # type: ignore[arg-type]
+        dispatch_pass(DownRegistry(), broker, desired, fence=DispatchFence.fixed(1), emit=heard.append)  # type: ignore[arg-type]
     assert [(e.job, e.outcome) for e in heard] == [("done-job", "complete")]
 
 

@@ -1,7 +1,8 @@
 """The leader's lane dispatcher (engine.leader step 5) on a real sqlite registry
 and a fake LaneBroker: each step dispatches the waiting jobs fenced by its term,
 a deposed leader's dispatch is refused, and `fabric lane dispatch` under a
-leader carries the leader's term (engine.dispatch.dispatcher_epoch)."""
+leader carries the leader's term (engine.dispatch.dispatcher_fence), and
+the fence is the registry's: a number in the broker stops nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import lane_queue_name
 from reconciler.core.scheduling.placement import schedule
-from reconciler.engine.dispatch import PhazeDispatches, dispatch_pass, dispatcher_epoch
+from reconciler.engine.dispatch import PhazeDispatches, dispatch_pass, dispatcher_fence
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import StaleDispatcher
 from tests.support.fakes import FakeLaneBroker
@@ -74,8 +75,8 @@ def test_the_leaders_dispatch_is_fenced_by_its_term(registry, fleet, queue):
     queue.enqueue([("clip-1", 3600.0)])
     loop.step()
     assert loop.leadership is not None
-    # The broker keeps the newest epoch a dispatch carried: this term's, not a plan's.
-    assert queue.fence == loop.leadership.epoch == dispatcher_epoch(registry) < registry.epoch()
+    # The broker records the term that dispatched: the registry's, not a plan's epoch.
+    assert queue.fence == loop.leadership.term == dispatcher_fence(registry).term == registry.leader_term().term
 
 
 def test_a_deposed_leaders_dispatch_is_refused(registry, fleet, queue):
@@ -92,7 +93,7 @@ def test_a_deposed_leaders_dispatch_is_refused(registry, fleet, queue):
     queue.enqueue([("clip-3", 3600.0)])
     # The old term still thinks it leads: its dispatch must not start the job.
     with pytest.raises(StaleDispatcher):
-        dispatch_pass(registry, queue, load_desired(fleet.desired), epoch=old.leadership.epoch)
+        dispatch_pass(registry, queue, load_desired(fleet.desired), fence=dispatcher_fence(registry, old.leadership.term))
     assert next(j for j in queue.jobs() if j.job_id == "clip-3").lane is None
 
 
@@ -140,3 +141,16 @@ def test_in_a_phaze_fleet_the_leader_and_any_dispatcher_write_no_job(tmp_path: P
     with pytest.raises(PhazeDispatches, match=r"phaze\.api_url: this is a phaze fleet"):
         dispatch_pass(registry, queue, desired)
     assert all(job.waiting for job in queue.jobs())
+
+
+def test_a_number_in_the_broker_does_not_stop_the_leaders_dispatch(registry, fleet, queue):
+    """What a broker client may write into the fence row decides nothing: the registry's term does."""
+    loop = leader(registry, fleet, queue, [])
+    loop.step()
+    queue.fence = 2**63 - 1  # raised by hand, as any DSN holder could before
+    queue.enqueue([("clip-6", 3600.0)])
+    log: list[str] = []
+    loop.log = log.append
+    loop.step()
+    assert next(j for j in queue.jobs() if j.job_id == "clip-6").lane is not None, log
+    assert loop.leadership is not None and queue.fence == loop.leadership.term

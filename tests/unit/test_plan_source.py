@@ -161,6 +161,34 @@ def test_the_edge_reads_the_registrys_history_with_its_snapshot(connect, registr
     assert sorted(lane.id for lane in view.snapshot.lanes) == sorted(lane.id for lane in state.lanes), "every declared lane, reported or not"
 
 
+def test_the_edges_page_shows_the_lanes_of_the_leaders_plan_and_reads_no_broker(connect, state) -> None:
+    """What the edge's page shows of the lanes is the plan's (the leader's,
+    signed): read_fleet_view takes no broker at all."""
+    import inspect
+
+    from reconciler.core.live.models import LaneView
+
+    assert set(inspect.signature(read_fleet_view).parameters) == {"connect", "desired", "plan"}
+    source(connect, state, "racknerd")
+    plan = source(connect, state, "racknerd").plan.model_copy(
+        update={
+            "lanes": [
+                LaneView(id="a1-arm64", kind="compute", rank=10, cap=2, in_flight=2, available=True, queue="phaze-agent-a1-arm64-analyze", workers=1),
+                LaneView(
+                    id="x86-spill", kind="compute", rank=20, cap=4, in_flight=0, available=False, queue="phaze-agent-x86-spill-analyze", workers=0
+                ),
+                LaneView(id="local", kind="local", rank=99, cap=1, in_flight=0, available=False),
+                LaneView(id="not-declared", kind="local", rank=1, cap=1, in_flight=1, available=True),
+            ]
+        }
+    )
+    lanes = {lane.id: lane for lane in read_fleet_view(connect, state, plan).snapshot.lanes}
+    assert set(lanes) == {"a1-arm64", "x86-spill", "local"}, "only declared lanes"
+    assert (lanes["a1-arm64"].in_flight, lanes["a1-arm64"].queue, lanes["a1-arm64"].workers) == (2, "phaze-agent-a1-arm64-analyze", 1)
+    assert (lanes["x86-spill"].queue, lanes["x86-spill"].workers) == ("phaze-agent-x86-spill-analyze", 0)
+    assert lanes["local"].queue is None, "a lane the leader saw without its queue has none on the page"
+
+
 def test_an_edge_that_cannot_read_the_history_writes_its_page_without_the_timeline(connect, state) -> None:
     class NoHistory:
         def __init__(self) -> None:
@@ -211,6 +239,22 @@ def test_a_pass_opens_the_lane_broker_only_for_what_reads_it(connect, state) -> 
         assert opens.opened == 1
     finally:
         with_leader.close()
+
+
+def test_a_leader_step_dispatches_with_the_dispatchers_dsn_and_a_heartbeat_reads_with_the_readers(connect, state) -> None:
+    """[phaze] dispatcher_url_file for the one-shot leader step, queue_url_file
+    (the reader's) for a lane host's heartbeat: a pass opens each for its own use."""
+    reads, dispatches = CountingLanes(), CountingLanes()
+
+    def offer(host: str) -> plan_fence.PlanOffer:
+        return plan_source.read_registry(
+            connect, state, host, facts(host), write=True, signer=SIGNERS.get(host), open_lanes=reads, open_dispatcher=dispatches
+        )
+
+    offer("qfox-1")  # a candidate with nobody leading: its leader step dispatches
+    assert (reads.opened, dispatches.opened) == (0, 1)
+    offer("a1-arm64")  # its lane's jobs run here: its heartbeat reads their in_flight
+    assert (reads.opened, dispatches.opened) == (1, 1)
 
 
 def test_no_published_plan_keeps_a_generation_that_runs_placements(connect, registry, state) -> None:

@@ -333,6 +333,18 @@ def test_a_lane_may_name_its_own_token_file(tmp_path: Path) -> None:
     assert "/run/secrets/phaze/agents" not in second
 
 
+def test_a_lane_may_name_its_agents_own_broker_dsn_file(tmp_path: Path) -> None:
+    """The DSN of the lane's own role (`fabric lane init-roles`: fabric-agent-<id>), as a credential like any DSN file."""
+    old = 'push_host = "a1-arm64"\n'
+    state = edited(tmp_path, old, old + 'queue_url_file = "/run/secrets/phaze/agent-a1-arm64.url"\n')
+    own = unit(files(state, "a1-arm64"), "fabric-agent-a1-arm64.service")
+    assert 'Environment="PHAZE_QUEUE_URL_FILE=/run/secrets/phaze/agent-a1-arm64.url"' in own
+    assert "LoadCredential=phaze_queue_url_file:/run/secrets/phaze/agent-a1-arm64.url\n" in own
+    assert "/run/secrets/phaze/queue_url" not in own
+    other = unit(files(state, "x86-spill"), "fabric-agent-x86-spill.service")
+    assert 'Environment="PHAZE_QUEUE_URL_FILE=/run/secrets/phaze/queue_url"' in other, "a lane without its own keeps [agent] queue_url_file"
+
+
 def test_secrets_reach_units_only_as_paths() -> None:
     state = example()
     a1 = files(state, "a1-arm64")

@@ -114,6 +114,34 @@ def test_fabric_lane_status_with_an_open_dsn_file_exits_1_naming_the_file_never_
     never_quotes(out.getvalue() + err.getvalue(), DSN, PASSWORD)
 
 
+def test_fabric_lane_init_roles_with_an_open_owner_dsn_file_exits_1_naming_the_file_never_the_dsn(tmp_path: Path) -> None:
+    """The broker owner's DSN (init-roles' --admin-url-file) is a secret file like any other."""
+    path = secret(tmp_path / "owner_url", DSN, 0o644)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["lane", "init-roles", "--desired", str(EXAMPLE_FLEET), "--admin-url-file", str(path)])
+    assert status == EXIT_FAILED
+    assert f"{path}: phaze's queue URL is open to group or others (mode 0644)" in err.getvalue(), err.getvalue()
+    assert out.getvalue() == "", "nothing done"
+    never_quotes(out.getvalue() + err.getvalue(), DSN, PASSWORD)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lane", "init-roles", "--desired", str(EXAMPLE_FLEET)],
+        ["lane", "status", "--desired", str(EXAMPLE_FLEET), "--admin-url-file", "/nonexistent"],
+        ["lane", "dispatch", "--desired", str(EXAMPLE_FLEET), "--dry-run"],
+    ],
+)
+def test_init_roles_options_go_with_init_roles_alone(argv: list[str]) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "--admin-url-file (and --dry-run) go with init-roles" in err.getvalue()
+
+
 @pytest.mark.parametrize(
     "dsn, password",
     [

@@ -46,6 +46,8 @@ def unit_paths(desired: DesiredState, host: str | None = None) -> list[tuple[str
     for i, lane in agent_lanes:
         if lane.scratch_dir is not None:
             paths.append((f"backends[{i}].scratch_dir", lane.scratch_dir))
+        if lane.queue_url_file is not None:
+            paths.append((f"backends[{i}].queue_url_file", lane.queue_url_file))
         token = desired.token_file_for(lane)
         if token is not None:
             paths.append((f"backends[{i}].token_file" if lane.token_file else "agent.token_dir", token))

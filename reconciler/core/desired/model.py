@@ -650,7 +650,7 @@ PER_AGENT_VARIABLES = {
     "WORKER_MAX_JOBS": "the lane's cap",
     "PHAZE_AGENT_API_URL": "phaze.api_url",
     "PHAZE_AGENT_TOKEN_FILE": "the lane's token_file (default agent.token_dir/<agent_ref>/token)",
-    "PHAZE_QUEUE_URL_FILE": "agent.queue_url_file",
+    "PHAZE_QUEUE_URL_FILE": "the lane's queue_url_file (default agent.queue_url_file)",
     "PHAZE_AGENT_CA_FILE": "agent.ca_file",
     "PHAZE_CLOUD_SCRATCH_DIR": "the lane's scratch_dir",
     "MODELS_PATH": "phaze.models_path (agent.models_dir bound there read-only)",
@@ -754,6 +754,16 @@ class Lane(Strict):
     )
     # A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).
     token_file: UnitPath | None = Field(None, description="A compute lane's agent token (default <agent.token_dir>/<agent_ref>/token).")
+    # A compute lane's agent's broker DSN file (its PHAZE_QUEUE_URL_FILE; default
+    # agent.queue_url_file): with `fabric lane init-roles`, the DSN of the
+    # lane's own role fabric-agent-<id>, which may touch only its queue's rows.
+    queue_url_file: UnitPath | None = Field(
+        None,
+        description=(
+            "A compute lane's agent's broker DSN file (PHAZE_QUEUE_URL_FILE; default agent.queue_url_file); "
+            "with `fabric lane init-roles`, the DSN of its role fabric-agent-<id> (its own queue's rows only)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _compute_fields(self) -> Lane:
@@ -762,7 +772,7 @@ class Lane(Strict):
                 if getattr(self, key) is None:
                     raise FieldProblem(key, "required for a compute lane")
         else:
-            for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file"):
+            for key in ("agent_ref", "push_host", "scratch_dir", "ssh_user", "token_file", "queue_url_file"):
                 if getattr(self, key) is not None:
                     raise FieldProblem(key, "not allowed on a local lane (phaze's own processing on the file server, no agent)")
         return self
@@ -813,11 +823,29 @@ class PhazeSettings(Strict):
         [],
         description="phaze's units on the control host: they read backends.toml at startup only, so a pass that changes it restarts those that run.",
     )
-    # The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL): the
-    # lane queue (`fabric lane`, the leader, `fabric status`) reads it there.
-    # Never the DSN itself: it carries a password and TOML is world-readable.
+    # The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL) that
+    # reads the lanes: a pass (the in_flight of the lanes whose jobs run on its
+    # host), `fabric status`, `fabric lane status`. With `fabric lane
+    # init-roles`, the fabric-reader role's DSN (SELECT only). Never the DSN
+    # itself: it carries a password and TOML is world-readable. The edge reads
+    # no broker: its page shows the lanes of the leader's signed plan.
     queue_url_file: AbsPath | None = Field(
-        None, description="The file holding phaze's broker DSN (PHAZE_QUEUE_URL, PostgreSQL); never the DSN itself."
+        None,
+        description=(
+            "The file holding the broker DSN that reads the lanes (passes of lane hosts, fabric status, fabric lane status); "
+            "with `fabric lane init-roles`, fabric-reader's (SELECT only). Never the DSN itself."
+        ),
+    )
+    # On the leader candidates: the DSN that dispatches (the leader's step,
+    # `fabric lane dispatch` and `enqueue`): fabric-dispatcher's with `fabric
+    # lane init-roles`. Unset: queue_url_file (one DSN for everything, as
+    # before the roles).
+    dispatcher_url_file: AbsPath | None = Field(
+        None,
+        description=(
+            "On the leader candidates: the file holding the broker DSN that dispatches (the leader, fabric lane dispatch and enqueue); "
+            "with `fabric lane init-roles`, fabric-dispatcher's. Unset: queue_url_file."
+        ),
     )
     # The SAQ function a lane job runs on its lane's workers (phaze's agent
     # worker and the file server's processing both register it).
@@ -1281,6 +1309,15 @@ class DesiredState(BaseModel):
         if lane.kind != "compute":
             return None
         return lane.ssh_user or self.fleet.phaze.push_ssh_user
+
+    def agent_queue_url_file(self, lane: Lane) -> str | None:
+        """A compute lane's agent's broker DSN file: its own queue_url_file, else
+        [agent] queue_url_file; None for the local lane (no agent)."""
+        if lane.kind != "compute":
+            return None
+        if lane.queue_url_file is not None:
+            return lane.queue_url_file
+        return self.fleet.agent.queue_url_file if self.fleet.agent is not None else DEFAULT_AGENT_QUEUE_URL_FILE
 
     def token_file_for(self, lane: Lane) -> str | None:
         """A compute lane's agent token file; None for the local lane (no agent)."""

@@ -327,7 +327,7 @@ def phaze_agent_environment(desired: DesiredState, lane: Lane) -> dict[str, str]
         "PHAZE_AGENT_QUEUE": queue,
         "PHAZE_AGENT_API_URL": fleet.phaze.api_url,
         "PHAZE_AGENT_TOKEN_FILE": token_file,
-        "PHAZE_QUEUE_URL_FILE": agent.queue_url_file,
+        "PHAZE_QUEUE_URL_FILE": desired.agent_queue_url_file(lane) or agent.queue_url_file,
         "PHAZE_CLOUD_SCRATCH_DIR": lane.scratch_dir,
         "MODELS_PATH": fleet.phaze.models_path,
         "WORKER_MAX_JOBS": str(lane.cap),

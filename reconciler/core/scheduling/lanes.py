@@ -254,6 +254,19 @@ def lane_views(desired: DesiredState, snapshot: Snapshot, placements: Sequence[P
     return sorted(views, key=sort_key)
 
 
+def lanes_of_plan(lanes: Sequence[LaneView]) -> list[SnapshotLane]:
+    """The lanes' queues as the leader saw them when it made a plan (the plan's
+    `lanes`), as a snapshot's: what the edge's page shows of the lanes, so
+    the edge needs no broker access. A lane the leader saw without its queue
+    (the broker not read) has none here either."""
+    return [
+        SnapshotLane(id=view.id, in_flight=view.in_flight, queue=view.queue, workers=view.workers or 0)
+        if view.queue is not None and view.workers is not None
+        else SnapshotLane(id=view.id, in_flight=view.in_flight)
+        for view in lanes
+    ]
+
+
 def seen_queue(seen: SnapshotLane | None) -> str | None:
     """The lane's queue on the broker; None when the broker was not read."""
     return None if seen is None else seen.queue
