@@ -81,6 +81,7 @@ from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import LEADER_PROBLEM_CHARS, FleetPlan, LaneSteering, LeaderProblem, Snapshot
+from reconciler.core.live.plan_parts import same_parts
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
@@ -121,11 +122,12 @@ RETRY_FIRST_S = 0.5
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
-    """Equal apart from who made it, when, under which epoch and signature."""
+    """Equal apart from who made it, when, under which epoch and signature:
+    the same parts (`plan_parts.same_parts`), whatever the order the
+    registry gives the placements back in."""
     if a is None or b is None:
         return a is b
-    ignore = {"epoch", "leader", "created", "signature", "term", "fleet", "prefix"}
-    return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+    return same_parts(a, b)
 
 
 class PlanNotPublished(Exception):

@@ -31,9 +31,10 @@ pytestmark = pytest.mark.integration
 
 FABRIC = [sys.executable, "-m", "reconciler"]
 EXAMPLE_REGISTRY = 'backend = "sqlite"        # embedded default; "etcd" for the fleet\npath = "/var/lib/fabric/registry.sqlite"'
-# Above every request of a campaign, a renewal (with the problem's text) and a
-# read, below the example fleet's plan (its deferred replicas and signature).
-REQUEST_LIMIT = 2048
+# Above every request of a campaign, a renewal (with the problem's text), the
+# plan's index and a read; below the transaction of the example fleet's plan
+# parts (its lanes' part and its deferred replicas' part: about 1.7 KB).
+REQUEST_LIMIT = 1280
 LEASE_TTL_S = 3.0
 
 
