@@ -110,18 +110,25 @@ def _chunks(items: list[Any], size: int) -> Iterable[tuple[int, list[Any]]]:
         yield start // size, items[start : start + size]
 
 
+def _placement_order(p: Placement) -> tuple[str, int, bool, str]:
+    # A move's new placement after the one it replaces, as the scheduler puts them.
+    return (p.service, p.replica, p.replaces is not None, p.node)
+
+
 def plan_parts(plan: FleetPlan) -> dict[str, bytes]:
     """Each part's name and canonical bytes (module docstring)."""
     parts: dict[str, bytes] = {
         FLEET_PART: canonical_json({"lanes": [v.model_dump(mode="python") for v in plan.lanes], "steering": plan.steering.model_dump(mode="python")})
     }
     by_node: dict[str, list[dict[str, Any]]] = {}
-    for placement in plan.placements:
+    # In the scheduler's order (`normalized`), whatever the order given: a part is its content.
+    for placement in sorted(plan.placements, key=_placement_order):
         by_node.setdefault(placement.node, []).append(_placement(placement))
     for node in sorted(by_node):
         for i, chunk in _chunks(by_node[node], PART_ITEMS):
             parts[f"host/{node}/{i}"] = canonical_json({"placements": chunk})
-    for i, chunk in _chunks([d.model_dump(mode="python") for d in plan.deferred], PART_ITEMS):
+    deferred = sorted(plan.deferred, key=lambda d: (d.service, d.replica))
+    for i, chunk in _chunks([d.model_dump(mode="python") for d in deferred], PART_ITEMS):
         parts[f"deferred/{i}"] = canonical_json({"deferred": chunk})
     for i, chunk in _chunks(list(plan.ignored_nodes), NAMES_PER_PART):
         parts[f"ignored/{i}"] = canonical_json({"ignored_nodes": chunk})
@@ -211,14 +218,13 @@ def join_plan(index: PlanIndex, parts: Mapping[str, bytes]) -> FleetPlan:
     return normalized(plan)
 
 
-def _placement_order(p: Placement) -> tuple[str, int, bool, str]:
-    # A move's new placement after the one it replaces, as the scheduler puts them.
-    return (p.service, p.replica, p.replaces is not None, p.node)
-
-
 def normalized(plan: FleetPlan) -> FleetPlan:
-    """`plan` as the registry gives it back: placements by service, replica, a move's new one after its old one, then node (the scheduler's own order)."""
-    return plan.model_copy(update={"placements": sorted(plan.placements, key=_placement_order)})
+    """`plan` as the registry gives it back: placements by service, replica, a
+    move's new one after its old one, then node (the scheduler's own order);
+    deferred replicas by service and replica."""
+    return plan.model_copy(
+        update={"placements": sorted(plan.placements, key=_placement_order), "deferred": sorted(plan.deferred, key=lambda d: (d.service, d.replica))}
+    )
 
 
 def same_parts(a: FleetPlan, b: FleetPlan) -> bool:
