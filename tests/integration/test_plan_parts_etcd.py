@@ -13,6 +13,7 @@ reader never sees a mix of two epochs while a leader alternates two plans.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from datetime import UTC, datetime
 import pytest
 from aetcd import utils
 
+from reconciler.adapters import registry_etcd
 from reconciler.adapters.registry_etcd import EtcdRegistry, _read_range
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.models import Deferred, FleetPlan, Placement
@@ -204,3 +206,41 @@ def test_a_reader_never_sees_a_mix_of_two_epochs(registry: EtcdRegistry, etcd: E
         reader.close()
     assert not failures, failures[:3]
     assert seen and set(seen) <= {"a", "b"}, sorted(set(seen))
+
+
+def test_a_reader_takes_the_parts_at_its_indexs_revision_even_once_a_newer_epoch_dropped_them(
+    registry: EtcdRegistry, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deterministic: a new epoch is published (its parts put, the old ones
+    deleted) between the reader's read of the index and its read of the
+    parts. The reader still gets the whole plan of the index it read."""
+    a = FleetPlan(
+        epoch=0, leader="lux", created=T0, placements=[Placement(service="a", replica=n, node=f"n{n:03d}", tier="cpu_ffmpeg") for n in range(300)]
+    )
+    b = a.model_copy(update={"placements": [p.model_copy(update={"service": "b"}) for p in a.placements]})
+    leadership = lead(registry)
+    first = publish_signed(registry, leadership, a)
+    reader = EtcdRegistry(endpoints=etcd.endpoints, prefix=registry._prefix, timing=registry.timing, flap=registry.flap, clock=registry._clock)
+    original = registry_etcd._read_range
+    reads = {"reader": 0}
+    published: list[FleetPlan] = []
+
+    async def index_then_publish(c, start, end, revision, **kwargs):  # type: ignore[no-untyped-def]
+        result = await original(c, start, end, revision, **kwargs)
+        if c is reader._client and start.endswith(b"/plan-index"):
+            reads["reader"] += 1
+            # The index was read: a new epoch lands before the parts are read.
+            published.append(await asyncio.to_thread(publish_signed, registry, leadership, b))
+        return result
+
+    monkeypatch.setattr(registry_etcd, "_read_range", index_then_publish)
+    try:
+        read = reader.newest_plan()
+    finally:
+        monkeypatch.setattr(registry_etcd, "_read_range", original)
+        reader.close()
+    assert reads["reader"] == 1 and len(published) == 1
+    assert read == first, "the plan of the index it read, whole"
+    assert registry.newest_plan() == published[0]
+    only_a = set(plan_index(first).parts.values()) - set(plan_index(published[0]).parts.values())
+    assert len(only_a) == 300 and not only_a & set(part_revisions(registry)), "a's host parts were deleted meanwhile"
