@@ -443,7 +443,11 @@ class EpochReads(Protocol):
 
 
 class PlanReads(Protocol):
-    def newest_plan(self) -> FleetPlan | None: ...
+    def newest_plan(self) -> FleetPlan | None:
+        """The plan of the newest index, its parts read at the index's
+        revision and each checked against the index's digest; RegistryError
+        naming the part when one is missing, another epoch's or tampered."""
+        ...
 
 
 class FleetReads(Protocol):
@@ -515,8 +519,13 @@ class LeaderWrites(Protocol):
         ...
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
-        """Store `plan` under the next epoch, only while `leadership` holds.
-        Returns the plan as stored (its `epoch` and `leader` set here)."""
+        """Store `plan` under the next epoch, only while `leadership` holds,
+        in parts: its signed index and the parts it names
+        (`reconciler.core.live.plan_parts`; a part already stored is not
+        written again). Returns the plan as stored and as `newest_plan` gives
+        it back (its `epoch`, `leader` and `term` set here, its placements in
+        the scheduler's order). Raises RegistryError when the index or a part
+        is over one request's budget."""
         ...
 
     def store_scaling(self, leadership: Leadership, record: ScalingRecord) -> None:

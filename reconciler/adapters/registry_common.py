@@ -126,6 +126,7 @@ def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]
         suspects=dict(read.plan.suspects) if read.plan else {},
         # A resigned or stale record names nobody who leads (its term stays current: `Registry.leader_term`).
         leader=read.leader.candidate if read.leader and read.leader.live_at(read.now) else None,
+        leader_problem=read.leader.problem if read.leader and read.leader.live_at(read.now) else None,
         epoch=read.epoch,
         unreadable=list(read.problems),
     )

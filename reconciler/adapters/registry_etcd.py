@@ -15,7 +15,13 @@ Keys under the configured prefix P (default "/fabric"):
                             revision is the term; rewritten (renewed_at) at every
                             renewal; kept, resigned and off the lease, on resignation
     P/epoch                 the epoch counter (decimal)
-    P/plan                  the newest FleetPlan JSON
+    P/plan-index            the newest plan's signed index (PlanIndex JSON:
+                            epoch, leader, term, fleet, prefix, created, and
+                            the name and digest of each part)
+    P/plan-parts/<digest>   one part of a plan (reconciler.core.live.plan_parts),
+                            under the digest of its bytes
+    P/plan                  the whole plan as versions before the plan in parts
+                            wrote it: never written nor read here any more
     P/liveness/<host>       fabric-watch's fast liveness record (issue 30):
                             {"host", "ttl_s"} on a short lease of its own,
                             kept alive every couple of seconds; gone when the
@@ -48,12 +54,23 @@ transaction fenced by the leader key (a deposed leader writes no chunk; a fence
 failing midway raises `NotLeader`, and the chunks already written are states
 this leader computed while it led, which its successor re-reads and advances).
 Only the states that changed are written, `TXN_IN_FLIGHT` chunks at a time.
+
+Plan: published in parts (reconciler.core.live.plan_parts). The parts the
+current index does not name are put first, in fenced transactions of at most
+`TXN_CHUNK_OPS` writes and `TXN_CHUNK_BYTES` bytes (a part is keyed by its
+digest: a part that did not change is never written again); then one
+transaction under the fence and the epoch read puts the new index and raises
+the epoch (the plan's one instant: before it readers see the old index,
+after it the new one, whose parts are all there); then the parts no index
+names are deleted, fenced. A reader reads the index, then the parts at the
+index's revision (still there for it even once deleted), and checks each
+against the index's digest: a part of another epoch, missing or tampered is
+refused and named (`read_plan`). An index or a part over `TXN_CHUNK_BYTES`
+is refused with a clear error instead of etcd's.
 The registry is read in pages of `READ_PAGE_KEYS` keys, every page at the
 revision of the first, so the read is still one consistent instant; it skips
 the lane jobs and takes only the keys of the live heartbeats (their values are
-the facts, read beside them), and parses a value it read or wrote before only once. The plan is one key whose size grows with the
-nodes only through `ignored_nodes` (names of undeclared nodes); a plan over
-`TXN_CHUNK_BYTES` is refused here with a clear error instead of etcd's.
+the facts, read beside them), and parses a value it read or wrote before only once.
 
 Lane jobs are not here: they live on phaze's broker (reconciler.ports.LaneBroker).
 The read still skips P/jobs/, where fabrics before the lane queue kept them.
@@ -89,12 +106,24 @@ from aetcd import rpc, transactions, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
-from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, key_text, parse_int, parse_record, require
+from reconciler.adapters.registry_records import (
+    MAX_PLAN_BYTES,
+    PLAN_INDEX,
+    PLAN_PARTS,
+    WHAT,
+    key_text,
+    parse_int,
+    parse_record,
+    read_plan,
+    require,
+    stored_plan,
+)
 from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.plan_parts import PlanIndex
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -319,6 +348,8 @@ class EtcdRegistry(LifecycleMixin):
         # their bytes, parsed (or why they do not parse): see `_parsed`.
         self._record_memo: dict[bytes, NodeRecord | str] = {}
         self._state_memo: dict[bytes, NodeState | str] = {}
+        # The plan of the last index read, by the index's bytes (parts joined once).
+        self._plan_memo: tuple[bytes, FleetPlan] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-etcd", daemon=True)
         self._thread.start()
@@ -680,46 +711,88 @@ class EtcdRegistry(LifecycleMixin):
         return self._call(op, "reading the epoch")
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
-        leader_key, epoch_key, plan_key = self._key("leader"), self._key("epoch"), self._key("plan")
+        """The plan in parts (module docstring, Plan): the parts the current
+        index does not name, in fenced transactions within etcd's limits;
+        then, in one transaction under the fence and the epoch read, the new
+        index and the epoch; then the parts no index names any more, deleted."""
+        epoch_key, index_key = self._key("epoch"), self._key(PLAN_INDEX)
 
         async def op(c: _Client) -> FleetPlan:
             tx = c.transactions
+            held = await c.get(index_key)
+            before, _ = parse_record(PlanIndex, held.value, key=PLAN_INDEX, limit=MAX_PLAN_BYTES) if held is not None else (None, None)
+            kept = set(before.parts.values()) if before is not None else set()
             for _ in range(10):
                 current = await c.get(epoch_key)
                 epoch = int(current.value) + 1 if current is not None else 1
                 same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
-                stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term})
-                value = stored.model_dump_json().encode()
-                if len(value) > TXN_CHUNK_BYTES:
-                    # etcd would refuse the request (--max-request-bytes); say what is too big.
-                    raise RegistryError(
-                        f"the plan is {len(value)} bytes, over the {TXN_CHUNK_BYTES}-byte budget of one etcd request "
-                        f"({len(stored.placements)} placements, {len(stored.ignored_nodes)} ignored nodes)"
-                    )
+                stored = stored_plan(
+                    plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}), budget=TXN_CHUNK_BYTES
+                )
+                await self._put_parts(c, leadership, [(d, v) for d, v in sorted(stored.parts.items()) if d not in kept])
+                kept |= set(stored.parts)
                 ok, replies = await c.transaction(
                     compare=[*self._fence(c, leadership), same_epoch],
-                    success=[tx.put(epoch_key, str(epoch).encode()), tx.put(plan_key, value)],
-                    failure=[tx.get(leader_key)],
+                    success=[tx.put(epoch_key, str(epoch).encode()), tx.put(index_key, stored.index_bytes)],
+                    failure=[tx.get(self._key("leader"))],
                 )
                 if ok:
-                    return stored
-                held = replies[0][0][1] if replies and replies[0] else None
-                if held is None or (held.create_revision, held.lease) != (leadership.term, int(leadership.info.token)):
-                    info = self._leader_of(held) if held is not None else None
-                    who = f"{info.candidate} leads" if info is not None and not info.resigned else "nobody leads"
-                    raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
+                    await self._drop_parts(c, leadership, set(stored.parts))
+                    return stored.plan
+                self._not_leader(leadership, replies)
             raise RegistryError("publish kept racing with epoch changes")
 
         return self._call(op, f"publishing {leadership.candidate}'s plan")
 
+    def _not_leader(self, leadership: Leadership, replies: Any) -> None:
+        """After a failed fenced transaction: NotLeader when the term is over (else the epoch moved)."""
+        held = replies[0][0][1] if replies and replies[0] else None
+        if held is None or (held.create_revision, held.lease) != (leadership.term, int(leadership.info.token)):
+            info = self._leader_of(held) if held is not None else None
+            who = f"{info.candidate} leads" if info is not None and not info.resigned else "nobody leads"
+            raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over ({who})")
+
+    async def _fenced_chunks(self, c: _Client, leadership: Leadership, writes: list[tuple[str, bytes, bytes | None]]) -> None:
+        """`writes` in transactions within etcd's limits (`lifecycle_chunks`), each fenced by the term."""
+        tx = c.transactions
+        for chunk in lifecycle_chunks(writes):
+            if not chunk:
+                continue
+            ops = [tx.put(key, value) if kind == "put" and value is not None else tx.delete(key) for kind, key, value in chunk]
+            ok, replies = await c.transaction(compare=self._fence(c, leadership), success=ops, failure=[tx.get(self._key("leader"))])
+            if not ok:
+                self._not_leader(leadership, replies)
+                raise NotLeader(f"{leadership.candidate}'s term of epoch {leadership.epoch} is over")
+
+    async def _put_parts(self, c: _Client, leadership: Leadership, parts: list[tuple[str, bytes]]) -> None:
+        await self._fenced_chunks(c, leadership, [("put", self._key(PLAN_PARTS, digest), value) for digest, value in parts])
+
+    async def _drop_parts(self, c: _Client, leadership: Leadership, named: set[str]) -> None:
+        """Delete every part the newest index does not name (the last index's,
+        and any a publish that failed midway left). A reader of an older index
+        reads its parts at that index's revision, where they still are."""
+        start = self._key(PLAN_PARTS, "")
+        kvs, _ = await _read_range(c, start, utils.prefix_range_end(start), 0, keys_only=True)
+        stale = [kv.key for kv in kvs if kv.key[len(start) :].decode(errors="replace") not in named]
+        await self._fenced_chunks(c, leadership, [("delete", key, None) for key in stale])
+
     def newest_plan(self) -> FleetPlan | None:
-        key = self._key("plan")
+        """The index, then its parts at the index's revision (never a part of
+        another epoch), each checked against the index's digest."""
+        index_key, start = self._key(PLAN_INDEX), self._key(PLAN_PARTS, "")
 
-        async def op(c: _Client) -> FleetPlan | None:
-            kv = await c.get(key)
-            return require(parse_record(FleetPlan, kv.value, key="plan", limit=MAX_PLAN_BYTES), f"etcd {key.decode()}") if kv is not None else None
+        async def op(c: _Client) -> tuple[bytes, dict[str, bytes]] | None:
+            found, revision = await _read_range(c, index_key, index_key + b"\0", 0)
+            if not found:
+                return None
+            kvs, _ = await _read_range(c, start, utils.prefix_range_end(start), revision)
+            return found[0].value, {kv.key[len(start) :].decode(errors="replace"): kv.value for kv in kvs}
 
-        return self._call(op, "reading the plan")
+        read = self._call(op, "reading the plan")
+        if read is None:
+            return None
+        index_bytes, parts = read
+        return require(read_plan(index_bytes, parts.get, where=f"etcd {index_key.decode()}"), f"etcd {index_key.decode()}")
 
     # -- scaling --------------------------------------------------------------------------
 
@@ -787,6 +860,8 @@ class EtcdRegistry(LifecycleMixin):
         # this leader wrote, the facts of silent nodes. They are parsed once.
         seen_records: dict[bytes, NodeRecord | str] = {}
         seen_states: dict[bytes, NodeState | str] = {}
+        index_bytes: bytes | None = None
+        plan_parts: dict[str, bytes] = {}
         pairs, beats = self._call(op, "reading the live state")
         for raw, value in pairs:
             key = key_text(raw)
@@ -810,8 +885,10 @@ class EtcdRegistry(LifecycleMixin):
                 drain, problem = parse_record(DrainRequest, value, key=key, node=node)
                 if drain is not None:
                     drains[node] = drain
-            elif key == "plan":
-                plan, problem = parse_record(FleetPlan, value, key=key, limit=MAX_PLAN_BYTES)
+            elif key == PLAN_INDEX:
+                index_bytes = value
+            elif kind == PLAN_PARTS and node:
+                plan_parts[node] = value
             elif key == "leader":
                 leader, problem = parse_record(LeaderInfo, value, key=key)
             elif key == "epoch":
@@ -823,6 +900,8 @@ class EtcdRegistry(LifecycleMixin):
             if problem is not None:
                 problems.append(problem)
         self._record_memo, self._state_memo = seen_records, seen_states
+        if index_bytes is not None:
+            plan = self._plan_of(index_bytes, plan_parts, problems)
         alive = self._alive(beats, facts, now, problems)
         # A state is stored without what the facts hold (`stored_state`).
         states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
@@ -838,6 +917,18 @@ class EtcdRegistry(LifecycleMixin):
             concurrency=concurrency,
             problems=tuple(problems),
         )
+
+    def _plan_of(self, index_bytes: bytes, parts: dict[str, bytes], problems: list[UnreadableRecord]) -> FleetPlan | None:
+        """The plan of the index read (its parts from the same revision), put
+        together once per index: the same index bytes, the same plan."""
+        memo = self._plan_memo
+        if memo is not None and memo[0] == index_bytes:
+            return memo[1]
+        plan, problem = read_plan(index_bytes, parts.get, where=f"etcd {self._key(PLAN_INDEX).decode()}")
+        if problem is not None:
+            problems.append(problem)
+        self._plan_memo = (index_bytes, plan) if plan is not None else None
+        return plan
 
     def _alive(self, beats: Sequence[bytes], facts: dict[str, NodeRecord], now: datetime, problems: list[UnreadableRecord]) -> frozenset[str]:
         """The nodes whose beat is live (`beats`: the keys under P/nodes/),
@@ -1096,7 +1187,7 @@ class EtcdRegistry(LifecycleMixin):
 
     async def _follow_host(self, follow: _HostFollow) -> None:
         keys = {
-            self._key("plan"): (PLAN, ""),
+            self._key(PLAN_INDEX): (PLAN, ""),
             self._key("drain", follow.host): (DRAIN, follow.host),
             self._key("state", follow.host): (STATE, follow.host),
         }

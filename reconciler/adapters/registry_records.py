@@ -13,10 +13,14 @@ leader) raises the port's own `RegistryError` through `require`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.plan_parts import PlanIndex, PlanPartsError, join_plan, normalized, plan_index, plan_parts
 from reconciler.core.live.unreadable import MAX_REASON_CHARS, UnreadableRecord
 from reconciler.ports import RegistryError
 
@@ -30,6 +34,10 @@ _FIELD = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 # (50 transitions at most); the plan is bounded by one etcd request.
 MAX_RECORD_BYTES = 256 * 1024
 MAX_PLAN_BYTES = 2 * 1024 * 1024
+# The keys (etcd, under the prefix) and names of the plan in parts: the signed
+# index, and each part under its digest.
+PLAN_INDEX = "plan-index"
+PLAN_PARTS = "plan-parts"
 
 # What each kind of key holds, as a problem names it.
 WHAT = {
@@ -40,6 +48,8 @@ WHAT = {
     "drain": "drain request",
     "drains": "drain request",
     "plan": "plan",
+    "plan-index": "plan",
+    "plan-parts": "plan part",
     "leader": "leader record",
     "scaling": "scaling record",
     "epoch": "epoch",
@@ -132,3 +142,54 @@ def require(parsed: tuple[Model | None, UnreadableRecord | None], where: str) ->
 def key_text(raw: bytes) -> str:
     """A key's bytes as text, whatever they are."""
     return raw.decode("utf-8", errors="replace")
+
+
+# -- the plan in parts (reconciler.core.live.plan_parts), as both backends store it ------
+
+
+@dataclass(frozen=True)
+class StoredPlan:
+    """A plan as a backend writes it: its index's bytes and its parts' bytes
+    by digest (a part's key: the same bytes, the same key, whatever the epoch)."""
+
+    plan: FleetPlan
+    index: PlanIndex
+    index_bytes: bytes
+    parts: dict[str, bytes]
+
+
+def stored_plan(plan: FleetPlan, *, budget: int) -> StoredPlan:
+    """`plan` (numbered and signed) cut into its index and parts; raises
+    RegistryError when the index or a part is over `budget` bytes (one request's)."""
+    named = plan_parts(plan)
+    index = plan_index(plan, named)
+    index_bytes = index.model_dump_json().encode()
+    if len(index_bytes) > budget:
+        raise RegistryError(f"the plan's index is {len(index_bytes)} bytes ({len(index.parts)} parts), over the {budget}-byte budget of one request")
+    parts: dict[str, bytes] = {}
+    for name, data in named.items():
+        if len(data) > budget:
+            raise RegistryError(f"the plan's part {name} is {len(data)} bytes, over the {budget}-byte budget of one request")
+        parts[index.parts[name]] = data
+    return StoredPlan(plan=normalized(plan), index=index, index_bytes=index_bytes, parts=parts)
+
+
+def read_plan(
+    index_bytes: bytes | str, part_of: Callable[[str], bytes | str | None], *, where: str
+) -> tuple[FleetPlan | None, UnreadableRecord | None]:
+    """The plan of the index `index_bytes`, its parts read by digest through
+    `part_of` (from the same instant: one revision, one transaction), or None
+    and why not: an index that does not parse, a part that is missing, not
+    the index's (another epoch's, or tampered) or unreadable, named."""
+    index, problem = parse_record(PlanIndex, index_bytes, key=PLAN_INDEX, limit=MAX_PLAN_BYTES)
+    if index is None:
+        return None, problem
+    named: dict[str, bytes] = {}
+    for name, digest in index.parts.items():
+        data = part_of(digest)
+        if data is not None:
+            named[name] = data.encode() if isinstance(data, str) else data
+    try:
+        return join_plan(index, named), None
+    except PlanPartsError as exc:
+        return None, UnreadableRecord(key=PLAN_INDEX, what="plan", reason=_printable(f"{where}: {exc}"))

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
-from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, require, validation_reason
+from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, read_plan, require, stored_plan, validation_reason
 from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
@@ -66,6 +66,8 @@ class _Rows:
     states: list[Row]
     drains: list[Row]
     plan: Row | None
+    # The plan's parts by digest (empty without an index).
+    parts: dict[str, Any]
     leader: Row | None
     epoch: Row | None
     scaling: Row | None
@@ -89,6 +91,14 @@ def _by_node(rows: list[Row], table: str, model: type[Parsed], problems: list[Un
     return out
 
 
+def _plan_rows(db: sqlite3.Connection) -> tuple[Row | None, dict[str, Any]]:
+    """The plan's index row and its parts by digest, in the caller's transaction."""
+    index = db.execute("SELECT plan_index FROM plan_index WHERE id = 1").fetchone()
+    if index is None:
+        return None, {}
+    return index, {str(digest): part for digest, part in db.execute("SELECT digest, part FROM plan_parts")}
+
+
 def _parse_read(rows: _Rows, now: float) -> LiveRead:
     """One read's rows, each parsed on its own: one that does not parse or
     validate is skipped and named (`LiveRead.problems`); its node then counts
@@ -100,7 +110,7 @@ def _parse_read(rows: _Rows, now: float) -> LiveRead:
     drains = _by_node(rows.drains, "drains", DrainRequest, problems)
     plan = leader = scaling = None
     if rows.plan is not None:
-        plan, problem = parse_record(FleetPlan, rows.plan[0], key="plan", limit=MAX_PLAN_BYTES)
+        plan, problem = read_plan(rows.plan[0], rows.parts.get, where="sqlite plan_index")
         problems += [problem] if problem else []
     if rows.leader is not None and isinstance(rows.leader[1], int | float) and rows.leader[1] > now:
         leader, problem = parse_record(LeaderInfo, rows.leader[0], key="leader")
@@ -278,20 +288,31 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         return current[0] if current else None
 
     def publish_plan(self, leadership: Leadership, plan: FleetPlan) -> FleetPlan:
+        """The plan in parts, as etcd stores it (one transaction here): the
+        parts not stored yet, the index, and no part the index does not name."""
         with self._tx() as db:
             self._require_leader(db, leadership, self._now())
             epoch = self._bump(db, EPOCH)
-            stored = plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term})
-            db.execute(
-                "INSERT INTO plan (id, epoch, plan) VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan = excluded.plan",
-                (epoch, stored.model_dump_json()),
+            stored = stored_plan(
+                plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}), budget=MAX_PLAN_BYTES
             )
-        return stored
+            have = {str(row[0]) for row in db.execute("SELECT digest FROM plan_parts")}
+            db.executemany("INSERT INTO plan_parts (digest, part) VALUES (?, ?)", [(d, v) for d, v in stored.parts.items() if d not in have])
+            db.executemany("DELETE FROM plan_parts WHERE digest = ?", [(d,) for d in sorted(have - set(stored.parts))])
+            db.execute(
+                "INSERT INTO plan_index (id, epoch, plan_index) VALUES (1, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET epoch = excluded.epoch, plan_index = excluded.plan_index",
+                (epoch, stored.index_bytes.decode()),
+            )
+        return stored.plan
 
     def newest_plan(self) -> FleetPlan | None:
         with self._tx(write=False) as db:
-            row = db.execute("SELECT plan FROM plan WHERE id = 1").fetchone()
-        return require(parse_record(FleetPlan, row[0], key="plan", limit=MAX_PLAN_BYTES), f"sqlite registry {self.path}") if row else None
+            index, parts = _plan_rows(db)
+        if index is None:
+            return None
+        where = f"sqlite registry {self.path}"
+        return require(read_plan(index[0], parts.get, where=where), where)
 
     # -- scaling --------------------------------------------------------------------------
 
@@ -319,11 +340,13 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
     def _read(self) -> LiveRead:
         now = self._now()
         with self._tx(write=False) as db:
+            index, parts = _plan_rows(db)
             rows = _Rows(
                 nodes=db.execute("SELECT node_id, record FROM nodes").fetchall(),
                 states=db.execute("SELECT node_id, state FROM node_states").fetchall(),
                 drains=db.execute("SELECT node_id, request FROM drains").fetchall(),
-                plan=db.execute("SELECT plan FROM plan WHERE id = 1").fetchone(),
+                plan=index,
+                parts=parts,
                 leader=db.execute("SELECT info, expires_at FROM leader WHERE id = 1").fetchone(),
                 epoch=db.execute("SELECT value FROM meta WHERE key = ?", (EPOCH,)).fetchone(),
                 scaling=db.execute("SELECT record FROM scaling WHERE id = 1").fetchone(),
@@ -388,7 +411,7 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         if self._watched_host == host:
             time.sleep(timeout_s)
         with self._tx(write=False) as db:
-            plan = db.execute("SELECT epoch FROM plan WHERE id = 1").fetchone()
+            plan = db.execute("SELECT epoch FROM plan_index WHERE id = 1").fetchone()
             drain = db.execute("SELECT request FROM drains WHERE node_id = ?", (host,)).fetchone()
             state = db.execute("SELECT state FROM node_states WHERE node_id = ?", (host,)).fetchone()
         self._watched_host = host

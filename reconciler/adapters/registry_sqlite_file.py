@@ -43,6 +43,10 @@ CREATE TABLE IF NOT EXISTS leader (
     expires_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
+-- The plan in parts (reconciler.core.live.plan_parts): the signed index (PlanIndex JSON)
+-- and each part under the digest of its bytes (the table plan above: what versions before wrote)
+CREATE TABLE IF NOT EXISTS plan_index (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan_index TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS plan_parts (digest TEXT PRIMARY KEY, part BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 -- fabric-watch's fast liveness record (issue 30): one cheap row write every couple of seconds
 CREATE TABLE IF NOT EXISTS liveness (host TEXT PRIMARY KEY, expires_at REAL NOT NULL, ttl_s REAL NOT NULL);

@@ -1,7 +1,8 @@
 """fabric leader: who leads and the epoch; `fabric leader run --host NAME` is fabric-leader.service.
 
 `fabric leader [--json]` prints the current leader, the epoch and the newest
-plan's epoch (exit 0 also when nobody leads).
+plan's epoch, and the leader's problem when its steps keep failing (exit 0
+also when nobody leads).
 
 `fabric leader run --host NAME [--lease-ttl S] [--once]` is the long-running
 loop of a leader candidate (`reconciler.engine.leader`): campaign, keep
@@ -11,7 +12,9 @@ decisions (each cloud hook a transient systemd unit of its own, never in this
 process, its paths within `--config`'s [node] allowed_path_prefixes;
 concurrency overrides, scaled-down groups; reconciler.engine.scaling_step). NAME must be in fleet.leader_candidates
 (exit 2 otherwise). The lease TTL defaults to timing.heartbeat_s: when the
-leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign.
+leader dies another candidate leads within one TTL. SIGTERM/SIGINT resign; nothing else ends the loop: a
+registry error of any kind is said and retried with backoff, the term and the
+last good plan kept (`fabric status` shows it as the leader's problem).
 `--once` does one step, resigns and exits (a reconcile pass on a single host).
 When fabric.toml lists [[plan_keys]], the loop signs every plan with the
 private key in `--plan-key-file` (default $FABRIC_PLAN_KEY_FILE or
@@ -47,7 +50,18 @@ from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.timestamps import stamp, utc_now
 from reconciler.engine.leader import candidate_loop, signing_key
-from reconciler.ports import Audit, CommandRunner, HookRunner, LaneBroker, PlanSigner, PlanSigningError, RayState, Registry, RegistryUnavailable
+from reconciler.ports import (
+    Audit,
+    CommandRunner,
+    HookRunner,
+    LaneBroker,
+    PlanSigner,
+    PlanSigningError,
+    RayState,
+    Registry,
+    RegistryError,
+    RegistryUnavailable,
+)
 from reconciler.wiring import (
     command_runner,
     generate_plan_key,
@@ -124,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
                     "epoch": epoch,
                     "plan_epoch": plan.epoch if plan else None,
                     "plan_term": plan.term if plan else None,
+                    # Why the leader's steps keep failing (None: they do not).
+                    "problem": info.problem.model_dump(mode="json") if info and info.problem else None,
                 },
                 indent=2,
             )
@@ -134,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{info.candidate} leads since {stamp(info.since)} (term {info.term}, began at epoch {info.epoch}); epoch {epoch}")
     print(f"newest plan: epoch {plan.epoch} of term {plan.term} by {plan.leader}" if plan else "newest plan: none published")
+    if info is not None and info.problem is not None:
+        print(f"leader problem: {info.problem.text()}")
     return EXIT_OK
 
 
@@ -259,6 +277,8 @@ def _candidate(
             loop.step_and_resign()
         except RegistryUnavailable as exc:
             raise CommandError(f"fabric-leader: registry unreachable: {exc}") from None
+        except RegistryError as exc:
+            raise CommandError(f"fabric-leader: registry error ({type(exc).__name__}): {exc}") from None
         return EXIT_OK
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())

@@ -50,9 +50,18 @@ does not show. Dispatching the fabric's own lanes, it also wakes when the
 next active run's worker would lapse (`engine.dispatch.DispatchOutcome`), so a
 crashed run's job waits again, and is dispatched again, at that moment.
 
-If the registry is unreachable the loop says so and retries; it never acts on
-a plan it could not publish. On stop it resigns, so a successor need not wait
-for the lease to lapse.
+The leader never dies of a registry error. Whatever the registry raises
+(`RegistryError` and its kinds: unreachable, permission denied, a request
+refused, a plan too large) and a plan that could not be signed or was
+numbered otherwise is a problem (`LeaderProblem`): said in the journal at
+each attempt, written into the leader record at the next renewal (so `fabric
+status`, the edge's page and metrics show it), and cleared, also said, by the
+first step that succeeds. The loop keeps its term (it ends only when a
+renewal fails or a write says `NotLeader`) and its last good plan (hosts keep
+applying it), and tries again after a backoff that doubles from
+`RETRY_FIRST_S` up to `wait_s` (a third of the lease: the term is renewed in
+time). `run` returns only when `stop` is called (a signal). On stop it
+resigns, so a successor need not wait for the lease to lapse.
 
 Terms: the registry assigns each term (`Leadership.term`); every plan names
 its term, the fleet and the registry prefix (`plan_in_term`), and a new term
@@ -81,7 +90,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState, PlanKey
-from reconciler.core.live.models import FleetPlan, LaneSteering, Snapshot
+from reconciler.core.live.models import LEADER_PROBLEM_CHARS, FleetPlan, LaneSteering, LeaderProblem, Snapshot
+from reconciler.core.live.plan_parts import same_parts
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
@@ -91,6 +101,7 @@ from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
 from reconciler.core.scheduling.suspicion import advance_suspects, next_liveness_lapse, note_hedges, remember_liveness, suspected, with_suspects
+from reconciler.core.timestamps import from_epoch_seconds, utc_now
 from reconciler.engine.dispatch import DispatchEvent, dispatch_once, dispatcher_fence
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
@@ -106,7 +117,7 @@ from reconciler.ports import (
     PlanSigningError,
     RayState,
     RayStateUnavailable,
-    RegistryUnavailable,
+    RegistryError,
     StaleDispatcher,
 )
 
@@ -118,14 +129,17 @@ Scheduler = Callable[..., FleetPlan]
 LAPSE_RECHECK_S = 0.25
 # A follower campaigns this long after the leader record's stale time.
 STALE_MARGIN_S = 0.05
+# The first wait after a failed step; it doubles up to `LeaderLoop.wait_s`.
+RETRY_FIRST_S = 0.5
 
 
 def same_plan(a: FleetPlan | None, b: FleetPlan | None) -> bool:
-    """Equal apart from who made it, when, under which epoch and signature."""
+    """Equal apart from who made it, when, under which epoch and signature:
+    the same parts (`plan_parts.same_parts`), whatever the order the
+    registry gives the placements back in."""
     if a is None or b is None:
         return a is b
-    ignore = {"epoch", "leader", "created", "signature", "term", "fleet", "prefix"}
-    return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+    return same_parts(a, b)
 
 
 class PlanNotPublished(Exception):
@@ -208,6 +222,10 @@ class LeaderLoop:
     _ray_dead: frozenset[str] = frozenset()
     _next_liveness: datetime | None = None
     _tailscale_problem: str | None = None
+    # Why the steps keep failing (None: the last one succeeded), and whether
+    # the step under way noted a problem.
+    problem: LeaderProblem | None = None
+    _noted: bool = False
 
     def _reload(self) -> None:
         try:
@@ -226,11 +244,14 @@ class LeaderLoop:
         # collects in `settle`, while the leader waits.
         collecting = gc.isenabled()
         gc.disable()
+        self._noted = False
         try:
             self._step()
         finally:
             if collecting:
                 gc.enable()
+        if not self._noted:
+            self._clear_problem()
 
     def _step(self) -> None:
         self._reload()
@@ -254,6 +275,7 @@ class LeaderLoop:
                 return
             self._held_stale_at = None
             self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
+            self._show_problem()
         elif not self.registry.renew(self.leadership):
             self.log(f"{self.host} lost the lease of epoch {self.leadership.epoch}")
             self.leadership = None
@@ -281,6 +303,37 @@ class LeaderLoop:
             # The key became unreadable or the plan was numbered otherwise:
             # nothing valid was published; keep the term and try next step.
             self.log(f"plan not published: {exc}")
+            self._note_problem(exc)
+
+    def _now(self) -> datetime:
+        return from_epoch_seconds(self.clock.now()) if self.clock is not None else utc_now()
+
+    def _note_problem(self, exc: Exception) -> None:
+        """A failed step (module docstring): the problem, counted, put into
+        the leader record the next renewal writes (when leading)."""
+        kind, what = type(exc).__name__, str(exc)[:LEADER_PROBLEM_CHARS]
+        before = self.problem
+        self.problem = LeaderProblem(
+            kind=kind,
+            what=what,
+            since=before.since if before is not None else self._now(),
+            attempts=before.attempts + 1 if before is not None else 1,
+            plan_epoch=self.published.epoch if self.published is not None else None,
+        )
+        self._noted = True
+        self._show_problem()
+
+    def _clear_problem(self) -> None:
+        if self.problem is None:
+            return
+        self.log(f"the registry works again after {self.problem.attempts} failed attempts ({self.problem.kind}: {self.problem.what})")
+        self.problem = None
+        self._show_problem()
+
+    def _show_problem(self) -> None:
+        """The leader record's problem, as the next renewal writes it."""
+        if self.leadership is not None and self.leadership.info.problem != self.problem:
+            self.leadership = replace(self.leadership, info=self.leadership.info.model_copy(update={"problem": self.problem}))
 
     def _note_unreadable(self, snapshot: Snapshot) -> None:
         """Log each record the registry's read skipped once per change: when it
@@ -571,25 +624,46 @@ class LeaderLoop:
         self._stop.set()
 
     def run(self) -> None:
-        self.registry.wait_for_change(0)  # arm the watch before the first step
-        backoff = 0.5
+        """Step and wait until `stop`: a registry error of any kind is said,
+        noted (`problem`) and tried again after a backoff; the term and the
+        last good plan are kept (module docstring)."""
+        backoff = min(RETRY_FIRST_S, self.wait_s())
+        armed = False
         while not self._stop.is_set():
             try:
+                if not armed:
+                    self.registry.wait_for_change(0)  # arm the watch before the first step
+                    armed = True
                 self.step()
-                backoff = 0.5
+                backoff = min(RETRY_FIRST_S, self.wait_s())
                 self.settle()
                 self._wait()
-            except RegistryUnavailable as exc:
-                self.log(f"registry unreachable, retrying in {backoff:g} s: {exc}")
+            except NotLeader as exc:
+                # A term that ended between the renewal and a write.
+                self.log(str(exc))
+                self.leadership = None
+            except RegistryError as exc:
+                self._say_retry(exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.wait_s())
         if self.leadership is not None:
             try:
                 self.registry.resign(self.leadership)
                 self.log(f"{self.host} resigned")
-            except RegistryUnavailable as exc:
+            except RegistryError as exc:
                 self.log(f"could not resign (the lease will lapse): {exc}")
             self.leadership = None
+
+    def _say_retry(self, exc: RegistryError, backoff: float) -> None:
+        """The journal's line of a failed step: what failed, since when, what is kept."""
+        self._note_problem(exc)
+        assert self.problem is not None
+        plan = f"plan epoch {self.problem.plan_epoch}" if self.problem.plan_epoch is not None else "the plan in force"
+        kept = f"keeping term {self.leadership.term} and {plan}" if self.leadership is not None else "not leading"
+        self.log(
+            f"registry error ({self.problem.kind}, attempt {self.problem.attempts} since {self.problem.since:%H:%M:%S}), "
+            f"{kept}, retrying in {backoff:g} s: {exc}"
+        )
 
 
 def candidate_loop(

@@ -5,7 +5,7 @@
 Opens the registry of DESIRED_DIR's fabric.toml with its [registry]
 certificate (the container's own, CN = its host name) and tries what a
 compromised host would: a heartbeat in OTHER's name, and a plan put straight
-under the plan key (leader OTHER, a higher epoch). Prints one JSON object:
+under the plan's keys (leader OTHER, a higher epoch). Prints one JSON object:
 each attempt -> "ok" or the error's message. (Its own heartbeat is what its
 passes send all along.)
 
@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 
 from reconciler.core.desired.load import load_desired  # noqa: E402
 from reconciler.core.live.models import FleetPlan  # noqa: E402
+from reconciler.core.live.plan_parts import plan_index, plan_parts  # noqa: E402
 from reconciler.core.live.records import NodeRecord  # noqa: E402
 from reconciler.wiring import open_registry  # noqa: E402
 
@@ -50,9 +51,14 @@ def main(desired_dir: str, other: str) -> int:
         forged = FleetPlan(epoch=registry.epoch() + 1, leader=other, created=datetime.now(UTC))
 
         async def op(client) -> None:
-            await client.put(f"{prefix}/plan".encode(), forged.model_dump_json().encode())
+            # The plan in parts (reconciler.core.live.plan_parts): each part, then the index.
+            named = plan_parts(forged)
+            index = plan_index(forged, named)
+            for name, data in named.items():
+                await client.put(f"{prefix}/plan-parts/{index.parts[name]}".encode(), data)
+            await client.put(f"{prefix}/plan-index".encode(), index.model_dump_json().encode())
 
-        registry._call(op, f"a put of {prefix}/plan")
+        registry._call(op, f"a put of {prefix}/plan-parts and {prefix}/plan-index")
 
     try:
         attempt(f"heartbeat of {other}", lambda: registry.heartbeat(NodeRecord(node_id=other, tier="gpu_cuda")))

@@ -56,6 +56,7 @@ from tests.e2e.fleet import (
 from tests.support.e2e import CONVERGE_S, HOSTS, dispatched, drain_lanes, lane, wait_converged
 from tests.support.harness.saq_workers import LaneWorkers
 from tests.support.harness.waiting import deadline_for
+from tests.support.raw_plans import put_plan
 
 pytestmark = pytest.mark.e2e
 
@@ -214,9 +215,9 @@ def put_raw_plan(fleet: Fleet, desired: DesiredState, plan: FleetPlan) -> FleetP
 
         async def put(client) -> None:
             await client.put(f"{prefix}/epoch".encode(), str(forged.epoch).encode())
-            await client.put(f"{prefix}/plan".encode(), forged.model_dump_json().encode())
+            await put_plan(client, prefix, forged)
 
-        registry._call(put, f"a put of {prefix}/plan")
+        registry._call(put, f"a put of {prefix}/plan-index")
     return forged
 
 

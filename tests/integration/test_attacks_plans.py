@@ -56,6 +56,7 @@ from tests.conftest import REPO, require
 from tests.support.harness.etcd import EtcdCluster, etcd_cluster
 from tests.support.harness.waiting import deadline_for, stop_process, wait_until
 from tests.support.plan_keys import SignedFleet, TestKey, signed_example_fleet
+from tests.support.raw_plans import put_plan
 
 pytestmark = pytest.mark.integration
 
@@ -179,12 +180,11 @@ class AttackFleet:
     def write_plan(self, identity: str, plan: FleetPlan, *, epoch: int | None = None) -> None:
         """What `identity`'s certificate lets it do: put a plan (and raise the epoch key)."""
         registry = self.registry(identity)
-        key = f"{self.prefix}/plan".encode()
 
         async def put(c) -> None:  # type: ignore[no-untyped-def]
             if epoch is not None:
                 await c.put(f"{self.prefix}/epoch".encode(), str(epoch).encode())
-            await c.put(key, plan.model_dump_json().encode())
+            await put_plan(c, self.prefix, plan)
 
         registry._call(put, "the attacker's plan")  # type: ignore[attr-defined]
 

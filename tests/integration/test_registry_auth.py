@@ -199,7 +199,19 @@ def test_a_host_keeps_only_its_own_liveness_record_alive(as_host):
 
 def test_a_host_cannot_write_the_leaders_keys_or_drains(as_host):
     spill = as_host("x86-spill")
-    for key in ("plan", "leader", "epoch", "nodes/lux", "facts/lux", "state/x86-spill", "drain/x86-spill", "scaling", "jobs/j1"):
+    for key in (
+        "plan-index",
+        "plan-parts/x",
+        "plan",
+        "leader",
+        "epoch",
+        "nodes/lux",
+        "facts/lux",
+        "state/x86-spill",
+        "drain/x86-spill",
+        "scaling",
+        "jobs/j1",
+    ):
         with pytest.raises(PermissionDenied, match="permission denied"):
             raw_put(spill, key)
     with pytest.raises(PermissionDenied, match="the campaign of x86-spill"):

@@ -261,7 +261,7 @@ def test_every_other_key_that_does_not_parse_is_skipped_named_or_the_registrys_e
     other = f"{PREFIX}-other"
     registry = open_registry(root_fleet.model_copy(update={"registry": root_fleet.registry.model_copy(update={"prefix": other})}))
     try:
-        garbage = {"state/lux": b"[", "drain/lux": b"{}", "plan": b"not json", "leader": b"\x00", "epoch": b"ten", "scaling": b"[]"}
+        garbage = {"state/lux": b"[", "drain/lux": b"{}", "plan-index": b"not json", "leader": b"\x00", "epoch": b"ten", "scaling": b"[]"}
         for key, value in garbage.items():
 
             async def op(c, key=key, value=value):

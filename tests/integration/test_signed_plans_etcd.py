@@ -38,6 +38,7 @@ from reconciler.wiring import open_registry, plan_signer, real_pass_ports
 from tests.conftest import REPO
 from tests.support.audit import RecordingAudit
 from tests.support.plan_keys import TestKey
+from tests.support.raw_plans import put_plan
 from tests.support.registry_store import Store
 
 pytestmark = pytest.mark.integration
@@ -125,7 +126,7 @@ class EtcdFleet:
         async def put() -> None:
             async with aetcd.Client(host=endpoint.hostname or "127.0.0.1", port=endpoint.port or 2379) as client:
                 await client.put(f"{prefix}/epoch".encode(), str(plan.epoch).encode())
-                await client.put(f"{prefix}/plan".encode(), plan.model_dump_json().encode())
+                await put_plan(client, prefix, plan)
 
         asyncio.run(put())
 

@@ -16,6 +16,7 @@ from reconciler.adapters.registry_sqlite import SqliteRegistry
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
 from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotNode
+from reconciler.core.live.plan_parts import plan_parts
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.live.signing import canonical_plan
 from reconciler.core.render.plan_part import plan_part
@@ -202,11 +203,15 @@ def test_a_held_off_host_is_no_place_to_come_home_to():
 
 
 def test_a_plan_without_moves_signs_as_before_the_come_home_fields():
-    """Older hosts verify a plan that uses none of the new fields: its canonical form does not name them."""
+    """A plan that uses none of the new fields has parts that do not name them
+    (the signature covers the parts' digests: the same parts, the same digests
+    as before the fields existed); a move puts them in, signed."""
     plan = FleetPlan(epoch=3, leader="owned-c", created=T0, placements=ON_PAID)
-    assert b"room_since" not in canonical_plan(plan) and b"replaces" not in canonical_plan(plan)
+    every_part = b"".join(plan_parts(plan).values())
+    assert b"room_since" not in every_part and b"replaces" not in every_part
     moving = plan.model_copy(update={"room_since": {"free-a": T0}})
-    assert b"room_since" in canonical_plan(moving)
+    assert b"room_since" in b"".join(plan_parts(moving).values())
+    assert canonical_plan(moving) != canonical_plan(plan)
 
 
 def test_a_forged_plans_room_memory_starts_no_move(tmp_path: Path):

@@ -190,6 +190,7 @@ def test_the_pass_and_fleet_families_parse_with_help_and_type(fleet_text):
         "fabric_lane_in_flight",
         "fabric_lane_rank",
         "fabric_lane_up",
+        "fabric_leader_failing",
         "fabric_leader_info",
         "fabric_node_cost_info",
         "fabric_node_draining",

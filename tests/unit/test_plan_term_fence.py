@@ -26,6 +26,7 @@ from reconciler.core.live.signing import canonical_plan, verify_plan, with_signa
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import STALE_MARGIN_S, LeaderLoop
 from tests.support.plan_keys import TestKey
+from tests.support.raw_plans import write_sqlite_plan
 
 T0 = datetime(2026, 12, 2, 6, 0, tzinfo=UTC)
 CANDIDATES = ["lux", "qfox-1"]
@@ -334,7 +335,7 @@ def test_fabric_status_refuses_a_plan_of_a_candidate_that_does_not_lead(tmp_path
         evil = genuine.model_copy(update={"leader": "qfox-1", "epoch": HUGE, "signature": None})
         evil = with_signature(evil, "qfox-1-test", fleet.keys["qfox-1"].private.sign(canonical_plan(evil)))
         with sqlite3.connect(path) as db:
-            db.execute("UPDATE plan SET epoch = ?, plan = ? WHERE id = 1", (HUGE, evil.model_dump_json()))
+            write_sqlite_plan(db, evil, epoch=HUGE)
         status = live_status(desired, reg)
         assert status.plan is None and status.plan_refused is not None
         assert "is signed by 'qfox-1', but the registry names 'lux' as leader" in status.plan_refused

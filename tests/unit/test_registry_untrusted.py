@@ -277,12 +277,12 @@ def test_every_other_record_that_does_not_parse_is_skipped_and_named(hostile_fle
     with sqlite3.connect(hostile_fleet.path) as db:
         db.execute("UPDATE node_states SET state = 'garbage' WHERE node_id = 'racknerd'")
         db.execute("INSERT INTO drains (node_id, request) VALUES ('a1-arm64', x'00ff')")
-        db.execute("UPDATE plan SET plan = '{\"epoch\": -1}' WHERE id = 1")
+        db.execute("UPDATE plan_index SET plan_index = '{\"epoch\": -1}' WHERE id = 1")
         db.execute("INSERT INTO scaling (id, record) VALUES (1, '[') ON CONFLICT(id) DO UPDATE SET record = excluded.record")
     registry = hostile_fleet.connect()
     try:
         snapshot = registry.snapshot()
-        assert sorted(p.key for p in snapshot.unreadable) == ["drains/a1-arm64", "node_states/racknerd", "plan", "scaling"]
+        assert sorted(p.key for p in snapshot.unreadable) == ["drains/a1-arm64", "node_states/racknerd", "plan-index", "scaling"]
         assert snapshot.placements == []
         with pytest.raises(RegistryError, match=r"unreadable plan: epoch: Input should be greater than or equal to 0"):
             registry.newest_plan()

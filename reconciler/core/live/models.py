@@ -39,6 +39,31 @@ class _Live(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+# How long a leader problem's text may be (the leader truncates it): it is
+# rewritten into the leader record at every renewal.
+LEADER_PROBLEM_CHARS = 600
+
+
+class LeaderProblem(_Live):
+    """Why the leader's step keeps failing (`reconciler.engine.leader`): the
+    registry refused or could not do a read or a write, or the plan could not
+    be signed or published. The leader keeps its term and its last good plan,
+    retries with backoff, and writes this into its record at each renewal, so
+    `fabric status`, the edge's page and its metrics say why the plan does not
+    move. Cleared by the first step that succeeds."""
+
+    kind: str = Field(description="the error's class (RegistryError, RegistryUnavailable, PermissionDenied, PlanSigningError, ...)")
+    what: str = Field(description="the error's message, as the journal says it")
+    since: datetime = Field(description="when the first failure of this run of failures happened")
+    attempts: int = Field(default=1, ge=1, description="failed attempts in a row")
+    plan_epoch: int | None = Field(default=None, description="the epoch of the last plan this leader published, which stays in force")
+
+    def text(self) -> str:
+        """`RegistryError since 2026-12-02 10:20:03 UTC (12 attempts), plan epoch 7 stays in force: ...`"""
+        kept = f"plan epoch {self.plan_epoch}" if self.plan_epoch is not None else "the plan in force"
+        return f"{self.kind} since {self.since:%Y-%m-%d %H:%M:%S %Z} ({self.attempts} attempts), {kept} stays in force: {self.what}"
+
+
 class SnapshotNode(_Live):
     node_id: str
     tier: Tier
@@ -247,6 +272,8 @@ class Snapshot(_Live):
     # The nodes the leader suspects or suspected lately (the last plan's
     # `suspects`, advanced by this step: core.scheduling.suspicion).
     suspects: dict[str, SuspectState] = {}
+    # The live leader's problem (`LeaderProblem`): why its plan does not move.
+    leader_problem: LeaderProblem | None = None
 
 
 class PlanSignature(_Live):

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, HostFacts, Tier
 from reconciler.core.live import beat
+from reconciler.core.live.models import LeaderProblem
 
 # Re-exported for the engine, adapters and CLI until they import them from
 # reconciler.core.timestamps, where they live.
@@ -183,6 +184,9 @@ class LeaderInfo(_Record):
     # The term's TTL: stale once renewed_at + ttl_s has passed.
     ttl_s: float | None = None
     resigned: bool = False
+    # Why this leader's steps keep failing (None: they do not); the leader
+    # writes it at its renewals (reconciler.engine.leader).
+    problem: LeaderProblem | None = None
 
     def stale_at(self) -> datetime | None:
         """When the record goes stale unless renewed (None: never by itself)."""

@@ -10,12 +10,15 @@ applies a registry plan only if `verify_plan` finds no fault with it:
     signed  = with_signature(plan, key.id, signer.sign(canonical_plan(plan)))
     problem = verify_plan(plan, desired.fleet.plan_keys)   # None: valid
 
-The canonical form is the plan without its signature as JSON with sorted
+The canonical form is the plan's index (`plan_parts.canonical_index`): its
+identity and the digest of each part, every part canonical JSON with sorted
 keys, no whitespace and every timestamp in UTC (`...Z`), so the same plan
 read back from etcd, sqlite or a file, whatever its key order or time zone,
-gives the same bytes. A field an older host does not know is not part of its
-canonical form, so a plan with new fields verifies only on hosts that know
-them: those hosts stay static until they are upgraded, never the reverse.
+gives the same bytes, and the signature covers each part through its digest.
+A field added since (`room_since`, `Placement.replaces`) is left out of its
+part while unset. Hosts of a version that signed the whole plan instead
+(before the plan in parts) refuse these plans and stay static until they are
+upgraded, never the reverse.
 
 Verification needs only the public key and no I/O; signing needs the private
 key and so happens behind the `PlanSigner` port.
@@ -25,54 +28,23 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Sequence
-from datetime import datetime
-from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.models import FleetPlan, PlanSignature
-from reconciler.core.timestamps import utc
-
-
-def _canonical_value(value: Any) -> Any:
-    if isinstance(value, datetime):
-        # Microseconds kept: the leader's `created` has them.
-        return utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    if isinstance(value, dict):
-        return {str(k): _canonical_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_canonical_value(v) for v in value]
-    return value
-
-
-# Fields added since signing began, left out of the canonical form while they
-# hold their default: a plan that does not use them signs and verifies the
-# same on hosts that know them and hosts that do not (issue 32's come-home
-# moves: `room_since`, `Placement.replaces`; issue 30's hedges: `suspects`,
-# `Placement.hedge`).
-_NEWER_PLAN_FIELDS: dict[str, Any] = {"room_since": {}, "suspects": {}}
-_NEWER_PLACEMENT_FIELDS: dict[str, Any] = {"replaces": None, "hedge": None}
-
-
-def _drop_unset_newer_fields(body: dict[str, Any]) -> None:
-    for key, default in _NEWER_PLAN_FIELDS.items():
-        if body.get(key, default) == default:
-            body.pop(key, None)
-    for placement in body.get("placements", []):
-        for key, default in _NEWER_PLACEMENT_FIELDS.items():
-            if placement.get(key, default) == default:
-                placement.pop(key, None)
+from reconciler.core.live.plan_parts import PlanIndex, canonical_index, plan_index
 
 
 def canonical_plan(plan: FleetPlan) -> bytes:
-    """The bytes a plan's signature covers: every field but the signature."""
-    body = _canonical_value(plan.model_dump(mode="python", exclude={"signature"}))
-    _drop_unset_newer_fields(body)
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    """The bytes a plan's signature covers: the canonical form of its index
+    (`reconciler.core.live.plan_parts`): its epoch, leader, term, fleet,
+    prefix and creation time, and the digest of each of its parts' canonical
+    bytes, so the signature covers every field but itself, and a host that
+    holds the index and one part checks that part by its digest alone."""
+    return canonical_index(plan_index(plan))
 
 
 def with_signature(plan: FleetPlan, key_id: str, signature: bytes) -> FleetPlan:
@@ -90,17 +62,24 @@ def verify_plan(plan: FleetPlan, keys: Sequence[PlanKey]) -> str | None:
     it is signed, by a listed key of the host it names as leader, and the
     signature matches its canonical form. The caller checks that the leader
     is a candidate (fabric.toml lists keys for candidates only)."""
-    signature = plan.signature
+    return verify_index(plan_index(plan), keys)
+
+
+def verify_index(index: PlanIndex, keys: Sequence[PlanKey]) -> str | None:
+    """`verify_plan` of the plan `index` names, from its index alone: a reader
+    that then checks each part it reads against the index's digest
+    (`plan_parts.join_plan`, `plan_parts.checked_part`) reads only signed bytes."""
+    signature = index.signature
     if signature is None:
-        return f"plan epoch {plan.epoch} is not signed, and fabric.toml lists plan keys"
+        return f"plan epoch {index.epoch} is not signed, and fabric.toml lists plan keys"
     key = next((k for k in keys if k.id == signature.key_id), None)
     if key is None:
-        return f"plan epoch {plan.epoch} is signed by key {signature.key_id!r}, which fabric.toml does not list (unknown or retired)"
-    if key.host != plan.leader:
-        return f"plan epoch {plan.epoch} names {plan.leader!r} as leader but is signed by {key.host!r}'s key {key.id!r}"
+        return f"plan epoch {index.epoch} is signed by key {signature.key_id!r}, which fabric.toml does not list (unknown or retired)"
+    if key.host != index.leader:
+        return f"plan epoch {index.epoch} names {index.leader!r} as leader but is signed by {key.host!r}'s key {key.id!r}"
     try:
         raw = base64.b64decode(signature.value, validate=True)
-        Ed25519PublicKey.from_public_bytes(key.public_bytes()).verify(raw, canonical_plan(plan))
+        Ed25519PublicKey.from_public_bytes(key.public_bytes()).verify(raw, canonical_index(index))
     except (InvalidSignature, binascii.Error, ValueError):
-        return f"plan epoch {plan.epoch} has a signature that does not match its content under {key.host!r}'s key {key.id!r} (tampered or forged)"
+        return f"plan epoch {index.epoch} has a signature that does not match its content under {key.host!r}'s key {key.id!r} (tampered or forged)"
     return None

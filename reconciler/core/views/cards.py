@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from reconciler.core.desired.model import DEFAULT_COST, DesiredState
-from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotNode
+from reconciler.core.live.models import FleetPlan, LeaderProblem, PhazeAgentSeen, Snapshot, SnapshotNode
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.timestamps import display_time, utc
@@ -265,6 +265,9 @@ class FleetStatus:
     # Registry records that did not parse or validate, one line each
     # ("x86-spill: unreadable heartbeat record: ..."): skipped, their nodes not beating.
     unreadable: tuple[str, ...] = ()
+    # Why the live leader's steps keep failing (its record's problem): its
+    # plan does not move until they succeed again.
+    leader_problem: LeaderProblem | None = None
     # Port maps open beyond the tailnet (their allow_from); empty: tailnet only.
     exposure: tuple[ExposureRow, ...] = ()
     # Recent events, newest first; `timeline_known` False when no registry
@@ -347,6 +350,7 @@ def fleet_status(
         inadmissible=_deferred(plan, inadmissible=True),
         plan_refused=plan_refused,
         unreadable=tuple(problem_lines(snapshot.unreadable)),
+        leader_problem=snapshot.leader_problem,
         exposure=exposure(desired),
         timeline=timeline(history, plan) if history is not None else (),
         timeline_known=history is not None,
@@ -497,6 +501,8 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
     out = [status.headline]
     if status.plan_refused:
         out.append(f"PLAN REFUSED · hosts keep their generations: {status.plan_refused}")
+    if status.leader_problem is not None:
+        out.append(f"LEADER FAILING · it keeps its term and retries: {status.leader_problem.text()}")
     if status.unreadable:
         out += ["", f"UNREADABLE RECORDS · skipped, their nodes count as not beating ({len(status.unreadable)})"]
         out += [f"  {line}" for line in status.unreadable]
@@ -564,6 +570,9 @@ def status_document(status: FleetStatus) -> dict[str, Any]:
         "epoch": status.epoch,
         "plan_refused": status.plan_refused,
         "unreadable": list(status.unreadable),
+        # Why the live leader's steps keep failing (kind, what, since, attempts,
+        # plan_epoch); null: they do not.
+        "leader_problem": status.leader_problem.model_dump(mode="json") if status.leader_problem is not None else None,
         "lanes": [
             {
                 "id": c.id,

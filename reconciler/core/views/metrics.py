@@ -225,7 +225,18 @@ def fleet_families(status: FleetStatus) -> list[Family]:
     if status.leader:
         leader = Family("fabric_leader_info", "gauge", "The fleet's leader as this host saw it (always 1).")
         leader.add(1, node=status.leader)
-        families.append(leader)
+        failing = Family(
+            "fabric_leader_failing",
+            "gauge",
+            "1 while the leader's steps keep failing (a registry error, a plan it could not publish): its plan does not move; 0 otherwise.",
+        )
+        problem = status.leader_problem
+        failing.add(1 if problem is not None else 0, node=status.leader)
+        families += [leader, failing]
+        if problem is not None:
+            since = Family("fabric_leader_failing_since_seconds", "gauge", "When the leader's failing steps began (Unix time), by the error's kind.")
+            since.add(epoch_seconds(problem.since), node=status.leader, kind=problem.kind)
+            families.append(since)
     return families
 
 

@@ -201,6 +201,8 @@ class EtcdCluster:
     initial_cluster: str
     base: Path
     pki: TestPki | None = None
+    # More etcd flags, for every member (a lowered --max-request-bytes).
+    extra_args: tuple[str, ...] = ()
     _log_files: list = field(default_factory=list)
 
     @property
@@ -245,6 +247,7 @@ class EtcdCluster:
             "50",
             "--election-timeout",
             "500",
+            *self.extra_args,
         ] + self._tls_argv()
 
     def _tls_argv(self) -> list[str]:
@@ -314,9 +317,10 @@ class EtcdCluster:
 
 
 @contextmanager
-def etcd_cluster(members: int = 1, *, tls: bool = False) -> Iterator[EtcdCluster]:
+def etcd_cluster(members: int = 1, *, tls: bool = False, extra_args: tuple[str, ...] = ()) -> Iterator[EtcdCluster]:
     """Start `members` etcd processes forming one cluster on loopback; stop them all on exit.
-    `tls`: clients on https with client certificates of `cluster.pki` required."""
+    `tls`: clients on https with client certificates of `cluster.pki` required.
+    `extra_args`: more flags for every member (e.g. a lowered --max-request-bytes)."""
     base = Path(tempfile.mkdtemp(prefix="fabric-etcd-"))
     cluster: EtcdCluster | None = None
     try:
@@ -335,7 +339,7 @@ def etcd_cluster(members: int = 1, *, tls: bool = False) -> Iterator[EtcdCluster
                 )
             )
         initial = ",".join(f"{m.name}={m.peer_url}" for m in ms)
-        cluster = EtcdCluster(members=ms, initial_cluster=initial, base=base, pki=pki)
+        cluster = EtcdCluster(members=ms, initial_cluster=initial, base=base, pki=pki, extra_args=extra_args)
         for m in ms:
             cluster.start(m.name)
         cluster.wait_healthy()

@@ -1,0 +1,240 @@
+"""The fleet plan in parts: a signed index and the parts it names (pure).
+
+A plan of a large fleet does not fit one registry value (etcd refuses a
+request over 1.5 MiB; 10,000 placements already take 0.9 MB), so the
+registry stores it as
+
+- the **index** (`PlanIndex`): the epoch, the leader, its term, the fleet
+  and the registry prefix, when it was made, and the name and digest of each
+  part; the leader's signature covers the index's canonical form
+  (`canonical_index`), so it covers every part through its digest;
+- the **parts**, each a canonical JSON value (`plan_parts`):
+
+      fleet                 the lanes' views and phaze's steering
+      host/<node>/<i>       the placements on one node, in chunks of `PART_ITEMS`
+      deferred/<i>          the deferred replicas, in chunks of `PART_ITEMS`
+      ignored/<i>           the undeclared nodes' names, in chunks of `NAMES_PER_PART`
+      room/<i>              the come-home rule's memory (absent when empty)
+      suspects/<i>          the leader's memory of suspected nodes (absent when empty)
+
+A part is a function of the plan alone (no desired state): the same
+placements give the same bytes and digest whatever the epoch, so a part that
+did not change between two epochs is not written again (the registry keys a
+part by its digest), and a host's part changing is seen from the index alone.
+
+`join_plan` puts a plan back together from its index and parts and refuses,
+naming the part, any part that is missing, whose digest is not the index's
+(a part of another epoch, or tampered) or that does not parse: a reader never
+takes a mix of two epochs. The plan it returns has its placements in the
+scheduler's order: by service, replica, then a move's new placement after
+the one it replaces (`normalized`);
+`same_parts` compares two plans by their parts, whatever their order.
+
+Canonical form: JSON with sorted keys, no whitespace, ASCII, every timestamp
+in UTC with microseconds (`...Z`). Fields added since signing began are left
+out while they hold their default (`room_since`, `suspects`, `Placement.replaces`,
+`Placement.hedge`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from reconciler.core.live.models import FleetPlan, Placement, PlanSignature, _Live
+from reconciler.core.timestamps import utc
+
+# Placements or deferred replicas per part: a part of this many stays far
+# under one etcd request (a placement is about 100 bytes).
+PART_ITEMS = 2000
+# Names of undeclared nodes, or come-home entries, per part.
+NAMES_PER_PART = 4000
+
+FLEET_PART = "fleet"
+
+
+class PlanPartsError(Exception):
+    """A plan's parts do not make its index's plan: the message names the part and why."""
+
+
+class PlanIndex(_Live):
+    """What the leader signs: the plan's identity and the digest of each part."""
+
+    epoch: int = Field(ge=0, description="the registry's epoch counter when the plan was published")
+    leader: str = Field(description="the leader candidate that published the plan")
+    term: int = Field(default=0, ge=0, description="the leader's term as the registry assigned it")
+    fleet: str = Field(default="", description="the fleet's name (fabric.toml [fleet] name)")
+    prefix: str = Field(default="", description="the registry prefix the plan was published under")
+    created: datetime = Field(description="when the leader made the plan")
+    parts: dict[str, str] = Field(default_factory=dict, description="each part's name and the digest of its canonical bytes (`part_digest`)")
+    signature: PlanSignature | None = Field(default=None, description="the leader's signature over `canonical_index` (None: unsigned)")
+
+    def host_parts(self, node: str) -> list[str]:
+        """The names of the parts holding `node`'s placements, in order."""
+        return sorted((n for n in self.parts if n.startswith(f"host/{node}/")), key=_order)
+
+
+def canonical_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        # Microseconds kept: the leader's `created` has them.
+        return utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    if isinstance(value, dict):
+        return {str(k): canonical_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [canonical_value(v) for v in value]
+    return value
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(canonical_value(value), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def part_digest(data: bytes) -> str:
+    """sha256 of a part's bytes, base64url without padding (43 characters)."""
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _placement(p: Placement) -> dict[str, Any]:
+    body = p.model_dump(mode="python")
+    for newer in ("replaces", "hedge"):  # newer fields, left out while unset
+        if body.get(newer) is None:
+            body.pop(newer, None)
+    return body
+
+
+def _chunks(items: list[Any], size: int) -> Iterable[tuple[int, list[Any]]]:
+    for start in range(0, len(items), size):
+        yield start // size, items[start : start + size]
+
+
+def _placement_order(p: Placement) -> tuple[str, int, bool, str]:
+    # A move's new placement after the one it replaces, as the scheduler puts them.
+    return (p.service, p.replica, p.replaces is not None, p.node)
+
+
+def plan_parts(plan: FleetPlan) -> dict[str, bytes]:
+    """Each part's name and canonical bytes (module docstring)."""
+    parts: dict[str, bytes] = {
+        FLEET_PART: canonical_json({"lanes": [v.model_dump(mode="python") for v in plan.lanes], "steering": plan.steering.model_dump(mode="python")})
+    }
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    # In the scheduler's order (`normalized`), whatever the order given: a part is its content.
+    for placement in sorted(plan.placements, key=_placement_order):
+        by_node.setdefault(placement.node, []).append(_placement(placement))
+    for node in sorted(by_node):
+        for i, chunk in _chunks(by_node[node], PART_ITEMS):
+            parts[f"host/{node}/{i}"] = canonical_json({"placements": chunk})
+    deferred = sorted(plan.deferred, key=lambda d: (d.service, d.replica))
+    for i, chunk in _chunks([d.model_dump(mode="python") for d in deferred], PART_ITEMS):
+        parts[f"deferred/{i}"] = canonical_json({"deferred": chunk})
+    for i, chunk in _chunks(list(plan.ignored_nodes), NAMES_PER_PART):
+        parts[f"ignored/{i}"] = canonical_json({"ignored_nodes": chunk})
+    for i, chunk in _chunks(sorted(plan.room_since.items()), NAMES_PER_PART):
+        parts[f"room/{i}"] = canonical_json({"room_since": dict(chunk)})
+    suspects = sorted((node, state.model_dump(mode="python")) for node, state in plan.suspects.items())
+    for i, chunk in _chunks(suspects, NAMES_PER_PART):
+        parts[f"suspects/{i}"] = canonical_json({"suspects": dict(chunk)})
+    return parts
+
+
+def plan_index(plan: FleetPlan, parts: Mapping[str, bytes] | None = None) -> PlanIndex:
+    """The index of `plan` (its signature carried over), from its parts when given."""
+    parts = plan_parts(plan) if parts is None else parts
+    return PlanIndex(
+        epoch=plan.epoch,
+        leader=plan.leader,
+        term=plan.term,
+        fleet=plan.fleet,
+        prefix=plan.prefix,
+        created=plan.created,
+        parts={name: part_digest(data) for name, data in parts.items()},
+        signature=plan.signature,
+    )
+
+
+def canonical_index(index: PlanIndex) -> bytes:
+    """The bytes a plan's signature covers: its index without the signature."""
+    return canonical_json(index.model_dump(mode="python", exclude={"signature"}))
+
+
+def _order(name: str) -> tuple[Any, ...]:
+    """Parts in plan order: by kind, node, then chunk number (not as text: 10 after 9)."""
+    kind, _, rest = name.partition("/")
+    head, _, number = rest.rpartition("/") if kind == "host" else ("", "", rest)
+    return (kind, head, int(number) if number.isdigit() else -1, number)
+
+
+def _loaded(name: str, data: bytes, digest: str) -> dict[str, Any]:
+    if part_digest(data) != digest:
+        raise PlanPartsError(f"plan part {name}: its digest is not the index's (a part of another epoch, or tampered): refused")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise PlanPartsError(f"plan part {name}: not JSON ({type(exc).__name__})") from None
+    if not isinstance(body, dict):
+        raise PlanPartsError(f"plan part {name}: not a JSON object")
+    return body
+
+
+def checked_part(index: PlanIndex, name: str, data: bytes | None) -> dict[str, Any]:
+    """One part read on its own (a host reading only its part), checked against
+    the index's digest; raises PlanPartsError naming it."""
+    digest = index.parts.get(name)
+    if digest is None:
+        raise PlanPartsError(f"plan part {name} is not in the index of epoch {index.epoch}")
+    if data is None:
+        raise PlanPartsError(f"plan part {name} of epoch {index.epoch} is missing")
+    return _loaded(name, data, digest)
+
+
+def join_plan(index: PlanIndex, parts: Mapping[str, bytes]) -> FleetPlan:
+    """The plan of `index` from `parts` (name -> bytes); raises PlanPartsError
+    naming the first part that is missing, not the index's or unreadable."""
+    body: dict[str, Any] = {"placements": [], "deferred": [], "ignored_nodes": [], "room_since": {}, "suspects": {}}
+    for name in sorted(index.parts, key=_order):
+        data = parts.get(name)
+        if data is None:
+            raise PlanPartsError(f"plan part {name} of epoch {index.epoch} is missing")
+        part = _loaded(name, data, index.parts[name])
+        kind = name.partition("/")[0]
+        if name == FLEET_PART:
+            body["lanes"] = part.get("lanes", [])
+            body["steering"] = part.get("steering", {})
+        elif kind == "host":
+            body["placements"] += list(part.get("placements", []))
+        elif kind == "deferred":
+            body["deferred"] += list(part.get("deferred", []))
+        elif kind == "ignored":
+            body["ignored_nodes"] += list(part.get("ignored_nodes", []))
+        elif kind == "room":
+            body["room_since"].update(part.get("room_since", {}))
+        elif kind == "suspects":
+            body["suspects"].update(part.get("suspects", {}))
+        else:
+            raise PlanPartsError(f"plan part {name}: not a part this version knows (refused: it is signed, so a newer leader made it)")
+    identity = index.model_dump(mode="python", exclude={"parts"})
+    try:
+        plan = FleetPlan.model_validate({**identity, **body})
+    except ValidationError as exc:
+        raise PlanPartsError(f"plan of epoch {index.epoch}: its parts do not make a plan ({exc.error_count()} errors)") from None
+    return normalized(plan)
+
+
+def normalized(plan: FleetPlan) -> FleetPlan:
+    """`plan` as the registry gives it back: placements by service, replica, a
+    move's new one after its old one, then node (the scheduler's own order);
+    deferred replicas by service and replica."""
+    return plan.model_copy(
+        update={"placements": sorted(plan.placements, key=_placement_order), "deferred": sorted(plan.deferred, key=lambda d: (d.service, d.replica))}
+    )
+
+
+def same_parts(a: FleetPlan, b: FleetPlan) -> bool:
+    """Equal parts: the same placements, deferred work, lanes, steering and memory."""
+    return plan_parts(a) == plan_parts(b)
