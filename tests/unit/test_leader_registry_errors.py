@@ -41,7 +41,7 @@ REGISTRY_ERRORS = sorted(
     key=lambda c: c.__name__,
 )
 # Every call the loop makes on its registry while it leads.
-CALLS = ("wait_for_change", "campaign", "renew", "lead", "epoch", "publish_plan")
+CALLS = ("wait_for_change", "campaign", "renew", "lead", "liveness", "epoch", "publish_plan")
 
 
 def test_the_port_declares_the_error_kinds_this_test_drives():
@@ -97,6 +97,10 @@ class FaultyRegistry:
         plan = self.published[-1] if self.published else None
         nodes = [SnapshotNode(node_id="lux", tier="cpu_ffmpeg", max_concurrent_tasks=2)]
         return LeaderView(events=[], snapshot=Snapshot(epoch=self._epoch, nodes=nodes), plan=plan)
+
+    def liveness(self) -> list:
+        self._maybe_fail("liveness")
+        return []
 
     def epoch(self) -> int:
         self._maybe_fail("epoch")
