@@ -43,6 +43,7 @@ WHAT = {
     "leader": "leader record",
     "scaling": "scaling record",
     "epoch": "epoch",
+    "pending": "pending report",
 }
 
 

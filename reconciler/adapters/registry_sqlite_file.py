@@ -44,6 +44,9 @@ CREATE TABLE IF NOT EXISTS leader (
 );
 CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, plan TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
+-- A machine without a host file waiting for admission (PendingRecord JSON);
+-- never read by the snapshot: it carries no authority. Expired past expires_at.
+CREATE TABLE IF NOT EXISTS pending (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, expires_at REAL NOT NULL);
 """
 
 # meta keys: the epoch counter, and a counter of membership changes (a node

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from reconciler.cli.common import add_desired, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
 from reconciler.core.desired.problems import key_path
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.views.capabilities import pending_lines, pending_rows
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.status import StatusInputs, live_status, saved_status
 from reconciler.ports import LaneBrokerError
@@ -134,8 +136,15 @@ def load_json_model(path: Path, model: type[Model]) -> Model:
 def frame(inputs: StatusInputs, *, as_json: bool, color: bool) -> str:
     status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now, plan_refused=inputs.plan_refused, history=inputs.history)
     if as_json:
-        return json.dumps(status_document(status), ensure_ascii=False) + "\n"
-    return render_text(status, color=color)
+        document = status_document(status)
+        document["pending"] = [
+            {"node_id": node, "tier": tier, "hardware": hardware, "waited": waited, "admit": admit}
+            for node, tier, hardware, waited, admit in pending_rows(inputs.pending, inputs.now)
+        ]
+        return json.dumps(document, ensure_ascii=False) + "\n"
+    text = render_text(status, color=color)
+    lines = pending_lines(inputs.pending, inputs.now, socket.gethostname().split(".", 1)[0])
+    return text + "".join(f"{line}\n" for line in lines)
 
 
 def draw(args: argparse.Namespace, color: bool) -> str:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import Snapshot
+from reconciler.core.live.pending import PendingRecord, live_pending
 from reconciler.engine.heartbeat import no_lane_broker
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.ports import FleetViewConnection, LaneBroker, LaneBrokerError, RegistryError
@@ -29,6 +30,9 @@ class FleetView:
     # not be read: a note says so).
     history: FleetHistory | None = None
     notes: tuple[str, ...] = ()
+    # The machines waiting for admission (live, not declared): the
+    # capabilities API lists them with status "pending"; never placed on.
+    pending: list[PendingRecord] = field(default_factory=list)
 
 
 def read_fleet_view(
@@ -52,6 +56,13 @@ def read_fleet_view(
             history = fleet_history(registry)
         except RegistryError as exc:  # the page goes without its timeline
             notes.append(f"status page without its timeline: {exc}")
+        pending: list[PendingRecord] = []
+        try:
+            reports, unreadable = registry.pending_nodes()
+            pending = live_pending(reports, snapshot.now, set(desired.hosts) | {n.node_id for n in snapshot.nodes})
+            notes += [f"pending report skipped: {line}" for line in unreadable]
+        except RegistryError as exc:  # the API goes without the pending machines
+            notes.append(f"capabilities without the pending machines: {exc}")
         lane_broker = open_lanes()
         try:
             snapshot = with_lane_states(snapshot, lane_broker, desired)
@@ -61,4 +72,4 @@ def read_fleet_view(
         registry.close()
         if lane_broker is not None:
             lane_broker.close()
-    return FleetView(snapshot, history, tuple(notes))
+    return FleetView(snapshot, history, tuple(notes), pending)

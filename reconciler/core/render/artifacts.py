@@ -64,6 +64,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.edge_proxy import proxy_timings
 from reconciler.core.render.plan_part import PlanPart, plan_part
 from reconciler.core.render.ray_units import DEFAULT_RAY_COMMAND, RayUnit, ray_unit
+from reconciler.core.render.status_site import TAILNET, TAILNET6
 from reconciler.core.render.status_site import caddy_site as status_caddy_site
 from reconciler.core.scheduling.lanes import agent_unit  # one name for an agent's unit, lane health's too
 from reconciler.core.templating import TEMPLATES_DIR as TEMPLATES_DIR  # for the tests that read the templates
@@ -72,8 +73,6 @@ from reconciler.core.templating import Templates
 ArtifactKind = Literal["unit", "nft", "caddy", "dropin", "file"]
 
 # Tailscale's address ranges: CGNAT IPv4 and its IPv6 ULA prefix.
-TAILNET = "100.64.0.0/10"
-TAILNET6 = "fd7a:115c:a1e0::/48"
 
 
 class RenderError(ValueError):

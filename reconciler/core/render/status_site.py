@@ -15,6 +15,9 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.templating import environment as template_environment
 
 STATUS_ROOT = "/var/lib/fabric/status"
+# Tailscale's address ranges: the tailnet.
+TAILNET = "100.64.0.0/10"
+TAILNET6 = "fd7a:115c:a1e0::/48"
 STATUS_FILE = "index.html"
 # The page's one inline script (it counts the page's age), included verbatim
 # by templates/status.html.j2: the CSP allows it by its hash, and nothing else.
@@ -38,6 +41,25 @@ def status_site_address(desired: DesiredState) -> str:
     return f"{desired.fleet.fleet.status_subdomain}.{desired.fleet.fleet.domain}"
 
 
+def _capabilities_block(desired: DesiredState) -> list[str]:
+    """The capabilities API (core.views.capabilities): /api/capabilities/nodes
+    and /api/capabilities/nodes/<host> from the JSON files the edge's pass
+    writes, to the tailnet (and fleet.capabilities_allow_from) only; 403 to
+    anyone else, 404 for a host it has no document of."""
+    allowed = " ".join([TAILNET, TAILNET6, *desired.fleet.fleet.capabilities_allow_from])
+    return [
+        "\t@capabilities path /api/*",
+        "\thandle @capabilities {",
+        f"\t\t@outside not remote_ip {allowed}",
+        '\t\trespond @outside "capabilities: tailnet only" 403',
+        "\t\t@node path_regexp node ^/api/capabilities/nodes/([a-z0-9_-]+)$",
+        "\t\trewrite @node /api/capabilities/nodes/{re.node.1}.json",
+        "\t\trewrite /api/capabilities/nodes /api/capabilities/nodes.json",
+        "\t\tfile_server",
+        "\t}",
+    ]
+
+
 def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str | None = None, bind: str | None = None) -> str:
     """A Caddyfile site block serving the page (for the edge host's Caddy config).
 
@@ -49,9 +71,8 @@ def caddy_site(desired: DesiredState, root: str = STATUS_ROOT, *, address: str |
     lines = [f"{address or status_site_address(desired)} {{"]
     if bind:
         lines.append(f"\tbind {bind}")
+    lines += [f"\troot * {root}", *_capabilities_block(desired), "\tfile_server"]
     lines += [
-        f"\troot * {root}",
-        "\tfile_server",
         "\theader {",
         '\t\tCache-Control "no-store"',
         f'\t\tContent-Security-Policy "{content_security_policy()}"',
