@@ -164,3 +164,25 @@ def test_the_joining_identity_may_write_the_pending_reports_and_nothing_else() -
     [grant] = access.roles[JOINING_ROLE]
     assert (grant.key, grant.range_end, grant.access) == ("/fabric/pending/", prefix_end("/fabric/pending/"), "readwrite")
     assert access.users[JOINING_USER] == frozenset({JOINING_ROLE})
+
+
+def test_a_pending_report_is_bounded_in_size_and_read_one_by_one(registry: SqliteRegistry) -> None:
+    from reconciler.adapters.registry_records import MAX_RECORD_BYTES
+    from reconciler.ports import RegistryError
+
+    huge = radeon_facts()
+    huge = huge.model_copy(update={"hardware": huge.hardware.model_copy(update={"ffmpeg": [f"enc{i:07d}" for i in range(MAX_RECORD_BYTES // 10)]})})
+    with pytest.raises(RegistryError, match="over the .*-byte limit"):
+        registry.report_pending(PendingRecord(node_id=NEW, facts=huge), ttl_s=90)
+    # A broken report among good ones is skipped and named; the others are read.
+    registry.report_pending(PendingRecord(node_id="good", facts=radeon_facts("good")), ttl_s=90)
+    with registry._tx() as db:  # type: ignore[attr-defined]
+        db.execute("INSERT INTO pending (node_id, record, expires_at) VALUES ('bad', 'not json', ?)", (T_PASS + 90,))
+        db.execute(
+            "INSERT INTO pending (node_id, record, expires_at) VALUES ('liar', ?, ?)",
+            (PendingRecord(node_id="good", facts=radeon_facts()).model_dump_json(), T_PASS + 90),
+        )
+    reports, problems = registry.pending_nodes()
+    assert [r.node_id for r in reports] == ["good"]
+    assert len(problems) == 2 and any(p.startswith("bad: unreadable pending report: not JSON") for p in problems), problems
+    assert any("liar" in p and "names another host" in p for p in problems), problems
