@@ -196,3 +196,23 @@ def test_fabric_admit_refuses_when_the_tree_does_not_validate_as_it_is(capsys, d
     code, out, err = fabric(capsys, "admit", NEW, "--desired", str(desired), "--registry-path", str(registry_path), "--node-config", "/nonexistent")
     assert code == EXIT_INVALID and "lux.toml" in err, err
     assert {p: p.read_bytes() for p in desired.rglob("*") if p.is_file()} == before
+
+
+def test_fabric_status_on_a_pending_machine_says_what_it_waits_for(capsys, monkeypatch, tmp_path: Path, desired: Path, registry_path: Path) -> None:
+    import reconciler.cli.status as status_cli
+
+    node_toml = tmp_path / "node.toml"
+    node_toml.write_text("[node]\n")
+    monkeypatch.setattr(status_cli, "NODE_CONFIG_PATH", str(node_toml))
+    monkeypatch.setattr(status_cli.socket, "gethostname", lambda: f"{NEW}.lan")
+    code, out, err = fabric(capsys, "status", "--desired", str(desired), "--registry-path", str(registry_path))
+    assert code == EXIT_OK, err
+    assert f"this machine: {NEW} has no host file: reported pending (probed tier gpu_vaapi)" in out and "`fabric admit newbox`" in out
+    # Not reported yet (or its report lapsed): it still says what it waits for.
+    monkeypatch.setattr(status_cli.socket, "gethostname", lambda: "joiner")
+    code, out, err = fabric(capsys, "status", "--desired", str(desired), "--registry-path", str(registry_path))
+    assert "this machine (joiner) has no host file" in out and "`fabric admit joiner`" in out
+    # An operator's laptop (no node.toml) is no pending machine.
+    monkeypatch.setattr(status_cli, "NODE_CONFIG_PATH", str(tmp_path / "absent.toml"))
+    code, out, err = fabric(capsys, "status", "--desired", str(desired), "--registry-path", str(registry_path))
+    assert "this machine" not in out

@@ -56,6 +56,14 @@ def waits_note(host: str, tier: str) -> str:
     )
 
 
+def undeclared_note(host: str) -> str:
+    """What `fabric status` says on a machine whose host name has no host file."""
+    return (
+        f"this machine ({host}) has no host file: its passes report it pending and it waits for admission: "
+        f"run `{admission_command(host)}` in the desired-state checkout, then push"
+    )
+
+
 def _gib(mib: int) -> str:
     return f"{mib / 1024:.0f} GiB" if mib >= 1024 else f"{mib} MiB"
 
