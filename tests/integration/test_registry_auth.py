@@ -338,3 +338,15 @@ def test_a_pass_without_a_host_file_reports_pending_as_the_joining_identity(init
         assert report.facts.tier == "gpu_vaapi" and report.facts.hardware.gpus
     finally:
         registry.close()
+
+
+def test_a_pending_report_is_read_one_by_one_and_never_speaks_for_another_name(as_host):
+    joining, lux = as_host("fabric-joining"), as_host("lux")
+    joining.report_pending(pending_record("honest"), ttl_s=30)
+    raw_put(joining, "pending/liar", pending_record("honest").model_dump_json().encode())
+    raw_put(joining, "pending/garbage", b"\xff\xfe not json")
+    reports, problems = lux.pending_nodes()
+    names = {r.node_id for r in reports}
+    assert "honest" in names and "liar" not in names and "garbage" not in names
+    assert any(p.startswith("liar: unreadable pending report: names another host") for p in problems), problems
+    assert any(p.startswith("garbage: unreadable pending report: not JSON") for p in problems), problems
