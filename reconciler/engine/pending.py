@@ -22,7 +22,18 @@ from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.live.pending import PendingRecord, admission_command, waits_note
 from reconciler.core.scheduling.lifecycle import heartbeat_timeout
 from reconciler.engine.pass_report import PassReport
-from reconciler.ports import Audit, PendingConnection, RegistryError
+from reconciler.ports import Audit, PendingConnection, PendingReports, RegistryError
+
+
+def report(registry: PendingReports, desired: DesiredState, host: str, facts: HostFacts) -> PendingRecord:
+    """Report `host` pending with `facts`, alive for the node timeout; the
+    record as stored. Raises ValueError for a name that cannot be a host's
+    (nothing sent) and RegistryError."""
+    try:
+        record = PendingRecord(node_id=host, facts=facts)
+    except ValidationError:
+        raise ValueError(f"{host!r} cannot be a fabric host's name (lowercase letters, digits, '-', '_')") from None
+    return registry.report_pending(record, float(heartbeat_timeout(desired.fleet.timing, bool(facts.tailscale_relayed))))
 
 
 def pending_pass(
@@ -37,8 +48,12 @@ def pending_pass(
     "pending", or "failed" when the registry cannot take the report,
     "bad-input" for a host name that cannot be a fabric host's)."""
     try:
-        record = PendingRecord(node_id=host, facts=facts)
-    except ValidationError:
+        registry = connect()
+        try:
+            stored = report(registry, desired, host, facts)
+        finally:
+            registry.close()
+    except ValueError:
         return PassReport(
             "bad-input",
             stderr=(
@@ -46,13 +61,6 @@ def pending_pass(
                 "(lowercase letters, digits, '-', '_'): give it one (hostnamectl) or use --host NAME",
             ),
         )
-    ttl = float(heartbeat_timeout(desired.fleet.timing, bool(facts.tailscale_relayed)))
-    try:
-        registry = connect()
-        try:
-            stored = registry.report_pending(record, ttl)
-        finally:
-            registry.close()
     except RegistryError as exc:
         audit.record("pending", "failed", host=host, tier=facts.tier, reason=str(exc))
         return PassReport("failed", stderr=(f"fabric reconcile: {host} has no host file and its pending report failed: {exc}",))
