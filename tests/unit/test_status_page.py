@@ -112,5 +112,10 @@ def test_caddy_site_serves_the_status_root_at_the_status_subdomain(desired):
     assert status_site_address(desired) == "status.researchstack.info"
     site = caddy_site(desired)
 
-    assert site.splitlines()[:3] == ["status.researchstack.info {", "\troot * /var/lib/fabric/status", "\tfile_server"]
+    lines = site.splitlines()
+    assert lines[:2] == ["status.researchstack.info {", "\troot * /var/lib/fabric/status"]
+    # The capabilities API first (its own handle: tailnet only), then the page's files.
+    assert lines[2:4] == ["\t@capabilities path /api/*", "\thandle @capabilities {"]
+    assert "\t\t@outside not remote_ip 100.64.0.0/10 fd7a:115c:a1e0::/48" in lines
+    assert lines.index("\tfile_server") > lines.index("\thandle @capabilities {")
     assert '\t\tCache-Control "no-store"' in site
