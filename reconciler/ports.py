@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from reconciler.core.desired.broker_access import BrokerState, RoleStep
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotLane
+    from reconciler.core.live.pending import PendingRecord
     from reconciler.core.live.records import (
         DrainRequest,
         LeaderInfo,
@@ -418,10 +419,13 @@ class LeaderView:
 #   HostWatch     the watcher's wait on a host's entries
 #   Liveness      fabric-watch's fast liveness record (the leader reads them
 #                 all through FleetReads.liveness)
+#   PendingReports  a machine without a host file reports itself pending
+#   PendingReads    the pending machines (fabric nodes, status, the edge's capabilities)
 #   RegistryConnection  close, for whoever opened the connection
 #
 # and the roles made of them, one per user: BeatConnection, LivenessConnection, EpochConnection,
-# FleetViewConnection, RegistryReads, WatchRegistry, LeaderRegistry, PassRegistry.
+# FleetViewConnection, RegistryReads, WatchRegistry, LeaderRegistry, PassRegistry,
+# PendingConnection.
 
 
 class RegistryConnection(Protocol):
@@ -568,6 +572,23 @@ class HostWatch(Protocol):
         ...
 
 
+class PendingReports(Protocol):
+    def report_pending(self, record: PendingRecord, ttl_s: float) -> PendingRecord:
+        """Store `record` as the machine's pending report, alive for `ttl_s`
+        seconds (etcd: P/pending/<host> under a lease of that TTL; sqlite: a
+        stored deadline); its `first_seen` kept from a live earlier report.
+        Returns the record as stored. With etcd's auth on, the joining
+        identity may write this and nothing else."""
+        ...
+
+
+class PendingReads(Protocol):
+    def pending_nodes(self) -> tuple[list[PendingRecord], list[str]]:
+        """The live pending reports (never part of `snapshot`: they carry no
+        authority), and a line for each that did not parse (skipped)."""
+        ...
+
+
 # -- the roles, one per user ---------------------------------------------------
 
 
@@ -583,11 +604,15 @@ class EpochConnection(EpochReads, RegistryConnection, Protocol):
     """A pass's re-check of the epoch after it applied a plan."""
 
 
-class FleetViewConnection(FleetReads, RegistryConnection, Protocol):
-    """The edge's pass reading the fleet's view for the status page."""
+class FleetViewConnection(FleetReads, PendingReads, RegistryConnection, Protocol):
+    """The edge's pass reading the fleet's view for the status page and the capabilities API."""
 
 
-class RegistryReads(FleetReads, PlanReads, EpochReads, Protocol):
+class PendingConnection(PendingReports, RegistryConnection, Protocol):
+    """A pending machine's restricted pass: its pending report, nothing else."""
+
+
+class RegistryReads(FleetReads, PlanReads, EpochReads, PendingReads, Protocol):
     """Everything any host may read: `fabric status`, lane status, the dispatcher's reads."""
 
 
@@ -614,6 +639,8 @@ class Registry(
     Drains,
     HostWatch,
     Liveness,
+    PendingReports,
+    PendingReads,
     RegistryConnection,
     Protocol,
 ):
@@ -763,6 +790,33 @@ class LaneBroker(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CheckoutError(Exception):
+    """The desired-state checkout refused a change (git failed, a signing key
+    is missing); the message says what and why."""
+
+
+class DesiredCheckout(Protocol):
+    """The operator's desired-state git checkout (`fabric admit`; the adapter
+    is reconciler.adapters.desired_checkout). Paths are relative to its top."""
+
+    def read(self, path: str) -> str | None:
+        """The file's text, None when it is not there."""
+        ...
+
+    def signing_required(self) -> str | None:
+        """Why commits here must be signed (None: they need not be)."""
+        ...
+
+    def commit(self, files: Mapping[str, str], message: str, *, sign: bool) -> str:
+        """Write the files, commit exactly them (signed when `sign`) and
+        return the commit id; on failure nothing written stays (CheckoutError)."""
+        ...
+
+    def push(self) -> str:
+        """Push the branch to its upstream; what git said (CheckoutError)."""
+        ...
 
 
 class RegistryAuth(Protocol):

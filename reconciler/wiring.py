@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         CaptureStore,
         Clock,
         CommandRunner,
+        DesiredCheckout,
         FileReader,
         FileTree,
         HookRunner,
@@ -460,6 +461,23 @@ def registry_opener(options: PassOptions, connections: PassConnections | None = 
     return connect
 
 
+def joining_fleet(fleet: FleetConfig) -> FleetConfig:
+    """fabric.toml with the joining identity as [registry]'s client
+    certificate, when it names one (a machine without a host file reports
+    pending with it); else as it is."""
+    settings = fleet.registry
+    if settings.joining_cert_file is None:
+        return fleet
+    joining = settings.model_copy(update={"cert_file": settings.joining_cert_file, "key_file": settings.joining_key_file})
+    return fleet.model_copy(update={"registry": joining})
+
+
+def pending_opener(options: PassOptions, connections: PassConnections | None = None) -> Callable[[FleetConfig], Registry]:
+    """Opens the registry a pending machine reports to: `registry_opener`'s, as the joining identity."""
+    connect = registry_opener(options, connections)
+    return lambda fleet: connect(joining_fleet(fleet))
+
+
 def _full_registry(fleet: FleetConfig, sqlite_path: Path | None, kept: Any) -> Registry:
     """The registry a pass process keeps for fabric.toml's [registry]: `kept`,
     the one it opened already; opened when there is none; when the memo's side
@@ -543,6 +561,7 @@ def real_pass_ports(options: PassOptions, connections: PassConnections | None = 
         startup_grace=options.startup_grace,
     ) as ports:
         ports.open_registry = registry_opener(options, connections)
+        ports.open_pending = pending_opener(options, connections)
         ports.open_lane_broker = lambda fleet: lane_broker_if_configured(fleet, note=print_note, connections=connections)
         ports.open_dispatch_broker = lambda fleet: lane_broker_if_configured(fleet, note=print_note, connections=connections, dispatcher=True)
         ports.plan_signer = plan_signer(options.plan_key_file)
@@ -659,3 +678,19 @@ def memo_ports(options: PassOptions, connections: PassConnections | None = None)
     finally:
         world.close()
         audit.close()
+
+
+def desired_checkout(directory: Path, node_config: Path | None) -> DesiredCheckout:
+    """The desired-state checkout `fabric admit` commits to: signed commits
+    when its git config says so, or when `node_config` (this machine's
+    node.toml, when it has one) requires them of the remote. Raises
+    ProblemsError for a node.toml that does not parse."""
+    from reconciler.adapters.desired_checkout import GitCheckout
+    from reconciler.core.install.nodeconfig import parse_node_config
+
+    reason = None
+    if node_config is not None and node_config.is_file():
+        config = parse_node_config(node_config.read_text(encoding="utf-8"), str(node_config))
+        if config.source is not None and config.source.require_signed_commits:
+            reason = f"{node_config}: source.require_signed_commits (hosts accept only signed commits)"
+    return GitCheckout(command_runner(), directory, node_requires_signing=reason)

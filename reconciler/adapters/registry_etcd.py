@@ -28,6 +28,10 @@ Keys under the configured prefix P (default "/fabric"):
                             lease lapses (the leader's watch wakes it)
     P/scaling               ScalingRecord JSON (the leader's scaling memory and
                             concurrency overrides; written under its fence)
+    P/pending/<host>        PendingRecord JSON under a lease of the node timeout:
+                            a machine without a host file waiting for admission
+                            (written with the joining identity; no authority:
+                            the live read skips it, no snapshot holds it)
 
 Election: a campaign grants a lease and, in one transaction, creates P/leader
 (only if absent) and raises P/epoch (only if unchanged since read). The term is
@@ -108,6 +112,7 @@ from aetcd.rpc import auth_pb2
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
+    MAX_RECORD_BYTES,
     PLAN_INDEX,
     PLAN_PARTS,
     WHAT,
@@ -123,6 +128,7 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.plan_parts import PlanIndex
 from reconciler.core.live.records import (
     DrainRequest,
@@ -237,15 +243,17 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     the live heartbeats (base + "nodes/"): a beat writes the same value to
     facts/, which is read whole, so only which beats are alive is news.
     Returns (key, value) pairs with `base` cut off, and the live node ids."""
-    jobs, nodes = base + b"jobs/", base + b"nodes/"
+    jobs, nodes, pending = base + b"jobs/", base + b"nodes/", base + b"pending/"
     jobs_end, nodes_end = utils.prefix_range_end(jobs), utils.prefix_range_end(nodes)
-    # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < nodes < plan, scaling, state.
+    # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < nodes < pending < plan, scaling, state.
+    # The pending reports carry no authority and are not the leader's: skipped too.
     before_jobs, revision = await _read_range(c, base, jobs, 0)
     between, _ = await _read_range(c, jobs_end, nodes, revision)
     beats, _ = await _read_range(c, nodes, nodes_end, revision, keys_only=True)
-    after, _ = await _read_range(c, nodes_end, utils.prefix_range_end(base), revision)
+    before_pending, _ = await _read_range(c, nodes_end, pending, revision)
+    after, _ = await _read_range(c, utils.prefix_range_end(pending), utils.prefix_range_end(base), revision)
     cut = len(base)
-    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, after) for kv in kvs]
+    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after) for kv in kvs]
     return pairs, [kv.key[len(nodes) :] for kv in beats]
 
 
@@ -551,6 +559,53 @@ class EtcdRegistry(LifecycleMixin):
             return sorted(out, key=lambda r: r.host)
 
         return self._call(op, "reading the liveness records")
+
+    # -- pending machines (no authority: never part of the snapshot) ---------------------
+
+    def report_pending(self, record: PendingRecord, ttl_s: float) -> PendingRecord:
+        node_id = check_node_id(record.node_id)
+        key = self._key("pending", node_id)
+        ttl = float(ttl_s)
+
+        async def op(c: _Client) -> PendingRecord:
+            kv = await c.get(key)
+            earlier, _ = parse_record(PendingRecord, kv.value, key=f"pending/{node_id}", node=node_id) if kv is not None else (None, None)
+            now = from_epoch_seconds(self._now())
+            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else now
+            stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": ttl})
+            value = stored.model_dump_json().encode()
+            if len(value) > MAX_RECORD_BYTES:
+                raise RegistryError(f"pending report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+            lease = await c.lease(math.ceil(ttl))
+            await c.put(key, value, lease=lease.id)
+            if kv is not None and kv.lease:
+                try:
+                    await c.revoke_lease(kv.lease)  # the earlier report's lease (its key is rewritten already)
+                except aetcd.ClientError:
+                    pass
+            return stored
+
+        return self._call(op, f"the pending report of {node_id}")
+
+    def pending_nodes(self) -> tuple[list[PendingRecord], list[str]]:
+        start = self._key("pending") + b"/"
+
+        async def op(c: _Client) -> list:
+            kvs, _ = await _read_range(c, start, utils.prefix_range_end(start), 0)
+            return kvs
+
+        records: dict[str, PendingRecord] = {}
+        problems: list[str] = []
+        for kv in self._call(op, "reading the pending reports"):
+            node = key_text(kv.key[len(start) :])
+            parsed, problem = parse_record(PendingRecord, kv.value, key=f"pending/{node}", node=node)
+            if parsed is not None and parsed.node_id != node:
+                problems.append(f"{node}: unreadable pending report: names another host ({parsed.node_id})")
+            elif parsed is not None:
+                records[node] = parsed
+            elif problem is not None:
+                problems.append(problem.line())
+        return [records[k] for k in sorted(records)], problems
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)

@@ -53,6 +53,7 @@ WHAT = {
     "leader": "leader record",
     "scaling": "scaling record",
     "epoch": "epoch",
+    "pending": "pending report",
 }
 
 

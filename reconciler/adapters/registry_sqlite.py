@@ -31,10 +31,21 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
-from reconciler.adapters.registry_records import MAX_PLAN_BYTES, WHAT, parse_int, parse_record, read_plan, require, stored_plan, validation_reason
+from reconciler.adapters.registry_records import (
+    MAX_PLAN_BYTES,
+    MAX_RECORD_BYTES,
+    WHAT,
+    parse_int,
+    parse_record,
+    read_plan,
+    require,
+    stored_plan,
+    validation_reason,
+)
 from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -206,6 +217,36 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             if gone:
                 self._bump(db, CHANGES)
         return bool(gone)
+
+    # -- pending machines (no authority: never part of the snapshot) -------------------
+
+    def report_pending(self, record: PendingRecord, ttl_s: float) -> PendingRecord:
+        now = self._now()
+        node_id = check_node_id(record.node_id)
+        moment = from_epoch_seconds(now)
+        with self._tx() as db:
+            db.execute("DELETE FROM pending WHERE expires_at <= ?", (now,))
+            row = db.execute("SELECT record FROM pending WHERE node_id = ?", (node_id,)).fetchone()
+            earlier, _ = parse_record(PendingRecord, row[0], key=f"pending/{node_id}", node=node_id) if row else (None, None)
+            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else moment
+            stored = record.model_copy(update={"first_seen": first, "reported_at": moment, "timeout_s": float(ttl_s)})
+            value = stored.model_dump_json()
+            if len(value.encode()) > MAX_RECORD_BYTES:
+                raise RegistryError(f"pending report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+            db.execute(
+                "INSERT INTO pending (node_id, record, expires_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
+                (node_id, value, now + ttl_s),
+            )
+        return stored
+
+    def pending_nodes(self) -> tuple[list[PendingRecord], list[str]]:
+        now = self._now()
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT node_id, record FROM pending WHERE expires_at > ?", (now,)).fetchall()
+        problems: list[UnreadableRecord] = []
+        records = _by_node(rows, "pending", PendingRecord, problems)
+        return [records[k] for k in sorted(records)], [p.line() for p in problems]
 
     # -- leadership -----------------------------------------------------------------
 

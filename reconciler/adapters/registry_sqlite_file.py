@@ -50,6 +50,9 @@ CREATE TABLE IF NOT EXISTS plan_parts (digest TEXT PRIMARY KEY, part BLOB NOT NU
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 -- fabric-watch's fast liveness record (issue 30): one cheap row write every couple of seconds
 CREATE TABLE IF NOT EXISTS liveness (host TEXT PRIMARY KEY, expires_at REAL NOT NULL, ttl_s REAL NOT NULL);
+-- A machine without a host file waiting for admission (PendingRecord JSON);
+-- never read by the snapshot: it carries no authority. Expired past expires_at.
+CREATE TABLE IF NOT EXISTS pending (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, expires_at REAL NOT NULL);
 """
 
 # meta keys: the epoch counter, and a counter of membership changes (a node

@@ -56,6 +56,7 @@ COMMANDS = {
     "generations": "generations",
     "rollback": "rollback",
     "nodes": "nodes",
+    "admit": "admit",
     "leader": "leader",
     "drain": "drain",
     "undrain": "drain",

@@ -10,6 +10,11 @@ reports ready. Every step is planned from what the node already has
 writes the files under DIR (a sandbox); commands still run unless --dry-run.
 Exit 0 ready (or nothing to do); 1 a step failed (rerun to continue); 2 bad
 input or a node that cannot be bootstrapped as configured (nothing changed).
+
+A machine whose host name has no host file is not refused: it reports itself
+pending (reconciler.engine.pending; with etcd, as [registry]'s joining
+identity), enables the reconcile timer, whose passes keep reporting it, and
+says the command that admits it (`fabric admit HOST`); exit 0.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from pathlib import Path
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
-from reconciler.core.install.bootstrap import bootstrap_files, k3s_node_name, plan_bootstrap, socat_units
-from reconciler.ports import BootstrapError, CaptureError
-from reconciler.wiring import bootstrap_io, bootstrap_programs, host_name, probe_facts
+from reconciler.core.desired.model import DesiredState, is_name
+from reconciler.core.install.bootstrap import RECONCILE_TIMER, Step, bootstrap_files, k3s_node_name, plan_bootstrap, socat_units
+from reconciler.core.live.pending import waits_note
+from reconciler.engine.pending import report
+from reconciler.ports import BootstrapError, CaptureError, RegistryError
+from reconciler.wiring import bootstrap_io, bootstrap_programs, host_name, joining_fleet, open_registry, probe_facts
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     desired = load_or_fail(args.desired or Path(node.node.desired))
     host = args.host or node.node.host or host_name()
     if host not in desired.hosts:
-        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state (hosts: {', '.join(sorted(desired.hosts))})")
+        return _pending(args, desired, host)
     try:
         facts = probe_facts(host, args.replay)
     except (CaptureError, OSError) as exc:  # an unreadable capture directory: bad input
@@ -77,3 +85,34 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"bootstrap: port maps still not running after the pass: {', '.join(down)} (journalctl -t fabric-reconcile)")
         print(f"ready: {host} (tier {facts.tier})")
         return EXIT_OK
+
+
+def _pending(args: argparse.Namespace, desired: DesiredState, host: str) -> int:
+    """A machine without a host file: report it pending, keep its timer reporting, say what to run."""
+    if not is_name(host):
+        raise InvalidInput(
+            f"bootstrap: host {host!r} is not in the desired state and cannot be a fabric host's name (lowercase letters, digits, '-', '_')"
+        )
+    try:
+        facts = probe_facts(host, args.replay)
+    except (CaptureError, OSError) as exc:
+        raise InvalidInput(f"bootstrap: probe: {exc}") from None
+    if args.dry_run:
+        print(f"would report {host} pending (probed tier {facts.tier}): it has no host file in the desired state")
+        print(f"would enable {RECONCILE_TIMER}: its passes keep reporting it pending until it is admitted (`fabric admit {host}`)")
+        return EXIT_OK
+    try:
+        registry = open_registry(joining_fleet(desired.fleet), sqlite_path=args.registry_path)
+        try:
+            stored = report(registry, desired, host, facts)
+            bootstrap_io(registry, args.root).execute(Step("enable_timer", f"{RECONCILE_TIMER} keeps reporting it pending"))
+        finally:
+            registry.close()
+    except ValueError as exc:
+        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state and {exc}") from None
+    except RegistryError as exc:
+        raise CommandError(f"bootstrap: registry: the pending report of {host}: {exc}") from None
+    except BootstrapError as exc:
+        raise CommandError(f"bootstrap: {exc}") from None
+    print(f"pending: {waits_note(host, stored.facts.tier)}")
+    return EXIT_OK

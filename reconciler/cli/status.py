@@ -21,19 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from reconciler.cli import EXIT_OK, CommandError, InvalidInput
-from reconciler.cli.common import add_desired, load_or_fail
+from reconciler.cli.common import NODE_CONFIG_PATH, add_desired, load_or_fail
 from reconciler.cli.registry_options import add_registry_path, opened_registry
 from reconciler.core.desired.problems import key_path
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.pending import undeclared_note
+from reconciler.core.views.capabilities import pending_lines, pending_rows
 from reconciler.core.views.cards import fleet_status, render_text, status_document
 from reconciler.engine.status import StatusInputs, live_status, saved_status
 from reconciler.ports import LaneBrokerError
@@ -106,7 +109,10 @@ def gather(args: argparse.Namespace) -> StatusInputs:
     desired = load_or_fail(args.desired)
     if args.snapshot is None:
         # Looking must not create a sqlite registry that is not there.
-        with opened_registry(args, desired, existing=True) as registry:
+        this = this_host()
+        # A pending machine's own identity may write its pending report and read nothing: say what it waits for.
+        hint = f"; {undeclared_note(this)}" if runs_undeclared(this, desired.hosts) else ""
+        with opened_registry(args, desired, existing=True, hint=hint) as registry:
             lane_broker = lane_broker_if_configured(desired.fleet, note=lambda line: print(f"note: {line}", file=sys.stderr))
             try:
                 return live_status(desired, registry, lane_broker)
@@ -134,8 +140,29 @@ def load_json_model(path: Path, model: type[Model]) -> Model:
 def frame(inputs: StatusInputs, *, as_json: bool, color: bool) -> str:
     status = fleet_status(inputs.desired, inputs.snapshot, inputs.plan, inputs.now, plan_refused=inputs.plan_refused, history=inputs.history)
     if as_json:
-        return json.dumps(status_document(status), ensure_ascii=False) + "\n"
-    return render_text(status, color=color)
+        document = status_document(status)
+        document["pending"] = [
+            {"node_id": node, "tier": tier, "hardware": hardware, "waited": waited, "admit": admit}
+            for node, tier, hardware, waited, admit in pending_rows(inputs.pending, inputs.now)
+        ]
+        return json.dumps(document, ensure_ascii=False) + "\n"
+    text = render_text(status, color=color)
+    this = this_host()
+    lines = pending_lines(inputs.pending, inputs.now, this)
+    if runs_undeclared(this, inputs.desired.hosts) and this not in {r.node_id for r in inputs.pending}:
+        lines += ["", undeclared_note(this)]
+    return text + "".join(f"{line}\n" for line in lines)
+
+
+def runs_undeclared(host: str, declared: Mapping[str, object]) -> bool:
+    """This machine runs the fabric (it has a node.toml) and has no host file:
+    a pending machine (an operator's laptop has no node.toml)."""
+    return host not in declared and Path(NODE_CONFIG_PATH).is_file()
+
+
+def this_host() -> str:
+    """This machine's host name (short), as its pass names it by default."""
+    return socket.gethostname().split(".", 1)[0]
 
 
 def draw(args: argparse.Namespace, color: bool) -> str:

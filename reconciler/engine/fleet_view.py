@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.pending import PendingRecord, live_pending
 from reconciler.core.scheduling.lanes import lanes_of_plan
 from reconciler.ports import FleetViewConnection, RegistryError
 
@@ -28,6 +29,9 @@ class FleetView:
     # not be read: a note says so).
     history: FleetHistory | None = None
     notes: tuple[str, ...] = ()
+    # The machines waiting for admission (live, not declared): the
+    # capabilities API lists them with status "pending"; never placed on.
+    pending: list[PendingRecord] = field(default_factory=list)
 
 
 def read_fleet_view(connect: Callable[[], FleetViewConnection], desired: DesiredState, plan: FleetPlan | None = None) -> FleetView:
@@ -48,9 +52,16 @@ def read_fleet_view(connect: Callable[[], FleetViewConnection], desired: Desired
             history = fleet_history(registry)
         except RegistryError as exc:  # the page goes without its timeline
             notes.append(f"status page without its timeline: {exc}")
+        pending: list[PendingRecord] = []
+        try:
+            reports, unreadable = registry.pending_nodes()
+            pending = live_pending(reports, snapshot.now, set(desired.hosts) | {n.node_id for n in snapshot.nodes})
+            notes += [f"pending report skipped: {line}" for line in unreadable]
+        except RegistryError as exc:  # the API goes without the pending machines
+            notes.append(f"capabilities without the pending machines: {exc}")
     finally:
         registry.close()
     if plan is not None and plan.lanes:
         declared = {lane.id for lane in desired.lanes}
         snapshot = snapshot.model_copy(update={"lanes": [lane for lane in lanes_of_plan(plan.lanes) if lane.id in declared]})
-    return FleetView(snapshot, history, tuple(notes))
+    return FleetView(snapshot, history, tuple(notes), pending)

@@ -2,7 +2,8 @@
 
 - the probe's damping history (a device missed once does not demote the node),
 - the Prometheus textfile for node_exporter (every host),
-- the fleet status page served by the edge's Caddy (edge hosts).
+- the fleet status page served by the edge's Caddy (edge hosts), and beside
+  it the capabilities API's JSON documents (core.views.capabilities).
 
 These are rewritten every pass, atomically, and are not part of a generation:
 a status page that changes every 30 s must not make a new generation or
@@ -143,3 +144,19 @@ def _write(
         plan = source.plan if source.plan.leader else None
         page = render_status_page(desired, snapshot, plan, now, plan_refused=source.refused, history=view.history, templates=templates)
         tree.write(f"{STATUS_ROOT.strip('/')}/{STATUS_FILE}", page.encode())
+        write_capabilities(tree, STATUS_ROOT.strip("/"), view)
+
+
+def write_capabilities(tree: FileTree, root: str, view: FleetView) -> None:
+    """The capabilities API's documents under `root` (the status site's),
+    each written atomically; a node's document that is no longer in the
+    fleet's view is removed."""
+    from reconciler.core.views.capabilities import CAPABILITIES_DIR, capability_documents
+
+    files = capability_documents(view.snapshot, view.pending)
+    for path, text in files.items():
+        tree.write(f"{root}/{path}", text.encode())
+    node_dir = f"{root}/{CAPABILITIES_DIR}/nodes"
+    for name in tree.list_dir(node_dir):
+        if f"{CAPABILITIES_DIR}/nodes/{name}" not in files:
+            tree.remove(f"{node_dir}/{name}")

@@ -38,8 +38,9 @@ PassOutcome = Literal[
     "failed",  # the pass (or rollback) could not finish
     "busy",  # another pass holds the lock
     "bad-input",  # bad desired state, host, capture or plan file; nothing written
+    "pending",  # no host file: reported pending (engine.pending), nothing rendered
 ]
-SUCCEEDED = frozenset({"noop", "applied", "written", "static", "planned", "restored"})
+SUCCEEDED = frozenset({"noop", "applied", "written", "static", "planned", "restored", "pending"})
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ from reconciler.ports import (
     LockBusy,
     PassLock,
     PassRegistry,
+    PendingConnection,
     PlanSigner,
     RegistryError,
     RegistryUnavailable,
@@ -132,6 +133,10 @@ def _no_registry(fleet: FleetConfig) -> PassRegistry:
     raise RegistryUnavailable("no registry is wired into this pass")
 
 
+def _no_pending(fleet: FleetConfig) -> PendingConnection:
+    raise RegistryUnavailable("no registry is wired into this pass")
+
+
 def _no_lane_broker(fleet: FleetConfig) -> LaneBroker | None:
     return None
 
@@ -161,6 +166,9 @@ class PassPorts:
     activators: Activators | None = None  # None: write the files, activate nothing
     # Opens the registry fabric.toml's [registry] names (the pass closes it).
     open_registry: Callable[[FleetConfig], PassRegistry] = _no_registry
+    # Opens the registry for a pending machine's report (a machine without a
+    # host file): with etcd, as the joining identity when [registry] names one.
+    open_pending: Callable[[FleetConfig], PendingConnection] = _no_pending
     # Opens phaze's broker as the lane queue (None: not configured or not
     # reachable, said in a note); the pass closes it.
     open_lane_broker: Callable[[FleetConfig], LaneBroker | None] = _no_lane_broker
@@ -194,6 +202,18 @@ class _BadInput(Exception):
     def __init__(self, *lines: str) -> None:
         super().__init__("\n".join(lines))
         self.lines = lines
+
+
+class _Undeclared(_BadInput):
+    """This host has no host file in a valid desired state: bad input for a
+    pass from a plan file or alone, a pending machine's pass from the registry."""
+
+    def __init__(self, desired: DesiredState, host: str) -> None:
+        super().__init__(
+            f"{desired.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(desired.hosts))}); use --host NAME, "
+            f"or run the pass from the registry to report it pending (then `fabric admit {host}`)"
+        )
+        self.desired = desired
 
 
 # --------------------------------------------------------------------------
@@ -259,7 +279,7 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     desired = loaded.desired
     if host not in desired.hosts:
-        raise _BadInput(f"{desired.fleet_file}: host {host!r} is not declared (hosts: {', '.join(sorted(desired.hosts))}); use --host NAME")
+        raise _Undeclared(desired, host)
     confined = confinement_problems(desired, _allowed_path_prefixes(ports.tree), host)
     if confined:
         raise _BadInput(*(str(problem) for problem in confined))
@@ -385,6 +405,10 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     started = ports.clock.now()
     try:
         prepared = _prepare(options, ports, write=True)
+    except _Undeclared as undeclared:
+        if not isinstance(options.plan, PlanFromRegistry):
+            return PassReport("bad-input", stderr=undeclared.lines)
+        return _pending_pass(options, ports, undeclared.desired)
     except _BadInput as bad:
         return PassReport("bad-input", stderr=bad.lines)
     applier = _applier(ports, options.state_dir, options.caddy_main, nft_reload=options.nft_reload)
@@ -451,6 +475,18 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             prepared = _plan_and_render(options, ports, prepared.loaded, prepared.host, prepared.facts, prepared.probe_history, write=True)
         except _BadInput as bad:
             return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
+
+
+def _pending_pass(options: PassOptions, ports: PassPorts, desired: DesiredState) -> PassReport:
+    """The restricted pass of a machine without a host file (engine.pending):
+    probe, report pending, render and activate nothing."""
+    from reconciler.engine.pending import pending_pass
+
+    try:
+        facts = ports.probe(options.host, options.replay)
+    except CaptureError as exc:
+        return PassReport("bad-input", stderr=(f"fabric: probe: {exc}",))
+    return pending_pass(desired, options.host, facts, lambda: ports.open_pending(desired.fleet), ports.audit, ports.note)
 
 
 def _record_plan_taken(store: GenerationStore, source: PassPlan) -> None:

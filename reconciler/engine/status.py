@@ -12,12 +12,13 @@ Talks to the registry only through its Protocol;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.fencing import authorship_problem, term_problem
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.pending import PendingRecord, live_pending
 from reconciler.core.scheduling.placement import schedule
 from reconciler.core.views.timeline import FleetHistory
 from reconciler.engine.lane_states import with_lane_states
@@ -36,6 +37,8 @@ class StatusInputs:
     plan_refused: str | None = None
     # What the registry remembers, for the timeline (None: a saved snapshot).
     history: FleetHistory | None = None
+    # The machines waiting for admission (live, not declared; none for a saved snapshot).
+    pending: list[PendingRecord] = field(default_factory=list)
 
 
 def fleet_history(registry: FleetReads) -> FleetHistory:
@@ -65,13 +68,20 @@ def live_status(desired: DesiredState, registry: RegistryReads, lane_broker: Lan
     snapshot = with_lane_states(registry.snapshot([lane.id for lane in desired.lanes]), lane_broker, desired)
     plan = registry.newest_plan()
     history = fleet_history(registry)
+    pending = pending_machines(desired, registry, snapshot)
     # The same check as every host's fence: a plan they refuse is not the fleet's.
     refused = refused_plan(desired, registry, plan) if plan is not None else None
     if refused is not None:
         # The snapshot's placements are that plan's: left out with it.
         snapshot = snapshot.model_copy(update={"placements": []})
-        return StatusInputs(desired=desired, snapshot=snapshot, plan=None, now=snapshot.now, plan_refused=refused, history=history)
-    return StatusInputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now, history=history)
+        return StatusInputs(desired=desired, snapshot=snapshot, plan=None, now=snapshot.now, plan_refused=refused, history=history, pending=pending)
+    return StatusInputs(desired=desired, snapshot=snapshot, plan=plan, now=snapshot.now, history=history, pending=pending)
+
+
+def pending_machines(desired: DesiredState, registry: RegistryReads, snapshot: Snapshot) -> list[PendingRecord]:
+    """The live pending reports of machines neither declared nor known as nodes."""
+    reports, _ = registry.pending_nodes()
+    return live_pending(reports, snapshot.now, set(desired.hosts) | {n.node_id for n in snapshot.nodes})
 
 
 def saved_status(desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None = None) -> StatusInputs:

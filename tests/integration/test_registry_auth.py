@@ -21,12 +21,13 @@ from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.records import LeaderInfo, Leadership, NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from reconciler.ports import PermissionDenied, Registry
 from reconciler.wiring import open_registry
-from tests.conftest import EXAMPLE_FLEET, require
+from tests.conftest import EXAMPLE_FLEET, REPO, require
 from tests.support.cli import fabric_captured
 from tests.support.harness.etcd import EtcdCluster, etcd_cluster
 from tests.support.harness.waiting import deadline_for, wait_until
@@ -291,3 +292,87 @@ def test_the_leaders_watch_sees_a_join_and_a_lapse_under_auth(as_host):
     spill.heartbeat(NodeRecord(node_id="x86-spill", tier="cpu_ffmpeg"), ttl_s=2)
     assert lux.wait_for_change(deadline_for(2)), "a join wakes the leader"
     assert lux.wait_for_change(deadline_for(2)), "the lapse of x86-spill's heartbeat wakes the leader"
+
+
+# -- a machine without a host file (#31): the joining identity -----------------------------------
+
+
+def pending_record(host: str = "newbox") -> PendingRecord:
+    from reconciler.core.desired.model import Hardware, HostFacts
+
+    facts = HostFacts(node_id=host, k3s_hostname=host, hardware=Hardware(arch="x86_64", cpu_cores=8), tier="cpu_ffmpeg", tailscale_ip="100.101.9.9")
+    return PendingRecord(node_id=host, facts=facts)
+
+
+def test_the_joining_identity_writes_its_pending_report_and_nothing_else(as_host):
+    joining = as_host("fabric-joining")
+    first = joining.report_pending(pending_record(), ttl_s=30)
+    again = joining.report_pending(pending_record(), ttl_s=30)  # its next pass: a new lease, the old one revoked
+    assert again.first_seen == first.first_seen
+    # Nothing else: no heartbeat, no leader's key, no drain, no other host's keys, not even a read.
+    for key in ("nodes/newbox", "facts/newbox", "nodes/lux", "facts/lux", "plan", "leader", "epoch", "state/newbox", "drain/newbox", "scaling"):
+        with pytest.raises(PermissionDenied, match="permission denied"):
+            raw_put(joining, key, NodeRecord(node_id="newbox", tier="gpu_cuda").model_dump_json().encode())
+    with pytest.raises(PermissionDenied):
+        joining.heartbeat(NodeRecord(node_id="newbox", tier="gpu_cuda"))
+    with pytest.raises(PermissionDenied):
+        joining.snapshot()
+    with pytest.raises(PermissionDenied):
+        joining.campaign("newbox", ttl_s=2)
+    with pytest.raises(PermissionDenied):
+        joining.set_drain("lux")
+    # A declared host reads the pending reports (the live state is no secret) and cannot write one.
+    spill = as_host("x86-spill")
+    assert [r.node_id for r in spill.pending_nodes()[0]] == ["newbox"]
+    with pytest.raises(PermissionDenied):
+        spill.report_pending(pending_record("x86-spill"), ttl_s=30)
+    # A pending report is never a node.
+    assert "newbox" not in {n.node_id for n in spill.snapshot().nodes}
+
+
+def test_a_pending_report_lapses_when_the_machine_stops(as_host):
+    joining, lux = as_host("fabric-joining"), as_host("lux")
+    joining.report_pending(pending_record("lapsing"), ttl_s=2)
+    assert "lapsing" in {r.node_id for r in lux.pending_nodes()[0]}
+    wait_until(
+        lambda: "lapsing" not in {r.node_id for r in lux.pending_nodes()[0]}, timeout=deadline_for(2) + 2, interval=0.2, what="the lease to lapse"
+    )
+
+
+def test_a_pass_without_a_host_file_reports_pending_as_the_joining_identity(init_auth, cluster, tmp_path):
+    """`fabric reconcile` on a machine with no host file: [registry] cert_file is
+    a host's (which may not write pending reports), joining_cert_file the joining
+    identity's; the pass reports pending with the latter and writes nothing."""
+    desired = write_desired(tmp_path / "desired", cluster, "x86-spill")
+    cert, key = cluster.pki.client("fabric-joining")
+    fabric_toml_path = desired / "fabric.toml"
+    fabric_toml_path.write_text(fabric_toml_path.read_text() + f'joining_cert_file = "{cert}"\njoining_key_file = "{key}"\n')
+    root = tmp_path / "root"
+    root.mkdir()
+    replay = str(REPO / "tests" / "fixtures" / "probe" / "radeon-desktop")
+    status, out, err = fabric_captured(
+        "reconcile", "--desired", str(desired), "--host", "joiner", "--root", str(root), "--no-activate", "--replay", replay
+    )
+    assert status == EXIT_OK, out + err
+    assert "fabric admit joiner" in out and "gpu_vaapi" in out
+    written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert not [p for p in written if "generations" in p or p.startswith("etc/")], written
+    host = load_desired(write_desired(tmp_path / "host", cluster, "lux"))
+    registry = open_registry(host.fleet)
+    try:
+        [report] = [r for r in registry.pending_nodes()[0] if r.node_id == "joiner"]
+        assert report.facts.tier == "gpu_vaapi" and report.facts.hardware.gpus
+    finally:
+        registry.close()
+
+
+def test_a_pending_report_is_read_one_by_one_and_never_speaks_for_another_name(as_host):
+    joining, lux = as_host("fabric-joining"), as_host("lux")
+    joining.report_pending(pending_record("honest"), ttl_s=30)
+    raw_put(joining, "pending/liar", pending_record("honest").model_dump_json().encode())
+    raw_put(joining, "pending/garbage", b"\xff\xfe not json")
+    reports, problems = lux.pending_nodes()
+    names = {r.node_id for r in reports}
+    assert "honest" in names and "liar" not in names and "garbage" not in names
+    assert any(p.startswith("liar: unreadable pending report: names another host") for p in problems), problems
+    assert any(p.startswith("garbage: unreadable pending report: not JSON") for p in problems), problems

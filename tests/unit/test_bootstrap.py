@@ -316,25 +316,51 @@ def test_cli_bad_node_toml_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert f"{config}: bootstrap.k3s_token_file: k3s_server and k3s_token_file go together" in capsys.readouterr().err
 
 
-def test_cli_unknown_host_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        main(
-            [
-                "bootstrap",
-                "--config",
-                str(tmp_path / "absent.toml"),
-                "--desired",
-                str(EXAMPLE_FLEET),
-                "--host",
-                "mystery",
-                "--dry-run",
-                "--registry-path",
-                str(tmp_path / "r.sqlite"),
-            ]
-        )
-        == 2
-    )
-    assert "'mystery' is not in the desired state" in capsys.readouterr().err
+def test_cli_unknown_host_would_report_pending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A machine without a host file is not refused: it reports itself pending (#31)."""
+    argv = ["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET), "--host", "mystery"]
+    argv += ["--replay", str(REPO / "tests" / "golden" / "probe" / "x86_64"), "--registry-path", str(tmp_path / "r.sqlite")]
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would report mystery pending (probed tier relay)" in out and "`fabric admit mystery`" in out
+    assert not (tmp_path / "r.sqlite").exists(), "a dry run changes nothing"
+
+
+def test_cli_unknown_host_whose_name_cannot_be_a_hosts_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import reconciler.cli.bootstrap as bootstrap_cli
+
+    monkeypatch.setattr(bootstrap_cli, "bootstrap_io", lambda registry, root: pytest.fail("nothing is run for a bad name"))
+    argv = ["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET), "--host", "Mystery.Box"]
+    argv += ["--replay", str(REPO / "tests" / "golden" / "probe" / "x86_64"), "--registry-path", str(tmp_path / "r.sqlite")]
+    assert main(argv) == 2
+    assert "cannot be a fabric host's name" in capsys.readouterr().err
+    assert not (tmp_path / "r.sqlite").exists(), "nothing changed"
+
+
+def test_cli_unknown_host_reports_pending_and_enables_its_timer(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import reconciler.cli.bootstrap as bootstrap_cli
+    from reconciler.adapters.registry_sqlite import SqliteRegistry
+    from tests.support.clock import FakeClock
+
+    done: list[str] = []
+
+    class IO:
+        def execute(self, step) -> None:
+            done.append(step.kind)
+
+    monkeypatch.setattr(bootstrap_cli, "bootstrap_io", lambda registry, root: IO())
+    argv = ["bootstrap", "--config", str(tmp_path / "absent.toml"), "--desired", str(EXAMPLE_FLEET), "--host", "mystery"]
+    argv += ["--replay", str(REPO / "tests" / "golden" / "probe" / "x86_64"), "--registry-path", str(tmp_path / "r.sqlite")]
+    assert main(argv) == 0
+    assert "pending: mystery has no host file" in capsys.readouterr().out
+    assert done == ["enable_timer"]
+    fleet = load_desired(EXAMPLE_FLEET).fleet
+    registry = SqliteRegistry(tmp_path / "r.sqlite", timing=fleet.timing, flap=fleet.flap, clock=FakeClock(0))
+    try:
+        assert [r.node_id for r in registry.pending_nodes()[0]] == ["mystery"]
+        assert registry.node_states() == []
+    finally:
+        registry.close()
 
 
 def test_cli_dry_run_of_an_arch_gpu_desktop_plans_the_nftables_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,7 +27,9 @@ def test_prefix_permissions_end_where_the_prefix_ends():
 
 def test_every_host_writes_only_its_own_three_keys_and_candidates_lead():
     desired, want = example()
-    assert set(want.users) == {*desired.hosts, "root", "fabric-admin"}
+    assert set(want.users) == {*desired.hosts, "root", "fabric-admin", "fabric-joining"}
+    # A machine without a host file reports pending with the joining identity: that prefix and nothing else.
+    assert want.roles["fabric-joining"] == {Grant("/fabric/pending/", "/fabric/pending0", "readwrite")}
     assert want.roles["fabric-host-racknerd"] == {
         Grant("/fabric/", "/fabric0", "read"),
         Grant("/fabric/nodes/racknerd", "", "readwrite"),

@@ -10,7 +10,20 @@ from pathlib import Path
 from reconciler import ports
 from reconciler.adapters.registry_etcd import EtcdRegistry
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.engine import dispatch, fleet_view, heartbeat, leader, leader_step, plan_source, reconcile, scaling_step, status, watch
+from reconciler.engine import (
+    admit,
+    dispatch,
+    fleet_view,
+    heartbeat,
+    leader,
+    leader_step,
+    pending,
+    plan_source,
+    reconcile,
+    scaling_step,
+    status,
+    watch,
+)
 
 ENGINE = Path(__file__).resolve().parents[2] / "reconciler" / "engine"
 
@@ -25,6 +38,8 @@ GROUPS = (
     ports.Drains,
     ports.HostWatch,
     ports.Liveness,
+    ports.PendingReports,
+    ports.PendingReads,
     ports.RegistryConnection,
 )
 
@@ -62,6 +77,9 @@ def test_each_user_holds_the_role_made_for_it() -> None:
         "the pass": inspect.signature(plan_source.read_registry).parameters["connect"].annotation,
         "the pass's epoch re-check": inspect.signature(plan_source.epoch_moved_past).parameters["connect"].annotation,
         "the pass's ports": reconcile.PassPorts.__annotations__["open_registry"],
+        "a pending machine's pass": reconcile.PassPorts.__annotations__["open_pending"],
+        "a pending machine's report": inspect.signature(pending.pending_pass).parameters["connect"].annotation,
+        "fabric admit": inspect.signature(admit.admit).parameters["pending"].annotation,
         "the beat after activation": inspect.signature(heartbeat.beat_after_activation).parameters["connect"].annotation,
         "the edge's fleet view": inspect.signature(fleet_view.read_fleet_view).parameters["connect"].annotation,
         "the watcher": watch.Watcher.__annotations__["registry"],
@@ -76,6 +94,9 @@ def test_each_user_holds_the_role_made_for_it() -> None:
         "the pass": "Callable[[], PassRegistry]",
         "the pass's epoch re-check": "Callable[[], EpochConnection]",
         "the pass's ports": "Callable[[FleetConfig], PassRegistry]",
+        "a pending machine's pass": "Callable[[FleetConfig], PendingConnection]",
+        "a pending machine's report": "Callable[[], PendingConnection]",
+        "fabric admit": "PendingReads",
         "the beat after activation": "Callable[[], BeatConnection]",
         "the edge's fleet view": "Callable[[], FleetViewConnection]",
         "the watcher": "WatchRegistry",
@@ -94,8 +115,18 @@ def test_the_roles_are_narrower_than_the_port() -> None:
     assert methods(ports.EpochConnection) == {"epoch", "close"}
     assert methods(ports.BeatConnection) == {"heartbeat", "close"}
     assert methods(ports.LivenessConnection) == {"keep_alive", "close"}
+    # A pending machine reports itself and does nothing else (etcd: the joining identity).
+    assert methods(ports.PendingConnection) == {"report_pending", "close"}
+    assert "report_pending" not in methods(ports.LeaderRegistry) | methods(ports.RegistryReads) | methods(ports.PassRegistry)
     assert "set_drain" not in methods(ports.PassRegistry) and "watch_host" not in methods(ports.PassRegistry)
-    writes = methods(ports.LeaderWrites) | methods(ports.Candidacy) | methods(ports.Heartbeats) | methods(ports.Drains) | methods(ports.Liveness)
+    writes = (
+        methods(ports.LeaderWrites)
+        | methods(ports.Candidacy)
+        | methods(ports.Heartbeats)
+        | methods(ports.Drains)
+        | methods(ports.Liveness)
+        | methods(ports.PendingReports)
+    )
     for role in (ports.RegistryReads, ports.FleetViewConnection, ports.WatchRegistry, ports.EpochConnection):
         assert not methods(role) & writes, f"{role.__name__} only reads"
     for role in (ports.LeaderRegistry, ports.PassRegistry):

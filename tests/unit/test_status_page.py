@@ -112,7 +112,12 @@ def test_caddy_site_serves_the_status_root_at_the_status_subdomain(desired):
     assert status_site_address(desired) == "status.researchstack.info"
     site = caddy_site(desired)
 
+    lines = site.splitlines()
     # Tailnet only by default (tests/unit/test_edge_tailnet.py, tests/integration/test_caddy.py).
-    assert site.splitlines()[0] == "status.researchstack.info {"
-    assert site.splitlines()[3:5] == ["\troot * /var/lib/fabric/status", "\tfile_server"]
+    assert lines[0] == "status.researchstack.info {"
+    assert lines[3] == "\troot * /var/lib/fabric/status"
+    # The capabilities API next (its own handle: tailnet only), then the page's files.
+    assert lines[4:6] == ["\t@capabilities path /api/*", "\thandle @capabilities {"]
+    assert "\t\t@outside not remote_ip 100.64.0.0/10 fd7a:115c:a1e0::/48" in lines
+    assert lines.index("\tfile_server") > lines.index("\thandle @capabilities {")
     assert '\t\tCache-Control "no-store"' in site

@@ -23,7 +23,7 @@ import difflib
 import stat
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -143,9 +143,29 @@ def read_desired_file(path: Path) -> str:
         raise UnreadableFile(f"is not UTF-8 text (byte {exc.start})") from None
 
 
-def load_desired(directory: Path | str, read_text: Callable[[Path], str] = read_desired_file) -> DesiredState:
-    """Load and validate DIR; raise DesiredStateError with every problem."""
+def load_desired(
+    directory: Path | str, read_text: Callable[[Path], str] = read_desired_file, *, overlay: Mapping[Path, str] | None = None
+) -> DesiredState:
+    """Load and validate DIR; raise DesiredStateError with every problem.
+    `overlay`: files (their paths under DIR) read as these texts instead,
+    a host file among them as if it were there (`fabric admit` validates
+    the tree with the file it would write, before writing it)."""
     directory = Path(directory)
+    if overlay:
+        added = dict(overlay)
+        read_text = _overlaid(read_text, added)
+        return _load_desired(directory, read_text, sorted(set(host_files(directory)) | {p for p in added if p.name != FLEET_FILE}))
+    return _load_desired(directory, read_text, host_files(directory))
+
+
+def _overlaid(read_text: Callable[[Path], str], overlay: dict[Path, str]) -> Callable[[Path], str]:
+    def read(path: Path) -> str:
+        return overlay[path] if path in overlay else read_text(path)
+
+    return read
+
+
+def _load_desired(directory: Path, read_text: Callable[[Path], str], files: list[Path]) -> DesiredState:
     fleet_path = directory / FLEET_FILE
     fleet_name = str(fleet_path)
     fleet, problems = _read_fleet(fleet_path, read_text)
@@ -155,7 +175,7 @@ def load_desired(directory: Path | str, read_text: Callable[[Path], str] = read_
     # Hosts whose file is broken still count as declared, so one bad host file
     # does not also produce "not a declared host" for every reference to it.
     broken_hosts: set[str] = set()
-    for path in host_files(directory):
+    for path in files:
         name = str(path)
         host, errs = _read_host(path, read_text)
         problems += errs

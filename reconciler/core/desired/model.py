@@ -336,6 +336,11 @@ class FleetSettings(Strict):
         "tailnet",
         description="Who may read the status page: tailnet (the default: Caddy refuses every source outside the tailnet with 403) or public (anyone; say so explicitly).",
     )
+    capabilities_allow_from: list[Cidr] = Field(
+        [],
+        description="Who besides the tailnet may read the capabilities API (/api/capabilities/nodes on the status site): CIDRs. "
+        "Empty (the default): the tailnet only.",
+    )
 
 
 class TimingSettings(Strict):
@@ -452,9 +457,19 @@ class RegistrySettings(Strict):
     ca_file: AbsPath | None = Field(None, description="CA certificate that signs etcd's server certificate (with cert_file and key_file).")
     cert_file: AbsPath | None = Field(None, description="This host's etcd client certificate (CN = host name).")
     key_file: AbsPath | None = Field(None, description="The client certificate's private key.")
+    joining_cert_file: AbsPath | None = Field(
+        None,
+        description="The joining identity's etcd client certificate (CN = fabric-joining): a machine without a host file "
+        "reports itself pending with it, and it may write only the pending reports; unset: cert_file.",
+    )
+    joining_key_file: AbsPath | None = Field(None, description="The joining identity's private key (with joining_cert_file).")
 
     @model_validator(mode="after")
     def _etcd_needs_endpoints(self) -> RegistrySettings:
+        if (self.joining_cert_file is None) != (self.joining_key_file is None):
+            raise FieldProblem(
+                "joining_key_file" if self.joining_key_file is None else "joining_cert_file", "joining_cert_file and joining_key_file go together"
+            )
         if self.backend == "etcd" and not self.endpoints:
             raise FieldProblem("endpoints", "backend 'etcd' needs at least one endpoint")
         tls = {"ca_file": self.ca_file, "cert_file": self.cert_file, "key_file": self.key_file}

@@ -19,8 +19,15 @@ reconciler/adapters/registry_etcd.py):
                              drains; given to fleet.leader_candidates only
     role fabric-admin        read P/; readwrite P/drain/ (the prefix): an
                              operator's `fabric drain` / `fabric undrain`
+    role fabric-joining      readwrite P/pending/ (the prefix) and nothing else: a
+                             machine without a host file reports itself pending
+                             (one identity for every joining machine: none has a
+                             name the fleet knows yet; a pending report carries
+                             no authority, so what it may write is worthless
+                             to an attacker beyond the report itself)
     user <host>              fabric-host-<host>, and fabric-leader for a candidate
     user fabric-admin        fabric-admin (the operator's identity; no host)
+    user fabric-joining      fabric-joining ([registry] joining_cert_file's CN)
     user root                etcd's root role (init-auth's own identity; etcd
                              refuses to enable auth without it)
 
@@ -50,6 +57,8 @@ ROOT = "root"
 ADMIN_USER = "fabric-admin"
 LEADER_ROLE = "fabric-leader"
 ADMIN_ROLE = "fabric-admin"
+JOINING_USER = "fabric-joining"
+JOINING_ROLE = "fabric-joining"
 MANAGED_ROLE_PREFIX = "fabric-"
 
 
@@ -105,8 +114,9 @@ def registry_access(desired: DesiredState) -> AccessState:
     roles: dict[str, frozenset[Grant]] = {
         LEADER_ROLE: frozenset({prefix_grant(base, "readwrite")}),
         ADMIN_ROLE: frozenset({read_all, prefix_grant(base + "drain/", "readwrite")}),
+        JOINING_ROLE: frozenset({prefix_grant(base + "pending/", "readwrite")}),
     }
-    users: dict[str, frozenset[str]] = {ROOT: frozenset({ROOT}), ADMIN_USER: frozenset({ADMIN_ROLE})}
+    users: dict[str, frozenset[str]] = {ROOT: frozenset({ROOT}), ADMIN_USER: frozenset({ADMIN_ROLE}), JOINING_USER: frozenset({JOINING_ROLE})}
     for host in sorted(desired.hosts):
         roles[host_role(host)] = frozenset(
             {

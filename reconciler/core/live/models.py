@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import DEFAULT_COST, Cost, Tier
+from reconciler.core.desired.model import DEFAULT_COST, Cost, Hardware, Limitations, Tier
 from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.timestamps import utc_now
 
@@ -89,6 +89,10 @@ class SnapshotNode(_Live):
     engine_tasks: int = Field(default=0, ge=0)
     # The host's cost class, from its record (NodeRecord.cost).
     cost: Cost = DEFAULT_COST
+    # From its record, for the capabilities API (never for placement).
+    tailscale_ip: str | None = None
+    hardware: Hardware | None = None
+    limitations: Limitations | None = None
 
     @property
     def utilization(self) -> float:

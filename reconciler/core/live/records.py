@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, HostFacts, Tier
+from reconciler.core.desired.model import DEFAULT_COST, NAME_PATTERN, Cost, Hardware, HostFacts, Limitations, Tier
 from reconciler.core.live import beat
 from reconciler.core.live.models import LeaderProblem
 
@@ -93,6 +93,12 @@ class NodeRecord(_Record):
     tailscale_ip: str | None = None
     cpu_cores: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     memory_mib: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    # The whole hardware record and limitations the probe found (the seed's
+    # data model: GPUs, storage, encoders, framebuffer), so the leader's
+    # snapshot has them for the capabilities API (None: an older host's beat).
+    # Bounded like any record (registry_records.MAX_RECORD_BYTES).
+    hardware: Hardware | None = None
+    limitations: Limitations | None = None
     # Set by the registry when it stores the beat (its injected clock).
     beat_at: PlausibleTime | None = None
     # The timeout the beat was stored with: silent this long = offline.
@@ -142,6 +148,8 @@ class NodeRecord(_Record):
             tailscale_ip=facts.tailscale_ip,
             cpu_cores=facts.hardware.cpu_cores,
             memory_mib=facts.hardware.memory_mib,
+            hardware=facts.hardware,
+            limitations=facts.limitations,
         )
 
 

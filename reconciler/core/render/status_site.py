@@ -39,6 +39,25 @@ def status_site_address(desired: DesiredState) -> str:
     return f"{desired.fleet.fleet.status_subdomain}.{desired.fleet.fleet.domain}"
 
 
+def _capabilities_block(desired: DesiredState, tailnet: tuple[str, ...]) -> list[str]:
+    """The capabilities API (core.views.capabilities): /api/capabilities/nodes
+    and /api/capabilities/nodes/<host> from the JSON files the edge's pass
+    writes, to the tailnet (and fleet.capabilities_allow_from) only; 403 to
+    anyone else, 404 for a host it has no document of."""
+    allowed = " ".join([*tailnet, *desired.fleet.fleet.capabilities_allow_from])
+    return [
+        "\t@capabilities path /api/*",
+        "\thandle @capabilities {",
+        f"\t\t@outside not remote_ip {allowed}",
+        '\t\trespond @outside "capabilities: tailnet only" 403',
+        "\t\t@node path_regexp node ^/api/capabilities/nodes/([a-z0-9_-]+)$",
+        "\t\trewrite @node /api/capabilities/nodes/{re.node.1}.json",
+        "\t\trewrite /api/capabilities/nodes /api/capabilities/nodes.json",
+        "\t\tfile_server",
+        "\t}",
+    ]
+
+
 # What a source outside the tailnet gets from a tailnet-only status page.
 TAILNET_ONLY_ANSWER = "403 Forbidden: the fleet's status page is served to the tailnet only ([fleet] status_access)."
 
@@ -77,6 +96,9 @@ def caddy_site(
         ]
     lines += [
         f"\troot * {root}",
+        # Caddy orders `handle` before `respond`: the API's own handle
+        # answers /api/* to its own sources, the page's matcher the rest.
+        *_capabilities_block(desired, tailnet),
         "\tfile_server",
         "\theader {",
         '\t\tCache-Control "no-store"',

@@ -455,6 +455,9 @@ def snapshot_node(state: NodeState) -> SnapshotNode | None:
             "lowered_limits": record.lowered_limits,
             "services_running": record.services_running,
             "cost": record.cost,
+            "tailscale_ip": record.tailscale_ip,
+            "hardware": record.hardware,
+            "limitations": record.limitations,
             # Ray's tasks: the leader joins them from Ray's state API (ray_tasks.with_ray_view).
             "engine_tasks": 0,
             # Suspicion: the leader marks it (core.scheduling.suspicion.with_suspects).
