@@ -129,8 +129,10 @@ def test_the_status_site_refuses_sources_outside_the_tailnet_by_default() -> Non
 def test_status_access_public_opens_the_page(desired: Path) -> None:
     _edit(desired / "fabric.toml", 'domain = "researchstack.info"\n', 'domain = "researchstack.info"\nstatus_access = "public"\n')
     caddy = files(load_desired(desired), "racknerd")["etc/caddy/fabric.caddy"]
-    assert "remote_ip" not in caddy and "403" not in caddy
+    assert "@outside_tailnet" not in caddy and TAILNET_ONLY_ANSWER not in caddy
     assert "status.researchstack.info {\n\troot * /var/lib/fabric/status\n" in caddy
+    # The capabilities API keeps its own sources ([fleet] capabilities_allow_from).
+    assert '\t\trespond @outside "capabilities: tailnet only" 403' in caddy
 
 
 def test_a_bad_status_access_exits_2_naming_file_and_key(desired: Path, capsys: pytest.CaptureFixture[str]) -> None:
