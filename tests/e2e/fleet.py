@@ -896,6 +896,11 @@ class Fleet:
         # The lanes' ssh_user, as on a host phaze pushes to: a lane agent's
         # unit gives its scratch dir to that user and joins its group.
         self._check(container, "useradd", "--system", "--user-group", "--no-create-home", "phaze")
+        # The replayed probes of qfox-1 and lux found their render nodes owned by
+        # `render` (dri-groups), so their GPU units join it (SupplementaryGroups=);
+        # on a real host that group exists, as stat named it. These containers
+        # share this machine's /etc, which may have none: make it, as udev would.
+        self._check(container, "groupadd", "--system", "--force", "render")
         # This host's own etcd identity at the fleet-wide paths; a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None
