@@ -46,6 +46,8 @@ CREATE TABLE IF NOT EXISTS plan (id INTEGER PRIMARY KEY CHECK (id = 1), epoch IN
 CREATE TABLE IF NOT EXISTS scaling (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
 -- fabric-watch's fast liveness record (issue 30): one cheap row write every couple of seconds
 CREATE TABLE IF NOT EXISTS liveness (host TEXT PRIMARY KEY, expires_at REAL NOT NULL, ttl_s REAL NOT NULL);
+-- each edge's record of its Caddy's upstreams (issue 30), as the edge wrote it
+CREATE TABLE IF NOT EXISTS edge_upstreams (edge TEXT PRIMARY KEY, record BLOB NOT NULL);
 """
 
 # meta keys: the epoch counter, and a counter of membership changes (a node
