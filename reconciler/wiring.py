@@ -634,3 +634,12 @@ def memo_ports(options: PassOptions, connections: PassConnections | None = None)
     finally:
         world.close()
         audit.close()
+
+
+def caddy_upstreams_reader(admin_address: str) -> Callable[[], object]:
+    """fabric-watch on an edge host: its Caddy's upstreams, read through the
+    admin API at `admin_address` (issue 30's edge source of suspicion)."""
+    from reconciler.adapters.caddy import CaddyAdmin
+
+    admin = CaddyAdmin(command_runner(), admin_address=admin_address, timeout=5.0)
+    return admin.upstreams
