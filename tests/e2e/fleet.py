@@ -179,6 +179,7 @@ SECRET_FILES = {
     # The CA of phaze's agent API (the example's agent.ca_file).
     "/run/secrets/phaze/ca.crt": "e2e-not-a-real-ca\n",
 }
+GPU_GROUPS = ("render", "video")
 AGENT_TOKENS = {"e2e-token-a1-arm64": "a1-arm64", "e2e-token-x86-spill": "x86-spill"}
 # phaze's broker URL (the fleet's PostgreSQL, known once it runs): the
 # example's PHAZE_QUEUE_URL_FILE, named by [phaze] queue_url_file.
@@ -928,6 +929,13 @@ class Fleet:
         # The lanes' ssh_user, as on a host phaze pushes to: a lane agent's
         # unit gives its scratch dir to that user and joins its group.
         self._check(container, "useradd", "--system", "--user-group", "--no-create-home", "phaze")
+        # The groups owning the captured machine's /dev/dri nodes, which its
+        # GPU services join (SupplementaryGroups=render): a machine with a GPU
+        # has them (udev's), this host's image may not, and systemd then
+        # refuses to start those services (status 216/GROUP).
+        for group in GPU_GROUPS:
+            if container.run("getent", "group", group).returncode != 0:
+                self._check(container, "groupadd", "--system", group)
         # This host's own etcd identity at the fleet-wide paths; a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None
