@@ -309,7 +309,8 @@ def test_a_blinking_node_is_held_off_by_flap_damping_not_churned(fleet: Fleet, d
 
 
 def test_a_singleton_service_is_not_hedged_and_moves_only_at_the_node_timeout(fleet: Fleet, desired: DesiredState) -> None:
-    assert next(s for s in desired.services if s.id == SINGLETON).singleton
+    singleton = desired.service(SINGLETON)
+    assert singleton is not None and singleton.singleton, SINGLETON
     before = wait_quiet(fleet, desired)
     (victim,) = placed(before)[SINGLETON]
     assert victim != fleet.edge, "braid on the edge: powering it off would take the routes with it"
