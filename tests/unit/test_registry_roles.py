@@ -93,7 +93,8 @@ def test_the_roles_are_narrower_than_the_port() -> None:
     assert methods(ports.WatchRegistry) == {"watch_host", "newest_plan"}
     assert methods(ports.EpochConnection) == {"epoch", "close"}
     assert methods(ports.BeatConnection) == {"heartbeat", "close"}
-    assert methods(ports.LivenessConnection) == {"keep_alive", "close"}
+    # fabric-watch's own connection: its liveness record and, on an edge, its Caddy's upstreams (issue 30).
+    assert methods(ports.LivenessConnection) == {"keep_alive", "report_edge_upstreams", "close"}
     assert "set_drain" not in methods(ports.PassRegistry) and "watch_host" not in methods(ports.PassRegistry)
     writes = methods(ports.LeaderWrites) | methods(ports.Candidacy) | methods(ports.Heartbeats) | methods(ports.Drains) | methods(ports.Liveness)
     for role in (ports.RegistryReads, ports.FleetViewConnection, ports.WatchRegistry, ports.EpochConnection):
