@@ -418,7 +418,8 @@ class LeaderView:
 #   Drains        the operator's drain and undrain
 #   HostWatch     the watcher's wait on a host's entries
 #   Liveness      fabric-watch's fast liveness record (the leader reads them
-#                 all through FleetReads.liveness)
+#                 all through FleetReads.liveness); on the edge, its Caddy's
+#                 failed upstreams too (FleetReads.edge_upstreams)
 #   PendingReports  a machine without a host file reports itself pending
 #   PendingReads    the pending machines (fabric nodes, status, the edge's capabilities)
 #   RegistryConnection  close, for whoever opened the connection
@@ -480,6 +481,13 @@ class FleetReads(Protocol):
 
     def scaling_record(self) -> ScalingRecord:
         """The leader's scaling memory and overrides (empty for a new registry)."""
+        ...
+
+    def edge_upstreams(self) -> dict[str, bytes]:
+        """Each edge's record of its Caddy's upstreams (issue 30), raw: edge
+        host -> the stored bytes, parsed one by one by the leader
+        (`core.scheduling.edge_upstreams.edge_records`), so a garbage record
+        is skipped and named, never the end of the read."""
         ...
 
     def liveness(self) -> list[LivenessRecord]:
@@ -557,6 +565,12 @@ class Liveness(Protocol):
         and kept alive, granted again when it lapsed; sqlite: one row
         write). Cheap: no pass, no desired state. Raises RegistryUnavailable,
         PermissionDenied (etcd auth: a host writes only its own key)."""
+        ...
+
+    def report_edge_upstreams(self, edge: str, record: bytes) -> None:
+        """fabric-watch on an edge host: store its Caddy's upstreams (an
+        `EdgeUpstreams` JSON) at P/edge-upstreams/<edge> (etcd auth: an edge
+        writes only its own). Raises RegistryUnavailable, PermissionDenied."""
         ...
 
 

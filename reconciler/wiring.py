@@ -694,3 +694,12 @@ def desired_checkout(directory: Path, node_config: Path | None) -> DesiredChecko
         if config.source is not None and config.source.require_signed_commits:
             reason = f"{node_config}: source.require_signed_commits (hosts accept only signed commits)"
     return GitCheckout(command_runner(), directory, node_requires_signing=reason)
+
+
+def caddy_upstreams_reader(admin_address: str) -> Callable[[], object]:
+    """fabric-watch on an edge host: its Caddy's upstreams, read through the
+    admin API at `admin_address` (issue 30's edge source of suspicion)."""
+    from reconciler.adapters.caddy import CaddyAdmin
+
+    admin = CaddyAdmin(command_runner(), admin_address=admin_address, timeout=5.0)
+    return admin.upstreams

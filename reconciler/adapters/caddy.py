@@ -92,6 +92,12 @@ class CaddyAdmin:
                 raise ActivationError(f"{exc} (Caddy 2.6 may keep serving the part of this config it had started until it is restarted)") from exc
             raise
 
+    def upstreams(self) -> Any:
+        """Each reverse_proxy upstream with its requests in flight and the
+        failures Caddy remembers (GET /reverse_proxy/upstreams: a JSON list
+        of {"address", "num_requests", "fails"}; issue 30's edge source)."""
+        return self._request("GET", "/reverse_proxy/upstreams", None, None, "read upstreams")
+
     def current_config(self) -> Any:
         """The JSON config Caddy is running now (GET /config/)."""
         return self._request("GET", "/config/", None, None, "read config")

@@ -535,6 +535,24 @@ class EtcdRegistry(LifecycleMixin):
 
         return self._call(op, f"the liveness of {host}")
 
+    def report_edge_upstreams(self, edge: str, record: bytes) -> None:
+        """One put of P/edge-upstreams/<edge> (no lease: the record's `at`
+        says how fresh it is; an edge's identity may write only its own)."""
+        key = self._key("edge-upstreams", check_node_id(edge))
+
+        async def op(c: _Client) -> None:
+            await c.put(key, bytes(record))
+
+        self._call(op, f"the edge upstreams of {edge}")
+
+    def edge_upstreams(self) -> dict[str, bytes]:
+        prefix = self._key("edge-upstreams") + b"/"
+
+        async def op(c: _Client) -> dict[str, bytes]:
+            return {kv.key[len(prefix) :].decode(errors="replace"): bytes(kv.value) for kv in await c.get_prefix(prefix)}
+
+        return self._call(op, "reading the edge upstreams")
+
     def liveness(self) -> list[LivenessRecord]:
         """Each live record with its lease's remaining TTL (one lease read per
         record: a small fleet's handful). A record that does not parse, or

@@ -201,6 +201,19 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
                 continue  # never trusted: a bad row is no liveness
         return out
 
+    def report_edge_upstreams(self, edge: str, record: bytes) -> None:
+        check_node_id(edge)
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO edge_upstreams (edge, record) VALUES (?, ?) ON CONFLICT(edge) DO UPDATE SET record = excluded.record",
+                (edge, bytes(record)),
+            )
+
+    def edge_upstreams(self) -> dict[str, bytes]:
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT edge, record FROM edge_upstreams ORDER BY edge").fetchall()
+        return {str(edge): record if isinstance(record, bytes) else str(record).encode() for edge, record in rows}
+
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)
         with self._tx() as db:

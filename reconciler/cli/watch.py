@@ -28,6 +28,7 @@ identity (a retry would not help).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import signal
@@ -45,7 +46,7 @@ from reconciler.engine.desired_load import load_for_part
 from reconciler.engine.pass_options import STATE_DIR
 from reconciler.engine.watch import LivenessKeeper, Watcher
 from reconciler.ports import LivenessConnection
-from reconciler.wiring import host_name, local_tree, pass_starter, system_clock
+from reconciler.wiring import caddy_upstreams_reader, host_name, local_tree, pass_starter, system_clock
 
 DEFAULTS = WatchTimings()
 
@@ -100,6 +101,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"longest wait between tries of an unreachable registry or systemd (default {DEFAULTS.retry_max_s:g})",
     )
     p.add_argument(
+        "--caddy-admin",
+        metavar="HOST:PORT",
+        default="localhost:2019",
+        help="on an edge host: Caddy's admin API, whose failed upstreams are reported beside the liveness record (default localhost:2019)",
+    )
+    p.add_argument(
         "--no-liveness",
         action="store_true",
         help="keep no fast liveness record (default: kept alive every [timing] liveness_s; its lapse makes the leader suspect this host)",
@@ -141,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
             log=_log,
         )
         keeper = _liveness_keeper(args, desired.fleet.timing, host, liveness_registry)
+        if keeper is not None and host in desired.hosts_with_role("edge"):
+            # Issue 30: the edge's Caddy as a source of suspicion (its failed upstreams).
+            keeper = dataclasses.replace(
+                keeper, edge_upstreams=caddy_upstreams_reader(args.caddy_admin), clock=clock, edge_refresh_s=desired.fleet.timing.heartbeat_s / 3
+            )
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: (watcher.stop(), keeper and keeper.stop()))
         _log(f"watching {host}'s part of the plan and its entries; starting {args.unit} on a change")

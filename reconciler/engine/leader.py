@@ -97,6 +97,8 @@ from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.probe.parsers import offline_peers
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
+from reconciler.core.scheduling.edge_upstreams import SOURCE as EDGE_SOURCE
+from reconciler.core.scheduling.edge_upstreams import edge_failing, edge_records
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
@@ -221,6 +223,8 @@ class LeaderLoop:
     _liveness_seen: dict[str, datetime] = field(default_factory=dict)
     _ray_dead: frozenset[str] = frozenset()
     _next_liveness: datetime | None = None
+    # The edge upstream records last skipped (key, reason): each said once.
+    _edge_problems: set[tuple[str, str]] = field(default_factory=set)
     _tailscale_problem: str | None = None
     # Why the steps keep failing (None: the last one succeeded), and whether
     # the step under way noted a problem.
@@ -421,6 +425,9 @@ class LeaderLoop:
         offline = self._tailscale_offline([n.node_id for n in snapshot.nodes])
         if offline:
             sources["tailscale"] = offline
+        failing = self._edge_failing(snapshot.now)
+        if failing:
+            sources[EDGE_SOURCE] = failing
         now_suspected = suspected(snapshot.nodes, self._liveness_seen, sources, snapshot.now)
         keys = self.desired.fleet.plan_keys
         # A forged plan's memory does not count (it would choose hedges): this leader's own plan then.
@@ -444,6 +451,27 @@ class LeaderLoop:
             self._liveness_seen = {}
             return
         self._liveness_seen = remember_liveness(self._liveness_seen, self.registry.liveness())
+
+    def _edge_failing(self, now: datetime) -> dict[str, str]:
+        """The hosts an edge's Caddy sees every upstream of failing (its
+        record younger than a heartbeat); each record parsed on its own, a
+        bad one skipped and named once (`core.scheduling.edge_upstreams`)."""
+        assert self.desired is not None
+        edges = self.desired.hosts_with_role("edge")
+        if not edges or not self.desired.fleet.timing.liveness_s:
+            return {}
+        try:
+            raw = self.registry.edge_upstreams()
+        except RegistryError as exc:
+            self.log(f"edge upstreams unreadable, suspecting without them: {exc}")
+            return {}
+        records, problems = edge_records(raw, edges)
+        said = {(p.key, p.reason) for p in problems}
+        for key, reason in sorted(said - self._edge_problems):
+            self.log(f"edge upstreams record of {key} skipped: {reason}")
+        self._edge_problems = said
+        addresses = {name: config.host.address for name, config in self.desired.hosts.items()}
+        return edge_failing(records, addresses, now, float(self.desired.fleet.timing.heartbeat_s))
 
     def _tailscale_offline(self, hosts: list[str]) -> dict[str, str]:
         """The hosts tailscale shows offline; a status that cannot be read is said once."""

@@ -46,6 +46,8 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started, taken
 from reconciler.core.render.plan_part import plan_part
+from reconciler.core.scheduling.edge_upstreams import EdgeUpstreams, caddy_upstreams
+from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import ActivationError, Clock, LivenessConnection, PassStarter, RegistryError, RegistryUnavailable, WatchRegistry
 
 
@@ -213,8 +215,16 @@ class LivenessKeeper:
     ttl_s: float
     log: Callable[[str], None] = print
     pause: Callable[[float], None] | None = None
+    # On an edge host: its Caddy's upstreams (the admin API's answer) and the
+    # clock, to store them beside the keep-alive when they change, and at
+    # least every `edge_refresh_s` (the leader trusts a record a heartbeat long).
+    edge_upstreams: Callable[[], object] | None = None
+    clock: Clock | None = None
+    edge_refresh_s: float = 10.0
     _stop: threading.Event = field(default_factory=threading.Event)
     _outage: str | None = None
+    _edge_problem: str | None = None
+    _edge_stored: tuple[float, tuple[tuple[str, int], ...]] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -232,7 +242,30 @@ class LivenessKeeper:
         if self._outage is not None:
             self.log(f"{self.host}'s liveness record kept alive again")
             self._outage = None
+        self.report_edge()
         return True
+
+    def report_edge(self) -> None:
+        """Store this edge's Caddy upstreams (P/edge-upstreams/<host>) when
+        which of them fail changed, or the stored record grows old; a Caddy
+        or registry that cannot be read is said once."""
+        if self.edge_upstreams is None or self.clock is None:
+            return
+        now = self.clock.now()
+        try:
+            upstreams = caddy_upstreams(self.edge_upstreams())
+            failing = tuple(sorted((u.address, min(u.fails, 1)) for u in upstreams))
+            if self._edge_stored is not None and self._edge_stored[1] == failing and now - self._edge_stored[0] < self.edge_refresh_s:
+                return
+            record = EdgeUpstreams(edge=self.host, at=from_epoch_seconds(now), upstreams=upstreams)
+            self.registry.report_edge_upstreams(self.host, record.model_dump_json().encode())
+        except (ActivationError, RegistryError, ValueError) as exc:
+            if str(exc) != self._edge_problem:
+                self.log(f"cannot report {self.host}'s Caddy upstreams: {exc}")
+                self._edge_problem = str(exc)
+            return
+        self._edge_stored = (now, failing)
+        self._edge_problem = None
 
     def run(self) -> None:
         while not self._stop.is_set():

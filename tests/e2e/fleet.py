@@ -179,6 +179,7 @@ SECRET_FILES = {
     # The CA of phaze's agent API (the example's agent.ca_file).
     "/run/secrets/phaze/ca.crt": "e2e-not-a-real-ca\n",
 }
+GPU_GROUPS = ("render", "video")
 AGENT_TOKENS = {"e2e-token-a1-arm64": "a1-arm64", "e2e-token-x86-spill": "x86-spill"}
 # phaze's broker URL (the fleet's PostgreSQL, known once it runs): the
 # example's PHAZE_QUEUE_URL_FILE, named by [phaze] queue_url_file.
@@ -236,6 +237,9 @@ class FleetSettings:
     # 0: none, the node timeout alone decides (as before issue 30).
     liveness_s: int = 2
     liveness_ttl_s: int = 6
+    # Services the e2e desired state declares `singleton = true` (never run
+    # twice: not hedged, moved only at the node timeout).
+    singletons: tuple[str, ...] = ()
 
     def address(self, octet: int) -> str:
         return f"{self.subnet}.{octet}"
@@ -319,6 +323,8 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
     # and a host without `ray` cannot pass the rendered worker's verification.
     data.pop("ray", None)
     for service in data.get("services", []):
+        if service["id"] in settings.singletons:
+            service["singleton"] = True
         argv = ["/usr/bin/python3", in_container(SERVICE_STUB), service["id"], str(service["port"])]
         runs = service.pop("command", None) or service.pop("image")
         service["command"] = {arch: list(argv) for arch in runs}
@@ -836,6 +842,33 @@ class Fleet:
                 os.kill(host.container.pid, signal.SIGKILL)
         self.stop_host(name)
 
+    def pause_host(self, name: str) -> None:
+        """Freeze every process of the host's container (its cgroup's
+        cgroup.freeze): a machine that stops answering without losing any
+        state, as a stalled VM or a suspended laptop does."""
+        self._freeze(name, True)
+        self.progress(f"{name}: paused")
+
+    def resume_host(self, name: str) -> None:
+        """Thaw a host `pause_host` froze: its processes go on where they stopped."""
+        self._freeze(name, False)
+        self.progress(f"{name}: resumed")
+
+    def paused(self, name: str) -> bool:
+        return "frozen 1" in (self._container_cgroup(name) / "cgroup.events").read_text()
+
+    def _container_cgroup(self, name: str) -> Path:
+        # The container's systemd (PID 1 inside) sits in <container cgroup>/init.scope.
+        membership = Path(f"/proc/{self.container(name).pid}/cgroup").read_text().splitlines()
+        (own,) = [line.split("::", 1)[1].strip() for line in membership if line.startswith("0::")]
+        (mount,) = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == "cgroup2"]
+        cgroup = Path(mount + own)
+        return cgroup.parent if cgroup.name == "init.scope" else cgroup
+
+    def _freeze(self, name: str, frozen: bool) -> None:
+        (self._container_cgroup(name) / "cgroup.freeze").write_text("1" if frozen else "0")
+        wait_for(lambda: self.paused(name) == frozen, timeout=10.0, what=f"{name}'s cgroup {'frozen' if frozen else 'thawed'}", interval=0.05)
+
     def container(self, name: str) -> SystemdContainer:
         container = self.hosts[name].container
         if container is None:
@@ -896,11 +929,13 @@ class Fleet:
         # The lanes' ssh_user, as on a host phaze pushes to: a lane agent's
         # unit gives its scratch dir to that user and joins its group.
         self._check(container, "useradd", "--system", "--user-group", "--no-create-home", "phaze")
-        # The replayed probes of qfox-1 and lux found their render nodes owned by
-        # `render` (dri-groups), so their GPU units join it (SupplementaryGroups=);
-        # on a real host that group exists, as stat named it. These containers
-        # share this machine's /etc, which may have none: make it, as udev would.
-        self._check(container, "groupadd", "--system", "--force", "render")
+        # The groups owning the captured machine's /dev/dri nodes, which its
+        # GPU services join (SupplementaryGroups=render): a machine with a GPU
+        # has them (udev's), this host's image may not, and systemd then
+        # refuses to start those services (status 216/GROUP).
+        for group in GPU_GROUPS:
+            if container.run("getent", "group", group).returncode != 0:
+                self._check(container, "groupadd", "--system", group)
         # This host's own etcd identity at the fleet-wide paths; a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None

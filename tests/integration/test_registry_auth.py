@@ -36,7 +36,7 @@ pytestmark = pytest.mark.integration
 
 PREFIX = f"/auth{uuid.uuid4().hex[:8]}"
 # "x86" is a prefix of "x86-spill": its permissions must not reach x86-spill's keys.
-HOSTS = {"lux": "lux", "qfox-1": "qfox-1", "x86-spill": "x86-spill", "x86": "x86-spill"}
+HOSTS = {"lux": "lux", "qfox-1": "qfox-1", "x86-spill": "x86-spill", "x86": "x86-spill", "racknerd": "racknerd"}
 
 
 def fabric_toml(cluster: EtcdCluster, identity: str) -> str:
@@ -142,6 +142,7 @@ def test_init_auth_creates_every_identity_then_has_nothing_to_do(init_auth):
         "granted role fabric-leader to user qfox-1",
         "granted role fabric-host-x86-spill to user x86-spill",
         "granted role root to user root",
+        f"granted fabric-host-racknerd readwrite {PREFIX}/edge-upstreams/racknerd",
     ):
         assert expected in lines, f"{expected!r} not in:\n{first}"
     assert "granted role fabric-leader to user x86-spill" not in lines
@@ -196,6 +197,19 @@ def test_a_host_keeps_only_its_own_liveness_record_alive(as_host):
         spill.keep_alive("lux", 3)
     with pytest.raises(PermissionDenied):
         as_host("x86").keep_alive("x86-spill", 3)
+
+
+def test_an_edge_reports_only_its_own_caddy_upstreams(as_host):
+    """Issue 30: an edge's record of its Caddy's failed upstreams,
+    P/edge-upstreams/<edge>, is its own exact key; a host that is no edge
+    writes none, and every host reads them (the leader does)."""
+    edge = as_host("racknerd")
+    edge.report_edge_upstreams("racknerd", b'{"edge":"racknerd"}')
+    assert as_host("lux").edge_upstreams() == {"racknerd": b'{"edge":"racknerd"}'}
+    with pytest.raises(PermissionDenied, match="the edge upstreams of lux to the identity of .*: permission denied"):
+        edge.report_edge_upstreams("lux", b"{}")
+    with pytest.raises(PermissionDenied):
+        as_host("x86-spill").report_edge_upstreams("x86-spill", b"{}")
 
 
 def test_a_host_cannot_write_the_leaders_keys_or_drains(as_host):

@@ -33,6 +33,9 @@ class LapseRegistry:
     def liveness(self) -> list[LivenessRecord]:
         return list(self.records)
 
+    def edge_upstreams(self) -> dict[str, bytes]:
+        return {}  # no edge reports any upstream failing
+
     def campaign(self, candidate: str, ttl_s: float) -> Leadership:
         return Leadership(LeaderInfo(candidate=candidate, epoch=1, since=datetime.now(UTC), token="t"), ttl_s)
 

@@ -25,7 +25,7 @@ def test_prefix_permissions_end_where_the_prefix_ends():
     assert prefix_end("/fabric/drain/") == "/fabric/drain0"
 
 
-def test_every_host_writes_only_its_own_three_keys_and_candidates_lead():
+def test_every_host_writes_only_its_own_keys_and_candidates_lead():
     desired, want = example()
     assert set(want.users) == {*desired.hosts, "root", "fabric-admin", "fabric-joining"}
     # A machine without a host file reports pending with the joining identity: that prefix and nothing else.
@@ -35,7 +35,10 @@ def test_every_host_writes_only_its_own_three_keys_and_candidates_lead():
         Grant("/fabric/nodes/racknerd", "", "readwrite"),
         Grant("/fabric/facts/racknerd", "", "readwrite"),
         Grant("/fabric/liveness/racknerd", "", "readwrite"),
+        # racknerd is the edge: its Caddy's failed upstreams (issue 30), its own key only.
+        Grant("/fabric/edge-upstreams/racknerd", "", "readwrite"),
     }
+    assert not [g for g in want.roles["fabric-host-lux"] if "edge-upstreams" in g.key], "only an edge host reports its upstreams"
     leaders = {user for user, roles in want.users.items() if "fabric-leader" in roles}
     assert leaders == set(desired.fleet.fleet.leader_candidates)
     assert want.roles["fabric-leader"] == {Grant("/fabric/", "/fabric0", "readwrite")}

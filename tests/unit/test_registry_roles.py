@@ -114,7 +114,8 @@ def test_the_roles_are_narrower_than_the_port() -> None:
     assert methods(ports.WatchRegistry) == {"watch_host", "newest_plan"}
     assert methods(ports.EpochConnection) == {"epoch", "close"}
     assert methods(ports.BeatConnection) == {"heartbeat", "close"}
-    assert methods(ports.LivenessConnection) == {"keep_alive", "close"}
+    # fabric-watch's own connection: its liveness record and, on an edge, its Caddy's upstreams (issue 30).
+    assert methods(ports.LivenessConnection) == {"keep_alive", "report_edge_upstreams", "close"}
     # A pending machine reports itself and does nothing else (etcd: the joining identity).
     assert methods(ports.PendingConnection) == {"report_pending", "close"}
     assert "report_pending" not in methods(ports.LeaderRegistry) | methods(ports.RegistryReads) | methods(ports.PassRegistry)

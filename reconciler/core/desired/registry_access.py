@@ -9,7 +9,8 @@ reconciler/adapters/registry_etcd.py):
 
     role fabric-host-<host>  read P/ (the whole prefix: the live state is no secret);
                              readwrite P/nodes/<host>, P/facts/<host> and
-                             P/liveness/<host> (fabric-watch's fast liveness; exact keys:
+                             P/liveness/<host> (fabric-watch's fast liveness), and on an
+                             edge host P/edge-upstreams/<host> (its Caddy's failed upstreams; exact keys:
                              a prefix permission on P/nodes/x86 would also cover
                              P/nodes/x86-spill); its heartbeat's lease needs no
                              permission (etcd 3.4 grants and keeps alive leases for
@@ -125,6 +126,8 @@ def registry_access(desired: DesiredState) -> AccessState:
                 Grant(f"{base}facts/{host}", "", "readwrite"),
                 Grant(f"{base}liveness/{host}", "", "readwrite"),
             }
+            # An edge's record of its Caddy's failed upstreams (issue 30): its own key only.
+            | ({Grant(f"{base}edge-upstreams/{host}", "", "readwrite")} if "edge" in desired.hosts[host].host.roles else set())
         )
         users[host] = frozenset({host_role(host), LEADER_ROLE} if host in candidates else {host_role(host)})
     return AccessState(roles=roles, users=users, auth_enabled=True)
