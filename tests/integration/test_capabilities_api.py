@@ -134,8 +134,9 @@ def test_outside_the_tailnet_it_is_refused(tailnet_site: Site) -> None:
     for path in ("/api/capabilities/nodes", "/api/capabilities/nodes/qfox-1", "/api/capabilities/nodes.json"):
         code, body = tailnet_site.curl(path)
         assert code == 403 and "tailnet only" in body, (path, code, body)
-    # The status page itself is not the API's: served as before.
-    assert tailnet_site.curl("/")[0] in (200, 404)
+    # The status page has its own matcher ([fleet] status_access, tailnet by default): refused too, with its own word.
+    code, body = tailnet_site.curl("/")
+    assert code == 403 and "status page is served to the tailnet only" in body, (code, body)
 
 
 def test_the_caddyfile_validates(tmp_path: Path) -> None:
