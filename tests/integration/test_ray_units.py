@@ -118,6 +118,11 @@ def ray_container() -> Iterator[SystemdContainer]:
     require("unshare", "nsenter", "chroot", "ip")
     ray_program()
     with systemd_container(hostname="fabric-ray", private_network=True) as container:
+        # lux's and qfox-1's replayed probes found their render nodes owned by
+        # `render`, so their Ray units join it (SupplementaryGroups=); a real
+        # GPU host has that group (udev's), this machine's /etc may not.
+        if container.run("getent", "group", "render").returncode != 0:
+            assert container.run("groupadd", "--system", "render").returncode == 0
         yield container
 
 

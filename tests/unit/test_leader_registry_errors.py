@@ -102,6 +102,10 @@ class FaultyRegistry:
         self._maybe_fail("liveness")
         return []
 
+    def edge_upstreams(self) -> dict[str, bytes]:
+        self._maybe_fail("edge_upstreams")
+        return {}
+
     def epoch(self) -> int:
         self._maybe_fail("epoch")
         return self._epoch
@@ -262,3 +266,15 @@ def test_status_page_and_metrics_show_the_leaders_problem(tmp_path):
     healthy = exposition(fleet_families(fleet_status(desired, snapshot.model_copy(update={"leader_problem": None}), None, now)))
     assert 'fabric_leader_failing{node="lux"} 0.0' in healthy
     assert "LEADER FAILING" not in render_text(fleet_status(desired, snapshot.model_copy(update={"leader_problem": None}), None, now))
+
+
+@pytest.mark.parametrize("error", REGISTRY_ERRORS, ids=lambda c: c.__name__)
+def test_an_unreadable_edge_source_is_said_and_the_step_goes_on_without_it(tmp_path, error):
+    """The edge's upstream records are one optional source of suspicion: a
+    registry error reading them costs that source, never the step."""
+    registry = FaultyRegistry()
+    loop, lines, stop = a_loop(tmp_path, registry, waits=40)
+    registry.fail("edge_upstreams", error("etcd: edge_upstreams refused (test)"), times=3)
+    loop.run()
+    assert any("edge upstreams unreadable, suspecting without them" in line for line in lines), lines
+    assert registry.published, "the leader published its plan all the same"
