@@ -24,34 +24,12 @@ from reconciler.adapters.k3s_node import KubeletNodeLabels
 from reconciler.ports import NodeLabelsUnavailable
 from tests.conftest import REPO
 from tests.support.harness.etcd import TestPki
+from tests.support.k3s import kubeconfig as k3s_kubeconfig
 
 pytestmark = pytest.mark.integration
 
 NODE = json.loads((REPO / "tests" / "fixtures" / "k3s" / "node-qfox-1.json").read_text())
 P = "topology.researchstack.io/"
-
-# k3s's kubeconfig template (pkg/daemons/control/deps KubeConfig).
-KUBECONFIG = """apiVersion: v1
-clusters:
-- cluster:
-    server: {server}
-    certificate-authority: {ca}
-  name: local
-contexts:
-- context:
-    cluster: local
-    namespace: default
-    user: user
-  name: Default
-current-context: Default
-kind: Config
-preferences: {{}}
-users:
-- name: user
-  user:
-    client-certificate: {cert}
-    client-key: {key}
-"""
 
 
 class ApiStandIn(ThreadingHTTPServer):
@@ -134,7 +112,7 @@ def api(tmp_path: Path) -> Iterator[tuple[ApiStandIn, TestPki]]:
 def kubelet(tmp_path: Path, server: ApiStandIn, pki: TestPki, common_name: str = "system:node:qfox-1") -> KubeletNodeLabels:
     cert, key = pki.client(common_name)
     kubeconfig = tmp_path / "kubelet.kubeconfig"
-    kubeconfig.write_text(KUBECONFIG.format(server=server.url, ca=pki.ca_file, cert=cert, key=key))
+    kubeconfig.write_text(k3s_kubeconfig(server.url, pki.ca_file, cert, key))
     return KubeletNodeLabels(str(kubeconfig))
 
 
@@ -169,7 +147,7 @@ def test_a_server_another_ca_signed_is_not_spoken_to(api, tmp_path):
     other = TestPki(tmp_path / "other")
     cert, key = pki.client("system:node:qfox-1")
     kubeconfig = tmp_path / "kubelet.kubeconfig"
-    kubeconfig.write_text(KUBECONFIG.format(server=server.url, ca=other.ca_file, cert=cert, key=key))
+    kubeconfig.write_text(k3s_kubeconfig(server.url, other.ca_file, cert, key))
     with pytest.raises(NodeLabelsUnavailable, match="SSLCertVerificationError|SSLError"):
         KubeletNodeLabels(str(kubeconfig)).labels("qfox-1")
     assert server.requests == []

@@ -13,30 +13,9 @@ from reconciler.core.render.k3s_node import (
     overridden,
     parse_kubeconfig,
 )
+from tests.support.k3s import KUBELET_KUBECONFIG
 
-# What k3s's agent writes (pkg/daemons/control/deps KubeConfig's template,
-# with pkg/agent/config/config.go's paths).
-K3S_KUBELET_KUBECONFIG = """apiVersion: v1
-clusters:
-- cluster:
-    server: https://127.0.0.1:6444
-    certificate-authority: /var/lib/rancher/k3s/agent/server-ca.crt
-  name: local
-contexts:
-- context:
-    cluster: local
-    namespace: default
-    user: user
-  name: Default
-current-context: Default
-kind: Config
-preferences: {}
-users:
-- name: user
-  user:
-    client-certificate: /var/lib/rancher/k3s/agent/client-kubelet.crt
-    client-key: /var/lib/rancher/k3s/agent/client-kubelet.key
-"""
+K3S_KUBELET_KUBECONFIG = KUBELET_KUBECONFIG
 
 P = "topology.researchstack.io/"
 DROPIN = f'''# Written by fabric-reconcile for host qfox-1: do not edit.
