@@ -76,7 +76,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import psycopg
@@ -275,24 +275,11 @@ class PostgresLaneBroker:
     # -- plumbing ------------------------------------------------------------
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._lock:
-            try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self._dsn, autocommit=True, **_bounded(self._timeout))
-                yield self._conn
-            except psycopg.OperationalError as exc:
-                self._drop()
-                raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, self._secrets)}") from None
-            except psycopg.Error as exc:
-                raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, self._secrets)}") from None
+        with self._lock, broker_session(self) as conn:
+            yield conn
 
     def _drop(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-        self._conn = None
+        self._conn = dropped(self._conn)
 
     def close(self) -> None:
         with self._lock:
@@ -710,6 +697,39 @@ def _job(row: tuple[Any, ...]) -> QueuedJob:
         lane=lane,
         dispatched_at=None if dispatched_at is None else from_epoch_seconds(float(dispatched_at)),
     )
+
+
+class _HoldsConnection(Protocol):
+    _dsn: str
+    _timeout: float
+    _secrets: Sequence[str]
+    _conn: psycopg.Connection[Any] | None
+
+
+@contextmanager
+def broker_session(holder: _HoldsConnection) -> Iterator[psycopg.Connection[Any]]:
+    """`holder`'s autocommit connection to the broker, opened when it has none
+    (or it closed); psycopg's errors as the port's: unreachable (the
+    connection dropped, the next session opens a new one) or refused, each
+    with psycopg's first line and no secret."""
+    try:
+        if holder._conn is None or holder._conn.closed:
+            holder._conn = psycopg.connect(holder._dsn, autocommit=True, **_bounded(holder._timeout))
+        yield holder._conn
+    except psycopg.OperationalError as exc:
+        holder._conn = dropped(holder._conn)
+        raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, holder._secrets)}") from None
+    except psycopg.Error as exc:
+        raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, holder._secrets)}") from None
+
+
+def dropped(conn: psycopg.Connection[Any] | None) -> None:
+    """Close `conn` quietly (it may be broken already); the holder keeps None."""
+    if conn is not None:
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass
 
 
 def _first_line(exc: BaseException, secrets: Sequence[str] = ()) -> str:

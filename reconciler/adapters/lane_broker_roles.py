@@ -8,14 +8,13 @@ errors are psycopg's first line without it (`lane_broker_pg._first_line`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from reconciler.adapters.lane_broker_pg import _bounded, _first_line, dsn_secrets, make_tables
+from reconciler.adapters.lane_broker_pg import _first_line, broker_session, dropped, dsn_secrets, make_tables
 from reconciler.core.desired.broker_access import (
     MANAGED_PREFIX,
     ROW_SECURED,
@@ -39,25 +38,11 @@ class PostgresBrokerRoles:
         self._timeout = timeout_s
         self._conn: psycopg.Connection[Any] | None = None
 
-    @contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        try:
-            if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self._dsn, autocommit=True, **_bounded(self._timeout))
-            yield self._conn
-        except psycopg.OperationalError as exc:
-            self.close()
-            raise LaneBrokerUnavailable(f"phaze's broker: {_first_line(exc, self._secrets)}") from None
-        except psycopg.Error as exc:
-            raise LaneBrokerError(f"phaze's broker refused: {_first_line(exc, self._secrets)}") from None
+    def _session(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        return broker_session(self)
 
     def close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-        self._conn = None
+        self._conn = dropped(self._conn)
 
     def make_tables(self) -> list[str]:
         from psycopg_pool import PoolTimeout
