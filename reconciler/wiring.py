@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from reconciler.adapters.registry_etcd import EtcdRegistry
 
     # Types only: a memoized pass (cli/reconcile.py) must not pay for the models.
-    from reconciler.core.desired.model import FlapSettings, FleetConfig, HostFacts, RegistrySettings, TimingSettings
+    from reconciler.core.desired.model import DesiredState, FlapSettings, FleetConfig, HostFacts, RegistrySettings, TimingSettings
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
     from reconciler.core.probe.raw import RawCapture
@@ -703,3 +703,11 @@ def caddy_upstreams_reader(admin_address: str) -> Callable[[], object]:
 
     admin = CaddyAdmin(command_runner(), admin_address=admin_address, timeout=5.0)
     return admin.upstreams
+
+
+def leader_desired(directory: Path) -> Callable[[], DesiredState]:
+    """The candidate's desired state: loaded again only when its directory
+    changed (reconciler.adapters.desired_memo)."""
+    from reconciler.adapters.desired_memo import DesiredMemo
+
+    return DesiredMemo(directory)

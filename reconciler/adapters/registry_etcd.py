@@ -110,6 +110,7 @@ from aetcd import rpc, transactions, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
+from reconciler.adapters.registry_etcd_view import RegistryView
 from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
     MAX_RECORD_BYTES,
@@ -236,13 +237,14 @@ async def _read_range(c: aetcd.Client, start: bytes, end: bytes, revision: int, 
         start = reply.kvs[-1].key + b"\0"
 
 
-async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes], int]:
     """What `EtcdRegistry._read` needs under `base` (the prefix with its
     slash), at one revision: every key and value except the lane jobs (the
     read has no use for them, and a queue may be long), and the keys only of
     the live heartbeats (base + "nodes/"): a beat writes the same value to
     facts/, which is read whole, so only which beats are alive is news.
-    Returns (key, value) pairs with `base` cut off, and the live node ids."""
+    Returns (key, value) pairs with `base` cut off, the live node ids, and
+    the revision read."""
     jobs, nodes, pending = base + b"jobs/", base + b"nodes/", base + b"pending/"
     jobs_end, nodes_end = utils.prefix_range_end(jobs), utils.prefix_range_end(nodes)
     # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < nodes < pending < plan, scaling, state.
@@ -254,7 +256,20 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     after, _ = await _read_range(c, utils.prefix_range_end(pending), utils.prefix_range_end(base), revision)
     cut = len(base)
     pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after) for kv in kvs]
-    return pairs, [kv.key[len(nodes) :] for kv in beats]
+    return pairs, [kv.key[len(nodes) :] for kv in beats], revision
+
+
+async def _current_revision(c: aetcd.Client, key: bytes) -> int:
+    """etcd's current revision (the header of a one-key count: a few bytes)."""
+    await c.connect()
+    request = rpc.RangeRequest(key=key, count_only=True)
+    try:
+        reply = await c.kvstub.Range(request, timeout=c._timeout, metadata=c.metadata)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise aetcd.ConnectionFailedError(exc.details()) from exc
+        raise aetcd.ClientError(exc.details()) from exc
+    return reply.header.revision
 
 
 class _LeaseCompare(transactions.BaseCompare):
@@ -332,6 +347,7 @@ class EtcdRegistry(LifecycleMixin):
         cert_file: str | None = None,
         key_file: str | None = None,
         op_timeout_s: float = 3.0,
+        informer: bool = True,
     ) -> None:
         if not endpoints:
             raise ValueError("the etcd registry needs at least one endpoint")
@@ -358,6 +374,12 @@ class EtcdRegistry(LifecycleMixin):
         self._state_memo: dict[bytes, NodeState | str] = {}
         # The plan of the last index read, by the index's bytes (parts joined once).
         self._plan_memo: tuple[bytes, FleetPlan] | None = None
+        # The leader's view of the registry kept from a watch (registry_etcd_view):
+        # started by the first full read, dropped when it may be stale.
+        self._informer = informer
+        self._view: RegistryView | None = None
+        self.full_reads = 0
+        self.view_reads = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-etcd", daemon=True)
         self._thread.start()
@@ -438,6 +460,8 @@ class EtcdRegistry(LifecycleMixin):
 
         async def shutdown() -> None:
             follow = self._host_follow.task if self._host_follow is not None else None
+            if self._view is not None:
+                await self._view.stop()
             for task in (self._watch_task, follow):
                 if task is not None:
                     task.cancel()
@@ -895,12 +919,23 @@ class EtcdRegistry(LifecycleMixin):
     # -- reading it all, and the leader's lifecycle -----------------------------------------
 
     def _parsed(
-        self, memo: dict[bytes, M | str], seen: dict[bytes, M | str], value: bytes, model: type[M], *, key: str, node: str
+        self,
+        memo: dict[bytes, M | str],
+        seen: dict[bytes, M | str],
+        value: bytes,
+        model: type[M],
+        *,
+        key: str,
+        node: str,
+        ready: tuple[bytes, Any] | None = None,
     ) -> tuple[M | None, UnreadableRecord | None]:
         """`value` parsed as `model` (or why it does not parse: `parse_record`),
         parsed once: the same bytes in the last read (or just written by this
-        leader) give the same model, or the same reason."""
+        leader, or parsed by the view as it arrived: `ready`) give the same
+        model, or the same reason."""
         parsed = seen.get(value)
+        if parsed is None and ready is not None and ready[0] == value and isinstance(ready[1], model | str):
+            parsed = ready[1]
         if parsed is None:
             parsed = memo.get(value)
             if parsed is None:
@@ -911,12 +946,37 @@ class EtcdRegistry(LifecycleMixin):
             return None, UnreadableRecord(key=key, node=node, what=WHAT.get(key.split("/", 1)[0], "record"), reason=parsed)
         return parsed, None
 
-    def _read(self) -> LiveRead:
+    def _preparse(self, key: str, value: bytes) -> NodeRecord | NodeState | str | None:
+        """A fact or a state as the view receives it (`RegistryView.parsed`):
+        the model, or why it does not parse; None for any other key."""
+        kind, _, node = key.partition("/")
+        model = NodeRecord if kind == "facts" else NodeState if kind == "state" else None
+        if model is None or not node or "/" in node:
+            return None
+        record, problem = parse_record(model, value, key=key, node=node)
+        return record if record is not None else problem.reason if problem is not None else "unreadable"
+
+    async def _informed_read(self, c: _Client) -> tuple[list[tuple[bytes, bytes]], list[bytes], dict[bytes, tuple[bytes, Any]]]:
+        """What `_read_live` reads, from the view when it is caught up with
+        etcd's current revision; else a full read, which starts a new view
+        (registry_etcd_view)."""
         base = self._prefix.encode() + b"/"
+        view = self._view
+        if view is not None and view.usable():
+            if await view.caught_up(await _current_revision(c, self._key("epoch"))):
+                self.view_reads += 1
+                return view.snapshot()
+        if view is not None:
+            self._view = None
+            await view.stop()
+        pairs, beats, revision = await _read_live(c, base)
+        self.full_reads += 1
+        if self._informer:
+            view = self._view = RegistryView(base, pairs, beats, revision, self._preparse)
+            view.task = asyncio.get_running_loop().create_task(view.follow(c.channel, c.metadata))
+        return pairs, beats, {}
 
-        async def op(c: _Client) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
-            return await _read_live(c, base)
-
+    def _read(self) -> LiveRead:
         now = from_epoch_seconds(self._now())
         facts: dict[str, NodeRecord] = {}
         stored: dict[str, NodeState] = {}
@@ -935,7 +995,7 @@ class EtcdRegistry(LifecycleMixin):
         seen_states: dict[bytes, NodeState | str] = {}
         index_bytes: bytes | None = None
         plan_parts: dict[str, bytes] = {}
-        pairs, beats = self._call(op, "reading the live state")
+        pairs, beats, ready = self._call(self._informed_read, "reading the live state")
         for raw, value in pairs:
             key = key_text(raw)
             parts = key.split("/")
@@ -943,7 +1003,7 @@ class EtcdRegistry(LifecycleMixin):
             node = parts[1] if len(parts) == 2 else ""
             problem: UnreadableRecord | None = None
             if kind == "facts" and node:
-                record, problem = self._parsed(self._record_memo, seen_records, value, NodeRecord, key=key, node=node)
+                record, problem = self._parsed(self._record_memo, seen_records, value, NodeRecord, key=key, node=node, ready=ready.get(raw))
                 # A host may write only its own keys; a record naming another
                 # host under them is not believed.
                 if record is not None and record.node_id != node:
@@ -951,7 +1011,7 @@ class EtcdRegistry(LifecycleMixin):
                 elif record is not None:
                     facts[node] = record
             elif kind == "state" and node:
-                state, problem = self._parsed(self._state_memo, seen_states, value, NodeState, key=key, node=node)
+                state, problem = self._parsed(self._state_memo, seen_states, value, NodeState, key=key, node=node, ready=ready.get(raw))
                 if state is not None:
                     stored[node] = state
             elif kind == "drain" and node:

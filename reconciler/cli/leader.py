@@ -44,7 +44,6 @@ from reconciler.cli import EXIT_OK, CommandError, InvalidInput
 from reconciler.cli.common import add_node_config, load_node_config
 from reconciler.cli.pass_options import add_plan_key_option
 from reconciler.cli.registry_options import add_registry_options, desired_and_registry
-from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import ED25519_PUBLIC_KEY_BYTES, DesiredState, PlanKey
 from reconciler.core.render.ray_units import ray_state_source
 from reconciler.core.scheduling.placement import schedule
@@ -67,6 +66,7 @@ from reconciler.wiring import (
     generate_plan_key,
     host_name,
     lane_broker_if_configured,
+    leader_desired,
     leader_ports,
     plan_signer,
     ray_state,
@@ -259,7 +259,7 @@ def _candidate(
     loop = candidate_loop(
         registry,
         args.host,
-        lambda: load_desired(args.desired),
+        leader_desired(Path(args.desired)),
         schedule,
         lease_ttl_s=args.lease_ttl or float(desired.fleet.timing.heartbeat_s),
         hooks=hooks,

@@ -1,0 +1,84 @@
+"""`fabric leader run` as bench/churn starts it: the real command (reconciler.cli.main)
+with the registry's etcd requests recorded (tests/support/harness/etcd_requests)
+and their figures written to STATS (JSON) every second, so the bench can print
+the leader's request sizes. Run: python leader_child.py STATS -- leader run ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from reconciler.adapters import registry_etcd  # noqa: E402
+from reconciler.cli import main  # noqa: E402
+from tests.support.harness.etcd_requests import SeenRequests, recording_requests  # noqa: E402
+
+
+class Totals:
+    """Every request's bytes, beside SeenRequests' largest."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.writes = 0
+
+
+def dump(stats: Path, seen: SeenRequests, totals: Totals, stop: threading.Event) -> None:
+    while True:
+        data = {
+            "count": seen.count,
+            "transactions": seen.transactions,
+            "largest_txn_ops": seen.largest_txn_ops,
+            "largest_request_bytes": seen.largest_request_bytes,
+            "largest_request": seen.largest_request,
+            "bytes": totals.bytes,
+            "writes": totals.writes,
+            "full_reads": sum(r.full_reads for r in registries),
+            "view_reads": sum(r.view_reads for r in registries),
+        }
+        tmp = stats.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, stats)
+        if stop.wait(1.0):
+            return
+
+
+registries: list = []
+
+
+def run() -> int:
+    stats = Path(sys.argv[1])
+    argv = sys.argv[sys.argv.index("--") + 1 :]
+    totals = Totals()
+    init = registry_etcd.EtcdRegistry.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        registries.append(self)
+
+    registry_etcd.EtcdRegistry.__init__ = tracked  # type: ignore[method-assign]
+    with recording_requests() as seen:
+        note = seen.note
+
+        def counted(method: str, request) -> None:
+            note(method, request)
+            totals.bytes += request.ByteSize()
+            totals.writes += method in ("Put", "DeleteRange", "Txn")
+
+        seen.note = counted  # type: ignore[method-assign]
+        stop = threading.Event()
+        dumper = threading.Thread(target=dump, args=(stats, seen, totals, stop), daemon=True)
+        dumper.start()
+        try:
+            return main(argv)
+        finally:
+            stop.set()
+            dumper.join()
+
+
+if __name__ == "__main__":
+    sys.exit(run())
