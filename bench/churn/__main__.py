@@ -460,6 +460,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         env.pop("FABRIC_REGISTRY", None)
         with open(log, "w") as out:
             leader = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        (tmp / "leader.pid").write_text(str(leader.pid))
         try:
             t = time.time()
             deadline = t + args.start_timeout
@@ -626,6 +627,7 @@ def main() -> None:
     parser.add_argument("--beaters", type=int, default=32, help="threads the simulated nodes beat from")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=34)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (the leader's log, its stacks on SIGUSR1)")
     parser.add_argument("--short", action="store_true", help="500 nodes, 30 s, heartbeat 5 s, node timeout 15 s, one member")
     args = parser.parse_args()
     if args.short:
@@ -633,10 +635,12 @@ def main() -> None:
         args.nodes = 500 if args.nodes == 5000 else args.nodes
         args.flap_ttl = min(args.flap_ttl, 3)
     tmp = Path(tempfile.mkdtemp(prefix="churn-"))
+    print(f"working in {tmp}", flush=True)
     try:
         run(args, tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

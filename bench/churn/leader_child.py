@@ -6,8 +6,10 @@ the leader's request sizes. Run: python leader_child.py STATS -- leader run ...
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -52,6 +54,9 @@ registries: list = []
 
 def run() -> int:
     stats = Path(sys.argv[1])
+    # `kill -USR1 PID` writes every thread's stack beside the stats (where is the leader?).
+    stacks = open(stats.with_suffix(".stacks"), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     argv = sys.argv[sys.argv.index("--") + 1 :]
     totals = Totals()
     init = registry_etcd.EtcdRegistry.__init__

@@ -11,8 +11,9 @@ have changed:
   store path swapped behind a link): a host file added, removed or replaced
   by a rename (an editor's save, `fabric admit`'s atomic write, a git checkout)
   changes its folder's mtime;
-- every `RECHECK_S`, the stat of every host file too (an in-place write of an
-  existing file changes only that file's stat).
+- every `RECHECK_S`, on a thread of its own (so no step pays for it), the
+  stat of every host file too (an in-place write of an existing file
+  changes only that file's stat): a difference makes the next call load.
 
 A load that fails is not remembered: the next call tries again (the leader
 keeps its last good desired state meanwhile: engine.leader).
@@ -21,6 +22,7 @@ keeps its last good desired state meanwhile: engine.leader).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,17 +50,18 @@ class DesiredMemo:
         directory: Path | str,
         load: Callable[[Path], DesiredState] = load_desired,
         *,
-        recheck_s: float = RECHECK_S,
-        clock: Callable[[], float] = time.monotonic,
+        recheck_s: float | None = RECHECK_S,
     ) -> None:
+        """`recheck_s`: how often the thread looks at every file (None: no
+        thread; `recheck` is called by hand)."""
         self.directory = Path(directory)
         self._load = load
         self._recheck_s = recheck_s
-        self._clock = clock
         self._desired: DesiredState | None = None
         self._quick: tuple | None = None
         self._full: tuple | None = None
-        self._walked_at = 0.0
+        self._stale = threading.Event()
+        self._thread: threading.Thread | None = None
         self.loads = 0
 
     def _quick_look(self) -> tuple:
@@ -68,15 +71,33 @@ class DesiredMemo:
     def _full_look(self) -> tuple:
         return tuple((str(p), _stat(p)) for p in host_files(self.directory))
 
+    def recheck(self) -> bool:
+        """Every file looked at: True (and the next call loads) when one changed."""
+        if self._full is not None and self._full_look() != self._full:
+            self._stale.set()
+        return self._stale.is_set()
+
+    def _rechecking(self) -> None:
+        assert self._recheck_s is not None
+        while True:
+            time.sleep(self._recheck_s)
+            try:
+                self.recheck()
+            except OSError:
+                self._stale.set()
+
     def __call__(self) -> DesiredState:
         quick = self._quick_look()
-        now = self._clock()
-        if self._desired is not None and quick == self._quick and now - self._walked_at < self._recheck_s:
+        if self._desired is not None and quick == self._quick and not self._stale.is_set():
             return self._desired
+        self._stale.clear()
+        # Looked at before the load: a change during it shows next time.
         full = self._full_look()
         if self._desired is None or quick != self._quick or full != self._full:
-            # Looked at before the load: a change during it shows next time.
             self._desired = self._load(self.directory)
             self.loads += 1
-        self._quick, self._full, self._walked_at = quick, full, now
+        self._quick, self._full = quick, full
+        if self._thread is None and self._recheck_s is not None:
+            self._thread = threading.Thread(target=self._rechecking, name="desired-recheck", daemon=True)
+            self._thread.start()
         return self._desired

@@ -266,7 +266,7 @@ class ScalingStep:
             waiting = []
         depth = queue_depth(waiting, plan)
         now = snapshot.now
-        lane_hosts = {host for host in desired.hosts if desired.lanes_on(host)}
+        lane_hosts = desired.lane_hosts()
         decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now, lane_hosts=lane_hosts)
         carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now)
         if not _same(carried.record, record):

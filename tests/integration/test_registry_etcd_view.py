@@ -102,7 +102,12 @@ def test_a_lapsed_lease_is_a_delete_and_the_node_goes_offline(pair):
         return next(s.status for s in informed.node_states() if s.node_id == "qfox-1") == "offline"
 
     wait_until(offline, timeout=deadline_for(SHORT_TTL_S * 3), what="qfox-1 offline through the view")
-    assert "qfox-1" not in informed._view.beats, "the lease's expiry reached the view as a delete"
+    # etcd revokes the lease up to its lessor's check interval after the beat's own expiry.
+    wait_until(
+        lambda: informed._read() is not None and b"qfox-1" not in informed._view.beats,
+        timeout=deadline_for(5),
+        what="the lease's expiry reached the view as a delete",
+    )
     same(informed, whole)
     assert informed.full_reads == 1
 
@@ -165,3 +170,15 @@ def test_a_watch_that_etcd_refuses_as_compacted_leaves_no_stale_view(pair):
     assert "compacted" in view.failure, view.failure
     same(informed, whole)
     assert informed.full_reads == 2
+
+
+def test_a_read_sees_every_write_made_before_it(pair):
+    """Read-your-writes, and anyone's: each read waits until the view reached
+    etcd's revision at the read, so a value put just before is always there."""
+    informed, whole = pair
+    informed.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
+    informed._read()
+    for n in range(40):
+        whole.set_drain("qfox-1", reason=f"drain {n}")
+        assert informed._read().drains["qfox-1"].reason == f"drain {n}", f"read {n} missed the write before it"
+    assert informed.full_reads == 1

@@ -128,3 +128,5 @@ def test_the_lanes_whose_jobs_run_on_a_host() -> None:
         "racknerd": [],
         "x86-spill": ["x86-spill"],
     }
+    # The same hosts in one pass (the leader's scaling step at thousands of hosts).
+    assert desired.lane_hosts() == {host for host in desired.hosts if desired.lanes_on(host)} == {"a1-arm64", "lux", "x86-spill"}
