@@ -37,7 +37,10 @@ the plan's index (a watch of P/plan-index: which nodes have a part) and
 takes, per change, the first index that reflects it: the time from the change
 to that index's arrival is the latency (p50, p99, max), per kind and overall.
 After the window the observer waits for the changes still pending (a leave's
-lapse comes a node timeout later) up to node timeout + 15 s.
+lapse comes a node timeout later) up to node timeout + 15 s: a change still
+pending then is listed as not reflected, with its node's state (usually a
+flap hold-off: 3 toggles in 300 s hold a node off new work; or a leave made
+at the end of the window that a lagging leader did not act on in time).
 
 Prints: changes and decisions per second (the leader's lifecycle transitions,
 from its log, and plans published), the latency figures, etcd's writes per
