@@ -233,3 +233,24 @@ def test_a_full_heartbeat_after_the_lapse_is_life_too(fleet: Fleet):
     fleet.beat("gpu-a", watchers=False)  # its pass beats, its watcher and leader are silent
     fleet.new.step()
     assert fleet.new.leadership is None, fleet.log
+
+
+def test_a_new_term_goes_on_suspecting_the_hosts_the_last_plan_suspects_for_a_lapse(fleet: Fleet):
+    """The old leader suspected cpu (its record lapsed) and resigned; etcd
+    deleted cpu's record, and a candidate that never followed leads now: it
+    knows the lapse from the plan, not from a record, and does not take it
+    for a recovery."""
+    leading(fleet)
+    fleet.clock.advance(LIVENESS_TTL_S + 1)
+    fleet.keep_alive("gpu-a", "gpu-b")
+    fleet.old.step()
+    assert fleet.plan().suspects["cpu"].since is not None
+    assert fleet.old.leadership is not None
+    fleet.registry.resign(fleet.old.leadership)
+    with fleet.registry._tx() as db:  # as etcd does: a lapsed record is gone
+        db.execute("DELETE FROM liveness WHERE host = 'cpu'")
+    fresh = fleet.candidate("gpu-b")
+    fresh.step()
+    assert fresh.leadership is not None
+    suspect = fleet.plan().suspects["cpu"]
+    assert suspect.since is not None and suspect.events[-1].kind != "recovery", suspect
