@@ -254,3 +254,19 @@ def test_a_new_term_goes_on_suspecting_the_hosts_the_last_plan_suspects_for_a_la
     assert fresh.leadership is not None
     suspect = fleet.plan().suspects["cpu"]
     assert suspect.since is not None and suspect.events[-1].kind != "recovery", suspect
+
+
+def test_a_candidate_that_wins_a_stale_term_suspects_the_old_leaders_host_from_its_record(fleet: Fleet):
+    """Started after gpu-a's term went stale: its campaign wins at once, and
+    etcd deleted gpu-a's record long ago; the leader record it replaces
+    (liveness_until) is what tells it gpu-a's host lapsed."""
+    leading(fleet)
+    gpu_a_dies(fleet, LEASE_TTL_S + 1)
+    fleet.beat("gpu-b", "cpu")
+    with fleet.registry._tx() as db:  # as etcd does: a lapsed record is gone
+        db.execute("DELETE FROM liveness WHERE host = 'gpu-a'")
+    fresh = fleet.candidate("gpu-b")
+    fresh.step()
+    assert fresh.leadership is not None and not any("takes over" in line for line in fleet.log)
+    plan = fleet.plan()
+    assert "gpu-a" in plan.suspects and ("gpu-b", "gpu-a") in [(p.node, p.hedge) for p in plan.placements], plan.suspects
