@@ -48,7 +48,11 @@ leader rewrites renewed_at at every renewal; a record not renewed within its
 TTL (or resigned, or unreadable) is taken over by a campaign with a
 compare-and-swap on its mod revision (delete), then the usual create: a new
 term. A renewal is not a membership change for `wait_for_change`; a new term,
-a resignation and the record's removal are.
+a resignation and the record's removal are. A live record is taken over
+(`take_over`, issue 30) only by one transaction comparing its mod revision
+as read and the absence of P/liveness/<leader's host> (its lease lapsed);
+the record names its host's liveness expiry too (`liveness_until`), which
+the key, deleted at the lapse, no longer can.
 
 Limits: etcd refuses a transaction of more than --max-txn-ops operations
 (default 128) and any request over --max-request-bytes (default 1.5 MiB). No

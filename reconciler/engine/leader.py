@@ -71,6 +71,24 @@ wakes when the leader record goes stale unless renewed (`leader_term`'s
 renewed_at + TTL) and campaigns, which takes over a record whose lease someone
 keeps alive without renewing it.
 
+The leader's host dead (issue 30): a follower does not wait for the record
+to go stale when the leader's host's fast liveness record lapsed. Every step
+(leading or following) reads the liveness records first; the leader writes
+its own host's expiry into its record at each renewal
+(`LeaderInfo.liveness_until`), so a candidate started after the lapse (etcd
+deleted the key) knows it too. A follower takes the live term over
+(`Candidacy.take_over`, a compare-and-swap on the record as read and the
+host's record lapsed) when `leader_lapse` says so: a known expiry passed at
+least [timing] liveness_s ago, the term not renewed since (a live leader
+wakes at its own host's lapse and renews) and no full heartbeat of the host
+since; it wakes for that moment (`takeover_due`). With the fast liveness off
+or no record of that host ever seen, never: the stale record decides, as
+before. A new term's memory of lapses starts from what it knows: the lapse
+it took over on, the record it replaced (`liveness_until`) and the last
+plan's suspects (`lapses_of_suspects`), so its first step suspects the dead
+host and hedges its services. An old leader that was alive after all loses
+its term: its renewal fails and every write and plan of its term is fenced.
+
 Signed plans: when fabric.toml lists plan keys, every plan is signed before
 it is published (`sign_plan`, through the `PlanSigner` port) under the epoch
 the registry will give it, and a candidate whose key is missing or not
