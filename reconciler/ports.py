@@ -413,7 +413,7 @@ class LeaderView:
 #   FleetReads    the fleet now and its recent past: snapshot, node states,
 #                 who leads (and the leader record's term), the scaling record
 #                 (read-only commands, the page)
-#   Candidacy     a leader candidate's term: campaign, renew, resign
+#   Candidacy     a leader candidate's term: campaign, take_over, renew, resign
 #   LeaderWrites  the leader's step: lifecycle, plans, scaling, waiting for change
 #   Drains        the operator's drain and undrain
 #   HostWatch     the watcher's wait on a host's entries
@@ -504,6 +504,17 @@ class Candidacy(Protocol):
         TTL, whoever keeps its lease alive), is taken over with a
         compare-and-swap; the new term is one the registry assigns
         (`Leadership.term`)."""
+        ...
+
+    def take_over(self, candidate: str, ttl_s: float, held: LeaderInfo) -> Leadership | None:
+        """Take the live term `held` over at once (issue 30: its leader's
+        host's fast liveness record lapsed, `core.scheduling.suspicion.leader_lapse`):
+        a compare-and-swap that replaces the leader record only if it is
+        still `held` (not renewed since) and the liveness record of its host
+        has lapsed now (etcd: its key gone; sqlite: its row's deadline
+        passed; no row is no lapse), then a new term as `campaign` makes
+        it, whose fence refuses every write of the old term. None: the
+        record changed, the host's record is alive, or another won."""
         ...
 
     def renew(self, leadership: Leadership) -> bool:

@@ -4,6 +4,7 @@ from its publication to its move applied by every host it concerns.
 
 Run (root): .venv/bin/python bench/convergence [--runs 3] [--interval 30s]
             [--heartbeat S] [--node-timeout S] [--no-watcher]
+            [--victim serving|leader] [--node-loss-only]
 
 Brings up the example fleet on this machine (tests/e2e/fleet.py: five systemd
 containers on a bridge, etcd, a real Caddy on the edge, every host's own
@@ -55,6 +56,15 @@ journals are this machine's UTC clock, as are the client's).
 30 s, so the node timeout defaults to two intervals (--node-timeout), and the
 leader's lease TTL is the heartbeat (--heartbeat, default the interval).
 --no-watcher leaves fabric-watch.service off: the timer alone.
+
+--victim leader: before each node loss the host serving vaapi-encode (a
+leader candidate) is made the leader (tests/e2e/fleet.lead_on: the leader's
+fabric-leader.service stopped until it leads, then started again), so the
+powered-off host is the leader's own: the other candidate takes the live
+term over once that host's liveness record lapsed (issue 30), and its first
+step suspects the host and places the hedge. Each run then also prints when
+the successor's term began, after the power-off. --node-loss-only skips the
+plan between ticks and the final leader kill.
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ from tests.e2e.fleet import (  # noqa: E402
     drain,
     first_after,
     first_answer,
+    lead_on,
     move_applied,
     placed,
     plan_moving,
@@ -148,9 +159,13 @@ def _suspect_event(plan, victim: str, kind: str, after: datetime) -> datetime | 
     return min(times, default=None)
 
 
-def one_run(fleet, desired, hosts) -> dict[str, float | str]:
+def one_run(fleet, desired, hosts, *, leader_victim: bool = False) -> dict[str, float | str]:
     plan = wait_for(lambda: _unhedged(fleet, desired, hosts), timeout=600, what="convergence without hedges", interval=0.5)
     (victim,) = placed(plan)[SERVICE]
+    if leader_victim:
+        if victim not in desired.fleet.fleet.leader_candidates:
+            raise SystemExit(f"--victim leader: {SERVICE} runs on {victim}, not a leader candidate")
+        lead_on(fleet, victim, timeout=120)
     powered_off = datetime.now(UTC)
     fleet.stop_host(victim)
 
@@ -191,6 +206,9 @@ def one_run(fleet, desired, hosts) -> dict[str, float | str]:
     }
     for phase, moment in after_off.items():
         figures[f"off {phase}"] = _since(moment, powered_off)
+    with fleet.registry() as registry:
+        leader = registry.leader()
+    figures["off new term"] = _since(utc(leader.since), powered_off) if leader_victim and leader is not None else float("nan")
     fleet.start_host(victim)
     return figures
 
@@ -206,6 +224,13 @@ def main() -> int:
         "--node-timeout", type=int, default=None, help=f"timing.node_timeout_s (default: two heartbeats, at least {FleetSettings.node_timeout_s})"
     )
     parser.add_argument("--no-watcher", action="store_true", help="leave fabric-watch.service off (the timer alone)")
+    parser.add_argument(
+        "--victim",
+        choices=("serving", "leader"),
+        default="serving",
+        help="serving: power off the host serving vaapi-encode; leader: make that host the leader first (the dead host is the leader's)",
+    )
+    parser.add_argument("--node-loss-only", action="store_true", help="skip the plan between ticks and the final leader kill")
     args = parser.parse_args()
     try:
         interval_s = span_seconds(args.interval)
@@ -217,12 +242,12 @@ def main() -> int:
     settings = FleetSettings(pass_interval=args.interval, heartbeat_s=heartbeat, node_timeout_s=node_timeout, watcher=not args.no_watcher)
     work = Path(tempfile.mkdtemp(prefix="fabric-bench-convergence-"))
     try:
-        return _measure(work, settings, args.runs)
+        return _measure(work, settings, args.runs, leader_victim=args.victim == "leader", node_loss_only=args.node_loss_only)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
+def _measure(work: Path, settings: FleetSettings, runs: int, *, leader_victim: bool = False, node_loss_only: bool = False) -> int:
     hosts = tuple(HOST_OCTETS)
     results = []
     with running_fleet(work, settings, progress=lambda m: print(f"  [fleet] {m}", file=sys.stderr, flush=True)) as fleet:
@@ -233,24 +258,8 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
             except AssertionError:
                 print("cannot measure: no host sends heartbeats (fabric reconcile does not talk to the registry yet)")
                 return 1
-        print(
-            f"a plan between ticks (every timer at least {FAR_S:g} s from its tick): seconds after its publication; goal: applied <= {ACTED_ON_S:g} s"
-        )
-        print(f"{'run':>3}  {'drained':9} {'to':9}" + "".join(f" {phase:>19}" for phase in DRAIN_PHASES))
-        drains = []
-        for run in range(1, runs + 1):
-            figures = between_ticks(fleet, desired, hosts)
-            drains.append(figures)
-            print(
-                f"{run:>3}  {figures['drained host']:9} {figures['to']:9}" + "".join(f" {figures[phase]:19.2f}" for phase in DRAIN_PHASES), flush=True
-            )
-        drain_medians = {phase: statistics.median(float(r[phase]) for r in drains) for phase in DRAIN_PHASES}
-        print(f"{'median':>5}{'':20}" + "".join(f" {drain_medians[phase]:19.2f}" for phase in DRAIN_PHASES))
-        slowest = max(float(r[phase]) for r in drains for phase in DRAIN_PHASES if phase.endswith("applied"))
-        print(
-            f"median: applied by every concerned host {max(drain_medians[p] for p in DRAIN_PHASES if p.endswith('applied')):.2f} s after "
-            f"its publication, slowest of all runs {slowest:.2f} s (goal {ACTED_ON_S:g} s: {'met' if slowest <= ACTED_ON_S else 'MISSED'})"
-        )
+        if not node_loss_only:
+            _between_ticks_runs(fleet, desired, hosts, runs)
         goal = settings.node_timeout_s + SERVED_AFTER_TIMEOUT_S
         print(
             f"node loss: node timeout {settings.node_timeout_s} s, heartbeat {settings.heartbeat_s} s, pass interval {settings.pass_interval}, "
@@ -260,13 +269,14 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
         header = "".join(f" {phase:>9}" for phase in PHASES)
         print(f"{'run':>3}  {'lost':9} {'to':9}{header}   (s after the lost node's last heartbeat)")
         for run in range(1, runs + 1):
-            figures = one_run(fleet, desired, hosts)
+            figures = one_run(fleet, desired, hosts, leader_victim=leader_victim)
             results.append(figures)
             row = "".join(f" {figures[phase]:9.2f}" for phase in PHASES)
             print(f"{run:>3}  {figures['victim']:9} {figures['replacement']:9}{row}", flush=True)
+            term = f", the successor's term at {figures['off new term']:.1f} s" if leader_victim else ""
             print(
-                f"     served by the replacement {figures['off served']:.1f} s after the power-off "
-                f"(suspected {figures['off suspected']:.1f} s, hedge plan {figures['off hedge plan']:.1f} s, edge reload {figures['off edge reload']:.1f} s)",
+                f"     served by the replacement {figures['off served']:.1f} s after the power-off{' of the leader' if leader_victim else ''} "
+                f"(suspected {figures['off suspected']:.1f} s, hedge plan {figures['off hedge plan']:.1f} s, edge reload {figures['off edge reload']:.1f} s{term})",
                 flush=True,
             )
         medians = {phase: statistics.median(float(r[phase]) for r in results) for phase in PHASES}
@@ -285,9 +295,30 @@ def _measure(work: Path, settings: FleetSettings, runs: int) -> int:
             f"(goal {SERVED_AFTER_POWER_OFF_S:g} s: {'met' if off['served'] <= SERVED_AFTER_POWER_OFF_S else 'MISSED'}); "
             f"suspected {off['suspected']:.1f} s, hedge plan {off['hedge plan']:.1f} s, edge reload {off['edge reload']:.1f} s after it"
         )
-        takeover, old, new, ttl = leader_failover(fleet, desired, hosts)
-        print(f"leader failure: {old}'s host killed, {new} leads {takeover:.2f} s later (lease TTL {ttl:g} s)")
+        if leader_victim:
+            term = statistics.median(float(r["off new term"]) for r in results)
+            print(f"median: the power-off of the leader's host: the successor's term began {term:.1f} s after it")
+        if not node_loss_only:
+            takeover, old, new, ttl = leader_failover(fleet, desired, hosts)
+            print(f"leader failure: {old}'s host killed, {new} leads {takeover:.2f} s later (lease TTL {ttl:g} s)")
     return 0
+
+
+def _between_ticks_runs(fleet, desired, hosts, runs: int) -> None:
+    print(f"a plan between ticks (every timer at least {FAR_S:g} s from its tick): seconds after its publication; goal: applied <= {ACTED_ON_S:g} s")
+    print(f"{'run':>3}  {'drained':9} {'to':9}" + "".join(f" {phase:>19}" for phase in DRAIN_PHASES))
+    drains = []
+    for run in range(1, runs + 1):
+        figures = between_ticks(fleet, desired, hosts)
+        drains.append(figures)
+        print(f"{run:>3}  {figures['drained host']:9} {figures['to']:9}" + "".join(f" {figures[phase]:19.2f}" for phase in DRAIN_PHASES), flush=True)
+    drain_medians = {phase: statistics.median(float(r[phase]) for r in drains) for phase in DRAIN_PHASES}
+    print(f"{'median':>5}{'':20}" + "".join(f" {drain_medians[phase]:19.2f}" for phase in DRAIN_PHASES))
+    slowest = max(float(r[phase]) for r in drains for phase in DRAIN_PHASES if phase.endswith("applied"))
+    print(
+        f"median: applied by every concerned host {max(drain_medians[p] for p in DRAIN_PHASES if p.endswith('applied')):.2f} s after "
+        f"its publication, slowest of all runs {slowest:.2f} s (goal {ACTED_ON_S:g} s: {'met' if slowest <= ACTED_ON_S else 'MISSED'})"
+    )
 
 
 def leader_failover(fleet, desired, hosts) -> tuple[float, str, str, float]:

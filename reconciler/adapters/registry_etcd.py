@@ -48,7 +48,11 @@ leader rewrites renewed_at at every renewal; a record not renewed within its
 TTL (or resigned, or unreadable) is taken over by a campaign with a
 compare-and-swap on its mod revision (delete), then the usual create: a new
 term. A renewal is not a membership change for `wait_for_change`; a new term,
-a resignation and the record's removal are.
+a resignation and the record's removal are. A live record is taken over
+(`take_over`, issue 30) only by one transaction comparing its mod revision
+as read and the absence of P/liveness/<leader's host> (its lease lapsed);
+the record names its host's liveness expiry too (`liveness_until`), which
+the key, deleted at the lapse, no longer can.
 
 Limits: etcd refuses a transaction of more than --max-txn-ops operations
 (default 128) and any request over --max-request-bytes (default 1.5 MiB). No
@@ -690,7 +694,7 @@ class EtcdRegistry(LifecycleMixin):
         return [c.transactions.create(leader_key) == leadership.term, _LeaseCompare(leader_key) == int(leadership.info.token)]
 
     def campaign(self, candidate: str, ttl_s: float) -> Leadership | None:
-        leader_key, epoch_key = self._key("leader"), self._key("epoch")
+        leader_key = self._key("leader")
 
         async def op(c: _Client) -> Leadership | None:
             tx = c.transactions
@@ -706,33 +710,64 @@ class EtcdRegistry(LifecycleMixin):
                 taken, _ = await c.transaction(compare=[tx.mod(leader_key) == held.mod_revision], success=[tx.delete(leader_key)], failure=[])
                 if not taken:
                     return None
-            lease = await c.lease(math.ceil(ttl_s))
-            for _ in range(10):
-                current = await c.get(epoch_key)
-                if current is None:
-                    epoch, same_epoch = 1, tx.version(epoch_key) == 0
-                else:
-                    epoch, same_epoch = int(current.value) + 1, tx.mod(epoch_key) == current.mod_revision
-                info = LeaderInfo(candidate=candidate, epoch=epoch, since=now, token=str(lease.id), renewed_at=now, ttl_s=ttl_s)
-                won, replies = await c.transaction(
-                    compare=[tx.version(leader_key) == 0, same_epoch],
-                    success=[
-                        tx.put(leader_key, self._leader_value(info), lease=lease.id),
-                        tx.put(epoch_key, str(epoch).encode()),
-                        tx.get(leader_key),
-                    ],
-                    failure=[tx.get(leader_key)],
-                )
-                if won:
-                    # The term: the revision that created the key, which etcd assigned.
-                    term = int(replies[2][0][1].create_revision)
-                    return Leadership(info=info.model_copy(update={"term": term}), ttl_s=ttl_s)
-                if replies and replies[0]:  # someone else leads
-                    break
-            await c.revoke_lease(lease.id)
-            return None
+            return await self._claim(c, candidate, ttl_s, now)
 
         return self._call(op, f"the campaign of {candidate}")
+
+    def take_over(self, candidate: str, ttl_s: float, held: LeaderInfo) -> Leadership | None:
+        """The record removed only if it is still `held` (its mod revision
+        as read, the same term, token and renewal) and its host's liveness
+        key is gone (a lease that lapsed), in one transaction; then the
+        campaign's create: a new term, whose fence refuses every write of
+        the old one."""
+        leader_key, live_key = self._key("leader"), self._key("liveness", check_node_id(held.candidate))
+
+        async def op(c: _Client) -> Leadership | None:
+            tx = c.transactions
+            now = from_epoch_seconds(self._now())
+            kv = await c.get(leader_key)
+            info = self._leader_of(kv) if kv is not None else None
+            if kv is None or info is None or (info.term, info.token, info.renewed_at) != (held.term, held.token, held.renewed_at):
+                return None
+            taken, _ = await c.transaction(
+                compare=[tx.mod(leader_key) == kv.mod_revision, tx.version(live_key) == 0], success=[tx.delete(leader_key)], failure=[]
+            )
+            if not taken:
+                return None
+            return await self._claim(c, candidate, ttl_s, now)
+
+        return self._call(op, f"{candidate}'s takeover from {held.candidate}")
+
+    async def _claim(self, c: _Client, candidate: str, ttl_s: float, now: datetime) -> Leadership | None:
+        """The campaign's create of the leader key on a new lease, with the
+        epoch raised, only while the key is absent (None: another won)."""
+        leader_key, epoch_key = self._key("leader"), self._key("epoch")
+        tx = c.transactions
+        lease = await c.lease(math.ceil(ttl_s))
+        for _ in range(10):
+            current = await c.get(epoch_key)
+            if current is None:
+                epoch, same_epoch = 1, tx.version(epoch_key) == 0
+            else:
+                epoch, same_epoch = int(current.value) + 1, tx.mod(epoch_key) == current.mod_revision
+            info = LeaderInfo(candidate=candidate, epoch=epoch, since=now, token=str(lease.id), renewed_at=now, ttl_s=ttl_s)
+            won, replies = await c.transaction(
+                compare=[tx.version(leader_key) == 0, same_epoch],
+                success=[
+                    tx.put(leader_key, self._leader_value(info), lease=lease.id),
+                    tx.put(epoch_key, str(epoch).encode()),
+                    tx.get(leader_key),
+                ],
+                failure=[tx.get(leader_key)],
+            )
+            if won:
+                # The term: the revision that created the key, which etcd assigned.
+                term = int(replies[2][0][1].create_revision)
+                return Leadership(info=info.model_copy(update={"term": term}), ttl_s=ttl_s)
+            if replies and replies[0]:  # someone else leads
+                break
+        await c.revoke_lease(lease.id)
+        return None
 
     def renew(self, leadership: Leadership) -> bool:
         """Refresh the lease, and rewrite the record's renewed_at under the

@@ -293,23 +293,46 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         with self._tx() as db:
             if self._current_leader(db, now) is not None:
                 return None
-            epoch = self._bump(db, EPOCH)
-            moment = from_epoch_seconds(now)
-            info = LeaderInfo(
-                candidate=candidate,
-                epoch=epoch,
-                since=moment,
-                token=secrets.token_hex(16),
-                term=self._bump(db, TERM),
-                renewed_at=moment,
-                ttl_s=ttl_s,
-            )
-            db.execute(
-                "INSERT INTO leader (id, info, token, expires_at) VALUES (1, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET info = excluded.info, token = excluded.token, expires_at = excluded.expires_at",
-                (info.model_dump_json(), info.token, now + ttl_s),
-            )
-            self._bump(db, CHANGES)
+            return self._claim(db, candidate, ttl_s, now)
+
+    def take_over(self, candidate: str, ttl_s: float, held: LeaderInfo) -> Leadership | None:
+        """In one transaction: the leader row is still `held` (its token and
+        renewal) and its host's liveness row has lapsed (its deadline
+        passed; no row: no lapse); then the campaign's write of a new term,
+        whose token the old term's writes no longer match."""
+        now = self._now()
+        with self._tx() as db:
+            row = db.execute("SELECT info, token FROM leader WHERE id = 1").fetchone()
+            if row is None or row[1] != held.token:
+                return None
+            info, _ = parse_record(LeaderInfo, row[0], key="leader")
+            if info is None or info.renewed_at != held.renewed_at:
+                return None
+            live = db.execute("SELECT expires_at FROM liveness WHERE host = ?", (held.candidate,)).fetchone()
+            if live is None or not isinstance(live[0], int | float) or live[0] > now:
+                return None
+            return self._claim(db, candidate, ttl_s, now)
+
+    def _claim(self, db: sqlite3.Connection, candidate: str, ttl_s: float, now: float) -> Leadership:
+        """A new term for `candidate` in the caller's transaction: the epoch
+        and the term counter raised, the leader row written."""
+        epoch = self._bump(db, EPOCH)
+        moment = from_epoch_seconds(now)
+        info = LeaderInfo(
+            candidate=candidate,
+            epoch=epoch,
+            since=moment,
+            token=secrets.token_hex(16),
+            term=self._bump(db, TERM),
+            renewed_at=moment,
+            ttl_s=ttl_s,
+        )
+        db.execute(
+            "INSERT INTO leader (id, info, token, expires_at) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET info = excluded.info, token = excluded.token, expires_at = excluded.expires_at",
+            (info.model_dump_json(), info.token, now + ttl_s),
+        )
+        self._bump(db, CHANGES)
         return Leadership(info=info, ttl_s=ttl_s)
 
     def renew(self, leadership: Leadership) -> bool:

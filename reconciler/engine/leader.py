@@ -71,6 +71,24 @@ wakes when the leader record goes stale unless renewed (`leader_term`'s
 renewed_at + TTL) and campaigns, which takes over a record whose lease someone
 keeps alive without renewing it.
 
+The leader's host dead (issue 30): a follower does not wait for the record
+to go stale when the leader's host's fast liveness record lapsed. Every step
+(leading or following) reads the liveness records first; the leader writes
+its own host's expiry into its record at each renewal
+(`LeaderInfo.liveness_until`), so a candidate started after the lapse (etcd
+deleted the key) knows it too. A follower takes the live term over
+(`Candidacy.take_over`, a compare-and-swap on the record as read and the
+host's record lapsed) when `leader_lapse` says so: a known expiry passed at
+least [timing] liveness_s ago, the term not renewed since (a live leader
+wakes at its own host's lapse and renews) and no full heartbeat of the host
+since; it wakes for that moment (`takeover_due`). With the fast liveness off
+or no record of that host ever seen, never: the stale record decides, as
+before. A new term's memory of lapses starts from what it knows: the lapse
+it took over on, the record it replaced (`liveness_until`) and the last
+plan's suspects (`lapses_of_suspects`), so its first step suspects the dead
+host and hedges its services. An old leader that was alive after all loses
+its term: its renewal fails and every write and plan of its term is fenced.
+
 Signed plans: when fabric.toml lists plan keys, every plan is signed before
 it is published (`sign_plan`, through the `PlanSigner` port) under the epoch
 the registry will give it, and a candidate whose key is missing or not
@@ -92,7 +110,7 @@ from datetime import datetime
 from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import LEADER_PROBLEM_CHARS, FleetPlan, LaneSteering, LeaderProblem, Snapshot
 from reconciler.core.live.plan_parts import same_parts
-from reconciler.core.live.records import Leadership
+from reconciler.core.live.records import LeaderInfo, Leadership
 from reconciler.core.live.signing import canonical_plan, listed_key, verify_plan, with_signature
 from reconciler.core.live.unreadable import problem_lines
 from reconciler.core.probe.parsers import offline_peers
@@ -102,8 +120,18 @@ from reconciler.core.scheduling.edge_upstreams import edge_failing, edge_records
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
-from reconciler.core.scheduling.suspicion import advance_suspects, next_liveness_lapse, note_hedges, remember_liveness, suspected, with_suspects
-from reconciler.core.timestamps import from_epoch_seconds, utc_now
+from reconciler.core.scheduling.suspicion import (
+    advance_suspects,
+    lapses_of_suspects,
+    leader_lapse,
+    next_liveness_lapse,
+    note_hedges,
+    remember_liveness,
+    suspected,
+    takeover_due,
+    with_suspects,
+)
+from reconciler.core.timestamps import from_epoch_seconds, utc, utc_now, utc_stamp
 from reconciler.engine.dispatch import DispatchEvent, dispatch_once, dispatcher_fence
 from reconciler.engine.lane_states import with_lane_states
 from reconciler.engine.scaling_step import ScalingStep
@@ -212,8 +240,10 @@ class LeaderLoop:
     # Leading: when (by `clock`) the next active run of the fabric's own
     # lanes would count as crashed, as the last dispatch read it (None: none).
     _crash_check_at: float | None = None
-    # Following: when the leader record goes stale unless renewed (None: unknown, or no record).
+    # Following: when the leader record goes stale unless renewed (None: unknown, or no record),
+    # and when its leader's host's liveness lapse would be old enough for a takeover (None: none known).
     _held_stale_at: datetime | None = None
+    _takeover_at: datetime | None = None
     # `tailscale status --json` where the leader runs tailscale: a source of
     # suspicion (issue 30); None: none. Raises OSError or ValueError.
     tailscale_status: Callable[[], str] | None = None
@@ -271,16 +301,11 @@ class LeaderLoop:
                 self.registry.resign(self.leadership)
                 self.leadership = None
             return
+        self._read_liveness()
         if self.leadership is None:
-            self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
-            if self.leadership is None:
-                self._note_held()
-                self._follow_liveness()
+            if not self._campaign():
                 return
-            self._held_stale_at = None
-            self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
-            self._show_problem()
-        elif not self.registry.renew(self.leadership):
+        elif not self.registry.renew(self._with_own_liveness(self.leadership)):
             self.log(f"{self.host} lost the lease of epoch {self.leadership.epoch}")
             self.leadership = None
             return
@@ -311,6 +336,81 @@ class LeaderLoop:
 
     def _now(self) -> datetime:
         return from_epoch_seconds(self.clock.now()) if self.clock is not None else utc_now()
+
+    def _campaign(self) -> bool:
+        """Not leading: campaign once; held by a live term, take it over when
+        its leader's host's liveness record lapsed (`_take_over`). True: this
+        candidate leads now, its memory of lapses seeded from the record it
+        replaced (the old leader's host's, which that leader never suspected)."""
+        held = self.registry.leader_term()
+        self.leadership = self.registry.campaign(self.host, self.lease_ttl_s)
+        if self.leadership is None:
+            self.leadership = self._take_over(held)
+        if self.leadership is None:
+            self._note_held(held)
+            return False
+        self._held_stale_at = None
+        self._takeover_at = None
+        if held is not None and held.candidate != self.host and held.liveness_until is not None and self._liveness_on():
+            seen = self._liveness_seen.get(held.candidate)
+            if seen is None or utc(seen) < utc(held.liveness_until):
+                self._liveness_seen[held.candidate] = utc(held.liveness_until)
+        self.log(f"{self.host} leads from epoch {self.leadership.epoch} (term {self.leadership.term})")
+        self._show_problem()
+        return True
+
+    def _take_over(self, held: LeaderInfo | None) -> Leadership | None:
+        """Issue 30: the live term `held` taken over at once when its
+        leader's host's fast liveness record lapsed at least [timing]
+        liveness_s ago, the term not renewed since and no full heartbeat of
+        that host since (`leader_lapse`); the registry's compare-and-swap
+        (`Candidacy.take_over`) checks the record and the lapse again. With
+        the fast liveness off, or no expiry of that host known, never."""
+        assert self.desired is not None
+        if held is None or held.candidate == self.host or not self._liveness_on():
+            return None
+        min_age = float(self.desired.fleet.timing.liveness_s)
+        now = self._now()
+        if leader_lapse(held, self._liveness_seen, None, now, min_age) is None:
+            return None
+        # Only now the node states: a full heartbeat since the lapse is life too.
+        beat = next((n.last_seen for n in self.registry.node_states() if n.node_id == held.candidate), None)
+        lapse = leader_lapse(held, self._liveness_seen, beat, now, min_age)
+        if lapse is None:
+            return None
+        won = self.registry.take_over(self.host, self.lease_ttl_s, held)
+        if won is not None:
+            self._liveness_seen[held.candidate] = lapse
+            renewed = f"{held.renewed_at:%H:%M:%S}" if held.renewed_at is not None else "never"
+            self.log(
+                f"{self.host} takes over from {held.candidate} (term {held.term}): its host's liveness record lapsed at "
+                f"{utc_stamp(lapse)}, the term not renewed since {renewed}"
+            )
+        return won
+
+    def _liveness_on(self) -> bool:
+        assert self.desired is not None
+        return bool(self.desired.fleet.timing.liveness_s)
+
+    def _read_liveness(self) -> None:
+        """Each step, leading or following: the newest expiry of each host's
+        liveness record (`remember_liveness`: etcd deletes a lapsed one, so
+        what a follower read before a lapse is what it knows of it). Read
+        before the renewal, which writes the leader's own host's into the
+        leader record (`LeaderInfo.liveness_until`)."""
+        if not self._liveness_on():
+            self._liveness_seen = {}
+            return
+        self._liveness_seen = remember_liveness(self._liveness_seen, self.registry.liveness())
+
+    def _with_own_liveness(self, leadership: Leadership) -> Leadership:
+        """`leadership` whose record says when its host's liveness record
+        lapses, as just read (what a candidate started after that lapse knows of it)."""
+        own = self._liveness_seen.get(self.host) if self._liveness_on() else None
+        if leadership.info.liveness_until != own:
+            leadership = replace(leadership, info=leadership.info.model_copy(update={"liveness_until": own}))
+            self.leadership = leadership
+        return leadership
 
     def _note_problem(self, exc: Exception) -> None:
         """A failed step (module docstring): the problem, counted, put into
@@ -412,12 +512,17 @@ class LeaderLoop:
         [timing] liveness_s = 0, no Ray and no tailscale nothing is read and
         the snapshot is as it was: the node timeout alone decides."""
         assert self.desired is not None
-        if self.desired.fleet.timing.liveness_s:
+        keys = self.desired.fleet.plan_keys
+        # A forged plan's memory does not count (it would choose hedges): this leader's own plan then.
+        trusted = newest if newest is not None and (not keys or verify_plan(newest, keys) is None) else self.published
+        previous = trusted.suspects if trusted is not None else {}
+        if self._liveness_on():
+            # The step read the records (`_read_liveness`); a host the last
+            # plan suspects for a lapse that this leader has no expiry of
+            # (a new term: the old leader's memory is gone) lapsed then.
             known = {n.node_id for n in snapshot.nodes}
-            seen = remember_liveness(self._liveness_seen, self.registry.liveness())
+            seen = lapses_of_suspects(self._liveness_seen, previous)
             self._liveness_seen = {h: t for h, t in seen.items() if h in known}
-        else:
-            self._liveness_seen = {}
         self._next_liveness = next_liveness_lapse(self._liveness_seen, snapshot.now)
         sources: dict[str, dict[str, str]] = {}
         if self._ray_dead:
@@ -429,10 +534,6 @@ class LeaderLoop:
         if failing:
             sources[EDGE_SOURCE] = failing
         now_suspected = suspected(snapshot.nodes, self._liveness_seen, sources, snapshot.now)
-        keys = self.desired.fleet.plan_keys
-        # A forged plan's memory does not count (it would choose hedges): this leader's own plan then.
-        trusted = newest if newest is not None and (not keys or verify_plan(newest, keys) is None) else self.published
-        previous = trusted.suspects if trusted is not None else {}
         if not previous and not now_suspected:
             return snapshot.model_copy(update={"suspects": {}}) if snapshot.suspects else snapshot
         status = {n.node_id: n.status for n in snapshot.nodes}
@@ -440,17 +541,6 @@ class LeaderLoop:
         for change in changes:
             self.log(f"node {change.node} {change.kind}: {change.detail}")
         return with_suspects(snapshot, suspects)
-
-    def _follow_liveness(self) -> None:
-        """Following: remember each host's newest liveness expiry too, so a
-        candidate that takes over after the leader's own host died knows
-        whose record lapsed meanwhile (etcd deleted it) and suspects that
-        host at its first step, not only at the node timeout."""
-        assert self.desired is not None
-        if not self.desired.fleet.timing.liveness_s:
-            self._liveness_seen = {}
-            return
-        self._liveness_seen = remember_liveness(self._liveness_seen, self.registry.liveness())
 
     def _edge_failing(self, now: datetime) -> dict[str, str]:
         """The hosts an edge's Caddy sees every upstream of failing (its
@@ -602,12 +692,18 @@ class LeaderLoop:
         # when the leader key goes; the timeout is the fallback (sqlite).
         return max(0.1, self.lease_ttl_s / 3)
 
-    def _note_held(self) -> None:
+    def _note_held(self, held: LeaderInfo | None) -> None:
         """Following: when the leader record goes stale unless renewed, so
         this candidate campaigns then (and takes over a record someone keeps
-        alive without renewing it) instead of at its next periodic step."""
-        held = self.registry.leader_term()
+        alive without renewing it) instead of at its next periodic step; and
+        when its leader's host's liveness record, as known now, would have
+        lapsed long enough for a takeover (`takeover_due`)."""
         self._held_stale_at = held.stale_at() if held is not None and not held.resigned else None
+        due = None
+        if held is not None and held.candidate != self.host and self._liveness_on():
+            assert self.desired is not None
+            due = takeover_due(held, self._liveness_seen, float(self.desired.fleet.timing.liveness_s))
+        self._takeover_at = due
 
     def _note_lapse(self, lapse: datetime | None) -> None:
         """After a step: a lapse still ahead, or a new one, is waited for from
@@ -626,9 +722,12 @@ class LeaderLoop:
         """`wait_s`, or less: until the next lapse (leading), or the recheck
         of one that is due."""
         periodic = self.wait_s()
-        if self.leadership is None and self._held_stale_at is not None and self.clock is not None:
-            # Just past the moment the record goes stale (STALE_MARGIN_S).
-            return max(STALE_MARGIN_S, min(periodic, self._held_stale_at.timestamp() - self.clock.now() + STALE_MARGIN_S))
+        if self.leadership is None and self.clock is not None:
+            # Just past the moment the record goes stale, or its leader's
+            # host's lapse is old enough for a takeover (STALE_MARGIN_S).
+            moments = [t.timestamp() for t in (self._held_stale_at, self._takeover_at) if t is not None]
+            if moments:
+                return max(STALE_MARGIN_S, min(periodic, min(moments) - self.clock.now() + STALE_MARGIN_S))
         if self.leadership is not None and self._crash_check_at is not None and self.clock is not None:
             # A lane run's worker lapses (engine.dispatch.DispatchOutcome): the step's dispatch settles it then.
             periodic = min(periodic, max(0.0, self._crash_check_at - self.clock.now()))

@@ -1408,6 +1408,26 @@ def drain(fleet: Fleet, host: str, reason: str = "e2e: move its work") -> None:
         registry.set_drain(host, 0, reason=reason)
 
 
+def lead_on(fleet: Fleet, host: str, *, timeout: float) -> None:
+    """Make `host` (a leader candidate) the leader: the leader's
+    fabric-leader.service is stopped (it resigns), `host`'s campaigns, and
+    the stopped one is started again (it follows)."""
+
+    def current() -> str | None:
+        with fleet.registry() as registry:
+            info = registry.leader()
+        return info.candidate if info is not None else None
+
+    leader = wait_for(current, timeout=timeout, what="a leader", interval=0.5)
+    if leader == host:
+        return
+    fleet.container(leader).systemctl("stop", "fabric-leader.service")
+    try:
+        wait_for(lambda: current() == host, timeout=timeout, what=f"{host} leads", interval=0.2)
+    finally:
+        fleet.container(leader).systemctl("start", "fabric-leader.service")
+
+
 def undrain(fleet: Fleet, host: str) -> None:
     with fleet.registry() as registry:
         registry.clear_drain(host)

@@ -39,6 +39,9 @@ class LapseRegistry:
     def campaign(self, candidate: str, ttl_s: float) -> Leadership:
         return Leadership(LeaderInfo(candidate=candidate, epoch=1, since=datetime.now(UTC), token="t"), ttl_s)
 
+    def leader_term(self) -> LeaderInfo | None:
+        return None  # nobody led before
+
     def renew(self, leadership: Leadership) -> bool:
         return True
 

@@ -10,6 +10,7 @@ import pytest
 
 from reconciler.core.desired.model import DesiredState, FlapSettings, FleetConfig, HostConfig
 from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotNode, SuspectState
+from reconciler.core.live.records import LeaderInfo
 from reconciler.core.probe.parsers import ParseError, offline_peers
 from reconciler.core.scheduling.lanes import offline_reason
 from reconciler.core.scheduling.placement import schedule
@@ -18,6 +19,7 @@ from reconciler.core.scheduling.suspicion import (
     LivenessRecord,
     advance_suspects,
     hedging,
+    leader_lapse,
     next_liveness_lapse,
     note_hedges,
     remember_liveness,
@@ -259,3 +261,33 @@ def test_tailscale_names_the_hosts_whose_peer_is_offline():
     assert got == {"qfox-1": "peer offline (last seen 2026-11-29T11:59:50Z)", "x86-spill": "peer offline"}, "unknown Online says nothing"
     with pytest.raises(ParseError):
         offline_peers(json.dumps({"BackendState": "Stopped"}), ["qfox-1"])
+
+
+# -- leader_lapse: when a candidate takes a live term over (pure) --------------
+
+_T = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+
+
+def _held(**kw) -> LeaderInfo:
+    values = {"candidate": "lux", "epoch": 3, "since": _T, "token": "t", "term": 7, "renewed_at": _T, "ttl_s": 30.0, **kw}
+    return LeaderInfo(**values)
+
+
+@pytest.mark.parametrize(
+    ("why", "held", "seen", "last_seen", "at", "lapse"),
+    [
+        ("lapsed 3 s ago, not renewed since: taken over", _held(), {"lux": _T + timedelta(seconds=5)}, None, 8, 5),
+        ("the record's own expiry counts too", _held(liveness_until=_T + timedelta(seconds=5)), {}, None, 8, 5),
+        ("the newest known expiry counts", _held(liveness_until=_T + timedelta(seconds=5)), {"lux": _T + timedelta(seconds=7)}, None, 8, None),
+        ("lapsed 1 s ago: too young", _held(), {"lux": _T + timedelta(seconds=5)}, None, 6, None),
+        ("no known expiry: no lapse", _held(), {"qfox-1": _T}, None, 8, None),
+        ("renewed after the lapse: alive", _held(renewed_at=_T + timedelta(seconds=6)), {"lux": _T + timedelta(seconds=5)}, None, 8, None),
+        ("a full heartbeat after the lapse", _held(), {"lux": _T + timedelta(seconds=5)}, _T + timedelta(seconds=6), 8, None),
+        ("a heartbeat before it counts for nothing", _held(), {"lux": _T + timedelta(seconds=5)}, _T, 8, 5),
+        ("resigned: the ordinary campaign's", _held(resigned=True), {"lux": _T + timedelta(seconds=5)}, None, 8, None),
+        ("stale: the ordinary campaign's", _held(), {"lux": _T + timedelta(seconds=5)}, None, 31, None),
+    ],
+)
+def test_leader_lapse(why, held, seen, last_seen, at, lapse):
+    got = leader_lapse(held, seen, last_seen, _T + timedelta(seconds=at), min_age_s=2)
+    assert got == (_T + timedelta(seconds=lapse) if lapse is not None else None), why

@@ -192,6 +192,14 @@ class LeaderInfo(_Record):
     # The term's TTL: stale once renewed_at + ttl_s has passed.
     ttl_s: float | None = None
     resigned: bool = False
+    # When the fast liveness record of the leader's host lapses unless kept
+    # alive, as the leader read it just before this renewal (issue 30; None:
+    # its host keeps none, the fast liveness is off, or an older record).
+    # The evidence a candidate started after that record lapsed (etcd
+    # deletes it) has that the leader's host kept one: a candidate takes
+    # over a live term whose host's record lapsed
+    # (`core.scheduling.suspicion.leader_lapse`).
+    liveness_until: PlausibleTime | None = None
     # Why this leader's steps keep failing (None: they do not); the leader
     # writes it at its renewals (reconciler.engine.leader).
     problem: LeaderProblem | None = None

@@ -21,6 +21,17 @@ node is offline and its work moves; suspicion only *adds* work elsewhere.
 - `hedged_nodes`, `may_hedge`: which placements get a hedge (the scheduler,
   core.scheduling.placement, places them by the usual tier rules): the
   replica of a single-replica service that is not `singleton`.
+- `leader_lapse(held, liveness, last_seen, now, min_age_s)`: when a
+  candidate takes over a live term at once instead of waiting for it to go
+  stale: the leader's host's liveness record lapsed by the rule above (a
+  known expiry passed, no full heartbeat since), at least `min_age_s` ago,
+  and the leader has not renewed its term since (a leader that renews is
+  alive, whatever its host's watcher does). No known expiry (the host never
+  kept a record: a fleet without fabric-watch) is no lapse.
+- `lapses_of_suspects`: a new term's first step goes on from the last
+  plan's suspects: a host suspected for a lapse counts as lapsed at its
+  suspicion's start while no record says otherwise (the expiries the old
+  leader read are in its memory only, and etcd deletes a lapsed record).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from datetime import datetime, timedelta
 
 from reconciler.core.desired.model import FlapSettings, Service
 from reconciler.core.live.models import FleetPlan, Placement, Snapshot, SnapshotNode, SuspectEvent, SuspectState
+from reconciler.core.live.records import LeaderInfo
 from reconciler.core.timestamps import utc, utc_stamp
 
 # Events each suspect keeps for the timeline.
@@ -38,6 +50,9 @@ HISTORY = 8
 
 # Independent sources (beside the fast liveness) that must agree on a node.
 AGREEING_SOURCES = 2
+
+# The first words of a suspicion's reason when the liveness record lapsed.
+LAPSE_REASON = "liveness lapsed at"
 
 
 @dataclass(frozen=True)
@@ -87,11 +102,72 @@ def suspected(
             continue
         reasons: list[str] = []
         lapsed = liveness.get(node.node_id)
-        if lapsed is not None and utc(lapsed) <= now and (node.last_seen is None or utc(node.last_seen) < utc(lapsed)):
-            reasons.append(f"liveness lapsed at {utc_stamp(lapsed)}")
+        if lapsed is not None and liveness_lapsed(lapsed, node.last_seen, now):
+            reasons.append(f"{LAPSE_REASON} {utc_stamp(lapsed)}")
         said = [f"{source}: {words[node.node_id]}" for source, words in sorted(sources.items()) if node.node_id in words]
         if reasons or len(said) >= AGREEING_SOURCES:
             out[node.node_id] = reasons + said
+    return out
+
+
+def liveness_lapsed(expiry: datetime | None, last_seen: datetime | None, now: datetime) -> bool:
+    """The lapse rule of `suspected` for one host: its newest known liveness
+    expiry has passed and no full heartbeat came after it."""
+    if expiry is None or utc(expiry) > utc(now):
+        return False
+    return last_seen is None or utc(last_seen) < utc(expiry)
+
+
+def leader_lapse(
+    held: LeaderInfo,
+    liveness: Mapping[str, datetime],
+    last_seen: datetime | None,
+    now: datetime,
+    min_age_s: float,
+) -> datetime | None:
+    """When the host of the leader `held` names lapsed, if a candidate may
+    take its live term over now; else None.
+
+    `liveness`: each host's newest known liveness expiry (the candidate's
+    memory and the registry's records, `remember_liveness`); the leader
+    record's own `liveness_until` counts too (what the leader read of its
+    host just before its last renewal). The lapse must be `min_age_s` old
+    (a live leader wakes at its host's lapse and renews: time for that),
+    the term not renewed since the lapse, and no full heartbeat of the host
+    since (`last_seen`). A resigned or stale record is the ordinary
+    campaign's; a host with no known expiry is never taken as lapsed."""
+    now = utc(now)
+    if held.resigned or not held.live_at(now) or held.renewed_at is None:
+        return None
+    known = [utc(t) for t in (liveness.get(held.candidate), held.liveness_until) if t is not None]
+    if not known:
+        return None
+    expiry = max(known)
+    if not liveness_lapsed(expiry, last_seen, now - timedelta(seconds=min_age_s)):
+        return None
+    return expiry if utc(held.renewed_at) < expiry else None
+
+
+def takeover_due(held: LeaderInfo | None, liveness: Mapping[str, datetime], min_age_s: float) -> datetime | None:
+    """When a follower looks again at whether to take `held`'s live term
+    over: the known expiry of its host's liveness record plus `min_age_s`
+    (None: no live term, or no known expiry)."""
+    if held is None or held.resigned or held.renewed_at is None:
+        return None
+    known = [utc(t) for t in (liveness.get(held.candidate), held.liveness_until) if t is not None]
+    return max(known) + timedelta(seconds=min_age_s) if known else None
+
+
+def lapses_of_suspects(seen: Mapping[str, datetime], suspects: Mapping[str, SuspectState]) -> dict[str, datetime]:
+    """`seen` with each host the last plan suspects for a lapse (and still
+    suspected) that `seen` knows no expiry of: lapsed at its suspicion's
+    start. A record kept alive since shows a newer expiry (`remember_liveness`
+    keeps the newest), so the host recovers as usual."""
+    out = dict(seen)
+    for host, state in suspects.items():
+        if host in out or state.since is None or not any(r.startswith(LAPSE_REASON) for r in state.reasons):
+            continue
+        out[host] = utc(state.since)
     return out
 
 
