@@ -98,7 +98,7 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -119,6 +119,8 @@ from reconciler.adapters.registry_records import (
     key_text,
     parse_int,
     parse_record,
+    plan_read_of,
+    read_index,
     read_plan,
     require,
     stored_plan,
@@ -129,7 +131,7 @@ from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
-from reconciler.core.live.plan_parts import PlanIndex
+from reconciler.core.live.plan_parts import PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -866,6 +868,30 @@ class EtcdRegistry(LifecycleMixin):
             return None
         index_bytes, parts = read
         return require(read_plan(index_bytes, parts.get, where=f"etcd {index_key.decode()}"), f"etcd {index_key.decode()}")
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        """The index, then only the parts `choose` names, each one key read at
+        the index's revision (still there even once a newer epoch dropped
+        it), checked against the index's digest: no other part is read."""
+        index_key = self._key(PLAN_INDEX)
+        where = f"etcd {index_key.decode()}"
+
+        async def op(c: _Client) -> tuple[PlanIndex, list[str], dict[str, bytes]] | None:
+            found, revision = await _read_range(c, index_key, index_key + b"\0", 0)
+            if not found:
+                return None
+            index = read_index(found[0].value, where=where)
+            names = sorted(set(choose(index)))
+            keys = [self._key(PLAN_PARTS, index.parts[name]) for name in names if name in index.parts]
+            reads = await asyncio.gather(*(_read_range(c, key, key + b"\0", revision) for key in keys))
+            start = len(self._key(PLAN_PARTS, ""))
+            return index, names, {kv.key[start:].decode(errors="replace"): kv.value for kvs, _ in reads for kv in kvs}
+
+        read = self._call(op, "reading this host's part of the plan")
+        if read is None:
+            return None
+        index, names, parts = read
+        return plan_read_of(index, names, parts.get, where=where)
 
     # -- scaling --------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ from reconciler.adapters.registry_records import (
     WHAT,
     parse_int,
     parse_record,
+    plan_read_of,
+    read_index,
     read_plan,
     require,
     stored_plan,
@@ -46,6 +49,7 @@ from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, Sqlit
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
+from reconciler.core.live.plan_parts import PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -367,6 +371,22 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             return None
         where = f"sqlite registry {self.path}"
         return require(read_plan(index[0], parts.get, where=where), where)
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        """The index, then only the parts `choose` names, by digest, in the same read transaction."""
+        where = f"sqlite registry {self.path}"
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT plan_index FROM plan_index WHERE id = 1").fetchone()
+            if row is None:
+                return None
+            index = read_index(row[0], where=where)
+            names = sorted(set(choose(index)))
+            digests = [index.parts[name] for name in names if name in index.parts]
+            parts = {
+                str(d): part
+                for d, part in db.execute(f"SELECT digest, part FROM plan_parts WHERE digest IN ({','.join('?' * len(digests))})", digests)
+            }
+        return plan_read_of(index, names, parts.get, where=where)
 
     # -- scaling --------------------------------------------------------------------------
 

@@ -131,6 +131,12 @@ def with_plan_hosts(loaded: LoadedDesired, plan: FleetPlan, snapshot: Snapshot |
     return load_hosts_of(loaded.directory, nodes, fleet=desired.fleet, loaded=dict(desired.hosts))
 
 
+def load_own(directory: Path, host: str) -> DesiredState:
+    """fabric.toml and this host's file: what `fabric watch` reads at each new
+    plan to know what its part is read from (`engine.watch`). Raises DesiredStateError."""
+    return load_hosts_of(directory, [host])
+
+
 def load_for_part(directory: Path, host: str, plan: FleetPlan) -> DesiredState:
     """What `fabric watch` computes `host`'s part of `plan` under: fabric.toml,
     this host's file and, on the edge, the files of the nodes its routed
