@@ -961,6 +961,13 @@ class MemoReader(Protocol):
         """The commit checked out at the top of `directory` and its index's stat; None: not a checkout."""
         ...
 
+    def tree_stamp(self, directory: Path, files: Sequence[str], since: float | None = None) -> str | None:
+        """A desired state that is not a git checkout, from a few stats: its
+        Nix store path, or the stat of the directory, its hosts/ and `files`
+        (relative to it); None when `since` is given and one of them changed
+        at or after it (`reconciler.adapters.memo_io.tree_stamp`)."""
+        ...
+
     def which(self, program: str) -> str | None:
         """Where `program` is on PATH."""
         ...
