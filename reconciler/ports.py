@@ -466,6 +466,15 @@ class PlanReads(Protocol):
         does not grow with the plan."""
         ...
 
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        """The newest index's epoch and the names and digests of `host`'s
+        parts in it, found in the index's bytes without parsing it whole
+        (`plan_parts.glance_digests`) and without reading a part; None: no
+        plan published. Nothing verified: what `fabric watch` follows (the
+        pass verifies what it takes). RegistryError for an index that is
+        neither found into nor parses."""
+        ...
+
 
 class FleetReads(Protocol):
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:

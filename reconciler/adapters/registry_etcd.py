@@ -116,6 +116,7 @@ from reconciler.adapters.registry_records import (
     PLAN_INDEX,
     PLAN_PARTS,
     WHAT,
+    glance_of,
     key_text,
     parse_int,
     parse_record,
@@ -868,6 +869,17 @@ class EtcdRegistry(LifecycleMixin):
             return None
         index_bytes, parts = read
         return require(read_plan(index_bytes, parts.get, where=f"etcd {index_key.decode()}"), f"etcd {index_key.decode()}")
+
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        """One key read: the index (`glance_of`)."""
+        index_key = self._key(PLAN_INDEX)
+
+        async def op(c: _Client) -> bytes | None:
+            found, _ = await _read_range(c, index_key, index_key + b"\0", 0)
+            return found[0].value if found else None
+
+        raw = self._call(op, "reading the plan's index")
+        return None if raw is None else glance_of(raw, host, where=f"etcd {index_key.decode()}")
 
     def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
         """The index, then only the parts `choose` names, each one key read at

@@ -20,7 +20,17 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.plan_parts import PlanIndex, PlanPartsError, PlanRead, join_plan, normalized, plan_index, plan_parts
+from reconciler.core.live.plan_parts import (
+    PlanIndex,
+    PlanPartsError,
+    PlanRead,
+    glance_digests,
+    join_plan,
+    normalized,
+    own_digests,
+    plan_index,
+    plan_parts,
+)
 from reconciler.core.live.unreadable import MAX_REASON_CHARS, UnreadableRecord
 from reconciler.ports import RegistryError
 
@@ -217,3 +227,14 @@ def plan_read_of(index: PlanIndex, names: Collection[str], part_of: Callable[[st
     except PlanPartsError as exc:
         raise RegistryError(_printable(f"{where}: unreadable plan: {exc}")) from None
     return PlanRead(index=index, plan=plan, parts=tuple(sorted(names)))
+
+
+def glance_of(index_bytes: bytes | str, host: str, *, where: str) -> tuple[int, dict[str, str]]:
+    """`PlanReads.plan_glance` from the stored index: found in its bytes
+    (`glance_digests`), else parsed (RegistryError when it does not parse)."""
+    raw = index_bytes.encode() if isinstance(index_bytes, str) else index_bytes
+    found = glance_digests(raw, host) if isinstance(raw, bytes) else None
+    if found is not None:
+        return found
+    index = read_index(index_bytes, where=where)
+    return index.epoch, own_digests(index, host)

@@ -36,6 +36,7 @@ from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
     MAX_RECORD_BYTES,
     WHAT,
+    glance_of,
     parse_int,
     parse_record,
     plan_read_of,
@@ -371,6 +372,11 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             return None
         where = f"sqlite registry {self.path}"
         return require(read_plan(index[0], parts.get, where=where), where)
+
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT plan_index FROM plan_index WHERE id = 1").fetchone()
+        return None if row is None else glance_of(row[0], host, where=f"sqlite registry {self.path}")
 
     def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
         """The index, then only the parts `choose` names, by digest, in the same read transaction."""

@@ -164,9 +164,10 @@ class Watcher:
         backend that reports it again after reconnecting costs no read.
 
         What is read (`_part_version`): a host whose part is its placements
-        alone, the index only: its version is the digest of its own parts'
-        digests in the index (`parts_version`), so no part is read and no
-        desired state loaded, whatever the size of the plan; a control host
+        alone, the index only (`plan_glance`: its own parts' digests found
+        in the index's bytes): its version is their digest (`parts_version`),
+        so no part is read, no desired state loaded and the index not parsed
+        whole, whatever the size of the plan; a control host
         of a phaze fleet, its parts and the fleet part (the steering); the
         edge, the whole plan (its routed services' nodes); those two then
         follow `plan_part`'s digest under `desired_for`.
@@ -202,10 +203,10 @@ class Watcher:
         if own is not None and not reads_whole_plan(own, self.host):
             fleet = reads_fleet_part(own, self.host)
             if not fleet:
-                read = self.registry.plan_read(lambda index: ())
-                if read is None:
+                glance = self.registry.plan_glance(self.host)
+                if glance is None:
                     return "", None
-                return f"parts {parts_version(read.index, host_part_names(read.index, self.host))}", read.index.epoch
+                return f"parts {parts_version(glance[1])}", glance[0]
             read = self.registry.plan_read(lambda index: host_part_names(index, self.host, fleet=True))
             plan = read.plan if read is not None else None
         else:

@@ -8,11 +8,12 @@ asked for. The read is the index's (its signature verifies, the plan is
 the index's to the byte) and holds exactly the host's placements. A part
 of this host that is garbled, missing or replaced by another's is refused
 and named; another host's part garbled does not touch this host's read.
-The watcher's read (no part) fetches the index alone.
+The watcher's glance (`plan_glance`) fetches the index alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from reconciler.core.live.plan_parts import PlanIndex, host_part_names, partial_
 from reconciler.core.live.records import Leadership
 from reconciler.core.live.signing import canonical_plan, verify_index, with_signature
 from reconciler.ports import Registry, RegistryError
+from tests.support.harness.etcd import EtcdCluster
 from tests.support.plan_keys import TestKey
 from tests.support.registry_store import Store
 
@@ -116,6 +118,11 @@ def test_a_host_reads_the_index_and_its_own_parts_and_nothing_else(published: tu
     assert index_only.index.parts == index.parts
     if isinstance(registry, EtcdRegistry):
         assert len(seen) == 1, seen
+    # The watcher's glance: the index alone, this host's digests found in it.
+    with keys_read(registry) as seen:
+        glance = registry.plan_glance(HOST)
+    assert glance == (stored.epoch, {name: index.parts[name] for name in own(index)})
+    assert not [s for s in seen if "plan-parts" in s or "plan_parts" in s], seen
 
 
 def corrupt(registry: Registry, digest: str, value: bytes | None) -> None:
@@ -183,3 +190,42 @@ def test_a_garbled_index_is_refused_and_named(store: Store) -> None:
         registry._call(op, "corrupting the index")
     with pytest.raises(RegistryError, match="unreadable plan"):
         registry.plan_read(own)
+    with pytest.raises(RegistryError, match="unreadable plan"):
+        registry.plan_glance(HOST)
+
+
+def test_a_hosts_read_takes_its_parts_at_the_indexs_revision_even_once_a_newer_epoch_dropped_them(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd, deterministic: a new epoch that moves this host's work (its part
+    rewritten, the old one deleted) is published between the host's read of
+    the index and its read of its part: the host still reads the part of the
+    index it read, never a mix of two epochs."""
+    store = Store("etcd", {"backend": "etcd", "endpoints": etcd.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None)
+    registry = store.open()
+    reader = store.open()
+    assert isinstance(registry, EtcdRegistry) and isinstance(reader, EtcdRegistry)
+    a = FleetPlan(epoch=0, leader="lux", created=T0, placements=[Placement(service="a", replica=0, node=HOST, tier="cpu_ffmpeg")])
+    b = a.model_copy(update={"placements": [Placement(service="b", replica=0, node=HOST, tier="cpu_ffmpeg")]})
+    leadership, first = publish_signed(registry, a)
+    original = registry_etcd._read_range
+    published: list[FleetPlan] = []
+
+    async def index_then_publish(c, start, end, revision, **kwargs):  # type: ignore[no-untyped-def]
+        result = await original(c, start, end, revision, **kwargs)
+        if c is reader._client and start.endswith(b"/plan-index") and not published:
+            numbered = b.model_copy(update={"epoch": first.epoch + 1, "leader": "lux", "term": leadership.term})
+            signed = with_signature(numbered, LUX.id, LUX.private.sign(canonical_plan(numbered)))
+            published.append(await asyncio.to_thread(registry.publish_plan, leadership, signed))
+        return result
+
+    monkeypatch.setattr(registry_etcd, "_read_range", index_then_publish)
+    try:
+        read = reader.plan_read(own)
+    finally:
+        monkeypatch.setattr(registry_etcd, "_read_range", original)
+    assert len(published) == 1
+    assert read is not None and read.index.epoch == first.epoch and [p.service for p in read.plan.placements] == ["a"]
+    assert partial_problem(read.plan, read.index, HOST) is None
+    again = reader.plan_read(own)
+    assert again is not None and again.index.epoch == published[0].epoch and [p.service for p in again.plan.placements] == ["b"]

@@ -35,8 +35,10 @@ from reconciler.core.live.plan_parts import (
     PART_ITEMS,
     PlanIndex,
     PlanRead,
+    glance_digests,
     host_part_names,
     join_plan,
+    own_digests,
     parts_version,
     plan_index,
     plan_parts,
@@ -122,8 +124,18 @@ def test_the_watchers_version_moves_with_the_hosts_parts_only() -> None:
     moved = [p.model_copy(update={"node": "x86-spill"}) if p.node == "a1-arm64" else p for p in plan.placements]
     other = signed(plan.model_copy(update={"epoch": 21, "placements": moved}))
     before, after = plan_index(plan), plan_index(other)
-    assert parts_version(before, host_part_names(before, "qfox-1")) == parts_version(after, host_part_names(after, "qfox-1"))
-    assert parts_version(before, host_part_names(before, "a1-arm64")) != parts_version(after, host_part_names(after, "a1-arm64"))
+    assert parts_version(own_digests(before, "qfox-1")) == parts_version(own_digests(after, "qfox-1"))
+    assert parts_version(own_digests(before, "a1-arm64")) != parts_version(own_digests(after, "a1-arm64"))
+
+
+def test_a_glance_at_the_index_finds_the_hosts_digests_as_parsing_it_does() -> None:
+    plan = big_plan()
+    index = plan_index(plan)
+    stored = index.model_dump_json().encode()  # as both backends store it
+    for host in ("qfox-1", "node-00042", "node-0004", "x86-spill", "nobody"):
+        assert glance_digests(stored, host) == (index.epoch, own_digests(index, host)), host
+    # Not an index this version stores: the caller parses it.
+    assert glance_digests(b'{"leader":"lux","epoch":3}', "qfox-1") is None
 
 
 # -- the fence --------------------------------------------------------------------
@@ -256,6 +268,7 @@ class IndexRegistry:
         self.plans, self.answers = plans, answers
         self.version = ""
         self.whole_reads = 0
+        self.glances = 0
         self.parts_read: list[tuple[str, ...]] = []
 
     def watch_host(self, host: str, timeout_s: float) -> list[EntryVersion]:
@@ -273,6 +286,11 @@ class IndexRegistry:
         read = read_of(self.plans.get(self.version), choose)
         self.parts_read.append(read.parts if read else ())
         return read
+
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        plan = self.plans.get(self.version)
+        self.glances += 1
+        return None if plan is None else glance_digests(plan_index(plan).model_dump_json().encode(), host)
 
 
 class Starter:
@@ -317,8 +335,8 @@ def test_the_watcher_follows_its_parts_from_the_index_alone() -> None:
     assert starter.starts == 0 and "plan epoch 21 leaves qfox-1's part as it was: no pass" in log
     w.step()
     assert starter.starts == 1
-    # No part was read, no desired state for a part, the whole plan never.
-    assert registry.parts_read == [(), (), ()] and registry.whole_reads == 0 and loads == []
+    # A glance at the index for each plan: no part was read, no desired state for a part, the whole plan never.
+    assert registry.glances == 3 and registry.parts_read == [] and registry.whole_reads == 0 and loads == []
 
 
 def test_the_edges_watcher_still_reads_the_plan_its_routes_come_from() -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -277,12 +278,35 @@ def host_part_names(index: PlanIndex, host: str, *, fleet: bool = False) -> list
     return names
 
 
-def parts_version(index: PlanIndex, names: Iterable[str]) -> str:
-    """One digest of the named parts' digests in `index` ("-" for a part it
-    does not name): what the watcher follows for a host, from the index
-    alone; equal whatever the epoch while those parts are the same."""
-    listed = sorted((name, index.parts.get(name, "-")) for name in names)
-    return part_digest(canonical_json(listed))
+def parts_version(digests: Mapping[str, str]) -> str:
+    """One digest of some parts' names and digests (a host's, from its
+    index: `glance_digests`): what the watcher follows for a host; equal
+    whatever the epoch while those parts are the same."""
+    return part_digest(canonical_json(sorted(digests.items())))
+
+
+def own_digests(index: PlanIndex, host: str) -> dict[str, str]:
+    """The names and digests of `host`'s parts in `index`."""
+    return {name: index.parts[name] for name in index.host_parts(host)}
+
+
+_DIGEST = rb'"([A-Za-z0-9_-]{43})"'
+
+
+def glance_digests(index_bytes: bytes, host: str) -> tuple[int, dict[str, str]] | None:
+    """The epoch of a stored index and the digests of `host`'s parts in it,
+    found in its bytes without parsing the whole index (a regular expression
+    at C speed: a large fleet's index is hundreds of kB, one entry per node),
+    or None when they cannot be found that way (the caller parses it).
+    Nothing is verified: what the watcher follows (`engine.watch`), whose
+    pass then reads and verifies the plan; a forged index can at most start
+    a pass that refuses it, or hold one back until the timer's."""
+    epoch = re.match(rb'\{"epoch":(\d{1,19}),', index_bytes)
+    if epoch is None or b'"parts":{' not in index_bytes:
+        return None
+    name = re.escape(f"host/{host}/".encode())
+    found = {m.group(1).decode(): m.group(2).decode() for m in re.finditer(b'"(' + name + rb'\d{1,9})":' + _DIGEST, index_bytes)}
+    return int(epoch.group(1)), found
 
 
 _EMPTY_FLEET = canonical_json(
