@@ -5,7 +5,8 @@ Run: .venv/bin/python bench/host_part [--repeats N] [--host NAME] [--placements 
 Backends: a sqlite file (tmpfs /tmp) and one etcd member on loopback (started
 here and stopped by PID at the end). For each, the signed example fleet
 (throwaway plan keys, [registry] pointing at the backend) with lux leading
-(a term of an hour), and two plans published in turn, both signed by lux:
+(a term of an hour), and two plans, both signed by lux, each on a store of
+its own (a sqlite file, an etcd prefix), timed in turn:
 
   example   the example's 5 placements (tests/golden/fleet-plan.json)
   big       the same 5, and --placements more on 5,000 other nodes
@@ -125,8 +126,8 @@ class NoPass:
         raise SystemExit("the watcher started a pass for a plan that left its part as it was")
 
 
-def watcher_steps(registry: Registry, desired: Path, host: str, repeats: int) -> list[tuple[float, float]]:
-    w = Watcher(
+def watcher(registry: Registry, desired: Path, host: str) -> Watcher:
+    return Watcher(
         NewPlanEachStep(registry),  # type: ignore[arg-type]
         NoPass(),
         SystemClock(),
@@ -136,13 +137,6 @@ def watcher_steps(registry: Registry, desired: Path, host: str, repeats: int) ->
         timings=WatchTimings(),
         log=lambda line: None,
     )
-    w.step()  # the baseline
-    samples = []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        w.step()
-        samples.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return samples
 
 
 def ms(seconds: float) -> str:
@@ -153,40 +147,73 @@ def verdict(ratio: float) -> str:
     return "PASS" if ratio <= GOAL else "MISS"
 
 
-def bench(store: Store, tmp: Path, args: argparse.Namespace) -> None:
-    desired = store.desired_dir(tmp / "fleet")
-    fleet = load_desired(desired).fleet
-    registry = store.open()
-    leadership = registry.campaign("lux", 3600)
-    assert leadership is not None
-    plans = {"example": example_plan(), "big": big_plan(args.placements)}
-    passes: dict[str, list[float]] = {}
-    watches: dict[str, list[tuple[float, float]]] = {}
-    sizes: dict[str, str] = {}
-    for name, plan in plans.items():
-        stored = publish(store, fleet, registry, leadership, plan)
+class Case:
+    """One plan on a store of its own: the signed example fleet pointing at
+    it, lux leading, the plan published, --host's root with generation 1."""
+
+    def __init__(self, store: Store, tmp: Path, name: str, plan: FleetPlan, host: str) -> None:
+        self.name = name
+        self.desired = store.desired_dir(tmp / name)
+        self.registry = store.open()
+        self.leadership = self.registry.campaign("lux", 3600)
+        assert self.leadership is not None
+        stored = publish(store, load_desired(self.desired).fleet, self.registry, self.leadership, plan)
         index = plan_index(stored)
-        sizes[name] = f"{len(stored.placements)} placements, {len(index.parts)} parts, index {len(index.model_dump_json())} bytes"
-        root = tmp / f"root-{store.backend}-{name}"
-        argv = [*FABRIC, "reconcile", "--desired", str(desired), "--host", args.host, "--root", str(root), "--no-activate", "--replay", str(CAPTURE)]
-        full_pass(argv, root)  # generation 1
-        passes[name] = [full_pass(argv, root) for _ in range(args.repeats)]
-        watches[name] = watcher_steps(registry, desired, args.host, args.repeats * 10)
-    print(f"{store.backend}: host {args.host}, {args.repeats} full passes and {args.repeats * 10} watcher steps per plan")
-    for name in plans:
-        pass_median = statistics.median(passes[name])
-        watch_wall = statistics.median(w for w, _ in watches[name])
-        watch_cpu = statistics.median(c for _, c in watches[name])
-        print(f"  {name:<8} ({sizes[name]})")
-        print(f"           pass {ms(pass_median)}   watcher per new plan {ms(watch_wall)} wall, {ms(watch_cpu)} CPU")
+        self.size = f"{len(stored.placements)} placements, {len(index.parts)} parts, index {len(index.model_dump_json())} bytes"
+        self.root = tmp / f"root-{name}"
+        self.argv = [
+            *FABRIC,
+            "reconcile",
+            "--desired",
+            str(self.desired),
+            "--host",
+            host,
+            "--root",
+            str(self.root),
+            "--no-activate",
+            "--replay",
+            str(CAPTURE),
+        ]
+        full_pass(self.argv, self.root)  # generation 1
+        self.watcher = watcher(self.registry, self.desired, host)
+        self.watcher.step()  # the baseline
+        self.passes: list[float] = []
+        self.steps: list[tuple[float, float]] = []
+
+    def close(self) -> None:
+        self.registry.resign(self.leadership)
+        self.registry.close()
+
+
+def bench(backend: str, stores: dict[str, Store], tmp: Path, args: argparse.Namespace) -> None:
+    plans = {"example": example_plan(), "big": big_plan(args.placements)}
+    cases = [Case(stores[name], tmp, name, plan, args.host) for name, plan in plans.items()]
+    try:
+        # Interleaved, so a busy moment of the machine falls on both plans.
+        for _ in range(args.repeats):
+            for case in cases:
+                case.passes.append(full_pass(case.argv, case.root))
+                for _ in range(10):
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    case.watcher.step()
+                    case.steps.append((time.perf_counter() - wall, time.process_time() - cpu))
+    finally:
+        for case in cases:
+            case.close()
+    print(f"{backend}: host {args.host}, {args.repeats} full passes and {args.repeats * 10} watcher steps per plan")
+    for case in cases:
+        watch_wall = statistics.median(w for w, _ in case.steps)
+        watch_cpu = statistics.median(c for _, c in case.steps)
+        print(f"  {case.name:<8} ({case.size})")
+        print(f"           pass {ms(statistics.median(case.passes))}   watcher per new plan {ms(watch_wall)} wall, {ms(watch_cpu)} CPU")
+    small, big = cases
     ratios = {
-        "pass": statistics.median(passes["big"]) / statistics.median(passes["example"]),
-        "watcher (wall)": statistics.median(w for w, _ in watches["big"]) / statistics.median(w for w, _ in watches["example"]),
-        "watcher (CPU)": statistics.median(c for _, c in watches["big"]) / statistics.median(c for _, c in watches["example"]),
+        "pass": statistics.median(big.passes) / statistics.median(small.passes),
+        "watcher (wall)": statistics.median(w for w, _ in big.steps) / statistics.median(w for w, _ in small.steps),
+        "watcher (CPU)": statistics.median(c for _, c in big.steps) / statistics.median(c for _, c in small.steps),
     }
     for what, ratio in ratios.items():
         print(f"  {what:<15} {args.placements} placements / the example's 5: {ratio:5.2f}x (goal <= {GOAL:.2f}x)  {verdict(ratio)}")
-    registry.resign(leadership)
 
 
 def main() -> None:
@@ -198,11 +225,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp:
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         subprocess.run([sys.executable, "-c", "import reconciler.cli.reconcile"], env=CHILD_ENV, check=True)
-        sqlite = Path(tmp) / "registry.sqlite"
-        bench(Store("sqlite", {"backend": "sqlite", "path": str(sqlite)}, str(sqlite)), Path(tmp) / "sqlite", args)
+        files = {name: str(Path(tmp) / f"registry-{name}.sqlite") for name in ("example", "big")}
+        bench("sqlite", {name: Store("sqlite", {"backend": "sqlite", "path": f}, f) for name, f in files.items()}, Path(tmp) / "sqlite", args)
         with etcd_cluster(members=1) as cluster:
-            settings = {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/b{uuid.uuid4().hex[:8]}"}
-            bench(Store("etcd", settings, None), Path(tmp) / "etcd", args)
+            stores = {
+                name: Store("etcd", {"backend": "etcd", "endpoints": cluster.endpoints, "prefix": f"/b{uuid.uuid4().hex[:8]}"}, None)
+                for name in ("example", "big")
+            }
+            bench("etcd", stores, Path(tmp) / "etcd", args)
 
 
 if __name__ == "__main__":

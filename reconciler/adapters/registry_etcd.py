@@ -239,12 +239,13 @@ async def _read_range(c: aetcd.Client, start: bytes, end: bytes, revision: int, 
         start = reply.kvs[-1].key + b"\0"
 
 
-async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+async def _read_live(c: aetcd.Client, base: bytes, with_plan: bool = True) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
     """What `EtcdRegistry._read` needs under `base` (the prefix with its
     slash), at one revision: every key and value except the lane jobs (the
     read has no use for them, and a queue may be long), and the keys only of
     the live heartbeats (base + "nodes/"): a beat writes the same value to
     facts/, which is read whole, so only which beats are alive is news.
+    Without `with_plan`, not the plan's parts either.
     Returns (key, value) pairs with `base` cut off, and the live node ids."""
     jobs, nodes, pending = base + b"jobs/", base + b"nodes/", base + b"pending/"
     jobs_end, nodes_end = utils.prefix_range_end(jobs), utils.prefix_range_end(nodes)
@@ -254,9 +255,16 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     between, _ = await _read_range(c, jobs_end, nodes, revision)
     beats, _ = await _read_range(c, nodes, nodes_end, revision, keys_only=True)
     before_pending, _ = await _read_range(c, nodes_end, pending, revision)
-    after, _ = await _read_range(c, utils.prefix_range_end(pending), utils.prefix_range_end(base), revision)
+    after_pending, end = utils.prefix_range_end(pending), utils.prefix_range_end(base)
+    if with_plan:
+        after, _ = await _read_range(c, after_pending, end, revision)
+        tail: list = []
+    else:  # without the plan's parts (`with_plan`: a host's own state)
+        parts = base + f"{PLAN_PARTS}/".encode()
+        after, _ = await _read_range(c, after_pending, parts, revision)
+        tail, _ = await _read_range(c, utils.prefix_range_end(parts), end, revision)
     cut = len(base)
-    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after) for kv in kvs]
+    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after, tail) for kv in kvs]
     return pairs, [kv.key[len(nodes) :] for kv in beats]
 
 
@@ -949,11 +957,11 @@ class EtcdRegistry(LifecycleMixin):
             return None, UnreadableRecord(key=key, node=node, what=WHAT.get(key.split("/", 1)[0], "record"), reason=parsed)
         return parsed, None
 
-    def _read(self) -> LiveRead:
+    def _read(self, with_plan: bool = True) -> LiveRead:
         base = self._prefix.encode() + b"/"
 
         async def op(c: _Client) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
-            return await _read_live(c, base)
+            return await _read_live(c, base, with_plan)
 
         now = from_epoch_seconds(self._now())
         facts: dict[str, NodeRecord] = {}
@@ -1011,7 +1019,7 @@ class EtcdRegistry(LifecycleMixin):
             if problem is not None:
                 problems.append(problem)
         self._record_memo, self._state_memo = seen_records, seen_states
-        if index_bytes is not None:
+        if index_bytes is not None and with_plan:
             plan = self._plan_of(index_bytes, plan_parts, problems)
         alive = self._alive(beats, facts, now, problems)
         # A state is stored without what the facts hold (`stored_state`).

@@ -417,10 +417,10 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
 
     # -- reading it all, and the leader's lifecycle ----------------------------------
 
-    def _read(self) -> LiveRead:
+    def _read(self, with_plan: bool = True) -> LiveRead:
         now = self._now()
         with self._tx(write=False) as db:
-            index, parts = _plan_rows(db)
+            index, parts = _plan_rows(db) if with_plan else (None, {})
             rows = _Rows(
                 nodes=db.execute("SELECT node_id, record FROM nodes").fetchall(),
                 states=db.execute("SELECT node_id, state FROM node_states").fetchall(),
