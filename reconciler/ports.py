@@ -8,7 +8,7 @@ real adapters are chosen and wired in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from reconciler.core.desired.registry_access import AccessState, AuthStep
     from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotLane
     from reconciler.core.live.pending import PendingRecord
+    from reconciler.core.live.plan_parts import PlanIndex, PlanRead
     from reconciler.core.live.records import (
         DrainRequest,
         LeaderInfo,
@@ -452,6 +453,26 @@ class PlanReads(Protocol):
         """The plan of the newest index, its parts read at the index's
         revision and each checked against the index's digest; RegistryError
         naming the part when one is missing, another epoch's or tampered."""
+        ...
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        """A host's read of the newest plan (issue 34): the index, then only
+        the parts `choose(index)` names (none: the index alone), read at the
+        index's revision (never a part of another epoch) and each checked
+        against the index's digest; the plan of those parts alone
+        (`plan_parts.join_plan(..., only=...)`). None: no plan published.
+        RegistryError naming the index or the part when it is unreadable,
+        missing, another epoch's or tampered. Reads no other part: its cost
+        does not grow with the plan."""
+        ...
+
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        """The newest index's epoch and the names and digests of `host`'s
+        parts in it, found in the index's bytes without parsing it whole
+        (`plan_parts.glance_digests`) and without reading a part; None: no
+        plan published. Nothing verified: what `fabric watch` follows (the
+        pass verifies what it takes). RegistryError for an index that is
+        neither found into nor parses."""
         ...
 
 
@@ -958,6 +979,13 @@ class MemoReader(Protocol):
 
     def git_commit(self, directory: Path) -> str | None:
         """The commit checked out at the top of `directory` and its index's stat; None: not a checkout."""
+        ...
+
+    def tree_stamp(self, directory: Path, files: Sequence[str], since: float | None = None) -> str | None:
+        """A desired state that is not a git checkout, from a few stats: its
+        Nix store path, or the stat of the directory, its hosts/ and `files`
+        (relative to it); None when `since` is given and one of them changed
+        at or after it (`reconciler.adapters.memo_io.tree_stamp`)."""
         ...
 
     def which(self, program: str) -> str | None:

@@ -36,6 +36,52 @@ def fingerprint(paths: Iterable[Path | str]) -> str:
     return h.hexdigest()
 
 
+# The Nix store: a path in it never changes (built once, then read-only; a
+# new desired state is a new store path).
+NIX_STORE = "/nix/store/"
+
+
+def nix_store_path(directory: Path | str) -> str | None:
+    """`directory`'s real path when it lies in the Nix store (its identity:
+    the store path is a digest of the content), else None."""
+    real = os.path.realpath(directory)
+    return real if real.startswith(NIX_STORE) and len(real) > len(NIX_STORE) else None
+
+
+def tree_stamp(directory: Path | str, files: Iterable[str], since: float | None = None) -> str | None:
+    """The identity of a desired-state directory that is not a git checkout,
+    from a few system calls, whatever the number of hosts:
+
+    - in the Nix store: its store path (`nix_store_path`);
+    - a plain directory: the stat of the directory and of its hosts/ (a file
+      added, removed or renamed there, as an editor's save by rename,
+      changes the directory's mtime) and of `files` (relative to it:
+      fabric.toml, this host's file, the files its last full pass depended
+      on), so a file edited in place among them changes the stamp too.
+      A host file no pass of this host reads, edited in place, is seen by
+      the next full pass (pass_memo.MAX_AGE_S at the latest), as an
+      uncommitted edit of a git checkout is.
+
+    `since` (seconds since the epoch): None instead when any of them
+    changed at or after it (racy: it may have changed while a pass read it,
+    in the same timestamp tick), so that pass's memo does not vouch for it."""
+    store = nix_store_path(directory)
+    if store is not None:
+        return f"store {store}"
+    top = Path(directory)
+    h = hashlib.sha256()
+    for rel in (".", "hosts", *sorted(set(files))):
+        try:
+            st = os.stat(top / rel)
+        except OSError as exc:
+            h.update(f"{rel}:missing:{exc.errno}\n".encode())
+            continue
+        if since is not None and max(st.st_mtime, st.st_ctime) >= since:
+            return None
+        h.update(f"{rel}:{st.st_mode:o}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}\n".encode())
+    return f"dirs {h.hexdigest()}"
+
+
 def git_commit(directory: Path | str) -> str | None:
     """The commit checked out in `directory` when it is the top of a git
     checkout (what `fabric pull` keeps), read from .git without running git,
@@ -215,6 +261,9 @@ class MemoWorld:
 
     def git_commit(self, directory: Path) -> str | None:
         return git_commit(directory)
+
+    def tree_stamp(self, directory: Path, files: Sequence[str], since: float | None = None) -> str | None:
+        return tree_stamp(directory, files, since)
 
     def which(self, program: str) -> str | None:
         return shutil.which(program)

@@ -63,7 +63,9 @@ class LifecycleMixin:
     timing: TimingSettings
     flap: FlapSettings
 
-    def _read(self) -> LiveRead:  # pragma: no cover - provided by the backend
+    def _read(self, with_plan: bool = True) -> LiveRead:  # pragma: no cover - provided by the backend
+        """Everything at one instant; without `with_plan`, no plan (`plan`
+        None, none of its parts read: a host's own state costs no plan)."""
         raise NotImplementedError
 
     def _store_lifecycle(
@@ -82,7 +84,9 @@ class LifecycleMixin:
         return observe(read.states, read.records, read.alive, read.drains, read.now, self.timing, self.flap)
 
     def node_states(self) -> list[NodeState]:
-        states, _ = self._observe(self._read())
+        # No plan: a host's pass asks this (its own state, on a Ray node) and
+        # must not pay for every part of a large plan.
+        states, _ = self._observe(self._read(with_plan=False))
         return [states[k] for k in sorted(states)]
 
     def _advance(self, leadership: Leadership, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:

@@ -102,7 +102,7 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,9 +121,12 @@ from reconciler.adapters.registry_records import (
     PLAN_INDEX,
     PLAN_PARTS,
     WHAT,
+    glance_of,
     key_text,
     parse_int,
     parse_record,
+    plan_read_of,
+    read_index,
     read_plan,
     require,
     stored_plan,
@@ -134,7 +137,7 @@ from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
-from reconciler.core.live.plan_parts import PlanIndex
+from reconciler.core.live.plan_parts import PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -241,12 +244,13 @@ async def _read_range(c: aetcd.Client, start: bytes, end: bytes, revision: int, 
         start = reply.kvs[-1].key + b"\0"
 
 
-async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes], int]:
+async def _read_live(c: aetcd.Client, base: bytes, with_plan: bool = True) -> tuple[list[tuple[bytes, bytes]], list[bytes], int]:
     """What `EtcdRegistry._read` needs under `base` (the prefix with its
     slash), at one revision: every key and value except the lane jobs (the
     read has no use for them, and a queue may be long), and the keys only of
     the live heartbeats (base + "nodes/"): a beat writes the same value to
     facts/, which is read whole, so only which beats are alive is news.
+    Without `with_plan`, not the plan's parts either.
     Returns (key, value) pairs with `base` cut off, the live node ids, and
     the revision read."""
     jobs, nodes, pending = base + b"jobs/", base + b"nodes/", base + b"pending/"
@@ -257,9 +261,16 @@ async def _read_live(c: aetcd.Client, base: bytes) -> tuple[list[tuple[bytes, by
     between, _ = await _read_range(c, jobs_end, nodes, revision)
     beats, _ = await _read_range(c, nodes, nodes_end, revision, keys_only=True)
     before_pending, _ = await _read_range(c, nodes_end, pending, revision)
-    after, _ = await _read_range(c, utils.prefix_range_end(pending), utils.prefix_range_end(base), revision)
+    after_pending, end = utils.prefix_range_end(pending), utils.prefix_range_end(base)
+    if with_plan:
+        after, _ = await _read_range(c, after_pending, end, revision)
+        tail: list = []
+    else:  # without the plan's parts (`with_plan`: a host's own state)
+        parts = base + f"{PLAN_PARTS}/".encode()
+        after, _ = await _read_range(c, after_pending, parts, revision)
+        tail, _ = await _read_range(c, utils.prefix_range_end(parts), end, revision)
     cut = len(base)
-    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after) for kv in kvs]
+    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after, tail) for kv in kvs]
     return pairs, [kv.key[len(nodes) :] for kv in beats], revision
 
 
@@ -926,6 +937,41 @@ class EtcdRegistry(LifecycleMixin):
         index_bytes, parts = read
         return require(read_plan(index_bytes, parts.get, where=f"etcd {index_key.decode()}"), f"etcd {index_key.decode()}")
 
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        """One key read: the index (`glance_of`)."""
+        index_key = self._key(PLAN_INDEX)
+
+        async def op(c: _Client) -> bytes | None:
+            found, _ = await _read_range(c, index_key, index_key + b"\0", 0)
+            return found[0].value if found else None
+
+        raw = self._call(op, "reading the plan's index")
+        return None if raw is None else glance_of(raw, host, where=f"etcd {index_key.decode()}")
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        """The index, then only the parts `choose` names, each one key read at
+        the index's revision (still there even once a newer epoch dropped
+        it), checked against the index's digest: no other part is read."""
+        index_key = self._key(PLAN_INDEX)
+        where = f"etcd {index_key.decode()}"
+
+        async def op(c: _Client) -> tuple[PlanIndex, list[str], dict[str, bytes]] | None:
+            found, revision = await _read_range(c, index_key, index_key + b"\0", 0)
+            if not found:
+                return None
+            index = read_index(found[0].value, where=where)
+            names = sorted(set(choose(index)))
+            keys = [self._key(PLAN_PARTS, index.parts[name]) for name in names if name in index.parts]
+            reads = await asyncio.gather(*(_read_range(c, key, key + b"\0", revision) for key in keys))
+            start = len(self._key(PLAN_PARTS, ""))
+            return index, names, {kv.key[start:].decode(errors="replace"): kv.value for kvs, _ in reads for kv in kvs}
+
+        read = self._call(op, "reading this host's part of the plan")
+        if read is None:
+            return None
+        index, names, parts = read
+        return plan_read_of(index, names, parts.get, where=where)
+
     # -- scaling --------------------------------------------------------------------------
 
     def scaling_record(self) -> ScalingRecord:
@@ -991,11 +1037,17 @@ class EtcdRegistry(LifecycleMixin):
         record, problem = parse_record(model, value, key=key, node=node)
         return record if record is not None else problem.reason if problem is not None else "unreadable"
 
-    async def _informed_read(self, c: _Client) -> tuple[list[tuple[bytes, bytes]], list[bytes], dict[bytes, tuple[bytes, Any]]]:
+    async def _informed_read(
+        self, c: _Client, with_plan: bool = True
+    ) -> tuple[list[tuple[bytes, bytes]], list[bytes], dict[bytes, tuple[bytes, Any]]]:
         """What `_read_live` reads, from the view when it is caught up with
         etcd's current revision; else a full read, which starts a new view
-        (registry_etcd_view)."""
+        (registry_etcd_view). A read without the plan (a host's own state) is
+        a plain one: only the leader keeps a view."""
         base = self._prefix.encode() + b"/"
+        if not with_plan:
+            pairs, beats, _ = await _read_live(c, base, with_plan=False)
+            return pairs, beats, {}
         view = self._view
         if view is not None and view.usable():
             if await view.caught_up(await _current_revision(c, self._key("epoch"))):
@@ -1011,7 +1063,7 @@ class EtcdRegistry(LifecycleMixin):
             view.task = asyncio.get_running_loop().create_task(view.follow(c.channel, c.metadata))
         return pairs, beats, {}
 
-    def _read(self) -> LiveRead:
+    def _read(self, with_plan: bool = True) -> LiveRead:
         now = from_epoch_seconds(self._now())
         facts: dict[str, NodeRecord] = {}
         stored: dict[str, NodeState] = {}
@@ -1030,7 +1082,7 @@ class EtcdRegistry(LifecycleMixin):
         seen_states: dict[bytes, NodeState | str] = {}
         index_bytes: bytes | None = None
         plan_parts: dict[str, bytes] = {}
-        pairs, beats, ready = self._call(self._informed_read, "reading the live state")
+        pairs, beats, ready = self._call(lambda c: self._informed_read(c, with_plan), "reading the live state")
         for raw, value in pairs:
             key = key_text(raw)
             parts = key.split("/")
@@ -1068,7 +1120,7 @@ class EtcdRegistry(LifecycleMixin):
             if problem is not None:
                 problems.append(problem)
         self._record_memo, self._state_memo = seen_records, seen_states
-        if index_bytes is not None:
+        if index_bytes is not None and with_plan:
             plan = self._plan_of(index_bytes, plan_parts, problems)
         alive = self._alive(beats, facts, now, problems)
         # A state is stored without what the facts hold (`stored_state`).

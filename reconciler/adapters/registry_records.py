@@ -13,14 +13,24 @@ leader) raises the port's own `RegistryError` through `require`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.plan_parts import PlanIndex, PlanPartsError, join_plan, normalized, plan_index, plan_parts
+from reconciler.core.live.plan_parts import (
+    PlanIndex,
+    PlanPartsError,
+    PlanRead,
+    glance_digests,
+    join_plan,
+    normalized,
+    own_digests,
+    plan_index,
+    plan_parts,
+)
 from reconciler.core.live.unreadable import MAX_REASON_CHARS, UnreadableRecord
 from reconciler.ports import RegistryError
 
@@ -194,3 +204,37 @@ def read_plan(
         return join_plan(index, named), None
     except PlanPartsError as exc:
         return None, UnreadableRecord(key=PLAN_INDEX, what="plan", reason=_printable(f"{where}: {exc}"))
+
+
+def read_index(index_bytes: bytes | str, *, where: str) -> PlanIndex:
+    """The plan's index, or RegistryError naming `where` and why it does not parse."""
+    return require(parse_record(PlanIndex, index_bytes, key=PLAN_INDEX, limit=MAX_PLAN_BYTES), where)
+
+
+def plan_read_of(index: PlanIndex, names: Collection[str], part_of: Callable[[str], bytes | str | None], *, where: str) -> PlanRead:
+    """A host's read (`PlanRead`): the plan of the parts `names` of `index`,
+    each read by digest through `part_of` (from the index's instant) and
+    checked against the index's digest; RegistryError naming the part that
+    is not in the index, missing, not the index's or unreadable."""
+    named: dict[str, bytes] = {}
+    for name in names:
+        digest = index.parts.get(name)
+        data = part_of(digest) if digest is not None else None
+        if data is not None:
+            named[name] = data.encode() if isinstance(data, str) else data
+    try:
+        plan = join_plan(index, named, only=names)
+    except PlanPartsError as exc:
+        raise RegistryError(_printable(f"{where}: unreadable plan: {exc}")) from None
+    return PlanRead(index=index, plan=plan, parts=tuple(sorted(names)))
+
+
+def glance_of(index_bytes: bytes | str, host: str, *, where: str) -> tuple[int, dict[str, str]]:
+    """`PlanReads.plan_glance` from the stored index: found in its bytes
+    (`glance_digests`), else parsed (RegistryError when it does not parse)."""
+    raw = index_bytes.encode() if isinstance(index_bytes, str) else index_bytes
+    found = glance_digests(raw, host) if isinstance(raw, bytes) else None
+    if found is not None:
+        return found
+    index = read_index(index_bytes, where=where)
+    return index.epoch, own_digests(index, host)

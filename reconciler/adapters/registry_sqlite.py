@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,8 +36,11 @@ from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
     MAX_RECORD_BYTES,
     WHAT,
+    glance_of,
     parse_int,
     parse_record,
+    plan_read_of,
+    read_index,
     read_plan,
     require,
     stored_plan,
@@ -46,6 +50,7 @@ from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, Sqlit
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
+from reconciler.core.live.plan_parts import PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -391,6 +396,27 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         where = f"sqlite registry {self.path}"
         return require(read_plan(index[0], parts.get, where=where), where)
 
+    def plan_glance(self, host: str) -> tuple[int, dict[str, str]] | None:
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT plan_index FROM plan_index WHERE id = 1").fetchone()
+        return None if row is None else glance_of(row[0], host, where=f"sqlite registry {self.path}")
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        """The index, then only the parts `choose` names, by digest, in the same read transaction."""
+        where = f"sqlite registry {self.path}"
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT plan_index FROM plan_index WHERE id = 1").fetchone()
+            if row is None:
+                return None
+            index = read_index(row[0], where=where)
+            names = sorted(set(choose(index)))
+            digests = [index.parts[name] for name in names if name in index.parts]
+            parts = {
+                str(d): part
+                for d, part in db.execute(f"SELECT digest, part FROM plan_parts WHERE digest IN ({','.join('?' * len(digests))})", digests)
+            }
+        return plan_read_of(index, names, parts.get, where=where)
+
     # -- scaling --------------------------------------------------------------------------
 
     def _scaling(self, db: sqlite3.Connection) -> ScalingRecord:
@@ -414,10 +440,10 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
 
     # -- reading it all, and the leader's lifecycle ----------------------------------
 
-    def _read(self) -> LiveRead:
+    def _read(self, with_plan: bool = True) -> LiveRead:
         now = self._now()
         with self._tx(write=False) as db:
-            index, parts = _plan_rows(db)
+            index, parts = _plan_rows(db) if with_plan else (None, {})
             rows = _Rows(
                 nodes=db.execute("SELECT node_id, record FROM nodes").fetchall(),
                 states=db.execute("SELECT node_id, state FROM node_states").fetchall(),

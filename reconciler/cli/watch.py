@@ -42,7 +42,7 @@ from reconciler.core.desired.model import TimingSettings
 from reconciler.core.install.units import RECONCILE_SERVICE
 from reconciler.core.live.records import check_node_id
 from reconciler.core.live.watching import PASS_ASKED, PLAN_TAKEN, WatchTimings, epoch_taken, moment_record
-from reconciler.engine.desired_load import load_for_part
+from reconciler.engine.desired_load import load_for_part, load_own
 from reconciler.engine.pass_options import STATE_DIR
 from reconciler.engine.watch import LivenessKeeper, Watcher
 from reconciler.ports import LivenessConnection
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             clock,
             host,
             desired_for,
+            own_desired=functools.partial(load_own, args.desired, host),
             timings=timings,
             epoch_taken=lambda: epoch_taken(records.read(PLAN_TAKEN)),
             record_ask=lambda: records.write(PASS_ASKED, moment_record(clock.now())),

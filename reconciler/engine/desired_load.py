@@ -131,6 +131,25 @@ def with_plan_hosts(loaded: LoadedDesired, plan: FleetPlan, snapshot: Snapshot |
     return load_hosts_of(loaded.directory, nodes, fleet=desired.fleet, loaded=dict(desired.hosts))
 
 
+def host_files_read(desired: DesiredState, host: str, plan: FleetPlan) -> tuple[str, ...]:
+    """The host files beside `host`'s own its pass's artifacts depend on, as
+    paths relative to the desired-state directory (both places a host file
+    may be): the hosts it names (`named_hosts`) and those its part of `plan`
+    reads (on the edge, its routed services' nodes). The pass memo stats
+    them for a plain directory (`memoized_pass.desired_digest`)."""
+    own = desired.hosts.get(host)
+    edge = own is not None and "edge" in own.host.roles
+    names = named_hosts(desired.fleet, host, desired.hosts_with_role("control"), edge=edge) | hosts_the_part_reads(desired, plan, host)
+    names.discard(host)
+    return tuple(path for name in sorted(names) for path in (f"{name}.toml", f"hosts/{name}.toml"))
+
+
+def load_own(directory: Path, host: str) -> DesiredState:
+    """fabric.toml and this host's file: what `fabric watch` reads at each new
+    plan to know what its part is read from (`engine.watch`). Raises DesiredStateError."""
+    return load_hosts_of(directory, [host])
+
+
 def load_for_part(directory: Path, host: str, plan: FleetPlan) -> DesiredState:
     """What `fabric watch` computes `host`'s part of `plan` under: fabric.toml,
     this host's file and, on the edge, the files of the nodes its routed

@@ -35,7 +35,7 @@ templates and the rest of the engine are imported by the full pass alone
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -96,15 +96,47 @@ def run_memoized_pass(
     started = ports.clock.now()
     memo_file = options.root / options.state_dir.strip("/") / MEMO_FILE
     capture = None if options.replay else ports.probe()
-    key = inputs_key(pass_inputs(options, capture, ports.world))
-    verdict, memo = _memoized(options, ports, memo_file, key, started)
+    # Read before locking: with no memo (a first pass, or bad input) the pass
+    # creates nothing here, not even the lock file.
+    memo = _read_memo(ports, memo_file)
+    # A plain directory's key stats the files the last full pass depended on
+    # (its memo names them): the full pass that follows keys them the same.
+    listed = memo.seed.desired_files if memo is not None else ()
+    inputs = pass_inputs(options, capture, ports.world, listed)
+    verdict, memo = _memoized(options, ports, memo_file, memo, inputs_key(inputs), started)
     if verdict == "hit" and memo is not None:
         generation = memo.seed.generation
         return PassReport("noop", f"nothing to do (generation {generation})\n" if generation else "nothing to do\n", memoized=True)
-    return _full_pass(options, ports, full_pass_ports, memo_file, key, capture, nft_reload=verdict == "nft")
+    return _full_pass(options, ports, full_pass_ports, memo_file, _Keyed(inputs, listed, started), capture, nft_reload=verdict == "nft")
 
 
-def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoReader) -> dict[str, str | None]:
+@dataclass(frozen=True)
+class _Keyed:
+    """The inputs a pass was keyed by as it started, the files its memo listed
+    and when it started (the full pass's memo keys what it read then)."""
+
+    inputs: dict[str, str | None]
+    listed: Sequence[str]
+    started: float
+
+    def key_after(self, options: PassOptions, world: MemoReader, seed: MemoSeed) -> str:
+        """The memo's key: the inputs as the pass started; for a directory
+        that is not a git checkout whose pass depended on other files than
+        the last memo listed, its stamp over those (`desired_digest`), unless
+        one of them changed since the pass started (racy: it may have changed
+        after the pass read it; the key stays, the next pass is full and keys
+        them then). Linux stamps a change with a clock of a jiffy's precision
+        (4 ms at HZ=250), so a change just after the start may carry a time
+        just before it: harmless, the pass reads the desired state well after
+        its start (the probe and the memo come first), and a change before
+        that read is what the pass rendered."""
+        if tuple(seed.desired_files) == tuple(self.listed) or not str(self.inputs.get("desired", "")).startswith("tree "):
+            return inputs_key(self.inputs)
+        stamp = world.tree_stamp(Path(options.desired), [*own_files(options.host), *seed.desired_files], since=self.started)
+        return inputs_key(self.inputs if stamp is None else {**self.inputs, "desired": f"tree {stamp}"})
+
+
+def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoReader, desired_files: Sequence[str] = ()) -> dict[str, str | None]:
     """What a pass's outcome depends on, each as a digest or a plain value.
     The desired-state tree is fingerprinted from stat alone (its size must not
     make every host's pass slower); the live probe by its parsed facts, what
@@ -135,7 +167,7 @@ def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoRea
         "version": reconciler.__version__,
         "options": json.dumps(described, sort_keys=True),
         "programs": json.dumps([world.which(p) for p in PROGRAMS]),
-        "desired": desired_digest(Path(options.desired), options.host, world),
+        "desired": desired_digest(Path(options.desired), options.host, world, desired_files),
         "caddy_main": world.fingerprint([root / c.strip("/") for c in caddy_mains]),
         # The host's own node.toml: the prefixes its units' paths may lie under.
         "node_config": world.fingerprint([root / NODE_CONFIG_FILE]),
@@ -145,29 +177,40 @@ def pass_inputs(options: PassOptions, capture: RawCapture | None, world: MemoRea
     }
 
 
-def desired_digest(desired: Path, host: str, world: MemoReader) -> str:
-    """The desired state's identity. A git checkout (what `fabric pull` keeps):
-    its commit, plus fabric.toml and this host's file by stat, so a host's
-    pass costs the same in a fleet of five or ten thousand; an uncommitted
-    edit of another host's file is seen by the next full pass (at the latest
-    after pass_memo.MAX_AGE_S). Any other directory: every file by stat."""
+def own_files(host: str) -> list[str]:
+    """fabric.toml and where this host's file may be, relative to the desired state."""
+    return ["fabric.toml", f"{host}.toml", f"hosts/{host}.toml"]
+
+
+def desired_digest(desired: Path, host: str, world: MemoReader, desired_files: Sequence[str] = ()) -> str:
+    """The desired state's identity, from a few stats whatever the fleet's size.
+    A git checkout (what `fabric pull` keeps): its commit, plus fabric.toml and
+    this host's file by stat; an uncommitted edit of another host's file is
+    seen by the next full pass (at the latest after pass_memo.MAX_AGE_S).
+    Any other directory (`MemoReader.tree_stamp`): a Nix store path is its
+    own identity (immutable); a plain directory, the stat of the directory
+    and its hosts/ (a file added, removed or renamed), of fabric.toml and this
+    host's file, and of `desired_files`, the files the last full pass's
+    artifacts depended on (its memo's), so an edit of any of them is seen."""
     commit = world.git_commit(desired)
-    own: list[Path | str] = [desired / "fabric.toml", desired / f"{host}.toml", desired / "hosts" / f"{host}.toml"]
     if commit is not None:
-        return f"git {commit} {world.fingerprint(own)}"
-    return f"tree {world.fingerprint([desired])}"
+        return f"git {commit} {world.fingerprint([desired / name for name in own_files(host)])}"
+    return f"tree {world.tree_stamp(desired, [*own_files(host), *desired_files])}"
 
 
-def _memoized(options: PassOptions, ports: MemoPorts, memo_file: Path, key: str, started: float) -> tuple[Verdict, PassMemo | None]:
-    """'hit' (the pass is done, and the memo that stood for it), 'nft' (a full
-    pass that must reload the table) or 'full'."""
-    # Read before locking: with no memo (a first pass, or bad input) the pass
-    # creates nothing here, not even the lock file.
+def _read_memo(ports: MemoPorts, memo_file: Path) -> PassMemo | None:
     raw = ports.store.read(memo_file)
     try:
-        memo = PassMemo.from_json(raw) if raw is not None else None
+        return PassMemo.from_json(raw) if raw is not None else None
     except ValueError:
-        memo = None  # corrupt: a full pass writes a good one
+        return None  # corrupt: a full pass writes a good one
+
+
+def _memoized(
+    options: PassOptions, ports: MemoPorts, memo_file: Path, memo: PassMemo | None, key: str, started: float
+) -> tuple[Verdict, PassMemo | None]:
+    """'hit' (the pass is done, and the memo that stood for it), 'nft' (a full
+    pass that must reload the table) or 'full'."""
     if memo is None or usable(memo, key, ports.clock.now()) is not None:
         return "full", None
     with ports.store.lock(memo_file.parent / "lock") as free:
@@ -307,7 +350,7 @@ def _full_pass(
     ports: MemoPorts,
     full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
     memo_file: Path,
-    key: str,
+    keyed: _Keyed,
     capture: RawCapture | None,
     *,
     nft_reload: bool,
@@ -335,7 +378,7 @@ def _full_pass(
         pass_ports.checkpoint = checkpoint
         report = run_pass(options, pass_ports)
     if report.memo_seed is not None and not report.memo_seed.may_lead:
-        memo = memo_after(report.memo_seed, key, ports.world, ports.clock.now())
+        memo = memo_after(report.memo_seed, keyed.key_after(options, ports.world, report.memo_seed), ports.world, ports.clock.now())
         if memo is not None:
             ports.store.write(memo_file, memo.to_json().encode())
         else:

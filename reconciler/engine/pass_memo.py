@@ -6,6 +6,8 @@ applied or written) leaves a memo in the state directory:
 
     key           the digest of the pass's inputs: the desired-state tree, the
                   probe, the plan file or capture, the options, this program's version
+    desired_files the host files beside its own the pass's artifacts depend
+                  on: a plain directory's key stats them
     generation    the generation that was current
     files         every installed file of that generation and its sha256
     units         each unit of the generation and its state after the pass (with activation)
@@ -49,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 5
+MEMO_VERSION = 6
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -92,6 +94,12 @@ class MemoSeed:
     # (its [registry], [timing] and [flap], validated) and the heartbeat's TTL.
     registry: dict[str, Any] | None = None
     beat_ttl_s: float | None = None
+    # The host files (relative to the desired-state directory) this pass's
+    # artifacts depend on beside fabric.toml and its own: the hosts it names
+    # (control, lanes, leader candidates, port-map targets) and, on the
+    # edge, its routed services' nodes. A plain directory's key stats them
+    # (memoized_pass.desired_digest), so one of them edited in place is seen.
+    desired_files: tuple[str, ...] = ()
 
     @property
     def max_age_s(self) -> float:
@@ -127,6 +135,7 @@ class PassMemo:
                     "files": tuple(seed.get("files") or ()),
                     "units": tuple(seed.get("units") or ()),
                     "lanes_here": tuple(seed.get("lanes_here") or ()),
+                    "desired_files": tuple(seed.get("desired_files") or ()),
                 }
             )
             memo = cls(seed=seed, **data)
@@ -155,6 +164,7 @@ def _well_formed(memo: PassMemo) -> bool:
         and isinstance(seed.lane_queues, dict)
         and all(isinstance(queue, str) for queue in seed.lane_queues.values())
         and isinstance(seed.lane_broker, dict | None)
+        and all(isinstance(name, str) for name in seed.desired_files)
     )
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.fencing import AppliedFence, RegistryTrust, accept_plan
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.plan_parts import PlanRead
 from reconciler.core.live.records import LeaderInfo, NodeRecord
 from reconciler.core.scheduling.lanes import lane_views
 from reconciler.core.scheduling.lifecycle import NodeState
@@ -75,6 +76,12 @@ class PlanOffer:
     # or resigned: its term is the current one until a candidate campaigns);
     # None: the registry holds none.
     leader: LeaderInfo | None = None
+    # `plan` is this host's read of the newest plan (its signed index and
+    # only the parts it needs, `plan_parts.PlanRead`); None: the whole plan.
+    read: PlanRead | None = None
+    # Whose read it is (the host of the pass), for the fence's check that
+    # every part the index names for it was read.
+    host: str | None = None
 
 
 def registry_trust(desired: DesiredState, leader: LeaderInfo | None) -> RegistryTrust:
@@ -108,7 +115,16 @@ def admit(offer: PlanOffer, desired: DesiredState, *, applied_epoch: int | Appli
     if from_registry and not keys and offer.plan is not None:
         notes.append(UNSIGNED_NOTE)
     trust = registry_trust(desired, offer.leader) if from_registry else None
-    verdict = accept_plan(applied_epoch, offer.plan, leader_candidates=signers, plan_keys=keys, stale_cause=STALE_CAUSE[offer.origin], registry=trust)
+    verdict = accept_plan(
+        applied_epoch,
+        offer.plan,
+        leader_candidates=signers,
+        plan_keys=keys,
+        stale_cause=STALE_CAUSE[offer.origin],
+        registry=trust,
+        read=offer.read,
+        host=offer.host,
+    )
     if verdict.accepted and offer.plan is not None:
         if offer.origin == "registry":
             notes.append(verdict.reason)

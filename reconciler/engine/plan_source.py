@@ -47,15 +47,17 @@ from reconciler.core.desired.model import TIER_SCORE, DesiredState, HostFacts
 from reconciler.core.desired.problems import Problem, ProblemsError, problems_from_validation
 from reconciler.core.live.fencing import AppliedFence
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
+from reconciler.core.live.plan_parts import PlanRead, host_part_names
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.probe.tiering import LABEL_PREFIX
+from reconciler.core.render.plan_part import reads_fleet_part, reads_whole_plan
 from reconciler.core.render.ray_units import ray_role
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.heartbeat import UnitsSeen, lanes_here, measure, no_lane_broker, node_record
 from reconciler.engine.leader_step import lead_once
 from reconciler.engine.pass_options import PlanAlone, PlanFile, PlanSource
 from reconciler.engine.plan_fence import PassPlan, PlanOffer, admit
-from reconciler.ports import EpochConnection, LaneBroker, PassRegistry, PermissionDenied, PlanSigner, RegistryError
+from reconciler.ports import EpochConnection, LaneBroker, PassRegistry, PermissionDenied, PlanReads, PlanSigner, RegistryError, RegistryUnavailable
 
 TIER_LABEL = f"{LABEL_PREFIX}tier"
 
@@ -158,7 +160,12 @@ def read_registry(
         # The epoch before the plan: a plan published in between makes the
         # epoch kept older than the plan, never newer (the next pass is full).
         epoch = registry.epoch()
-        newest = registry.newest_plan()
+        try:
+            newest, read = newest_for(registry, desired, host)
+        except (RegistryUnavailable, PermissionDenied):
+            raise
+        except RegistryError as exc:  # a part missing, garbled or not the index's: keep what runs
+            return PlanOffer("registry", None, tuple(notes), registry_failed=f"the newest plan cannot be taken ({exc})")
         own_state = next((s for s in registry.node_states() if s.node_id == host), None) if ray_role(desired.fleet.ray, host) else None
     except PermissionDenied as exc:  # this host's identity may not do that: fail static, and say it is not an outage
         return PlanOffer("registry", None, tuple(notes), registry_failed=f"registry refused this host ({exc})")
@@ -170,7 +177,20 @@ def read_registry(
         for broker in (*opened, *dispatching):
             if broker is not None:
                 broker.close()
-    return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state, leader=leader)
+    return PlanOffer("registry", newest, tuple(notes), registry_epoch=epoch, heartbeat=sent, own_state=own_state, leader=leader, read=read, host=host)
+
+
+def newest_for(registry: PlanReads, desired: DesiredState, host: str) -> tuple[FleetPlan | None, PlanRead | None]:
+    """The newest plan as `host`'s pass needs it: the whole plan on the edge
+    (`reads_whole_plan`), else the signed index and only this host's parts
+    (and the fleet part where `reads_fleet_part`), each checked against the
+    index's digest at its revision: a pass's read does not grow with the
+    plan. Raises RegistryError (naming the part) as `newest_plan` does."""
+    if reads_whole_plan(desired, host):
+        return registry.newest_plan(), None
+    fleet = reads_fleet_part(desired, host)
+    read = registry.plan_read(lambda index: host_part_names(index, host, fleet=fleet))
+    return (read.plan, read) if read is not None else (None, None)
 
 
 def epoch_moved_past(connect: Callable[[], EpochConnection], source: PassPlan) -> int | None:

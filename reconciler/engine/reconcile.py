@@ -60,7 +60,7 @@ from reconciler.core.scheduling.lifecycle import heartbeat_timeout
 from reconciler.core.templating import PACKAGED, Templates
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, ApplyResult, GenerationStore, Validators, no_checkpoint
-from reconciler.engine.desired_load import LoadedDesired, load_for_pass, read_verdict, record_verdict, with_plan_hosts
+from reconciler.engine.desired_load import LoadedDesired, host_files_read, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.fleet_view import FleetView, read_fleet_view
 from reconciler.engine.heartbeat import Measured, UnitsSeen, beat_after_activation, node_record
 from reconciler.engine.pass_memo import MemoSeed
@@ -602,6 +602,7 @@ def _memo_seed(
         lane_broker=lane_broker_settings(fleet) if lanes else None,
         registry=registry_settings(fleet) if uses_registry else None,
         beat_ttl_s=float(heartbeat_timeout(fleet.timing, bool(prepared.facts.tailscale_relayed))) if uses_registry else None,
+        desired_files=host_files_read(prepared.desired, prepared.host, source.plan),
     )
 
 

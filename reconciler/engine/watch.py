@@ -10,11 +10,15 @@ The plan is the fleet's, but a host acts only on its part of it (the
 services placed on it, on the edge each routed service's nodes:
 `reconciler.core.render.plan_part`, all that its render reads from a plan).
 When the registry reports a new version of the plan, the watcher reads the
-newest plan once, and the desired state through `desired_for` (re-read then,
-so a route or host added since the watcher started counts), and follows the
-digest of this host's part instead of the registry's version: a plan that
-moves work between two other hosts starts no pass here. A plan or desired
-state that cannot be read or parsed counts as a change (the pass says why).
+plan's signed index alone and follows the digest of this host's parts in it
+(`plan_parts.parts_version`: no part is read, no desired state loaded, so
+its cost does not grow with the plan); the edge (and a control host of a
+phaze fleet) reads what its part is made of (the whole plan; its own parts
+and the fleet part) and the desired state through `desired_for` (re-read
+then, so a route or host added since the watcher started counts), and
+follows the digest of its `plan_part`. Either way a plan that moves work
+between two other hosts starts no pass here. A plan or desired state that
+cannot be read or parsed counts as a change (the pass says why).
 
 One `step()`:
   1. wait for the registry (at most `poll_s`, or until the window of pending
@@ -44,8 +48,9 @@ from dataclasses import dataclass, field
 from reconciler.core.desired.load import DesiredStateError
 from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.plan_parts import host_part_names, parts_version
 from reconciler.core.live.watching import PLAN, EntryVersion, WatchState, WatchTimings, decide, observe, retry_delay, started, taken
-from reconciler.core.render.plan_part import plan_part
+from reconciler.core.render.plan_part import plan_part, reads_fleet_part, reads_whole_plan
 from reconciler.core.scheduling.edge_upstreams import EdgeUpstreams, caddy_upstreams
 from reconciler.core.timestamps import from_epoch_seconds
 from reconciler.ports import ActivationError, Clock, LivenessConnection, PassStarter, RegistryError, RegistryUnavailable, WatchRegistry
@@ -62,6 +67,10 @@ class Watcher:
     # on the edge, the files of its routed services' nodes). Raises
     # DesiredStateError (or OSError) when it cannot be read.
     desired_for: Callable[[FleetPlan], DesiredState]
+    # fabric.toml and this host's file (cli.watch: read again for each new
+    # plan), which say what this host's part is read from (`_part_version`);
+    # None: the whole plan, always.
+    own_desired: Callable[[], DesiredState] | None = None
     timings: WatchTimings = field(default_factory=WatchTimings)
     # The epoch of the plan the last pass took (its PLAN_TAKEN record; None:
     # none). Read only when changes wait and no pass runs.
@@ -150,10 +159,18 @@ class Watcher:
         return left.pending_since is not None
 
     def _part_of(self, entry: EntryVersion) -> EntryVersion:
-        """The plan entry with, as its version, the digest of this host's part
-        of the newest plan ("" while there is no plan). The plan is read once
-        per registry version: a backend that reports it again after
-        reconnecting costs no read.
+        """The plan entry with, as its version, this host's part of the newest
+        plan ("" while there is no plan). Read once per registry version: a
+        backend that reports it again after reconnecting costs no read.
+
+        What is read (`_part_version`): a host whose part is its placements
+        alone, the index only (`plan_glance`: its own parts' digests found
+        in the index's bytes): its version is their digest (`parts_version`),
+        so no part is read, no desired state loaded and the index not parsed
+        whole, whatever the size of the plan; a control host
+        of a phaze fleet, its parts and the fleet part (the steering); the
+        edge, the whole plan (its routed services' nodes); those two then
+        follow `plan_part`'s digest under `desired_for`.
 
         No signature check here: the pass verifies the plan it renders. A
         forged plan can at most start a pass that then refuses it (fail
@@ -170,20 +187,33 @@ class Watcher:
         before = self._plan_seen[1] if self._plan_seen is not None else None
         epoch = None
         try:
-            plan = self.registry.newest_plan()
-            if plan is None:
-                version = ""
-            else:
-                version = plan_part(self.desired_for(plan), plan, self.host).digest
-                epoch = plan.epoch
-                if version == before:
-                    self.log(f"plan epoch {plan.epoch} leaves {self.host}'s part as it was: no pass")
+            version, epoch = self._part_version()
+            if version == before and epoch is not None:
+                self.log(f"plan epoch {epoch} leaves {self.host}'s part as it was: no pass")
         except (RegistryError, DesiredStateError, ValueError, OSError) as exc:
             # Counted as a change (a version no part digest can equal): the pass reads it again and says why.
             self.log(f"cannot tell {self.host}'s part of the plan ({entry.version}): {exc}")
             version = f"unread {entry.version}"
         self._plan_seen = (entry.version, version, epoch)
         return dataclasses.replace(entry, version=version, epoch=epoch)
+
+    def _part_version(self) -> tuple[str, int | None]:
+        """This host's part's version and the plan's epoch ("", None: no plan)."""
+        own = self.own_desired() if self.own_desired is not None else None
+        if own is not None and not reads_whole_plan(own, self.host):
+            fleet = reads_fleet_part(own, self.host)
+            if not fleet:
+                glance = self.registry.plan_glance(self.host)
+                if glance is None:
+                    return "", None
+                return f"parts {parts_version(glance[1])}", glance[0]
+            read = self.registry.plan_read(lambda index: host_part_names(index, self.host, fleet=True))
+            plan = read.plan if read is not None else None
+        else:
+            plan = self.registry.newest_plan()
+        if plan is None:
+            return "", None
+        return plan_part(self.desired_for(plan), plan, self.host).digest, plan.epoch
 
     def _failed(self, reason: str) -> float:
         self.failures += 1

@@ -10,10 +10,12 @@ set by hand; the registry's plan is the golden one, unsigned (the copy's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from pathlib import Path
 
 from reconciler.core.live.models import FleetPlan, Snapshot
+from reconciler.core.live.plan_parts import PlanIndex, PlanRead
 from reconciler.core.live.records import LeaderInfo, NodeRecord
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.lifecycle import NodeState
@@ -21,6 +23,7 @@ from reconciler.engine.pass_options import PlanFromRegistry
 from reconciler.ports import RegistryUnavailable
 from tests.support.fakes import FakeLaneBroker
 from tests.support.fleet import GOLDEN, Fleet
+from tests.support.plan_reads import read_of
 
 SERVICE = "fabric-agent-flac-fft.service"
 AGENT = "fabric-agent-x86-spill.service"
@@ -49,6 +52,9 @@ class RecordingRegistry:
 
     def newest_plan(self) -> FleetPlan:
         return self.plan
+
+    def plan_read(self, choose: Callable[[PlanIndex], Collection[str]]) -> PlanRead | None:
+        return read_of(self.plan, choose)
 
     def snapshot(self, lanes: object = ()) -> Snapshot:
         return Snapshot(now=datetime(2026, 11, 30, tzinfo=UTC))

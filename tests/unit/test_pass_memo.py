@@ -456,6 +456,9 @@ class MemoWorldSeen:
     def git_commit(self, directory: Path) -> str | None:
         return None
 
+    def tree_stamp(self, directory: Path, files: object, since: float | None = None) -> str | None:
+        return "stat"
+
     def which(self, program: str) -> str | None:
         return None
 

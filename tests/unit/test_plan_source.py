@@ -97,7 +97,10 @@ def test_a_lone_leader_candidate_heartbeats_leads_and_renders_its_own_plan(conne
 def test_the_plan_covers_every_host_that_heartbeated(connect, registry, state) -> None:
     for host in ("a1-arm64", "x86-spill", "racknerd"):  # not leader candidates: heartbeat only
         assert source(connect, state, host).plan.epoch == 0
-    plan = source(connect, state, "lux").plan
+    # lux's pass leads, then reads only its own parts (issue 34): the fleet's plan is the registry's.
+    own = source(connect, state, "lux").plan
+    plan = registry.newest_plan()
+    assert {p.node for p in own.placements} == {"lux"} and own.epoch == plan.epoch and own.placements == plan.services_on("lux")
     placed = {p.node for p in plan.placements}
     assert placed <= {"a1-arm64", "x86-spill", "racknerd", "lux"}
     lupine = [d for d in plan.deferred if d.service == "lupine"]

@@ -111,7 +111,7 @@ def test_each_user_holds_the_role_made_for_it() -> None:
 
 def test_the_roles_are_narrower_than_the_port() -> None:
     whole = methods(ports.Registry)
-    assert methods(ports.WatchRegistry) == {"watch_host", "newest_plan"}
+    assert methods(ports.WatchRegistry) == {"watch_host", "newest_plan", "plan_read", "plan_glance"}
     assert methods(ports.EpochConnection) == {"epoch", "close"}
     assert methods(ports.BeatConnection) == {"heartbeat", "close"}
     # fabric-watch's own connection: its liveness record and, on an edge, its Caddy's upstreams (issue 30).

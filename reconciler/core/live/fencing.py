@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.live.signing import verify_plan
+from reconciler.core.live.plan_parts import PlanRead, partial_problem
+from reconciler.core.live.signing import verify_index, verify_plan
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,26 @@ def authorship_problem(
     *,
     leader_candidates: Collection[str] | None = None,
     plan_keys: Sequence[PlanKey] | None = None,
+    read: PlanRead | None = None,
+    host: str | None = None,
 ) -> str | None:
     """Why `plan` cannot be from the leader it names, or None: the leader is
     not a candidate, or (with `plan_keys`) the signature is missing, by a key
     not listed for that leader, or does not match. `fabric status` asks the
-    same of the newest plan, so it never shows a forged one as the fleet's."""
+    same of the newest plan, so it never shows a forged one as the fleet's.
+    `read`: `plan` is a host's read of some parts (`plan_parts.PlanRead`):
+    the signature is checked on its index, and `plan` must be that index's
+    (`partial_problem`, with every part the index names for `host`)."""
+    if read is not None and read.plan is not plan:
+        raise ValueError("the read given is not the plan's")
     if leader_candidates is not None and plan.leader not in leader_candidates:
         return f"plan epoch {plan.epoch} is from {plan.leader!r}, not a leader candidate ({', '.join(sorted(leader_candidates))})"
+    if read is not None:
+        broken = partial_problem(plan, read.index, host)
+        if broken is not None:
+            return f"refused: {broken}"
     if plan_keys:
-        forged = verify_plan(plan, plan_keys)
+        forged = verify_plan(plan, plan_keys) if read is None else verify_index(read.index, plan_keys)
         if forged is not None:
             return f"refused: {forged}"
     return None
@@ -162,6 +174,8 @@ def accept_plan(
     plan_keys: Sequence[PlanKey] | None = None,
     stale_cause: str = "stale leader or lagging registry",
     registry: RegistryTrust | None = None,
+    read: PlanRead | None = None,
+    host: str | None = None,
 ) -> PlanVerdict:
     """Whether this host may apply `plan`, with the reason either way.
 
@@ -177,11 +191,12 @@ def accept_plan(
     registry's current leader and term (`term_problem`), all before the
     (term, step) fence is even looked at.
     `stale_cause` says why an older plan reaches a host from where this one
-    came from.
+    came from. `read` and `host`: `plan` is what `host` read of the newest
+    plan (its index and only the parts it needs): `authorship_problem`.
     """
     if plan is None:
         return PlanVerdict(False, "no plan published yet")
-    forged = authorship_problem(plan, leader_candidates=leader_candidates, plan_keys=plan_keys)
+    forged = authorship_problem(plan, leader_candidates=leader_candidates, plan_keys=plan_keys, read=read, host=host)
     if forged is not None:
         return PlanVerdict(False, forged, untrusted=True)
     if registry is not None and plan_keys:

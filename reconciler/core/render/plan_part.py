@@ -130,6 +130,21 @@ def lanes_left_out(desired: DesiredState, plan: FleetPlan, host_name: str, notes
     return tuple(sorted(out))
 
 
+def reads_whole_plan(desired: DesiredState, host_name: str) -> bool:
+    """Whether `host_name`'s pass reads the whole plan: the edge (its routed
+    services' nodes, and its status page shows every placement and deferred
+    replica). Any other host reads only its own parts (`plan_parts.PlanRead`)
+    and, with `reads_fleet_part`, the fleet part: all `plan_part` takes."""
+    return is_edge(desired, host_name)
+
+
+def reads_fleet_part(desired: DesiredState, host_name: str) -> bool:
+    """Whether `host_name`'s part takes the plan's steering (`lanes_left_out`:
+    a control host of a phaze fleet), which the fleet part holds."""
+    host = desired.hosts.get(host_name)
+    return host is not None and "control" in host.host.roles and desired.fleet.phaze_dispatches
+
+
 def hosts_the_part_reads(desired: DesiredState, plan: FleetPlan, host_name: str) -> set[str]:
     """The hosts whose files must be loaded to compute `host_name`'s part from
     a partly loaded desired state (fabric.toml and this host's own file): on
