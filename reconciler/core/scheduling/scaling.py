@@ -44,6 +44,14 @@ Vertical
     taking new work is hot with headroom left (`cheaper_to_raise`): that one
     is raised first; the paid node gets a `hold` and keeps its window.
 
+Worker groups (core.scheduling.groups)
+    the members a group's hook started are scaled by the group's rules
+    alone (no vertical step, no scale-down of their own): with the queue
+    empty continuously for the group's idle_window_s, a group with admitted
+    members gets `deactivate_group` (its members are refused from then on,
+    its stop hook runs); a run of a hook that names the group activates it
+    again.
+
 Scale down
     a node's utilization < scale_down_utilization continuously for
     scale_down_window_s, and no burst under way (queue depth <= queue_high) ->
@@ -53,19 +61,20 @@ Scale down
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from reconciler.core.desired.model import COST_RANK, TIER_ORDER, ScalingSettings, Tier
+from reconciler.core.desired.model import COST_RANK, TIER_ORDER, ScalingSettings, Tier, WorkerGroup
 from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.scheduling.groups import decide_groups
 from reconciler.core.scheduling.placement import accepts_new_work
 from reconciler.core.timestamps import utc, utc_stamp
 
-ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold"]
+ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold", "deactivate_group"]
 
 
 class ScalingAction(BaseModel):
@@ -81,6 +90,8 @@ class ScalingAction(BaseModel):
     argv: list[str] = []
     # raise_concurrency: the node's new max_concurrent_tasks.
     max_concurrent_tasks: int | None = None
+    # run_cloud_hook: the group its workers join (the hook's `group`); deactivate_group: the group.
+    group: str | None = None
 
 
 class ScalingState(BaseModel):
@@ -100,6 +111,12 @@ class ScalingState(BaseModel):
     last_activation_at: dict[str, datetime] = {}
     # Nodes whose worker group was scaled down and has not been busy since.
     scaled_down: list[str] = []
+    # group -> since when the queue has been empty while it had members (core.scheduling.groups).
+    group_empty_since: dict[str, datetime] = {}
+    # Groups deactivated (their members refused) until their hook runs again.
+    deactivated_groups: list[str] = []
+    # group -> its members admitted in this pass (the next pass tells who joined and who left).
+    members: dict[str, list[str]] = {}
 
 
 class ScalingDecision(BaseModel):
@@ -268,9 +285,8 @@ def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: tim
                 )
             )
             continue
-        actions.append(
-            ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier].command), reason=f"{why}; no idle capacity")
-        )
+        hook = settings.cloud_hooks[tier]
+        actions.append(ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(hook.command), group=hook.group, reason=f"{why}; no idle capacity"))
         w.last_group_at[tier] = now
     return actions
 
@@ -334,11 +350,16 @@ def decide_scaling(
     state: ScalingState,
     now: datetime | None = None,
     lane_hosts: Collection[str] | None = None,
+    groups: Mapping[str, WorkerGroup] | None = None,
+    members: Mapping[str, Collection[str]] | None = None,
 ) -> ScalingDecision:
     """The scaling actions for this pass and the state to keep for the next.
-    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work)."""
+    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work).
+    `groups`: the declared worker groups; `members`: each group's admitted
+    members (nodes of the snapshot that only the group's rules scale)."""
     now = utc(now if now is not None else snapshot.now)
-    running = _running(snapshot)
+    member_ids = {m for names in (members or {}).values() for m in names}
+    running = {n: node for n, node in _running(snapshot).items() if n not in member_ids}
     # 1. Windows: keep a start time while its condition holds, drop it otherwise.
     w = _windows(running, queue_depth, settings, state, now)
     # 2. Vertical: more concurrency where there is headroom, else scale out.
@@ -352,4 +373,23 @@ def decide_scaling(
         actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now)
     # 4. Scale down groups idle for the whole window, unless a burst is on.
     actions += _scale_down(running, w, queue_depth, settings, now)
-    return ScalingDecision(actions=actions, state=w.state())
+    # 5. Worker groups: deactivated once the queue stayed empty for their window.
+    activated = {a.group for a in actions if a.kind == "run_cloud_hook" and a.group is not None}
+    groups_decided = decide_groups(
+        groups or {},
+        {g: len(names) for g, names in (members or {}).items()},
+        queue_depth,
+        state.group_empty_since,
+        state.deactivated_groups,
+        activated,
+        now,
+    )
+    actions += [ScalingAction(kind="deactivate_group", group=g, tier=(groups or {})[g].tier, reason=why) for g, why in groups_decided.deactivate]
+    kept = w.state().model_copy(
+        update={
+            "group_empty_since": groups_decided.empty_since,
+            "deactivated_groups": list(groups_decided.deactivated),
+            "members": {g: sorted(names) for g, names in sorted((members or {}).items()) if names},
+        }
+    )
+    return ScalingDecision(actions=actions, state=kept)
