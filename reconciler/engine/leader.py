@@ -548,10 +548,12 @@ class LeaderLoop:
         for line in sorted(set(problems) - self._member_problems):
             self.log(f"member report skipped: {line}")
         self._member_problems = set(problems)
-        try:
-            deactivated = ScalingState.model_validate(self.registry.scaling_record().state).deactivated_groups
-        except ValidationError:
-            deactivated = []
+        deactivated: list[str] = []
+        if records:  # which groups are deactivated: the scaling state's word
+            try:
+                deactivated = ScalingState.model_validate(self.registry.scaling_record().state).deactivated_groups
+            except ValidationError:
+                pass
         admission = admit_members(records, desired.fleet.groups, set(desired.hosts), deactivated, snapshot.now)
         joined, planned = with_members(snapshot, desired, admission)
         return joined, planned, admission

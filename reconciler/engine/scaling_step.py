@@ -69,6 +69,7 @@ from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.render.hook_unit import HookRun, hook_unit
 from reconciler.core.scheduling.groups import Admission
+from reconciler.core.scheduling.placement import waits_for_group
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
 from reconciler.ports import Audit, HookRunner, LaneBroker, LaneBrokerError, LeaderRegistry
 
@@ -331,7 +332,18 @@ class ScalingStep:
         for member in admission.admitted:
             members.setdefault(member.group, []).append(member.node_id)
         groups = desired.fleet.groups
-        decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now, lane_hosts=lane_hosts, groups=groups, members=members)
+        waiting_groups = {g for d in (plan.deferred if plan is not None else []) if (g := waits_for_group(d)) is not None}
+        decision = decide_scaling(
+            snapshot,
+            depth,
+            desired.fleet.scaling,
+            state,
+            now=now,
+            lane_hosts=lane_hosts,
+            groups=groups,
+            members=members,
+            waiting_groups=waiting_groups,
+        )
         stop_hooks = {name for name, group in groups.items() if group.stop_hook is not None}
         carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now, stop_hooks=stop_hooks)
         joined = membership_audit(state.members, admission, now, self._refused)

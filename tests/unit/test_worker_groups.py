@@ -107,6 +107,24 @@ def test_a_member_takes_work_by_the_usual_rules():
     assert [(p.service, p.node, p.tier) for p in plan.placements] == [("crunch", "gh-1", "batch")]
 
 
+def test_work_only_a_groups_members_could_take_waits_for_them_and_counts_in_the_queue():
+    """No node has the group's label: without the group that is inadmissible
+    (no burst would help); with the group declared it waits for its members."""
+    from reconciler.engine.scaling_step import queue_depth
+
+    lux = Snapshot(now=T0, nodes=[node("lux", tier="gpu_vaapi", in_flight=0)])
+    plan = schedule(lux, _desired(service_labels=dict(BATCH.labels)))
+    [waiting] = plan.deferred
+    assert not waiting.inadmissible and waiting.reason.startswith("waits for a member of worker group batch (inadmissible: no node")
+    assert queue_depth([], plan) == 1
+    no_group = _desired(service_labels=dict(BATCH.labels))
+    no_group = no_group.model_copy(update={"fleet": no_group.fleet.model_copy(update={"groups": {}})})
+    [never] = schedule(lux, no_group).deferred
+    assert never.inadmissible and queue_depth([], schedule(lux, no_group)) == 0
+    other = _desired(service_labels={"topology.researchstack.io/pool": "elsewhere"})
+    assert schedule(lux, other).deferred[0].inadmissible, "a group whose labels do not fit is no capacity for it"
+
+
 def _desired(service_labels=None):
     """The example fleet with GROUPS, and one service `crunch` of tier batch
     that needs `service_labels` (given)."""
@@ -143,7 +161,7 @@ def test_a_group_is_deactivated_when_the_queue_stays_empty_for_its_window():
     assert decision.deactivate == ()
     decision, state = _decide(60, state=state)
     assert [g for g, _ in decision.deactivate] == ["batch"]
-    assert "queue empty for 60s" in decision.deactivate[0][1]
+    assert "queue empty and its 1 member(s) idle for 60s" in decision.deactivate[0][1]
     assert state[1] == ("batch",)
     decision, state = _decide(120, state=state)
     assert decision.deactivate == ()  # once
@@ -399,3 +417,40 @@ def test_a_member_pass_of_an_undeclared_group_is_bad_input_and_reports_nothing(t
     report = run_pass(fleet.options(plan=PlanFromRegistry(), member_of="rogue", member_address="100.64.250.40"), ports)
     assert report.outcome == "bad-input"
     assert "'rogue' is not a declared group (declared: batch)" in report.stderr[0]
+
+
+def test_a_group_whose_members_still_run_work_is_not_deactivated():
+    """The queue is empty because the members took the work: the window waits until they are idle."""
+    busy = {"batch": 2}
+    empty, off = {}, ()
+    for seconds in (0, 60, 600):
+        decision = decide_groups(GROUPS, {"batch": 1}, 0, empty, off, (), T0 + timedelta(seconds=seconds), busy=busy)
+        empty, off = decision.empty_since, decision.deactivated
+        assert decision.deactivate == ()
+    decision = decide_groups(GROUPS, {"batch": 1}, 0, empty, off, (), T0 + timedelta(seconds=601), busy={"batch": 0})
+    decision = decide_groups(GROUPS, {"batch": 1}, 0, decision.empty_since, (), (), T0 + timedelta(seconds=661), busy={"batch": 0})
+    assert [g for g, _ in decision.deactivate] == ["batch"]
+
+
+def test_work_waiting_for_a_group_runs_its_hook_even_beside_idle_capacity():
+    """An idle lane host cannot take work that needs the group's label: the
+    group's hook runs beside the activation, once per interval."""
+    settings = ScalingSettings(
+        queue_high=1, burst_window_s=5, cloud_hooks={"batch": {"command": ["gh", "workflow", "run", "x.yml"], "group": "batch"}}
+    )
+    state = ScalingState()
+    fleet = [node("a1-arm64", in_flight=0)]
+
+    def step(seconds, waiting):
+        nonlocal state
+        snap = Snapshot(now=T0 + timedelta(seconds=seconds), nodes=fleet)
+        decision = decide_scaling(snap, 2, settings, state, lane_hosts={"a1-arm64"}, groups=GROUPS, waiting_groups=waiting)
+        state = decision.state
+        return [(a.kind, a.node or a.group) for a in decision.actions]
+
+    assert step(0, {"batch"}) == []
+    assert step(5, {"batch"}) == [("activate_idle", "a1-arm64"), ("run_cloud_hook", "batch")]
+    assert step(10, {"batch"}) == [("hold", None)]
+    state = ScalingState()
+    step(0, set())
+    assert step(5, set()) == [("activate_idle", "a1-arm64")], "work any node could take: idle capacity first, as before"

@@ -20,9 +20,10 @@ rules (tier, labels, limits, cost).
 
 Deactivation (`decide_groups`, called by `decide_scaling`), the seed's
 "Deactivate BATCH tier if queue empty": a group with admitted members is
-deactivated once the queue depth has been 0 continuously for its
-`idle_window_s` (a window as every scaling window: a non-empty queue restarts
-it). A deactivated group's members are refused (they leave the snapshot, and
+deactivated once the queue depth has been 0, and its members have run
+nothing, continuously for its `idle_window_s` (a window as every scaling
+window: work queued or running restarts it; a group is never deactivated
+under work its members still run). A deactivated group's members are refused (they leave the snapshot, and
 their work is planned elsewhere), its stop hook runs if it has one, and its
 members' records expire once the workers stop. A run of the group's hook (a
 new burst) activates it again.
@@ -170,21 +171,26 @@ def decide_groups(
     deactivated: Collection[str],
     activated: Collection[str],
     now: datetime,
+    busy: Mapping[str, int] | None = None,
 ) -> GroupDecision:
-    """Deactivate a group whose members have had an empty queue for its idle
-    window; a group whose hook runs now (`activated`) is active again."""
+    """Deactivate a group whose members have had an empty queue, and nothing
+    to run (`busy`: the tasks in flight on each group's members), for its
+    idle window; a group whose hook runs now (`activated`) is active again."""
     now = utc(now)
     still_off = {g for g in deactivated if g in groups and g not in activated}
     since: dict[str, datetime] = {}
     deactivate: list[tuple[str, str]] = []
     for name in sorted(groups):
-        if name in still_off or name in activated or members.get(name, 0) == 0 or queue_depth > 0:
+        running = (busy or {}).get(name, 0)
+        if name in still_off or name in activated or members.get(name, 0) == 0 or queue_depth > 0 or running > 0:
             continue
         start = utc(empty_since[name]) if name in empty_since else now
         held = (now - start).total_seconds()
         if held < groups[name].idle_window_s:
             since[name] = start
             continue
-        deactivate.append((name, f"queue empty for {held:.0f}s (>= idle_window_s {groups[name].idle_window_s}) with {members[name]} member(s)"))
+        deactivate.append(
+            (name, f"queue empty and its {members[name]} member(s) idle for {held:.0f}s (>= idle_window_s {groups[name].idle_window_s})")
+        )
         still_off.add(name)
     return GroupDecision(tuple(deactivate), since, tuple(sorted(still_off)))

@@ -27,6 +27,10 @@ Burst (horizontal)
        group_interval_s; a rate-limited tier gets a `hold` saying until when;
     3. no idle capacity and no hook configured: a `hold` (the work stays
        queued - the seed's ENQUEUE).
+    Queued work that only a worker group's members could take
+    (`waiting_groups`: its labels are the group's) no idle node can take:
+    the hooks that start that group run whether or not there is idle
+    capacity (paced the same way).
     While the queue stays high this repeats every pass, paced by the limits.
     Cost (issue 32): only the cheapest cost class among the idle nodes is
     activated (`cheapest_idle`: free, then owned, then paid), counting the
@@ -47,8 +51,8 @@ Vertical
 Worker groups (core.scheduling.groups)
     the members a group's hook started are scaled by the group's rules
     alone (no vertical step, no scale-down of their own): with the queue
-    empty continuously for the group's idle_window_s, a group with admitted
-    members gets `deactivate_group` (its members are refused from then on,
+    empty and its members running nothing continuously for the group's
+    idle_window_s, a group with admitted members gets `deactivate_group` (its members are refused from then on,
     its stop hook runs); a run of a hook that names the group activates it
     again.
 
@@ -271,10 +275,15 @@ def _activate_idle(
     return actions
 
 
-def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: timedelta, now: datetime) -> list[ScalingAction]:
-    """Burst step 2: each configured cloud hook, best tier first, one group per tier per interval."""
+def _cloud_hooks(
+    w: _Windows, settings: ScalingSettings, why: str, interval: timedelta, now: datetime, tiers: Collection[str] | None = None
+) -> list[ScalingAction]:
+    """Burst step 2: each configured cloud hook (of `tiers`; None: all), best
+    tier first, one group per tier per interval."""
     actions = []
     for tier in sorted(settings.cloud_hooks, key=TIER_ORDER.index):
+        if tiers is not None and tier not in tiers:
+            continue
         last = w.last_group_at.get(tier)
         if last is not None and now - last < interval:
             actions.append(
@@ -299,8 +308,11 @@ def _scale_out(
     state: ScalingState,
     lane_hosts: Collection[str] | None,
     now: datetime,
+    waiting_groups: Collection[str] = (),
 ) -> list[ScalingAction]:
-    """Horizontal: idle capacity first, else the cloud hooks, else a hold."""
+    """Horizontal: idle capacity first, else the cloud hooks, else a hold.
+    Work that only a worker group's members could take (`waiting_groups`)
+    no idle node can: the hooks that start those groups run beside it."""
     why = "; ".join(reasons)
     interval = timedelta(seconds=settings.group_interval_s)
     idle = cheapest_idle(
@@ -311,8 +323,13 @@ def _scale_out(
         ],
         running,
     )
+    for_groups = {tier for tier, hook in settings.cloud_hooks.items() if hook.group in waiting_groups}
     if idle:
-        return _activate_idle(idle, running, w, why, interval, now)
+        activated = _activate_idle(idle, running, w, why, interval, now)
+        if not for_groups:
+            return activated
+        waits = f"{why}; work waits for a member of {', '.join(sorted(waiting_groups))}, which no idle node can be"
+        return activated + _cloud_hooks(w, settings, waits, interval, now, tiers=for_groups)
     if not settings.cloud_hooks:
         return [ScalingAction(kind="hold", reason=f"{why}; no idle capacity and no cloud hook configured: work stays queued")]
     return _cloud_hooks(w, settings, why, interval, now)
@@ -352,11 +369,13 @@ def decide_scaling(
     lane_hosts: Collection[str] | None = None,
     groups: Mapping[str, WorkerGroup] | None = None,
     members: Mapping[str, Collection[str]] | None = None,
+    waiting_groups: Collection[str] = (),
 ) -> ScalingDecision:
     """The scaling actions for this pass and the state to keep for the next.
     `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work).
     `groups`: the declared worker groups; `members`: each group's admitted
-    members (nodes of the snapshot that only the group's rules scale)."""
+    members (nodes of the snapshot that only the group's rules scale).
+    `waiting_groups`: the groups some queued work waits for (only their members could take it)."""
     now = utc(now if now is not None else snapshot.now)
     member_ids = {m for names in (members or {}).values() for m in names}
     running = {n: node for n, node in _running(snapshot).items() if n not in member_ids}
@@ -370,11 +389,12 @@ def decide_scaling(
     if burst_for >= settings.burst_window_s:
         scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
     if scale_out_reasons:
-        actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now)
+        actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now, waiting_groups)
     # 4. Scale down groups idle for the whole window, unless a burst is on.
     actions += _scale_down(running, w, queue_depth, settings, now)
     # 5. Worker groups: deactivated once the queue stayed empty for their window.
     activated = {a.group for a in actions if a.kind == "run_cloud_hook" and a.group is not None}
+    in_flight = {n.node_id: n.in_flight for n in snapshot.nodes}
     groups_decided = decide_groups(
         groups or {},
         {g: len(names) for g, names in (members or {}).items()},
@@ -383,6 +403,7 @@ def decide_scaling(
         state.deactivated_groups,
         activated,
         now,
+        busy={g: sum(in_flight.get(m, 0) for m in names) for g, names in (members or {}).items()},
     )
     actions += [ScalingAction(kind="deactivate_group", group=g, tier=(groups or {})[g].tier, reason=why) for g, why in groups_decided.deactivate]
     kept = w.state().model_copy(
