@@ -224,4 +224,4 @@ def test_a_burst_brings_up_a_group_member_that_takes_the_work_and_the_idle_group
         ("run_stop_hook", GROUP),
         ("member_left", MEMBER),
     ], timeline(fleet)
-    print(f"[burst] dispatch to work answering {joined - started:.1f} s, whole scenario {time.monotonic() - started:.1f} s")
+    print(f"[burst] start to the work answering on {MEMBER} {joined - started:.1f} s, whole scenario {time.monotonic() - started:.1f} s")
