@@ -21,6 +21,7 @@ from reconciler.core.command_result import CommandResult
 if TYPE_CHECKING:
     from reconciler.core.desired.broker_access import BrokerState, RoleStep
     from reconciler.core.desired.registry_access import AccessState, AuthStep
+    from reconciler.core.live.members import MemberRecord
     from reconciler.core.live.models import FleetPlan, PhazeAgentSeen, Snapshot, SnapshotLane
     from reconciler.core.live.pending import PendingRecord
     from reconciler.core.live.plan_parts import PlanIndex, PlanRead
@@ -635,6 +636,24 @@ class PendingReads(Protocol):
         ...
 
 
+class MemberReports(Protocol):
+    def report_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
+        """Store `record` as a group member's report, under its group
+        (etcd: P/members/<group>/<member> under a lease of `ttl_s`; sqlite: a
+        stored deadline), its `first_seen` kept from a live earlier report.
+        Returns the record as stored. With etcd's auth on, only the group's
+        identity (fabric-group-<group>) may write there."""
+        ...
+
+
+class MemberReads(Protocol):
+    def group_members(self) -> tuple[list[MemberRecord], list[str]]:
+        """The live member reports of every group (admitted or not: the
+        leader decides, `core.scheduling.groups`), and a line for each that
+        did not parse or names another group or member than its key (skipped)."""
+        ...
+
+
 # -- the roles, one per user ---------------------------------------------------
 
 
@@ -658,7 +677,7 @@ class PendingConnection(PendingReports, RegistryConnection, Protocol):
     """A pending machine's restricted pass: its pending report, nothing else."""
 
 
-class RegistryReads(FleetReads, PlanReads, EpochReads, PendingReads, Protocol):
+class RegistryReads(FleetReads, PlanReads, EpochReads, PendingReads, MemberReads, Protocol):
     """Everything any host may read: `fabric status`, lane status, the dispatcher's reads."""
 
 
@@ -668,6 +687,10 @@ class WatchRegistry(HostWatch, PlanReads, Protocol):
 
 class LeaderRegistry(Candidacy, LeaderWrites, RegistryReads, Protocol):
     """The leader loop: its term, its step (lifecycle, plan, scaling), the dispatcher's reads."""
+
+
+class MemberConnection(MemberReports, RegistryConnection, Protocol):
+    """A group member's report, as the group's identity."""
 
 
 class PassRegistry(Heartbeats, LeaderRegistry, RegistryConnection, Protocol):
@@ -687,6 +710,8 @@ class Registry(
     Liveness,
     PendingReports,
     PendingReads,
+    MemberReports,
+    MemberReads,
     RegistryConnection,
     Protocol,
 ):

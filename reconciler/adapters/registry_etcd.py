@@ -32,6 +32,10 @@ Keys under the configured prefix P (default "/fabric"):
                             a machine without a host file waiting for admission
                             (written with the joining identity; no authority:
                             the live read skips it, no snapshot holds it)
+    P/members/<group>/<m>   MemberRecord JSON under a lease of the node timeout:
+                            an ephemeral member of a worker group (written with
+                            the group's identity, fabric-group-<group>; the
+                            live read skips it, the leader admits it or not)
 
 Election: a campaign grants a lease and, in one transaction, creates P/leader
 (only if absent) and raises P/epoch (only if unchanged since read). The term is
@@ -123,6 +127,7 @@ from reconciler.adapters.registry_records import (
     WHAT,
     glance_of,
     key_text,
+    member_records,
     parse_int,
     parse_record,
     plan_read_of,
@@ -135,6 +140,7 @@ from reconciler.adapters.secret_files import SecretFileRefused, read_secret_file
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.desired.registry_access import AccessState, AuthStep, Grant
 from reconciler.core.live.beat import stamped
+from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.plan_parts import PlanIndex, PlanRead
@@ -253,12 +259,14 @@ async def _read_live(c: aetcd.Client, base: bytes, with_plan: bool = True) -> tu
     Without `with_plan`, not the plan's parts either.
     Returns (key, value) pairs with `base` cut off, the live node ids, and
     the revision read."""
-    jobs, nodes, pending = base + b"jobs/", base + b"nodes/", base + b"pending/"
+    jobs, members, nodes, pending = base + b"jobs/", base + b"members/", base + b"nodes/", base + b"pending/"
     jobs_end, nodes_end = utils.prefix_range_end(jobs), utils.prefix_range_end(nodes)
-    # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < nodes < pending < plan, scaling, state.
-    # The pending reports carry no authority and are not the leader's: skipped too.
+    # etcd orders keys bytewise: drain, epoch, facts < jobs < lanes, leader < members < nodes < pending < plan, scaling, state.
+    # The pending and member reports carry no authority and are not the lifecycle's: skipped too
+    # (the leader reads the members on their own: `group_members`).
     before_jobs, revision = await _read_range(c, base, jobs, 0)
-    between, _ = await _read_range(c, jobs_end, nodes, revision)
+    between, _ = await _read_range(c, jobs_end, members, revision)
+    between_members, _ = await _read_range(c, utils.prefix_range_end(members), nodes, revision)
     beats, _ = await _read_range(c, nodes, nodes_end, revision, keys_only=True)
     before_pending, _ = await _read_range(c, nodes_end, pending, revision)
     after_pending, end = utils.prefix_range_end(pending), utils.prefix_range_end(base)
@@ -270,7 +278,7 @@ async def _read_live(c: aetcd.Client, base: bytes, with_plan: bool = True) -> tu
         after, _ = await _read_range(c, after_pending, parts, revision)
         tail, _ = await _read_range(c, utils.prefix_range_end(parts), end, revision)
     cut = len(base)
-    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, before_pending, after, tail) for kv in kvs]
+    pairs = [(kv.key[cut:], kv.value) for kvs in (before_jobs, between, between_members, before_pending, after, tail) for kv in kvs]
     return pairs, [kv.key[len(nodes) :] for kv in beats], revision
 
 
@@ -663,6 +671,42 @@ class EtcdRegistry(LifecycleMixin):
             elif problem is not None:
                 problems.append(problem.line())
         return [records[k] for k in sorted(records)], problems
+
+    # -- group members (admitted by the leader, never by these keys) ----------------------
+
+    def report_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
+        node_id, group = check_node_id(record.node_id), check_node_id(record.group)
+        key = self._key("members", group, node_id)
+        ttl = float(ttl_s)
+
+        async def op(c: _Client) -> MemberRecord:
+            kv = await c.get(key)
+            earlier, _ = parse_record(MemberRecord, kv.value, key=f"members/{group}/{node_id}", node=node_id) if kv is not None else (None, None)
+            now = from_epoch_seconds(self._now())
+            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else now
+            stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": ttl})
+            value = stored.model_dump_json().encode()
+            if len(value) > MAX_RECORD_BYTES:
+                raise RegistryError(f"member report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+            lease = await c.lease(math.ceil(ttl))
+            await c.put(key, value, lease=lease.id)
+            if kv is not None and kv.lease:
+                try:
+                    await c.revoke_lease(kv.lease)  # the earlier report's lease (its key is rewritten already)
+                except aetcd.ClientError:
+                    pass
+            return stored
+
+        return self._call(op, f"the member report of {group}/{node_id}")
+
+    def group_members(self) -> tuple[list[MemberRecord], list[str]]:
+        start = self._key("members") + b"/"
+
+        async def op(c: _Client) -> list:
+            kvs, _ = await _read_range(c, start, utils.prefix_range_end(start), 0)
+            return kvs
+
+        return member_records([(key_text(kv.key[len(start) :]), kv.value) for kv in self._call(op, "reading the member reports")])
 
     def set_drain(self, node_id: str, grace_s: float = 0, reason: str = "operator drain") -> DrainRequest:
         request = DrainRequest(node_id=check_node_id(node_id), requested_at=from_epoch_seconds(self._now()), grace_s=grace_s, reason=reason)

@@ -3,7 +3,7 @@ informer, as Kubernetes' client keeps one): one full read, then the changes.
 
 `EtcdRegistry._read` used to read every key under the prefix at every leader
 step (at 10,000 nodes, most of a steady step). Now the first read is a full
-read at a revision R (`_read_live`, the same keys: no lane jobs, no pending
+read at a revision R (`_read_live`, the same keys: no lane jobs, no members, no pending
 reports, only the keys of the live beats) and a watch of the prefix from R + 1
 applies every change to the view: a put sets the value, a delete (a lease
 that expired, a dropped record) removes it.
@@ -72,7 +72,7 @@ class RegistryView:
         self._parse = parse
         self._moved = asyncio.Event()
         self._requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()
-        self._skip = tuple(base + k for k in (b"jobs/", b"pending/"))
+        self._skip = tuple(base + k for k in (b"jobs/", b"members/", b"pending/"))
         self._nodes = base + b"nodes/"
 
     # -- the watch ------------------------------------------------------------------

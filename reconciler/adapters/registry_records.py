@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.plan_parts import (
     PlanIndex,
@@ -64,6 +65,7 @@ WHAT = {
     "scaling": "scaling record",
     "epoch": "epoch",
     "pending": "pending report",
+    "members": "member report",
 }
 
 
@@ -238,3 +240,25 @@ def glance_of(index_bytes: bytes | str, host: str, *, where: str) -> tuple[int, 
         return found
     index = read_index(index_bytes, where=where)
     return index.epoch, own_digests(index, host)
+
+
+def member_records(entries: list[tuple[str, object]]) -> tuple[list[MemberRecord], list[str]]:
+    """Each member report (its key's tail `<group>/<member>`, its value)
+    parsed on its own: one that does not parse, or whose group or name is not
+    its key's (a group identity writing as another group), is skipped and named."""
+    records: list[MemberRecord] = []
+    problems: list[str] = []
+    for tail, raw in entries:
+        key = f"members/{tail}"
+        group, _, node = tail.partition("/")
+        parsed, problem = parse_record(MemberRecord, raw, key=key, node=node or None)
+        if parsed is not None and (parsed.group, parsed.node_id) != (group, node):
+            problem = UnreadableRecord(
+                key=key, node=node or None, what=WHAT["members"], reason=f"names another group or member ({parsed.group}/{parsed.node_id})"
+            )
+            parsed = None
+        if parsed is not None:
+            records.append(parsed)
+        elif problem is not None:
+            problems.append(problem.line())
+    return records, problems

@@ -37,6 +37,7 @@ from reconciler.adapters.registry_records import (
     MAX_RECORD_BYTES,
     WHAT,
     glance_of,
+    member_records,
     parse_int,
     parse_record,
     plan_read_of,
@@ -48,6 +49,7 @@ from reconciler.adapters.registry_records import (
 )
 from reconciler.adapters.registry_sqlite_file import CHANGES, EPOCH, TERM, SqliteFile
 from reconciler.core.desired.model import FlapSettings, TimingSettings
+from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.plan_parts import PlanIndex, PlanRead
@@ -265,6 +267,38 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         problems: list[UnreadableRecord] = []
         records = _by_node(rows, "pending", PendingRecord, problems)
         return [records[k] for k in sorted(records)], [p.line() for p in problems]
+
+    # -- group members (admitted by the leader, never by this table) -----------------
+
+    def report_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
+        now = self._now()
+        node_id, group = check_node_id(record.node_id), check_node_id(record.group)
+        moment = from_epoch_seconds(now)
+        key = f"members/{group}/{node_id}"
+        with self._tx() as db:
+            db.execute("DELETE FROM members WHERE expires_at <= ?", (now,))
+            row = db.execute("SELECT record FROM members WHERE group_name = ? AND node_id = ?", (group, node_id)).fetchone()
+            earlier, _ = parse_record(MemberRecord, row[0], key=key, node=node_id) if row else (None, None)
+            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else moment
+            stored = record.model_copy(update={"first_seen": first, "reported_at": moment, "timeout_s": float(ttl_s)})
+            value = stored.model_dump_json()
+            if len(value.encode()) > MAX_RECORD_BYTES:
+                raise RegistryError(f"member report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+            joined = db.execute("SELECT 1 FROM members WHERE group_name = ? AND node_id = ?", (group, node_id)).fetchone() is None
+            db.execute(
+                "INSERT INTO members (group_name, node_id, record, expires_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(group_name, node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
+                (group, node_id, value, now + ttl_s),
+            )
+            if joined:
+                self._bump(db, CHANGES)  # a member joined: the leader looks again
+        return stored
+
+    def group_members(self) -> tuple[list[MemberRecord], list[str]]:
+        now = self._now()
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT group_name, node_id, record FROM members WHERE expires_at > ? ORDER BY group_name, node_id", (now,)).fetchall()
+        return member_records([(f"{group}/{node}", raw) for group, node, raw in rows])
 
     # -- leadership -----------------------------------------------------------------
 

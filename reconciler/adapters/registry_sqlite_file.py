@@ -53,6 +53,10 @@ CREATE TABLE IF NOT EXISTS liveness (host TEXT PRIMARY KEY, expires_at REAL NOT 
 -- A machine without a host file waiting for admission (PendingRecord JSON);
 -- never read by the snapshot: it carries no authority. Expired past expires_at.
 CREATE TABLE IF NOT EXISTS pending (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, expires_at REAL NOT NULL);
+-- A worker group's ephemeral member (MemberRecord JSON), under its group: the
+-- leader admits it only for a group the desired state declares. Expired past expires_at.
+CREATE TABLE IF NOT EXISTS members (group_name TEXT NOT NULL, node_id TEXT NOT NULL, record TEXT NOT NULL, expires_at REAL NOT NULL,
+    PRIMARY KEY (group_name, node_id));
 -- each edge's record of its Caddy's upstreams (issue 30), as the edge wrote it
 CREATE TABLE IF NOT EXISTS edge_upstreams (edge TEXT PRIMARY KEY, record BLOB NOT NULL);
 """

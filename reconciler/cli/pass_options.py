@@ -90,6 +90,13 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
         f"(default: the first that exists of {', '.join(CADDY_MAIN_CANDIDATES)})",
     )
     p.add_argument(
+        "--member-of",
+        metavar="GROUP",
+        help="this machine has no host file: it joins worker group GROUP of fabric.toml ([groups.<GROUP>]) as an ephemeral member, "
+        "with the group's settings as its host file (its registry identity: the group's)",
+    )
+    p.add_argument("--address", metavar="IP", help="with --member-of: the address the fleet reaches this member at (its tailnet IP)")
+    p.add_argument(
         "--startup-grace",
         metavar="SECONDS",
         type=float,
@@ -126,6 +133,8 @@ def pass_options(args: argparse.Namespace) -> PassOptions:
         caddy_admin=args.caddy_admin,
         startup_grace=args.startup_grace,
         plan_key_file=args.plan_key_file,
+        member_of=args.member_of,
+        member_address=args.address,
     )
 
 

@@ -107,6 +107,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from pydantic import ValidationError
+
 from reconciler.core.desired.model import DesiredState, PlanKey
 from reconciler.core.live.models import LEADER_PROBLEM_CHARS, FleetPlan, LaneSteering, LeaderProblem, Snapshot
 from reconciler.core.live.plan_parts import same_parts
@@ -117,9 +119,11 @@ from reconciler.core.probe.parsers import offline_peers
 from reconciler.core.render.ray_node import RAY_WORKER_UNIT
 from reconciler.core.scheduling.edge_upstreams import SOURCE as EDGE_SOURCE
 from reconciler.core.scheduling.edge_upstreams import edge_failing, edge_records
+from reconciler.core.scheduling.groups import Admission, admit_members, with_members
 from reconciler.core.scheduling.lane_steering import decide_steering
 from reconciler.core.scheduling.placement import running_placements
 from reconciler.core.scheduling.ray_tasks import RayWorkerAction, decide_ray_workers, with_ray_view
+from reconciler.core.scheduling.scaling import ScalingState
 from reconciler.core.scheduling.suspicion import (
     advance_suspects,
     lapses_of_suspects,
@@ -260,6 +264,8 @@ class LeaderLoop:
     # the step under way noted a problem.
     problem: LeaderProblem | None = None
     _noted: bool = False
+    # The member reports last skipped as unreadable (each said once).
+    _member_problems: set[str] = field(default_factory=set)
 
     def _reload(self) -> None:
         try:
@@ -323,7 +329,8 @@ class LeaderLoop:
                 self.log(f"node {event}")
             snapshot = self._with_suspicion(self._with_ray(view.snapshot), view.plan)
             self._note_lapse(min((t for t in (view.next_lapse, self._next_liveness) if t is not None), default=None))
-            self._publish(snapshot, view.plan)
+            snapshot, planned, admission = self._with_members(snapshot)
+            self._publish(snapshot, view.plan, planned, admission)
             self._dispatch()
         except NotLeader as exc:
             self.log(str(exc))
@@ -619,8 +626,33 @@ class LeaderLoop:
             raise PlanNotPublished(f"plan stored as epoch {stored.epoch}, signed for epoch {expected}: publishing again next step")
         return stored
 
-    def _publish(self, snapshot: Snapshot, newest: FleetPlan | None) -> None:
+    def _with_members(self, snapshot: Snapshot) -> tuple[Snapshot, DesiredState, Admission]:
+        """The worker groups' members the leader admits (core.scheduling.groups),
+        joined to the snapshot as nodes and to the desired state it schedules
+        over as hosts with their group's settings. No groups declared: as it is."""
+        assert self.desired is not None
+        desired = self.desired
+        if not desired.fleet.groups:
+            return snapshot, desired, Admission()
+        records, problems = self.registry.group_members()
+        for line in sorted(set(problems) - self._member_problems):
+            self.log(f"member report skipped: {line}")
+        self._member_problems = set(problems)
+        deactivated: list[str] = []
+        if records:  # which groups are deactivated: the scaling state's word
+            try:
+                deactivated = ScalingState.model_validate(self.registry.scaling_record().state).deactivated_groups
+            except ValidationError:
+                pass
+        admission = admit_members(records, desired.fleet.groups, set(desired.hosts), deactivated, snapshot.now)
+        joined, planned = with_members(snapshot, desired, admission)
+        return joined, planned, admission
+
+    def _publish(self, snapshot: Snapshot, newest: FleetPlan | None, planned: DesiredState | None = None, admission: Admission | None = None) -> None:
+        """Schedule over `planned` (the desired state with the admitted
+        group members; None: the desired state as loaded) and publish."""
         assert self.desired is not None and self.leadership is not None
+        desired = planned if planned is not None else self.desired
         keys = self.desired.fleet.plan_keys
         # A newest plan whose signature does not verify (forged, or by a
         # retired key) is replaced even when its placements are the same, and
@@ -633,11 +665,11 @@ class LeaderLoop:
         untrusted = newest is not None and bool(keys) and verify_plan(newest, keys) is not None
         if untrusted:
             in_force = self.published if self.published is not None and verify_plan(self.published, keys) is None else None
-            kept = list(in_force.placements) if in_force is not None else running_placements(self.desired, snapshot)
+            kept = list(in_force.placements) if in_force is not None else running_placements(desired, snapshot)
             # Nor does its come-home memory count: a forger must not start moves.
             room = dict(in_force.room_since) if in_force is not None else {}
             snapshot = snapshot.model_copy(update={"placements": kept, "room_since": room})
-        plan = self.schedule(snapshot, self.desired, leader=self.host, epoch=snapshot.epoch)
+        plan = self.schedule(snapshot, desired, leader=self.host, epoch=snapshot.epoch)
         plan = self._steered(plan, self.published if untrusted else newest, snapshot)
         before = self.published if untrusted else newest
         plan, hedged = note_hedges(plan, before.placements if before is not None else [], snapshot.now)
@@ -655,7 +687,7 @@ class LeaderLoop:
         if self.scaling is not None:
             # After the plan: its deferred replicas are part of the queue depth,
             # and what scaling changes shows in the next pass's snapshot.
-            self.scaling.run(self.leadership, self.desired, snapshot, plan)
+            self.scaling.run(self.leadership, desired, snapshot, plan, admission)
 
     def _steered(self, plan: FleetPlan, previous: FleetPlan | None, snapshot: Snapshot) -> FleetPlan:
         """A phaze fleet: `plan` with the lanes phaze may choose decided from

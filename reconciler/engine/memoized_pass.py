@@ -377,7 +377,8 @@ def _full_pass(
 
         pass_ports.checkpoint = checkpoint
         report = run_pass(options, pass_ports)
-    if report.memo_seed is not None and not report.memo_seed.may_lead:
+    # A group member's pass keeps no memo: the memo's early stop beats as a host (engine.member).
+    if report.memo_seed is not None and not report.memo_seed.may_lead and options.member_of is None:
         memo = memo_after(report.memo_seed, keyed.key_after(options, ports.world, report.memo_seed), ports.world, ports.clock.now())
         if memo is not None:
             ports.store.write(memo_file, memo.to_json().encode())

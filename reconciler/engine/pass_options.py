@@ -80,3 +80,7 @@ class PassOptions:
     # The fabric's nftables table differs from what the last pass left (the
     # pass memo saw it: flushed, edited): load it again even though it exists.
     nft_reload: bool = False
+    # --member-of GROUP / --address IP: a machine without a host file joins
+    # this worker group as an ephemeral member (reconciler.engine.member).
+    member_of: str | None = None
+    member_address: str | None = None

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from reconciler.core.desired.confinement import DEFAULT_ALLOWED_PREFIXES, confinement_problems
 from reconciler.core.desired.load import DesiredStateError
@@ -63,6 +63,7 @@ from reconciler.engine.apply import CADDY_MAIN, STATE_DIR, Activators, Applier, 
 from reconciler.engine.desired_load import LoadedDesired, host_files_read, load_for_pass, read_verdict, record_verdict, with_plan_hosts
 from reconciler.engine.fleet_view import FleetView, read_fleet_view
 from reconciler.engine.heartbeat import Measured, UnitsSeen, beat_after_activation, node_record
+from reconciler.engine.member import MemberRegistry, NotAMember, as_member
 from reconciler.engine.pass_memo import MemoSeed
 from reconciler.engine.pass_options import PassOptions, PlanFromRegistry
 from reconciler.engine.pass_records import PassFigures, damped_facts, save_probe_history, shows_fleet, write_pass_records
@@ -278,6 +279,12 @@ def _prepare(options: PassOptions, ports: PassPorts, *, write: bool) -> _Prepare
     except DesiredStateError as exc:
         raise _BadInput(*(str(problem) for problem in exc.problems)) from None
     desired = loaded.desired
+    if host not in desired.hosts and options.member_of is not None:
+        try:
+            desired = as_member(desired, host, options.member_of, options.member_address)
+        except NotAMember as exc:
+            raise _BadInput(str(exc)) from None
+        loaded = replace(loaded, desired=desired)
     if host not in desired.hosts:
         raise _Undeclared(desired, host)
     confined = confinement_problems(desired, _allowed_path_prefixes(ports.tree), host)
@@ -400,9 +407,21 @@ def _applier(ports: PassPorts, state_dir: str, caddy_main: str | None, *, nft_re
 PASS_ROUNDS = 3
 
 
+def member_ports(ports: PassPorts, group: str, address: str) -> PassPorts:
+    """A member's pass's ports: its beats are its member reports (engine.member)."""
+    opener = ports.open_registry
+
+    def open_as_member(fleet: FleetConfig) -> PassRegistry:
+        return cast(PassRegistry, MemberRegistry(opener(fleet), fleet, group, address))
+
+    return replace(ports, open_registry=open_as_member)
+
+
 def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
     """One pass of this host; see the module docstring."""
     started = ports.clock.now()
+    if options.member_of is not None and options.member_address is not None:
+        ports = member_ports(ports, options.member_of, options.member_address)
     try:
         prepared = _prepare(options, ports, write=True)
     except _Undeclared as undeclared:

@@ -57,7 +57,7 @@ again), never runs a tier's hook twice within the interval.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -68,6 +68,8 @@ from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotNode
 from reconciler.core.live.records import HookOutcome, Leadership, QueuedJob, ScalingAudit, ScalingRecord
 from reconciler.core.render.hook_unit import HookRun, hook_unit
+from reconciler.core.scheduling.groups import Admission
+from reconciler.core.scheduling.placement import waits_for_group
 from reconciler.core.scheduling.scaling import ScalingAction, ScalingState, decide_scaling
 from reconciler.ports import Audit, HookRunner, LaneBroker, LaneBrokerError, LeaderRegistry
 
@@ -176,8 +178,10 @@ def carry_out(
     *,
     leader: str,
     now: datetime,
+    stop_hooks: Collection[str] = (),
 ) -> Carried:
-    """Pure: the overrides after `actions`, which hooks to run, and what to log."""
+    """Pure: the overrides after `actions`, which hooks to run (`stop_hooks`:
+    the groups that have a stop hook), and what to log."""
     nodes = {n.node_id: n for n in snapshot.nodes}
     # Overrides of nodes the registry no longer knows at all are dropped.
     o = _Overrides(
@@ -190,6 +194,13 @@ def carry_out(
     for action in actions:
         if action.kind == "run_cloud_hook":
             hooks.append(action)  # logged with its outcome once run
+            continue
+        if action.kind == "deactivate_group":
+            line = f"group {action.group} deactivated: its members are refused until its hook runs again"
+            o.lines.append((action, line))
+            o.recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, node=action.group, outcome=line))
+            if action.group is not None and action.group in stop_hooks:
+                hooks.append(action)  # the group's stop hook, logged with its outcome once run
             continue
         if action.kind == "hold":
             o.lines.append((action, "held"))  # holds repeat every pass: logged, not kept
@@ -212,6 +223,42 @@ def carry_out(
     return Carried(record=updated, hooks=hooks, lines=o.lines)
 
 
+def membership_audit(before: Mapping[str, Sequence[str]], admission: Admission, now: datetime, refused_before: Collection[str]) -> list[ScalingAudit]:
+    """The timeline's entries for the members who joined or left a group
+    since the last step, and for each member newly refused (with why)."""
+    entries: list[ScalingAudit] = []
+    was = {(g, m) for g, names in before.items() for m in names}
+    now_in = {(m.group, m.node_id) for m in admission.admitted}
+    for group, member in sorted(now_in - was):
+        entries.append(
+            ScalingAudit(
+                at=now,
+                kind="member_joined",
+                reason=f"group {group} is declared in git",
+                node=member,
+                tier=group,
+                outcome=f"{member} admitted to group {group}",
+            )
+        )
+    for group, member in sorted(was - now_in):
+        entries.append(
+            ScalingAudit(
+                at=now,
+                kind="member_left",
+                reason="its record expired or it is refused",
+                node=member,
+                tier=group,
+                outcome=f"{member} left group {group}",
+            )
+        )
+    for refusal in admission.refused:
+        if refusal.node_id not in refused_before:
+            entries.append(
+                ScalingAudit(at=now, kind="member_refused", reason=refusal.reason, node=refusal.node_id, tier=refusal.group, outcome="refused")
+            )
+    return entries
+
+
 def hook_outcome(run: HookRun, now: datetime) -> HookOutcome:
     return HookOutcome(
         at=now,
@@ -224,6 +271,14 @@ def hook_outcome(run: HookRun, now: datetime) -> HookOutcome:
         detail=run.detail,
         output=run.output,
     )
+
+
+def _hook_key(action: ScalingAction) -> str:
+    """What a hook's run is stored and named under: its tier, or <group>-stop for a group's stop hook."""
+    if action.kind == "deactivate_group":
+        return f"{action.group}-stop"
+    assert action.tier is not None
+    return action.tier
 
 
 def _same(a: ScalingRecord, b: ScalingRecord) -> bool:
@@ -244,15 +299,20 @@ class ScalingStep:
     # Where a hook's credentials and working directory may lie on this host
     # (its node.toml's [node] allowed_path_prefixes), as for every unit.
     allowed_prefixes: tuple[str, ...] = DEFAULT_ALLOWED_PREFIXES
+    # The members refused last step (each refusal enters the timeline once).
+    _refused: frozenset[str] = frozenset()
 
     def _say(self, action: ScalingAction, outcome: str, ok: bool = True) -> None:
-        where = action.node or action.tier or "fleet"
+        where = action.node or action.group or action.tier or "fleet"
         self.log(f"scaling {action.kind} {where}: {outcome} ({action.reason})")
         if self.audit is not None:
             self.audit.record(f"scaling-{action.kind}", "ok" if ok else "failed", unit=where, reason=f"{outcome}: {action.reason}")
 
-    def run(self, leadership: Leadership, desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None) -> list[ScalingAction]:
-        """Decide and carry out this pass's scaling; raises NotLeader (nothing run) when the term is over."""
+    def run(
+        self, leadership: Leadership, desired: DesiredState, snapshot: Snapshot, plan: FleetPlan | None, admission: Admission | None = None
+    ) -> list[ScalingAction]:
+        """Decide and carry out this pass's scaling; raises NotLeader (nothing run) when the term is over.
+        `admission`: the group members the leader admitted this step (core.scheduling.groups)."""
         record = self.registry.scaling_record()
         try:
             state = ScalingState.model_validate(record.state)
@@ -267,8 +327,32 @@ class ScalingStep:
         depth = queue_depth(waiting, plan)
         now = snapshot.now
         lane_hosts = desired.lane_hosts()
-        decision = decide_scaling(snapshot, depth, desired.fleet.scaling, state, now=now, lane_hosts=lane_hosts)
-        carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now)
+        admission = admission or Admission()
+        members: dict[str, list[str]] = {}
+        for member in admission.admitted:
+            members.setdefault(member.group, []).append(member.node_id)
+        groups = desired.fleet.groups
+        waiting_groups = {g for d in (plan.deferred if plan is not None else []) if (g := waits_for_group(d)) is not None}
+        decision = decide_scaling(
+            snapshot,
+            depth,
+            desired.fleet.scaling,
+            state,
+            now=now,
+            lane_hosts=lane_hosts,
+            groups=groups,
+            members=members,
+            waiting_groups=waiting_groups,
+        )
+        stop_hooks = {name for name, group in groups.items() if group.stop_hook is not None}
+        carried = carry_out(record, decision.actions, decision.state, snapshot, plan, leader=leadership.candidate, now=now, stop_hooks=stop_hooks)
+        joined = membership_audit(state.members, admission, now, self._refused)
+        self._refused = frozenset(r.node_id for r in admission.refused)
+        if joined:
+            for entry in joined:
+                self.log(f"scaling {entry.kind} {entry.node}: {entry.outcome} ({entry.reason})")
+            recent_with = [*carried.record.recent, *joined][-RECENT_ACTIONS:]
+            carried = replace(carried, record=carried.record.model_copy(update={"recent": recent_with}))
         if not _same(carried.record, record):
             self.registry.store_scaling(leadership, carried.record)  # the fence: NotLeader stops here
         for action, outcome in carried.lines:
@@ -281,9 +365,12 @@ class ScalingStep:
         recent = list(carried.record.recent)
         for action, run in outcomes:
             assert action.tier is not None
-            hooks[action.tier] = hook_outcome(run, now)
+            hooks[_hook_key(action)] = hook_outcome(run, now)
             # The registry keeps no command or path: how it ended, its unit, its last lines (screened).
-            recent.append(ScalingAudit(at=now, kind=action.kind, reason=action.reason, tier=action.tier, outcome=run.summary(), output=run.output))
+            kind = "run_stop_hook" if action.kind == "deactivate_group" else action.kind
+            recent.append(
+                ScalingAudit(at=now, kind=kind, reason=action.reason, node=action.group, tier=action.tier, outcome=run.summary(), output=run.output)
+            )
         self.registry.store_scaling(leadership, carried.record.model_copy(update={"hooks": hooks, "recent": recent[-RECENT_ACTIONS:]}))
         return decision.actions
 
@@ -294,9 +381,16 @@ class ScalingStep:
         runs = []
         for action in actions:
             assert action.tier is not None
-            hook = desired.fleet.scaling.cloud_hooks[action.tier]
-            unit = hook_unit(action.tier, hook, now)
-            outside = [(key, path) for key, path in tier_hook_paths(action.tier, hook) if not allowed(path, self.allowed_prefixes)]
+            name = _hook_key(action)
+            if action.kind == "deactivate_group":
+                assert action.group is not None
+                hook = desired.fleet.groups[action.group].stop_hook
+                assert hook is not None
+                key = f"groups.{action.group}.stop_hook"
+            else:
+                hook, key = desired.fleet.scaling.cloud_hooks[action.tier], ""
+            unit = hook_unit(name, hook, now)
+            outside = [(key, path) for key, path in tier_hook_paths(name, hook, key=key) if not allowed(path, self.allowed_prefixes)]
             if outside:
                 where = ", ".join(f"{key} {path!r}" for key, path in outside)
                 run = HookRun(unit.unit, "refused", detail=f"{where} outside {', '.join(self.allowed_prefixes)} ([node] allowed_path_prefixes)")

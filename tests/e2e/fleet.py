@@ -509,6 +509,14 @@ class FleetHost:
     address: str
     container: SystemdContainer | None = None
     stack: ExitStack | None = None
+    # A worker group's member (`Fleet.start_member`): its last octet, its etcd
+    # identity (the group's), the probe capture it replays and the extra
+    # options of its pass (--member-of GROUP --address IP). Unset: a host of
+    # the example, by its name.
+    octet: int | None = None
+    identity: str | None = None
+    probe: str | None = None
+    pass_args: tuple[str, ...] = ()
 
     @property
     def running(self) -> bool:
@@ -807,7 +815,7 @@ class Fleet:
             container = stack.enter_context(systemd_container(hostname=name, private_network=True, boot_timeout=60))
             host.container, host.stack = container, stack
             self._save_state()
-            self._veth_to_bridge(name[:3] + str(HOST_OCTETS[name]), str(container.pid))
+            self._veth_to_bridge(name[:3] + str(host.octet or HOST_OCTETS[name]), str(container.pid))
             for argv in (
                 ("ip", "link", "set", "lo", "up"),
                 ("ip", "addr", "add", f"{host.address}/24", "dev", "eth0"),
@@ -824,6 +832,21 @@ class Fleet:
         if start_timer:
             self._start_fabric(name)
         return container
+
+    def start_member(self, name: str, group: str, octet: int, *, probe: str = "x86-spill") -> SystemdContainer:
+        """Boot a machine with no host file that joins worker group `group` as
+        an ephemeral member (a worker a cloud hook started): the fabric
+        installed as on every host, the group's etcd identity
+        (fabric-group-<group>, which `fabric registry init-auth` made) at the
+        fleet-wide paths, its pass with --member-of GROUP --address its
+        bridge address, replaying the probe capture `probe`."""
+        from reconciler.core.desired.registry_access import group_role
+
+        address = self.settings.address(octet)
+        self.hosts[name] = FleetHost(
+            name, address, octet=octet, identity=group_role(group), probe=probe, pass_args=("--member-of", group, "--address", address)
+        )
+        return self.start_host(name)
 
     def stop_host(self, name: str) -> None:
         """Power the host's container off (its link goes with it)."""
@@ -939,7 +962,8 @@ class Fleet:
         # This host's own etcd identity at the fleet-wide paths; a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None
-        cert, key = self.identity(name)
+        host = self.hosts[name]
+        cert, key = self.identity(host.identity or name)
         container.write_file(ETCD_CA_FILE, self.pki.ca_file.read_text())
         container.write_file(ETCD_CERT_FILE, cert.read_text())
         _write_private(container.host_path(ETCD_KEY_FILE), key.read_bytes())
@@ -967,7 +991,7 @@ class Fleet:
         self._check(container, *argv)
         # The pass as `fabric units` defines it, plus the replayed probe capture.
         install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
-        replay = [*reconcile_argv(install), "--replay", in_container(PROBE_FIXTURES / name)]
+        replay = [*reconcile_argv(install), "--replay", in_container(PROBE_FIXTURES / (host.probe or name)), *host.pass_args]
         container.write_file(REPLAY_DROPIN, "[Service]\nExecStart=\nExecStart=" + " ".join(replay) + "\n")
         if name == self.edge:
             container.write_file("/etc/caddy/Caddyfile", EDGE_CADDYFILE)

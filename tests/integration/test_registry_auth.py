@@ -20,6 +20,7 @@ import pytest
 from reconciler.cli import EXIT_FAILED, EXIT_OK
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState
+from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.records import LeaderInfo, Leadership, NodeRecord
@@ -54,6 +55,14 @@ node_timeout_s = 3
 relayed_heartbeat_s = 2
 missed_beats = 3
 drain_grace_s = 30
+
+# Worker groups: each has an identity (fabric-group-<group>) that writes only its members' keys.
+[groups.batch]
+tier = "batch"
+labels = {{ "topology.researchstack.io/pool" = "batch" }}
+
+[groups.batch-x]
+tier = "cpu_ffmpeg"
 
 [registry]
 backend = "etcd"
@@ -390,3 +399,88 @@ def test_a_pending_report_is_read_one_by_one_and_never_speaks_for_another_name(a
     assert "honest" in names and "liar" not in names and "garbage" not in names
     assert any(p.startswith("liar: unreadable pending report: names another host") for p in problems), problems
     assert any(p.startswith("garbage: unreadable pending report: not JSON") for p in problems), problems
+
+
+# -- a worker group's members: the group's identity ---------------------------------------------
+
+
+def member_record(name: str, group: str = "batch") -> MemberRecord:
+    from reconciler.core.desired.model import Hardware, HostFacts
+
+    facts = HostFacts(node_id=name, k3s_hostname=name, hardware=Hardware(arch="x86_64", cpu_cores=4), tier="gpu_cuda", tailscale_ip="100.101.9.10")
+    return MemberRecord(node_id=name, group=group, address="100.101.9.10", facts=facts)
+
+
+def test_init_auth_gives_each_group_an_identity_for_its_members_keys(init_auth):
+    (status, out, err), _ = init_auth
+    lines = out.splitlines()
+    for expected in (
+        "created role fabric-group-batch",
+        f"granted fabric-group-batch readwrite {PREFIX}/members/batch/* (prefix)",
+        f"granted fabric-group-batch read {PREFIX}/* (prefix)",
+        "granted role fabric-group-batch to user fabric-group-batch",
+    ):
+        assert expected in lines, f"{expected!r} not in:\n{out}"
+
+
+def test_a_groups_identity_writes_only_its_own_groups_members(as_host):
+    batch = as_host("fabric-group-batch")
+    first = batch.report_member(member_record("gh-1"), ttl_s=30)
+    again = batch.report_member(member_record("gh-1"), ttl_s=30)  # its next report: a new lease, the old one revoked
+    assert again.first_seen == first.first_seen
+    # Not another group's members ("batch" is a prefix of "batch-x": the grant ends in a slash).
+    with pytest.raises(PermissionDenied, match="permission denied"):
+        batch.report_member(member_record("gh-2", group="batch-x"), ttl_s=30)
+    # Nothing else: no heartbeat, no leader's key, no pending report, no drain.
+    for key in ("nodes/gh-1", "facts/gh-1", "plan", "leader", "epoch", "scaling", "pending/gh-1", "drain/lux", "members/batch-x/gh-1"):
+        with pytest.raises(PermissionDenied, match="permission denied"):
+            raw_put(batch, key, member_record("gh-1").model_dump_json().encode())
+    with pytest.raises(PermissionDenied):
+        batch.heartbeat(NodeRecord(node_id="gh-1", tier="gpu_cuda"))
+    with pytest.raises(PermissionDenied):
+        batch.campaign("gh-1", ttl_s=2)
+    # A host cannot write a member report, the joining identity neither; both are read by the leader.
+    with pytest.raises(PermissionDenied):
+        as_host("x86-spill").report_member(member_record("gh-9"), ttl_s=30)
+    with pytest.raises(PermissionDenied):
+        as_host("fabric-joining").report_member(member_record("gh-9"), ttl_s=30)
+    records, _ = as_host("lux").group_members()
+    assert ("batch", "gh-1") in {(r.group, r.node_id) for r in records}
+    assert "gh-1" not in {n.node_id for n in as_host("lux").snapshot().nodes}, "a member report is never a heartbeat"
+
+
+def test_a_member_report_that_names_another_group_is_skipped_and_one_lapses(as_host):
+    batch, lux = as_host("fabric-group-batch"), as_host("lux")
+    raw_put(batch, "members/batch/liar", member_record("liar", group="batch-x").model_dump_json().encode())
+    records, problems = lux.group_members()
+    assert "liar" not in {r.node_id for r in records}
+    assert any("names another group or member (batch-x/liar)" in p for p in problems), problems
+    batch.report_member(member_record("lapsing"), ttl_s=2)
+    assert "lapsing" in {r.node_id for r in lux.group_members()[0]}
+    wait_until(
+        lambda: "lapsing" not in {r.node_id for r in lux.group_members()[0]}, timeout=deadline_for(2) + 2, interval=0.2, what="the lease to lapse"
+    )
+
+
+def test_the_leader_admits_a_member_with_its_groups_tier_under_auth(as_host, cluster, tmp_path):
+    """lux leads with its own identity, reads the member the group's identity
+    reported, and places work that needs the group's label there, at the group's tier."""
+    from reconciler.core.desired.model import Service
+
+    desired = desired_of(cluster, tmp_path, "lux")
+    crunch = Service.model_validate(
+        {"id": "crunch", "min_tier": "batch", "floor": "batch", "labels": {"topology.researchstack.io/pool": "batch"}, "command": {"any": ["/opt/c"]}}
+    )
+    desired = desired.model_copy(update={"fleet": desired.fleet.model_copy(update={"services": [crunch]})})
+    as_host("fabric-group-batch").report_member(member_record("gh-7"), ttl_s=30)
+    lux = as_host("lux")
+    loop = LeaderLoop(lux, "lux", lambda: desired, schedule, lease_ttl_s=3, log=lambda m: None)
+
+    def placed() -> list[tuple[str, str]]:
+        loop.step()
+        plan = lux.newest_plan()
+        return [(p.node, p.tier) for p in plan.placements if p.service == "crunch"] if plan is not None and plan.leader == "lux" else []
+
+    wait_until(lambda: placed() == [("gh-7", "batch")], timeout=deadline_for(10), interval=0.5, what="crunch placed on the member at batch")
+    if loop.leadership is not None:
+        lux.resign(loop.leadership)

@@ -41,7 +41,7 @@ REGISTRY_ERRORS = sorted(
     key=lambda c: c.__name__,
 )
 # Every call the loop makes on its registry while it leads.
-CALLS = ("wait_for_change", "campaign", "renew", "lead", "liveness", "epoch", "publish_plan")
+CALLS = ("wait_for_change", "campaign", "renew", "lead", "liveness", "group_members", "epoch", "publish_plan")
 
 
 def test_the_port_declares_the_error_kinds_this_test_drives():
@@ -105,6 +105,10 @@ class FaultyRegistry:
     def edge_upstreams(self) -> dict[str, bytes]:
         self._maybe_fail("edge_upstreams")
         return {}
+
+    def group_members(self) -> tuple[list, list[str]]:
+        self._maybe_fail("group_members")
+        return [], []
 
     def epoch(self) -> int:
         self._maybe_fail("epoch")

@@ -36,6 +36,9 @@ class LapseRegistry:
     def edge_upstreams(self) -> dict[str, bytes]:
         return {}  # no edge reports any upstream failing
 
+    def group_members(self) -> tuple[list, list[str]]:
+        return [], []  # no worker group member reports
+
     def campaign(self, candidate: str, ttl_s: float) -> Leadership:
         return Leadership(LeaderInfo(candidate=candidate, epoch=1, since=datetime.now(UTC), token="t"), ttl_s)
 

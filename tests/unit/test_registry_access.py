@@ -27,7 +27,12 @@ def test_prefix_permissions_end_where_the_prefix_ends():
 
 def test_every_host_writes_only_its_own_keys_and_candidates_lead():
     desired, want = example()
-    assert set(want.users) == {*desired.hosts, "root", "fabric-admin", "fabric-joining"}
+    assert set(want.users) == {*desired.hosts, "root", "fabric-admin", "fabric-joining", "fabric-group-batch"}
+    # The members of the example's worker group report with the group's identity: its prefix, and reads.
+    assert want.roles["fabric-group-batch"] == {
+        Grant("/fabric/", "/fabric0", "read"),
+        Grant("/fabric/members/batch/", "/fabric/members/batch0", "readwrite"),
+    }
     # A machine without a host file reports pending with the joining identity: that prefix and nothing else.
     assert want.roles["fabric-joining"] == {Grant("/fabric/pending/", "/fabric/pending0", "readwrite")}
     assert want.roles["fabric-host-racknerd"] == {

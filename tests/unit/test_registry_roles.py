@@ -40,6 +40,8 @@ GROUPS = (
     ports.Liveness,
     ports.PendingReports,
     ports.PendingReads,
+    ports.MemberReports,
+    ports.MemberReads,
     ports.RegistryConnection,
 )
 

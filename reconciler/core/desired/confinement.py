@@ -61,12 +61,16 @@ def unit_paths(desired: DesiredState, host: str | None = None) -> list[tuple[str
 
 def hook_paths(desired: DesiredState) -> list[tuple[str, str]]:
     """(key path, path) of what the cloud hooks hand their transient units (on a leader candidate)."""
-    return [item for tier, hook in desired.fleet.scaling.cloud_hooks.items() for item in tier_hook_paths(tier, hook)]
+    paths = [item for tier, hook in desired.fleet.scaling.cloud_hooks.items() for item in tier_hook_paths(tier, hook)]
+    for name, group in desired.fleet.groups.items():
+        if group.stop_hook is not None:
+            paths += tier_hook_paths(name, group.stop_hook, key=f"groups.{name}.stop_hook")
+    return paths
 
 
-def tier_hook_paths(tier: str, hook: CloudHook) -> list[tuple[str, str]]:
-    """(key path, path) of what one tier's hook hands its transient unit."""
-    key = f"scaling.cloud_hooks.{tier}"
+def tier_hook_paths(tier: str, hook: CloudHook, key: str = "") -> list[tuple[str, str]]:
+    """(key path, path) of what one tier's hook (or a group's stop hook, at `key`) hands its transient unit."""
+    key = key or f"scaling.cloud_hooks.{tier}"
     paths = [(f"{key}.credentials.{name}", path) for name, path in hook.credentials.items()]
     if hook.working_directory is not None:
         paths.append((f"{key}.working_directory", hook.working_directory))

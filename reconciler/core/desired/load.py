@@ -386,6 +386,21 @@ def _ray_rules(r: _Rules) -> None:
             r.add(f"ray.{ray_key}", f"{port} is {head_ports[port]} (on the head {ray.head!r})")
 
 
+def _group_rules(r: _Rules) -> None:
+    """Worker groups: a hook names a declared group of its own tier."""
+    groups = r.fleet.groups
+    for tier, hook in r.fleet.scaling.cloud_hooks.items():
+        if hook.group is None:
+            continue
+        key = f"scaling.cloud_hooks.{tier}.group"
+        group = groups.get(hook.group)
+        if group is None:
+            known = ", ".join(sorted(groups)) or "none"
+            r.add(key, f"{hook.group!r} is not a declared group ([groups.<name>]; declared: {known})")
+        elif group.tier != tier:
+            r.add(key, f"group {hook.group!r} has tier {group.tier!r}, not this hook's {tier!r}")
+
+
 def _address_rules(r: _Rules) -> None:
     """Hosts: addresses are unique."""
     addresses: dict[str, str] = {}
@@ -406,7 +421,7 @@ def fleet_rules(
 ) -> list[Problem]:
     """Every problem of the rules that span entries or files, in the order of fabric.toml's sections."""
     r = _Rules(file, fleet, hosts, host_sources, broken_hosts)
-    for rules in (_leader_rules, _lane_rules, _service_rules, _port_map_rules, _ray_rules, _address_rules):
+    for rules in (_leader_rules, _lane_rules, _service_rules, _port_map_rules, _ray_rules, _group_rules, _address_rules):
         rules(r)
     return r.problems
 

@@ -590,6 +590,13 @@ class CloudHook(Strict):
     timeout_s: Annotated[int, Field(ge=1, le=HOOK_TIMEOUT_MAX_S)] = Field(
         HOOK_TIMEOUT_S, description="The hook's own time budget (its unit's RuntimeMaxSec=): systemd stops it then."
     )
+    group: Name | None = Field(
+        None,
+        description=(
+            "The worker group ([groups.<name>], of this hook's tier) whose members the workers this hook starts join as; "
+            "a run of the hook activates the group again after it was deactivated."
+        ),
+    )
 
     @model_validator(mode="after")
     def _program(self) -> CloudHook:
@@ -636,6 +643,34 @@ class ScalingSettings(Strict):
         if self.scale_down_utilization >= self.scale_up_utilization:
             raise FieldProblem("scale_down_utilization", "must be below scale_up_utilization")
         return self
+
+
+DEFAULT_GROUP_IDLE_WINDOW_S = 300
+DEFAULT_GROUP_MAX_MEMBERS = 4
+
+
+class WorkerGroup(Strict):
+    """A group of ephemeral members: the workers a cloud hook starts join the
+    fleet as its members (reconciler.core.scheduling.groups). Declared here, in
+    git, it is what admits them: a member proves only which group it belongs
+    to (the group's registry identity); its tier, labels, limits and cost are
+    the group's, never what the member says."""
+
+    tier: Tier = Field(description="The tier every member of the group has (never the tier a member reports).")
+    max_members: Annotated[int, Field(ge=1, le=256)] = Field(
+        DEFAULT_GROUP_MAX_MEMBERS, description="At most this many members are admitted at once (the earliest joined first); the rest are refused."
+    )
+    labels: dict[LabelKey, LabelValue] = Field({}, description="Labels every member has (a service's labels must be among them to run there).")
+    max_concurrent_tasks: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="Most tasks at once on one member.")
+    cost: Cost = Field("paid", description="The members' cost class (cloud capacity: paid by default).")
+    idle_window_s: Seconds = Field(
+        DEFAULT_GROUP_IDLE_WINDOW_S,
+        description="The group is deactivated once the queue has stayed empty this long with members admitted (the seed's 'Deactivate BATCH tier if queue empty').",
+    )
+    stop_hook: Annotated[CloudHook, BeforeValidator(_hook_table)] | None = Field(
+        None,
+        description="Run on the leader (a transient sandboxed unit, as a cloud hook) when the group is deactivated; unset: its members are refused and expire when they stop.",
+    )
 
 
 class ArchAgent(Strict):
@@ -1139,6 +1174,9 @@ class FleetConfig(Strict):
     registry: RegistrySettings = Field(RegistrySettings(), description="Where the live state lives.")
     scheduler: SchedulerSettings = Field(SchedulerSettings(), description="Placement and lane routing.")
     scaling: ScalingSettings = Field(ScalingSettings(), description="Bursts and vertical and cloud scaling.")
+    groups: dict[Name, WorkerGroup] = Field(
+        {}, description="Worker groups: the ephemeral members a cloud hook starts join as members of a group declared here (admitted for it)."
+    )
     agent: AgentSettings | None = Field(None, description="The compute agent run once per compute lane.")
     phaze: PhazeSettings = Field(PhazeSettings(), description="phaze's control plane on the control host and its broker.")
     # The lanes, under phaze's name for them: fabric.toml's [[backends]].

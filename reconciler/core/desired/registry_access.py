@@ -26,7 +26,16 @@ reconciler/adapters/registry_etcd.py):
                              name the fleet knows yet; a pending report carries
                              no authority, so what it may write is worthless
                              to an attacker beyond the report itself)
+    role fabric-group-<g>    read P/; readwrite P/members/<g>/ (the prefix) and
+                             nothing else: the members of worker group <g>
+                             (fabric.toml [groups.<g>]) report themselves
+                             there; one identity per group, handed by the
+                             group's hook to the workers it starts as
+                             credential files. It proves the group, never a
+                             tier: the leader admits members with the group's
+                             declared settings and caps their number
     user <host>              fabric-host-<host>, and fabric-leader for a candidate
+    user fabric-group-<g>    fabric-group-<g> (the CN of the group's certificate)
     user fabric-admin        fabric-admin (the operator's identity; no host)
     user fabric-joining      fabric-joining ([registry] joining_cert_file's CN)
     user root                etcd's root role (init-auth's own identity; etcd
@@ -65,6 +74,11 @@ MANAGED_ROLE_PREFIX = "fabric-"
 
 def host_role(host: str) -> str:
     return f"fabric-host-{host}"
+
+
+def group_role(group: str) -> str:
+    """The etcd role, and user (its certificate's CN), of worker group `group`'s members."""
+    return f"fabric-group-{group}"
 
 
 @dataclass(frozen=True, order=True)
@@ -130,6 +144,9 @@ def registry_access(desired: DesiredState) -> AccessState:
             | ({Grant(f"{base}edge-upstreams/{host}", "", "readwrite")} if "edge" in desired.hosts[host].host.roles else set())
         )
         users[host] = frozenset({host_role(host), LEADER_ROLE} if host in candidates else {host_role(host)})
+    for group in sorted(desired.fleet.groups):
+        roles[group_role(group)] = frozenset({read_all, prefix_grant(f"{base}members/{group}/", "readwrite")})
+        users[group_role(group)] = frozenset({group_role(group)})
     return AccessState(roles=roles, users=users, auth_enabled=True)
 
 

@@ -756,6 +756,37 @@ def _declared_cost(node: SnapshotNode, cost: Cost) -> SnapshotNode:
     return node if node.cost == cost else node.model_copy(update={"cost": cost})
 
 
+WAITS_FOR_GROUP = "waits for a member of worker group "
+
+
+def waits_for_group(deferred: Deferred) -> str | None:
+    """The worker group a deferred replica waits for (only its members could take it), or None."""
+    if deferred.inadmissible or not deferred.reason.startswith(WAITS_FOR_GROUP):
+        return None
+    return deferred.reason[len(WAITS_FOR_GROUP) :].split(" ", 1)[0]
+
+
+def group_capacity(desired: DesiredState, request: Request) -> str | None:
+    """The first declared worker group whose members could take `request`
+    (its tier at or above the floor, its labels those the request needs), or None."""
+    bottom = TIER_ORDER.index(request.floor)
+    for name, group in sorted(desired.fleet.groups.items()):
+        if TIER_ORDER.index(group.tier) <= bottom and all(group.labels.get(k) == v for k, v in request.labels):
+            return name
+    return None
+
+
+def _deferred(desired: DesiredState, request: Request, service: str, replica: int, outcome: NoChoice) -> Deferred:
+    """A replica no node takes now. Work no node of the fleet could ever take
+    is inadmissible (it starts no burst), unless a declared worker group's
+    members could: then it waits for them, and counts in the queue depth."""
+    if outcome.inadmissible:
+        group = group_capacity(desired, request)
+        if group is not None:
+            return Deferred(service=service, replica=replica, reason=f"{WAITS_FOR_GROUP}{group} ({outcome.reason})", inadmissible=False)
+    return Deferred(service=service, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible)
+
+
 def schedule_with_placer(
     snapshot: Snapshot,
     desired: DesiredState,
@@ -804,7 +835,7 @@ def schedule_with_placer(
                 hosting.add(outcome.node)
                 placements.append(Placement(service=service.id, replica=replica, node=outcome.node, tier=outcome.tier, fallback=outcome.fallback))
             else:
-                deferred.append(Deferred(service=service.id, replica=replica, reason=outcome.reason, inadmissible=outcome.inadmissible))
+                deferred.append(_deferred(desired, request, service.id, replica, outcome))
 
     # 3. Work comes home: replicas off paid hosts, one per service at a time.
     moving |= bring_home(placer, desired, snapshot, kept, moving, placements)

@@ -27,6 +27,10 @@ Burst (horizontal)
        group_interval_s; a rate-limited tier gets a `hold` saying until when;
     3. no idle capacity and no hook configured: a `hold` (the work stays
        queued - the seed's ENQUEUE).
+    Queued work that only a worker group's members could take
+    (`waiting_groups`: its labels are the group's) no idle node can take:
+    the hooks that start that group run whether or not there is idle
+    capacity (paced the same way).
     While the queue stays high this repeats every pass, paced by the limits.
     Cost (issue 32): only the cheapest cost class among the idle nodes is
     activated (`cheapest_idle`: free, then owned, then paid), counting the
@@ -44,6 +48,14 @@ Vertical
     taking new work is hot with headroom left (`cheaper_to_raise`): that one
     is raised first; the paid node gets a `hold` and keeps its window.
 
+Worker groups (core.scheduling.groups)
+    the members a group's hook started are scaled by the group's rules
+    alone (no vertical step, no scale-down of their own): with the queue
+    empty and its members running nothing continuously for the group's
+    idle_window_s, a group with admitted members gets `deactivate_group` (its members are refused from then on,
+    its stop hook runs); a run of a hook that names the group activates it
+    again.
+
 Scale down
     a node's utilization < scale_down_utilization continuously for
     scale_down_window_s, and no burst under way (queue depth <= queue_high) ->
@@ -53,19 +65,20 @@ Scale down
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from reconciler.core.desired.model import COST_RANK, TIER_ORDER, ScalingSettings, Tier
+from reconciler.core.desired.model import COST_RANK, TIER_ORDER, ScalingSettings, Tier, WorkerGroup
 from reconciler.core.live.models import Snapshot, SnapshotNode
+from reconciler.core.scheduling.groups import decide_groups
 from reconciler.core.scheduling.placement import accepts_new_work
 from reconciler.core.timestamps import utc, utc_stamp
 
-ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold"]
+ActionKind = Literal["activate_idle", "run_cloud_hook", "raise_concurrency", "scale_down", "hold", "deactivate_group"]
 
 
 class ScalingAction(BaseModel):
@@ -81,6 +94,8 @@ class ScalingAction(BaseModel):
     argv: list[str] = []
     # raise_concurrency: the node's new max_concurrent_tasks.
     max_concurrent_tasks: int | None = None
+    # run_cloud_hook: the group its workers join (the hook's `group`); deactivate_group: the group.
+    group: str | None = None
 
 
 class ScalingState(BaseModel):
@@ -100,6 +115,12 @@ class ScalingState(BaseModel):
     last_activation_at: dict[str, datetime] = {}
     # Nodes whose worker group was scaled down and has not been busy since.
     scaled_down: list[str] = []
+    # group -> since when the queue has been empty while it had members (core.scheduling.groups).
+    group_empty_since: dict[str, datetime] = {}
+    # Groups deactivated (their members refused) until their hook runs again.
+    deactivated_groups: list[str] = []
+    # group -> its members admitted in this pass (the next pass tells who joined and who left).
+    members: dict[str, list[str]] = {}
 
 
 class ScalingDecision(BaseModel):
@@ -254,10 +275,15 @@ def _activate_idle(
     return actions
 
 
-def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: timedelta, now: datetime) -> list[ScalingAction]:
-    """Burst step 2: each configured cloud hook, best tier first, one group per tier per interval."""
+def _cloud_hooks(
+    w: _Windows, settings: ScalingSettings, why: str, interval: timedelta, now: datetime, tiers: Collection[str] | None = None
+) -> list[ScalingAction]:
+    """Burst step 2: each configured cloud hook (of `tiers`; None: all), best
+    tier first, one group per tier per interval."""
     actions = []
     for tier in sorted(settings.cloud_hooks, key=TIER_ORDER.index):
+        if tiers is not None and tier not in tiers:
+            continue
         last = w.last_group_at.get(tier)
         if last is not None and now - last < interval:
             actions.append(
@@ -268,9 +294,8 @@ def _cloud_hooks(w: _Windows, settings: ScalingSettings, why: str, interval: tim
                 )
             )
             continue
-        actions.append(
-            ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(settings.cloud_hooks[tier].command), reason=f"{why}; no idle capacity")
-        )
+        hook = settings.cloud_hooks[tier]
+        actions.append(ScalingAction(kind="run_cloud_hook", tier=tier, argv=list(hook.command), group=hook.group, reason=f"{why}; no idle capacity"))
         w.last_group_at[tier] = now
     return actions
 
@@ -283,8 +308,11 @@ def _scale_out(
     state: ScalingState,
     lane_hosts: Collection[str] | None,
     now: datetime,
+    waiting_groups: Collection[str] = (),
 ) -> list[ScalingAction]:
-    """Horizontal: idle capacity first, else the cloud hooks, else a hold."""
+    """Horizontal: idle capacity first, else the cloud hooks, else a hold.
+    Work that only a worker group's members could take (`waiting_groups`)
+    no idle node can: the hooks that start those groups run beside it."""
     why = "; ".join(reasons)
     interval = timedelta(seconds=settings.group_interval_s)
     idle = cheapest_idle(
@@ -295,8 +323,13 @@ def _scale_out(
         ],
         running,
     )
+    for_groups = {tier for tier, hook in settings.cloud_hooks.items() if hook.group in waiting_groups}
     if idle:
-        return _activate_idle(idle, running, w, why, interval, now)
+        activated = _activate_idle(idle, running, w, why, interval, now)
+        if not for_groups:
+            return activated
+        waits = f"{why}; work waits for a member of {', '.join(sorted(waiting_groups))}, which no idle node can be"
+        return activated + _cloud_hooks(w, settings, waits, interval, now, tiers=for_groups)
     if not settings.cloud_hooks:
         return [ScalingAction(kind="hold", reason=f"{why}; no idle capacity and no cloud hook configured: work stays queued")]
     return _cloud_hooks(w, settings, why, interval, now)
@@ -334,11 +367,18 @@ def decide_scaling(
     state: ScalingState,
     now: datetime | None = None,
     lane_hosts: Collection[str] | None = None,
+    groups: Mapping[str, WorkerGroup] | None = None,
+    members: Mapping[str, Collection[str]] | None = None,
+    waiting_groups: Collection[str] = (),
 ) -> ScalingDecision:
     """The scaling actions for this pass and the state to keep for the next.
-    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work)."""
+    `lane_hosts`: the hosts lane jobs run on (None: every node may take queued work).
+    `groups`: the declared worker groups; `members`: each group's admitted
+    members (nodes of the snapshot that only the group's rules scale).
+    `waiting_groups`: the groups some queued work waits for (only their members could take it)."""
     now = utc(now if now is not None else snapshot.now)
-    running = _running(snapshot)
+    member_ids = {m for names in (members or {}).values() for m in names}
+    running = {n: node for n, node in _running(snapshot).items() if n not in member_ids}
     # 1. Windows: keep a start time while its condition holds, drop it otherwise.
     w = _windows(running, queue_depth, settings, state, now)
     # 2. Vertical: more concurrency where there is headroom, else scale out.
@@ -349,7 +389,28 @@ def decide_scaling(
     if burst_for >= settings.burst_window_s:
         scale_out_reasons.insert(0, f"queue depth {queue_depth} > {settings.queue_high} for {burst_for:.0f}s")
     if scale_out_reasons:
-        actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now)
+        actions += _scale_out(scale_out_reasons, running, w, settings, state, lane_hosts, now, waiting_groups)
     # 4. Scale down groups idle for the whole window, unless a burst is on.
     actions += _scale_down(running, w, queue_depth, settings, now)
-    return ScalingDecision(actions=actions, state=w.state())
+    # 5. Worker groups: deactivated once the queue stayed empty for their window.
+    activated = {a.group for a in actions if a.kind == "run_cloud_hook" and a.group is not None}
+    in_flight = {n.node_id: n.in_flight for n in snapshot.nodes}
+    groups_decided = decide_groups(
+        groups or {},
+        {g: len(names) for g, names in (members or {}).items()},
+        queue_depth,
+        state.group_empty_since,
+        state.deactivated_groups,
+        activated,
+        now,
+        busy={g: sum(in_flight.get(m, 0) for m in names) for g, names in (members or {}).items()},
+    )
+    actions += [ScalingAction(kind="deactivate_group", group=g, tier=(groups or {})[g].tier, reason=why) for g, why in groups_decided.deactivate]
+    kept = w.state().model_copy(
+        update={
+            "group_empty_since": groups_decided.empty_since,
+            "deactivated_groups": list(groups_decided.deactivated),
+            "members": {g: sorted(names) for g, names in sorted((members or {}).items()) if names},
+        }
+    )
+    return ScalingDecision(actions=actions, state=kept)
