@@ -61,6 +61,7 @@ from typing import Literal
 
 from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.core.install.units import BOOTSTRAP_SERVICE, BOOTSTRAP_STAMP_PATH
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.render.artifacts import Layout, k3s_labels_dropin, needs_nftables_fix
@@ -77,8 +78,7 @@ DISTRO_TABLE = ("inet", "filter")
 
 # Written by the last step of a first-boot bootstrap (relative to the root);
 # fabric-bootstrap.service runs only while it is absent.
-BOOTSTRAP_STAMP = "var/lib/fabric/bootstrap.stamp"
-BOOTSTRAP_SERVICE = "fabric-bootstrap.service"
+BOOTSTRAP_STAMP = BOOTSTRAP_STAMP_PATH.lstrip("/")
 
 RECONCILE_TIMER = "fabric-reconcile.timer"
 RECONCILE_SERVICE = "fabric-reconcile.service"
