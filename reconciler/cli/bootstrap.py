@@ -164,6 +164,8 @@ def _pending_first_boot(args: argparse.Namespace, desired: DesiredState, host: s
     node = load_node_config(args.config)
     try:
         registry = open_registry(joining_fleet(desired.fleet), sqlite_path=args.registry_path)
+    except ValueError as exc:
+        raise InvalidInput(f"bootstrap: host {host!r} is not in the desired state and {exc}") from None
     except RegistryError as exc:
         raise CommandError(f"bootstrap: registry: the pending report of {host}: {exc}") from None
     try:

@@ -161,14 +161,21 @@ def test_once_pulled_the_leader_places_work_there_and_the_edge_routes_to_it(flee
     assert fabric_nodes(fleet)[MACHINE]["declared"] is True
 
     # A node joining moves nothing: power off a host that runs a replica of
-    # a routed service (not a leader candidate, not the edge).
+    # a routed service (not the edge; a leader candidate only when no other
+    # host runs one, and the leader last). The replica goes to the best node
+    # left: the new one is of the highest tier (gpu_cuda, as only qfox-1)
+    # and the least loaded, and runs no sibling.
     plan = newest_plan(fleet)
     assert plan is not None
     routes = routed_services(desired)
-    candidates = set(desired.fleet.fleet.leader_candidates) | {fleet.edge}
-    victims = [(p.node, p.service) for p in plan.placements if p.service in routes and p.node not in candidates and p.node != MACHINE]
-    assert victims, f"no routed replica on a host that is not a candidate or the edge: {placed(plan)}"
-    victim, service = sorted(victims)[0]
+    candidates = set(desired.fleet.fleet.leader_candidates)
+    victims = sorted(
+        (p.node in candidates, p.node == plan.leader, p.node, p.service)
+        for p in plan.placements
+        if p.service in routes and p.node not in (fleet.edge, MACHINE)
+    )
+    assert victims, f"no routed replica on a host other than the edge: {placed(plan)}"
+    *_, victim, service = victims[0]
     began = time.monotonic()
     fleet.stop_host(victim)
 
