@@ -106,6 +106,14 @@ let
       nodeSettings.node.host
     ];
 
+  bootstrapArgv = [
+    fabric
+    "bootstrap"
+    "--config"
+    nodeConfigPath
+    "--first-boot"
+  ];
+
   watchArgv =
     [
       fabric
@@ -381,6 +389,21 @@ in
       '';
     };
 
+    bootstrap.enable = lib.mkOption {
+      type = lib.types.bool;
+      default = true;
+      description = ''
+        Run fabric-bootstrap.service at the first boot, once: the seed's
+        bootstrap agent (`fabric bootstrap --first-boot`: tailscale up with
+        settings.bootstrap.tailscale_auth_key_file, probe, labels, register
+        as a host or report pending, the k3s agent's join where k3s-agent.service
+        exists and a token file is given, the nftables fix, the first pass
+        queued). Its last step writes /var/lib/fabric/bootstrap.stamp; the unit
+        is skipped while that file exists, and a failed step leaves none, so
+        the next boot tries again. Remove the stamp to run it again.
+      '';
+    };
+
     extraPackages = lib.mkOption {
       type = lib.types.listOf lib.types.package;
       default = [ ];
@@ -514,6 +537,36 @@ in
           config.services.tailscale.interfaceName
         ];
       }
+
+      # The bootstrap agent, once at first boot (reconciler/core/install/units.py bootstrap_service).
+      (lib.mkIf cfg.bootstrap.enable {
+        systemd.services.fabric-bootstrap = {
+          description = "fabric: bootstrap this machine at its first boot (once), then exit";
+          wantedBy = [ "multi-user.target" ];
+          wants = [ "network-online.target" ];
+          after = [ "network-online.target" ] ++ lib.optional config.services.tailscale.enable "tailscaled.service";
+          # The timer's first pass at boot waits for it (the bootstrap only
+          # queues that pass: it never waits for a unit ordered after it).
+          before = [ "fabric-reconcile.service" ];
+          # A switch must not run it again (its stamp would skip it anyway).
+          restartIfChanged = false;
+          unitConfig.ConditionPathExists = "!/var/lib/fabric/bootstrap.stamp";
+          path = runtimePath;
+          environment = passEnvironment;
+          serviceConfig =
+            {
+              Type = "oneshot";
+              SyslogIdentifier = "fabric-bootstrap";
+              TimeoutStartSec = "15min";
+              ExecStart = lib.concatStringsSep " " bootstrapArgv;
+              PrivateTmp = true;
+              UMask = "0022";
+            }
+            // lib.optionalAttrs (nodeSettings ? source) {
+              ExecStartPre = lib.concatStringsSep " " pullArgv;
+            };
+        };
+      })
 
       (lib.mkIf cfg.leaderCandidate {
         systemd.services.fabric-leader = {

@@ -5,10 +5,13 @@
 # and prints it, installs the reconciler into a virtual environment (default
 # /opt/fabric) with pip, as a wheel built from a source checkout (or a wheel
 # built elsewhere), writes /etc/fabric/node.toml, installs
-# fabric-reconcile.service/.timer, fabric-watch.service (and
-# fabric-leader.service on a leader candidate) exactly as `fabric units`
-# renders them -- the same definitions the NixOS module declares -- enables
-# the timer and the watcher and runs a first pass.
+# fabric-reconcile.service/.timer, fabric-watch.service,
+# fabric-bootstrap.service (and fabric-leader.service on a leader candidate)
+# exactly as `fabric units` renders them -- the same definitions the NixOS
+# module declares -- enables the timer, the watcher and the bootstrap agent
+# (it runs once, at the next boot, or now with --bootstrap: its stamp
+# /var/lib/fabric/bootstrap.stamp keeps it from running again) and runs a
+# first pass.
 #
 #   scripts/join.sh --source /path/to/fabric --host racknerd \
 #       --git-remote git@github.com:researchstack/fleet.git --ssh-key-file /etc/fabric/deploy-key \
@@ -68,7 +71,8 @@ usage: join.sh --source DIR|WHEEL [options]
   --randomized-delay SPAN    random delay per pass (default 5s)
   --unit-dir DIR             where passes write rendered units (default /etc/systemd/system)
   --leader                   this host is a leader candidate: also fabric-leader.service
-  --bootstrap                run `fabric bootstrap` once after installing
+  --bootstrap                run the bootstrap agent (fabric-bootstrap.service) now; without
+                             it, the agent runs at the next boot (once either way)
   --tailscale-auth-key-file PATH, --k3s-server URL, --k3s-token-file PATH
                              what the bootstrap needs (written to node.toml)
   --no-first-pass            enable the timer but do not run a pass now
@@ -310,13 +314,19 @@ systemctl enable --now fabric-reconcile.timer
 # Restarted so that it runs the program and unit just installed.
 systemctl enable fabric-watch.service
 systemctl restart fabric-watch.service
+# The bootstrap agent: once, at the next boot (or below, with --bootstrap).
+systemctl enable fabric-bootstrap.service
 if [ "$LEADER" = 1 ]; then
   systemctl enable --now fabric-leader.service
 fi
 
 if [ "$BOOTSTRAP" = 1 ]; then
-  echo "==> bootstrap"
-  "$FABRIC" bootstrap --config "$CONFIG"
+  echo "==> bootstrap (fabric-bootstrap.service)"
+  # A oneshot: returns when it has ended; skipped once its stamp exists.
+  if ! systemctl start fabric-bootstrap.service; then
+    echo "the bootstrap failed (no stamp: it runs again at the next boot): journalctl -u fabric-bootstrap.service" >&2
+    exit 1
+  fi
 fi
 
 if [ "$FIRST_PASS" = 1 ]; then

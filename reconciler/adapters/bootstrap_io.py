@@ -126,6 +126,13 @@ class NodeIO:
         elif step.kind == "run_pass":
             # A oneshot: returns when the pass has ended.
             self._command(["systemctl", "start", RECONCILE_SERVICE], "first reconcile pass", timeout=900)
+        elif step.kind == "queue_pass":
+            # From fabric-bootstrap.service, ordered before the pass: the
+            # pass's job waits for the bootstrap to end, so it is not waited for.
+            self._command(["systemctl", "start", "--no-block", RECONCILE_SERVICE], "queue the first reconcile pass")
+        elif step.kind == "write_stamp":
+            assert step.path is not None and step.content is not None
+            write_atomic(self._root / step.path, step.content, step.mode)
         else:  # pragma: no cover - the planner makes no other kind
             raise BootstrapError(f"unknown step {step.kind}")
 

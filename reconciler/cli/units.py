@@ -1,5 +1,6 @@
 """fabric units: print or install the fabric's own units (reconcile service and
-timer, the leader service), derived from node.toml.
+timer, the watcher, the first-boot bootstrap, the leader service), derived
+from node.toml.
 
 This is how `scripts/join.sh` installs them (`fabric units --write
 /etc/systemd/system`), so a plain systemd host gets exactly what the NixOS
@@ -19,7 +20,9 @@ from reconciler.wiring import write_atomic
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("units", help="print or install fabric-reconcile.service/.timer (and fabric-leader.service)")
+    p = sub.add_parser(
+        "units", help="print or install fabric-reconcile.service/.timer, fabric-watch.service, fabric-bootstrap.service (and fabric-leader.service)"
+    )
     add_node_config(p)
     p.add_argument(
         "--fabric-bin",

@@ -152,6 +152,15 @@ ETCD_TLS_DIR = "/etc/fabric/etcd"
 ETCD_CA_FILE = f"{ETCD_TLS_DIR}/ca.crt"
 ETCD_CERT_FILE = f"{ETCD_TLS_DIR}/client.crt"
 ETCD_KEY_FILE = f"{ETCD_TLS_DIR}/client.key"
+# The joining identity ([registry] joining_cert_file/joining_key_file, CN =
+# fabric-joining): a machine with the fabric installed and no host file
+# reports itself pending with it (`Fleet.add_machine`); the files exist only
+# on such a machine.
+JOINING = "fabric-joining"
+JOINING_CERT_FILE = f"{ETCD_TLS_DIR}/joining.crt"
+JOINING_KEY_FILE = f"{ETCD_TLS_DIR}/joining.key"
+# Where a machine `add_machine` boots keeps its probe capture (replayed by its pass).
+MACHINE_CAPTURE_DIR = "/var/lib/fabric-e2e/probe"
 # A leader candidate's private plan signing key (the default of --plan-key-file).
 PLAN_KEY_FILE = "/etc/fabric/plan-signing.key"
 # The etcd identities of this host's test client: reads and drains as the
@@ -291,7 +300,16 @@ def e2e_desired_state(
             # The fabric's own lanes (the dispatcher's tests); test_fleet_live.py's
             # phaze test makes it a phaze fleet for its run (phaze_fleet there).
             data["phaze"].pop("api_url", None)
-            data["registry"].update(tls or {"ca_file": ETCD_CA_FILE, "cert_file": ETCD_CERT_FILE, "key_file": ETCD_KEY_FILE})
+            data["registry"].update(
+                tls
+                or {
+                    "ca_file": ETCD_CA_FILE,
+                    "cert_file": ETCD_CERT_FILE,
+                    "key_file": ETCD_KEY_FILE,
+                    "joining_cert_file": JOINING_CERT_FILE,
+                    "joining_key_file": JOINING_KEY_FILE,
+                }
+            )
             if plan_keys is not None:
                 data["plan_keys"] = plan_keys
         else:
@@ -329,6 +347,15 @@ def _e2e_fleet(data: dict[str, Any], settings: FleetSettings) -> dict[str, Any]:
         runs = service.pop("command", None) or service.pop("image")
         service["command"] = {arch: list(argv) for arch in runs}
     return data
+
+
+def e2e_host_file(text: str) -> str:
+    """A host file as the hosts of this fleet get it: the bridge plays the
+    tailnet, so its tailnet interface is eth0 (e2e_desired_state does the
+    same to the example's host files); its address is the probed one."""
+    data = tomllib.loads(text)
+    data["host"]["tailnet_interface"] = "eth0"
+    return toml_text(data)
 
 
 def toml_text(data: dict[str, Any]) -> str:
@@ -517,6 +544,11 @@ class FleetHost:
     identity: str | None = None
     probe: str | None = None
     pass_args: tuple[str, ...] = ()
+    # A machine `add_machine` boots: its probe capture inside the container
+    # (else the fixture of its name), and whether it still has only the
+    # joining identity (no host file yet: it reports pending).
+    capture: str | None = None
+    joining: bool = False
 
     @property
     def running(self) -> bool:
@@ -639,7 +671,7 @@ class Fleet:
         for directory in ("pki", "plan-keys"):
             shutil.rmtree(self.work / directory, ignore_errors=True)
         self.pki = TestPki(self.work / "pki", server_ips=(self.settings.address(ETCD_OCTET),))
-        for name in (*HOST_OCTETS, ROOT, ADMIN):
+        for name in (*HOST_OCTETS, ROOT, ADMIN, JOINING):
             self.pki.client(name)
         candidates = tomllib.loads((EXAMPLE_FLEET / "fabric.toml").read_text())["fleet"]["leader_candidates"]
         self.keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -815,7 +847,7 @@ class Fleet:
             container = stack.enter_context(systemd_container(hostname=name, private_network=True, boot_timeout=60))
             host.container, host.stack = container, stack
             self._save_state()
-            self._veth_to_bridge(name[:3] + str(host.octet or HOST_OCTETS[name]), str(container.pid))
+            self._veth_to_bridge(name[:3] + host.address.rsplit(".", 1)[1], str(container.pid))
             for argv in (
                 ("ip", "link", "set", "lo", "up"),
                 ("ip", "addr", "add", f"{host.address}/24", "dev", "eth0"),
@@ -959,14 +991,17 @@ class Fleet:
         for group in GPU_GROUPS:
             if container.run("getent", "group", group).returncode != 0:
                 self._check(container, "groupadd", "--system", group)
-        # This host's own etcd identity at the fleet-wide paths; a leader
+        # This host's own etcd identity at the fleet-wide paths (a machine
+        # without a host file: the joining identity only); a leader
         # candidate's own plan signing key. No host gets another's.
         assert self.pki is not None
-        host = self.hosts[name]
-        cert, key = self.identity(host.identity or name)
         container.write_file(ETCD_CA_FILE, self.pki.ca_file.read_text())
-        container.write_file(ETCD_CERT_FILE, cert.read_text())
-        _write_private(container.host_path(ETCD_KEY_FILE), key.read_bytes())
+        if self.hosts[name].joining:
+            cert, key = self.identity(JOINING)
+            container.write_file(JOINING_CERT_FILE, cert.read_text())
+            _write_private(container.host_path(JOINING_KEY_FILE), key.read_bytes())
+        else:
+            self.give_identity(name)
         if name in self.plan_keys:
             _write_private(container.host_path(PLAN_KEY_FILE), (self.keys_dir / f"{name}.key").read_bytes())
         node_toml = (
@@ -991,7 +1026,8 @@ class Fleet:
         self._check(container, *argv)
         # The pass as `fabric units` defines it, plus the replayed probe capture.
         install = Install(fabric_bin=FABRIC_BIN, node=parse_node_config(node_toml), config_path=NODE_CONFIG, search_path=SEARCH_PATH)
-        replay = [*reconcile_argv(install), "--replay", in_container(PROBE_FIXTURES / (host.probe or name)), *host.pass_args]
+        host = self.hosts[name]
+        replay = [*reconcile_argv(install), "--replay", host.capture or in_container(PROBE_FIXTURES / (host.probe or name)), *host.pass_args]
         container.write_file(REPLAY_DROPIN, "[Service]\nExecStart=\nExecStart=" + " ".join(replay) + "\n")
         if name == self.edge:
             container.write_file("/etc/caddy/Caddyfile", EDGE_CADDYFILE)
@@ -999,6 +1035,40 @@ class Fleet:
             container.write_file("/etc/caddy/fabric.caddy", "# fabric-reconcile writes this file\n")
             self._check(container, "systemctl", "start", "caddy.service")
         self._check(container, "systemctl", "daemon-reload")
+
+    def give_identity(self, name: str) -> None:
+        """Host `name`'s own etcd client certificate (CN = name, a group
+        member's: its group's) and key at
+        [registry]'s fleet-wide paths in its container, as an operator puts
+        them on an admitted machine."""
+        container = self.container(name)
+        cert, key = self.identity(self.hosts[name].identity or name)
+        container.write_file(ETCD_CERT_FILE, cert.read_text())
+        _write_private(container.host_path(ETCD_KEY_FILE), key.read_bytes())
+        self.hosts[name].joining = False
+
+    def add_machine(self, name: str, octet: int, capture: dict[str, str]) -> SystemdContainer:
+        """Boot a machine with the fabric installed (node.toml, the units,
+        its timer) whose name has no host file: a container on the bridge at
+        .`octet`, with the joining identity only, whose pass replays
+        `capture` (file name -> text, a probe capture). Stopped with the
+        fleet, like the hosts."""
+        self.hosts[name] = FleetHost(name, self.settings.address(octet), capture=MACHINE_CAPTURE_DIR, joining=True)
+        container = self.start_host(name, start_timer=False)
+        for file_name, text in capture.items():
+            container.write_file(f"{MACHINE_CAPTURE_DIR}/{file_name}", text)
+        self._start_fabric(name)
+        return container
+
+    def pull(self, file_name: str, text: str) -> None:
+        """A desired-state file changed in the repository reaches every
+        running host's checkout (as their `fabric pull` would fetch it) and
+        the hosts' copy here (desired_dir; the client's checkout is the
+        repository the change was committed to)."""
+        for host in self.hosts.values():
+            if host.container is not None:
+                host.container.write_file(f"{DESIRED_DIR}/{file_name}", text)
+        (self.desired_dir / file_name).write_text(text)
 
     def _start_fabric(self, name: str) -> None:
         container = self.container(name)
@@ -1011,6 +1081,7 @@ class Fleet:
         self.progress(
             f"{name}: fabric-reconcile.timer every {self.settings.pass_interval}"
             + (" + fabric-leader.service" if name in ("lux", "qfox-1") else "")
+            + (" (no host file: pending)" if self.hosts[name].joining else "")
             + (" + fabric-watch.service" if self.settings.watcher else "")
         )
 

@@ -122,6 +122,7 @@ def test_reconcile_command_and_units_from_node_toml() -> None:
         "fabric-reconcile.service",
         "fabric-reconcile.timer",
         "fabric-watch.service",
+        "fabric-bootstrap.service",
         "fabric-leader.service",
     ]
 
@@ -141,10 +142,17 @@ def test_units_cli_json_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert units["fabric-reconcile.service"]["Service"]["ExecStartPre"] == [f"/opt/fabric/bin/fabric pull --config {config}"]
     out = tmp_path / "units"
     assert main([*args, "--write", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["fabric-reconcile.service", "fabric-reconcile.timer", "fabric-watch.service"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "fabric-bootstrap.service",
+        "fabric-reconcile.service",
+        "fabric-reconcile.timer",
+        "fabric-watch.service",
+    ]
+    # The bootstrap agent pulls the desired state first, as the pass does.
+    assert units["fabric-bootstrap.service"]["Service"]["ExecStartPre"] == [f"/opt/fabric/bin/fabric pull --config {config}"]
     capsys.readouterr()
     assert main([*args, "--write", str(out)]) == 0
-    assert capsys.readouterr().out.count("unchanged") == 3
+    assert capsys.readouterr().out.count("unchanged") == 4
 
 
 def test_units_cli_bad_config_is_exit_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

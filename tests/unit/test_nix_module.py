@@ -25,6 +25,7 @@ from reconciler.core.install.units import (
     PASS_HARDENING,
     PASS_HOME,
     Install,
+    bootstrap_service,
     leader_service,
     reconcile_service,
     reconcile_timer,
@@ -40,6 +41,7 @@ NODE_TOML = "/etc/fabric/node.toml"
 
 # Settings a unit may give several times: a single Nix string is one of them.
 LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre"}
+STAMP = "/var/lib/fabric/bootstrap.stamp"
 
 
 def nix_files() -> list[Path]:
@@ -370,3 +372,31 @@ def test_node_exporter_reads_the_textfile_each_pass_writes() -> None:
     assert evaluate("{ nodeExporterTextfile = false; }", nodeExporterEnable="true")["nodeExporterFlags"] == []
     # The directory exists on a NixOS host before the first pass writes it.
     assert f"d /{TEXTFILE_PATH.rsplit('/', 1)[0]} 0755 root root -" in evaluate("{ }")["tmpfiles"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_bootstrap_service_matches_python_and_runs_once_before_the_pass(name: str) -> None:
+    """fabric-bootstrap.service: the same command and settings on both install
+    paths; skipped while its stamp exists; after the network (and tailscaled,
+    when this host runs Tailscale), before the pass, wanted at boot."""
+    user, flags = CONFIGS[name]
+    result = evaluate(user, **flags)
+    nix_boot = result["services"]["fabric-bootstrap"]
+    python_boot = bootstrap_service(python_install(result))
+    assert normalized(nix_boot["serviceConfig"]) | nix_environment(nix_boot) == python_boot.values("Service")
+    assert nix_boot["serviceConfig"]["ExecStart"].split()[1:] == ["bootstrap", "--config", NODE_TOML, "--first-boot"]
+    unit = python_boot.values("Unit")
+    assert nix_boot["unitConfig"]["ConditionPathExists"] == unit["ConditionPathExists"] == f"!{STAMP}"
+    assert nix_boot["wantedBy"] == [python_boot.values("Install")["WantedBy"]] == ["multi-user.target"]
+    assert nix_boot["wants"] == list(unit["Wants"]) == ["network-online.target"]
+    assert nix_boot["before"] == list(unit["Before"]) == ["fabric-reconcile.service"]
+    tailscale = flags.get("tailscaleEnable") == "true"
+    assert nix_boot["after"] == ["network-online.target", *(["tailscaled.service"] if tailscale else [])]
+    # join.sh's unit: tailscaled always named (After= on a unit not installed orders nothing).
+    assert unit["After"] == ("network-online.target", "tailscaled.service")
+    assert nix_boot["restartIfChanged"] is False
+
+
+def test_the_bootstrap_unit_can_be_turned_off() -> None:
+    assert "fabric-bootstrap" not in evaluate("{ bootstrap.enable = false; }")["services"]
+    assert "fabric-bootstrap" in evaluate("{ }")["services"]

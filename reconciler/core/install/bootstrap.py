@@ -35,6 +35,21 @@ The seed's order, and where each part lives:
 6. socat redirects    the reconcile timer enabled and a first pass run, which
                       renders and starts this host's port maps
 7. report_ready       the caller prints the outcome
+
+First boot (`fabric bootstrap --first-boot`, run by fabric-bootstrap.service
+once per machine: reconciler.core.install.units.bootstrap_service) plans the
+same steps with three differences. The k3s labels are written before the
+join (the pass's own drop-in, rendered by the pass's renderer, so the Node
+registers with them and the file keeps one owner and one content). The
+first pass is queued, not waited for: the unit is ordered before
+fabric-reconcile.service, so a pass started from inside it would wait for
+it. And the last step writes the stamp (BOOTSTRAP_STAMP) that keeps the
+unit from running again; a step that fails stops the bootstrap before it,
+so the next boot tries again. A machine without a host file (pending) gets
+only what applies to it (`pending_boot_steps`): the tailnet, its pending
+report (the caller's), the timer whose passes keep reporting it, the stamp;
+no k3s join, no nftables fix and no port maps: a pending machine is given
+no work, and k3s would schedule pods on a Node that joined.
 """
 
 from __future__ import annotations
@@ -46,18 +61,24 @@ from typing import Literal
 
 from reconciler.core.desired.model import DesiredState, HostFacts
 from reconciler.core.install.nodeconfig import NodeConfig
+from reconciler.core.install.units import BOOTSTRAP_SERVICE, BOOTSTRAP_STAMP_PATH
 from reconciler.core.live.host_limits import effective_limits
 from reconciler.core.live.records import NodeRecord
-from reconciler.core.render.artifacts import needs_nftables_fix
+from reconciler.core.render.artifacts import Layout, k3s_labels_dropin, needs_nftables_fix
 
 # File names, relative to the root.
 K3S_JOIN_DROPIN = "10-fabric-join.yaml"  # before the pass's 50-fabric-labels.yaml
+K3S_LABELS_FILE = Layout().k3s_dropin  # the pass's own drop-in (at first boot, written before the join)
 NFT_FIX_FILE = "etc/fabric/tailscale-fix.nft"
 NFT_FIX_DROPIN = "etc/systemd/system/nftables.service.d/50-fabric-tailscale-fix.conf"
 NFT_FIX_COMMENT = "fabric-tailscale-fix"
 # The distro ruleset's table and chains the fix opens (Arch's and CachyOS's
 # stock /etc/nftables.conf).
 DISTRO_TABLE = ("inet", "filter")
+
+# Written by the last step of a first-boot bootstrap (relative to the root);
+# fabric-bootstrap.service runs only while it is absent.
+BOOTSTRAP_STAMP = BOOTSTRAP_STAMP_PATH.lstrip("/")
 
 RECONCILE_TIMER = "fabric-reconcile.timer"
 RECONCILE_SERVICE = "fabric-reconcile.service"
@@ -97,7 +118,18 @@ class Programs:
 
 
 StepKind = Literal[
-    "tailscale_up", "register", "write_file", "restart_k3s_agent", "wait_k3s_node", "load_nft_fix", "daemon_reload", "enable_timer", "run_pass"
+    "tailscale_up",
+    "report_pending",
+    "register",
+    "write_file",
+    "restart_k3s_agent",
+    "wait_k3s_node",
+    "load_nft_fix",
+    "daemon_reload",
+    "enable_timer",
+    "run_pass",
+    "queue_pass",
+    "write_stamp",
 ]
 K3S_SERVER_UNIT = "k3s.service"
 K3S_AGENT_UNIT = "k3s-agent.service"
@@ -180,8 +212,10 @@ def plan_bootstrap(
     facts: HostFacts,
     observed: Observed,
     programs: Programs = Programs(),
+    first_boot: bool = False,
 ) -> BootstrapSteps:
-    """The steps this node still needs, in the seed's order."""
+    """The steps this node still needs, in the seed's order (`first_boot`:
+    as fabric-bootstrap.service runs them, ending with the stamp)."""
     steps: list[Step] = []
     problems: list[str] = []
     notes: list[str] = []
@@ -191,22 +225,7 @@ def plan_bootstrap(
     host_config = desired.hosts[host]
 
     # 1. Tailscale
-    if observed.tailscale_running is None:
-        if boot.tailscale_auth_key_file:
-            problems.append("tailscale is not installed, but [bootstrap] tailscale_auth_key_file is set")
-        else:
-            notes.append("tailscale is not installed: the node is reached on its declared address only")
-    elif not observed.tailscale_running:
-        if boot.tailscale_auth_key_file is None:
-            problems.append("tailscale is not up and [bootstrap] tailscale_auth_key_file is not set")
-        else:
-            steps.append(
-                Step(
-                    "tailscale_up",
-                    "not on the tailnet",
-                    argv=("tailscale", "up", f"--auth-key=file:{boot.tailscale_auth_key_file}", f"--hostname={host}"),
-                )
-            )
+    _tailscale(node, host, observed, steps, problems, notes)
 
     # 3. Register
     if not observed.registered:
@@ -226,9 +245,10 @@ def plan_bootstrap(
         steps.append(Step("write_file", reason if observed.files.get(path) is None else f"{reason} (changed)", path=path, content=content))
         return True
 
-    # 4. k3s join settings, for an agent
+    # 4. k3s join settings, for an agent (at first boot, its labels first)
     if boot.k3s_server is not None and boot.k3s_token_file is not None:
-        problems += _k3s_join(host, boot.k3s_server, boot.k3s_token_file, boot.k3s_config_dir, facts, observed, want_file, steps)
+        labels = k3s_labels_dropin(host, host_config, facts) if first_boot else None
+        problems += _k3s_join(host, boot.k3s_server, boot.k3s_token_file, boot.k3s_config_dir, facts, observed, want_file, steps, labels)
 
     # 5. nftables fix (CachyOS/Arch, or as the host file says)
     if needs_nftables_fix(host_config, facts):
@@ -241,14 +261,65 @@ def plan_bootstrap(
             steps.append(Step("load_nft_fix", "the distro ruleset does not let the tailnet through yet"))
 
     # 6. The reconcile timer and a first pass (starts the socat redirects)
+    steps += _timer_and_pass(observed, first_boot)
+    return BootstrapSteps(tuple(steps), tuple(problems), tuple(notes))
+
+
+def _tailscale(node: NodeConfig, host: str, observed: Observed, steps: list[Step], problems: list[str], notes: list[str]) -> None:
+    """Step 1: `tailscale up` with the auth-key file, when the node is not on the tailnet."""
+    key_file = node.bootstrap.tailscale_auth_key_file
+    if observed.tailscale_running is None:
+        if key_file:
+            problems.append("tailscale is not installed, but [bootstrap] tailscale_auth_key_file is set")
+        else:
+            notes.append("tailscale is not installed: the node is reached on its declared address only")
+    elif not observed.tailscale_running:
+        if key_file is None:
+            problems.append("tailscale is not up and [bootstrap] tailscale_auth_key_file is not set")
+        else:
+            steps.append(Step("tailscale_up", "not on the tailnet", argv=("tailscale", "up", f"--auth-key=file:{key_file}", f"--hostname={host}")))
+
+
+def _timer_and_pass(observed: Observed, first_boot: bool) -> list[Step]:
+    """Step 6: the timer, and a pass that starts the port maps (queued at
+    first boot: the bootstrap unit is ordered before the pass's); at first
+    boot the stamp last."""
+    steps: list[Step] = []
     if not observed.timer_active:
         steps.append(Step("enable_timer", f"{RECONCILE_TIMER} is not active"))
     inactive = sorted(unit for unit, active in observed.socat_active.items() if not active)
+    kind: StepKind = "queue_pass" if first_boot else "run_pass"
     if inactive:
-        steps.append(Step("run_pass", f"port maps not running: {', '.join(inactive)}"))
+        steps.append(Step(kind, f"port maps not running: {', '.join(inactive)}"))
     elif not observed.timer_active:
-        steps.append(Step("run_pass", "no pass has run on this node yet"))
+        steps.append(Step(kind, "no pass has run on this node yet"))
+    if first_boot:
+        steps.append(stamp_step("the first-boot bootstrap is done"))
+    return steps
 
+
+def stamp_step(outcome: str) -> Step:
+    """The first-boot bootstrap's last step: the stamp that keeps its unit from running again."""
+    return Step("write_stamp", f"{outcome}: {BOOTSTRAP_SERVICE} does not run again", path=BOOTSTRAP_STAMP, content=f"{outcome}\n")
+
+
+def pending_boot_steps(node: NodeConfig, host: str, observed: Observed) -> BootstrapSteps:
+    """First boot of a machine without a host file: the tailnet, its pending
+    report, the timer whose passes keep reporting it, the stamp. Nothing that
+    gives it work: no k3s join (k3s would schedule pods on its Node), no port
+    maps, no nftables fix; those come with its host file (`fabric admit`)."""
+    steps: list[Step] = []
+    problems: list[str] = []
+    notes: list[str] = []
+    _tailscale(node, host, observed, steps, problems, notes)
+    steps.append(Step("report_pending", "it has no host file in the desired state"))
+    if node.bootstrap.k3s_server is not None:
+        notes.append(
+            f"k3s join skipped: {host} is pending (a pending machine is given no work); after `fabric admit {host}` run `fabric bootstrap` to join"
+        )
+    if not observed.timer_active:
+        steps.append(Step("enable_timer", f"{RECONCILE_TIMER} keeps reporting it pending until it is admitted"))
+    steps.append(stamp_step(f"{host} reported pending"))
     return BootstrapSteps(tuple(steps), tuple(problems), tuple(notes))
 
 
@@ -267,8 +338,10 @@ def _k3s_join(
     observed: Observed,
     want_file: Callable[[str, str, str], bool],
     steps: list[Step],
+    labels: str | None = None,
 ) -> list[str]:
-    """The join's steps (appended to `steps`), or the problems that stop it."""
+    """The join's steps (appended to `steps`), or the problems that stop it;
+    `labels`: the k3s label drop-in to write first (at first boot)."""
     if observed.k3s_server:
         return [
             f"k3s runs here as a server ({K3S_SERVER_UNIT}): its join settings would make it join {server} as another server; "
@@ -279,7 +352,8 @@ def _k3s_join(
             f"the k3s agent is not installed ({K3S_AGENT_UNIT} not found): install it without starting it "
             "(curl -sfL https://get.k3s.io | INSTALL_K3S_EXEC=agent INSTALL_K3S_SKIP_START=true sh -), then run fabric bootstrap again"
         ]
-    changed = want_file(f"{config_dir.strip('/')}/{K3S_JOIN_DROPIN}", k3s_join_dropin(host, server, token_file), "k3s join settings")
+    labelled = labels is not None and want_file(K3S_LABELS_FILE, labels, "k3s node labels, before the join")
+    changed = want_file(f"{config_dir.strip('/')}/{K3S_JOIN_DROPIN}", k3s_join_dropin(host, server, token_file), "k3s join settings") or labelled
     if changed or not observed.k3s_agent_active:
         steps.append(Step("restart_k3s_agent", "to read the join settings" if changed else f"{K3S_AGENT_UNIT} is not running"))
     if changed or not observed.k3s_agent_active or not observed.k3s_node_ready:
@@ -292,5 +366,6 @@ def bootstrap_files(node: NodeConfig) -> list[str]:
     """Every file `plan_bootstrap` may write (relative to the root): what to observe."""
     files = [NFT_FIX_FILE, NFT_FIX_DROPIN]
     if node.bootstrap.k3s_server is not None:
-        files.append(f"{node.bootstrap.k3s_config_dir.strip('/')}/{K3S_JOIN_DROPIN}")
+        config_dir = node.bootstrap.k3s_config_dir.strip("/")
+        files += [f"{config_dir}/{K3S_JOIN_DROPIN}", K3S_LABELS_FILE]
     return files

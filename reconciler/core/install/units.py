@@ -2,7 +2,8 @@
 
 Pure. `fabric-reconcile.service` (one pass, then exit), `fabric-reconcile.timer`
 (on boot, then every interval), `fabric-watch.service` (starts a pass as soon
-as the registry changes for this host) and, on leader candidates,
+as the registry changes for this host), `fabric-bootstrap.service` (the
+bootstrap agent, once at first boot) and, on leader candidates,
 `fabric-leader.service`.
 `scripts/join.sh` installs exactly what `fabric units --write DIR` renders from
 here; the NixOS module (modules/fabric.nix) declares the same values in Nix,
@@ -24,6 +25,22 @@ RECONCILE_SERVICE = "fabric-reconcile.service"
 RECONCILE_TIMER = "fabric-reconcile.timer"
 LEADER_SERVICE = "fabric-leader.service"
 WATCH_SERVICE = "fabric-watch.service"
+BOOTSTRAP_SERVICE = "fabric-bootstrap.service"
+
+# The first-boot bootstrap runs once: its last step writes this stamp
+# (reconciler.core.install.bootstrap.BOOTSTRAP_STAMP, under the root), and
+# the unit's condition skips it while the stamp is there. A failed step
+# leaves no stamp: the next boot runs it again.
+BOOTSTRAP_STAMP_PATH = "/var/lib/fabric/bootstrap.stamp"
+BOOTSTRAP_CONDITION = f"!{BOOTSTRAP_STAMP_PATH}"
+# tailscale up, a k3s agent's join (it waits for the Node to be Ready, up to
+# five minutes), the first pass only queued.
+BOOTSTRAP_TIMEOUT = "15min"
+# Ordering: after the network and tailscaled (the tailnet step needs the
+# daemon; After= on a unit that is not installed orders nothing), before the
+# pass, so the timer's first pass at boot runs on the bootstrapped machine.
+BOOTSTRAP_AFTER = ("network-online.target", "tailscaled.service")
+BOOTSTRAP_BEFORE = ("fabric-reconcile.service",)
 
 # The journal identifier of every pass: `journalctl -t fabric-reconcile` shows
 # the pass's output and the audit entries together.
@@ -196,7 +213,7 @@ class UnitFile:
 
 
 # Keys that may be given several times; values() always returns them as tuples.
-_LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre", "Wants", "After", "Environment"}
+_LIST_KEYS = {"ReadWritePaths", "ReadOnlyPaths", "SystemCallFilter", "ExecStartPre", "Wants", "After", "Before", "Environment"}
 
 
 @dataclass(frozen=True)
@@ -355,6 +372,42 @@ def watch_service(install: Install) -> UnitFile:
     )
 
 
+def bootstrap_argv(install: Install) -> list[str]:
+    """`fabric bootstrap --config node.toml --first-boot` (node.toml names the host)."""
+    return [install.fabric_bin, "bootstrap", "--config", install.config_path, "--first-boot"]
+
+
+def bootstrap_service(install: Install) -> UnitFile:
+    """The seed's bootstrap agent: at first boot, once (its stamp), then exit.
+    It runs as an operator's `fabric bootstrap` would (tailscale up, a k3s
+    agent restart, nft, daemon-reload): no sandbox beyond a private /tmp. With
+    a git [source] it first pulls the desired state, as the pass does."""
+    service: list[tuple[str, str]] = [
+        ("Type", "oneshot"),
+        ("SyslogIdentifier", "fabric-bootstrap"),
+        ("TimeoutStartSec", BOOTSTRAP_TIMEOUT),
+        *_environment(install),
+    ]
+    pull = pull_argv(install)
+    if pull is not None:
+        service.append(("ExecStartPre", " ".join(pull)))
+    service += [("ExecStart", " ".join(bootstrap_argv(install))), ("PrivateTmp", "true"), ("UMask", "0022")]
+    return UnitFile(
+        BOOTSTRAP_SERVICE,
+        {
+            "Unit": [
+                ("Description", "fabric: bootstrap this machine at its first boot (once), then exit"),
+                ("Wants", "network-online.target"),
+                *(("After", unit) for unit in BOOTSTRAP_AFTER),
+                *(("Before", unit) for unit in BOOTSTRAP_BEFORE),
+                ("ConditionPathExists", BOOTSTRAP_CONDITION),
+            ],
+            "Service": service,
+            "Install": [("WantedBy", "multi-user.target")],
+        },
+    )
+
+
 def _hardening(settings: dict[str, str | tuple[str, ...]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for key, value in settings.items():
@@ -367,7 +420,7 @@ def _hardening(settings: dict[str, str | tuple[str, ...]]) -> list[tuple[str, st
 
 def host_units(install: Install, *, leader_candidate: bool) -> list[UnitFile]:
     """Every unit this host needs from the fabric itself (not the rendered ones)."""
-    units = [reconcile_service(install), reconcile_timer(install), watch_service(install)]
+    units = [reconcile_service(install), reconcile_timer(install), watch_service(install), bootstrap_service(install)]
     if leader_candidate:
         units.append(leader_service(install))
     return units

@@ -851,6 +851,16 @@ def _render_phaze(r: _HostRender) -> list[Artifact]:
     return []
 
 
+def k3s_labels_dropin(host_name: str, host: HostConfig, facts: HostFacts, templates: Templates | Path | None = None) -> str | None:
+    """The k3s label drop-in's text (None: no label to give), as every pass
+    renders it; the first-boot bootstrap writes the same text before the k3s
+    agent joins (reconciler.core.install.bootstrap)."""
+    labels = _labels(host, facts, [])
+    if not labels:
+        return None
+    return _template("k3s-labels.yaml.j2", Templates.of(templates), host=host_name, labels=labels)
+
+
 def _render_k3s_labels(r: _HostRender) -> list[Artifact]:
     """k3s node labels from the probe (and the host file)."""
     labels = _labels(r.host, r.facts, r.notes)
