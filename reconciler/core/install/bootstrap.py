@@ -50,6 +50,15 @@ only what applies to it (`pending_boot_steps`): the tailnet, its pending
 report (the caller's), the timer whose passes keep reporting it, the stamp;
 no k3s join, no nftables fix and no port maps: a pending machine is given
 no work, and k3s would schedule pods on a Node that joined.
+
+The stamp's first word says what the bootstrap did: "pending" or
+"complete" (`stamp_state`). Once `fabric admit` has reached a machine whose
+stamp says pending, its first normal pass starts the unit again
+(`after_admission`, carried out by reconciler.engine.bootstrap_start: the
+stamp removed, the start queued, not waited for), which now runs the
+declared host's steps (the k3s join with the labels) and writes the complete
+stamp. Passes start it once: one that fails leaves no stamp and the next
+boot runs it; one that leaves the stamp pending again is only reported.
 """
 
 from __future__ import annotations
