@@ -118,6 +118,13 @@ class Systemd(Protocol):
         """'active', 'inactive', 'failed', ... ('inactive' for an unknown unit)."""
         ...
 
+    def enqueue_start(self, unit: str) -> str:
+        """Queue a start of `unit` (StartUnit, mode "replace") and return the
+        job's path at once, without waiting for it (a pass starting
+        fabric-bootstrap.service, which is ordered before the pass and takes
+        minutes). Raises ActivationError when systemd refuses or cannot be reached."""
+        ...
+
     def units_held(self, units: Sequence[str]) -> dict[str, bool]:
         """For each unit, whether systemd holds its configuration in memory,
         so that a changed file takes effect only after a daemon-reload: a

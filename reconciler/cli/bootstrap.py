@@ -23,7 +23,10 @@ first pass queued rather than waited for (the unit is ordered before the
 pass's), and last the stamp that keeps the unit from running again
 (/var/lib/fabric/bootstrap.stamp). A failed step or bad input leaves no
 stamp, so the next boot tries again. A pending machine gets the tailnet, its
-report, the timer and the stamp (reconciler.core.install.bootstrap.pending_boot_steps).
+report, the timer and a stamp that says "pending" (reconciler.core.install.bootstrap.pending_boot_steps);
+once `fabric admit` has reached it, its first pass starts this unit again
+(reconciler.engine.bootstrap_start), which then runs a declared host's steps
+(the k3s join with its labels) and writes the "complete" stamp.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from reconciler.cli.common import add_node_config, load_node_config, load_or_fai
 from reconciler.cli.registry_options import add_registry_path, opened_registry
 from reconciler.core.desired.model import DesiredState, HostFacts, is_name
 from reconciler.core.install.bootstrap import (
+    BOOTSTRAP_SERVICE,
     RECONCILE_TIMER,
     BootstrapSteps,
     Step,
@@ -120,7 +124,8 @@ def _carry_out(args: argparse.Namespace, plan: BootstrapSteps, execute: Callable
         try:
             execute(step)
         except BootstrapError as exc:
-            raise CommandError(f"bootstrap: {step.kind} failed: {exc}") from None
+            again = f" (no stamp written: {BOOTSTRAP_SERVICE} runs again at the next boot)" if args.first_boot else ""
+            raise CommandError(f"bootstrap: {step.kind} failed: {exc}{again}") from None
         if args.first_boot:
             print(f"done: {step.kind}", flush=True)
 

@@ -482,10 +482,12 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         if converged and len(rounds) + 1 < PASS_ROUNDS:
             moved = epoch_moved_past(functools.partial(ports.open_registry, prepared.desired.fleet), prepared.source)
         if moved is None:
+            retry = False
             if converged:
                 _record_plan_taken(store, prepared.source)
+                report, retry = _bootstrap_after_admission(options, ports, report)
             view = records(result.ok, result.outcome == "rolled-back")
-            if converged:
+            if converged and not retry:
                 report = replace(report, memo_seed=_memo_seed(options, prepared, result.generation, beat, showed_fleet=view is not None))
             return _after_rounds(rounds, report)
         ports.note(another_round_note(moved, prepared.source.plan.epoch))
@@ -494,6 +496,24 @@ def run_pass(options: PassOptions, ports: PassPorts) -> PassReport:
             prepared = _plan_and_render(options, ports, prepared.loaded, prepared.host, prepared.facts, prepared.probe_history, write=True)
         except _BadInput as bad:
             return _after_rounds(rounds, PassReport("bad-input", stderr=bad.lines))
+
+
+def _bootstrap_after_admission(options: PassOptions, ports: PassPorts, report: PassReport, *, dry_run: bool = False) -> tuple[PassReport, bool]:
+    """A bootstrap this host's first boot left pending (no host file then),
+    started now that it is declared (engine.bootstrap_start): the report with
+    the line that says so, and whether the next pass must look again (a
+    start systemd refused: no memo)."""
+    from reconciler.engine.bootstrap_start import start_after_admission
+
+    systemd = ports.activators.systemd if ports.activators is not None else None
+    line, note, retry = start_after_admission(
+        ports.tree, _state_dir(options.state_dir), systemd, ports.audit, declared=options.member_of is None, dry_run=dry_run
+    )
+    if note is not None:
+        ports.note(note)
+    if line is not None:
+        report = replace(report, stdout=report.stdout + line)
+    return report, retry
 
 
 def _pending_pass(options: PassOptions, ports: PassPorts, desired: DesiredState) -> PassReport:
@@ -684,7 +704,8 @@ def preview_pass(options: PassOptions, ports: PassPorts) -> PassReport:
         applier.activators = None
         actions, unfinished = applier.compute_actions(artifacts)
     text = ("the last pass did not finish activating; this pass completes it\n" if unfinished else "") + actions.text()
-    return PassReport("planned", text, preview=Preview(prepared.host, actions, unfinished, tuple(prepared.rendered.notes)))
+    report = PassReport("planned", text, preview=Preview(prepared.host, actions, unfinished, tuple(prepared.rendered.notes)))
+    return _bootstrap_after_admission(options, ports, report, dry_run=True)[0]
 
 
 # --------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.core.install.nodeconfig import parse_node_config
-from reconciler.core.install.units import BOOTSTRAP_SERVICE, BOOTSTRAP_STAMP_PATH, Install, host_units
+from reconciler.core.install.units import BOOTSTRAP_SERVICE, BOOTSTRAP_STAMP_PATH, PASS_DIRECTORIES, Install, host_units
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.support.edge_host import DESIRED, SITE, copy_dependencies
 from tests.support.harness.etcd import TestPki
@@ -141,8 +141,11 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdContain
 
 
 def install_units(container: SystemdContainer, text: str) -> None:
-    """node.toml and the units `fabric units --write` renders from it (join.sh's)."""
+    """node.toml, the units `fabric units --write` renders from it and the
+    directories a pass writes into (join.sh's)."""
     container.write_file("/etc/fabric/node.toml", text)
+    made = container.run("mkdir", "-p", *PASS_DIRECTORIES)
+    assert made.returncode == 0, made.stderr
     install = Install(fabric_bin=FABRIC, node=parse_node_config(text), search_path=SEARCH_PATH)
     for unit in host_units(install, leader_candidate=False):
         container.write_file(f"/etc/systemd/system/{unit.name}", unit.text())
@@ -280,3 +283,80 @@ def test_a_declared_host_registers_and_its_k3s_agent_joins_once_with_its_labels(
     assert boot(machine)["ConditionResult"] == "no"
     wait_until(lambda: unit_state(machine)["ActiveState"] == "inactive", timeout=30, what="the skipped bootstrap unit")
     assert len(machine.read_file(K3S_RECORD).splitlines()) == 1
+
+
+NEWBOX_FILE = f"{DESIRED}/newbox.toml"
+# `fabric admit newbox`'s commit, as it reaches the machine's checkout.
+NEWBOX_TOML = (
+    '[host]\nname = "newbox"\nroles = ["compute"]\naddress = "100.101.7.23"\n\n[limits]\nmax_concurrent_tasks = 2\nmax_concurrent_ceiling = 4\n'
+)
+ASKED = "/var/lib/fabric/bootstrap-after-admission.json"
+
+
+def run_pass(container: SystemdContainer) -> None:
+    """One pass, as the timer starts it (returns once it has ended)."""
+    done = container.systemctl("start", "fabric-reconcile.service", timeout=BOOT_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr + container.journal("-o", "cat", "--unit=fabric-reconcile.service")
+
+
+def test_a_pending_machine_joins_k3s_once_its_host_file_reaches_it(machine: SystemdContainer) -> None:
+    """Admission needs nothing else: the first pass of the now-declared host
+    starts the bootstrap its first boot left pending, which joins k3s with
+    the labels and writes the complete stamp; later passes leave it alone."""
+    for path in (BOOTSTRAP_STAMP_PATH, K3S_RECORD, NEWBOX_FILE, ASKED):
+        machine.remove_file(path)
+    machine.write_file("/usr/local/lib/k3s-standin.py", K3S_STANDIN)
+    machine.write_file("/etc/systemd/system/k3s-agent.service", K3S_AGENT_UNIT)
+    machine.write_file(TOKEN_FILE, "K10secret::server:token\n", mode=0o600)
+    assert machine.systemctl("stop", "k3s-agent.service").returncode == 0
+    install_units(machine, node_toml("newbox", f'[bootstrap]\nk3s_server = "https://100.101.7.10:6443"\nk3s_token_file = "{TOKEN_FILE}"\n'))
+    assert machine.run("hostname", "newbox").returncode == 0
+    try:
+        first = boot(machine)
+        assert (first["Result"], first["ConditionResult"]) == ("success", "yes"), bootstrap_journal(machine)
+        journal = bootstrap_journal(machine, first["InvocationID"])
+        assert "k3s join skipped: newbox is pending" in journal and "starts fabric-bootstrap.service again" in journal, journal
+        assert machine.read_file(BOOTSTRAP_STAMP_PATH).startswith("pending: newbox reported pending")
+        assert not machine.host_path(K3S_RECORD).exists(), "a pending machine's k3s agent must not join"
+        # Passes are run by the test from here (the timer would race it).
+        assert machine.systemctl("disable", "--now", "fabric-reconcile.timer").returncode == 0
+        run_pass(machine)  # still pending: nothing started
+        assert unit_state(machine)["InvocationID"] == first["InvocationID"]
+
+        # Admission: `fabric admit newbox`'s commit reaches the machine.
+        machine.write_file(NEWBOX_FILE, NEWBOX_TOML)
+        run_pass(machine)
+        passes = machine.journal("-o", "cat", "--unit=fabric-reconcile.service")
+        assert passes.count("started fabric-bootstrap.service (bootstrap left pending at first boot; not waited for)") == 1, passes
+        wait_until(
+            lambda: (machine.read_file(BOOTSTRAP_STAMP_PATH) if stamped(machine) else "").startswith("complete:"),
+            timeout=BOOT_TIMEOUT_S,
+            what="the bootstrap after admission to write its complete stamp",
+        )
+        after = unit_state(machine)
+        assert after["InvocationID"] != first["InvocationID"] and after["Result"] == "success", bootstrap_journal(machine)
+        journal = bootstrap_journal(machine, after["InvocationID"])
+        # The pass registered it and wrote its label drop-in already: the join, the complete stamp last.
+        order = [line.split(":", 1)[0] for line in journal.splitlines() if not line.startswith(("done: ", "note: ", "ready: "))]
+        joined = ["write_file etc/rancher/k3s/config.yaml.d/10-fabric-join.yaml", "restart_k3s_agent", "wait_k3s_node"]
+        assert [step for step in order if step in joined] == joined and order[-1] == "write_stamp var/lib/fabric/bootstrap.stamp", journal
+        assert "register" not in order, journal
+        assert "ready: newbox" in journal, journal
+
+        # The k3s agent joined once, with the join settings and the pass's labels.
+        (start,) = [json.loads(line) for line in machine.read_file(K3S_RECORD).splitlines()]
+        assert start["node"] == "newbox" and 'server: "https://100.101.7.10:6443"' in start["config"]["10-fabric-join.yaml"]
+        assert '"topology.researchstack.io/tier=' in start["config"]["50-fabric-labels.yaml"], start
+        assert fabric_nodes(machine)["newbox"]["status"] == "active"
+
+        # A later pass (once the bootstrap's own queued pass has ended) does nothing about it.
+        wait_until(
+            lambda: machine.systemctl("is-active", "fabric-reconcile.service").stdout.strip() != "activating", timeout=120, what="the queued pass"
+        )
+        run_pass(machine)
+        run_pass(machine)
+        assert unit_state(machine)["InvocationID"] == after["InvocationID"]
+        assert machine.journal("-o", "cat", "--unit=fabric-reconcile.service").count("started fabric-bootstrap.service") == 1
+        assert len(machine.read_file(K3S_RECORD).splitlines()) == 1
+    finally:
+        machine.remove_file(NEWBOX_FILE)

@@ -133,6 +133,11 @@ class FakeMachine:
                 del loaded[unit]
         self._save()
 
+    def enqueue_start(self, unit: str) -> str:
+        """A start queued, not waited for: only recorded (the unit's own run is not modelled)."""
+        self._call("enqueue-start", unit)
+        return f"/org/freedesktop/systemd1/job/{len(self.state['calls'])}"
+
     def units_held(self, units: list[str]) -> dict[str, bool]:
         return {unit: self._load(unit) != NOT_FOUND or self.state["version"] < 246 for unit in units}
 
@@ -203,6 +208,8 @@ class FakeMachine:
 
     def active_state(self, unit: str) -> str:
         self._load(unit)
+        if unit in self.state.get("failed", []):  # set by a test: a unit that ran and failed
+            return "failed"
         return "active" if unit in self.state["active"] else "inactive"
 
     # Nftables

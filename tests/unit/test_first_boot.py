@@ -15,6 +15,7 @@ import pytest
 from reconciler.cli import main
 from reconciler.core.desired.load import load_desired
 from reconciler.core.install.bootstrap import (
+    BOOTSTRAP_ASKED,
     BOOTSTRAP_STAMP,
     K3S_JOIN_DROPIN,
     K3S_LABELS_FILE,
@@ -22,15 +23,18 @@ from reconciler.core.install.bootstrap import (
     NFT_FIX_FILE,
     Observed,
     Step,
+    after_admission,
     bootstrap_files,
     pending_boot_steps,
     plan_bootstrap,
     socat_units,
+    stamp_state,
 )
 from reconciler.core.install.nodeconfig import parse_node_config
 from reconciler.core.render.artifacts import Layout
 from reconciler.ports import BootstrapError
 from tests.conftest import EXAMPLE_FLEET, REPO
+from tests.support.fleet import Fleet
 from tests.support.render import facts as example_facts
 from tests.support.render import files as rendered_files
 
@@ -199,3 +203,114 @@ def test_cli_first_boot_of_a_declared_host(tmp_path: Path, capsys: pytest.Captur
     else:
         assert status == 1 and "bootstrap: register failed" in err
         assert io.done == []
+
+
+# --------------------------------------------------------------------------
+# After admission: the first pass of a now-declared host starts the
+# bootstrap its first boot left pending (core: after_admission; engine:
+# reconciler.engine.bootstrap_start).
+
+
+def test_the_stamp_says_what_the_bootstrap_did() -> None:
+    pending = pending_boot_steps(NODE, "mystery", new_machine("mystery")).steps[-1]
+    done = plan_bootstrap(node=NODE, desired=STATE, host="lux", facts=example_facts("lux"), observed=new_machine("lux"), first_boot=True).steps[-1]
+    assert stamp_state(pending.content) == "pending" and (pending.content or "").startswith("pending: mystery reported pending")
+    assert stamp_state(done.content) == "complete"
+    # Stamps written before they named their state read by their words.
+    assert stamp_state("mystery reported pending\n") == "pending"
+    assert stamp_state("the first-boot bootstrap is done\n") == "complete"
+    assert stamp_state(None) is None
+
+
+PENDING_STAMP = "pending: newbox reported pending\n"
+COMPLETE_STAMP = "complete: the first-boot bootstrap is done\n"
+
+
+@pytest.mark.parametrize(
+    ("stamp", "declared", "asked", "failed", "expected"),
+    [
+        # incomplete + declared: start it, once
+        (PENDING_STAMP, True, False, False, "start"),
+        # complete, or never finished (the unit runs by itself at the next boot): nothing
+        (COMPLETE_STAMP, True, False, False, None),
+        (None, True, False, False, None),
+        # still pending (no host file, or a group's member): nothing
+        (PENDING_STAMP, False, False, False, None),
+        # started after admission already and left pending again: only said
+        (PENDING_STAMP, True, True, False, "note"),
+        # started after admission and failed (no stamp): only said, the next boot retries
+        (None, True, True, True, "note"),
+        (None, True, True, False, None),
+    ],
+)
+def test_after_admission_decides_once(stamp: str | None, declared: bool, asked: bool, failed: bool, expected: str | None) -> None:
+    decision = after_admission(stamp=stamp, declared=declared, asked=asked, unit_failed=failed)
+    kind = None if decision is None else ("start" if decision.start else "note")
+    assert kind == expected, decision
+    if kind == "start":
+        assert decision is not None and decision.line == "start fabric-bootstrap.service (bootstrap left pending at first boot)"
+    if kind == "note" and failed:
+        assert decision is not None and "runs again at the next boot" in decision.line
+
+
+def _admitted(tmp_path: Path) -> Fleet:
+    fleet = Fleet(tmp_path)
+    assert fleet.reconcile().ok
+    (fleet.root / BOOTSTRAP_STAMP).write_text(PENDING_STAMP)
+    fleet.machine.forget_calls()
+    return fleet
+
+
+def test_the_first_pass_after_admission_starts_the_bootstrap_once_without_waiting(tmp_path: Path) -> None:
+    fleet = _admitted(tmp_path)
+    assert "would start fabric-bootstrap.service (bootstrap left pending at first boot)" in fleet.preview().stdout
+    assert (fleet.root / BOOTSTRAP_STAMP).exists(), "fabric plan changes nothing"
+
+    report = fleet.reconcile()
+    assert report.outcome == "noop" and report.ok
+    assert report.stdout.endswith("started fabric-bootstrap.service (bootstrap left pending at first boot; not waited for)\n"), report.stdout
+    assert fleet.machine.calls == [("enqueue-start", "fabric-bootstrap.service")]
+    # The unit's condition would skip it while the stamp is there.
+    assert not (fleet.root / BOOTSTRAP_STAMP).exists()
+    assert (fleet.root / "var/lib/fabric" / BOOTSTRAP_ASKED).exists()
+    assert [r["outcome"] for r in fleet.audit.records if r.get("unit") == "fabric-bootstrap.service"] == ["ok"]
+
+    # The bootstrap wrote its complete stamp: the next passes do nothing about it.
+    (fleet.root / BOOTSTRAP_STAMP).write_text(COMPLETE_STAMP)
+    fleet.machine.forget_calls()
+    assert fleet.reconcile().stdout == "nothing to do (generation 1)\n"
+    assert fleet.machine.calls == []
+
+
+def test_a_bootstrap_left_pending_again_is_not_started_again(tmp_path: Path) -> None:
+    fleet = _admitted(tmp_path)
+    assert "started fabric-bootstrap.service" in fleet.reconcile().stdout
+    (fleet.root / BOOTSTRAP_STAMP).write_text(PENDING_STAMP)  # it ran and said pending again
+    fleet.machine.forget_calls()
+    for _ in range(3):
+        assert fleet.reconcile().stdout == "nothing to do (generation 1)\n"
+    assert fleet.machine.calls == []
+    assert any("left the bootstrap pending again: not started again" in note for note in fleet.notes), fleet.notes
+
+
+def test_a_bootstrap_that_failed_after_admission_is_left_to_the_next_boot(tmp_path: Path) -> None:
+    fleet = _admitted(tmp_path)
+    assert "started fabric-bootstrap.service" in fleet.reconcile().stdout
+    # It failed: no stamp (its unit is "failed").
+    fleet.machine.state["failed"] = ["fabric-bootstrap.service"]
+    fleet.machine.forget_calls()
+    for _ in range(3):
+        assert "started" not in fleet.reconcile().stdout
+    assert ("enqueue-start", "fabric-bootstrap.service") not in fleet.machine.calls
+    assert any("failed after admission" in note and "runs again at the next boot" in note for note in fleet.notes), fleet.notes
+
+
+def test_a_start_systemd_refuses_puts_the_stamp_back_for_the_next_pass(tmp_path: Path) -> None:
+    fleet = _admitted(tmp_path)
+    fleet.machine.fail["enqueue-start"] = "systemd is not reachable"
+    report = fleet.reconcile()
+    assert "started" not in report.stdout and report.memo_seed is None
+    assert (fleet.root / BOOTSTRAP_STAMP).read_text() == PENDING_STAMP
+    assert not (fleet.root / "var/lib/fabric" / BOOTSTRAP_ASKED).exists()
+    assert any("could not be started" in note and "the next pass tries again" in note for note in fleet.notes), fleet.notes
+    assert "started fabric-bootstrap.service" in fleet.reconcile().stdout

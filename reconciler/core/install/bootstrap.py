@@ -50,6 +50,15 @@ only what applies to it (`pending_boot_steps`): the tailnet, its pending
 report (the caller's), the timer whose passes keep reporting it, the stamp;
 no k3s join, no nftables fix and no port maps: a pending machine is given
 no work, and k3s would schedule pods on a Node that joined.
+
+The stamp's first word says what the bootstrap did: "pending" or
+"complete" (`stamp_state`). Once `fabric admit` has reached a machine whose
+stamp says pending, its first normal pass starts the unit again
+(`after_admission`, carried out by reconciler.engine.bootstrap_start: the
+stamp removed, the start queued, not waited for), which now runs the
+declared host's steps (the k3s join with the labels) and writes the complete
+stamp. Passes start it once: one that fails leaves no stamp and the next
+boot runs it; one that leaves the stamp pending again is only reported.
 """
 
 from __future__ import annotations
@@ -294,13 +303,81 @@ def _timer_and_pass(observed: Observed, first_boot: bool) -> list[Step]:
     elif not observed.timer_active:
         steps.append(Step(kind, "no pass has run on this node yet"))
     if first_boot:
-        steps.append(stamp_step("the first-boot bootstrap is done"))
+        steps.append(stamp_step("the first-boot bootstrap is done", STAMP_COMPLETE))
     return steps
 
 
-def stamp_step(outcome: str) -> Step:
-    """The first-boot bootstrap's last step: the stamp that keeps its unit from running again."""
-    return Step("write_stamp", f"{outcome}: {BOOTSTRAP_SERVICE} does not run again", path=BOOTSTRAP_STAMP, content=f"{outcome}\n")
+StampState = Literal["pending", "complete"]
+STAMP_PENDING: StampState = "pending"
+STAMP_COMPLETE: StampState = "complete"
+
+
+def stamp_step(outcome: str, state: StampState) -> Step:
+    """The first-boot bootstrap's last step: the stamp that keeps its unit
+    from running again at boot, its first word what the bootstrap did
+    (`stamp_state`): "pending" (no host file yet: the first pass after
+    admission starts the unit again, `after_admission`) or "complete"."""
+    again = "at boot until its first pass after `fabric admit`" if state == STAMP_PENDING else "again"
+    return Step("write_stamp", f"{outcome}: {BOOTSTRAP_SERVICE} does not run {again}", path=BOOTSTRAP_STAMP, content=f"{state}: {outcome}\n")
+
+
+def stamp_state(text: str | None) -> StampState | None:
+    """What a stamp says the first-boot bootstrap did (None: no stamp). A
+    stamp written before stamps named it ("HOST reported pending", "the
+    first-boot bootstrap is done") reads by its words."""
+    if text is None:
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return STAMP_PENDING if first.startswith(f"{STAMP_PENDING}:") or first.endswith("reported pending") else STAMP_COMPLETE
+
+
+# In the pass's state directory: the pass started the bootstrap after
+# admission (`after_admission`); it does not start it again while a stamp
+# still says pending.
+BOOTSTRAP_ASKED = "bootstrap-after-admission.json"
+LEFT_PENDING = "bootstrap left pending at first boot"
+
+
+@dataclass(frozen=True)
+class AfterAdmission:
+    """What a declared host's pass does about a bootstrap its first boot left
+    pending: `start` the unit (the stamp removed first: the unit's condition
+    skips it while the stamp is there), or only say `note`."""
+
+    start: bool
+    line: str
+
+
+def after_admission(*, stamp: str | None, declared: bool, asked: bool, unit_failed: bool) -> AfterAdmission | None:
+    """The pure decision of a host's pass about fabric-bootstrap.service.
+
+    `stamp`: the stamp's text (None: none: the unit never ran to its end, and
+    runs by itself at the next boot); `declared`: the host has a host file
+    (not a group's member); `asked`: a pass started it after admission
+    already (BOOTSTRAP_ASKED); `unit_failed`: the unit's ActiveState is
+    "failed". A pending stamp of a declared host starts the unit once, without
+    waiting for it (it is ordered before the pass, and queues a pass itself).
+    It is never started twice by passes: one that failed left no stamp, and
+    the next boot runs it (once per boot); one that left the stamp pending
+    again is only reported."""
+    state = stamp_state(stamp)
+    if state is None:
+        if asked and unit_failed:
+            return AfterAdmission(
+                False,
+                f"{BOOTSTRAP_SERVICE} failed after admission ({LEFT_PENDING}); not started again by a pass: it runs again at the next boot, "
+                f"or now with `systemctl start {BOOTSTRAP_SERVICE}` (journalctl -u {BOOTSTRAP_SERVICE})",
+            )
+        return None
+    if state == STAMP_COMPLETE or not declared:
+        return None
+    if asked:
+        return AfterAdmission(
+            False,
+            f"{BOOTSTRAP_SERVICE} ran after admission and left the bootstrap pending again: not started again "
+            f"(journalctl -u {BOOTSTRAP_SERVICE}; to retry: rm {BOOTSTRAP_STAMP_PATH} && systemctl start {BOOTSTRAP_SERVICE})",
+        )
+    return AfterAdmission(True, f"start {BOOTSTRAP_SERVICE} ({LEFT_PENDING})")
 
 
 def pending_boot_steps(node: NodeConfig, host: str, observed: Observed) -> BootstrapSteps:
@@ -315,11 +392,12 @@ def pending_boot_steps(node: NodeConfig, host: str, observed: Observed) -> Boots
     steps.append(Step("report_pending", "it has no host file in the desired state"))
     if node.bootstrap.k3s_server is not None:
         notes.append(
-            f"k3s join skipped: {host} is pending (a pending machine is given no work); after `fabric admit {host}` run `fabric bootstrap` to join"
+            f"k3s join skipped: {host} is pending (a pending machine is given no work); "
+            f"its first pass after `fabric admit {host}` starts {BOOTSTRAP_SERVICE} again, which joins"
         )
     if not observed.timer_active:
         steps.append(Step("enable_timer", f"{RECONCILE_TIMER} keeps reporting it pending until it is admitted"))
-    steps.append(stamp_step(f"{host} reported pending"))
+    steps.append(stamp_step(f"{host} reported pending", STAMP_PENDING))
     return BootstrapSteps(tuple(steps), tuple(problems), tuple(notes))
 
 
