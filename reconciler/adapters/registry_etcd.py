@@ -161,6 +161,7 @@ from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, 
 
 T = TypeVar("T")
 M = TypeVar("M", NodeRecord, NodeState)
+_ReportT = TypeVar("_ReportT", PendingRecord, MemberRecord)
 
 _ACCESS = {auth_pb2.Permission.READ: "read", auth_pb2.Permission.WRITE: "write", auth_pb2.Permission.READWRITE: "readwrite"}
 _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
@@ -629,18 +630,25 @@ class EtcdRegistry(LifecycleMixin):
 
     def report_pending(self, record: PendingRecord, ttl_s: float) -> PendingRecord:
         node_id = check_node_id(record.node_id)
-        key = self._key("pending", node_id)
-        ttl = float(ttl_s)
+        return self._report(record, f"pending/{node_id}", node_id, ttl_s, f"pending report of {node_id}")
 
-        async def op(c: _Client) -> PendingRecord:
+    def _report(self, record: _ReportT, name: str, node_id: str, ttl_s: float, what: str) -> _ReportT:
+        """Put a report (pending or member: no authority) at key `name` on a
+        lease of its own of `ttl_s`, keeping the first_seen of the report it
+        replaces; the replaced report's lease is revoked after the put."""
+        key = self._key(*name.split("/"))
+        ttl = float(ttl_s)
+        model = type(record)
+
+        async def op(c: _Client) -> _ReportT:
             kv = await c.get(key)
-            earlier, _ = parse_record(PendingRecord, kv.value, key=f"pending/{node_id}", node=node_id) if kv is not None else (None, None)
+            earlier, _ = parse_record(model, kv.value, key=name, node=node_id) if kv is not None else (None, None)
             now = from_epoch_seconds(self._now())
             first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else now
             stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": ttl})
             value = stored.model_dump_json().encode()
             if len(value) > MAX_RECORD_BYTES:
-                raise RegistryError(f"pending report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+                raise RegistryError(f"{what}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
             lease = await c.lease(math.ceil(ttl))
             await c.put(key, value, lease=lease.id)
             if kv is not None and kv.lease:
@@ -650,7 +658,7 @@ class EtcdRegistry(LifecycleMixin):
                     pass
             return stored
 
-        return self._call(op, f"the pending report of {node_id}")
+        return self._call(op, f"the {what}")
 
     def pending_nodes(self) -> tuple[list[PendingRecord], list[str]]:
         start = self._key("pending") + b"/"
@@ -676,28 +684,7 @@ class EtcdRegistry(LifecycleMixin):
 
     def report_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
         node_id, group = check_node_id(record.node_id), check_node_id(record.group)
-        key = self._key("members", group, node_id)
-        ttl = float(ttl_s)
-
-        async def op(c: _Client) -> MemberRecord:
-            kv = await c.get(key)
-            earlier, _ = parse_record(MemberRecord, kv.value, key=f"members/{group}/{node_id}", node=node_id) if kv is not None else (None, None)
-            now = from_epoch_seconds(self._now())
-            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else now
-            stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": ttl})
-            value = stored.model_dump_json().encode()
-            if len(value) > MAX_RECORD_BYTES:
-                raise RegistryError(f"member report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
-            lease = await c.lease(math.ceil(ttl))
-            await c.put(key, value, lease=lease.id)
-            if kv is not None and kv.lease:
-                try:
-                    await c.revoke_lease(kv.lease)  # the earlier report's lease (its key is rewritten already)
-                except aetcd.ClientError:
-                    pass
-            return stored
-
-        return self._call(op, f"the member report of {group}/{node_id}")
+        return self._report(record, f"members/{group}/{node_id}", node_id, ttl_s, f"member report of {group}/{node_id}")
 
     def group_members(self) -> tuple[list[MemberRecord], list[str]]:
         start = self._key("members") + b"/"
