@@ -17,16 +17,14 @@ record whose key names another group than the record is unreadable.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-
 from pydantic import Field
 
 from reconciler.core.desired.model import HostFacts
+from reconciler.core.live.pending import ExpiringReport
 from reconciler.core.live.records import MAX_BEAT_TIMEOUT_S, MAX_COUNT, NodeId, PlausibleTime, _Record
-from reconciler.core.timestamps import utc
 
 
-class MemberRecord(_Record):
+class MemberRecord(_Record, ExpiringReport):
     """One member's report: its group, what its probe found, what it runs."""
 
     node_id: NodeId = Field(description="The member's name (unique in the fleet; never a declared host's).")
@@ -41,12 +39,3 @@ class MemberRecord(_Record):
     first_seen: PlausibleTime | None = Field(None, description="When it first reported (kept across its reports); set by the registry.")
     reported_at: PlausibleTime | None = Field(None, description="When it last reported; set by the registry.")
     timeout_s: float | None = Field(None, gt=0, le=MAX_BEAT_TIMEOUT_S, allow_inf_nan=False, description="It expires this long after its last report.")
-
-    def expires_at(self) -> datetime | None:
-        if self.reported_at is None or self.timeout_s is None:
-            return None
-        return utc(self.reported_at) + timedelta(seconds=self.timeout_s)
-
-    def live_at(self, now: datetime) -> bool:
-        expiry = self.expires_at()
-        return expiry is None or utc(now) < expiry

@@ -13,6 +13,7 @@ and only the commit of that file makes the machine a host.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -24,14 +25,15 @@ from reconciler.core.timestamps import utc
 PENDING = "pending"
 
 
-class PendingRecord(_Record):
-    """One machine's report that it waits for admission (no authority)."""
+class ExpiringReport:
+    """A report that lapses `timeout_s` after the registry stamped it
+    (`reported_at`): a pending machine's, a group member's."""
 
-    node_id: NodeId = Field(description="The machine's host name (the name its host file will have).")
-    facts: HostFacts = Field(description="Its whole probe record (the seed's data model).")
-    first_seen: PlausibleTime | None = Field(None, description="When it first reported pending (kept across its reports); set by the registry.")
-    reported_at: PlausibleTime | None = Field(None, description="When it last reported; set by the registry.")
-    timeout_s: float | None = Field(None, gt=0, le=MAX_BEAT_TIMEOUT_S, allow_inf_nan=False, description="It expires this long after its last report.")
+    # The models' own fields (declared for the type checker only: as
+    # annotations here, pydantic would take them for fields of this base).
+    if TYPE_CHECKING:
+        reported_at: datetime | None
+        timeout_s: float | None
 
     def expires_at(self) -> datetime | None:
         if self.reported_at is None or self.timeout_s is None:
@@ -41,6 +43,16 @@ class PendingRecord(_Record):
     def live_at(self, now: datetime) -> bool:
         expiry = self.expires_at()
         return expiry is None or utc(now) < expiry
+
+
+class PendingRecord(_Record, ExpiringReport):
+    """One machine's report that it waits for admission (no authority)."""
+
+    node_id: NodeId = Field(description="The machine's host name (the name its host file will have).")
+    facts: HostFacts = Field(description="Its whole probe record (the seed's data model).")
+    first_seen: PlausibleTime | None = Field(None, description="When it first reported pending (kept across its reports); set by the registry.")
+    reported_at: PlausibleTime | None = Field(None, description="When it last reported; set by the registry.")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_BEAT_TIMEOUT_S, allow_inf_nan=False, description="It expires this long after its last report.")
 
 
 def admission_command(host: str) -> str:
