@@ -447,18 +447,39 @@ class EtcdRegistry(LifecycleMixin):
                 pass
 
     async def _with_failover(self, op: Callable[[_Client], Awaitable[T]]) -> T:
-        last: Exception | None = None
-        for _ in range(len(self._endpoints)):
+        last: BaseException | None = None
+        failed = 0
+        lost = 0
+        while failed < len(self._endpoints):
             if self._client is None:
                 self._client = self._make_client()
+            client = self._client
             try:
-                return await asyncio.wait_for(op(self._client), self._op_timeout * 2)
+                return await asyncio.wait_for(op(client), self._op_timeout * 2)
             except _UNREACHABLE as exc:
                 last = exc
-                await self._drop_client()
-                self._current = (self._current + 1) % len(self._endpoints)
+                failed += 1
+                if self._client is client:
+                    await self._drop_client()
+                    self._current = (self._current + 1) % len(self._endpoints)
+            except asyncio.CancelledError as exc:
+                # gRPC cancels every call in flight on a channel that is closed:
+                # another call's failover (or the view's) dropped this client
+                # under this request. Not a cancellation of this request itself
+                # (close(), _call's deadline): try once more on a fresh client,
+                # the endpoint is not at fault.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                last = exc
+                if lost >= 1:
+                    break
+                lost += 1
+                if self._client is client:
+                    await self._drop_client()
         names = ", ".join(e.geturl() for e in self._endpoints)
-        raise RegistryUnavailable(f"no etcd endpoint answers ({names}): {last}")
+        detail = str(last) or f"{type(last).__name__} (the connection closed under the request)"
+        raise RegistryUnavailable(f"no etcd endpoint answers ({names}): {detail}")
 
     def _call(self, op: Callable[[_Client], Awaitable[T]], what: str = "the request") -> T:
         if self._closed:

@@ -3,11 +3,13 @@ unreachable cluster, and a TLS member with client certificates."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,6 +122,40 @@ def test_an_unreachable_registry_raises_registry_unavailable():
         ):
             with pytest.raises(RegistryUnavailable, match="no etcd endpoint answers"):
                 call()
+    finally:
+        registry.close()
+
+
+def _closing_its_channel(registry: EtcdRegistry, times: int) -> tuple[Callable[[Any], Awaitable[Any]], list[object]]:
+    """A read during which, the first `times` times, the client is dropped
+    (its gRPC channel closed) as another call's failover does: the read in
+    flight is cancelled by gRPC under the request."""
+    clients: list[object] = []
+
+    async def read(client: Any) -> Any:
+        clients.append(client)
+        if len(clients) <= times:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(registry._drop_client()))
+        return await client.get(b"/fabric-test/nothing")
+
+    return read, clients
+
+
+def test_a_request_whose_connection_another_call_closes_is_tried_again_on_a_fresh_one(cluster: EtcdCluster) -> None:
+    """Seen in the fleet: etcd stopped, one call's failover closed the channel
+    another was reading on, and gRPC's cancellation reached `fabric leader
+    run` as a CancelledError that killed it."""
+    registry = open_etcd(cluster.endpoints)
+    try:
+        read, clients = _closing_its_channel(registry, times=1)
+        assert registry._call(read) is None
+        assert len(clients) == 2 and clients[0] is not clients[1], clients
+        # Closed under it again and again: an outage to the caller, never a CancelledError.
+        read, clients = _closing_its_channel(registry, times=10)
+        with pytest.raises(RegistryUnavailable, match="closed under the request"):
+            registry._call(read)
+        assert len(clients) == 2
+        assert registry.leader() is None  # and the next request is served (no leader under this prefix)
     finally:
         registry.close()
 
