@@ -137,6 +137,10 @@ PODMAN_STANDIN = REPO / "tests" / "e2e" / "podman_standin.py"
 HOST_OCTETS: dict[str, int] = {"lux": 10, "qfox-1": 11, "racknerd": 2, "a1-arm64": 21, "x86-spill": 22}
 ETCD_OCTET = 5
 CLIENT_OCTET = 100
+# A source outside the tailnet (TEST-NET-1, not in 100.64.0.0/10): the client
+# namespace takes it as a second address and the edge answers it on its link,
+# so a request can come from where the tailnet-only sites refuse it.
+OUTSIDE_ADDRESS = "192.0.2.100"
 THIS_HOST_OCTET = 254
 # Held while a fleet picks its /24 and puts its bridge address on it, so two
 # fleets brought up at once (several test runs on one machine) never pick the same.
@@ -1120,10 +1124,12 @@ class Fleet:
             cwd=REPO,
         )
 
-    def request(self, host_name: str, path: str = "/", timeout: float = 3.0) -> tuple[int, str]:
+    def request(self, host_name: str, path: str = "/", timeout: float = 3.0, *, outside: bool = False) -> tuple[int, str]:
         """GET https://HOST_NAME/PATH from the client namespace through the edge
-        (status, body); status 0 when no HTTP answer came back."""
+        (status, body); status 0 when no HTTP answer came back. `outside`: from
+        OUTSIDE_ADDRESS, a source outside the tailnet."""
         edge = self.settings.host_address(self.edge)
+        source = ["--interface", self._outside_source()] if outside else []
         done = subprocess.run(
             [
                 "ip",
@@ -1132,6 +1138,7 @@ class Fleet:
                 self.client_namespace,
                 "curl",
                 "-sk",
+                *source,
                 "--max-time",
                 str(timeout),
                 "--resolve",
@@ -1147,6 +1154,15 @@ class Fleet:
         )
         body, _, code = done.stdout.rpartition("\n")
         return (int(code) if code.isdigit() else 0), body
+
+    def _outside_source(self) -> str:
+        """OUTSIDE_ADDRESS on the client namespace's link, and an on-link
+        route to it in the edge (both idempotent: `replace`). They leave with
+        the namespace and the container."""
+        _run("ip", "netns", "exec", self.client_namespace, "ip", "addr", "replace", f"{OUTSIDE_ADDRESS}/32", "dev", "eth0")
+        done = self.container(self.edge).run("ip", "route", "replace", f"{OUTSIDE_ADDRESS}/32", "dev", "eth0")
+        assert done.returncode == 0, f"a route to {OUTSIDE_ADDRESS} in {self.edge}: {done.stderr}"
+        return OUTSIDE_ADDRESS
 
     def journal(self, name: str, *args: str) -> str:
         return self.container(name).journal(*args)

@@ -30,6 +30,7 @@ import subprocess
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -38,6 +39,8 @@ from cryptography.x509.oid import NameOID
 from reconciler.core.desired.model import TIER_SCORE, DesiredState
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.signing import verify_plan
+from reconciler.core.render.status_site import status_site_address
+from tests.conftest import require
 from tests.e2e.conftest import SETTINGS
 from tests.e2e.fleet import (
     DESIRED_DIR,
@@ -617,6 +620,11 @@ def test_audit_journal_shows_the_actions(fleet: Fleet, desired: DesiredState) ->
 #            off: the leader places that replica on the new node (the
 #            highest tier, the least loaded), which runs it, and the
 #            edge's Caddy answers from it
+# api        the capabilities API through the edge's Caddy (a GET from the
+#            client namespace, as `curl | jq` would): the pending machine
+#            with status pending and its probed hardware, then every node
+#            as `fabric nodes --json` lists it; from an address outside the
+#            tailnet, 403
 
 MACHINE = "gpu-srv-01"  # the capture's own host name
 OCTET = 30
@@ -632,6 +640,21 @@ def join_capture(address: str) -> dict[str, str]:
     old = status["Self"]["TailscaleIPs"][0]
     files["tailscale.json"] = json.dumps(status).replace(f'"{old}"', f'"{address}"').replace(f'"{old}/32"', f'"{address}/32"')
     return files
+
+
+API_NODES = "/api/capabilities/nodes"
+
+
+def capabilities(fleet: Fleet, desired: DesiredState) -> dict[str, dict[str, Any]]:
+    """node_id -> its object, from GET /api/capabilities/nodes through the edge's
+    Caddy ({} until it answers 200); `.nodes | length` (jq) must count them all."""
+    status, body = fleet.request(status_site_address(desired), API_NODES)
+    if status != 200:
+        return {}
+    length = subprocess.run(["jq", ".nodes | length"], input=body, capture_output=True, text=True, check=True, timeout=30).stdout
+    nodes = {node["node_id"]: node for node in json.loads(body)["nodes"]}
+    assert int(length) == len(nodes), (length, sorted(nodes))
+    return nodes
 
 
 def fabric_nodes(fleet: Fleet) -> dict[str, dict[str, object]]:
@@ -686,6 +709,10 @@ def test_join_a_machine_without_a_host_file_is_pending_after_its_first_pass(flee
     journal = fleet.journal(MACHINE, "-u", "fabric-reconcile.service", "-o", "cat")
     assert f"pending: {MACHINE} has no host file" in journal and f"fabric admit {MACHINE}" in journal, journal
     assert_given_nothing(fleet)
+    # The edge's Caddy serves its probe record too, marked pending.
+    listed = wait_for(lambda: capabilities(fleet, desired).get(MACHINE), timeout=CONVERGE_S, what=f"{MACHINE} in the capabilities API", interval=0.2)
+    assert listed["status"] == "pending" and listed["tier"] == "gpu_cuda", listed
+    assert listed["hardware"]["gpus"] and listed["hardware"]["storage"], listed
     print(
         f"[figures] {MACHINE}: booted and installed in {FIGURES['boot_and_install_s']:.1f} s, pending {FIGURES['pending_after_timer_start_s']:.1f} s after its timer started"
     )
@@ -764,3 +791,32 @@ def test_join_once_pulled_the_leader_places_work_there_and_the_edge_routes_to_it
         f"after {FIGURES['placed_after_loss_s']:.1f} s, routed after {FIGURES['routed_after_loss_s']:.1f} s "
         f"(node timeout {fleet.settings.node_timeout_s} s, timer {span_seconds(fleet.settings.pass_interval):.0f} s)"
     )
+
+
+def test_the_capabilities_api_through_the_edge_lists_every_node_and_refuses_outside_the_tailnet(fleet: Fleet, desired: DesiredState) -> None:
+    """The seed's verification (`curl .../api/capabilities/nodes | jq '.nodes |
+    length'`) through the edge's Caddy: one object per node with its GPUs,
+    storage and encoders, the same nodes as `fabric nodes --json`; refused to
+    a source outside the tailnet."""
+    require("jq", "curl")
+
+    def agreed() -> dict[str, dict[str, Any]] | None:
+        served, listed = capabilities(fleet, desired), fabric_nodes(fleet)
+        same = served.keys() == listed.keys() and all(served[n]["status"] == listed[n]["status"] for n in listed)
+        return served if same and MACHINE in served else None
+
+    served = wait_for(agreed, timeout=CONVERGE_S, what="the capabilities API agreeing with fabric nodes --json", interval=0.5)
+    assert len(served) == len(node_status(fleet)), (sorted(served), node_status(fleet))
+    for node_id, node in served.items():
+        assert {"tailscale_ip", "hardware", "tier", "limitations", "last_seen", "status"} <= node.keys(), node_id
+        assert {"gpus", "storage", "ffmpeg"} <= node["hardware"].keys(), node_id
+    admitted = served[MACHINE]
+    assert admitted["status"] == "active" and admitted["tier"] == "gpu_cuda", admitted
+    assert admitted["hardware"]["gpus"] and admitted["hardware"]["storage"] and admitted["hardware"]["ffmpeg"], admitted
+    one, body = fleet.request(status_site_address(desired), f"{API_NODES}/{MACHINE}")
+    assert one == 200 and json.loads(body)["node_id"] == MACHINE, (one, body)
+
+    host = status_site_address(desired)
+    for path in (API_NODES, f"{API_NODES}/{MACHINE}", "/"):
+        code, body = fleet.request(host, path, outside=True)
+        assert code == 403 and "tailnet only" in body, (path, code, body)
