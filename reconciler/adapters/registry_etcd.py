@@ -121,10 +121,10 @@ from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.adapters.registry_etcd_view import RegistryView
 from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
-    MAX_RECORD_BYTES,
     PLAN_INDEX,
     PLAN_PARTS,
     WHAT,
+    Report,
     glance_of,
     key_text,
     member_records,
@@ -133,6 +133,7 @@ from reconciler.adapters.registry_records import (
     plan_read_of,
     read_index,
     read_plan,
+    renewed_report,
     require,
     stored_plan,
 )
@@ -161,7 +162,6 @@ from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, 
 
 T = TypeVar("T")
 M = TypeVar("M", NodeRecord, NodeState)
-_ReportT = TypeVar("_ReportT", PendingRecord, MemberRecord)
 
 _ACCESS = {auth_pb2.Permission.READ: "read", auth_pb2.Permission.WRITE: "write", auth_pb2.Permission.READWRITE: "readwrite"}
 _PERM_TYPE = {access: perm_type for perm_type, access in _ACCESS.items()}
@@ -653,24 +653,17 @@ class EtcdRegistry(LifecycleMixin):
         node_id = check_node_id(record.node_id)
         return self._report(record, f"pending/{node_id}", node_id, ttl_s, f"pending report of {node_id}")
 
-    def _report(self, record: _ReportT, name: str, node_id: str, ttl_s: float, what: str) -> _ReportT:
+    def _report(self, record: Report, name: str, node_id: str, ttl_s: float, what: str) -> Report:
         """Put a report (pending or member: no authority) at key `name` on a
         lease of its own of `ttl_s`, keeping the first_seen of the report it
         replaces; the replaced report's lease is revoked after the put."""
         key = self._key(*name.split("/"))
-        ttl = float(ttl_s)
-        model = type(record)
 
-        async def op(c: _Client) -> _ReportT:
+        async def op(c: _Client) -> Report:
             kv = await c.get(key)
-            earlier, _ = parse_record(model, kv.value, key=name, node=node_id) if kv is not None else (None, None)
-            now = from_epoch_seconds(self._now())
-            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else now
-            stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": ttl})
-            value = stored.model_dump_json().encode()
-            if len(value) > MAX_RECORD_BYTES:
-                raise RegistryError(f"{what}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
-            lease = await c.lease(math.ceil(ttl))
+            earlier = kv.value if kv is not None else None
+            stored, value = renewed_report(record, earlier, key=name, node=node_id, now=from_epoch_seconds(self._now()), ttl_s=ttl_s, what=what)
+            lease = await c.lease(math.ceil(float(ttl_s)))
             await c.put(key, value, lease=lease.id)
             if kv is not None and kv.lease:
                 try:

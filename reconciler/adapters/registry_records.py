@@ -15,12 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
+from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.plan_parts import (
     PlanIndex,
     PlanPartsError,
@@ -132,6 +134,23 @@ def parse_record(
         # pydantic wraps a validator's ValueError; these are what it does not.
         reason = f"does not parse ({type(exc).__name__})"
     return None, UnreadableRecord(key=key, node=node, what=what, reason=_printable(reason))
+
+
+Report = TypeVar("Report", PendingRecord, MemberRecord)
+
+
+def renewed_report(record: Report, earlier: object | None, *, key: str, node: str, now: datetime, ttl_s: float, what: str) -> tuple[Report, bytes]:
+    """A pending or member report as a backend stores it (and its bytes):
+    stamped `now` with its TTL, keeping the first_seen of the `earlier`
+    stored value it replaces (None: the first report; unreadable: starts
+    again). RegistryError when it is over the record size limit."""
+    replaced, _ = parse_record(type(record), earlier, key=key, node=node) if earlier is not None else (None, None)
+    first = replaced.first_seen if replaced is not None and replaced.first_seen is not None else now
+    stored = record.model_copy(update={"first_seen": first, "reported_at": now, "timeout_s": float(ttl_s)})
+    value = stored.model_dump_json().encode()
+    if len(value) > MAX_RECORD_BYTES:
+        raise RegistryError(f"{what}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+    return stored, value
 
 
 def parse_int(value: bytes | str, *, key: str) -> tuple[int | None, UnreadableRecord | None]:

@@ -34,7 +34,6 @@ from pydantic import BaseModel, ValidationError
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
 from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
-    MAX_RECORD_BYTES,
     WHAT,
     glance_of,
     member_records,
@@ -43,6 +42,7 @@ from reconciler.adapters.registry_records import (
     plan_read_of,
     read_index,
     read_plan,
+    renewed_report,
     require,
     stored_plan,
     validation_reason,
@@ -243,20 +243,22 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
     def report_pending(self, record: PendingRecord, ttl_s: float) -> PendingRecord:
         now = self._now()
         node_id = check_node_id(record.node_id)
-        moment = from_epoch_seconds(now)
         with self._tx() as db:
             db.execute("DELETE FROM pending WHERE expires_at <= ?", (now,))
             row = db.execute("SELECT record FROM pending WHERE node_id = ?", (node_id,)).fetchone()
-            earlier, _ = parse_record(PendingRecord, row[0], key=f"pending/{node_id}", node=node_id) if row else (None, None)
-            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else moment
-            stored = record.model_copy(update={"first_seen": first, "reported_at": moment, "timeout_s": float(ttl_s)})
-            value = stored.model_dump_json()
-            if len(value.encode()) > MAX_RECORD_BYTES:
-                raise RegistryError(f"pending report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+            stored, value = renewed_report(
+                record,
+                row[0] if row else None,
+                key=f"pending/{node_id}",
+                node=node_id,
+                now=from_epoch_seconds(now),
+                ttl_s=ttl_s,
+                what=f"pending report of {node_id}",
+            )
             db.execute(
                 "INSERT INTO pending (node_id, record, expires_at) VALUES (?, ?, ?) "
                 "ON CONFLICT(node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
-                (node_id, value, now + ttl_s),
+                (node_id, value.decode(), now + ttl_s),
             )
         return stored
 
@@ -273,22 +275,23 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
     def report_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
         now = self._now()
         node_id, group = check_node_id(record.node_id), check_node_id(record.group)
-        moment = from_epoch_seconds(now)
-        key = f"members/{group}/{node_id}"
         with self._tx() as db:
             db.execute("DELETE FROM members WHERE expires_at <= ?", (now,))
             row = db.execute("SELECT record FROM members WHERE group_name = ? AND node_id = ?", (group, node_id)).fetchone()
-            earlier, _ = parse_record(MemberRecord, row[0], key=key, node=node_id) if row else (None, None)
-            first = earlier.first_seen if earlier is not None and earlier.first_seen is not None else moment
-            stored = record.model_copy(update={"first_seen": first, "reported_at": moment, "timeout_s": float(ttl_s)})
-            value = stored.model_dump_json()
-            if len(value.encode()) > MAX_RECORD_BYTES:
-                raise RegistryError(f"member report of {node_id}: {len(value)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
-            joined = db.execute("SELECT 1 FROM members WHERE group_name = ? AND node_id = ?", (group, node_id)).fetchone() is None
+            stored, value = renewed_report(
+                record,
+                row[0] if row else None,
+                key=f"members/{group}/{node_id}",
+                node=node_id,
+                now=from_epoch_seconds(now),
+                ttl_s=ttl_s,
+                what=f"member report of {node_id}",
+            )
+            joined = row is None
             db.execute(
                 "INSERT INTO members (group_name, node_id, record, expires_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT(group_name, node_id) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
-                (group, node_id, value, now + ttl_s),
+                (group, node_id, value.decode(), now + ttl_s),
             )
             if joined:
                 self._bump(db, CHANGES)  # a member joined: the leader looks again
