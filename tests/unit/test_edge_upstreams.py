@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.edge_upstreams import EdgeUpstreams, Upstream, caddy_upstreams, edge_failing, edge_records
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from tests.support.clock import FakeClock
+from tests.support.enc_fleet import enc_fleet
 
 NOW = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
 ADDRESSES = {"gpu-a": "100.64.0.2", "gpu-b": "100.64.0.3"}
@@ -100,19 +101,7 @@ TIERS = {"lead": "cpu_ffmpeg", "gpu-a": "gpu_vaapi", "gpu-b": "gpu_vaapi"}
 
 
 def desired() -> DesiredState:
-    fleet = FleetConfig.model_validate(
-        {
-            "fleet": {"domain": "example.test", "leader_candidates": ["lead"]},
-            "timing": {"liveness_s": 2, "liveness_ttl_s": 6},
-            "services": [{"id": "enc", "min_tier": "gpu_vaapi", "command": {"any": ["/bin/enc"]}}],
-        }
-    )
-    roles = {"lead": ["compute", "edge"], "gpu-a": ["compute"], "gpu-b": ["compute"]}
-    hosts = {
-        name: HostConfig.model_validate({"host": {"name": name, "roles": roles[name], "address": f"100.64.0.{i + 1}"}})
-        for i, name in enumerate(TIERS)
-    }
-    return DesiredState(fleet=fleet, hosts=hosts)
+    return enc_fleet(TIERS, candidates=("lead",), liveness_s=2, liveness_ttl_s=6, roles={"lead": ("compute", "edge")})
 
 
 def tailscale(offline: tuple[str, ...]) -> str:

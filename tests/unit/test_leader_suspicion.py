@@ -10,29 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.records import NodeRecord
 from reconciler.core.scheduling.placement import schedule
 from reconciler.engine.leader import LeaderLoop
 from tests.support.clock import FakeClock
+from tests.support.enc_fleet import enc_fleet
 
 TIERS = {"lead": "cpu_ffmpeg", "gpu-a": "gpu_vaapi", "gpu-b": "gpu_vaapi"}
 LIVENESS_TTL_S = 6
 
 
 def desired(liveness_s: int = 2, singleton: bool = False, candidates: tuple[str, ...] = ("lead",)) -> DesiredState:
-    fleet = FleetConfig.model_validate(
-        {
-            "fleet": {"domain": "example.test", "leader_candidates": list(candidates)},
-            "timing": {"liveness_s": liveness_s, "liveness_ttl_s": LIVENESS_TTL_S},
-            "services": [{"id": "enc", "min_tier": "gpu_vaapi", "command": {"any": ["/bin/enc"]}, "singleton": singleton}],
-        }
-    )
-    hosts = {
-        name: HostConfig.model_validate({"host": {"name": name, "roles": ["compute"], "address": f"100.64.0.{i + 1}"}})
-        for i, name in enumerate(TIERS)
-    }
-    return DesiredState(fleet=fleet, hosts=hosts)
+    return enc_fleet(TIERS, candidates=candidates, liveness_s=liveness_s, liveness_ttl_s=LIVENESS_TTL_S, singleton=singleton)
 
 
 class Fleet:

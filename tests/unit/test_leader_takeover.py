@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.adapters.registry_sqlite import SqliteRegistry
-from reconciler.core.desired.model import DesiredState, FleetConfig, HostConfig
+from reconciler.core.desired.model import DesiredState
 from reconciler.core.live.fencing import term_problem
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.records import NodeRecord
@@ -23,6 +23,7 @@ from reconciler.engine.leader import LeaderLoop
 from reconciler.engine.plan_fence import registry_trust
 from reconciler.ports import NotLeader
 from tests.support.clock import FakeClock
+from tests.support.enc_fleet import enc_fleet
 
 # gpu-a leads and serves enc (both GPU hosts tie; gpu-a sorts first); gpu-b is the other candidate.
 TIERS = {"gpu-a": "gpu_vaapi", "gpu-b": "gpu_vaapi", "cpu": "cpu_ffmpeg"}
@@ -34,18 +35,7 @@ LAPSE_OLD_ENOUGH_S = LIVENESS_TTL_S + LIVENESS_S + 1
 
 
 def desired(liveness_s: int = LIVENESS_S) -> DesiredState:
-    fleet = FleetConfig.model_validate(
-        {
-            "fleet": {"domain": "example.test", "leader_candidates": ["gpu-a", "gpu-b"]},
-            "timing": {"liveness_s": liveness_s, "liveness_ttl_s": LIVENESS_TTL_S},
-            "services": [{"id": "enc", "min_tier": "gpu_vaapi", "command": {"any": ["/bin/enc"]}}],
-        }
-    )
-    hosts = {
-        name: HostConfig.model_validate({"host": {"name": name, "roles": ["compute"], "address": f"100.64.0.{i + 1}"}})
-        for i, name in enumerate(TIERS)
-    }
-    return DesiredState(fleet=fleet, hosts=hosts)
+    return enc_fleet(TIERS, candidates=("gpu-a", "gpu-b"), liveness_s=liveness_s, liveness_ttl_s=LIVENESS_TTL_S)
 
 
 class Fleet:
