@@ -6,9 +6,10 @@
 - Real podman: a lane agent unit rendered by the real render code (the
   fleet's image replaced by one built here, since nothing can be pulled) runs
   its container with the host's podman inside a systemd container (systemd as
-  PID 1, tests/support/harness/systemd.py), rootless as the unit's dynamic user; the
-  container reads its *_FILE secret and writes its scratch directory; stopping
-  the unit removes the container. Two co-located agents (two lanes on one
+  PID 1, tests/support/harness/systemd.py), rootless as the workload's own
+  static system user, made by its account unit from the rendered sysusers.d
+  snippet; the container reads its *_FILE secret and writes its scratch
+  directory; stopping the unit removes the container. Two co-located agents (two lanes on one
   host) run side by side, each with its own queue, token and scratch dir.
 - phaze's push: a file rsync'ed as the lane's ssh_user into its scratch_dir
   on the host (under /var/lib or not) is read by the agent, whose answer
@@ -33,7 +34,8 @@ import pytest
 from reconciler.core.desired.load import load_desired
 from reconciler.core.desired.model import DesiredState, Hardware, HostFacts
 from reconciler.core.live.models import FleetPlan
-from reconciler.core.render.artifacts import render
+from reconciler.core.render.artifacts import Artifact, account_unit, render, workload_user
+from reconciler.core.scheduling.lanes import agent_unit
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
 from tests.support.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, build_agent_image_archive
 from tests.support.harness.systemd import SystemdContainer, systemd_container
@@ -164,6 +166,17 @@ def as_unit_user(container: SystemdContainer, uid: int, *argv: str) -> subproces
     )
 
 
+def install_workload(container: SystemdContainer, artifacts: tuple[Artifact, ...], workload: str) -> str:
+    """Write a podman workload's files as a pass would: its agent unit, its
+    account unit and its sysusers.d snippet; returns the agent unit's text."""
+    account = account_unit(workload)
+    mine = [a for a in artifacts if a.unit in (agent_unit(workload), account) or a.path == f"etc/sysusers.d/fabric-agent-{workload}.conf"]
+    assert len(mine) == 3, [a.path for a in mine]
+    for a in mine:
+        container.write_file(f"/{a.path}", a.content, mode=a.mode)
+    return next(a.content for a in mine if a.unit == agent_unit(workload))
+
+
 def agent_host_files(container: SystemdContainer) -> None:
     """What a push host keeps for phaze's agent: phaze's broker DSN and the
     agent API's CA (root's, mode 0600), and phaze's models."""
@@ -181,7 +194,7 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     archive = build_agent_image_archive(tmp_path)
     artifacts = render(desired_with_local_image(tmp_path), LANE, facts(LANE), plan()).artifacts
     text = next(a.content for a in artifacts if a.unit == UNIT)
-    assert f'"oci-archive:{IMAGE_ARCHIVE}"' in text and "DynamicUser=yes" in text
+    assert f'"oci-archive:{IMAGE_ARCHIVE}"' in text and f"User={workload_user(LANE)}\n" in text and "DynamicUser=" not in text
     unit_file = tmp_path / UNIT
     unit_file.write_text(text)
     assert exposure(unit_file) <= MAX_EXPOSURE
@@ -196,15 +209,20 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700)
     container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
 
-    container.write_file(f"/etc/systemd/system/{UNIT}", text)
+    install_workload(container, artifacts, LANE)
     assert container.systemctl("daemon-reload").returncode == 0
     started = container.systemctl("start", UNIT, timeout=120)
     assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
     wait_until(lambda: unit_property(container, "ActiveState") == "active", timeout=30, what=f"{UNIT} active")
 
-    # Rootless: the unit's user owns its storage and is not root.
-    uid = int(container.run("stat", "-c", "%u", f"/var/lib/private/fabric-agent-{LANE}").stdout)
-    assert uid != 0
+    # Rootless: the workload's static user (made by its account unit, a
+    # system user of /etc/passwd) owns its storage and is not root.
+    entry = container.run("getent", "passwd", workload_user(LANE)).stdout.split(":")
+    assert len(entry) == 7 and entry[5] == f"/var/lib/fabric-agent-{LANE}", entry
+    uid = int(entry[2])
+    assert 0 < uid < 1000
+    assert int(container.run("stat", "-c", "%u", f"/var/lib/fabric-agent-{LANE}").stdout) == uid
+    assert unit_property(container, "User") == workload_user(LANE)
     last: list[str] = []
 
     def container_state() -> bool:
@@ -239,7 +257,7 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert not container.run("pgrep", "-f", AGENT_IDLE).stdout.strip()
     # podman's runtime directory went with the unit, so its storage says it:
     # no container left (the images stay for the next start).
-    storage = container.host_path(f"/var/lib/private/fabric-agent-{LANE}/.local/share/containers/storage")
+    storage = container.host_path(f"/var/lib/fabric-agent-{LANE}/.local/share/containers/storage")
     listings = list(storage.glob("*-containers/containers.json"))
     assert listings, f"no container storage under {storage}"
     assert all(json.loads(listing.read_text()) == [] for listing in listings)
@@ -265,7 +283,8 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
     )
     fleet.write_text(text.replace("# --- Final catch", second + "# --- Final catch", 1))
     state = load_desired(tmp_path / "desired")
-    units = {a.unit: a.content for a in render(state, LANE, facts(LANE), plan()).artifacts if a.unit and a.unit.startswith("fabric-agent-x86")}
+    artifacts = render(state, LANE, facts(LANE), plan()).artifacts
+    units = {a.unit: a.content for a in artifacts if a.unit and a.unit.startswith("fabric-agent-x86")}
     assert sorted(units) == sorted([UNIT, f"fabric-agent-{SECOND}.service"])
 
     container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
@@ -276,8 +295,8 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
     for ref, token in tokens.items():
         container.host_path(f"/run/secrets/phaze/agents/{ref}").mkdir(parents=True, mode=0o700, exist_ok=True)
         container.write_file(f"/run/secrets/phaze/agents/{ref}/token", token, mode=0o600)
-    for unit, text in units.items():
-        container.write_file(f"/etc/systemd/system/{unit}", text)
+    for ref in tokens:
+        install_workload(container, artifacts, ref)
     assert container.systemctl("daemon-reload").returncode == 0
     try:
         for unit in units:
@@ -287,9 +306,11 @@ def test_two_agents_on_one_host_each_run_with_their_own_queue_token_and_scratch_
             seen = wait_until(lambda s=scratch: container.run("cat", f"{s}/token-seen").stdout, timeout=30, what=f"{ref}'s record of its token")
             assert seen == tokens[ref]
             assert container.run("cat", f"{scratch}/queue-seen").stdout == f"phaze-agent-{ref}\n"
-        # Two containers of their own, both running.
+        # Two containers of their own, both running, each as its own user.
         for unit in units:
             assert container.systemctl("is-active", unit).stdout.strip() == "active", container.journal("-u", unit)
+        uids = {container.run("id", "-u", workload_user(ref)).stdout.strip() for ref in tokens}
+        assert len(uids) == 2 and "" not in uids
     finally:
         for unit in units:
             container.systemctl("stop", unit, timeout=120)
@@ -321,7 +342,7 @@ def test_agent_reads_what_phaze_pushes_to_a_scratch_dir_outside_var_lib(containe
     agent_host_files(container)
     container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700, exist_ok=True)
     container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
-    container.write_file(f"/etc/systemd/system/{UNIT}", unit_text)
+    install_workload(container, rendered.artifacts, LANE)
     assert container.systemctl("daemon-reload").returncode == 0
     try:
         started = container.systemctl("start", UNIT, timeout=120)
@@ -349,6 +370,6 @@ def test_agent_reads_what_phaze_pushes_to_a_scratch_dir_outside_var_lib(containe
         refused = touch_as_the_agent(f"{other}/written-by-the-agent")
         assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused
         # Nothing was kept under the unit's state directory.
-        assert not container.host_path(f"/var/lib/private/fabric-agent-{LANE}/volumes").exists()
+        assert not container.host_path(f"/var/lib/fabric-agent-{LANE}/volumes").exists()
     finally:
         container.systemctl("stop", UNIT, timeout=120)
