@@ -262,6 +262,12 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert listings, f"no container storage under {storage}"
     assert all(json.loads(listing.read_text()) == [] for listing in listings)
     assert list(storage.glob("*-images/images.json"))
+    # The user is static: it outlives the unit, and its account unit run
+    # again (a changed snippet restarts it) changes nothing.
+    restarted = container.systemctl("restart", account_unit(LANE), timeout=60)
+    assert restarted.returncode == 0, restarted.stderr + container.journal("-u", account_unit(LANE))
+    assert container.run("getent", "passwd", workload_user(LANE)).stdout.split(":") == entry
+    assert [line.split(":")[0] for line in container.read_file("/etc/passwd").splitlines()].count(workload_user(LANE)) == 1
 
 
 SECOND = "x86-spill-b"
@@ -371,5 +377,56 @@ def test_agent_reads_what_phaze_pushes_to_a_scratch_dir_outside_var_lib(containe
         assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused
         # Nothing was kept under the unit's state directory.
         assert not container.host_path(f"/var/lib/fabric-agent-{LANE}/volumes").exists()
+    finally:
+        container.systemctl("stop", UNIT, timeout=120)
+
+
+def test_an_agent_that_ran_as_a_dynamic_user_starts_as_its_static_user_with_its_storage(container: SystemdContainer, tmp_path: Path) -> None:
+    """A host upgraded from the DynamicUser= unit: systemd moves the state
+    directory back out of /var/lib/private and gives it to the static user,
+    so podman finds the images the dynamic user stored."""
+    archive = build_agent_image_archive(tmp_path)
+    artifacts = render(desired_with_local_image(tmp_path), LANE, facts(LANE), plan()).artifacts
+    new = next(a.content for a in artifacts if a.unit == UNIT)
+    user = workload_user(LANE)
+    # The unit as the fabric rendered it before: a dynamic user, no account unit.
+    old = new.replace(f"User={user}\nGroup={user}\n", "DynamicUser=yes\n")
+    old = old.replace(f"Wants={account_unit(LANE)}\nAfter={account_unit(LANE)}\n", "")
+    assert "\nDynamicUser=yes\n" in old and "\nUser=" not in old and f"\nWants={account_unit(LANE)}" not in old
+    # A fresh start: no user, no state of the earlier tests.
+    container.systemctl("stop", UNIT, account_unit(LANE), timeout=120)
+    container.run("userdel", user)
+    container.run("rm", "-rf", f"/var/lib/fabric-agent-{LANE}", f"/var/lib/private/fabric-agent-{LANE}")
+    container.run("rm", "-f", f"/etc/systemd/system/{account_unit(LANE)}", f"/etc/sysusers.d/fabric-agent-{LANE}.conf")
+    container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
+    container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700, exist_ok=True)
+    agent_host_files(container)
+    container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
+    container.write_file(f"/etc/systemd/system/{UNIT}", old, mode=0o640)
+    assert container.systemctl("daemon-reload").returncode == 0
+    try:
+        started = container.systemctl("start", UNIT, timeout=120)
+        assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
+        assert container.run("test", "-L", f"/var/lib/fabric-agent-{LANE}").returncode == 0  # -> private/
+        images = container.host_path(f"/var/lib/private/fabric-agent-{LANE}/.local/share/containers/storage")
+        wait_until(lambda: list(images.glob("*-images/images.json")), timeout=30, what="the dynamic user's image storage")
+        assert container.systemctl("stop", UNIT, timeout=120).returncode == 0
+
+        text = install_workload(container, artifacts, LANE)
+        assert text == new
+        assert container.systemctl("daemon-reload").returncode == 0
+        started = container.systemctl("start", UNIT, timeout=120)
+        assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
+        wait_until(lambda: unit_property(container, "ActiveState") == "active", timeout=30, what=f"{UNIT} active as {user}")
+        uid = container.run("id", "-u", user).stdout.strip()
+        # A real directory again, the static user's, with the storage in it.
+        state = f"/var/lib/fabric-agent-{LANE}"
+        assert container.run("test", "-L", state).returncode != 0
+        assert container.run("stat", "-c", "%u", state).stdout.strip() == uid
+        storage = container.host_path(f"{state}/.local/share/containers/storage")
+        assert list(storage.glob("*-images/images.json"))
+        listed = as_unit_user(container, int(uid), "images", "--format", "{{.ID}}")
+        assert listed.returncode == 0 and listed.stdout.strip(), listed.stderr
     finally:
         container.systemctl("stop", UNIT, timeout=120)
