@@ -37,7 +37,7 @@ from reconciler.core.live.models import FleetPlan
 from reconciler.core.render.artifacts import Artifact, account_unit, render, workload_user
 from reconciler.core.scheduling.lanes import agent_unit
 from tests.conftest import EXAMPLE_FLEET, REPO, require, require_root
-from tests.support.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, build_agent_image_archive
+from tests.support.harness.agent_image import AGENT_COMMAND, AGENT_IDLE, OWNED_FILE, OWNED_TEXT, build_agent_image_archive, layer_owners
 from tests.support.harness.systemd import SystemdContainer, systemd_container
 from tests.support.harness.waiting import wait_until
 
@@ -241,6 +241,15 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert container.run("cat", f"{SCRATCH}/queue-seen").stdout == f"phaze-agent-{LANE}\n"
     # phaze's models at MODELS_PATH, read-only.
     assert container.run("cat", f"{SCRATCH}/models-seen").stdout == "models\nread-only\n"
+    # One ID: the container's root is the workload's user and nothing else
+    # is mapped (no subuid/subgid range, no newuidmap). The image's file of
+    # uid 1000 (its layer says so) was unpacked all the same
+    # (ignore_chown_errors): it is root's in the container, which reads it.
+    assert layer_owners(archive)[OWNED_FILE.lstrip("/")] == (1000, 1000)
+    gid = int(entry[3])
+    maps = [line.split() for line in container.run("cat", f"{SCRATCH}/maps-seen").stdout.splitlines()]
+    assert maps == [["0", str(uid), "1"], ["0", str(gid), "1"]], maps
+    assert container.run("cat", f"{SCRATCH}/owned-seen").stdout == f"0:0\n{OWNED_TEXT}"
     # Its processes run as the unit's user, never as root.
     payload = container.run("pgrep", "-f", AGENT_IDLE).stdout.split()
     assert payload, "the agent's process is not running"
@@ -268,6 +277,62 @@ def test_agent_unit_runs_its_container_with_real_podman(container: SystemdContai
     assert restarted.returncode == 0, restarted.stderr + container.journal("-u", account_unit(LANE))
     assert container.run("getent", "passwd", workload_user(LANE)).stdout.split(":") == entry
     assert [line.split(":")[0] for line in container.read_file("/etc/passwd").splitlines()].count(workload_user(LANE)) == 1
+
+
+def test_a_subordinate_id_range_for_the_workload_user_fails_its_account_unit_naming_the_line(container: SystemdContainer, tmp_path: Path) -> None:
+    """The fabric runs each workload user with one ID: a range in /etc/subuid
+    and /etc/subgid (by name, by UID or for ALL, as podman looks it up) makes
+    podman map through newuidmap/newgidmap, which the agent's
+    NoNewPrivileges= stops (or which is not installed), so the agent cannot
+    start. The account unit says so first, naming the file and the line (a
+    line in one file alone too); without the lines both run."""
+    archive = build_agent_image_archive(tmp_path)
+    artifacts = render(desired_with_local_image(tmp_path), LANE, facts(LANE), plan()).artifacts
+    container.host_path(IMAGE_ARCHIVE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, container.host_path(IMAGE_ARCHIVE))
+    container.host_path(f"/run/secrets/phaze/agents/{LANE}").mkdir(parents=True, mode=0o700, exist_ok=True)
+    agent_host_files(container)
+    container.write_file(f"/run/secrets/phaze/agents/{LANE}/token", TOKEN, mode=0o600)
+    install_workload(container, artifacts, LANE)
+    assert container.systemctl("daemon-reload").returncode == 0
+    account, user = account_unit(LANE), workload_user(LANE)
+    before = {name: container.read_file(name) if container.host_path(name).exists() else "" for name in ("/etc/subuid", "/etc/subgid")}
+    try:
+        restarted = container.systemctl("restart", account, timeout=60)
+        assert restarted.returncode == 0, restarted.stderr + container.journal("-u", account)
+        uid = container.run("id", "-u", user).stdout.strip()
+        # A range in both files, by name: podman would use it.
+        lines = {name: f"{user}:300000:65536" for name in before}
+        for name, line in lines.items():
+            container.write_file(name, before[name] + line + "\n")
+        failed = container.systemctl("restart", account, timeout=60)
+        assert failed.returncode != 0
+        said = container.journal("-u", account)
+        for name, line in lines.items():
+            assert f"{name}: {user} has a subordinate ID range ({line})" in said, said
+        # Why: podman maps the range through newuidmap, and the agent cannot start.
+        refused = container.systemctl("start", UNIT, timeout=120)
+        assert refused.returncode != 0
+        assert "newuidmap" in container.journal("-u", UNIT), container.journal("-u", UNIT)
+        container.systemctl("reset-failed", UNIT, account)
+        # One line alone, by UID or for ALL users, as podman matches them.
+        for name, line in (("/etc/subgid", f"{uid}:300000:65536"), ("/etc/subuid", "ALL:300000:65536")):
+            for each in before:
+                container.write_file(each, before[each] + (line + "\n" if each == name else ""))
+            failed = container.systemctl("restart", account, timeout=60)
+            assert failed.returncode != 0
+            said = container.journal("-u", account)
+            assert f"{name}: {user} has a subordinate ID range ({line})" in said, said
+        for name, text in before.items():
+            container.write_file(name, text)
+        restarted = container.systemctl("restart", account, timeout=60)
+        assert restarted.returncode == 0, restarted.stderr + container.journal("-u", account)
+        started = container.systemctl("start", UNIT, timeout=120)
+        assert started.returncode == 0, started.stderr + container.journal("-u", UNIT)
+    finally:
+        for name, text in before.items():
+            container.write_file(name, text)
+        container.systemctl("stop", UNIT, timeout=120)
 
 
 SECOND = "x86-spill-b"
