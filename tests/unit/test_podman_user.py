@@ -108,3 +108,58 @@ def test_the_pass_may_write_the_snippets_directory() -> None:
     directory = "/" + Layout().sysusers_dir
     assert f"-{directory}" in HARDENING["ReadWritePaths"]
     assert directory in PASS_DIRECTORIES
+
+
+def test_every_podman_unit_runs_with_one_id_and_unpacks_files_of_other_owners() -> None:
+    """No subordinate ID range (this podman, 4.3, under NoNewPrivileges=
+    cannot use one: docs/_incoming/podman-mode.md): the container's root is
+    the workload's user, and podman gives image files of other owners to it
+    (containers/storage's ignore_chown_errors, read from STORAGE_OPTS by the
+    overlay and vfs drivers alike)."""
+    units = {
+        f"{host}/{path}": text
+        for host in ("x86-spill", "a1-arm64")
+        for path, text in rendered(host).items()
+        if path.startswith("etc/systemd/system/fabric-agent-") and "User=fabric-agent-" in text
+    }
+    assert len(units) == 3, sorted(units)
+    for name, text in units.items():
+        assert "Environment=STORAGE_OPTS=.ignore_chown_errors=true\n" in text, name
+        assert "NoNewPrivileges=yes\n" in text and "CapabilityBoundingSet=\n" in text and "AmbientCapabilities=\n" in text, name
+        assert "--userns" not in text and "--uidmap" not in text and "--gidmap" not in text, name
+
+
+def test_the_account_unit_refuses_a_subordinate_id_range_after_making_its_user() -> None:
+    from reconciler.core.render.artifacts import SUBID_CHECK, SUBID_FILES, Layout, subid_check_command
+
+    account = rendered("x86-spill")["etc/systemd/system/fabric-account-x86-spill.service"]
+    starts = [line for line in account.splitlines() if line.startswith("ExecStart=")]
+    # First the user (its UID is then known), then the check, with the user as $1.
+    assert starts == [
+        'ExecStart="/usr/bin/systemd-sysusers" "/etc/sysusers.d/fabric-agent-x86-spill.conf"',
+        "ExecStart=" + subid_check_command(Layout(), "x86-spill"),
+    ]
+    assert starts[1].startswith('ExecStart="/bin/sh" "-c" ') and starts[1].endswith(' "fabric-account-x86-spill" "fabric-agent-x86-spill"')
+    # Both files, matched as podman matches (name, UID, ALL); one line, as a
+    # unit's value cannot span lines; $ doubled for systemd.
+    assert SUBID_FILES == ("/etc/subuid", "/etc/subgid") and "for file in /etc/subuid /etc/subgid;" in SUBID_CHECK
+    assert '"$owner" = "$1"' in SUBID_CHECK and '"$owner" = ALL' in SUBID_CHECK and '"$owner" = "$uid"' in SUBID_CHECK
+    assert "\n" not in starts[1] and "$$1" in starts[1]
+
+
+def test_a_podman_workload_that_leaves_takes_its_snippet_and_both_units_along() -> None:
+    from reconciler.core.render.actions import host_actions
+
+    artifacts = render(load_desired(EXAMPLE_FLEET), "a1-arm64", facts("a1-arm64"), golden_plan()).artifacts
+    installed = {a.path: a.data for a in artifacts}
+    tracked = {a.path: a.kind for a in artifacts}
+    mine = {
+        "etc/sysusers.d/fabric-agent-braid.conf",
+        "etc/systemd/system/fabric-agent-braid.service",
+        "etc/systemd/system/fabric-account-braid.service",
+    }
+    assert mine <= set(installed)
+    actions = host_actions([a for a in artifacts if a.path not in mine], installed, tracked)
+    assert set(actions.remove) == mine
+    assert set(actions.stop) == {"fabric-agent-braid.service", "fabric-account-braid.service"}
+    assert not actions.write and not actions.start

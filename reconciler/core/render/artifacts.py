@@ -109,6 +109,8 @@ class Layout:
     systemd_tmpfiles: str = "/usr/bin/systemd-tmpfiles"
     systemd_sysusers: str = "/usr/bin/systemd-sysusers"
     sysusers_dir: str = "etc/sysusers.d"
+    # A POSIX shell at the one path every supported host has (NixOS too).
+    shell: str = "/bin/sh"
     ray: str = DEFAULT_RAY_COMMAND
 
     def unit_path(self, unit: str) -> str:
@@ -522,6 +524,36 @@ def sysusers_line(workload_id: str) -> str:
     return f'u {user} - "fabric {workload_id}" /var/lib/{agent_unit(workload_id).removesuffix(".service")} -'
 
 
+# The files where podman looks up a user's range of subordinate IDs.
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
+# Run by the account unit with the user as $1: fails, naming the file and the
+# line, when either file has a line for the user (by name, by UID or "ALL", as
+# podman's lookup matches: containers/storage idtools.parseSubidFile). With a
+# range in both, podman maps the user through the setuid newuidmap/newgidmap,
+# which the agent's NoNewPrivileges= (implied by its sandbox) stops, so the
+# agent exits 125; without one it maps the one ID itself. A line in one file
+# only is inert today but refused too: the fabric's users have no range.
+# Shell builtins only: no other program has one path on every host.
+SUBID_CHECK = " ".join(
+    (
+        'uid=; while IFS=: read -r name _ id _; do [ "$name" = "$1" ] && uid=$id; done < /etc/passwd; found=0;',
+        'for file in FILES; do [ -r "$file" ] || continue;',
+        "while IFS= read -r line; do owner=${line%%:*};",
+        'if [ "$owner" = "$1" ] || [ "$owner" = ALL ] || { [ -n "$uid" ] && [ "$owner" = "$uid" ]; }; then',
+        'echo "$file: $1 has a subordinate ID range ($line): podman would map it through newuidmap/newgidmap,'
+        " which the agent's NoNewPrivileges= stops; the fabric runs $1 with one ID: remove that line\" >&2; found=1;",
+        'fi; done < "$file"; done; exit $found',
+    )
+).replace("FILES", " ".join(SUBID_FILES))
+
+
+def subid_check_command(layout: Layout, workload_id: str) -> str:
+    """The account unit's check that its user has no subordinate ID range
+    (SUBID_CHECK), quoted for ExecStart=."""
+    argv = [layout.shell, "-c", SUBID_CHECK, account_unit(workload_id).removesuffix(".service"), workload_user(workload_id)]
+    return " ".join(systemd_quote(a) for a in argv)
+
+
 def _podman_parts(w: _Workload, unit: str, layout: Layout) -> _UnitParts:
     """Rootless podman as the workload's own static system user (made by
     its account unit from a sysusers.d snippet): its home (image storage)
@@ -745,6 +777,7 @@ def _account_artifacts(w: _Workload, r: _HostRender) -> list[Artifact]:
         user=workload_user(w.id),
         sysusers_line=line,
         exec_start=f"{systemd_quote(r.layout.systemd_sysusers)} {systemd_quote('/' + snippet)}",
+        subid_check=subid_check_command(r.layout, w.id),
     )
     header = f"# Written by fabric-reconcile: do not edit. Source: {w.source}.\n"
     return [Artifact(snippet, header + line + "\n", 0o644, "file"), unit_artifact(r.layout.unit_path(account_unit(w.id)), text)]
