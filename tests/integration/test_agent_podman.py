@@ -2,15 +2,20 @@
 
 - Exposure: `systemd-analyze security --offline=true` rates every unit the
   example fleet renders (lane agents and placed services, podman or direct,
-  and the port maps' socat units) at most 4.0, "OK".
+  the podman workloads' account units, the port maps' socat units and the
+  Ray units) at most 4.0, "OK".
 - Real podman: a lane agent unit rendered by the real render code (the
   fleet's image replaced by one built here, since nothing can be pulled) runs
   its container with the host's podman inside a systemd container (systemd as
   PID 1, tests/support/harness/systemd.py), rootless as the workload's own
   static system user, made by its account unit from the rendered sysusers.d
   snippet; the container reads its *_FILE secret and writes its scratch
-  directory; stopping the unit removes the container. Two co-located agents (two lanes on one
-  host) run side by side, each with its own queue, token and scratch dir.
+  directory; its user namespace maps that one ID (no subordinate range), and
+  a 0600 file of uid 1000 in the image's layer is unpacked as its own and
+  read (ignore_chown_errors); stopping the unit removes the container. A
+  subordinate ID range for the user fails its account unit, naming the line.
+  Two co-located agents (two lanes on one host) run side by side, each with
+  its own queue, token and scratch dir.
 - phaze's push: a file rsync'ed as the lane's ssh_user into its scratch_dir
   on the host (under /var/lib or not) is read by the agent, whose answer
   appears beside it at the real path; the agent cannot write a directory of
@@ -81,7 +86,7 @@ def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
     figures: dict[str, float] = {}
     for host in HOSTS:
         for artifact in render(desired, host, facts(host), plan()).artifacts:
-            if artifact.unit is None or not artifact.unit.startswith(("fabric-agent-", "fabric-socat-", "fabric-ray-")):
+            if artifact.unit is None or not artifact.unit.startswith(("fabric-agent-", "fabric-account-", "fabric-socat-", "fabric-ray-")):
                 continue
             unit_file = tmp_path / host / artifact.unit
             unit_file.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +95,7 @@ def test_every_rendered_unit_is_rated_ok(tmp_path: Path) -> None:
     print("\n".join(f"exposure {value:.1f}  {name}" for name, value in sorted(figures.items())))
     # The podman agents are among them (the point of this test).
     assert f"x86-spill/{UNIT}" in figures and "a1-arm64/fabric-agent-braid.service" in figures
+    assert f"x86-spill/{account_unit(LANE)}" in figures
     assert "lux/fabric-ray-head.service" in figures and "qfox-1/fabric-ray-worker.service" in figures
     too_exposed = {name: value for name, value in figures.items() if value > MAX_EXPOSURE}
     assert not too_exposed, f"units rated above {MAX_EXPOSURE}: {too_exposed}"
