@@ -137,6 +137,7 @@ let
       "-/etc/caddy"
       "-/etc/rancher/k3s"
       "-/etc/phaze"
+      "-/etc/sysusers.d"
       "-/var/lib/node_exporter/textfile"
     ];
     StateDirectory = "fabric";
@@ -526,6 +527,7 @@ in
           "d /etc/fabric 0755 root root -"
           "d /etc/rancher/k3s/config.yaml.d 0755 root root -"
           "d /etc/phaze 0755 root root -"
+          "d /etc/sysusers.d 0755 root root -"
           "d /var/lib/node_exporter/textfile 0755 root root -"
         ] ++ lib.optional cfg.caddy.importSnippets "d /etc/caddy 0755 root root -";
 

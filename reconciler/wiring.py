@@ -420,7 +420,7 @@ def _registry_path(sqlite_path: Path | None, root: Path, backend: str, path: str
 
 
 def program_paths() -> ProgramPaths:
-    """socat, podman, nft, systemd-tmpfiles and ray found on PATH: on NixOS they live in the store
+    """socat, podman, nft, systemd-tmpfiles, systemd-sysusers and ray found on PATH: on NixOS they live in the store
     (the module puts them on the pass's PATH), on Debian in /usr/bin."""
     import shutil
 

@@ -266,7 +266,7 @@ mv -f "$CONFIG.new" "$CONFIG"
 
 # Directories a pass writes: ProtectSystem=strict leaves only existing ones
 # writable.
-mkdir -p /etc/fabric /etc/rancher/k3s/config.yaml.d /etc/phaze /var/lib/node_exporter/textfile "$DESIRED"
+mkdir -p /etc/fabric /etc/rancher/k3s/config.yaml.d /etc/phaze /etc/sysusers.d /var/lib/node_exporter/textfile "$DESIRED"
 if command -v caddy >/dev/null 2>&1; then mkdir -p /etc/caddy; fi
 
 # node_exporter has no fixed textfile directory: Debian's

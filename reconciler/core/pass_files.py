@@ -10,7 +10,7 @@ PASS_COUNTERS = "pass-counters.json"
 TEXTFILE_PATH = "var/lib/node_exporter/textfile/fabric.prom"
 # The programs the rendered units name, found on PATH (the wiring's
 # program_paths); where each is found is part of the pass memo's key.
-PROGRAMS = ("socat", "podman", "nft", "systemd-tmpfiles", "ray")
+PROGRAMS = ("socat", "podman", "nft", "systemd-tmpfiles", "systemd-sysusers", "ray")
 # This host's own node.toml, under the root: a full pass reads the prefixes
 # its units' paths may lie under there, so it is part of the memo's key.
 NODE_CONFIG_FILE = "etc/fabric/node.toml"

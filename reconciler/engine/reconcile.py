@@ -127,6 +127,7 @@ class ProgramPaths:
     podman: str = Layout().podman
     nft: str = Layout().nft
     systemd_tmpfiles: str = Layout().systemd_tmpfiles
+    systemd_sysusers: str = Layout().systemd_sysusers
     ray: str = Layout().ray
 
 
@@ -346,6 +347,7 @@ def _plan_and_render(
         podman=programs.podman,
         nft=programs.nft,
         systemd_tmpfiles=programs.systemd_tmpfiles,
+        systemd_sysusers=programs.systemd_sysusers,
         ray=programs.ray,
     )
     try:

@@ -98,7 +98,14 @@ def test_the_pass_beats_again_after_activation_with_the_units_it_started(tmp_pat
     # (a1-arm64's two run elsewhere); every unit of the generation is reported.
     # Which part of it is the services: the scheduler counts its own placements instead.
     assert (after.in_flight, after.services_running) == (4, 1)
-    assert after.units == {SERVICE: "active", AGENT: "active", "fabric-nftables.service": "active", RAY_WORKER_UNIT: "active"}
+    # (the agent's account unit too: a oneshot that stays active, no service of the scheduler's).
+    assert after.units == {
+        SERVICE: "active",
+        AGENT: "active",
+        "fabric-account-x86-spill.service": "active",
+        "fabric-nftables.service": "active",
+        RAY_WORKER_UNIT: "active",
+    }
     assert "after activation, heartbeat: x86-spill tier relay, in_flight 4, alive for 90 s (1 services, 3 lane jobs)" in fleet.notes
     # The memo stands for this pass with the record after activation.
     assert report.memo_seed is not None and report.memo_seed.node_record == after.model_dump_json()

@@ -540,12 +540,12 @@ def assert_scratch_dir_is_the_pushers_at_its_real_path(text: str, scratch: str, 
 
 
 def test_podman_agent_scratch_dir_under_var_lib_is_the_pushers_directory(tmp_path: Path) -> None:
-    # Not a StateDirectory=: with DynamicUser=yes that would live in
-    # /var/lib/private (0700 root), where phaze's push cannot reach.
+    # Not a StateDirectory=: it is the pusher's directory, not the agent's
+    # (and a DynamicUser= unit's would live in /var/lib/private, 0700 root).
     rendered = render(example(), "a1-arm64", facts("a1-arm64"), golden_plan())
     arm = next(a.content for a in rendered.artifacts if a.unit == "fabric-agent-a1-arm64.service")
     assert_scratch_dir_is_the_pushers_at_its_real_path(arm, "/var/lib/phaze/scratch", "fabric-agent-a1-arm64")
-    assert "DynamicUser=yes\n" in arm
+    assert "User=fabric-agent-a1-arm64\n" in arm and "DynamicUser=" not in arm
 
 
 def test_podman_agent_scratch_dir_outside_var_lib_is_seen_at_its_real_path(tmp_path: Path) -> None:

@@ -79,7 +79,8 @@ WATCH_RESTART_SEC = "5s"
 # - ProtectSystem=strict: the whole tree read-only except what a pass
 #   writes: the unit directories, /etc/fabric (the nft file), /etc/caddy (the
 #   site snippet), the k3s drop-in directory, /etc/phaze (phaze's
-#   backends.toml on the control host), node_exporter's textfile
+#   backends.toml on the control host), /etc/sysusers.d (a podman
+#   workload's user, made by its account unit), node_exporter's textfile
 #   directory (the pass's metrics) and its state directory. The '-' prefix
 #   makes a missing directory (no k3s here) not an error.
 # - no PrivateDevices: the probe must see /dev/dri and /dev/nvidia* or a GPU
@@ -98,6 +99,7 @@ HARDENING: dict[str, str | tuple[str, ...]] = {
         "-/etc/caddy",
         "-/etc/rancher/k3s",
         "-/etc/phaze",
+        "-/etc/sysusers.d",
         "-/var/lib/node_exporter/textfile",
     ),
     "StateDirectory": "fabric",
@@ -174,10 +176,11 @@ DAEMON_HARDENING: dict[str, str | tuple[str, ...]] = {
 
 # Directories a pass writes into that must exist before it runs (under
 # ProtectSystem=strict a missing one cannot be created): the nft file, the k3s
-# label drop-in, phaze's backends.toml (control host), the metrics textfile.
+# label drop-in, phaze's backends.toml (control host), the podman workloads'
+# sysusers.d snippets, the metrics textfile.
 # Both installers create them (the module with tmpfiles rules, join.sh with
 # mkdir); /etc/caddy comes with Caddy.
-PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d", "/etc/phaze", "/var/lib/node_exporter/textfile")
+PASS_DIRECTORIES = ("/etc/fabric", "/etc/rancher/k3s/config.yaml.d", "/etc/phaze", "/etc/sysusers.d", "/var/lib/node_exporter/textfile")
 
 # The pass's HOME: `caddy validate` needs one to find its own CA (local_certs,
 # internal names), and a service gets none from systemd.

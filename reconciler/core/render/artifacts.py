@@ -107,6 +107,10 @@ class Layout:
     podman: str = "/usr/bin/podman"
     nft: str = "/usr/sbin/nft"
     systemd_tmpfiles: str = "/usr/bin/systemd-tmpfiles"
+    systemd_sysusers: str = "/usr/bin/systemd-sysusers"
+    sysusers_dir: str = "etc/sysusers.d"
+    # A POSIX shell at the one path every supported host has (NixOS too).
+    shell: str = "/bin/sh"
     ray: str = DEFAULT_RAY_COMMAND
 
     def unit_path(self, unit: str) -> str:
@@ -456,23 +460,20 @@ def _secret_volumes(w: _Workload, parts: _UnitParts) -> None:
 def _scratch_volume(w: _Workload, layout: Layout, parts: _UnitParts) -> None:
     """A lane's scratch_dir, at its real path on the host: phaze's rsync logs
     in as the lane's ssh_user and writes there, and the container sees the
-    same directory at the same path. It cannot be a StateDirectory= of this
-    unit: with DynamicUser=yes systemd keeps those in /var/lib/private (0700
-    root, so no login user reaches them) and makes them the dynamic user's,
-    and a path outside /var/lib cannot be one at all (systemd.exec,
-    DynamicUser=). So the directory is the pusher's, 2770 with the pusher's
-    group (the setgid bit gives pushed files and the agent's outputs that
-    group even when rsync keeps none), created or set right before every start
-    by systemd-tmpfiles from a rule this unit carries (StandardInputText=,
-    read as "-"; "+": it runs as root, outside the sandbox). The agent gets in
-    as a member of that group (SupplementaryGroups=; the container keeps it:
-    podman, with no subgid range, writes its single-ID gid_map itself, so the
-    kernel denies setgroups() in that namespace, user_namespaces(7)) and
-    writes only there: ReadWritePaths= lifts ProtectSystem=strict for this
-    directory alone. The dynamic user stays (a fixed User= would need an
-    account the pass cannot create: it writes files and units only); its
-    outputs outlive its UID, which systemd recycles, but a recycled UID
-    outside the group cannot enter a 2770 directory."""
+    same directory at the same path. It is not a StateDirectory= of this
+    unit: that would be the agent's (a DynamicUser= unit's even in
+    /var/lib/private, 0700 root, where no login user reaches it), and a path
+    outside /var/lib cannot be one at all (systemd.exec). So the directory is
+    the pusher's, 2770 with the pusher's group (the setgid bit gives pushed
+    files and the agent's outputs that group even when rsync keeps none),
+    created or set right before every start by systemd-tmpfiles from a rule
+    this unit carries (StandardInputText=, read as "-"; "+": it runs as root,
+    outside the sandbox). The agent's static user gets in as a member of that
+    group (SupplementaryGroups=; the container keeps it: podman, with no
+    subgid range, writes its single-ID gid_map itself, so the kernel denies
+    setgroups() in that namespace, user_namespaces(7)) and writes only there:
+    ReadWritePaths= lifts ProtectSystem=strict for this directory alone. The
+    user is static (workload_user), so the agent's outputs keep a real owner."""
     if w.scratch is None:
         return
     path, pusher = w.scratch
@@ -495,8 +496,67 @@ def _models_volume(w: _Workload, parts: _UnitParts) -> None:
         parts.args.append(systemd_quote(f"--volume={host_dir}:{container_path}:ro"))
 
 
+# systemd-sysusers and shadow take user names of at most 31 characters (utmp).
+_USER_NAME_MAX = 31
+
+
+def workload_user(workload_id: str) -> str:
+    """The static system user a podman workload runs as: its unit's name
+    (fabric-agent-<id>) when that fits a user name, else a prefix of it and
+    8 hex digits of the id's sha256 (ids are unique per host, so are these)."""
+    name = agent_unit(workload_id).removesuffix(".service")
+    if len(name) <= _USER_NAME_MAX:
+        return name
+    digest = hashlib.sha256(workload_id.encode()).hexdigest()[:8]
+    return f"{name[: _USER_NAME_MAX - 9]}-{digest}"
+
+
+def account_unit(workload_id: str) -> str:
+    """The oneshot unit that creates a podman workload's user before its agent starts."""
+    return f"fabric-account-{workload_id}.service"
+
+
+def sysusers_line(workload_id: str) -> str:
+    """The sysusers.d(5) line of a podman workload's user: a system user with
+    a group of its own name, an id systemd-sysusers picks (kept for good once
+    made), its state directory as home, no login shell."""
+    user = workload_user(workload_id)
+    return f'u {user} - "fabric {workload_id}" /var/lib/{agent_unit(workload_id).removesuffix(".service")} -'
+
+
+# The files where podman looks up a user's range of subordinate IDs.
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
+# Run by the account unit with the user as $1: fails, naming the file and the
+# line, when either file has a line for the user (by name, by UID or "ALL", as
+# podman's lookup matches: containers/storage idtools.parseSubidFile). With a
+# range in both, podman maps the user through the setuid newuidmap/newgidmap,
+# which the agent's NoNewPrivileges= (implied by its sandbox) stops, so the
+# agent exits 125; without one it maps the one ID itself. A line in one file
+# only is inert today but refused too: the fabric's users have no range.
+# Shell builtins only: no other program has one path on every host.
+SUBID_CHECK = " ".join(
+    (
+        'uid=; while IFS=: read -r name _ id _; do [ "$name" = "$1" ] && uid=$id; done < /etc/passwd; found=0;',
+        'for file in FILES; do [ -r "$file" ] || continue;',
+        "while IFS= read -r line; do owner=${line%%:*};",
+        'if [ "$owner" = "$1" ] || [ "$owner" = ALL ] || { [ -n "$uid" ] && [ "$owner" = "$uid" ]; }; then',
+        'echo "$file: $1 has a subordinate ID range ($line): podman would map it through newuidmap/newgidmap,'
+        " which the agent's NoNewPrivileges= stops; the fabric runs $1 with one ID: remove that line\" >&2; found=1;",
+        'fi; done < "$file"; done; exit $found',
+    )
+).replace("FILES", " ".join(SUBID_FILES))
+
+
+def subid_check_command(layout: Layout, workload_id: str) -> str:
+    """The account unit's check that its user has no subordinate ID range
+    (SUBID_CHECK), quoted for ExecStart=."""
+    argv = [layout.shell, "-c", SUBID_CHECK, account_unit(workload_id).removesuffix(".service"), workload_user(workload_id)]
+    return " ".join(systemd_quote(a) for a in argv)
+
+
 def _podman_parts(w: _Workload, unit: str, layout: Layout) -> _UnitParts:
-    """Rootless podman as the unit's dynamic user: its home (image storage)
+    """Rootless podman as the workload's own static system user (made by
+    its account unit from a sysusers.d snippet): its home (image storage)
     and runtime directory belong to that user, and it can read nothing of
     root's, so every host path the container gets comes through systemd
     (credentials, state directories, the scratch dir's group)."""
@@ -529,6 +589,8 @@ def _podman_parts(w: _Workload, unit: str, layout: Layout) -> _UnitParts:
         f"ExecStopPost={podman_cmd} rm --force --ignore {cidfile}",
     ]
     parts.rootless = {
+        "user": workload_user(w.id),
+        "account_unit": account_unit(w.id),
         "home": home,
         "runtime_dir": runtime_dir,
         "runtime_directory": runtime_dir.removeprefix("/run/"),
@@ -567,6 +629,8 @@ def _agent_unit(w: _Workload, layout: Layout, templates: Templates, notes: list[
         source=w.source,
         description=systemd_text(w.description),
         podman=w.image is not None,
+        user=parts.rootless.get("user"),
+        account_unit=parts.rootless.get("account_unit"),
         home=parts.rootless.get("home"),
         runtime_dir=parts.rootless.get("runtime_dir"),
         runtime_directory=parts.rootless.get("runtime_directory"),
@@ -693,7 +757,30 @@ def _render_agents(r: _HostRender) -> list[Artifact]:
             raise RenderError(f"{agent_unit(w.id)} would run both {seen[w.id]} {w.id!r} and {w.what} {w.id!r}: rename one in {r.desired.fleet_file}")
         seen[w.id] = w.what
         artifacts.append(unit_artifact(r.layout.unit_path(agent_unit(w.id)), _agent_unit(w, r.layout, r.templates, r.notes)))
+        if w.image is not None:
+            artifacts += _account_artifacts(w, r)
     return artifacts
+
+
+def _account_artifacts(w: _Workload, r: _HostRender) -> list[Artifact]:
+    """A podman workload's user, declared as files: the sysusers.d snippet
+    (systemd-sysusers.service applies it at boot too) and the oneshot unit
+    that applies it, as root, before the agent starts (systemd resolves User=
+    before any ExecStartPre=, even a "+" one, so the agent cannot make it)."""
+    line = sysusers_line(w.id)
+    snippet = f"{r.layout.sysusers_dir.strip('/')}/{agent_unit(w.id).removesuffix('.service')}.conf"
+    text = _template(
+        "account.service.j2",
+        r.templates,
+        id=w.id,
+        source=f"{w.source}",
+        user=workload_user(w.id),
+        sysusers_line=line,
+        exec_start=f"{systemd_quote(r.layout.systemd_sysusers)} {systemd_quote('/' + snippet)}",
+        subid_check=subid_check_command(r.layout, w.id),
+    )
+    header = f"# Written by fabric-reconcile: do not edit. Source: {w.source}.\n"
+    return [Artifact(snippet, header + line + "\n", 0o644, "file"), unit_artifact(r.layout.unit_path(account_unit(w.id)), text)]
 
 
 @dataclass(frozen=True)
