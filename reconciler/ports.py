@@ -241,6 +241,21 @@ class FileReader(Protocol):
         ...
 
 
+class ProbeFiles(FileReader, Protocol):
+    """The live probe's files, and what says a command's inputs are unchanged
+    (reconciler.core.probe.facts.Inputs): a memoized pass's probe."""
+
+    def stat(self, path: str) -> str:
+        """The identity of what is at `path` (links followed): size, mtime,
+        ctime, inode; raises OSError when nothing is there."""
+        ...
+
+    def program(self, name: str) -> str | None:
+        """The real path of the program `name` as a command runner finds it
+        on PATH, with its stat; None when it is not there."""
+        ...
+
+
 class CaptureError(Exception):
     """The capture directory cannot be used; the message names it and says why."""
 

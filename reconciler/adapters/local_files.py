@@ -1,4 +1,4 @@
-"""reconciler.ports.FileReader over this machine's /proc, /sys and /dev/dri (the live probe's reads).
+"""reconciler.ports.ProbeFiles over this machine's /proc, /sys and /dev/dri (the live probe's reads).
 
 Standard library only: a memoized pass probes live through it and must
 import no model (reconciler.adapters.probe_io re-exports it).
@@ -7,6 +7,7 @@ import no model (reconciler.adapters.probe_io re-exports it).
 from __future__ import annotations
 
 import os
+import shutil
 
 
 class LocalFiles:
@@ -20,3 +21,18 @@ class LocalFiles:
 
     def read_link(self, path: str) -> str:
         return os.readlink(path)
+
+    def stat(self, path: str) -> str:
+        st = os.stat(path)
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+
+    def program(self, name: str) -> str | None:
+        # The PATH the command runner's children search (it adds only LC_ALL).
+        found = shutil.which(name)
+        if found is None:
+            return None
+        real = os.path.realpath(found)
+        try:
+            return f"{real}:{self.stat(real)}"
+        except OSError:
+            return None
