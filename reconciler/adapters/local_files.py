@@ -9,12 +9,25 @@ from __future__ import annotations
 import os
 import shutil
 
+READ_CAP = 4 * 1024 * 1024
+READ_CHUNK = 64 * 1024
+
 
 class LocalFiles:
     def read_text(self, path: str) -> str:
         with open(path, encoding="utf-8", errors="replace") as handle:
             # sysfs and procfs files are small; the cap guards a wrong path.
-            return handle.read(4 * 1024 * 1024)
+            # Read in chunks: a /proc/sys file refuses one read of the whole
+            # cap (ENOMEM: the kernel allocates what the read asks for).
+            chunks: list[str] = []
+            left = READ_CAP
+            while left > 0:
+                chunk = handle.read(min(READ_CHUNK, left))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return "".join(chunks)
 
     def list_dir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))

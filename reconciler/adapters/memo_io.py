@@ -11,7 +11,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -194,6 +193,8 @@ def pass_lock(lock_file: Path) -> Iterator[bool]:
 
 def nft_table_digest(nft: str, family: str = "inet", table: str = "fabric") -> str | None:
     """sha256 of `nft list table` of the fabric's table (a flushed or edited table changes it); None when not loaded."""
+    import subprocess  # only a pass that activates asks
+
     try:
         result = subprocess.run([nft, "list", "table", family, table], capture_output=True, timeout=10, env={**os.environ, "LC_ALL": "C"})
     except (OSError, subprocess.TimeoutExpired):

@@ -256,7 +256,7 @@ def _registry_at_memo_epoch(ports: MemoPorts, memo: PassMemo) -> BeatRegistry | 
     None (a full pass) when the memo cannot say how to reach it, the registry
     cannot be read, or its epoch moved on: a new plan, whose full pass beats
     itself (a beat here would only delay the plan's pass). The caller closes it."""
-    from reconciler.ports import RegistryError
+    from reconciler.port_errors import RegistryError
 
     if memo.seed.registry is None or memo.seed.beat_ttl_s is None:
         return None  # a memo the full pass wrote without them: measure again
@@ -291,7 +291,7 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     imported (a lane host's memo keeps its lanes' queues: `_in_flight`)."""
     from reconciler.core.live.beat import heartbeat_note
     from reconciler.core.live.host_limits import lowered_note
-    from reconciler.ports import LaneBrokerError, RegistryError
+    from reconciler.port_errors import LaneBrokerError, RegistryError
 
     assert memo.seed.node_record is not None and memo.seed.beat_ttl_s is not None
     try:

@@ -246,6 +246,7 @@ def input_stamp(program: str, inputs: Inputs, files: ProbeFiles, outputs: Mappin
     parts += [["raw", raw, outputs.get(raw), errors.get(raw)] for raw in inputs.raws]
     parts += [["file", path, attempt(files.stat, path)] for path in inputs.files]
     parts += [["content", path, attempt(files.read_text, path)] for path in inputs.contents]
+    parts += [["block mounts", path, block_mounts(attempt(files.read_text, path))] for path in inputs.block_mounts]
     for directory, names in inputs.entries:
         try:
             entries = files.list_dir(directory)
@@ -256,3 +257,18 @@ def input_stamp(program: str, inputs: Inputs, files: ProbeFiles, outputs: Mappin
             path = f"{directory}/{entry}"
             parts.append(["entry", path, attempt(files.read_link, path), [attempt(files.read_text, f"{path}/{name}") for name in names]])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def block_mounts(mountinfo: str) -> list[str]:
+    """The lines of a mountinfo file that mount a block device's file system
+    (proc(5): `ID PARENT MAJOR:MINOR ROOT POINT OPTIONS [TAGS] - TYPE SOURCE
+    SUPER`): a device of a major other than 0, or a source under /dev/ (a
+    btrfs subvolume's device number is anonymous, its source is not)."""
+    kept = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        _, dash, after = line.partition(" - ")
+        source = after.split()[1] if dash and len(after.split()) > 1 else ""
+        if len(fields) > 2 and (not fields[2].startswith("0:") or source.startswith("/dev/")):
+            kept.append(line)
+    return kept

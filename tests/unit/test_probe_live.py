@@ -55,6 +55,29 @@ def test_live_probe_of_this_machine(live_capture):
     assert facts.labels["topology.researchstack.io/tier"] == facts.tier
 
 
+def test_the_kernels_files_say_what_hostname_and_uname_print(live_capture):
+    """The live probe reads /proc/sys/kernel/{hostname,arch} (procfs refuses
+    one read of the whole 4 MiB cap: LocalFiles reads in chunks) and runs
+    neither program where they are there (arch: Linux 6.1 and later)."""
+    files = LocalFiles()
+    assert files.read_text("/proc/sys/kernel/hostname") == os.uname().nodename + "\n"
+    assert live_capture.outputs["hostname"] == os.uname().nodename + "\n"
+    if Path("/proc/sys/kernel/arch").exists():
+        assert files.read_text("/proc/sys/kernel/arch") == os.uname().machine + "\n"
+    assert live_capture.outputs["uname-m"] == os.uname().machine + "\n"
+
+
+def test_local_files_read_a_large_file_whole_up_to_the_cap(tmp_path: Path) -> None:
+    from reconciler.adapters.local_files import READ_CAP
+
+    small = tmp_path / "small"
+    small.write_text("x" * 200_000)
+    assert LocalFiles().read_text(str(small)) == "x" * 200_000
+    big = tmp_path / "big"
+    big.write_text("y" * (READ_CAP + 10))
+    assert LocalFiles().read_text(str(big)) == "y" * READ_CAP
+
+
 def test_real_commands_that_are_missing_fail_or_hang_become_reasons():
     facts = (
         Fact("arch", "uname-m", (Command(("/nonexistent/uname",)),), parse_uname_m, "missing"),

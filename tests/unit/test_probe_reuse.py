@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.probe.facts import FACTS, FFMPEG_INPUTS, LSBLK_INPUTS, LSPCI_INPUTS, PCI_NAMES, Command
-from reconciler.engine.pass_memo import MEMO_FILE, PassMemo
+from reconciler.engine.pass_memo import MEMO_FILE, MemoSeed, PassMemo
 from reconciler.engine.probe import collect_live, collect_live_reusing, reusable_inputs
 from reconciler.ports import CommandResult
 from tests.conftest import REPO
@@ -158,6 +158,10 @@ CHANGES = {
         lambda m: m.files.update({"/proc/self/mountinfo": m.files["/proc/self/mountinfo"] + "30 22 8:1 / /data rw - ext4 /dev/sda1 rw\n"}),
         "lsblk",
     ),
+    "a btrfs subvolume mounted (anonymous device, /dev/ source)": (
+        lambda m: m.files.update({"/proc/self/mountinfo": m.files["/proc/self/mountinfo"] + "31 22 0:45 /@home /home rw - btrfs /dev/sda2 rw\n"}),
+        "lsblk",
+    ),
     "a disk moved to another bus": (lambda m: m.links.update({"/sys/block/nvme0n1": "../devices/usb1/1-1/nvme0n1"}), "lsblk"),
     "a disk's rotational flag": (lambda m: m.files.update({"/sys/block/nvme0n1/queue/rotational": "1\n"}), "lsblk"),
     "a block device appeared": (lambda m: m.dirs["/sys/block"].append("sda"), "lsblk"),
@@ -165,6 +169,22 @@ CHANGES = {
     "ffmpeg replaced (a new real path)": (lambda m: m.programs.update({"ffmpeg": "/nix/store/abc-ffmpeg/bin/ffmpeg:1:1:1:1"}), "ffmpeg"),
     "ffmpeg removed": (lambda m: m.programs.pop("ffmpeg"), "ffmpeg"),
 }
+
+
+@pytest.mark.parametrize(
+    "mount",
+    [
+        "40 22 0:51 / /var/lib/containers/storage/overlay/abc/merged rw - overlay overlay rw,lowerdir=/x",
+        "41 22 0:52 / /run/user/1000 rw - tmpfs tmpfs rw",
+        "42 22 0:53 / /mnt/share rw - nfs4 nas:/export rw",
+    ],
+)
+def test_a_mount_of_no_block_device_runs_no_lsblk(mount: str) -> None:
+    """A container's overlay, a tmpfs, a network share: none is a disk's mount point."""
+    machine = Machine()
+    first = collect_live_reusing(machine, machine, None)
+    machine.files["/proc/self/mountinfo"] += mount + "\n"
+    assert "lsblk" not in runs(machine, first.reusable())
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
@@ -179,13 +199,67 @@ def test_a_changed_input_runs_its_command_again_and_only_it(change: str) -> None
 def test_the_declared_inputs_are_what_the_catalogue_says() -> None:
     """The stamps above read these; a new input declared is a new case there."""
     assert LSPCI_INPUTS.raws == ("sysfs-pci",) and set(LSPCI_INPUTS.files) == set(PCI_NAMES)
-    assert LSBLK_INPUTS.contents == ("/proc/partitions", "/proc/self/mountinfo")
+    assert LSBLK_INPUTS.contents == ("/proc/partitions",)
+    assert LSBLK_INPUTS.block_mounts == ("/proc/self/mountinfo",)
     assert LSBLK_INPUTS.entries == (("/sys/block", ("queue/rotational",)),)
     assert FFMPEG_INPUTS.files == ("/etc/ld.so.cache",)
 
 
 # ---------------------------------------------------------------------------
 # The memo's side: what it lends the probe, and the full pass's fresh probe.
+
+
+class FullPassStarted(Exception):
+    pass
+
+
+class World:
+    """The MemoReader port of an unchanged world: stat fingerprints are constants, nothing drifted."""
+
+    def read(self, path: str) -> bytes | None:
+        return b""
+
+    def unit_state(self) -> None:
+        return None
+
+    def nft_digest(self) -> None:
+        return None
+
+    def fingerprint(self, paths: object) -> str:
+        return "stat"
+
+    def git_commit(self, directory: Path) -> str | None:
+        return None
+
+    def tree_stamp(self, directory: Path, files: object, since: float | None = None) -> str | None:
+        return "stat"
+
+    def which(self, program: str) -> str | None:
+        return None
+
+
+class Store:
+    """The MemoStore port in memory; the pass lock is always free."""
+
+    def __init__(self, files: dict[Path, bytes]) -> None:
+        self.files = files
+
+    def read(self, path: Path) -> bytes | None:
+        return self.files.get(path)
+
+    def write(self, path: Path, data: bytes) -> None:
+        self.files[path] = data
+
+    def remove(self, path: Path) -> None:
+        self.files.pop(path, None)
+
+    def rewrite_head(self, path: Path, edit) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def lock(self, lock_file: Path):  # type: ignore[no-untyped-def]
+        from contextlib import nullcontext
+
+        return nullcontext(True)
 
 
 def memo_probes(tmp_path: Path, *, age_s: float, same_inputs: bool) -> list[object]:
@@ -198,16 +272,16 @@ def memo_probes(tmp_path: Path, *, age_s: float, same_inputs: bool) -> list[obje
     from reconciler.engine.pass_options import PassOptions, PlanFile
     from tests.support.audit import RecordingAudit
     from tests.support.clock import FakeClock
-    from tests.unit.test_pass_memo import FullPassStarted, MemoFilesInMemory, MemoWorldSeen, seed
 
     machine = Machine()
     first = collect_live_reusing(machine, machine, None)
     calls: list[object] = []
     options = PassOptions(desired=tmp_path / "desired", host="racknerd", root=tmp_path / "root", plan=PlanFile(tmp_path / "plan.json"))
-    world = MemoWorldSeen([])
+    world = World()
     key = inputs_key(pass_inputs(options, first.capture, world)) if same_inputs else "another key"
-    memo = PassMemo(key=key, written_at=1000.0, seed=seed(), probe_reuse=first.reusable())
-    store = MemoFilesInMemory({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
+    seed = MemoSeed(generation=1, files=(), units=(), node_record=None, registry_epoch=None, may_lead=False)
+    memo = PassMemo(key=key, written_at=1000.0, seed=seed, probe_reuse=first.reusable())
+    store = Store({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
 
     def probe(reuse):  # type: ignore[no-untyped-def]
         calls.append("reuse" if reuse == first.reusable() else reuse)

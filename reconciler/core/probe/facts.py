@@ -33,12 +33,17 @@ class Inputs:
     files: each by stat (size, mtime, ctime, inode; absent counts);
     contents: each by content (procfs files, whose stat never changes);
     entries: (directory, names): every entry of the directory, by name and
-    link target, with each of `names` under it by content."""
+    link target, with each of `names` under it by content;
+    block_mounts: mountinfo files, by their lines of block devices' file
+    systems alone (a device number of a major other than 0, or a source
+    under /dev/): a container's overlay, a tmpfs, a network file system
+    mounted or gone is none of lsblk's business."""
 
     raws: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
     contents: tuple[str, ...] = ()
     entries: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    block_mounts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ LSPCI_INPUTS = Inputs(raws=("sysfs-pci",), files=PCI_NAMES)
 # lsblk prints the block devices (/proc/partitions: every disk and
 # partition and its size), where each sits (its /sys/block link: the
 # transport), whether it rotates, and where each is mounted.
-LSBLK_INPUTS = Inputs(contents=("/proc/partitions", "/proc/self/mountinfo"), entries=(("/sys/block", ("queue/rotational",)),))
+LSBLK_INPUTS = Inputs(contents=("/proc/partitions",), entries=(("/sys/block", ("queue/rotational",)),), block_mounts=("/proc/self/mountinfo",))
 # ffmpeg -encoders prints what its libraries were built with: the program
 # and the libraries it loads (a library installed or replaced runs
 # ldconfig, which rewrites its cache; on NixOS a new library is a new
