@@ -4,8 +4,12 @@
 
     1 the inputs key: options, this program's version, the programs on PATH,
       the desired state (git commit or stat), the main Caddyfile, the capture
-      or plan file (stat), the live probe's parsed facts (MemoPorts.probe, once;
-      core.probe.facts_key: no model, HostFacts are built by the full pass alone)
+      or plan file (stat), the live probe's parsed facts (MemoPorts.probe;
+      core.probe.facts_key: no model, HostFacts are built by the full pass alone).
+      A memo young enough to stand lends the probe what lspci, lsblk and
+      ffmpeg printed, taken instead of running them while the stamp of
+      their declared inputs is the one it kept (engine.probe.collect_live_reusing);
+      a pass that goes on to a full one probes again, running every command
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: when it names a registry, the registry's epoch first (moved: a new
       plan, the full pass at once, which compares the world itself and beats;

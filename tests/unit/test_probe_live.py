@@ -155,3 +155,29 @@ def test_cli_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_a_program_not_on_path_is_missing_without_a_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe asks for programs most hosts lack (nvidia-smi, tailscale,
+    ffmpeg) every pass: one not on the PATH the child would search is
+    reported missing as its exec would be, and no process is started."""
+    import subprocess
+
+    started: list[object] = []
+    real_run = subprocess.run
+
+    def run(*args: object, **kwargs: object) -> object:
+        started.append(args[0])
+        return real_run(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", run)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    runner = SubprocessRunner({"PATH": str(empty)})
+    result = runner.run(("uname", "-m"))
+    assert result.missing and result.failure() == "uname: not installed"
+    assert started == []
+    # On the PATH, or named by a path: run (a path that is not there: exec's own answer).
+    assert SubprocessRunner().run(("uname", "-m")).stdout == os.uname().machine + "\n"
+    missing = SubprocessRunner().run((str(empty / "uname"),))
+    assert missing.missing and len(started) == 2
