@@ -43,17 +43,19 @@ epoch or any drift) is a full pass, which repairs the drift and writes a new
 memo.
 
 This module is pure: the reads go through the callables the caller hands in.
-It imports nothing but the standard library, so the memoized pass pays for
+It imports nothing but the standard library (and reconciler.digests: its
+sha256 without OpenSSL), so the memoized pass pays for
 no model or template.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from reconciler.digests import sha256 as _sha256
 
 MEMO_FILE = "pass-memo.json"
 MEMO_VERSION = 7
@@ -179,11 +181,11 @@ def _well_formed(memo: PassMemo) -> bool:
 
 def inputs_key(parts: Mapping[str, str | None]) -> str:
     """One digest of the named inputs of a pass."""
-    return hashlib.sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
+    return _sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
 
 
 def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return _sha256(data).hexdigest()
 
 
 # Reads of the world a memo is checked against.

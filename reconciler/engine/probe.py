@@ -8,7 +8,6 @@ reason in `RawCapture.errors`; nothing here raises for a bad machine.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, Inputs, PerRenderNode, Source, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, format_sysfs_pci_line, parse_dri, pci_slot_in_path
 from reconciler.core.probe.raw import RawCapture
+from reconciler.digests import sha256 as _sha256
 
 if TYPE_CHECKING:
     # Types only: a memoized pass probes live through this module and must not import the ports' models.
@@ -256,7 +256,7 @@ def input_stamp(program: str, inputs: Inputs, files: ProbeFiles, outputs: Mappin
         for entry in entries:
             path = f"{directory}/{entry}"
             parts.append(["entry", path, attempt(files.read_link, path), [attempt(files.read_text, f"{path}/{name}") for name in names]])
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    return _sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def block_mounts(mountinfo: str) -> list[str]:

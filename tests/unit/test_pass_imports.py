@@ -111,7 +111,7 @@ class LiveSandbox(Sandbox):
 
 
 @pytest.mark.parametrize("probe", ["replayed", "live"])
-def test_a_memo_hit_imports_no_protocol_and_no_importlib_metadata(tmp_path: Path, probe: str) -> None:
+def test_a_memo_hit_imports_no_protocol_no_importlib_metadata_and_no_openssl(tmp_path: Path, probe: str) -> None:
     """A memo hit of the checkout (a source tree: the version is pyproject.toml's)
     with the sqlite registry catches the registry's errors from
     reconciler.port_errors, not the ports' Protocols, and reads its version
@@ -126,5 +126,7 @@ def test_a_memo_hit_imports_no_protocol_and_no_importlib_metadata(tmp_path: Path
     # The pass ended well without entering the applier: the memo's (its audit line may be in the journal).
     assert hit.at_activation is None, hit.stderr
     assert loaded(hit.at_end, "reconciler.ports", "importlib.metadata") == []
+    # Its sha256 (the key, the files' hashes, the probe's stamps) is CPython's own: no OpenSSL.
+    assert loaded(hit.at_end, "hashlib", "_hashlib") == []
     if probe == "replayed":
         assert loaded(hit.at_end, "subprocess") == []
