@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, Inputs, PerRenderNode, Source, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, format_sysfs_pci_line, parse_dri, pci_slot_in_path
@@ -172,10 +171,10 @@ def collect_live(runner: CommandRunner, files: FileReader, facts: tuple[Fact, ..
     return RawCapture(outputs, errors)
 
 
-@dataclass(frozen=True)
-class LiveProbe:
+class LiveProbe(NamedTuple):
     """A live probe, and for each fact whose command declares its inputs
-    (`reusable`) the stamp of those inputs as it ran (or was reused)."""
+    (`reusable`) the stamp of those inputs as it ran (or was reused). (A
+    NamedTuple: a frozen dataclass costs every memoized pass's import more.)"""
 
     capture: RawCapture
     stamps: dict[str, str]  # raw name -> the stamp of its command's inputs
