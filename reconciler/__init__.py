@@ -24,8 +24,11 @@ def installed_version() -> str:
     site-packages/fabric_reconciler-VERSION.dist-info): that METADATA's
     Version is read directly. importlib.metadata, which finds the same file,
     costs a pass more (some 70 modules) than the memo's whole check.
-    Anything else (an editable install, whose metadata lives elsewhere; not
-    exactly one such directory beside the package) asks importlib.metadata."""
+    A source tree (the package beside the pyproject.toml of this
+    distribution: a checkout, an editable install) reads the version there,
+    the file it is written in. Anything else (not exactly one such
+    directory beside the package, no such pyproject.toml) asks
+    importlib.metadata."""
     import os
 
     site = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +41,9 @@ def installed_version() -> str:
         found = _metadata_version(os.path.join(site, beside[0], "METADATA"))
         if found is not None:
             return found
+    found = _pyproject_version(os.path.join(site, "pyproject.toml"))
+    if found is not None:
+        return found
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -59,3 +65,27 @@ def _metadata_version(path: str) -> str | None:
     except (OSError, UnicodeDecodeError):
         pass
     return None
+
+
+def _pyproject_version(path: str) -> str | None:
+    """[project] version of a pyproject.toml whose [project] name is this
+    distribution's; None for any other file, or none. A line scan of the
+    plain `key = "value"` form pyproject.toml writes them in (tomllib would
+    cost a pass its import; anything else falls back on importlib.metadata)."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8") as pyproject:
+            table = None
+            for line in pyproject:
+                stripped = line.strip()
+                if stripped.startswith("["):
+                    table = stripped
+                    continue
+                key, sep, value = stripped.partition("=")
+                value = value.strip()
+                if table == "[project]" and sep and len(value) >= 2 and value[0] == value[-1] == '"':
+                    fields.setdefault(key.strip(), value[1:-1])
+    except (OSError, UnicodeDecodeError):
+        return None
+    version = fields.get("version")
+    return version if fields.get("name") == DISTRIBUTION and version else None

@@ -17,6 +17,29 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from reconciler.core.command_result import CommandResult
 
+# The registry's and phaze's broker's errors are defined with the standard
+# library alone (a memoized pass catches them without importing these
+# Protocols); they are the ports' errors all the same.
+from reconciler.port_errors import (
+    LaneBrokerError,
+    LaneBrokerUnavailable,
+    NotLeader,
+    PermissionDenied,
+    RegistryError,
+    RegistryUnavailable,
+    StaleDispatcher,
+)
+
+__all__ = [
+    "LaneBrokerError",
+    "LaneBrokerUnavailable",
+    "NotLeader",
+    "PermissionDenied",
+    "RegistryError",
+    "RegistryUnavailable",
+    "StaleDispatcher",
+]
+
 # Types only: a memoized pass catches RegistryError and imports no model.
 if TYPE_CHECKING:
     from reconciler.core.desired.broker_access import BrokerState, RoleStep
@@ -241,6 +264,21 @@ class FileReader(Protocol):
         ...
 
 
+class ProbeFiles(FileReader, Protocol):
+    """The live probe's files, and what says a command's inputs are unchanged
+    (reconciler.core.probe.facts.Inputs): a memoized pass's probe."""
+
+    def stat(self, path: str) -> str:
+        """The identity of what is at `path` (links followed): size, mtime,
+        ctime, inode; raises OSError when nothing is there."""
+        ...
+
+    def program(self, name: str) -> str | None:
+        """The real path of the program `name` as a command runner finds it
+        on PATH, with its stat; None when it is not there."""
+        ...
+
+
 class CaptureError(Exception):
     """The capture directory cannot be used; the message names it and says why."""
 
@@ -376,26 +414,6 @@ class PlanSigner(Protocol):
 # they live on phaze's broker (`LaneBroker` below); the leader's scaling record
 # keeps windows, concurrency overrides and how each cloud hook last ended (exit
 # status only: the hook's argv stays in the desired state, its output in the log).
-
-
-class RegistryError(Exception):
-    """Something the registry refused or could not do."""
-
-
-class RegistryUnavailable(RegistryError):
-    """The registry cannot be reached (no etcd endpoint answers, the sqlite file
-    cannot be opened or stays locked). Callers fail static: keep what runs."""
-
-
-class NotLeader(RegistryError):
-    """A write that needs leadership was refused: the caller's term is over
-    (its lease lapsed, or another candidate leads now)."""
-
-
-class PermissionDenied(RegistryError):
-    """The registry refused this identity the operation (etcd with auth on: a
-    host writing another host's keys, a non-candidate writing the leader's).
-    Retrying does not help: the certificate or `fabric registry init-auth` must change."""
 
 
 @dataclass(frozen=True)
@@ -747,21 +765,6 @@ class RayState(Protocol):
 # queue (`phaze-agent-<agent_ref>` for a compute lane, the local lane's
 # declared `queue`), where that lane's SAQ workers take it; a lane's load is
 # what its SAQ queue holds, its workers what saq's worker stats show.
-
-
-class LaneBrokerError(Exception):
-    """The lane queue refused or could not do something; the message says what."""
-
-
-class LaneBrokerUnavailable(LaneBrokerError):
-    """The broker cannot be reached (PostgreSQL down, the DSN file unreadable):
-    jobs wait meanwhile."""
-
-
-class StaleDispatcher(LaneBrokerError):
-    """A dispatch carried a term that is not the registry's current one (read
-    inside the dispatch's transaction): a newer leader's dispatcher runs, or
-    will, and this one must stop."""
 
 
 @dataclass(frozen=True)

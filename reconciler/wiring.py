@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from reconciler.core.desired.model import DesiredState, FlapSettings, FleetConfig, HostFacts, RegistrySettings, TimingSettings
     from reconciler.core.install.bootstrap import Programs
     from reconciler.core.install.nodeconfig import NodeConfig
-    from reconciler.core.probe.raw import RawCapture
     from reconciler.engine.memoized_pass import MemoPorts
     from reconciler.engine.pass_options import PassOptions
+    from reconciler.engine.probe import LiveProbe
     from reconciler.engine.reconcile import PassPorts, ProgramPaths, RollbackOptions
     from reconciler.ports import (
         Audit,
@@ -287,12 +287,14 @@ def probe_facts(host: str | None, replay: str | None) -> HostFacts:
     return facts_from_capture(capture, host=host)
 
 
-def probe_live() -> RawCapture:
-    """This machine's raw probe outputs (the memoized pass's probe): the
-    adapters and parsers it needs import no model."""
-    from reconciler.engine.probe import collect_live
+def probe_live(reuse: Mapping[str, Mapping[str, Any]] | None = None) -> LiveProbe:
+    """This machine's raw probe outputs (the memoized pass's probe), reusing
+    what `reuse` (the pass memo's) holds of commands whose inputs did not
+    change: the adapters and parsers it needs import no model."""
+    from reconciler.adapters.local_files import LocalFiles
+    from reconciler.engine.probe import collect_live_reusing
 
-    return collect_live(command_runner(), local_files())
+    return collect_live_reusing(command_runner(), LocalFiles(), reuse)
 
 
 @contextmanager

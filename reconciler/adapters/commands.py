@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
+import shutil
 from collections.abc import Sequence
 
 from reconciler.core.command_result import CommandResult
@@ -16,6 +16,15 @@ class SubprocessRunner:
 
     def run(self, argv: Sequence[str], *, timeout: float = 10.0, stdin: str | None = None) -> CommandResult:
         argv = tuple(argv)
+        if argv and os.sep not in argv[0] and shutil.which(argv[0], path=self._env.get("PATH", os.defpath)) is None:
+            # Not on the PATH the child would search: what its exec would
+            # say, without starting a process (the probe asks for several
+            # programs most hosts do not have, every pass).
+            return CommandResult(argv, None, missing=True)
+        # Imported here: a pass that runs no program (a memo hit on a host
+        # without tailscale or nvidia-smi) does not pay for it.
+        import subprocess
+
         try:
             proc = subprocess.run(
                 argv,

@@ -8,16 +8,15 @@ classes at the end implement its MemoStore, MemoReader and Audit structurally).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from reconciler.adapters.install_files import replace_file
+from reconciler.digests import sha256 as _sha256
 
 if TYPE_CHECKING:
     from reconciler.adapters.journal import JournalAudit
@@ -29,7 +28,7 @@ def fingerprint(paths: Iterable[Path | str]) -> str:
     from names and stat fields: size, mtime, ctime and inode change with any
     edit, rename or replacement, without reading a byte of the files.
     Reading the tree's files would make a host's pass grow with the fleet."""
-    h = hashlib.sha256()
+    h = _sha256()
     for path in paths:
         h.update(f"\0{path}\0".encode())
         _walk(Path(path), "", h)
@@ -69,7 +68,7 @@ def tree_stamp(directory: Path | str, files: Iterable[str], since: float | None 
     if store is not None:
         return f"store {store}"
     top = Path(directory)
-    h = hashlib.sha256()
+    h = _sha256()
     for rel in (".", "hosts", *sorted(set(files))):
         try:
             st = os.stat(top / rel)
@@ -106,7 +105,7 @@ def git_commit(directory: Path | str) -> str | None:
     return f"{commit}:{index.st_size}:{index.st_mtime_ns}:{index.st_ctime_ns}:{index.st_ino}"
 
 
-def _walk(path: Path, rel: str, h: hashlib._Hash) -> None:
+def _walk(path: Path, rel: str, h: Any) -> None:
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -194,13 +193,15 @@ def pass_lock(lock_file: Path) -> Iterator[bool]:
 
 def nft_table_digest(nft: str, family: str = "inet", table: str = "fabric") -> str | None:
     """sha256 of `nft list table` of the fabric's table (a flushed or edited table changes it); None when not loaded."""
+    import subprocess  # only a pass that activates asks
+
     try:
         result = subprocess.run([nft, "list", "table", family, table], capture_output=True, timeout=10, env={**os.environ, "LC_ALL": "C"})
     except (OSError, subprocess.TimeoutExpired):
         return None
     if result.returncode != 0:
         return None
-    return hashlib.sha256(result.stdout).hexdigest()
+    return _sha256(result.stdout).hexdigest()
 
 
 class MemoFiles:

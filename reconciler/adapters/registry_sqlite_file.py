@@ -90,9 +90,8 @@ def untrusted_file(path: Path) -> str | None:
 
 
 def _unavailable(message: str) -> Exception:
-    # reconciler.ports imports the records' models only for its types; imported
-    # here when raising, so opening the file costs a memoized pass no more.
-    from reconciler.ports import RegistryUnavailable
+    # Imported here when raising, so opening the file costs a memoized pass no more.
+    from reconciler.port_errors import RegistryUnavailable
 
     return RegistryUnavailable(message)
 
@@ -173,7 +172,7 @@ class SqliteFile:
         if isinstance(row[0], int) and 0 <= row[0] < 2**63:
             return row[0]
         # Never trusted: a counter that is not one is the registry's error, not a crash.
-        from reconciler.ports import RegistryError
+        from reconciler.port_errors import RegistryError
 
         raise RegistryError(f"sqlite registry: unreadable {key} counter (not a number)")
 

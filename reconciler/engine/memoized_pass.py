@@ -4,8 +4,12 @@
 
     1 the inputs key: options, this program's version, the programs on PATH,
       the desired state (git commit or stat), the main Caddyfile, the capture
-      or plan file (stat), the live probe's parsed facts (MemoPorts.probe, once;
-      core.probe.facts_key: no model, HostFacts are built by the full pass alone)
+      or plan file (stat), the live probe's parsed facts (MemoPorts.probe;
+      core.probe.facts_key: no model, HostFacts are built by the full pass alone).
+      A memo young enough to stand lends the probe what lspci, lsblk and
+      ffmpeg printed, taken instead of running them while the stamp of
+      their declared inputs is the one it kept (engine.probe.collect_live_reusing);
+      a pass that goes on to a full one probes again, running every command
     2 the memo the last converged pass left (pass_memo.usable), under the pass
       lock: when it names a registry, the registry's epoch first (moved: a new
       plan, the full pass at once, which compares the world itself and beats;
@@ -46,12 +50,13 @@ import reconciler
 from reconciler.core.live.host_load import HostLoad, lane_jobs_running
 from reconciler.core.pass_files import NODE_CONFIG_FILE, PASS_COUNTERS, PROGRAMS, TEXTFILE_PATH
 from reconciler.core.probe.raw import facts_key, parse_capture
-from reconciler.engine.pass_memo import MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, inputs_key, refreshed_metrics, sha256, usable
+from reconciler.engine.pass_memo import MEMO_FILE, NFT_DRIFT, MemoSeed, PassMemo, drift, fresh, inputs_key, refreshed_metrics, sha256, usable
 from reconciler.engine.pass_options import CADDY_MAIN_CANDIDATES, PassOptions, PlanAlone, PlanFile, PlanFromRegistry
 from reconciler.engine.pass_report import PassReport
 
 if TYPE_CHECKING:
     from reconciler.core.probe.raw import RawCapture
+    from reconciler.engine.probe import LiveProbe
     from reconciler.engine.reconcile import PassPorts
     from reconciler.ports import Audit, BeatLaneBroker, BeatRegistry, Clock, MemoReader, MemoStore
 
@@ -72,8 +77,10 @@ class MemoPorts:
     world: MemoReader  # what the memo is checked against; stat fingerprints, git commit, PATH
     audit: Audit  # the memoized pass's one audit line
     clock: Clock
-    # This machine's raw probe outputs, collected live (a replay is fingerprinted, not probed here).
-    probe: Callable[[], RawCapture]
+    # This machine's raw probe outputs, collected live (a replay is
+    # fingerprinted, not probed here), reusing the given memo's outputs of
+    # commands whose inputs are unchanged (None: every command runs).
+    probe: Callable[[Mapping[str, Mapping[str, Any]] | None], LiveProbe]
     # Opens the registry the memo names (PassMemo.registry: fabric.toml's
     # [registry], [timing], [flap] as the last full pass validated them), for
     # the memo's heartbeat (closed after).
@@ -95,19 +102,26 @@ def run_memoized_pass(
 ) -> PassReport:
     started = ports.clock.now()
     memo_file = options.root / options.state_dir.strip("/") / MEMO_FILE
-    capture = None if options.replay else ports.probe()
     # Read before locking: with no memo (a first pass, or bad input) the pass
     # creates nothing here, not even the lock file.
     memo = _read_memo(ports, memo_file)
+    # A memo young enough to stand for this pass lends its probe the outputs
+    # of the commands whose inputs did not change (lspci, lsblk, ffmpeg).
+    reuse = memo.probe_reuse if memo is not None and fresh(memo, started) else None
+    live = None if options.replay else ports.probe(reuse)
     # A plain directory's key stats the files the last full pass depended on
     # (its memo names them): the full pass that follows keys them the same.
     listed = memo.seed.desired_files if memo is not None else ()
-    inputs = pass_inputs(options, capture, ports.world, listed)
+    inputs = pass_inputs(options, live.capture if live else None, ports.world, listed)
     verdict, memo = _memoized(options, ports, memo_file, memo, inputs_key(inputs), started)
     if verdict == "hit" and memo is not None:
         generation = memo.seed.generation
         return PassReport("noop", f"nothing to do (generation {generation})\n" if generation else "nothing to do\n", memoized=True)
-    return _full_pass(options, ports, full_pass_ports, memo_file, _Keyed(inputs, listed, started), capture, nft_reload=verdict == "nft")
+    if live is not None and live.reused:
+        # The full pass acts on this moment's machine: every command runs.
+        live = ports.probe(None)
+        inputs = pass_inputs(options, live.capture, ports.world, listed)
+    return _full_pass(options, ports, full_pass_ports, memo_file, _Keyed(inputs, listed, started), live, nft_reload=verdict == "nft")
 
 
 @dataclass(frozen=True)
@@ -246,7 +260,7 @@ def _registry_at_memo_epoch(ports: MemoPorts, memo: PassMemo) -> BeatRegistry | 
     None (a full pass) when the memo cannot say how to reach it, the registry
     cannot be read, or its epoch moved on: a new plan, whose full pass beats
     itself (a beat here would only delay the plan's pass). The caller closes it."""
-    from reconciler.ports import RegistryError
+    from reconciler.port_errors import RegistryError
 
     if memo.seed.registry is None or memo.seed.beat_ttl_s is None:
         return None  # a memo the full pass wrote without them: measure again
@@ -281,7 +295,7 @@ def _heartbeat(options: PassOptions, ports: MemoPorts, memo: PassMemo, registry:
     imported (a lane host's memo keeps its lanes' queues: `_in_flight`)."""
     from reconciler.core.live.beat import heartbeat_note
     from reconciler.core.live.host_limits import lowered_note
-    from reconciler.ports import LaneBrokerError, RegistryError
+    from reconciler.port_errors import LaneBrokerError, RegistryError
 
     assert memo.seed.node_record is not None and memo.seed.beat_ttl_s is not None
     try:
@@ -351,7 +365,7 @@ def _full_pass(
     full_pass_ports: Callable[[PassOptions], AbstractContextManager[PassPorts]],
     memo_file: Path,
     keyed: _Keyed,
-    capture: RawCapture | None,
+    live: LiveProbe | None,
     *,
     nft_reload: bool,
 ) -> PassReport:
@@ -363,9 +377,9 @@ def _full_pass(
 
     options = replace(options, nft_reload=nft_reload)
     with full_pass_ports(options) as pass_ports:
-        if capture is not None:
+        if live is not None:
             # Probed once, for the key; the facts of what the key was made of.
-            probed = facts_from_capture(capture, host=options.host)
+            probed = facts_from_capture(live.capture, host=options.host)
             pass_ports.probe = lambda _host, _replay: probed
         step = pass_ports.checkpoint
 
@@ -379,7 +393,8 @@ def _full_pass(
         report = run_pass(options, pass_ports)
     # A group member's pass keeps no memo: the memo's early stop beats as a host (engine.member).
     if report.memo_seed is not None and not report.memo_seed.may_lead and options.member_of is None:
-        memo = memo_after(report.memo_seed, keyed.key_after(options, ports.world, report.memo_seed), ports.world, ports.clock.now())
+        key = keyed.key_after(options, ports.world, report.memo_seed)
+        memo = memo_after(report.memo_seed, key, ports.world, ports.clock.now(), live.reusable() if live else {})
         if memo is not None:
             ports.store.write(memo_file, memo.to_json().encode())
         else:
@@ -390,8 +405,12 @@ def _full_pass(
     return report
 
 
-def memo_after(seed: MemoSeed, key: str, world: MemoReader, now: float) -> PassMemo | None:
-    """The memo of a pass that converged: its seed and the world as it left it (None: it cannot be read now)."""
+def memo_after(
+    seed: MemoSeed, key: str, world: MemoReader, now: float, probe_reuse: Mapping[str, Mapping[str, str | None]] | None = None
+) -> PassMemo | None:
+    """The memo of a pass that converged: its seed, the world as it left it
+    (None: it cannot be read now) and what its probe's stamped commands
+    printed (`probe_reuse`: engine.probe.LiveProbe.reusable)."""
     files = {}
     for path in seed.files:
         data = world.read(path)
@@ -408,4 +427,4 @@ def memo_after(seed: MemoSeed, key: str, world: MemoReader, now: float) -> PassM
             nft = nft_digest()
     except Exception:  # systemd cannot be asked now: no memo, the next pass is full
         return None
-    return PassMemo(key=key, written_at=now, seed=seed, file_digests=files, unit_states=units, nft=nft)
+    return PassMemo(key=key, written_at=now, seed=seed, file_digests=files, unit_states=units, nft=nft, probe_reuse=dict(probe_reuse or {}))

@@ -26,6 +26,11 @@ applied or written) leaves a memo in the state directory:
                   not configured, and job_function): fabric.toml's, part of
                   the key, so a memoized pass validates no fabric.toml for them
     epoch         the registry's plan epoch the pass saw (None: no registry)
+    probe_reuse   of each probe command that declares its inputs (lspci,
+                  lsblk, ffmpeg: core.probe.facts.Inputs), the stamp of those
+                  inputs as the pass's probe ran it, and what it printed: a
+                  memoized pass within MAX_AGE_S takes that text instead of
+                  running the command while the stamp is the same
 
 The next pass computes the key of its own inputs first; when the key is the
 memo's, the memo is younger than MAX_AGE_S, the registry's epoch is the
@@ -38,20 +43,22 @@ epoch or any drift) is a full pass, which repairs the drift and writes a new
 memo.
 
 This module is pure: the reads go through the callables the caller hands in.
-It imports nothing but the standard library, so the memoized pass pays for
+It imports nothing but the standard library (and reconciler.digests: its
+sha256 without OpenSSL), so the memoized pass pays for
 no model or template.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from reconciler.digests import sha256 as _sha256
+
 MEMO_FILE = "pass-memo.json"
-MEMO_VERSION = 6
+MEMO_VERSION = 7
 # A memoized pass refreshes this host's pass series in the metrics textfile
 # (duration, success, last success) but leaves the fleet's (the edge's status
 # page, the fleet series from the registry's snapshot) as the last full pass
@@ -117,6 +124,8 @@ class PassMemo:
     file_digests: Mapping[str, str] = field(default_factory=dict)  # seed.files' sha256
     unit_states: Mapping[str, str] = field(default_factory=dict)  # seed.units' ActiveState (with activation)
     nft: str | None = None
+    # raw name -> {"stamp", "output", "error"} (engine.probe.LiveProbe.reusable)
+    probe_reuse: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"version": MEMO_VERSION, **asdict(self)}, sort_keys=True)
@@ -165,16 +174,18 @@ def _well_formed(memo: PassMemo) -> bool:
         and all(isinstance(queue, str) for queue in seed.lane_queues.values())
         and isinstance(seed.lane_broker, dict | None)
         and all(isinstance(name, str) for name in seed.desired_files)
+        and isinstance(memo.probe_reuse, dict)
+        and all(isinstance(entry, dict) and isinstance(entry.get("stamp"), str) for entry in memo.probe_reuse.values())
     )
 
 
 def inputs_key(parts: Mapping[str, str | None]) -> str:
     """One digest of the named inputs of a pass."""
-    return hashlib.sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
+    return _sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
 
 
 def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return _sha256(data).hexdigest()
 
 
 # Reads of the world a memo is checked against.
@@ -189,9 +200,16 @@ def usable(memo: PassMemo | None, key: str, now: float) -> str | None:
         return "no memo"
     if memo.key != key:
         return "the inputs changed"
-    if not 0 <= now - memo.written_at <= memo.seed.max_age_s:
+    if not fresh(memo, now):
         return "the memo is too old"
     return None
+
+
+def fresh(memo: PassMemo, now: float) -> bool:
+    """Whether `memo` is young enough to stand for a pass at `now` (and its
+    probe's outputs to be reused: a memo too old makes a full pass, which runs
+    every probe command)."""
+    return 0 <= now - memo.written_at <= memo.seed.max_age_s
 
 
 def drift(memo: PassMemo, read: ReadFile, unit_state: UnitState | None, nft_digest: NftDigest | None) -> str | None:

@@ -8,15 +8,18 @@ reason in `RawCapture.errors`; nothing here raises for a bad machine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, PerRenderNode, Source, SysfsPci
+from reconciler.core.probe.facts import FACTS, Command, DriListing, Fact, File, Inputs, PerRenderNode, Source, SysfsPci
 from reconciler.core.probe.parsers import VAINFO_HEADER, ParseError, format_sysfs_pci_line, parse_dri, pci_slot_in_path
 from reconciler.core.probe.raw import RawCapture
+from reconciler.digests import sha256 as _sha256
 
 if TYPE_CHECKING:
     # Types only: a memoized pass probes live through this module and must not import the ports' models.
-    from reconciler.ports import CommandRunner, FileReader
+    from reconciler.ports import CommandRunner, FileReader, ProbeFiles
 
 
 def _oserror(path: str, exc: OSError) -> str:
@@ -142,23 +145,129 @@ def _read(source: Source, runner: CommandRunner, files: FileReader, outputs: dic
     raise TypeError(f"unknown source {source!r}")
 
 
+def _collect(fact: Fact, runner: CommandRunner, files: FileReader, outputs: dict[str, str], errors: dict[str, str]) -> None:
+    first_error: str | None = None
+    for source in fact.sources:
+        text, error = _read(source, runner, files, outputs)
+        if error is None and text is not None:
+            outputs[fact.raw] = text
+            first_error = None
+            break
+        if first_error is None:
+            first_error = error
+            if text is not None:
+                # Keep the failed command's own words for the capture.
+                outputs[fact.raw] = text
+    else:
+        if first_error is not None:
+            errors[fact.raw] = first_error
+
+
 def collect_live(runner: CommandRunner, files: FileReader, facts: tuple[Fact, ...] = FACTS) -> RawCapture:
     outputs: dict[str, str] = {}
     errors: dict[str, str] = {}
     for fact in facts:
-        first_error: str | None = None
-        for source in fact.sources:
-            text, error = _read(source, runner, files, outputs)
-            if error is None and text is not None:
-                outputs[fact.raw] = text
-                first_error = None
-                break
-            if first_error is None:
-                first_error = error
-                if text is not None:
-                    # Keep the failed command's own words for the capture.
-                    outputs[fact.raw] = text
-        else:
-            if first_error is not None:
-                errors[fact.raw] = first_error
+        _collect(fact, runner, files, outputs, errors)
     return RawCapture(outputs, errors)
+
+
+class LiveProbe(NamedTuple):
+    """A live probe, and for each fact whose command declares its inputs
+    (`reusable`) the stamp of those inputs as it ran (or was reused). (A
+    NamedTuple: a frozen dataclass costs every memoized pass's import more.)"""
+
+    capture: RawCapture
+    stamps: dict[str, str]  # raw name -> the stamp of its command's inputs
+    reused: tuple[str, ...] = ()  # raw names whose text is an earlier probe's (their command not run)
+
+    def reusable(self) -> dict[str, dict[str, str | None]]:
+        """What a later probe may reuse (`collect_live_reusing`): each stamped
+        fact's stamp, text and error, as the pass memo keeps them."""
+        out, err = self.capture.outputs, self.capture.errors
+        return {raw: {"stamp": stamp, "output": out.get(raw), "error": err.get(raw)} for raw, stamp in self.stamps.items()}
+
+
+def reusable_inputs(fact: Fact) -> tuple[Command, Inputs] | None:
+    """The command of a fact whose only source is a command that declares its inputs."""
+    if len(fact.sources) == 1:
+        source = fact.sources[0]
+        if isinstance(source, Command) and source.inputs is not None:
+            return source, source.inputs
+    return None
+
+
+def collect_live_reusing(
+    runner: CommandRunner, files: ProbeFiles, reuse: Mapping[str, Mapping[str, Any]] | None = None, facts: tuple[Fact, ...] = FACTS
+) -> LiveProbe:
+    """`collect_live`, stamping the inputs of each command that declares
+    them (facts.Inputs) just before it runs: its raw text is the same. With
+    `reuse` (an earlier probe's `LiveProbe.reusable`, from the pass memo),
+    a command whose stamp is the one in `reuse` is not run: its text and
+    error are taken from there. A stamp is taken before its command runs,
+    so an input that changes while it runs makes the next stamp differ.
+    Those facts are collected last (their stamps read the other raw outputs)."""
+    outputs: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    stamps: dict[str, str] = {}
+    reused: list[str] = []
+    later = [fact for fact in facts if reusable_inputs(fact) is not None]
+    for fact in facts:
+        if reusable_inputs(fact) is None:
+            _collect(fact, runner, files, outputs, errors)
+    for fact in later:
+        command, inputs = reusable_inputs(fact) or (None, Inputs())
+        assert command is not None
+        stamp = input_stamp(command.argv[0], inputs, files, outputs, errors)
+        stamps[fact.raw] = stamp
+        earlier = (reuse or {}).get(fact.raw)
+        if earlier is not None and earlier.get("stamp") == stamp:
+            text, error = earlier.get("output"), earlier.get("error")
+            if isinstance(text, str):
+                outputs[fact.raw] = text
+            if isinstance(error, str):
+                errors[fact.raw] = error
+            reused.append(fact.raw)
+            continue
+        _collect(fact, runner, files, outputs, errors)
+    return LiveProbe(RawCapture(outputs, errors), stamps, tuple(reused))
+
+
+def input_stamp(program: str, inputs: Inputs, files: ProbeFiles, outputs: Mapping[str, str], errors: Mapping[str, str]) -> str:
+    """One digest of a command's program (real path and stat) and its `inputs` as they are now."""
+
+    def attempt(read: Any, path: str) -> str:
+        try:
+            return str(read(path))
+        except OSError as exc:
+            return f"unreadable: {exc.errno}"
+
+    parts: list[Any] = [["program", program, files.program(program)]]
+    parts += [["raw", raw, outputs.get(raw), errors.get(raw)] for raw in inputs.raws]
+    parts += [["file", path, attempt(files.stat, path)] for path in inputs.files]
+    parts += [["content", path, attempt(files.read_text, path)] for path in inputs.contents]
+    parts += [["block mounts", path, block_mounts(attempt(files.read_text, path))] for path in inputs.block_mounts]
+    for directory, names in inputs.entries:
+        try:
+            entries = files.list_dir(directory)
+        except OSError as exc:
+            parts.append(["entries", directory, f"unreadable: {exc.errno}"])
+            continue
+        for entry in entries:
+            path = f"{directory}/{entry}"
+            parts.append(["entry", path, attempt(files.read_link, path), [attempt(files.read_text, f"{path}/{name}") for name in names]])
+    return _sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def block_mounts(mountinfo: str) -> list[str]:
+    """The lines of a mountinfo file that mount a block device's file system
+    (proc(5): `ID PARENT MAJOR:MINOR ROOT POINT OPTIONS [TAGS] - TYPE SOURCE
+    SUPER`): a device of a major other than 0, or a source under /dev/ (a
+    btrfs subvolume's device number is anonymous, its source is not)."""
+    kept = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        _, dash, after = line.partition(" - ")
+        source = after.split()[1] if dash and len(after.split()) > 1 else ""
+        if len(fields) > 2 and (not fields[2].startswith("0:") or source.startswith("/dev/")):
+            kept.append(line)
+    return kept

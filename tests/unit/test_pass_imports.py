@@ -99,3 +99,34 @@ def test_the_caddy_adapter_imports_no_http_client_until_it_talks_to_caddy() -> N
     assert before == "[]"
     assert "caddy read config: cannot reach the admin API at 127.0.0.1:" in reached and "Connection refused" in reached, reached
     assert after == "['email', 'http.client']"
+
+
+class LiveSandbox(Sandbox):
+    """The sandbox's passes probing this machine live (no --replay)."""
+
+    def argv(self, *extra: str) -> list[str]:
+        argv = super().argv(*extra)
+        at = argv.index("--replay")
+        return argv[:at] + argv[at + 2 :]
+
+
+@pytest.mark.parametrize("probe", ["replayed", "live"])
+def test_a_memo_hit_imports_no_protocol_no_importlib_metadata_and_no_openssl(tmp_path: Path, probe: str) -> None:
+    """A memo hit of the checkout (a source tree: the version is pyproject.toml's)
+    with the sqlite registry catches the registry's errors from
+    reconciler.port_errors, not the ports' Protocols, and reads its version
+    without importlib.metadata. With a replayed probe it runs no program at
+    all, so subprocess is not imported either (the live probe's runner
+    imports it when a program is there to run: tailscale, nvidia-smi, or
+    lspci and the others when their inputs changed)."""
+    s = (Sandbox if probe == "replayed" else LiveSandbox)(tmp_path, host="racknerd")
+    first = one_pass(s)
+    assert first.at_activation is not None, first.stderr
+    hit = one_pass(s)
+    # The pass ended well without entering the applier: the memo's (its audit line may be in the journal).
+    assert hit.at_activation is None, hit.stderr
+    assert loaded(hit.at_end, "reconciler.ports", "importlib.metadata") == []
+    # Its sha256 (the key, the files' hashes, the probe's stamps) is CPython's own: no OpenSSL.
+    assert loaded(hit.at_end, "hashlib", "_hashlib") == []
+    if probe == "replayed":
+        assert loaded(hit.at_end, "subprocess") == []

@@ -567,3 +567,17 @@ def test_the_memo_reads_the_registrys_epoch_before_it_checks_the_world_and_beats
     checks = ["read etc/caddy/fabric.caddy", "unit fabric-nftables.service", "nft list"]
     assert memo_side(tmp_path, registry_epoch=4) == ["epoch", *checks, "beat", "close"]
     assert memo_side(tmp_path, registry_epoch=4, unit_state="failed") == ["epoch", *checks[:2], "close", "full pass"]
+
+
+def test_the_memos_sha256_is_hashlibs() -> None:
+    """reconciler.digests spares a memo hit OpenSSL's start-up; its digests are hashlib's."""
+    import hashlib
+
+    from reconciler.digests import sha256 as light
+
+    for data in (b"", b"abc", bytes(range(256)) * 1000):
+        assert light(data).hexdigest() == hashlib.sha256(data).hexdigest()
+    h = light()
+    h.update(b"ab")
+    h.update(b"c")
+    assert h.hexdigest() == hashlib.sha256(b"abc").hexdigest()

@@ -254,9 +254,14 @@ def test_a_machine_where_everything_goes_wrong_still_probes(answer, reason):
     assert facts.missing["pci"] == reason
     assert facts.missing["cpu"] == "/proc/cpuinfo: Permission denied"
     assert facts.missing["dri"] == "/dev/dri: Permission denied"
-    # The hostname falls back from the command to the kernel's file, and says
-    # why the first source failed when both do.
-    assert facts.missing["hostname"].startswith("hostname: ")
+    # The hostname and the arch fall back from the kernel's files to the
+    # commands, and say why the first source failed when both do (a command
+    # that answered garbage: the parser's reason).
+    if answer == "garbage":
+        assert facts.missing["hostname"].startswith("hostname: not a host name: ")
+    else:
+        assert facts.missing["hostname"] == "/proc/sys/kernel/hostname: Permission denied"
+        assert facts.missing["arch"] == "/proc/sys/kernel/arch: Permission denied"
     # Every fact of the catalogue is accounted for.
     assert {f.name for f in FACTS} <= set(facts.missing)
 
@@ -267,17 +272,45 @@ def test_a_failed_command_keeps_its_own_words_in_the_capture():
     assert capture.errors["lspci"] == "lspci: exit 3: something broke"
 
 
-def test_hostname_falls_back_to_the_kernel_file():
-    class KernelHostname(NoFiles):
-        def read_text(self, path):
-            if path == "/proc/sys/kernel/hostname":
-                return "edge-7\n"
-            return super().read_text(path)
+class CountingRunner(ScriptedRunner):
+    def __init__(self, answer: str) -> None:
+        super().__init__(answer)
+        self.calls: list[tuple[str, ...]] = []
 
-    capture = collect_live(ScriptedRunner("missing"), KernelHostname())
-    assert capture.outputs["hostname"] == "edge-7\n"
-    assert "hostname" not in capture.errors
-    assert facts_from_capture(capture).k3s_hostname == "edge-7"
+    def run(self, argv, *, timeout=10.0, stdin=None):
+        self.calls.append(tuple(argv))
+        return super().run(argv, timeout=timeout, stdin=stdin)
+
+
+def test_hostname_and_arch_are_the_kernel_files_without_a_process():
+    """What `hostname` and `uname -m` print is the kernel's UTS node and
+    machine name: read from /proc/sys/kernel, neither program runs."""
+
+    class Kernel(NoFiles):
+        def read_text(self, path):
+            answers = {"/proc/sys/kernel/hostname": "edge-7\n", "/proc/sys/kernel/arch": "aarch64\n"}
+            return answers[path] if path in answers else super().read_text(path)
+
+    runner = CountingRunner("missing")
+    capture = collect_live(runner, Kernel())
+    assert (capture.outputs["hostname"], capture.outputs["uname-m"]) == ("edge-7\n", "aarch64\n")
+    assert "hostname" not in capture.errors and "uname-m" not in capture.errors
+    assert not [argv for argv in runner.calls if argv[0] in ("hostname", "uname")]
+    facts = facts_from_capture(capture)
+    assert (facts.k3s_hostname, facts.hardware.arch) == ("edge-7", "aarch64")
+
+
+def test_hostname_and_arch_fall_back_to_the_commands():
+    """A kernel older than 6.1 has no /proc/sys/kernel/arch: uname -m runs."""
+
+    class Answering(ScriptedRunner):
+        def run(self, argv, *, timeout=10.0, stdin=None):
+            return CommandResult(tuple(argv), 0, {"uname": "x86_64\n", "hostname": "Edge-8.example\n"}.get(argv[0], ""))
+
+    capture = collect_live(Answering("ok"), NoFiles())
+    assert (capture.outputs["hostname"], capture.outputs["uname-m"]) == ("Edge-8.example\n", "x86_64\n")
+    facts = facts_from_capture(capture)
+    assert (facts.k3s_hostname, facts.hardware.arch) == ("edge-8", "x86_64")
 
 
 def test_capture_never_overwrites_and_leaves_nothing_behind(tmp_path):

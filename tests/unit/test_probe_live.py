@@ -55,6 +55,29 @@ def test_live_probe_of_this_machine(live_capture):
     assert facts.labels["topology.researchstack.io/tier"] == facts.tier
 
 
+def test_the_kernels_files_say_what_hostname_and_uname_print(live_capture):
+    """The live probe reads /proc/sys/kernel/{hostname,arch} (procfs refuses
+    one read of the whole 4 MiB cap: LocalFiles reads in chunks) and runs
+    neither program where they are there (arch: Linux 6.1 and later)."""
+    files = LocalFiles()
+    assert files.read_text("/proc/sys/kernel/hostname") == os.uname().nodename + "\n"
+    assert live_capture.outputs["hostname"] == os.uname().nodename + "\n"
+    if Path("/proc/sys/kernel/arch").exists():
+        assert files.read_text("/proc/sys/kernel/arch") == os.uname().machine + "\n"
+    assert live_capture.outputs["uname-m"] == os.uname().machine + "\n"
+
+
+def test_local_files_read_a_large_file_whole_up_to_the_cap(tmp_path: Path) -> None:
+    from reconciler.adapters.local_files import READ_CAP
+
+    small = tmp_path / "small"
+    small.write_text("x" * 200_000)
+    assert LocalFiles().read_text(str(small)) == "x" * 200_000
+    big = tmp_path / "big"
+    big.write_text("y" * (READ_CAP + 10))
+    assert LocalFiles().read_text(str(big)) == "y" * READ_CAP
+
+
 def test_real_commands_that_are_missing_fail_or_hang_become_reasons():
     facts = (
         Fact("arch", "uname-m", (Command(("/nonexistent/uname",)),), parse_uname_m, "missing"),
@@ -132,3 +155,29 @@ def test_cli_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_a_program_not_on_path_is_missing_without_a_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe asks for programs most hosts lack (nvidia-smi, tailscale,
+    ffmpeg) every pass: one not on the PATH the child would search is
+    reported missing as its exec would be, and no process is started."""
+    import subprocess
+
+    started: list[object] = []
+    real_run = subprocess.run
+
+    def run(*args: object, **kwargs: object) -> object:
+        started.append(args[0])
+        return real_run(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", run)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    runner = SubprocessRunner({"PATH": str(empty)})
+    result = runner.run(("uname", "-m"))
+    assert result.missing and result.failure() == "uname: not installed"
+    assert started == []
+    # On the PATH, or named by a path: run (a path that is not there: exec's own answer).
+    assert SubprocessRunner().run(("uname", "-m")).stdout == os.uname().machine + "\n"
+    missing = SubprocessRunner().run((str(empty / "uname"),))
+    assert missing.missing and len(started) == 2

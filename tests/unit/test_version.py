@@ -1,7 +1,7 @@
-"""reconciler.__version__: written in pyproject.toml only, read from the installed metadata, cheaply.
+"""reconciler.__version__: written in pyproject.toml only, read from the installed metadata or that file, cheaply.
 
-The checkout's own package runs as an editable install's does (its metadata
-is elsewhere: importlib.metadata finds it). An installed wheel's layout, the
+The checkout's own package (an editable install's too: its metadata is
+elsewhere) reads the version from the pyproject.toml beside it. An installed wheel's layout, the
 package beside its dist-info as pip and Nix's Python builder leave it, is
 made here: a site directory holding a link to the checkout's package and a
 dist-info of a version of its own. The wheel that pip really installs is
@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import reconciler
 from tests.conftest import REPO
@@ -57,8 +59,55 @@ def test_an_installed_package_reads_the_version_beside_it_without_importlib_meta
     assert python(site, code, tmp_path).splitlines() == [str(site / "reconciler" / "__init__.py"), f"{INSTALLED} False"]
 
 
+PYPROJECT = """[build-system]
+requires = ["setuptools>=68"]
+
+[project]
+name = "{name}"
+version = "{version}"
+dependencies = [
+  "pydantic>=2.5",
+  # version = "0.0.0" in a comment
+]
+
+[tool.other]
+version = "7.7.7"
+"""
+
+
+def test_a_source_tree_reads_the_version_from_its_pyproject_without_importlib_metadata(tmp_path: Path) -> None:
+    """The checkout as it runs (the bench, a development host): the file the version is written in."""
+    import tomllib
+
+    written = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    code = "import sys, reconciler; print(reconciler.__version__, 'importlib.metadata' in sys.modules)"
+    assert python(None, code, REPO) == f"{written} False\n"
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "reconciler").symlink_to(REPO / "reconciler")
+    (tree / "pyproject.toml").write_text(PYPROJECT.format(name="fabric-reconciler", version="4.5.6"))
+    assert python(tree, code, tmp_path) == "4.5.6 False\n"
+
+
+@pytest.mark.parametrize(
+    "pyproject",
+    [
+        PYPROJECT.format(name="another-project", version="4.5.6"),  # not this distribution's
+        PYPROJECT.format(name="fabric-reconciler", version="4.5.6").replace('version = "4.5.6"', "version = '4.5.6'  # odd"),  # a form not scanned
+        PYPROJECT.format(name="fabric-reconciler", version="4.5.6").replace('version = "4.5.6"\n', ""),  # dynamic
+    ],
+)
+def test_a_pyproject_of_another_distribution_or_form_leaves_the_version_to_importlib_metadata(tmp_path: Path, pyproject: str) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "reconciler").symlink_to(REPO / "reconciler")
+    (tree / "pyproject.toml").write_text(pyproject)
+    code = "import reconciler, importlib.metadata; print(reconciler.__version__ == importlib.metadata.version('fabric-reconciler'))"
+    assert python(tree, code, tmp_path) == "True\n"
+
+
 def test_without_one_dist_info_beside_the_package_the_version_is_importlib_metadatas(tmp_path: Path) -> None:
-    """An editable install (the checkout here), or two versions' metadata beside the package."""
+    """Two versions' metadata beside the package (and no pyproject.toml)."""
     assert reconciler.__version__ == importlib.metadata.version("fabric-reconciler")
     site = installed_layout(tmp_path)
     (site / "fabric_reconciler-0.0.1.dist-info").mkdir()
