@@ -143,7 +143,7 @@ from reconciler.core.live.beat import stamped
 from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
-from reconciler.core.live.plan_parts import PlanIndex, PlanRead
+from reconciler.core.live.plan_parts import PartsMemo, PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -398,6 +398,9 @@ class EtcdRegistry(LifecycleMixin):
         self._state_memo: dict[bytes, NodeState | str] = {}
         # The plan of the last index read, by the index's bytes (parts joined once).
         self._plan_memo: tuple[bytes, FleetPlan] | None = None
+        # The parts' bytes and digests of the plans published before (a part
+        # that did not change is not made again: plan_parts.PartsMemo).
+        self._parts_memo = PartsMemo()
         # The leader's view of the registry kept from a watch (registry_etcd_view):
         # started by the first full read, dropped when it may be stale.
         self._informer = informer
@@ -901,7 +904,9 @@ class EtcdRegistry(LifecycleMixin):
                 epoch = int(current.value) + 1 if current is not None else 1
                 same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
                 stored = stored_plan(
-                    plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}), budget=TXN_CHUNK_BYTES
+                    plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}),
+                    budget=TXN_CHUNK_BYTES,
+                    memo=self._parts_memo,
                 )
                 await self._put_parts(c, leadership, [(d, v) for d, v in sorted(stored.parts.items()) if d not in kept])
                 kept |= set(stored.parts)

@@ -293,6 +293,8 @@ class Placer:
         # (min_tier, floor, cost_first) -> the (tier, cost) groups to try, in order
         self._steps: dict[tuple[str, str, bool], list[Step]] = {}
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
+        # (constraint, min_tier, floor) -> what its deferrals' reasons need of the nodes (`deferral_scan`)
+        self._scans: dict[tuple[Constraint, str, str], DeferralScan] = {}
         # (min_tier, floor, cost_first) -> (tier, cost rank) -> its place in the preference order
         self._orders: dict[tuple[str, str, bool], dict[tuple[str, int], int]] = {}
 
@@ -484,14 +486,17 @@ class Placer:
         key = (request.constraint, request.min_tier, request.floor, exclude)
         cached = self._deferral_cache.get(key)
         if cached is None:
-            cached = self._deferral_cache[key] = explain_deferral(request, list(self.nodes.values()), self.load, self.now, exclude)
+            shape = (request.constraint, request.min_tier, request.floor)
+            scan = self._scans.get(shape)
+            if scan is None:
+                scan = self._scans[shape] = deferral_scan(request, list(self.nodes.values()), self.now)
+            cached = self._deferral_cache[key] = explain_scanned(request, scan, self.load, exclude)
         return cached
 
 
-def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
-    """Why this node, of a tier in range, cannot take the request right now."""
-    if node.node_id in exclude:
-        return "runs a replica already"
+def _static_problem(node: SnapshotNode, request: Request, now: datetime) -> str | None:
+    """Why this node, of a tier in range, cannot take the request whatever
+    the loads and exclusions (None: only if it is full, or runs a replica)."""
     if node.status != "active":
         return node.status
     if node.drained:
@@ -503,7 +508,54 @@ def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime
     missing = [f"{k}={v}" for k, v in request.labels if node.labels.get(k) != v]
     if missing:
         return f"lacks label {', '.join(missing)}"
-    return f"full {load}/{node.max_concurrent_tasks}"
+    return None
+
+
+def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
+    """Why this node, of a tier in range, cannot take the request right now."""
+    if node.node_id in exclude:
+        return "runs a replica already"
+    return _static_problem(node, request, now) or f"full {load}/{node.max_concurrent_tasks}"
+
+
+@dataclass(frozen=True)
+class DeferralScan:
+    """What a deferral's reason needs of the nodes that depends neither on
+    the loads nor on the exclusions, for one request shape (its constraint,
+    min_tier and floor) at one moment: the answer when no node could ever
+    take it, else each node in range, by node id, with its tier and why it
+    cannot take the request whatever its load (None: only if full). A placer
+    scans once per shape; each deferral then only looks up loads and
+    exclusions (`explain_scanned`)."""
+
+    inadmissible: NoChoice | None
+    in_range: tuple[tuple[SnapshotNode, str | None], ...] = ()
+
+
+def deferral_scan(request: Request, nodes: Sequence[SnapshotNode], now: datetime) -> DeferralScan:
+    bottom = TIER_ORDER.index(request.floor)
+    in_range = set(TIER_ORDER[: bottom + 1])
+    if not any(n.tier in in_range and request.matches(n) for n in nodes):
+        present = sorted({n.tier for n in nodes}, key=TIER_ORDER.index)
+        what = f"tier {request.floor} or better" + (f" with{_constraint_text(request)}" if request.arch or request.labels else "")
+        return DeferralScan(
+            NoChoice(
+                f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
+                f"tiers present: {', '.join(present) or 'none'}",
+                inadmissible=True,
+            )
+        )
+    ordered = sorted((n for n in nodes if n.tier in in_range), key=lambda n: n.node_id)
+    return DeferralScan(None, tuple((n, _static_problem(n, request, now)) for n in ordered))
+
+
+def _constraint_text(request: Request) -> str:
+    constraint = ""
+    if request.arch:
+        constraint += f" arch [{', '.join(sorted(request.arch))}]"
+    if request.labels:
+        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
+    return constraint
 
 
 def explain_deferral(
@@ -514,29 +566,26 @@ def explain_deferral(
     exclude: Collection[str] = (),
 ) -> NoChoice:
     """The reason no node could take `request` (a scan: only on deferral)."""
+    return explain_scanned(request, deferral_scan(request, nodes, now), load_of, exclude)
+
+
+def explain_scanned(request: Request, scan: DeferralScan, load_of: Callable[[str], int], exclude: Collection[str] = ()) -> NoChoice:
+    """`explain_deferral` from the request shape's `deferral_scan`: the same reason."""
+    if scan.inadmissible is not None:
+        return scan.inadmissible
     bottom = TIER_ORDER.index(request.floor)
-    in_range = set(TIER_ORDER[: bottom + 1])
     # Every tier from the best down to the floor was tried (the satisfying
     # ones in strategy order, then the fallback ones).
     tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
-    constraint = ""
-    if request.arch:
-        constraint += f" arch [{', '.join(sorted(request.arch))}]"
-    if request.labels:
-        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
-    admissible = [n for n in nodes if n.tier in in_range and request.matches(n)]
-    if not admissible:
-        present = sorted({n.tier for n in nodes}, key=TIER_ORDER.index)
-        what = f"tier {request.floor} or better" + (f" with{constraint}" if constraint else "")
-        return NoChoice(
-            f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
-            f"tiers present: {', '.join(present) or 'none'}",
-            inadmissible=True,
-        )
+    constraint = _constraint_text(request)
     by_tier: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for node in sorted(nodes, key=lambda n: n.node_id):
-        if node.tier in in_range:
-            by_tier[node.tier][_node_problem(node, request, load_of(node.node_id), now, exclude)].append(node.node_id)
+    for node, static in scan.in_range:
+        node_id = node.node_id
+        if node_id in exclude:
+            problem = "runs a replica already"
+        else:
+            problem = static or f"full {load_of(node_id)}/{node.max_concurrent_tasks}"
+        by_tier[node.tier][problem].append(node_id)
     parts = []
     empty = []
     for tier in TIER_ORDER[: bottom + 1]:
