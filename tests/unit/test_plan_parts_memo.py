@@ -99,3 +99,17 @@ def test_a_chunk_changed_in_any_field_is_made_again() -> None:
         moved = base.model_copy(update={"placements": [base.placements[0].model_copy(update=change)]})
         assert plan_parts(moved, memo) == plan_parts(moved), change
         assert plan_parts(moved, memo) != plan_parts(base), change
+
+
+def test_the_leader_verifies_each_plan_once_and_never_takes_one_plans_verdict_for_another() -> None:
+    from reconciler.engine.leader import LeaderLoop
+
+    loop = LeaderLoop(registry=None, host="lux", load_desired=lambda: None, schedule=None, lease_ttl_s=30)  # type: ignore[arg-type]
+    plan = first_plan(random.Random(1))
+    valid = with_signature(plan, LUX.id, LUX.private.sign(canonical_plan(plan)))
+    forged = valid.model_copy(update={"placements": valid.placements[1:]})
+    assert loop._verify(valid, KEYS) is None
+    assert loop._verify(valid, KEYS) is None
+    assert "does not match its content" in (loop._verify(forged, KEYS) or ""), "another plan (equal identity fields): verified on its own"
+    assert loop._verify(valid, KEYS) is None
+    assert loop._verify(valid, []) is not None, "other keys (none listed): verified again"

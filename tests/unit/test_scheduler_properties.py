@@ -4,7 +4,8 @@
   scans every node (bench/scheduler/reference.py), so its heaps implement the
   rules and not something close to them.
 - A deferral's reason is the one a fresh scan gives over the loads of that
-  moment (`explain_deferral`), however placements, keeps and deferrals interleave.
+  moment (`explain_deferral`, and the naive scan of every node in
+  bench/scheduler/reference.py), however placements, keeps and deferrals interleave.
 - No node is ever given work past its max_concurrent_tasks.
 - A placement is never below its floor, and `fallback` says exactly whether
   it is below min_tier.
@@ -122,6 +123,8 @@ def test_a_deferral_says_what_a_fresh_scan_says(nodes, shapes, work, strategy):
         outcome = placer.place(request, exclude=exclude)
         if isinstance(outcome, NoChoice):
             assert outcome == explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
+            # The scan once per request shape says what a scan of every node at every deferral says.
+            assert (outcome.reason, outcome.inadmissible) == reference.explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
 
 
 @FAST

@@ -529,7 +529,8 @@ class DeferralScan:
     exclusions (`explain_scanned`)."""
 
     inadmissible: NoChoice | None
-    in_range: tuple[tuple[SnapshotNode, str | None], ...] = ()
+    # Per tier in range, best first: (node id, static problem, max_concurrent_tasks) by node id.
+    tiers: tuple[tuple[str, tuple[tuple[str, str | None, int], ...]], ...] = ()
 
 
 def deferral_scan(request: Request, nodes: Sequence[SnapshotNode], now: datetime) -> DeferralScan:
@@ -545,8 +546,10 @@ def deferral_scan(request: Request, nodes: Sequence[SnapshotNode], now: datetime
                 inadmissible=True,
             )
         )
-    ordered = sorted((n for n in nodes if n.tier in in_range), key=lambda n: n.node_id)
-    return DeferralScan(None, tuple((n, _static_problem(n, request, now)) for n in ordered))
+    by_tier: dict[str, list[tuple[str, str | None, int]]] = {}
+    for n in sorted((n for n in nodes if n.tier in in_range), key=lambda n: n.node_id):
+        by_tier.setdefault(n.tier, []).append((n.node_id, _static_problem(n, request, now), n.max_concurrent_tasks))
+    return DeferralScan(None, tuple((tier, tuple(by_tier[tier])) for tier in TIER_ORDER[: bottom + 1] if tier in by_tier))
 
 
 def _constraint_text(request: Request) -> str:
@@ -578,23 +581,33 @@ def explain_scanned(request: Request, scan: DeferralScan, load_of: Callable[[str
     # ones in strategy order, then the fallback ones).
     tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
     constraint = _constraint_text(request)
-    by_tier: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for node, static in scan.in_range:
-        node_id = node.node_id
-        if node_id in exclude:
-            problem = "runs a replica already"
-        else:
-            problem = static or f"full {load_of(node_id)}/{node.max_concurrent_tasks}"
-        by_tier[node.tier][problem].append(node_id)
+    by_tier: dict[str, dict[str, list[str]]] = {}
+    full: dict[tuple[int, int], str] = {}
+    for tier, in_tier in scan.tiers:
+        problems: dict[str, list[str]] = {}
+        by_tier[tier] = problems
+        for node_id, static, limit in in_tier:
+            if node_id in exclude:
+                problem = "runs a replica already"
+            elif static is not None:
+                problem = static
+            else:
+                load = load_of(node_id)
+                problem = full.get((load, limit)) or full.setdefault((load, limit), f"full {load}/{limit}")
+            names = problems.get(problem)
+            if names is None:
+                problems[problem] = [node_id]
+            else:
+                names.append(node_id)
     parts = []
     empty = []
     for tier in TIER_ORDER[: bottom + 1]:
-        problems = by_tier.get(tier)
-        if not problems:
+        found = by_tier.get(tier)
+        if not found:
             empty.append(tier)
             continue
         described = []
-        for problem, names in problems.items():
+        for problem, names in found.items():
             if len(names) <= _NAMES_PER_REASON:
                 described += [f"{name} {problem}" for name in names]
             else:
@@ -873,9 +886,13 @@ def schedule_with_placer(
     placements: list[Placement] = list(kept.values())
     deferred: list[Deferred] = []
     cost_order = desired.fleet.scheduler.cost_order
+    # Each service's nodes, gathered once (not a scan of every kept placement per service).
+    hosts_of: dict[str, set[str]] = defaultdict(set)
+    for key, p in [*kept.items(), *moving.items()]:
+        hosts_of[key[0]].add(p.node)
     for service in _placement_order(desired.fleet.services):
         request = Request.for_service(service, cost_order)
-        hosting = {p.node for key, p in kept.items() if key[0] == service.id} | {p.node for key, p in moving.items() if key[0] == service.id}
+        hosting = set(hosts_of.get(service.id, ()))
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
                 continue
