@@ -54,18 +54,20 @@ registries: list = []
 
 def profile_steps(path: Path) -> None:
     """FABRIC_BENCH_PROFILE=PATH: each leader step's wall time appended to
-    PATH.steps (one line: start, seconds), the steps' cProfile to PATH
-    (pstats; rewritten after every step)."""
+    PATH.steps (one line: start, seconds), each step's cProfile to PATH.N
+    (pstats; N counts the steps from 1)."""
     import cProfile
+    import itertools
     import time
 
     from reconciler.engine import leader
 
-    profile = cProfile.Profile()
     step = leader.LeaderLoop.step
     lines = open(path.with_suffix(".steps"), "w")  # noqa: SIM115 - open for the process's life
+    count = itertools.count(1)
 
     def timed(self) -> None:
+        profile = cProfile.Profile()
         t, w = time.perf_counter(), time.time()
         profile.enable()
         try:
@@ -74,7 +76,7 @@ def profile_steps(path: Path) -> None:
             profile.disable()
             lines.write(f"{w:.3f} {time.perf_counter() - t:.3f}\n")
             lines.flush()
-            profile.dump_stats(path)
+            profile.dump_stats(f"{path}.{next(count)}")
 
     leader.LeaderLoop.step = timed  # type: ignore[method-assign]
 

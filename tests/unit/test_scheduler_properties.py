@@ -399,3 +399,28 @@ def test_moves_come_home_one_per_service_and_keep_every_limit(nodes, services, d
     placed = Counter(p.node for p in plan.placements)
     for node_id, count in placed.items():
         assert count <= by_id[node_id].max_concurrent_tasks
+
+
+def test_a_deferral_after_a_placement_or_a_keep_sees_the_new_loads():
+    """The placer groups a shape's deferral problems once per set of loads:
+    a node excluded (not full) when a service deferred, then filled by
+    another service's placement, or a node that takes no new work but keeps
+    one more placement, shows its new load when the next service defers
+    (what the naive scan of every node says)."""
+    nodes = [SnapshotNode(node_id=n, tier="cpu_ffmpeg", max_concurrent_tasks=1) for n in ("a", "b")]
+    nodes.append(SnapshotNode(node_id="s", tier="cpu_ffmpeg", max_concurrent_tasks=2, suspected=["liveness lapsed"]))
+    request = Request(min_tier="cpu_ffmpeg", floor="cpu_ffmpeg")
+    placer = Placer(nodes, NOW)
+
+    def deferred(exclude: set[str]) -> str:
+        outcome = placer.place(request, exclude=exclude)
+        assert isinstance(outcome, NoChoice)
+        assert (outcome.reason, outcome.inadmissible) == reference.explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
+        return outcome.reason
+
+    assert placer.place(request, exclude={"a"}) == Choice("b", "cpu_ffmpeg", False)
+    assert "a runs a replica already" in deferred({"a"})
+    assert placer.place(request, exclude={"b"}) == Choice("a", "cpu_ffmpeg", False)
+    assert "a full 1/1" in deferred({"b"})
+    assert placer.keep("s", request)
+    assert "s full 1/2" in deferred({"a", "x"})

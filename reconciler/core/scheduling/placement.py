@@ -295,6 +295,11 @@ class Placer:
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
         # (constraint, min_tier, floor) -> what its deferrals' reasons need of the nodes (`deferral_scan`)
         self._scans: dict[tuple[Constraint, str, str], DeferralScan] = {}
+        # Bumped at every load change; each shape's deferral problems at the
+        # loads of that count (`DeferralGroups`: one pass over the nodes per
+        # shape while no load moves, whatever the exclusions).
+        self._loads_moved = 0
+        self._groups: dict[tuple[Constraint, str, str], tuple[int, DeferralGroups]] = {}
         # (min_tier, floor, cost_first) -> (tier, cost rank) -> its place in the preference order
         self._orders: dict[tuple[str, str, bool], dict[tuple[str, int], int]] = {}
 
@@ -324,6 +329,7 @@ class Placer:
         if self._kept[node_id] + self.lane_jobs.get(node_id, 0) >= node.max_concurrent_tasks:
             return False
         self._kept[node_id] += 1
+        self._loads_moved += 1
         slot = self.slots.get(node_id)
         if slot is not None:
             # In flight already counts work the node applied; the kept
@@ -334,6 +340,7 @@ class Placer:
     def _set_load(self, slot: _Slot, load: int) -> None:
         if load == slot.load:
             return
+        self._loads_moved += 1
         slot.load = load
         slot.stamp += 1
         if slot.load < slot.limit:
@@ -394,6 +401,7 @@ class Placer:
         push now and a stale pop later. Its other heaps get a new entry.
         """
         top_is_slot = bool(heap) and heap[0][1] == slot.rank and heap[0][2] == slot.stamp
+        self._loads_moved += 1
         slot.load += 1
         slot.stamp += 1
         entry = slot.entry() if slot.load < slot.limit else None
@@ -490,7 +498,10 @@ class Placer:
             scan = self._scans.get(shape)
             if scan is None:
                 scan = self._scans[shape] = deferral_scan(request, list(self.nodes.values()), self.now)
-            cached = self._deferral_cache[key] = explain_scanned(request, scan, self.load, exclude)
+            held = self._groups.get(shape)
+            if held is None or held[0] != self._loads_moved:
+                held = self._groups[shape] = (self._loads_moved, deferral_groups(scan, self.load))
+            cached = self._deferral_cache[key] = explain_grouped(request, scan, held[1], exclude)
         return cached
 
 
@@ -561,6 +572,61 @@ def _constraint_text(request: Request) -> str:
     return constraint
 
 
+@dataclass(frozen=True)
+class DeferralGroups:
+    """A shape's `DeferralScan` at some loads, no node excluded: per tier in
+    range, the node ids by id (and each one's position), and each problem
+    with the positions of its nodes, in order of first occurrence."""
+
+    tiers: dict[str, tuple[dict[str, int], list[str], dict[str, list[int]]]]
+
+
+def deferral_groups(scan: DeferralScan, load_of: Callable[[str], int]) -> DeferralGroups:
+    tiers: dict[str, tuple[dict[str, int], list[str], dict[str, list[int]]]] = {}
+    full: dict[tuple[int, int], str] = {}
+    for tier, in_tier in scan.tiers:
+        positions: dict[str, int] = {}
+        problem_at: list[str] = []
+        groups: dict[str, list[int]] = {}
+        for position, (node_id, static, limit) in enumerate(in_tier):
+            if static is None:
+                load = load_of(node_id)
+                static = full.get((load, limit)) or full.setdefault((load, limit), f"full {load}/{limit}")
+            positions[node_id] = position
+            problem_at.append(static)
+            groups.setdefault(static, []).append(position)
+        tiers[tier] = (positions, problem_at, groups)
+    return DeferralGroups(tiers)
+
+
+def explain_grouped(request: Request, scan: DeferralScan, grouped: DeferralGroups, exclude: Collection[str]) -> NoChoice:
+    """`explain_scanned` at the loads `grouped` was made at: the same reason,
+    from the groups with the excluded nodes taken out of theirs and put in
+    "runs a replica already" (each problem where its first node now is)."""
+    if scan.inadmissible is not None:
+        return scan.inadmissible
+    by_tier: dict[str, dict[str, list[str]]] = {}
+    for tier, in_tier in scan.tiers:
+        positions, problem_at, groups = grouped.tiers[tier]
+        out = sorted(p for p in (positions.get(node) for node in exclude) if p is not None)
+        taken = set(out)
+        found: list[tuple[int, str, list[str], int]] = []
+        if out:
+            found.append((out[0], "runs a replica already", [in_tier[p][0] for p in out[: _NAMES_PER_REASON + 1]], len(out)))
+        for problem, members in groups.items():
+            count = len(members) - sum(1 for p in out if problem_at[p] == problem) if out else len(members)
+            if count == 0:
+                continue
+            kept = (p for p in members if p not in taken)
+            first = next(kept)
+            names = [in_tier[first][0]]
+            if count <= _NAMES_PER_REASON:
+                names += [in_tier[p][0] for p in kept]
+            found.append((first, problem, names, count))
+        by_tier[tier] = {problem: names if count <= _NAMES_PER_REASON else [""] * count for _, problem, names, count in sorted(found)}
+    return _deferral_reason(request, by_tier)
+
+
 def explain_deferral(
     request: Request,
     nodes: Sequence[SnapshotNode],
@@ -576,11 +642,6 @@ def explain_scanned(request: Request, scan: DeferralScan, load_of: Callable[[str
     """`explain_deferral` from the request shape's `deferral_scan`: the same reason."""
     if scan.inadmissible is not None:
         return scan.inadmissible
-    bottom = TIER_ORDER.index(request.floor)
-    # Every tier from the best down to the floor was tried (the satisfying
-    # ones in strategy order, then the fallback ones).
-    tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
-    constraint = _constraint_text(request)
     by_tier: dict[str, dict[str, list[str]]] = {}
     full: dict[tuple[int, int], str] = {}
     for tier, in_tier in scan.tiers:
@@ -599,6 +660,17 @@ def explain_scanned(request: Request, scan: DeferralScan, load_of: Callable[[str
                 problems[problem] = [node_id]
             else:
                 names.append(node_id)
+    return _deferral_reason(request, by_tier)
+
+
+def _deferral_reason(request: Request, by_tier: dict[str, dict[str, list[str]]]) -> NoChoice:
+    """The reason's text from each tier's problems (in order of first
+    occurrence) and their nodes (only their number counts past _NAMES_PER_REASON)."""
+    bottom = TIER_ORDER.index(request.floor)
+    # Every tier from the best down to the floor was tried (the satisfying
+    # ones in strategy order, then the fallback ones).
+    tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
+    constraint = _constraint_text(request)
     parts = []
     empty = []
     for tier in TIER_ORDER[: bottom + 1]:
