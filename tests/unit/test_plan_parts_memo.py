@@ -113,3 +113,17 @@ def test_the_leader_verifies_each_plan_once_and_never_takes_one_plans_verdict_fo
     assert "does not match its content" in (loop._verify(forged, KEYS) or ""), "another plan (equal identity fields): verified on its own"
     assert loop._verify(valid, KEYS) is None
     assert loop._verify(valid, []) is not None, "other keys (none listed): verified again"
+
+
+def test_the_memo_holds_at_most_two_generations_of_parts_however_long_the_leader_runs() -> None:
+    """A large deferred part that changes at every step (its reasons name
+    counts of nodes) is a new entry each time: the memo forgets the oldest
+    once a generation holds `byte_limit` bytes, not only `limit` entries."""
+    memo = PartsMemo(byte_limit=200_000)
+    for step in range(60):
+        waiting = [Deferred(service="burst", replica=r, reason=f"{step} nodes full, {r} waiting") for r in range(400)]
+        plan = FleetPlan(epoch=step, leader="lux", created=T0, deferred=waiting)
+        made = plan_parts(plan, memo)
+    assert made == plan_parts(plan)
+    assert 60 * len(made["deferred/0"]) > 4 * 200_000, "the parts made add up to far more than the memo may hold"
+    assert memo.held_bytes() <= 2 * 200_000 + 2 * len(made["deferred/0"])

@@ -130,15 +130,18 @@ class PartsMemo:
     The same content always gives the same bytes, so the parts made with a
     memo are those made without (`tests/unit/test_plan_parts_memo.py`).
 
-    Bounded: two generations of `limit` entries each; when the newer is full
-    it becomes the older and the oldest is forgotten (a plan's chunks, used
-    at every step, stay in the newer). The last few plans' parts are kept by
-    identity (a frozen plan made once, compared, signed and stored)."""
+    Bounded: two generations of at most `limit` entries and `byte_limit`
+    bytes of parts each; when the newer is full it becomes the older and the
+    oldest is forgotten (a plan's chunks, used at every step, move to the
+    newer). The last few plans' parts are kept by identity (a frozen plan
+    made once, compared, signed and stored)."""
 
-    def __init__(self, limit: int = 50_000) -> None:
+    def __init__(self, limit: int = 50_000, byte_limit: int = 32 * 1024 * 1024) -> None:
         self.limit = limit
+        self.byte_limit = byte_limit
         self._new: dict[Any, Any] = {}
         self._old: dict[Any, Any] = {}
+        self._new_bytes = 0
         self._plans: list[tuple[FleetPlan, dict[str, bytes]]] = []
         self.hits = 0
         self.misses = 0
@@ -152,9 +155,21 @@ class PartsMemo:
         return found
 
     def _put(self, key: Any, value: Any) -> None:
-        if len(self._new) >= self.limit:
-            self._old, self._new = self._new, {}
+        if len(self._new) >= self.limit or self._new_bytes >= self.byte_limit:
+            self._old, self._new, self._new_bytes = self._new, {}, 0
         self._new[key] = value
+        # A chunk's bytes, or the bytes a digest is of (the same object, mostly: counted twice).
+        self._new_bytes += len(value) if isinstance(value, bytes) else len(key) if isinstance(key, bytes) else 0
+
+    def held_bytes(self) -> int:
+        """The bytes of parts both generations hold (each object once)."""
+        seen: dict[int, int] = {}
+        for generation in (self._new, self._old):
+            for key, value in generation.items():
+                for item in (key, value):
+                    if isinstance(item, bytes):
+                        seen[id(item)] = len(item)
+        return sum(seen.values())
 
     def chunk(self, kind: str, items: Sequence[Any], make: Callable[[], bytes]) -> bytes:
         """The bytes of a chunk of `kind` holding `items` (frozen models or
