@@ -20,7 +20,7 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
 from reconciler.core.live.unreadable import UnreadableRecord
-from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, next_lapse, observe, snapshot_node, updated
+from reconciler.core.scheduling.lifecycle import UP, LifecycleEvent, NodeState, beat_expiry, observe, snapshot_node, updated
 from reconciler.ports import LeaderView
 
 
@@ -110,7 +110,20 @@ class LifecycleMixin:
         # less whatever changed in between, which the next step sees).
         read = self._read()
         states, events = self._advance(leadership, read)
-        return LeaderView(events=events, snapshot=self._snapshot(read, states, lanes), plan=read.plan, next_lapse=next_lapse(states.values()))
+        return LeaderView(events=events, snapshot=self._snapshot(read, states, lanes), plan=read.plan, next_lapse=self._next_lapse(states))
+
+    def _next_lapse(self, states: dict[str, NodeState]) -> datetime | None:
+        """`next_lapse` of `states`, each up node's expiry computed once per
+        record object (its beat: the same record, the same expiry)."""
+        before: dict[str, tuple[NodeRecord, datetime | None]] = getattr(self, "_lapses", {})
+        lapses: dict[str, tuple[NodeRecord, datetime | None]] = {}
+        for node, state in states.items():
+            record = state.record
+            if state.status in UP and record is not None:
+                held = before.get(node)
+                lapses[node] = held if held is not None and held[0] is record else (record, beat_expiry(record))
+        self._lapses = lapses
+        return min((expiry for _, expiry in lapses.values() if expiry is not None), default=None)
 
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()
