@@ -4,6 +4,8 @@ against the real leader (`fabric leader run`) on a real etcd.
 Run: PYTHONPATH=. /work/main/.venv/bin/python bench/churn [--nodes 5000] [--duration 180]
      [--rate 10] [--members 3] [--heartbeat 30] [--node-timeout 90]
 Short: bench/churn --short  (500 nodes, 30 s, heartbeat 5 s, node timeout 15 s, one member)
+Profiled: FABRIC_BENCH_PROFILE=PATH bench/churn ...  (the leader's steps: each one's wall
+     time in PATH.steps, its cProfile in PATH.N; profiling slows them about twofold)
 
 What runs (every process started here is stopped by its PID at the end):
   - etcd, --members members on loopback with etcd's default limits

@@ -52,8 +52,39 @@ def dump(stats: Path, seen: SeenRequests, totals: Totals, stop: threading.Event)
 registries: list = []
 
 
+def profile_steps(path: Path) -> None:
+    """FABRIC_BENCH_PROFILE=PATH: each leader step's wall time appended to
+    PATH.steps (one line: start, seconds), each step's cProfile to PATH.N
+    (pstats; N counts the steps from 1)."""
+    import cProfile
+    import itertools
+    import time
+
+    from reconciler.engine import leader
+
+    step = leader.LeaderLoop.step
+    lines = open(path.with_suffix(".steps"), "w")  # noqa: SIM115 - open for the process's life
+    count = itertools.count(1)
+
+    def timed(self) -> None:
+        profile = cProfile.Profile()
+        t, w = time.perf_counter(), time.time()
+        profile.enable()
+        try:
+            step(self)
+        finally:
+            profile.disable()
+            lines.write(f"{w:.3f} {time.perf_counter() - t:.3f}\n")
+            lines.flush()
+            profile.dump_stats(f"{path}.{next(count)}")
+
+    leader.LeaderLoop.step = timed  # type: ignore[method-assign]
+
+
 def run() -> int:
     stats = Path(sys.argv[1])
+    if os.environ.get("FABRIC_BENCH_PROFILE"):
+        profile_steps(Path(os.environ["FABRIC_BENCH_PROFILE"]))
     # `kill -USR1 PID` writes every thread's stack beside the stats (where is the leader?).
     stacks = open(stats.with_suffix(".stacks"), "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)

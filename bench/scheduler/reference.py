@@ -102,3 +102,70 @@ class ScanningPlacer:
                     self.load[best.node_id] += 1
                     return (best.node_id, best.tier, TIERS.index(best.tier) > top)
         return None
+
+
+NAMES_PER_REASON = 4
+
+
+def node_problem(node, request, load: int, now: datetime, exclude=()) -> str:
+    """Why this node, of a tier in range, cannot take the request right now."""
+    if node.node_id in exclude:
+        return "runs a replica already"
+    if node.status != "active":
+        return node.status
+    if node.drained:
+        return "drained"
+    if node.held_off_until is not None and utc(node.held_off_until) > now:
+        return f"held off until {utc(node.held_off_until).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+    if request.arch and node.arch not in request.arch:
+        return f"arch {node.arch or 'unknown'} not in [{', '.join(sorted(request.arch))}]"
+    missing = [f"{k}={v}" for k, v in request.labels if node.labels.get(k) != v]
+    if missing:
+        return f"lacks label {', '.join(missing)}"
+    return f"full {load}/{node.max_concurrent_tasks}"
+
+
+def explain_deferral(request, nodes, load_of, now: datetime, exclude=()) -> tuple[str, bool]:
+    """A deferral's (reason, inadmissible) by a scan of every node at every
+    deferral: what the placer's `deferral_scan` + `explain_scanned` must say."""
+    bottom = TIERS.index(request.floor)
+    in_range = set(TIERS[: bottom + 1])
+    tried = TIERS[0] if bottom == 0 else f"{TIERS[0]}..{request.floor}"
+    constraint = ""
+    if request.arch:
+        constraint += f" arch [{', '.join(sorted(request.arch))}]"
+    if request.labels:
+        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
+    if not [n for n in nodes if n.tier in in_range and request.matches(n)]:
+        present = sorted({n.tier for n in nodes}, key=TIERS.index)
+        what = f"tier {request.floor} or better" + (f" with{constraint}" if constraint else "")
+        reason = (
+            f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
+            f"tiers present: {', '.join(present) or 'none'}"
+        )
+        return reason, True
+    by_tier: dict = {}
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        if node.tier in in_range:
+            problem = node_problem(node, request, load_of(node.node_id), now, exclude)
+            by_tier.setdefault(node.tier, {}).setdefault(problem, []).append(node.node_id)
+    parts, empty = [], []
+    for tier in TIERS[: bottom + 1]:
+        problems = by_tier.get(tier)
+        if not problems:
+            empty.append(tier)
+            continue
+        described = []
+        for problem, names in problems.items():
+            if len(names) <= NAMES_PER_REASON:
+                described += [f"{name} {problem}" for name in names]
+            else:
+                described.append(f"{len(names)} nodes {problem.split(' ')[0]}")
+        parts.append(f"{tier}: {', '.join(described)}")
+    if empty:
+        parts.append(f"no node at {', '.join(empty)}")
+    reason = (
+        f"no eligible node from {tried} (min_tier {request.min_tier}, floor {request.floor}{';' + constraint if constraint else ''}): "
+        + "; ".join(parts)
+    )
+    return reason, False

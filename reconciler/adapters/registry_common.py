@@ -20,7 +20,7 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.models import FleetPlan, Snapshot, SnapshotLane, SnapshotNode
 from reconciler.core.live.records import DrainRequest, LeaderInfo, Leadership, NodeRecord
 from reconciler.core.live.unreadable import UnreadableRecord
-from reconciler.core.scheduling.lifecycle import LifecycleEvent, NodeState, next_lapse, observe, snapshot_node, updated
+from reconciler.core.scheduling.lifecycle import UP, LifecycleEvent, NodeState, beat_expiry, observe, snapshot_node, updated
 from reconciler.ports import LeaderView
 
 
@@ -91,7 +91,8 @@ class LifecycleMixin:
 
     def _advance(self, leadership: Leadership, read: LiveRead) -> tuple[dict[str, NodeState], list[LifecycleEvent]]:
         states, events = self._observe(read)
-        changed = {k: v for k, v in states.items() if read.states.get(k) != v}
+        # `is not` first: most states are the very ones read (observe kept them).
+        changed = {k: v for k, v in states.items() if (old := read.states.get(k)) is not v and old != v}
         dead = {k for k, v in states.items() if v.status == "dead" and k in read.records}
         forgotten = set(read.states) - set(states)
         # Stored even when nothing changed: the fenced write is also the check
@@ -109,16 +110,41 @@ class LifecycleMixin:
         # less whatever changed in between, which the next step sees).
         read = self._read()
         states, events = self._advance(leadership, read)
-        return LeaderView(events=events, snapshot=_snapshot(read, states, lanes), plan=read.plan, next_lapse=next_lapse(states.values()))
+        return LeaderView(events=events, snapshot=self._snapshot(read, states, lanes), plan=read.plan, next_lapse=self._next_lapse(states))
+
+    def _next_lapse(self, states: dict[str, NodeState]) -> datetime | None:
+        """`next_lapse` of `states`, each up node's expiry computed once per
+        record object (its beat: the same record, the same expiry)."""
+        before: dict[str, tuple[NodeRecord, datetime | None]] = getattr(self, "_lapses", {})
+        lapses: dict[str, tuple[NodeRecord, datetime | None]] = {}
+        for node, state in states.items():
+            record = state.record
+            if state.status in UP and record is not None:
+                held = before.get(node)
+                lapses[node] = held if held is not None and held[0] is record else (record, beat_expiry(record))
+        self._lapses = lapses
+        return min((expiry for _, expiry in lapses.values() if expiry is not None), default=None)
 
     def snapshot(self, lanes: Sequence[str] = ()) -> Snapshot:
         read = self._read()
         states, _ = self._observe(read)
-        return _snapshot(read, states, lanes)
+        return self._snapshot(read, states, lanes)
+
+    def _snapshot(self, read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]) -> Snapshot:
+        """The snapshot of `states`; a node's scheduler view is made once per
+        state (the same state object as the last snapshot's: the same node)."""
+        before: dict[str, tuple[NodeState, SnapshotNode | None]] = getattr(self, "_snapshot_nodes", {})
+        made: dict[str, tuple[NodeState, SnapshotNode | None]] = {}
+        for key in sorted(states):
+            state = states[key]
+            held = before.get(key)
+            made[key] = held if held is not None and held[0] is state else (state, snapshot_node(state))
+        self._snapshot_nodes = made
+        return _snapshot(read, [node for _, node in made.values() if node is not None], lanes)
 
 
-def _snapshot(read: LiveRead, states: dict[str, NodeState], lanes: Sequence[str]) -> Snapshot:
-    nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in (snapshot_node(states[k]) for k in sorted(states)) if n is not None]
+def _snapshot(read: LiveRead, made: list[SnapshotNode], lanes: Sequence[str]) -> Snapshot:
+    nodes = [with_override(n, read.concurrency.get(n.node_id)) for n in made]
     # Lane load is not the registry's: it lives on phaze's broker, and the
     # engine puts the lane queue's view in (engine.dispatch.with_lane_states).
     return Snapshot(

@@ -144,7 +144,7 @@ from reconciler.core.live.beat import stamped
 from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
-from reconciler.core.live.plan_parts import PlanIndex, PlanRead
+from reconciler.core.live.plan_parts import PartsMemo, PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -155,9 +155,9 @@ from reconciler.core.live.records import (
 )
 from reconciler.core.live.unreadable import UnreadableRecord
 from reconciler.core.live.watching import DRAIN, PLAN, STATE, EntryVersion
-from reconciler.core.scheduling.lifecycle import NodeState, heartbeat_timeout, lapsed_at, stored_state, with_facts
+from reconciler.core.scheduling.lifecycle import NodeState, beat_expiry, heartbeat_timeout, stored_state, with_facts
 from reconciler.core.scheduling.suspicion import LivenessRecord
-from reconciler.core.timestamps import from_epoch_seconds
+from reconciler.core.timestamps import from_epoch_seconds, utc
 from reconciler.ports import Clock, NotLeader, PermissionDenied, RegistryError, RegistryUnavailable
 
 T = TypeVar("T")
@@ -358,6 +358,52 @@ class _Client(aetcd.Client):
         self._connected.set()
 
 
+class _Parsed:
+    """What `EtcdRegistry._parse_pairs` found in one read."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, NodeRecord] = {}
+        self.stored: dict[str, NodeState] = {}
+        self.drains: dict[str, DrainRequest] = {}
+        self.leader: LeaderInfo | None = None
+        self.epoch = 0
+        self.concurrency: dict[str, int] = {}
+        self.problems: list[UnreadableRecord] = []
+        self.index_bytes: bytes | None = None
+        self.plan_parts: dict[str, bytes] = {}
+
+    def take(self, kind: str, node: str, model: NodeRecord | NodeState | None, problem: UnreadableRecord | None) -> None:
+        """A node's facts or stored state (or why it does not parse)."""
+        if isinstance(model, NodeRecord):
+            self.facts[node] = model
+        elif isinstance(model, NodeState):
+            self.stored[node] = model
+        if problem is not None:
+            self.problems.append(problem)
+
+    def other(self, key: str, kind: str, node: str, value: bytes) -> None:
+        """Any other key: drains, the plan's index and parts, the leader, the epoch, the scaling record."""
+        problem: UnreadableRecord | None = None
+        if kind == "drain" and node:
+            drain, problem = parse_record(DrainRequest, value, key=key, node=node)
+            if drain is not None:
+                self.drains[node] = drain
+        elif key == PLAN_INDEX:
+            self.index_bytes = value
+        elif kind == PLAN_PARTS and node:
+            self.plan_parts[node] = value
+        elif key == "leader":
+            self.leader, problem = parse_record(LeaderInfo, value, key=key)
+        elif key == "epoch":
+            counter, problem = parse_int(value, key=key)
+            self.epoch = counter or 0
+        elif key == "scaling":
+            scaling, problem = parse_record(ScalingRecord, value, key=key, limit=MAX_PLAN_BYTES)
+            self.concurrency = dict(scaling.concurrency) if scaling is not None else {}
+        if problem is not None:
+            self.problems.append(problem)
+
+
 class EtcdRegistry(LifecycleMixin):
     def __init__(
         self,
@@ -398,6 +444,14 @@ class EtcdRegistry(LifecycleMixin):
         self._state_memo: dict[bytes, NodeState | str] = {}
         # The plan of the last index read, by the index's bytes (parts joined once).
         self._plan_memo: tuple[bytes, FleetPlan] | None = None
+        # The last read's facts and states by key: (value, kind, node, model, problem) (`_parse_pairs`),
+        # each state joined with its facts (`_joined_states`), and each live record's expiry (`_alive`).
+        self._by_key: dict[bytes, tuple[bytes, str, str, NodeRecord | NodeState | None, UnreadableRecord | None]] = {}
+        self._joined: dict[str, tuple[NodeState, NodeRecord | None, NodeState]] = {}
+        self._expiries: dict[str, tuple[NodeRecord, datetime | None]] = {}
+        # The parts' bytes and digests of the plans published before (a part
+        # that did not change is not made again: plan_parts.PartsMemo).
+        self._parts_memo = PartsMemo()
         # The leader's view of the registry kept from a watch (registry_etcd_view):
         # started by the first full read, dropped when it may be stale.
         self._informer = informer
@@ -915,7 +969,9 @@ class EtcdRegistry(LifecycleMixin):
                 epoch = int(current.value) + 1 if current is not None else 1
                 same_epoch = tx.mod(epoch_key) == current.mod_revision if current is not None else tx.version(epoch_key) == 0
                 stored = stored_plan(
-                    plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}), budget=TXN_CHUNK_BYTES
+                    plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}),
+                    budget=TXN_CHUNK_BYTES,
+                    memo=self._parts_memo,
                 )
                 await self._put_parts(c, leadership, [(d, v) for d, v in sorted(stored.parts.items()) if d not in kept])
                 kept |= set(stored.parts)
@@ -1110,25 +1166,60 @@ class EtcdRegistry(LifecycleMixin):
 
     def _read(self, with_plan: bool = True) -> LiveRead:
         now = from_epoch_seconds(self._now())
-        facts: dict[str, NodeRecord] = {}
-        stored: dict[str, NodeState] = {}
-        drains: dict[str, DrainRequest] = {}
-        plan: FleetPlan | None = None
-        leader: LeaderInfo | None = None
-        epoch = 0
-        concurrency: dict[str, int] = {}
-        # Every value is parsed on its own: one that does not parse or
-        # validate is skipped and named (a host may write anything into its
-        # own keys); its node then counts as not beating.
-        problems: list[UnreadableRecord] = []
-        # Between two leader steps most values are the same bytes: the states
-        # this leader wrote, the facts of silent nodes. They are parsed once.
+        pairs, beats, ready = self._call(lambda c: self._informed_read(c, with_plan), "reading the live state")
+        read = self._parse_pairs(pairs, ready)
+        problems = read.problems
+        plan = self._plan_of(read.index_bytes, read.plan_parts, problems) if read.index_bytes is not None and with_plan else None
+        alive = self._alive(beats, read.facts, now, problems)
+        return LiveRead(
+            now=now,
+            records=read.facts,
+            alive=alive,
+            states=self._joined_states(read.stored, read.facts),
+            drains=read.drains,
+            plan=plan,
+            leader=read.leader,
+            epoch=read.epoch,
+            concurrency=read.concurrency,
+            problems=tuple(problems),
+        )
+
+    def _joined_states(self, stored: dict[str, NodeState], facts: dict[str, NodeRecord]) -> dict[str, NodeState]:
+        """Each stored state with its node's facts (a state is stored without
+        them: `stored_state`), joined once: the same stored state and record
+        (parsed once per value: `_parse_pairs`) give the same state again."""
+        states: dict[str, NodeState] = {}
+        joined: dict[str, tuple[NodeState, NodeRecord | None, NodeState]] = {}
+        before = self._joined
+        for node, state in stored.items():
+            record = facts.get(node)
+            held = before.get(node)
+            if held is not None and held[0] is state and held[1] is record:
+                states[node] = held[2]
+            else:
+                states[node] = with_facts(state, record)
+            joined[node] = (state, record, states[node])
+        self._joined = joined
+        return states
+
+    def _parse_pairs(self, pairs: list[tuple[bytes, bytes]], ready: dict[bytes, tuple[bytes, Any]]) -> _Parsed:
+        """Every value parsed on its own: one that does not parse or validate
+        is skipped and named (a host may write anything into its own keys);
+        its node then counts as not beating. A fact or a state whose key holds
+        the very value of the last read (the view keeps a value until it
+        changes) is taken as the last read parsed it; between two leader
+        steps most other values are the same bytes (the states this leader
+        wrote, the facts of silent nodes): they are parsed once too."""
+        out = _Parsed()
         seen_records: dict[bytes, NodeRecord | str] = {}
         seen_states: dict[bytes, NodeState | str] = {}
-        index_bytes: bytes | None = None
-        plan_parts: dict[str, bytes] = {}
-        pairs, beats, ready = self._call(lambda c: self._informed_read(c, with_plan), "reading the live state")
+        known, fresh = self._by_key, {}
         for raw, value in pairs:
+            held = known.get(raw)
+            if held is not None and held[0] is value:
+                fresh[raw] = held
+                out.take(*held[1:])
+                continue
             key = key_text(raw)
             parts = key.split("/")
             kind = parts[0]
@@ -1139,49 +1230,17 @@ class EtcdRegistry(LifecycleMixin):
                 # A host may write only its own keys; a record naming another
                 # host under them is not believed.
                 if record is not None and record.node_id != node:
-                    problem = UnreadableRecord(key=key, node=node, what=WHAT[kind], reason=f"names another host ({record.node_id})")
-                elif record is not None:
-                    facts[node] = record
+                    record, problem = None, UnreadableRecord(key=key, node=node, what=WHAT[kind], reason=f"names another host ({record.node_id})")
+                fresh[raw] = (value, kind, node, record, problem)
+                out.take(kind, node, record, problem)
             elif kind == "state" and node:
                 state, problem = self._parsed(self._state_memo, seen_states, value, NodeState, key=key, node=node, ready=ready.get(raw))
-                if state is not None:
-                    stored[node] = state
-            elif kind == "drain" and node:
-                drain, problem = parse_record(DrainRequest, value, key=key, node=node)
-                if drain is not None:
-                    drains[node] = drain
-            elif key == PLAN_INDEX:
-                index_bytes = value
-            elif kind == PLAN_PARTS and node:
-                plan_parts[node] = value
-            elif key == "leader":
-                leader, problem = parse_record(LeaderInfo, value, key=key)
-            elif key == "epoch":
-                counter, problem = parse_int(value, key=key)
-                epoch = counter or 0
-            elif key == "scaling":
-                scaling, problem = parse_record(ScalingRecord, value, key=key, limit=MAX_PLAN_BYTES)
-                concurrency = dict(scaling.concurrency) if scaling is not None else {}
-            if problem is not None:
-                problems.append(problem)
-        self._record_memo, self._state_memo = seen_records, seen_states
-        if index_bytes is not None and with_plan:
-            plan = self._plan_of(index_bytes, plan_parts, problems)
-        alive = self._alive(beats, facts, now, problems)
-        # A state is stored without what the facts hold (`stored_state`).
-        states = {node: with_facts(state, facts.get(node)) for node, state in stored.items()}
-        return LiveRead(
-            now=now,
-            records=facts,
-            alive=alive,
-            states=states,
-            drains=drains,
-            plan=plan,
-            leader=leader,
-            epoch=epoch,
-            concurrency=concurrency,
-            problems=tuple(problems),
-        )
+                fresh[raw] = (value, kind, node, state, problem)
+                out.take(kind, node, state, problem)
+            else:
+                out.other(key, kind, node, value)
+        self._record_memo, self._state_memo, self._by_key = seen_records, seen_states, fresh
+        return out
 
     def _plan_of(self, index_bytes: bytes, parts: dict[str, bytes], problems: list[UnreadableRecord]) -> FleetPlan | None:
         """The plan of the index read (its parts from the same revision), put
@@ -1205,7 +1264,16 @@ class EtcdRegistry(LifecycleMixin):
         # (beat_at, stamped just before the lease was granted or refreshed,
         # + its TTL) has passed is lapsed already, so the leader marks the
         # node offline at its lapse, not half a second after it.
-        alive -= lapsed_at({node: facts[node] for node in alive if node in facts}, now)
+        # Each record's expiry is computed once (the same record object: the same expiry).
+        expiries: dict[str, tuple[NodeRecord, datetime | None]] = {}
+        before, now = self._expiries, utc(now)
+        for node in alive:
+            record = facts.get(node)
+            if record is not None:
+                held = before.get(node)
+                expiries[node] = held if held is not None and held[0] is record else (record, beat_expiry(record))
+        self._expiries = expiries
+        alive -= {node for node, (_, expiry) in expiries.items() if expiry is not None and now >= expiry}
         # A beat writes nodes/ and facts/ in one transaction with the same
         # value, so the facts are the live record. Only when the leader
         # dropped a dead node's facts as it beat again is a live beat without

@@ -24,6 +24,7 @@ from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
 from reconciler.core.live.plan_parts import (
+    PartsMemo,
     PlanIndex,
     PlanPartsError,
     PlanRead,
@@ -190,11 +191,12 @@ class StoredPlan:
     parts: dict[str, bytes]
 
 
-def stored_plan(plan: FleetPlan, *, budget: int) -> StoredPlan:
+def stored_plan(plan: FleetPlan, *, budget: int, memo: PartsMemo | None = None) -> StoredPlan:
     """`plan` (numbered and signed) cut into its index and parts; raises
-    RegistryError when the index or a part is over `budget` bytes (one request's)."""
-    named = plan_parts(plan)
-    index = plan_index(plan, named)
+    RegistryError when the index or a part is over `budget` bytes (one
+    request's). `memo`: the chunks' bytes and digests made before (`PartsMemo`)."""
+    named = plan_parts(plan, memo)
+    index = plan_index(plan, named, memo)
     index_bytes = index.model_dump_json().encode()
     if len(index_bytes) > budget:
         raise RegistryError(f"the plan's index is {len(index_bytes)} bytes ({len(index.parts)} parts), over the {budget}-byte budget of one request")

@@ -52,7 +52,7 @@ from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.members import MemberRecord
 from reconciler.core.live.models import FleetPlan
 from reconciler.core.live.pending import PendingRecord
-from reconciler.core.live.plan_parts import PlanIndex, PlanRead
+from reconciler.core.live.plan_parts import PartsMemo, PlanIndex, PlanRead
 from reconciler.core.live.records import (
     DrainRequest,
     LeaderInfo,
@@ -173,6 +173,8 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
         self.flap = flap
         # wait_for_change: the change counter and the next expiry it last saw.
         self._seen_changes: int | None = None
+        # The parts' bytes and digests of the plans published before (plan_parts.PartsMemo).
+        self._parts_memo = PartsMemo()
         self._next_expiry: float | None = None
         # watch_host: the host whose baseline was reported (None: none yet).
         self._watched_host: str | None = None
@@ -413,7 +415,9 @@ class SqliteRegistry(SqliteFile, LifecycleMixin):
             self._require_leader(db, leadership, self._now())
             epoch = self._bump(db, EPOCH)
             stored = stored_plan(
-                plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}), budget=MAX_PLAN_BYTES
+                plan.model_copy(update={"epoch": epoch, "leader": leadership.candidate, "term": leadership.term}),
+                budget=MAX_PLAN_BYTES,
+                memo=self._parts_memo,
             )
             have = {str(row[0]) for row in db.execute("SELECT digest FROM plan_parts")}
             db.executemany("INSERT INTO plan_parts (digest, part) VALUES (?, ?)", [(d, v) for d, v in stored.parts.items() if d not in have])

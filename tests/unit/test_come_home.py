@@ -338,3 +338,20 @@ def test_the_leader_brings_work_home_through_the_registry(tmp_path: Path):
         leader.step_and_resign()
     finally:
         registry.close()
+
+
+def test_a_replica_placed_new_never_goes_where_a_sibling_is_moving_to():
+    """Replica 0 is moving from paid-d to free-a (make-before-break, not
+    running there yet): replica 1, new, must not be placed on free-a too,
+    though free-a has room (the service's nodes count the move's new node)."""
+    state = desired(replicas=2)
+    moving = FleetPlan(
+        epoch=1,
+        leader="owned-c",
+        created=T0,
+        placements=[*ON_PAID, Placement(service="web", replica=0, node="free-a", tier="cpu_ffmpeg", replaces="paid-d")],
+        room_since={"free-a": T0 - timedelta(seconds=WINDOW)},
+    )
+    # free-b is busier than free-a: only the rule sends replica 1 there.
+    plan = step(state, T0, [node("free-a", limit=4), node("paid-d", limit=4, web="active"), node("free-b", limit=4, in_flight=3)], moving)
+    assert sorted(where(plan)) == [(0, "free-a", "paid-d"), (0, "paid-d", None), (1, "free-b", None)]

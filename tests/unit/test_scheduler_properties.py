@@ -4,7 +4,8 @@
   scans every node (bench/scheduler/reference.py), so its heaps implement the
   rules and not something close to them.
 - A deferral's reason is the one a fresh scan gives over the loads of that
-  moment (`explain_deferral`), however placements, keeps and deferrals interleave.
+  moment (`explain_deferral`, and the naive scan of every node in
+  bench/scheduler/reference.py), however placements, keeps and deferrals interleave.
 - No node is ever given work past its max_concurrent_tasks.
 - A placement is never below its floor, and `fallback` says exactly whether
   it is below min_tier.
@@ -122,6 +123,8 @@ def test_a_deferral_says_what_a_fresh_scan_says(nodes, shapes, work, strategy):
         outcome = placer.place(request, exclude=exclude)
         if isinstance(outcome, NoChoice):
             assert outcome == explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
+            # The scan once per request shape says what a scan of every node at every deferral says.
+            assert (outcome.reason, outcome.inadmissible) == reference.explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
 
 
 @FAST
@@ -396,3 +399,28 @@ def test_moves_come_home_one_per_service_and_keep_every_limit(nodes, services, d
     placed = Counter(p.node for p in plan.placements)
     for node_id, count in placed.items():
         assert count <= by_id[node_id].max_concurrent_tasks
+
+
+def test_a_deferral_after_a_placement_or_a_keep_sees_the_new_loads():
+    """The placer groups a shape's deferral problems once per set of loads:
+    a node excluded (not full) when a service deferred, then filled by
+    another service's placement, or a node that takes no new work but keeps
+    one more placement, shows its new load when the next service defers
+    (what the naive scan of every node says)."""
+    nodes = [SnapshotNode(node_id=n, tier="cpu_ffmpeg", max_concurrent_tasks=1) for n in ("a", "b")]
+    nodes.append(SnapshotNode(node_id="s", tier="cpu_ffmpeg", max_concurrent_tasks=2, suspected=["liveness lapsed"]))
+    request = Request(min_tier="cpu_ffmpeg", floor="cpu_ffmpeg")
+    placer = Placer(nodes, NOW)
+
+    def deferred(exclude: set[str]) -> str:
+        outcome = placer.place(request, exclude=exclude)
+        assert isinstance(outcome, NoChoice)
+        assert (outcome.reason, outcome.inadmissible) == reference.explain_deferral(request, nodes, placer.load, NOW, frozenset(exclude))
+        return outcome.reason
+
+    assert placer.place(request, exclude={"a"}) == Choice("b", "cpu_ffmpeg", False)
+    assert "a runs a replica already" in deferred({"a"})
+    assert placer.place(request, exclude={"b"}) == Choice("a", "cpu_ffmpeg", False)
+    assert "a full 1/1" in deferred({"b"})
+    assert placer.keep("s", request)
+    assert "s full 1/2" in deferred({"a", "x"})

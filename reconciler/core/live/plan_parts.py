@@ -42,12 +42,12 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from reconciler.core.live.models import FleetPlan, Placement, PlanSignature, _Live
 from reconciler.core.timestamps import utc
@@ -120,34 +120,135 @@ def _placement_order(p: Placement) -> tuple[str, int, bool, str]:
     return (p.service, p.replica, p.replaces is not None, p.node)
 
 
-def plan_parts(plan: FleetPlan) -> dict[str, bytes]:
-    """Each part's name and canonical bytes (module docstring)."""
+class PartsMemo:
+    """A memo of the parts' canonical bytes and digests, handed in by a caller
+    that makes the parts of many similar plans (the leader: several times a
+    step, and each step's plan mostly the last one's): a chunk of placements,
+    deferred replicas or names seen before (equal content: the models are
+    frozen, compared field by field) gives its bytes again without being
+    dumped, walked and encoded; bytes seen before give their digest again.
+    The same content always gives the same bytes, so the parts made with a
+    memo are those made without (`tests/unit/test_plan_parts_memo.py`).
+
+    Bounded: two generations of at most `limit` entries and `byte_limit`
+    bytes of parts each; when the newer is full it becomes the older and the
+    oldest is forgotten (a plan's chunks, used at every step, move to the
+    newer). The last few plans' parts are kept by identity (a frozen plan
+    made once, compared, signed and stored)."""
+
+    def __init__(self, limit: int = 50_000, byte_limit: int = 32 * 1024 * 1024) -> None:
+        self.limit = limit
+        self.byte_limit = byte_limit
+        self._new: dict[Any, Any] = {}
+        self._old: dict[Any, Any] = {}
+        self._new_bytes = 0
+        self._plans: list[tuple[FleetPlan, dict[str, bytes]]] = []
+        self.hits = 0
+        self.misses = 0
+
+    def _get(self, key: Any) -> Any:
+        found = self._new.get(key)
+        if found is None:
+            found = self._old.pop(key, None)
+            if found is not None:
+                self._put(key, found)
+        return found
+
+    def _put(self, key: Any, value: Any) -> None:
+        if len(self._new) >= self.limit or self._new_bytes >= self.byte_limit:
+            self._old, self._new, self._new_bytes = self._new, {}, 0
+        self._new[key] = value
+        # A chunk's bytes, or the bytes a digest is of (the same object, mostly: counted twice).
+        self._new_bytes += len(value) if isinstance(value, bytes) else len(key) if isinstance(key, bytes) else 0
+
+    def held_bytes(self) -> int:
+        """The bytes of parts both generations hold (each object once)."""
+        seen: dict[int, int] = {}
+        for generation in (self._new, self._old):
+            for key, value in generation.items():
+                for item in (key, value):
+                    if isinstance(item, bytes):
+                        seen[id(item)] = len(item)
+        return sum(seen.values())
+
+    def chunk(self, kind: str, items: Sequence[Any], make: Callable[[], bytes]) -> bytes:
+        """The bytes of a chunk of `kind` holding `items` (frozen models or
+        text), made by `make` once. A model's key is its fields' values, in
+        their order (plain values of fixed types: compared and hashed at C
+        speed, unlike the models themselves)."""
+        key = (kind, tuple(tuple(item.__dict__.values()) if isinstance(item, BaseModel) else item for item in items))
+        found = self._get(key)
+        if found is None:
+            self.misses += 1
+            found = make()
+            self._put(key, found)
+        else:
+            self.hits += 1
+        return found  # type: ignore[no-any-return]
+
+    def digest(self, data: bytes) -> str:
+        found = self._get(data)
+        if found is None:
+            found = part_digest(data)
+            self._put(data, found)
+        return found  # type: ignore[no-any-return]
+
+    def parts_of(self, plan: FleetPlan) -> dict[str, bytes] | None:
+        return next((parts for held, parts in self._plans if held is plan), None)
+
+    def keep_parts(self, plan: FleetPlan, parts: dict[str, bytes]) -> None:
+        self._plans = [(plan, parts), *self._plans[:3]]
+
+
+def plan_parts(plan: FleetPlan, memo: PartsMemo | None = None) -> dict[str, bytes]:
+    """Each part's name and canonical bytes (module docstring); with `memo`,
+    the same bytes, those of chunks seen before taken from it."""
+    if memo is not None:
+        known = memo.parts_of(plan)
+        if known is not None:
+            return dict(known)
     parts: dict[str, bytes] = {
         FLEET_PART: canonical_json({"lanes": [v.model_dump(mode="python") for v in plan.lanes], "steering": plan.steering.model_dump(mode="python")})
     }
-    by_node: dict[str, list[dict[str, Any]]] = {}
+    by_node: dict[str, list[Placement]] = {}
     # In the scheduler's order (`normalized`), whatever the order given: a part is its content.
     for placement in sorted(plan.placements, key=_placement_order):
-        by_node.setdefault(placement.node, []).append(_placement(placement))
+        by_node.setdefault(placement.node, []).append(placement)
     for node in sorted(by_node):
         for i, chunk in _chunks(by_node[node], PART_ITEMS):
-            parts[f"host/{node}/{i}"] = canonical_json({"placements": chunk})
+            parts[f"host/{node}/{i}"] = _chunk_bytes(memo, "placements", chunk, _placement)
     deferred = sorted(plan.deferred, key=lambda d: (d.service, d.replica))
-    for i, chunk in _chunks([d.model_dump(mode="python") for d in deferred], PART_ITEMS):
-        parts[f"deferred/{i}"] = canonical_json({"deferred": chunk})
+    for i, chunk in _chunks(deferred, PART_ITEMS):
+        parts[f"deferred/{i}"] = _chunk_bytes(memo, "deferred", chunk, _dumped)
     for i, chunk in _chunks(list(plan.ignored_nodes), NAMES_PER_PART):
-        parts[f"ignored/{i}"] = canonical_json({"ignored_nodes": chunk})
+        parts[f"ignored/{i}"] = _chunk_bytes(memo, "ignored_nodes", chunk, str)
     for i, chunk in _chunks(sorted(plan.room_since.items()), NAMES_PER_PART):
         parts[f"room/{i}"] = canonical_json({"room_since": dict(chunk)})
     suspects = sorted((node, state.model_dump(mode="python")) for node, state in plan.suspects.items())
     for i, chunk in _chunks(suspects, NAMES_PER_PART):
         parts[f"suspects/{i}"] = canonical_json({"suspects": dict(chunk)})
+    if memo is not None:
+        memo.keep_parts(plan, dict(parts))
     return parts
 
 
-def plan_index(plan: FleetPlan, parts: Mapping[str, bytes] | None = None) -> PlanIndex:
+def _dumped(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="python")
+
+
+def _chunk_bytes(memo: PartsMemo | None, field: str, items: list[Any], dump: Callable[[Any], Any]) -> bytes:
+    """The canonical bytes of {field: [each item dumped]}, from `memo` when it holds them."""
+
+    def make() -> bytes:
+        return canonical_json({field: [dump(item) for item in items]})
+
+    return make() if memo is None else memo.chunk(field, items, make)
+
+
+def plan_index(plan: FleetPlan, parts: Mapping[str, bytes] | None = None, memo: PartsMemo | None = None) -> PlanIndex:
     """The index of `plan` (its signature carried over), from its parts when given."""
-    parts = plan_parts(plan) if parts is None else parts
+    parts = plan_parts(plan, memo) if parts is None else parts
+    digest = part_digest if memo is None else memo.digest
     return PlanIndex(
         epoch=plan.epoch,
         leader=plan.leader,
@@ -155,7 +256,7 @@ def plan_index(plan: FleetPlan, parts: Mapping[str, bytes] | None = None) -> Pla
         fleet=plan.fleet,
         prefix=plan.prefix,
         created=plan.created,
-        parts={name: part_digest(data) for name, data in parts.items()},
+        parts={name: digest(data) for name, data in parts.items()},
         signature=plan.signature,
     )
 
@@ -249,9 +350,9 @@ def normalized(plan: FleetPlan) -> FleetPlan:
     )
 
 
-def same_parts(a: FleetPlan, b: FleetPlan) -> bool:
+def same_parts(a: FleetPlan, b: FleetPlan, memo: PartsMemo | None = None) -> bool:
     """Equal parts: the same placements, deferred work, lanes, steering and memory."""
-    return plan_parts(a) == plan_parts(b)
+    return plan_parts(a, memo) == plan_parts(b, memo)
 
 
 # -- a host's read: the index, and only the parts it needs (issue 34, item 2) --

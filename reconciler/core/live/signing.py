@@ -35,16 +35,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from reconciler.core.desired.model import PlanKey
 from reconciler.core.live.models import FleetPlan, PlanSignature
-from reconciler.core.live.plan_parts import PlanIndex, canonical_index, plan_index
+from reconciler.core.live.plan_parts import PartsMemo, PlanIndex, canonical_index, plan_index
 
 
-def canonical_plan(plan: FleetPlan) -> bytes:
+def canonical_plan(plan: FleetPlan, memo: PartsMemo | None = None) -> bytes:
     """The bytes a plan's signature covers: the canonical form of its index
     (`reconciler.core.live.plan_parts`): its epoch, leader, term, fleet,
     prefix and creation time, and the digest of each of its parts' canonical
     bytes, so the signature covers every field but itself, and a host that
     holds the index and one part checks that part by its digest alone."""
-    return canonical_index(plan_index(plan))
+    return canonical_index(plan_index(plan, memo=memo))
 
 
 def with_signature(plan: FleetPlan, key_id: str, signature: bytes) -> FleetPlan:
@@ -57,12 +57,12 @@ def listed_key(keys: Sequence[PlanKey], host: str, public_key: bytes) -> PlanKey
     return next((key for key in keys if key.host == host and key.public_bytes() == public_key), None)
 
 
-def verify_plan(plan: FleetPlan, keys: Sequence[PlanKey]) -> str | None:
+def verify_plan(plan: FleetPlan, keys: Sequence[PlanKey], memo: PartsMemo | None = None) -> str | None:
     """Why `plan` must not be applied under the plan keys `keys`, or None when
     it is signed, by a listed key of the host it names as leader, and the
     signature matches its canonical form. The caller checks that the leader
     is a candidate (fabric.toml lists keys for candidates only)."""
-    return verify_index(plan_index(plan), keys)
+    return verify_index(plan_index(plan, memo=memo), keys)
 
 
 def verify_index(index: PlanIndex, keys: Sequence[PlanKey]) -> str | None:

@@ -329,6 +329,13 @@ def _beat_again(state: NodeState, record: NodeRecord) -> NodeState:
     return updated(state, {"record": record, "last_seen": last_seen})
 
 
+def beat_expiry(record: NodeRecord) -> datetime | None:
+    """When a node's last beat expires (its beat_at + its timeout_s; None
+    when the record does not say): `lapsed_at`'s rule, for a caller that
+    keeps each record's expiry."""
+    return _expiry(record)
+
+
 def _expiry(record: NodeRecord) -> datetime | None:
     if record.beat_at is None or record.timeout_s is None:
         return None

@@ -293,6 +293,13 @@ class Placer:
         # (min_tier, floor, cost_first) -> the (tier, cost) groups to try, in order
         self._steps: dict[tuple[str, str, bool], list[Step]] = {}
         self._deferral_cache: dict[tuple[Constraint, str, str, frozenset[str]], NoChoice] = {}
+        # (constraint, min_tier, floor) -> what its deferrals' reasons need of the nodes (`deferral_scan`)
+        self._scans: dict[tuple[Constraint, str, str], DeferralScan] = {}
+        # Bumped at every load change; each shape's deferral problems at the
+        # loads of that count (`DeferralGroups`: one pass over the nodes per
+        # shape while no load moves, whatever the exclusions).
+        self._loads_moved = 0
+        self._groups: dict[tuple[Constraint, str, str], tuple[int, DeferralGroups]] = {}
         # (min_tier, floor, cost_first) -> (tier, cost rank) -> its place in the preference order
         self._orders: dict[tuple[str, str, bool], dict[tuple[str, int], int]] = {}
 
@@ -322,6 +329,7 @@ class Placer:
         if self._kept[node_id] + self.lane_jobs.get(node_id, 0) >= node.max_concurrent_tasks:
             return False
         self._kept[node_id] += 1
+        self._loads_moved += 1
         slot = self.slots.get(node_id)
         if slot is not None:
             # In flight already counts work the node applied; the kept
@@ -332,6 +340,7 @@ class Placer:
     def _set_load(self, slot: _Slot, load: int) -> None:
         if load == slot.load:
             return
+        self._loads_moved += 1
         slot.load = load
         slot.stamp += 1
         if slot.load < slot.limit:
@@ -392,6 +401,7 @@ class Placer:
         push now and a stale pop later. Its other heaps get a new entry.
         """
         top_is_slot = bool(heap) and heap[0][1] == slot.rank and heap[0][2] == slot.stamp
+        self._loads_moved += 1
         slot.load += 1
         slot.stamp += 1
         entry = slot.entry() if slot.load < slot.limit else None
@@ -484,14 +494,20 @@ class Placer:
         key = (request.constraint, request.min_tier, request.floor, exclude)
         cached = self._deferral_cache.get(key)
         if cached is None:
-            cached = self._deferral_cache[key] = explain_deferral(request, list(self.nodes.values()), self.load, self.now, exclude)
+            shape = (request.constraint, request.min_tier, request.floor)
+            scan = self._scans.get(shape)
+            if scan is None:
+                scan = self._scans[shape] = deferral_scan(request, list(self.nodes.values()), self.now)
+            held = self._groups.get(shape)
+            if held is None or held[0] != self._loads_moved:
+                held = self._groups[shape] = (self._loads_moved, deferral_groups(scan, self.load))
+            cached = self._deferral_cache[key] = explain_grouped(request, scan, held[1], exclude)
         return cached
 
 
-def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
-    """Why this node, of a tier in range, cannot take the request right now."""
-    if node.node_id in exclude:
-        return "runs a replica already"
+def _static_problem(node: SnapshotNode, request: Request, now: datetime) -> str | None:
+    """Why this node, of a tier in range, cannot take the request whatever
+    the loads and exclusions (None: only if it is full, or runs a replica)."""
     if node.status != "active":
         return node.status
     if node.drained:
@@ -503,7 +519,112 @@ def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime
     missing = [f"{k}={v}" for k, v in request.labels if node.labels.get(k) != v]
     if missing:
         return f"lacks label {', '.join(missing)}"
-    return f"full {load}/{node.max_concurrent_tasks}"
+    return None
+
+
+def _node_problem(node: SnapshotNode, request: Request, load: int, now: datetime, exclude: Collection[str] = ()) -> str:
+    """Why this node, of a tier in range, cannot take the request right now."""
+    if node.node_id in exclude:
+        return "runs a replica already"
+    return _static_problem(node, request, now) or f"full {load}/{node.max_concurrent_tasks}"
+
+
+@dataclass(frozen=True)
+class DeferralScan:
+    """What a deferral's reason needs of the nodes that depends neither on
+    the loads nor on the exclusions, for one request shape (its constraint,
+    min_tier and floor) at one moment: the answer when no node could ever
+    take it, else each node in range, by node id, with its tier and why it
+    cannot take the request whatever its load (None: only if full). A placer
+    scans once per shape; each deferral then only looks up loads and
+    exclusions (`explain_scanned`)."""
+
+    inadmissible: NoChoice | None
+    # Per tier in range, best first: (node id, static problem, max_concurrent_tasks) by node id.
+    tiers: tuple[tuple[str, tuple[tuple[str, str | None, int], ...]], ...] = ()
+
+
+def deferral_scan(request: Request, nodes: Sequence[SnapshotNode], now: datetime) -> DeferralScan:
+    bottom = TIER_ORDER.index(request.floor)
+    in_range = set(TIER_ORDER[: bottom + 1])
+    if not any(n.tier in in_range and request.matches(n) for n in nodes):
+        present = sorted({n.tier for n in nodes}, key=TIER_ORDER.index)
+        what = f"tier {request.floor} or better" + (f" with{_constraint_text(request)}" if request.arch or request.labels else "")
+        return DeferralScan(
+            NoChoice(
+                f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
+                f"tiers present: {', '.join(present) or 'none'}",
+                inadmissible=True,
+            )
+        )
+    by_tier: dict[str, list[tuple[str, str | None, int]]] = {}
+    for n in sorted((n for n in nodes if n.tier in in_range), key=lambda n: n.node_id):
+        by_tier.setdefault(n.tier, []).append((n.node_id, _static_problem(n, request, now), n.max_concurrent_tasks))
+    return DeferralScan(None, tuple((tier, tuple(by_tier[tier])) for tier in TIER_ORDER[: bottom + 1] if tier in by_tier))
+
+
+def _constraint_text(request: Request) -> str:
+    constraint = ""
+    if request.arch:
+        constraint += f" arch [{', '.join(sorted(request.arch))}]"
+    if request.labels:
+        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
+    return constraint
+
+
+@dataclass(frozen=True)
+class DeferralGroups:
+    """A shape's `DeferralScan` at some loads, no node excluded: per tier in
+    range, the node ids by id (and each one's position), and each problem
+    with the positions of its nodes, in order of first occurrence."""
+
+    tiers: dict[str, tuple[dict[str, int], list[str], dict[str, list[int]]]]
+
+
+def deferral_groups(scan: DeferralScan, load_of: Callable[[str], int]) -> DeferralGroups:
+    tiers: dict[str, tuple[dict[str, int], list[str], dict[str, list[int]]]] = {}
+    full: dict[tuple[int, int], str] = {}
+    for tier, in_tier in scan.tiers:
+        positions: dict[str, int] = {}
+        problem_at: list[str] = []
+        groups: dict[str, list[int]] = {}
+        for position, (node_id, static, limit) in enumerate(in_tier):
+            if static is None:
+                load = load_of(node_id)
+                static = full.get((load, limit)) or full.setdefault((load, limit), f"full {load}/{limit}")
+            positions[node_id] = position
+            problem_at.append(static)
+            groups.setdefault(static, []).append(position)
+        tiers[tier] = (positions, problem_at, groups)
+    return DeferralGroups(tiers)
+
+
+def explain_grouped(request: Request, scan: DeferralScan, grouped: DeferralGroups, exclude: Collection[str]) -> NoChoice:
+    """`explain_scanned` at the loads `grouped` was made at: the same reason,
+    from the groups with the excluded nodes taken out of theirs and put in
+    "runs a replica already" (each problem where its first node now is)."""
+    if scan.inadmissible is not None:
+        return scan.inadmissible
+    by_tier: dict[str, dict[str, list[str]]] = {}
+    for tier, in_tier in scan.tiers:
+        positions, problem_at, groups = grouped.tiers[tier]
+        out = sorted(p for p in (positions.get(node) for node in exclude) if p is not None)
+        taken = set(out)
+        found: list[tuple[int, str, list[str], int]] = []
+        if out:
+            found.append((out[0], "runs a replica already", [in_tier[p][0] for p in out[: _NAMES_PER_REASON + 1]], len(out)))
+        for problem, members in groups.items():
+            count = len(members) - sum(1 for p in out if problem_at[p] == problem) if out else len(members)
+            if count == 0:
+                continue
+            kept = (p for p in members if p not in taken)
+            first = next(kept)
+            names = [in_tier[first][0]]
+            if count <= _NAMES_PER_REASON:
+                names += [in_tier[p][0] for p in kept]
+            found.append((first, problem, names, count))
+        by_tier[tier] = {problem: names if count <= _NAMES_PER_REASON else [""] * count for _, problem, names, count in sorted(found)}
+    return _deferral_reason(request, by_tier)
 
 
 def explain_deferral(
@@ -514,38 +635,51 @@ def explain_deferral(
     exclude: Collection[str] = (),
 ) -> NoChoice:
     """The reason no node could take `request` (a scan: only on deferral)."""
+    return explain_scanned(request, deferral_scan(request, nodes, now), load_of, exclude)
+
+
+def explain_scanned(request: Request, scan: DeferralScan, load_of: Callable[[str], int], exclude: Collection[str] = ()) -> NoChoice:
+    """`explain_deferral` from the request shape's `deferral_scan`: the same reason."""
+    if scan.inadmissible is not None:
+        return scan.inadmissible
+    by_tier: dict[str, dict[str, list[str]]] = {}
+    full: dict[tuple[int, int], str] = {}
+    for tier, in_tier in scan.tiers:
+        problems: dict[str, list[str]] = {}
+        by_tier[tier] = problems
+        for node_id, static, limit in in_tier:
+            if node_id in exclude:
+                problem = "runs a replica already"
+            elif static is not None:
+                problem = static
+            else:
+                load = load_of(node_id)
+                problem = full.get((load, limit)) or full.setdefault((load, limit), f"full {load}/{limit}")
+            names = problems.get(problem)
+            if names is None:
+                problems[problem] = [node_id]
+            else:
+                names.append(node_id)
+    return _deferral_reason(request, by_tier)
+
+
+def _deferral_reason(request: Request, by_tier: dict[str, dict[str, list[str]]]) -> NoChoice:
+    """The reason's text from each tier's problems (in order of first
+    occurrence) and their nodes (only their number counts past _NAMES_PER_REASON)."""
     bottom = TIER_ORDER.index(request.floor)
-    in_range = set(TIER_ORDER[: bottom + 1])
     # Every tier from the best down to the floor was tried (the satisfying
     # ones in strategy order, then the fallback ones).
     tried = TIER_ORDER[0] if bottom == 0 else f"{TIER_ORDER[0]}..{request.floor}"
-    constraint = ""
-    if request.arch:
-        constraint += f" arch [{', '.join(sorted(request.arch))}]"
-    if request.labels:
-        constraint += " labels {" + ", ".join(f"{k}={v}" for k, v in request.labels) + "}"
-    admissible = [n for n in nodes if n.tier in in_range and request.matches(n)]
-    if not admissible:
-        present = sorted({n.tier for n in nodes}, key=TIER_ORDER.index)
-        what = f"tier {request.floor} or better" + (f" with{constraint}" if constraint else "")
-        return NoChoice(
-            f"inadmissible: no node in the fleet has {what} (min_tier {request.min_tier}, floor {request.floor}); "
-            f"tiers present: {', '.join(present) or 'none'}",
-            inadmissible=True,
-        )
-    by_tier: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for node in sorted(nodes, key=lambda n: n.node_id):
-        if node.tier in in_range:
-            by_tier[node.tier][_node_problem(node, request, load_of(node.node_id), now, exclude)].append(node.node_id)
+    constraint = _constraint_text(request)
     parts = []
     empty = []
     for tier in TIER_ORDER[: bottom + 1]:
-        problems = by_tier.get(tier)
-        if not problems:
+        found = by_tier.get(tier)
+        if not found:
             empty.append(tier)
             continue
         described = []
-        for problem, names in problems.items():
+        for problem, names in found.items():
             if len(names) <= _NAMES_PER_REASON:
                 described += [f"{name} {problem}" for name in names]
             else:
@@ -824,9 +958,13 @@ def schedule_with_placer(
     placements: list[Placement] = list(kept.values())
     deferred: list[Deferred] = []
     cost_order = desired.fleet.scheduler.cost_order
+    # Each service's nodes, gathered once (not a scan of every kept placement per service).
+    hosts_of: dict[str, set[str]] = defaultdict(set)
+    for key, p in [*kept.items(), *moving.items()]:
+        hosts_of[key[0]].add(p.node)
     for service in _placement_order(desired.fleet.services):
         request = Request.for_service(service, cost_order)
-        hosting = {p.node for key, p in kept.items() if key[0] == service.id} | {p.node for key, p in moving.items() if key[0] == service.id}
+        hosting = set(hosts_of.get(service.id, ()))
         for replica in range(service.replicas):
             if (service.id, replica) in kept:
                 continue
