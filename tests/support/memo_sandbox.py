@@ -112,3 +112,27 @@ def new_registry_epoch(s: Sandbox) -> None:
         registry.resign(leadership)
     finally:
         registry.close()
+
+
+class MemoFilesInMemory:
+    """The MemoStore port in memory (path -> bytes); the pass lock is always free."""
+
+    def __init__(self, files: dict[Path, bytes]) -> None:
+        self.files = files
+
+    def read(self, path: Path) -> bytes | None:
+        return self.files.get(path)
+
+    def write(self, path: Path, data: bytes) -> None:
+        self.files[path] = data
+
+    def remove(self, path: Path) -> None:
+        self.files.pop(path, None)
+
+    def rewrite_head(self, path: Path, edit) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def lock(self, lock_file: Path):  # type: ignore[no-untyped-def]
+        from contextlib import nullcontext
+
+        return nullcontext(True)

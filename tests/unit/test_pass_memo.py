@@ -24,6 +24,7 @@ from tests.support.cli import fabric
 from tests.support.memo_sandbox import (
     GOLDEN,
     STATE,
+    MemoFilesInMemory,
     Sandbox,
     audit_on_stderr,
     memoized,
@@ -479,28 +480,6 @@ class BeatsSeen:
 
     def close(self) -> None:
         self.calls.append("close")
-
-
-class MemoFilesInMemory:
-    def __init__(self, files: dict[Path, bytes]) -> None:
-        self.files = files
-
-    def read(self, path: Path) -> bytes | None:
-        return self.files.get(path)
-
-    def write(self, path: Path, data: bytes) -> None:
-        self.files[path] = data
-
-    def remove(self, path: Path) -> None:
-        self.files.pop(path, None)
-
-    def rewrite_head(self, path: Path, edit) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def lock(self, lock_file: Path):  # type: ignore[no-untyped-def]
-        from contextlib import nullcontext
-
-        return nullcontext(True)
 
 
 class FullPassStarted(Exception):

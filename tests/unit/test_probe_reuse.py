@@ -29,7 +29,7 @@ from reconciler.engine.probe import collect_live, collect_live_reusing, reusable
 from reconciler.ports import CommandResult
 from tests.conftest import REPO
 from tests.support.cli import fabric
-from tests.support.memo_sandbox import GOLDEN, STATE, Sandbox, audit_on_stderr, memoized
+from tests.support.memo_sandbox import GOLDEN, STATE, MemoFilesInMemory, Sandbox, audit_on_stderr, memoized
 
 __all__ = ["audit_on_stderr"]  # its autouse fixture applies here
 
@@ -238,30 +238,6 @@ class World:
         return None
 
 
-class Store:
-    """The MemoStore port in memory; the pass lock is always free."""
-
-    def __init__(self, files: dict[Path, bytes]) -> None:
-        self.files = files
-
-    def read(self, path: Path) -> bytes | None:
-        return self.files.get(path)
-
-    def write(self, path: Path, data: bytes) -> None:
-        self.files[path] = data
-
-    def remove(self, path: Path) -> None:
-        self.files.pop(path, None)
-
-    def rewrite_head(self, path: Path, edit) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def lock(self, lock_file: Path):  # type: ignore[no-untyped-def]
-        from contextlib import nullcontext
-
-        return nullcontext(True)
-
-
 def memo_probes(tmp_path: Path, *, age_s: float, same_inputs: bool) -> list[object]:
     """The arguments of each probe call of one pass whose memo (with a probe
     reuse) is `age_s` old; the full pass, when it comes, is noted and stopped."""
@@ -281,7 +257,7 @@ def memo_probes(tmp_path: Path, *, age_s: float, same_inputs: bool) -> list[obje
     key = inputs_key(pass_inputs(options, first.capture, world)) if same_inputs else "another key"
     seed = MemoSeed(generation=1, files=(), units=(), node_record=None, registry_epoch=None, may_lead=False)
     memo = PassMemo(key=key, written_at=1000.0, seed=seed, probe_reuse=first.reusable())
-    store = Store({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
+    store = MemoFilesInMemory({options.root / STATE / MEMO_FILE: memo.to_json().encode()})
 
     def probe(reuse):  # type: ignore[no-untyped-def]
         calls.append("reuse" if reuse == first.reusable() else reuse)
