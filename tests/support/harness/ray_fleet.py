@@ -44,6 +44,11 @@ T = TypeVar("T")
 # head has missed it once (2026-12-01: "The current node timed out during
 # startup"); a missed start, of the head or a node, is stopped by PID and tried again.
 START_ATTEMPTS = 3
+# The head waits for its GCS server to write its port file: 30 s by default
+# (RAY_gcs_server_port_wait_time_s, read by the starting process). Once, in
+# the suite's last phase (2026-12-02), the GCS wrote nothing in 30 s; a
+# start is given Ray's own figure for a slow store, 120 s, instead.
+GCS_PORT_WAIT_S = 120
 HEAD_NODE_ARGS = {"num_cpus": 0, "include_dashboard": True, "object_store_memory": OBJECT_STORE_BYTES}
 
 
@@ -126,8 +131,16 @@ def descendants(pid: int) -> set[int]:
 
 
 def started_head() -> Cluster:
-    """A cluster with its head up (see `registered`)."""
-    return registered("head", lambda: Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS))
+    """A cluster with its head up (see `registered`), its GCS given GCS_PORT_WAIT_S to start."""
+    before = os.environ.get("RAY_gcs_server_port_wait_time_s")
+    os.environ["RAY_gcs_server_port_wait_time_s"] = str(GCS_PORT_WAIT_S)
+    try:
+        return registered("head", lambda: Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS))
+    finally:
+        if before is None:
+            del os.environ["RAY_gcs_server_port_wait_time_s"]
+        else:
+            os.environ["RAY_gcs_server_port_wait_time_s"] = before
 
 
 def registered(what: str, start: Callable[[], T]) -> T:
