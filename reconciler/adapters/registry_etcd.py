@@ -118,7 +118,7 @@ from aetcd import rpc, transactions, utils, watcher
 from aetcd.rpc import auth_pb2
 
 from reconciler.adapters.registry_common import LifecycleMixin, LiveRead
-from reconciler.adapters.registry_etcd_view import RegistryView
+from reconciler.adapters.registry_etcd_view import RegistryView, progress_is_trusted
 from reconciler.adapters.registry_records import (
     MAX_PLAN_BYTES,
     PLAN_INDEX,
@@ -294,6 +294,17 @@ async def _current_revision(c: aetcd.Client, key: bytes) -> int:
             raise aetcd.ConnectionFailedError(exc.details()) from exc
         raise aetcd.ClientError(exc.details()) from exc
     return reply.header.revision
+
+
+async def _server_version(c: aetcd.Client) -> str | None:
+    """The version of the etcd member this client talks to (its Status), or
+    None when it does not say (an auth that refuses Status, an old member):
+    a view then trusts no progress answer (registry_etcd_view)."""
+    try:
+        reply = await c.maintenancestub.Status(rpc.StatusRequest(), timeout=c._timeout, metadata=c.metadata)
+    except grpc.aio.AioRpcError:
+        return None
+    return str(reply.version) or None
 
 
 class _LeaseCompare(transactions.BaseCompare):
@@ -1160,7 +1171,8 @@ class EtcdRegistry(LifecycleMixin):
         pairs, beats, revision = await _read_live(c, base)
         self.full_reads += 1
         if self._informer:
-            view = self._view = RegistryView(base, pairs, beats, revision, self._preparse)
+            trusted = progress_is_trusted(await _server_version(c))
+            view = self._view = RegistryView(base, pairs, beats, revision, self._preparse, progress_trusted=trusted)
             view.task = asyncio.get_running_loop().create_task(view.follow(c.channel, c.metadata))
         return pairs, beats, {}
 

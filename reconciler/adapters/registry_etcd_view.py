@@ -10,11 +10,22 @@ that expired, a dropped record) removes it.
 
 A read from the view is a read at the registry's current revision, never an
 older one: it asks etcd's current revision (one small range request) and
-waits until the view has applied every change up to it: the events under the
-prefix carry their revision, and a progress request (the watch is created with
-progress_notify) makes etcd say "this watch has sent everything up to
-revision N" when the newest writes were elsewhere in etcd. So a leader always
-reads its own writes and everything before them, as from a full read.
+waits until the view has applied every change up to it. The events under the
+prefix carry their revision and one watch receives them in revision order, so
+an event at or past that revision proves every earlier one arrived. When the
+newest writes were elsewhere in etcd no event comes: a progress request (the
+watch is created with progress_notify) makes etcd say "this watch has sent
+everything up to revision N". Only an etcd whose progress answers keep to the
+stream's order is asked (`progress_is_trusted`: 3.4.31, 3.5.13 and later, the
+versions Kubernetes requires before it serves consistent reads from its watch
+cache). Before those fixes (etcd issues 15220 and 17507) etcd could answer a
+progress request out of band, with the current revision, while the events
+before it were still queued: a view then "caught up" without them and served
+an older state (a leader saw a node's drain and its own stored state vanish;
+Debian 12 ships 3.4.23). Against such an etcd the view catches up by events
+only, and when none comes for `QUIET_S` (the writes were outside the prefix)
+the read is a full one. So a leader always reads its own writes and
+everything before them, as from a full read.
 
 A view is dropped, and the next read is a full read that starts a new one,
 when: the watch ends or fails (the endpoint went away, the client was dropped
@@ -47,8 +58,33 @@ CATCH_UP_S = 2.0
 PROGRESS_EVERY_S = 0.1
 # A view older than this is dropped: the next read is a full one.
 RESYNC_S = 300.0
+# Without trusted progress answers, a view still behind that received nothing
+# for this long gives up: the writes it misses were outside the prefix (or the
+# watch is slow), and the read is a full one.
+QUIET_S = 0.25
+# The first etcd release of each line whose requested progress notifications
+# keep to the watch stream's order (etcd PRs 15237 and 17557, backported).
+PROGRESS_FIXED = {(3, 4): (3, 4, 31), (3, 5): (3, 5, 13)}
 
 Parse = Callable[[str, bytes], Any]
+
+
+def progress_is_trusted(version: str | None) -> bool:
+    """Whether an etcd server of `version` ("3.5.13", as its Status answers)
+    answers a progress request only once its watch sent every event before
+    the revision it names. Unknown or unparsable: no."""
+    if not version:
+        return False
+    try:
+        numbers = tuple(int(part) for part in version.split("-", 1)[0].split(".")[:3])
+    except ValueError:
+        return False
+    if len(numbers) != 3:
+        return False
+    fixed = PROGRESS_FIXED.get(numbers[:2])
+    if fixed is not None:
+        return numbers >= fixed
+    return numbers[:2] > (3, 5)
 
 
 class ViewBroken(Exception):
@@ -59,8 +95,12 @@ class RegistryView:
     """Keys under `base` as of `revision` (see the module's docstring); lives on
     the registry's event loop, and only that loop touches it."""
 
-    def __init__(self, base: bytes, pairs: list[tuple[bytes, bytes]], beats: list[bytes], revision: int, parse: Parse) -> None:
+    def __init__(
+        self, base: bytes, pairs: list[tuple[bytes, bytes]], beats: list[bytes], revision: int, parse: Parse, *, progress_trusted: bool = False
+    ) -> None:
         self.base = base
+        # Whether etcd's progress answers may move `revision` (`progress_is_trusted`).
+        self.progress_trusted = progress_trusted
         self.values: dict[bytes, bytes] = dict(pairs)
         self.beats: set[bytes] = set(beats)
         self.revision = revision
@@ -97,12 +137,7 @@ class RegistryView:
                     raise ViewBroken(f"etcd compacted revision {reply.compact_revision}, past the view's {self.revision}")
                 if reply.canceled:
                     raise ViewBroken(f"etcd cancelled the watch: {reply.cancel_reason or 'no reason given'}")
-                if reply.events:
-                    self.apply(reply.events)
-                elif not reply.created:
-                    # A progress notification: every event up to this revision was sent.
-                    self.revision = max(self.revision, reply.header.revision)
-                self._moved.set()
+                self.receive(reply)
             raise ViewBroken("the watch ended")
         except asyncio.CancelledError:
             self.failure = self.failure or "stopped"
@@ -112,6 +147,16 @@ class RegistryView:
         finally:
             self._requests.put_nowait(None)
             self._moved.set()
+
+    def receive(self, reply: Any) -> None:
+        """One watch reply: its events applied; a progress notification moves
+        the view's revision only when etcd's progress answers are trusted."""
+        if reply.events:
+            self.apply(reply.events)
+        elif not reply.created and self.progress_trusted:
+            # A progress notification: every event up to this revision was sent.
+            self.revision = max(self.revision, reply.header.revision)
+        self._moved.set()
 
     def apply(self, events: Any) -> None:
         """Each event in order: a put sets the key's value (a beat: its key
@@ -147,19 +192,22 @@ class RegistryView:
         return self.failure is None and time.monotonic() - self.started < RESYNC_S
 
     async def caught_up(self, revision: int, wait_s: float = CATCH_UP_S) -> bool:
-        """Whether the view reached `revision` (asking etcd for progress while
-        waiting, up to `wait_s`); False when it did not or broke."""
+        """Whether the view reached `revision` within `wait_s` (asking etcd for
+        progress while waiting, where its answers are trusted; else giving up
+        once nothing arrived for `QUIET_S`); False when it did not or broke."""
         deadline = time.monotonic() + wait_s
         while self.failure is None and self.revision < revision:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             self._moved.clear()
-            self._requests.put_nowait(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+            if self.progress_trusted:
+                self._requests.put_nowait(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
             try:
-                await asyncio.wait_for(self._moved.wait(), min(left, PROGRESS_EVERY_S))
+                await asyncio.wait_for(self._moved.wait(), min(left, PROGRESS_EVERY_S if self.progress_trusted else QUIET_S))
             except TimeoutError:
-                pass
+                if not self.progress_trusted:
+                    return False
         return self.failure is None
 
     def snapshot(self) -> tuple[list[tuple[bytes, bytes]], list[bytes], dict[bytes, tuple[bytes, Any]]]:

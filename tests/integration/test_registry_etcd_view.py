@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from reconciler.adapters.clock import SystemClock
-from reconciler.adapters.registry_etcd import EtcdRegistry, _current_revision
-from reconciler.adapters.registry_etcd_view import RegistryView
+from reconciler.adapters.registry_etcd import EtcdRegistry, _current_revision, _server_version
+from reconciler.adapters.registry_etcd_view import RegistryView, progress_is_trusted
 from reconciler.core.desired.model import FlapSettings, TimingSettings
 from reconciler.core.live.records import NodeRecord
 from tests.conftest import require
@@ -182,3 +182,28 @@ def test_a_read_sees_every_write_made_before_it(pair):
         whole.set_drain("qfox-1", reason=f"drain {n}")
         assert informed._read().drains["qfox-1"].reason == f"drain {n}", f"read {n} missed the write before it"
     assert informed.full_reads == 1
+
+
+def test_a_new_view_sees_the_writes_made_right_after_its_full_read(pair):
+    """The race behind etcd issue 15220 (test_registry_parity's drain test saw
+    it once): a view's watch is new, the leader and a host write at once, and
+    the next read asks for progress while those events are still queued. An
+    etcd that answers out of band (before 3.4.31 / 3.5.13) is not asked."""
+    informed, whole = pair
+    informed.heartbeat(NodeRecord(node_id="qfox-1", tier="gpu_cuda"), ttl_s=30)
+    informed._read()
+    version = informed._call(_server_version)
+    assert version, "etcd's Status names its version"
+    assert informed._view.progress_trusted is progress_is_trusted(version)
+
+    async def drop(c):
+        await informed._view.stop()
+
+    for n in range(40):
+        informed._call(drop)
+        informed._read()  # whole: a new view, its watch just created
+        whole.set_drain("qfox-1", reason=f"drain {n}")
+        raw_put(whole, "state/qfox-1", f'{{"node_id": "qfox-1", "status": "draining", "n": {n}}}'.encode())
+        read = informed._read()
+        assert read.drains["qfox-1"].reason == f"drain {n}", f"round {n}: the view served a state older than the writes before the read"
+    assert informed.view_reads >= 40
