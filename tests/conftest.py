@@ -11,10 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from tests.support.harness.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_FLEET = REPO / "hosts"
@@ -74,3 +77,24 @@ def signed_fleet(tmp_path: Path):
     from tests.support.plan_keys import signed_example_fleet
 
     return signed_example_fleet(tmp_path / "signed-fleet")
+
+
+def _registry_threads() -> set[int]:
+    """The event-loop threads of the open etcd registries (EtcdRegistry names each `fabric-etcd`)."""
+    return {t.ident for t in threading.enumerate() if t.name == "fabric-etcd" and t.ident is not None}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def every_registry_closed(request: pytest.FixtureRequest):
+    """A module closes every etcd registry it opens (by the end of the module:
+    a module-scoped fixture may share one). An open one keeps its loop thread
+    and gRPC channel alive into later modules: gRPC then aborts a child that
+    Ray forks while those threads are inside it (why scripts/test runs
+    test_ray_cluster alone), and the registry's lease lives on in etcd."""
+    before = _registry_threads()
+    yield
+    try:
+        wait_until(lambda: not (_registry_threads() - before), timeout=10, what="the module's etcd registries closed")
+    except AssertionError:
+        left = len(_registry_threads() - before)
+        pytest.fail(f"{request.module.__name__} left {left} etcd registr{'y' if left == 1 else 'ies'} open: close every registry a test opens")

@@ -57,5 +57,4 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, store_clock: Clock | N
     try:
         yield s
     finally:
-        for registry in s.opened:
-            registry.close()
+        s.close()

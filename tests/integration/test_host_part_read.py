@@ -202,6 +202,13 @@ def test_a_hosts_read_takes_its_parts_at_the_indexs_revision_even_once_a_newer_e
     the index and its read of its part: the host still reads the part of the
     index it read, never a mix of two epochs."""
     store = Store("etcd", {"backend": "etcd", "endpoints": etcd.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}, None)
+    try:
+        race_the_read(store, monkeypatch)
+    finally:
+        store.close()
+
+
+def race_the_read(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     registry = store.open()
     reader = store.open()
     assert isinstance(registry, EtcdRegistry) and isinstance(reader, EtcdRegistry)

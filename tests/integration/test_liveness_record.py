@@ -65,8 +65,7 @@ def etcd_store(etcd: EtcdCluster, tmp_path: Path):
     settings = {"backend": "etcd", "endpoints": etcd.endpoints, "prefix": f"/t{uuid.uuid4().hex[:12]}"}
     store = Store("etcd", settings, None)
     yield store
-    for registry in store.opened:
-        registry.close()
+    store.close()
 
 
 def test_the_lease_lapses_when_the_watcher_is_killed_and_the_leaders_watch_wakes(etcd_store: Store, tmp_path: Path) -> None:

@@ -46,6 +46,11 @@ class Store:
         self.opened.append(registry)
         return registry
 
+    def close(self) -> None:
+        """Close every registry `open` made."""
+        while self.opened:
+            self.opened.pop().close()
+
     def as_json(self) -> str:
         """What a child process needs to open the same store."""
         return json.dumps({"registry": self.settings, "sqlite_path": self.sqlite_path})
