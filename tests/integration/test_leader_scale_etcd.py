@@ -99,8 +99,7 @@ def test_one_step_leads_a_thousand_nodes_within_etcd_limits(etcd: EtcdCluster, t
         finally:
             if loop.leadership is not None:
                 registry.resign(loop.leadership)
-            for opened in store.opened:
-                opened.close()
+            store.close()
     # Many transactions (8 chunks for 1,000 first states), none over etcd's limits.
     assert seen.transactions > NODES // ETCD_MAX_TXN_OPS
     assert seen.largest_txn_ops <= ETCD_MAX_TXN_OPS - 2, seen
